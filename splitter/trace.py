@@ -1,0 +1,140 @@
+"""Trace an HF causal LM into one aten-level FX graph with one attention node per layer.
+
+Data in: a transformers `PreTrainedModel` (decoder-only, causal LM head).
+Data out: `Traced` — an unlifted `GraphModule` `(input_ids, position_ids) -> logits`
+whose parameters are the model's own tensors, with dynamic batch and token dims.
+
+Why torch.export(strict=False): plain `torch.fx.symbolic_trace` fails on transformers
+5.x decoder layers and transformers' own fx tracer is gone. Non-strict export runs the
+real Python forward under fake tensors, so every model that runs eagerly traces, and
+the attention core (routed to `torch.ops.lamina.attention` through AttentionInterface)
+stays a single opaque node with symbolic shapes.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.export import Dim, export
+
+from .attention_op import ATTN_IMPL, register_with_transformers
+
+ATTENTION_OP = torch.ops.lamina.attention.default
+
+# Side-effect-only nodes export inserts; they check metadata and compute nothing.
+_ASSERT_OPS = {torch.ops.aten._assert_tensor_metadata.default,
+               torch.ops.aten._assert_scalar.default,
+               torch.ops.aten.sym_constrain_range_for_size.default}
+
+
+class SplitError(RuntimeError):
+    """The model cannot be split (no attention node, tracing failed, ...)."""
+
+
+@dataclass
+class Traced:
+    gm: torch.fx.GraphModule  # (input_ids, position_ids) -> logits
+    model_name: str
+
+
+class _LogitsWrapper(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids, position_ids):
+        return self.m(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+@contextlib.contextmanager
+def _lamina_attention(model: torch.nn.Module):
+    """Route the model's attention through lamina.attention for the duration."""
+    register_with_transformers()
+    configs = [model.config] + [getattr(model.config, a) for a in ("text_config", "decoder")
+                                if getattr(model.config, a, None) is not None]
+    saved = [c._attn_implementation for c in configs]
+    try:
+        for c in configs:
+            c._attn_implementation = ATTN_IMPL
+        yield
+    finally:
+        for c, s in zip(configs, saved):
+            c._attn_implementation = s
+
+
+def _canonicalize(gm: torch.fx.GraphModule) -> None:
+    """Drop asserts/guards, and read every symbolic size from `position_ids`.
+
+    After this every shape symbol is derivable from position_ids, which every slice
+    receives, so shape nodes can be recomputed in any slice for free.
+    """
+    g = gm.graph
+    pos = next(n for n in g.nodes if n.op == "placeholder" and n.target == "position_ids")
+    sym_of_dim = {}
+    for d, s in enumerate(pos.meta["val"].shape):
+        if isinstance(s, torch.SymInt):
+            sym_of_dim[s.node.expr] = d
+    for n in list(g.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn":
+            g.erase_node(n)
+        elif n.op == "call_function" and n.target in _ASSERT_OPS:
+            g.erase_node(n)
+        elif n.op == "call_function" and n.target == torch.ops.aten.sym_size.int:
+            val = n.meta.get("val")
+            d = sym_of_dim.get(val.node.expr) if isinstance(val, torch.SymInt) else None
+            if d is not None and n.args[0] is not pos:
+                with g.inserting_after(pos):
+                    new = g.call_function(torch.ops.aten.sym_size.int, (pos, d))
+                new.meta = dict(n.meta)
+                n.replace_all_uses_with(new)
+                g.erase_node(n)
+    g.eliminate_dead_code()
+    g.lint()
+    gm.recompile()
+
+
+def _check_config(name: str, config) -> None:
+    """Reject features known from the config before tracing (clearer than a trace error)."""
+    from .attention_op import UnsupportedAttentionError
+
+    attn_cfg = getattr(config, "attn_config", None)
+    alibi = (getattr(config, "alibi", False) or getattr(config, "use_alibi", False)
+             or getattr(config, "position_embedding_type", None) == "alibi"
+             or (isinstance(attn_cfg, dict) and attn_cfg.get("alibi"))
+             or getattr(attn_cfg, "alibi", False))
+    if alibi:
+        raise UnsupportedAttentionError(
+            f"model '{name}' uses an unsupported attention feature: ALiBi position bias")
+
+
+def trace(model: torch.nn.Module) -> Traced:
+    """Export `model` as `(input_ids[B,T], position_ids[B,T]) -> logits[B,T,V]`."""
+    name = getattr(model.config, "model_type", type(model).__name__)
+    _check_config(name, model.config)
+    if model.training:
+        raise SplitError(f"model '{name}' is in training mode; call model.eval() first")
+    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    ids = torch.randint(0, min(vocab, 100), (2, 7))
+    pos = torch.arange(7).expand(2, 7).contiguous()
+    batch, tokens = Dim("batch", min=1, max=1 << 20), Dim("tokens", min=1, max=1 << 20)
+    dyn = ({0: batch, 1: tokens}, {0: batch, 1: tokens})
+    with _lamina_attention(model), torch.no_grad():
+        try:
+            ep = export(_LogitsWrapper(model), (ids, pos), dynamic_shapes=dyn, strict=False)
+        except Exception as e:  # noqa: BLE001 - re-raised with the model named
+            from .attention_op import UnsupportedAttentionError
+
+            if isinstance(e, UnsupportedAttentionError):
+                raise
+            raise SplitError(f"tracing model '{name}' with torch.export failed: "
+                             f"{type(e).__name__}: {e}") from e
+    gm = ep.module()
+    _canonicalize(gm)
+    n_attn = sum(1 for n in gm.graph.nodes if n.target is ATTENTION_OP)
+    if n_attn == 0:
+        raise SplitError(
+            f"model '{name}' has no attention node to cut: its attention does not go "
+            "through transformers' AttentionInterface (attn_implementation), so Lamina "
+            "cannot offload it")
+    return Traced(gm=gm, model_name=name)
