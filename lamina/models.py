@@ -4,11 +4,17 @@ Data in: `None` (the default SmolLM2-135M-Instruct GGUF shipped in the `llm-smol
 package), a local HF folder (config.json + safetensors), or a GGUF file / folder.
 Data out: `LoadedModel(model, tokenizer, config, source)`, model in eval mode.
 Nothing is downloaded: every load is `local_files_only`.
+
+GGUF parsing and dequantisation take ~30 s for SmolLM2 on 2 cores, so the first GGUF
+load also writes a plain HF folder (safetensors, dequantised weights, tokenizer) to the
+cache dir (`$LAMINA_CACHE_DIR`, default `~/.cache/lamina`); later loads read that (~1 s).
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,21 +75,67 @@ def resolve(model: str | os.PathLike | None) -> tuple[Path, str | None]:
     raise ModelLoadError(f"{p} is neither an HF model folder (config.json) nor holds a .gguf file")
 
 
-def load(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-         with_tokenizer: bool = True) -> LoadedModel:
-    """Load model, tokenizer and config from local files (no network)."""
+def cache_dir() -> Path:
+    return Path(os.environ.get("LAMINA_CACHE_DIR", Path.home() / ".cache" / "lamina"))
+
+
+def _gguf_cache_path(gguf_path: Path, dtype: torch.dtype) -> Path:
+    st = gguf_path.stat()
+    key = f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}-{str(dtype).split('.')[-1]}"
+    return cache_dir() / "hf" / key
+
+
+def _from_pretrained(folder: Path, gguf: str | None, dtype, with_tokenizer: bool):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder, gguf = resolve(model)
     kw = {"local_files_only": True}
     if gguf is not None:
         kw["gguf_file"] = gguf
+    config = AutoConfig.from_pretrained(folder, **kw)
+    m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
+    tok = AutoTokenizer.from_pretrained(folder, **kw) if with_tokenizer or gguf else None
+    return m, tok, config
+
+
+def export_hf_folder(model, tokenizer, out: Path) -> Path:
+    """Write a GGUF-loaded model as a plain HF folder (GGUF models refuse save_pretrained)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = model.config.__class__.from_dict(
+        {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"})
+    plain = AutoModelForCausalLM.from_config(cfg, dtype=model.dtype)
+    plain.load_state_dict(model.state_dict())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)  # atomic: a concurrent loader sees all or nothing
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():
+            raise
+    return out
+
+
+def load(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+         with_tokenizer: bool = True, cache: bool = True) -> LoadedModel:
+    """Load model, tokenizer and config from local files (no network)."""
+    folder, gguf = resolve(model)
     source = str(folder / gguf) if gguf else str(folder)
     try:
-        config = AutoConfig.from_pretrained(folder, **kw)
-        m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
-        tok = AutoTokenizer.from_pretrained(folder, **kw) if with_tokenizer else None
+        cached = _gguf_cache_path(folder / gguf, dtype) if gguf and cache else None
+        if cached is not None and (cached / "config.json").exists():
+            m, tok, config = _from_pretrained(cached, None, dtype, with_tokenizer)
+        else:
+            m, tok, config = _from_pretrained(folder, gguf, dtype, with_tokenizer)
+            if cached is not None:
+                try:
+                    export_hf_folder(m, tok, cached)
+                except OSError:  # read-only home etc.: loading still worked
+                    pass
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"could not load model from {source}: {e}") from e
     m.eval()
-    return LoadedModel(model=m, tokenizer=tok, config=config, source=source)
+    return LoadedModel(model=m, tokenizer=tok if with_tokenizer else None, config=config,
+                       source=source)

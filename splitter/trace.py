@@ -63,6 +63,19 @@ def _lamina_attention(model: torch.nn.Module):
             c._attn_implementation = s
 
 
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Skip per-node stack-trace capture during export (~12% of SmolLM2's trace time)."""
+    import torch.fx.config as fx_config
+
+    saved = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = saved
+
+
 def _canonicalize(gm: torch.fx.GraphModule) -> None:
     """Drop asserts/guards, and read every symbolic size from `position_ids`.
 
@@ -119,7 +132,7 @@ def trace(model: torch.nn.Module) -> Traced:
     pos = torch.arange(7).expand(2, 7).contiguous()
     batch, tokens = Dim("batch", min=1, max=1 << 20), Dim("tokens", min=1, max=1 << 20)
     dyn = ({0: batch, 1: tokens}, {0: batch, 1: tokens})
-    with _lamina_attention(model), torch.no_grad():
+    with _lamina_attention(model), _no_stack_traces(), torch.no_grad():
         try:
             ep = export(_LogitsWrapper(model), (ids, pos), dynamic_shapes=dyn, strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with the model named

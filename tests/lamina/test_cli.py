@@ -1,0 +1,47 @@
+"""The `lamina` CLI: split report, benchmark output files, clear errors."""
+import json
+
+from lamina.cli import main
+from tests.tiny_models import tiny_model
+
+
+def _folder(tmp_path, mt="llama"):
+    d = tmp_path / mt
+    tiny_model(mt).save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def test_split_prints_report_with_timing(tmp_path, capsys):
+    assert main(["split", "--model", str(_folder(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "3 attention operators -> 4 slices" in out
+    assert "split time" in out and out.count(" 256 ") >= 3
+
+
+def test_bench_split_writes_json_and_markdown(tmp_path, capsys):
+    res_dir = tmp_path / "res"
+    assert main(["bench", "split", "--model", str(_folder(tmp_path, "qwen3")), "--repeat", "1",
+                 "--out", str(res_dir)]) == 0
+    res = json.loads((res_dir / "split.json").read_text())
+    assert res["slices"] == 4 and res["repeat"] == 1
+    assert res["split_total_s_median"] > 0 and res["baseline_trace_s_median"] > 0
+    assert abs(res["ratio_split_over_trace"] - res["split_total_s_median"]
+               / res["baseline_trace_s_median"]) < 1e-9
+    md = (res_dir / "split.md").read_text()
+    assert "ratio split / trace" in md
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path, capsys):
+    assert main(["split", "--model", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "lamina: error: model path does not exist" in err
+
+
+def test_unsplittable_model_is_a_clear_error(tmp_path, capsys):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("bloom", vocab_size=96, hidden_size=64, n_layer=2, n_head=4)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "bloom")
+    assert main(["split", "--model", str(tmp_path / "bloom")]) == 2
+    assert "no attention node to cut" in capsys.readouterr().err

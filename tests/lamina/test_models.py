@@ -1,0 +1,72 @@
+"""lamina.models.load: default GGUF model, the converted-folder cache, HF folders, errors."""
+import pytest
+import torch
+
+from lamina.models import ModelLoadError, load, resolve
+from tests.tiny_models import tiny_model
+
+
+def test_default_model_is_smollm2(smol):
+    assert smol.source.endswith(".gguf") and "SmolLM2-135M-Instruct" in smol.source
+    assert smol.config.model_type == "llama"
+    assert smol.config.num_hidden_layers == 30 and smol.config.hidden_size == 576
+    assert not smol.model.training
+    ids = smol.tokenizer("Hello there").input_ids
+    assert smol.tokenizer.decode(ids) == "Hello there"
+
+
+def test_cached_folder_equals_direct_gguf_load(smol, tmp_path, monkeypatch):
+    """The HF-folder cache must hold exactly the weights GGUF dequantisation gives."""
+    monkeypatch.setenv("LAMINA_CACHE_DIR", str(tmp_path))
+    direct = load(cache=False)
+    sd_a, sd_b = direct.model.state_dict(), smol.model.state_dict()
+    assert sd_a.keys() == sd_b.keys()
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+    text = "Lamina offloads attention to memory workers."
+    assert direct.tokenizer(text).input_ids == smol.tokenizer(text).input_ids
+    assert direct.tokenizer.chat_template == smol.tokenizer.chat_template
+
+
+def test_hf_safetensors_folder_roundtrip(tmp_path):
+    model = tiny_model("qwen2")
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = load(tmp_path, with_tokenizer=False)
+    assert loaded.source == str(tmp_path) and loaded.tokenizer is None
+    sd_a, sd_b = loaded.model.state_dict(), model.state_dict()
+    assert sd_a.keys() == sd_b.keys()
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+    assert loaded.config.model_type == "qwen2" and not loaded.model.training
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load(tmp_path / "nope")
+
+
+def test_unsupported_file(tmp_path):
+    f = tmp_path / "weights.txt"
+    f.write_text("x")
+    with pytest.raises(ModelLoadError, match="unsupported model file"):
+        load(f)
+
+
+def test_folder_without_model(tmp_path):
+    with pytest.raises(ModelLoadError, match="neither an HF model folder"):
+        resolve(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="no weight files"):
+        resolve(tmp_path)
+
+
+def test_ambiguous_gguf_folder(tmp_path):
+    (tmp_path / "a.gguf").write_bytes(b"")
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="several .gguf"):
+        resolve(tmp_path)
+
+
+def test_corrupt_gguf_is_a_clear_error(tmp_path):
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(b"not a gguf file")
+    with pytest.raises(ModelLoadError, match="could not load model from .*broken.gguf"):
+        load(f, cache=False)
