@@ -1,0 +1,179 @@
+"""Token-granular slab KV allocator: plain Python over integer slot ids, no tensors.
+
+Data in: scheduler calls (allocate / append / fork / write / free) keyed by request id.
+Data out: slot ids per request (its slot table), which the memory workers use to index
+their KV pool tensors, and `CopySlot` orders when copy-on-write needs a KV copy.
+
+- One slot holds one token's K and V for every layer. The free list is a LIFO stack:
+  the most recently freed slot is reused first (warm in cache), and a fresh allocator
+  hands out 0, 1, 2, ... in order.
+- Slots are reference counted, so `fork` shares a request's slots (parallel sampling,
+  beam search, shared prompts); `write` into a shared position copies on write.
+- Exhaustion raises `KVPoolExhausted` (typed, with counts) and changes nothing;
+  `can_allocate` answers the same question without side effects.
+- Overcommit: with `overcommit=True` the pool holds `num_slots` slots although only
+  `device_budget_slots` fit on the device (the rest live in host memory, as the paper's
+  unified memory does); `stats()` accounts for the slots beyond the budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class KVPoolExhausted(RuntimeError):
+    """Not enough free slots; nothing was allocated. The scheduler queues or preempts."""
+
+    def __init__(self, needed: int, free: int):
+        super().__init__(f"KV pool exhausted: need {needed} slots, {free} free")
+        self.needed, self.free = needed, free
+
+
+@dataclass(frozen=True)
+class KVAllocatorConfig:
+    num_slots: int  # slots the pool can hand out
+    device_budget_slots: int | None = None  # slots that fit in device memory (None: all)
+    overcommit: bool = False  # allow num_slots > device_budget_slots
+
+    def __post_init__(self):
+        if not isinstance(self.num_slots, int) or self.num_slots <= 0:
+            raise ValueError(f"num_slots must be a positive int, got {self.num_slots!r}")
+        b = self.device_budget_slots
+        if b is not None:
+            if not isinstance(b, int) or b <= 0:
+                raise ValueError(f"device_budget_slots must be a positive int, got {b!r}")
+            if b < self.num_slots and not self.overcommit:
+                raise ValueError(f"num_slots {self.num_slots} exceeds the device budget {b}; "
+                                 "set overcommit=True to back the excess with host memory")
+
+    @property
+    def budget(self) -> int:
+        return self.num_slots if self.device_budget_slots is None else self.device_budget_slots
+
+
+@dataclass(frozen=True)
+class CopySlot:
+    """Copy-on-write order for the memory side: copy KV of slot `src` into slot `dst`."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class KVStats:
+    num_slots: int
+    used: int  # distinct live slots
+    free: int
+    shared: int  # live slots with refcount > 1
+    over_budget: int  # live slots beyond the device budget (host-backed when overcommitted)
+
+
+class KVAllocator:
+    def __init__(self, config: KVAllocatorConfig):
+        self.config = config
+        self._free: list[int] = list(range(config.num_slots - 1, -1, -1))  # top = end
+        self._ref: list[int] = [0] * config.num_slots
+        self._tables: dict = {}
+
+    # -- queries (no side effects) --
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free)
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_list(self) -> list[int]:
+        """Free slots, next to be handed out first."""
+        return self._free[::-1]
+
+    def slots(self, req) -> list[int]:
+        return list(self._table(req))
+
+    def refcount(self, slot: int) -> int:
+        return self._ref[slot]
+
+    def requests(self) -> list:
+        return list(self._tables)
+
+    def stats(self) -> KVStats:
+        used = self.config.num_slots - len(self._free)
+        shared = sum(1 for r in self._ref if r > 1)
+        return KVStats(self.config.num_slots, used, len(self._free), shared,
+                       max(0, used - self.config.budget))
+
+    # -- mutations --
+    def allocate(self, req, n: int) -> list[int]:
+        """Create request `req` with `n` fresh slots (its first n positions)."""
+        if req in self._tables:
+            raise ValueError(f"request {req!r} already has slots")
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} slots")
+        self._tables[req] = self._pop(n)
+        return list(self._tables[req])
+
+    def append(self, req) -> int:
+        """One more position for `req`: a fresh slot."""
+        table = self._table(req)
+        slot = self._pop(1)[0]
+        table.append(slot)
+        return slot
+
+    def extend(self, req, n: int) -> list[int]:
+        """n more positions for `req`, all or nothing."""
+        table = self._table(req)
+        new = self._pop(n)
+        table.extend(new)
+        return new
+
+    def fork(self, parent, child) -> list[int]:
+        """`child` shares every slot of `parent` (refcounts +1)."""
+        if child in self._tables:
+            raise ValueError(f"request {child!r} already has slots")
+        table = self._table(parent)
+        for s in table:
+            self._ref[s] += 1
+        self._tables[child] = list(table)
+        return list(table)
+
+    def write(self, req, pos: int) -> CopySlot | None:
+        """Make position `pos` of `req` exclusively owned before it is written.
+
+        Returns the copy the memory side must do when the slot was shared, else None.
+        """
+        table = self._table(req)
+        if not -len(table) <= pos < len(table):
+            raise IndexError(f"request {req!r} has {len(table)} positions, not {pos}")
+        old = table[pos]
+        if self._ref[old] == 1:
+            return None
+        new = self._pop(1)[0]
+        self._ref[old] -= 1
+        table[pos] = new
+        return CopySlot(src=old, dst=new)
+
+    def free(self, req) -> list[int]:
+        """Release `req`. Returns the slots that became free, in push order."""
+        table = self._tables.pop(req, None)
+        if table is None:
+            raise KeyError(f"unknown request {req!r}")
+        released = []
+        for s in reversed(table):  # first position ends on top: reused first, in order
+            self._ref[s] -= 1
+            if self._ref[s] == 0:
+                self._free.append(s)
+                released.append(s)
+        return released
+
+    # -- internals --
+    def _table(self, req) -> list[int]:
+        try:
+            return self._tables[req]
+        except KeyError:
+            raise KeyError(f"unknown request {req!r}") from None
+
+    def _pop(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVPoolExhausted(n, len(self._free))
+        out = [self._free.pop() for _ in range(n)]
+        for s in out:
+            self._ref[s] = 1
+        return out
