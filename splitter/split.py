@@ -7,6 +7,7 @@ reference path: slices chained with `reference_attention`).
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -63,8 +64,7 @@ def _spec_from_node(gm: torch.fx.GraphModule, node: torch.fx.Node, index: int) -
     if sinks is not None:
         if sinks.op != "get_attr":
             raise ValueError(f"attention {index}: sinks must be a parameter, got {sinks.op}")
-        t = gm.get_parameter(sinks.target) if sinks.target in dict(gm.named_parameters()) \
-            else getattr(gm, sinks.target)
+        t = functools.reduce(getattr, sinks.target.split("."), gm)
         sink_vals = tuple(float(x) for x in t.detach().float().flatten())
     return AttentionSpec(index=index, num_q_heads=int(qv.shape[1]), num_kv_heads=int(kv.shape[1]),
                          head_dim=int(qv.shape[-1]), v_head_dim=int(vv.shape[-1]),
