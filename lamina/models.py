@@ -85,7 +85,7 @@ def _gguf_cache_path(gguf_path: Path, dtype: torch.dtype) -> Path:
     return cache_dir() / "hf" / key
 
 
-def _from_pretrained(folder: Path, gguf: str | None, dtype, with_tokenizer: bool):
+def _from_pretrained(folder: Path, gguf: str | None, dtype, need_tokenizer: bool):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kw = {"local_files_only": True}
@@ -93,7 +93,7 @@ def _from_pretrained(folder: Path, gguf: str | None, dtype, with_tokenizer: bool
         kw["gguf_file"] = gguf
     config = AutoConfig.from_pretrained(folder, **kw)
     m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
-    tok = AutoTokenizer.from_pretrained(folder, **kw) if with_tokenizer or gguf else None
+    tok = AutoTokenizer.from_pretrained(folder, **kw) if need_tokenizer else None
     return m, tok, config
 
 
@@ -128,7 +128,9 @@ def load(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.floa
         if cached is not None and (cached / "config.json").exists():
             m, tok, config = _from_pretrained(cached, None, dtype, with_tokenizer)
         else:
-            m, tok, config = _from_pretrained(folder, gguf, dtype, with_tokenizer)
+            # the cache copy needs the tokenizer even when the caller does not
+            m, tok, config = _from_pretrained(folder, gguf, dtype,
+                                              with_tokenizer or cached is not None)
             if cached is not None:
                 try:
                     export_hf_folder(m, tok, cached)

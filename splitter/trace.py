@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.export import Dim, export
 
-from .attention_op import ATTN_IMPL, register_with_transformers
+from .attention_op import ATTN_IMPL, UnsupportedAttentionError, register_with_transformers
 
 ATTENTION_OP = torch.ops.lamina.attention.default
 
@@ -109,8 +109,6 @@ def _canonicalize(gm: torch.fx.GraphModule) -> None:
 
 def _check_config(name: str, config) -> None:
     """Reject features known from the config before tracing (clearer than a trace error)."""
-    from .attention_op import UnsupportedAttentionError
-
     attn_cfg = getattr(config, "attn_config", None)
     alibi = (getattr(config, "alibi", False) or getattr(config, "use_alibi", False)
              or getattr(config, "position_embedding_type", None) == "alibi"
@@ -135,11 +133,9 @@ def trace(model: torch.nn.Module) -> Traced:
     with _lamina_attention(model), _no_stack_traces(), torch.no_grad():
         try:
             ep = export(_LogitsWrapper(model), (ids, pos), dynamic_shapes=dyn, strict=False)
+        except UnsupportedAttentionError:
+            raise
         except Exception as e:  # noqa: BLE001 - re-raised with the model named
-            from .attention_op import UnsupportedAttentionError
-
-            if isinstance(e, UnsupportedAttentionError):
-                raise
             raise SplitError(f"tracing model '{name}' with torch.export failed: "
                              f"{type(e).__name__}: {e}") from e
     gm = ep.module()
