@@ -1,5 +1,77 @@
-"""lamina.kernels: attention kernels for memory workers (token-slot KV layout).
+"""lamina.kernels: attention over a token-slot KV pool, for memory workers.
 
-Not built yet: see the KV pool / kernels issue. The reference causal attention used by
-the splitter lives in `lamina.splitter.reference_attention`.
+Data in: per step, q from the compute side, the worker's pool tensors
+k/v [num_slots, Hkv, D] and a `SlotBatch` saying which slots each request attends to.
+Data out: attention outputs [Nq, Hq, Dv] plus per-row log-sum-exp, which
+`merge_attention` combines exactly across disjoint key sets.
+
+    backend = select_backend()            # compiled CPU kernel, or reference + reason
+    write_kv(k_pool, v_pool, slots, k, v)  # one index_copy_ per tensor
+    o, lse = attend(q, k_pool, v_pool, batch, params, backend)
 """
+from __future__ import annotations
+
+import torch
+
+from .backends import (AttentionBackend, AttentionInputError, BackendUnavailable,
+                       CpuBackend, ReferenceBackend, select_backend, validate)
+from .cpu_build import KernelBuildError, build_seconds, load_cpu_kernel
+from .merge import merge_attention
+from .reference import reference_slot_attention
+from .slots import AttentionParams, SlotBatch
+
+__all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "BackendUnavailable",
+           "CpuBackend", "KernelBuildError", "ReferenceBackend", "SlotBatch", "attend",
+           "build_seconds", "decode_attention", "load_cpu_kernel", "merge_attention",
+           "prefill_attention", "reference_slot_attention", "select_backend", "validate",
+           "write_kv"]
+
+
+def attend(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams,
+           backend: AttentionBackend | None = None):
+    """q [Nq, Hq, D] -> (o [Nq, Hq, Dv], lse [Nq, Hq] fp32); validates first."""
+    validate(q, k_pool, v_pool, batch, params)
+    return (backend or select_backend(device=q.device)).attend(q, k_pool, v_pool, batch,
+                                                                params)
+
+
+def decode_attention(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams,
+                     backend: AttentionBackend | None = None):
+    """One query per request: q [B, Hq, D] attends to its request's slots."""
+    if batch.num_queries != batch.num_requests:
+        raise AttentionInputError(f"decode needs one query per request, got "
+                                  f"{batch.num_queries} queries for {batch.num_requests}")
+    return attend(q, k_pool, v_pool, batch, params, backend)
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store new k [N, Hkv, D] / v [N, Hkv, Dv] at `slots` [N]: one batched op each."""
+    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+        raise AttentionInputError(f"slots must be a 1-D int tensor, got {slots.dtype} "
+                                  f"{tuple(slots.shape)}")
+    n = slots.numel()
+    for name, t, pool in (("k", k, k_pool), ("v", v, v_pool)):
+        if t.dim() != 3 or t.shape[0] != n or t.shape[1:] != pool.shape[1:]:
+            raise AttentionInputError(f"{name} must be [{n}, {', '.join(map(str, pool.shape[1:]))}]"
+                                      f" for {n} slots, got {tuple(t.shape)}")
+        if t.device != pool.device:
+            raise AttentionInputError(f"{name} on {t.device} but its pool is on {pool.device}")
+        if not t.is_floating_point():
+            raise AttentionInputError(f"{name} must be floating point, got {t.dtype}")
+    if n and (int(slots.min()) < 0 or int(slots.max()) >= k_pool.shape[0]):
+        raise AttentionInputError(f"slot ids out of range [0, {k_pool.shape[0]}): "
+                                  f"min {int(slots.min())}, max {int(slots.max())}")
+    idx = slots.to(device=k_pool.device, dtype=torch.int64)
+    k_pool.index_copy_(0, idx, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, idx, v.to(v_pool.dtype))
+
+
+def prefill_attention(q, k, v, k_pool, v_pool, new_slots: torch.Tensor, batch: SlotBatch,
+                      params: AttentionParams, backend: AttentionBackend | None = None):
+    """Write the prompt tokens' k/v at `new_slots`, then causal attention for q [T, Hq, D]
+    over each request's whole slot table (earlier turns' cached tokens included)."""
+    validate(q, k_pool, v_pool, batch, params)
+    write_kv(k_pool, v_pool, new_slots, k, v)
+    return (backend or select_backend(device=q.device)).attend(q, k_pool, v_pool, batch,
+                                                                params)

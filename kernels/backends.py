@@ -1,0 +1,159 @@
+"""Attention backends over the token-slot pool, input validation, and backend choice.
+
+Data in: q, the pool tensors, a `SlotBatch` and `AttentionParams` from the memory
+worker. Data out: (o [Nq, Hq, Dv], lse [Nq, Hq] fp32) from the chosen backend.
+`validate` runs before any backend and raises `AttentionInputError` naming the bad
+argument. `select_backend` picks the compiled CPU kernel when it builds, else the
+reference, and logs why; GPU kernels (Triton/CUDA over the same slot layout) register
+here as further `AttentionBackend`s.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from abc import ABC, abstractmethod
+
+import torch
+
+from .cpu_build import KernelBuildError, load_cpu_kernel
+from .reference import reference_slot_attention
+from .slots import AttentionParams, SlotBatch
+
+log = logging.getLogger("lamina.kernels")
+
+Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class AttentionInputError(ValueError):
+    """An attention call's arguments are malformed; nothing was computed."""
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested attention backend cannot run here."""
+
+
+def validate(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams) -> None:
+    def bad(msg):
+        raise AttentionInputError(msg)
+
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
+        if not isinstance(t, torch.Tensor):
+            bad(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            bad(f"{name} must be 3-D, got shape {tuple(t.shape)}")
+    if not isinstance(batch, SlotBatch):
+        bad(f"batch must be a SlotBatch, got {type(batch).__name__}")
+    if not isinstance(params, AttentionParams):
+        bad(f"params must be AttentionParams, got {type(params).__name__}")
+    if q.dtype not in Q_DTYPES:
+        bad(f"q dtype {q.dtype} not supported (use one of {Q_DTYPES})")
+    if k_pool.dtype not in KV_DTYPES or v_pool.dtype != k_pool.dtype:
+        bad(f"k_pool/v_pool dtypes {k_pool.dtype}/{v_pool.dtype}: both must be one of "
+            f"{KV_DTYPES}")
+    if not (q.device == k_pool.device == v_pool.device):
+        bad(f"q, k_pool, v_pool on different devices: {q.device}, {k_pool.device}, "
+            f"{v_pool.device}")
+    (Nq, Hq, D), (S, Hkv, Dk), (Sv, Hkv_v, _) = q.shape, k_pool.shape, v_pool.shape
+    if (Sv, Hkv_v) != (S, Hkv):
+        bad(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} disagree on "
+            f"[num_slots, num_kv_heads]")
+    if Dk != D:
+        bad(f"q head_dim {D} != k_pool head_dim {Dk}")
+    if Hkv == 0 or Hq % Hkv:
+        bad(f"{Hq} query heads is not a multiple of {Hkv} kv heads")
+    for name in ("cu_q", "q_pos", "slots", "cu_k", "k_pos0"):
+        t = getattr(batch, name)
+        if t.dtype != torch.int32 or t.dim() != 1:
+            bad(f"batch.{name} must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+        if t.device != q.device:
+            bad(f"batch.{name} is on {t.device} but q is on {q.device}")
+    B = batch.num_requests
+    if B < 0 or batch.cu_k.numel() != B + 1 or batch.k_pos0.numel() != B:
+        bad(f"batch has {batch.cu_q.numel()} cu_q, {batch.cu_k.numel()} cu_k and "
+            f"{batch.k_pos0.numel()} k_pos0 entries (need B+1, B+1, B)")
+    if batch.num_queries != Nq:
+        bad(f"q has {Nq} rows but batch has {batch.num_queries} query positions")
+    if B >= 0 and (int(batch.cu_q[0]) != 0 or int(batch.cu_q[-1]) != Nq
+                   or bool((batch.cu_q.diff() < 0).any())):
+        bad(f"batch.cu_q must rise from 0 to {Nq}")
+    if B >= 0 and (int(batch.cu_k[0]) != 0 or int(batch.cu_k[-1]) != batch.num_keys
+                   or bool((batch.cu_k.diff() < 0).any())):
+        bad(f"batch.cu_k must rise from 0 to {batch.num_keys}")
+    if batch.num_keys and (int(batch.slots.min()) < 0 or int(batch.slots.max()) >= S):
+        bad(f"slot ids out of range [0, {S}): min {int(batch.slots.min())}, "
+            f"max {int(batch.slots.max())}")
+    if Nq and int(batch.q_pos.min()) < 0:
+        bad("batch.q_pos has negative positions")
+    if params.sinks is not None and len(params.sinks) != Hq:
+        bad(f"{len(params.sinks)} sinks for {Hq} query heads")
+
+
+class AttentionBackend(ABC):
+    name: str = "?"
+    reason: str = ""
+
+    @abstractmethod
+    def attend(self, q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams):
+        """Validated inputs -> (o [Nq, Hq, Dv] in q.dtype, lse [Nq, Hq] fp32)."""
+
+
+class ReferenceBackend(AttentionBackend):
+    name = "reference"
+
+    def __init__(self, reason: str = "requested"):
+        self.reason = reason
+
+    def attend(self, q, k_pool, v_pool, batch, params):
+        return reference_slot_attention(q, k_pool, v_pool, batch, params)
+
+
+class CpuBackend(AttentionBackend):
+    """The compiled C++/OpenMP kernel; threads follow torch.get_num_threads()."""
+
+    name = "cpu"
+
+    def __init__(self):
+        self._ext = load_cpu_kernel()  # raises KernelBuildError
+        self.reason = "compiled C++/OpenMP kernel built"
+
+    def attend(self, q, k_pool, v_pool, batch, params):
+        if q.device.type != "cpu":
+            raise BackendUnavailable(f"the cpu backend cannot read tensors on {q.device}")
+        qf = q.float().contiguous()
+        o, lse = self._ext.slot_attention(
+            qf, k_pool, v_pool, batch.cu_q, batch.q_pos, batch.slots, batch.cu_k,
+            batch.k_pos0, float(params.scale), int(params.sliding_window),
+            float(params.softcap), params.sinks_tensor("cpu"))
+        return o.to(q.dtype), lse
+
+
+BACKENDS = {"reference": ReferenceBackend, "cpu": CpuBackend}
+
+
+def select_backend(name: str | None = None, device="cpu") -> AttentionBackend:
+    """`name` (or $LAMINA_ATTENTION_BACKEND) in {auto, cpu, reference}; auto by default."""
+    name = (name or os.environ.get("LAMINA_ATTENTION_BACKEND") or "auto").lower()
+    device = torch.device(device)
+    if name not in ("auto", *BACKENDS):
+        raise BackendUnavailable(f"unknown attention backend {name!r}; choose auto, "
+                                 f"{', '.join(BACKENDS)}")
+    if name == "reference":
+        backend = ReferenceBackend("requested explicitly")
+    elif device.type != "cpu":
+        if name == "cpu":
+            raise BackendUnavailable(f"the cpu backend cannot serve a pool on {device}")
+        backend = ReferenceBackend(f"no compiled attention kernel for {device.type} in this "
+                                   f"build (GPU kernels are separate work); pure-torch "
+                                   f"reference runs on {device}")
+    else:
+        try:
+            backend = CpuBackend()
+        except KernelBuildError as e:
+            if name == "cpu":
+                raise BackendUnavailable(f"cpu attention kernel unavailable: {e}") from e
+            backend = ReferenceBackend(f"compiled CPU kernel unavailable ({e})")
+    level = logging.INFO if backend.name != "reference" or name == "reference" \
+        else logging.WARNING
+    log.log(level, "attention backend: %s (%s)", backend.name, backend.reason)
+    return backend

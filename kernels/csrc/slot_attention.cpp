@@ -1,0 +1,451 @@
+// Attention over a token-slot KV pool, CPU (C++ / OpenMP through ATen's parallel_for).
+//
+// Data in: q [Nq, Hq, D] fp32 (already validated by lamina.kernels), the pool
+// k [S, Hkv, D] / v [S, Hkv, Dv] (fp32 or bf16), and a ragged slot table in CSR form:
+// request b owns queries cu_q[b]..cu_q[b+1] and keys slots[cu_k[b]..cu_k[b+1]],
+// key j sitting at absolute position k_pos0[b] + j. Query n sits at q_pos[n].
+// Data out: o [Nq, Hq, Dv] fp32 and lse [Nq, Hq] fp32 (natural log, -inf if empty).
+//
+// Keys are read in place from their slots (no gathered copy), in blocks of BK with
+// an online softmax; the rows of one key block are prefetched ahead of use. With AVX2
+// the GQA query rows of a kv head share every K/V load; elsewhere plain loops run.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int BK = 64;         // keys per online-softmax block
+constexpr int PF_STEP = 512;   // prefetch every 8th cache line of a row; hardware does the rest
+constexpr int QT = 16;        // queries per work item (prefill tiling)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// exp(x) for x <= 0, branch-free so loops over it vectorise; 0 below -87.
+inline float exp_neg(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return x < -87.0f ? 0.0f : p * two_n;
+}
+
+// ---- Inner blocks. A key block's rows are addressed through pointer arrays
+// (kr[j] / vr[j] = that key's row in the pool), padded to a multiple of 8.
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kSimd = true;
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// Eight accumulators -> one vector holding their eight horizontal sums.
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                    __m256 a6, __m256 a7) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
+                       _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+// out[0..8) = q . k_j for 8 keys; 8 independent FMA chains.
+template <typename T>
+inline void scores8(const float* q, const T* const* k, int64_t off, int64_t D, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+         a7 = a0;
+  for (int64_t c = 0; c < D; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    a0 = _mm256_fmadd_ps(qv, load8(k[0] + off + c), a0);
+    a1 = _mm256_fmadd_ps(qv, load8(k[1] + off + c), a1);
+    a2 = _mm256_fmadd_ps(qv, load8(k[2] + off + c), a2);
+    a3 = _mm256_fmadd_ps(qv, load8(k[3] + off + c), a3);
+    a4 = _mm256_fmadd_ps(qv, load8(k[4] + off + c), a4);
+    a5 = _mm256_fmadd_ps(qv, load8(k[5] + off + c), a5);
+    a6 = _mm256_fmadd_ps(qv, load8(k[6] + off + c), a6);
+    a7 = _mm256_fmadd_ps(qv, load8(k[7] + off + c), a7);
+  }
+  _mm256_storeu_ps(out, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+}
+// acc[0..8*NC) += sum_j p[j] * v_j[off..off+8*NC); accumulators stay in registers.
+template <typename T, int NC>
+inline void pv_cols(float* acc, const float* p, const T* const* v, int64_t off, int64_t n) {
+  __m256 a[NC];
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const T* vj = v[j] + off;
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) a[c] = _mm256_fmadd_ps(pj, load8(vj + 8 * c), a[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+// GQA: RG query rows (stride D) share each key load; 4 keys x RG rows accumulators.
+// s rows have stride BK; n % 4 == 0.
+template <typename T, int RG>
+inline void scores_group(const float* q, int64_t D, const T* const* k, int64_t off,
+                         int64_t n, float* s) {
+  for (int64_t j = 0; j < n; j += 4) {
+    __m256 acc[RG][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) acc[g][u] = _mm256_setzero_ps();
+    const T* kp[4] = {k[j] + off, k[j + 1] + off, k[j + 2] + off, k[j + 3] + off};
+    for (int64_t c = 0; c < D; c += 8) {
+      __m256 qv[RG];
+#pragma GCC unroll 4
+      for (int g = 0; g < RG; ++g) qv[g] = _mm256_loadu_ps(q + g * D + c);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m256 kv = load8(kp[u] + c);
+#pragma GCC unroll 4
+        for (int g = 0; g < RG; ++g) acc[g][u] = _mm256_fmadd_ps(qv[g], kv, acc[g][u]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g)
+      _mm_storeu_ps(s + g * BK + j, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  }
+}
+// GQA: RG rows (acc stride Dv, p stride BK) share each value load; 32 columns a pass.
+template <typename T, int RG>
+inline void pv_group(float* acc, int64_t Dv, const float* p, const T* const* v, int64_t off,
+                     int64_t n) {
+  for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
+    __m256 a[RG][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) a[g][u] = _mm256_loadu_ps(acc + g * Dv + c0 + 8 * u);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vj = v[j] + off + c0;
+      __m256 pb[RG];
+#pragma GCC unroll 4
+      for (int g = 0; g < RG; ++g) pb[g] = _mm256_set1_ps(p[g * BK + j]);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m256 vv = load8(vj + 8 * u);
+#pragma GCC unroll 4
+        for (int g = 0; g < RG; ++g) a[g][u] = _mm256_fmadd_ps(pb[g], vv, a[g][u]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) _mm256_storeu_ps(acc + g * Dv + c0 + 8 * u, a[g][u]);
+  }
+}
+#else
+constexpr bool kSimd = false;
+#endif
+
+// s[j - j0] = q . k_j for j in [j0, j1) (j1 - j0 a multiple of 8 on the SIMD path).
+template <typename T>
+inline void block_scores(const float* q, const T* const* k, int64_t off, int64_t D,
+                         int64_t n, float* s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (int64_t j = 0; j < n; j += 8) scores8(q, k + j, off, D, s + j);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kj = k[j] + off;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < D; ++d) acc += q[d] * to_f32(kj[d]);
+    s[j] = acc;
+  }
+}
+
+// acc[0..Dv) += sum_j p[j] * v_j[off..off+Dv) over j in [0, n).
+template <typename T>
+inline void block_pv(float* acc, const float* p, const T* const* v, int64_t off, int64_t Dv,
+                     int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (Dv % 8 == 0) {
+    int64_t c = 0;
+    for (; c + 64 <= Dv; c += 64) pv_cols<T, 8>(acc + c, p, v, off + c, n);
+    if (c + 32 <= Dv) { pv_cols<T, 4>(acc + c, p, v, off + c, n); c += 32; }
+    if (c + 16 <= Dv) { pv_cols<T, 2>(acc + c, p, v, off + c, n); c += 16; }
+    if (c + 8 <= Dv) pv_cols<T, 1>(acc + c, p, v, off + c, n);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vj = v[j] + off;
+    const float pj = p[j];
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) acc[d] += pj * to_f32(vj[d]);
+  }
+}
+
+// Scores for the `rep` consecutive rows of one kv head: s rows stride BK.
+template <typename T>
+inline void head_scores(const float* q, int64_t D, int64_t rep, const T* const* k,
+                        int64_t off, int64_t n, float* s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0 && rep > 1) {
+    int64_t g = 0;
+    for (; g + 3 <= rep; g += 3) scores_group<T, 3>(q + g * D, D, k, off, n, s + g * BK);
+    if (rep - g == 2) scores_group<T, 2>(q + g * D, D, k, off, n, s + g * BK);
+    if (rep - g == 1) block_scores<T>(q + g * D, k, off, D, n, s + g * BK);
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < rep; ++g) block_scores<T>(q + g * D, k, off, D, n, s + g * BK);
+}
+
+// acc rows (stride Dv) += p rows (stride BK) . v, for one kv head's `rep` rows.
+template <typename T>
+inline void head_pv(float* acc, int64_t Dv, int64_t rep, const float* p, const T* const* v,
+                    int64_t off, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (Dv % 32 == 0 && rep > 1) {
+    int64_t g = 0;
+    for (; g + 3 <= rep; g += 3) pv_group<T, 3>(acc + g * Dv, Dv, p + g * BK, v, off, n);
+    if (rep - g == 2) pv_group<T, 2>(acc + g * Dv, Dv, p + g * BK, v, off, n);
+    if (rep - g == 1) block_pv<T>(acc + g * Dv, p + g * BK, v, off, Dv, n);
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < rep; ++g) block_pv<T>(acc + g * Dv, p + g * BK, v, off, Dv, n);
+}
+
+inline float range_max(const float* x, int64_t a0, int64_t a1) {
+  float mb = NEG_INF;
+  int64_t j = a0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (a1 - a0 >= 8) {
+    __m256 mv = _mm256_loadu_ps(x + j);
+    for (j += 8; j + 8 <= a1; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + j));
+    alignas(32) float t[8];
+    _mm256_store_ps(t, mv);
+    for (float v : t) mb = std::max(mb, v);
+  }
+#endif
+  for (; j < a1; ++j) mb = std::max(mb, x[j]);
+  return mb;
+}
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += PF_STEP) __builtin_prefetch(c + off, 0, 1);
+}
+
+struct Args {
+  const float* q; const int32_t* q_pos; const int32_t* cu_q;
+  const int32_t* slots; const int32_t* cu_k; const int32_t* k_pos0;
+  const float* sinks;  // [Hq] or nullptr
+  float* o; float* lse;
+  int64_t Hq, Hkv, D, Dv, k_stride, v_stride;  // strides in elements, per slot
+  float scale, softcap; int64_t window;
+};
+
+// One work item: request b, queries [n0, n1), all heads.
+template <typename T>
+void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, int64_t n1) {
+  const int64_t Hq = a.Hq, Hkv = a.Hkv, D = a.D, Dv = a.Dv;
+  const int64_t rep = Hq / Hkv, nq = n1 - n0, rows = nq * Hq;
+  const int32_t* slots = a.slots + a.cu_k[b];
+  const int64_t nk = a.cu_k[b + 1] - a.cu_k[b], pos0 = a.k_pos0[b];
+
+  // Key range [lo, hi) each query may see: causal plus optional window.
+  int64_t lo[QT], hi[QT], lo_all = nk, hi_all = 0;
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t qp = a.q_pos[n0 + i];
+    int64_t h = std::min<int64_t>(nk, qp - pos0 + 1), l = 0;
+    if (a.window > 0) l = std::max<int64_t>(0, qp - a.window + 1 - pos0);
+    h = std::max<int64_t>(h, 0); l = std::min(l, h);
+    lo[i] = l; hi[i] = h;
+    if (l < h) { lo_all = std::min(lo_all, l); hi_all = std::max(hi_all, h); }
+  }
+
+  // Pre-scaled queries (scale folded in unless softcap needs the raw score).
+  const float qmul = a.softcap > 0.f ? 1.f : a.scale;
+  std::vector<float> qs(rows * D), acc(rows * Dv, 0.f), s(rows * BK);
+  std::vector<float> m(rows, NEG_INF), l(rows, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d) qs[r * D + d] = a.q[(n0 * Hq + r) * D + d] * qmul;
+
+  const T* kr[BK];
+  const T* vr[BK];
+  const int64_t kbytes = Hkv * D * sizeof(T), vbytes = Hkv * Dv * sizeof(T);
+  for (int64_t j0 = lo_all; j0 < hi_all; j0 += BK) {
+    const int64_t j1 = std::min<int64_t>(j0 + BK, hi_all), nb = j1 - j0;
+    const int64_t nb8 = kSimd ? (nb + 7) / 8 * 8 : nb;  // padded with the last key
+    for (int64_t j = 0; j < nb8; ++j) {
+      const int64_t slot = slots[std::min(j0 + j, j1 - 1)];
+      kr[j] = K + slot * a.k_stride;
+      vr[j] = V + slot * a.v_stride;
+      if (j < nb && j1 + j < hi_all) {  // next block, one block ahead
+        prefetch_row(K + int64_t(slots[j1 + j]) * a.k_stride, kbytes);
+        prefetch_row(V + int64_t(slots[j1 + j]) * a.v_stride, vbytes);
+      }
+    }
+    // Scores: s[row][j] for every (query, head) row.
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t r = i * Hq + h * rep;
+        head_scores<T>(&qs[r * D], D, rep, kr, h * D, nb8, &s[r * BK]);
+      }
+    // Online softmax update per row; p overwrites s (0 outside the row's range).
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t a0 = std::max(lo[i], j0) - j0, a1 = std::min(hi[i], j1) - j0;
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        float* sr = &s[(i * Hq + hq) * BK];
+        if (a0 >= a1) { std::fill(sr, sr + nb, 0.f); continue; }
+        if (a.softcap > 0.f) {
+          const float c = a.softcap, inv = a.scale / a.softcap;
+          for (int64_t j = a0; j < a1; ++j) sr[j] = c * std::tanh(sr[j] * inv);
+        }
+        const float mb = range_max(sr, a0, a1);
+        const int64_t r = i * Hq + hq;
+        const float mn = std::max(m[r], mb);
+        const float alpha = m[r] == NEG_INF ? 0.f : std::exp(m[r] - mn);
+        float sum = 0.f;
+        for (int64_t j = 0; j < a0; ++j) sr[j] = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = a0; j < a1; ++j) { sr[j] = exp_neg(sr[j] - mn); sum += sr[j]; }
+        for (int64_t j = a1; j < nb; ++j) sr[j] = 0.f;
+        l[r] = l[r] * alpha + sum;
+        m[r] = mn;
+        if (alpha != 1.f) {
+          float* ar = &acc[r * Dv];
+          for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
+        }
+      }
+    }
+    // Values: acc[row] += p[row][j] * v[slot_j, head(row)].
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t a0 = std::max(lo[i], j0) - j0, a1 = std::min(hi[i], j1) - j0;
+        if (a0 >= a1) continue;
+        const int64_t r = i * Hq + h * rep;
+        head_pv<T>(&acc[r * Dv], Dv, rep, &s[r * BK + a0], vr + a0, h * Dv, a1 - a0);
+      }
+  }
+  // Finish: sinks join the denominator only; empty rows give 0 and lse -inf.
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const int64_t r = i * Hq + hq;
+      float mr = m[r], lr = l[r];
+      if (a.sinks) {
+        const float sk = a.sinks[hq], mn = std::max(mr, sk);
+        lr = (mr == NEG_INF ? 0.f : lr * std::exp(mr - mn)) + std::exp(sk - mn);
+        if (mr != NEG_INF) {
+          const float f = std::exp(mr - mn);
+          for (int64_t d = 0; d < Dv; ++d) acc[r * Dv + d] *= f;
+        }
+        mr = mn;
+      }
+      float* out = a.o + ((n0 + i) * Hq + hq) * Dv;
+      const float inv = lr > 0.f ? 1.f / lr : 0.f;
+      for (int64_t d = 0; d < Dv; ++d) out[d] = acc[r * Dv + d] * inv;
+      a.lse[(n0 + i) * Hq + hq] = lr > 0.f ? mr + std::log(lr) : NEG_INF;
+    }
+}
+
+template <typename T>
+void run(const Args& a, const T* K, const T* V, int64_t B) {
+  // Work items: (request, query tile). Decode has one query per request.
+  std::vector<int64_t> item_b, item_n0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t n = a.cu_q[b]; n < a.cu_q[b + 1]; n += QT) { item_b.push_back(b); item_n0.push_back(n); }
+  at::parallel_for(0, int64_t(item_b.size()), 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = item_b[w], n0 = item_n0[w];
+      attend_tile<T>(a, K, V, b, n0, std::min<int64_t>(n0 + QT, a.cu_q[b + 1]));
+    }
+  });
+}
+
+}  // namespace
+
+// Shapes and dtypes are checked in Python (lamina.kernels.validate); the TORCH_CHECKs
+// below only guard the assumptions this file itself relies on.
+std::vector<at::Tensor> slot_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
+                                       at::Tensor cu_q, at::Tensor q_pos, at::Tensor slots,
+                                       at::Tensor cu_k, at::Tensor k_pos0, double scale,
+                                       int64_t window, double softcap,
+                                       c10::optional<at::Tensor> sinks) {
+  TORCH_CHECK(q.is_contiguous() && q.scalar_type() == at::kFloat, "q must be contiguous fp32");
+  TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1 &&
+              k_pool.stride(1) == k_pool.size(2) && v_pool.stride(1) == v_pool.size(2),
+              "pool rows must be contiguous [Hkv, D] per slot");
+  for (const auto& t : {cu_q, q_pos, slots, cu_k, k_pos0})
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kInt, "index tensors must be int32");
+  const int64_t Nq = q.size(0), Hq = q.size(1), Dv = v_pool.size(2);
+  auto o = at::empty({Nq, Hq, Dv}, q.options());
+  auto lse = at::empty({Nq, Hq}, q.options());
+  at::Tensor sk;
+  if (sinks.has_value()) sk = sinks->contiguous().to(at::kFloat);
+  Args a{q.data_ptr<float>(), q_pos.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(),
+         slots.data_ptr<int32_t>(), cu_k.data_ptr<int32_t>(), k_pos0.data_ptr<int32_t>(),
+         sinks.has_value() ? sk.data_ptr<float>() : nullptr, o.data_ptr<float>(),
+         lse.data_ptr<float>(), Hq, k_pool.size(1), k_pool.size(2), Dv,
+         k_pool.stride(0), v_pool.stride(0), float(scale), float(softcap), window};
+  const int64_t B = cu_q.size(0) - 1;
+  if (k_pool.scalar_type() == at::kFloat)
+    run<float>(a, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), B);
+  else if (k_pool.scalar_type() == at::kBFloat16)
+    run<at::BFloat16>(a, k_pool.data_ptr<at::BFloat16>(),
+                                v_pool.data_ptr<at::BFloat16>(), B);
+  else
+    TORCH_CHECK(false, "KV pool dtype must be float32 or bfloat16");
+  return {o, lse};
+}
+
+// Streaming read of a whole tensor (sum of its floats), for the read-bandwidth baseline.
+double read_sum(at::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous fp32");
+  const float* p = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  return at::parallel_reduce(0, n, 1 << 16, 0.0, [&](int64_t i0, int64_t i1, double init) {
+    float acc[16] = {0};
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16)
+#pragma omp simd
+      for (int u = 0; u < 16; ++u) acc[u] += p[i + u];
+    double s = init;
+    for (int u = 0; u < 16; ++u) s += acc[u];
+    for (; i < i1; ++i) s += p[i];
+    return s;
+  }, std::plus<double>());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("slot_attention", &slot_attention, "attention over a token-slot KV pool (CPU)");
+  m.def("read_sum", &read_sum, "streaming read of a float tensor");
+}

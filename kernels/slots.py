@@ -1,0 +1,103 @@
+"""Per-step attention metadata: which pool slots each request's queries attend to.
+
+Data in: slot tables (lists of pool slot ids, in position order) from the KV allocator,
+and how many of each request's last positions are queries this step. Data out: a
+`SlotBatch` of flat int32 tensors (CSR form) that every attention backend reads.
+Request b owns queries `cu_q[b]:cu_q[b+1]` and keys `slots[cu_k[b]:cu_k[b+1]]`; key j
+sits at absolute position `k_pos0[b] + j`, query n at `q_pos[n]`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """What the splitter's AttentionSpec says about one layer's softmax."""
+
+    scale: float
+    sliding_window: int = -1  # >0 keeps keys with q_pos - window < k_pos <= q_pos
+    softcap: float = 0.0  # >0 maps s -> softcap * tanh(s / softcap)
+    sinks: tuple[float, ...] | None = None  # [Hq] logits joining the denominator only
+
+    def __post_init__(self):
+        if not (isinstance(self.scale, (int, float)) and np.isfinite(self.scale)
+                and self.scale > 0):
+            raise ValueError(f"scale must be a positive finite number, got {self.scale!r}")
+        if not isinstance(self.sliding_window, int) or self.sliding_window == 0 \
+                or self.sliding_window < -1:
+            raise ValueError(f"sliding_window must be -1 (none) or a positive int, "
+                             f"got {self.sliding_window!r}")
+        if not (np.isfinite(self.softcap) and self.softcap >= 0):
+            raise ValueError(f"softcap must be >= 0 (0 = none), got {self.softcap!r}")
+        if self.sinks is not None:
+            object.__setattr__(self, "sinks", tuple(float(s) for s in self.sinks))
+            if not all(np.isfinite(self.sinks)):
+                raise ValueError("sinks must be finite")
+
+    def sinks_tensor(self, device) -> torch.Tensor | None:
+        if self.sinks is None:
+            return None
+        return torch.tensor(self.sinks, dtype=torch.float32, device=device)
+
+
+def _i32(x) -> torch.Tensor:
+    return torch.as_tensor(np.ascontiguousarray(x, dtype=np.int32))
+
+
+@dataclass(frozen=True)
+class SlotBatch:
+    cu_q: torch.Tensor  # [B+1] int32
+    q_pos: torch.Tensor  # [Nq] int32
+    slots: torch.Tensor  # [Nk] int32
+    cu_k: torch.Tensor  # [B+1] int32
+    k_pos0: torch.Tensor  # [B] int32
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.cu_q.numel()) - 1
+
+    @property
+    def num_queries(self) -> int:
+        return int(self.q_pos.numel())
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.slots.numel())
+
+    def to(self, device) -> "SlotBatch":
+        return SlotBatch(*(t.to(device) for t in (self.cu_q, self.q_pos, self.slots,
+                                                  self.cu_k, self.k_pos0)))
+
+    @staticmethod
+    def build(tables: Sequence[Sequence[int]], num_queries: Sequence[int],
+              start: Sequence[int] | None = None) -> "SlotBatch":
+        """Queries are the last `num_queries[b]` positions of request b's table."""
+        if len(num_queries) != len(tables):
+            raise ValueError(f"{len(tables)} slot tables but {len(num_queries)} query counts")
+        lens = np.array([len(t) for t in tables], dtype=np.int64)
+        nq = np.asarray(num_queries, dtype=np.int64)
+        if np.any(nq < 0) or np.any(nq > lens):
+            bad = int(np.argmax((nq < 0) | (nq > lens)))
+            raise ValueError(f"request {bad}: {int(nq[bad])} queries but only "
+                             f"{int(lens[bad])} slots")
+        pos0 = np.zeros(len(tables), np.int64) if start is None else np.asarray(start, np.int64)
+        if pos0.shape != lens.shape or np.any(pos0 < 0):
+            raise ValueError("start positions must be one non-negative int per request")
+        flat = np.concatenate([np.asarray(t, np.int64) for t in tables]) if len(tables) \
+            else np.zeros(0, np.int64)
+        cu_k = np.concatenate([[0], np.cumsum(lens)])
+        cu_q = np.concatenate([[0], np.cumsum(nq)])
+        # q_pos: last nq[b] positions of request b.
+        req = np.repeat(np.arange(len(tables)), nq)
+        q_pos = (pos0 + lens - nq)[req] + (np.arange(cu_q[-1]) - cu_q[:-1][req])
+        return SlotBatch(_i32(cu_q), _i32(q_pos), _i32(flat), _i32(cu_k), _i32(pos0))
+
+    @staticmethod
+    def decode(tables: Sequence[Sequence[int]], start: Sequence[int] | None = None):
+        """One query per request: the last position of its table."""
+        return SlotBatch.build(tables, [1] * len(tables), start)

@@ -1,0 +1,59 @@
+"""KV pool tensors: layout, batched writes at slots, copy-on-write orders, config errors."""
+import pytest
+import torch
+
+from lamina.kv_allocator import CopySlot, KVAllocator, KVAllocatorConfig
+from lamina.kv_pool import KVPool, KVPoolConfig
+
+
+def test_layout_and_sizes():
+    c = KVPoolConfig(num_layers=30, num_slots=100, num_kv_heads=3, head_dim=64)
+    pool = KVPool(c)
+    assert pool.k.shape == (30, 100, 3, 64) and pool.v.shape == (30, 100, 3, 64)
+    assert c.bytes_per_slot == 30 * 3 * 128 * 4 == 46080  # SmolLM2, fp32
+    assert KVPoolConfig(30, 100, 3, 64, dtype="bfloat16").bytes_per_slot == 23040
+    k3, v3 = pool.layer(3)
+    assert k3.shape == (100, 3, 64) and k3.is_contiguous()
+    assert k3.data_ptr() == pool.k.data_ptr() + 3 * 100 * 3 * 64 * 4  # a view, no copy
+
+
+def test_write_puts_rows_at_slots_only():
+    pool = KVPool(KVPoolConfig(2, 8, 2, 4))
+    slots = torch.tensor([6, 1, 3], dtype=torch.int32)
+    k = torch.arange(3 * 2 * 4, dtype=torch.float32).reshape(3, 2, 4)
+    pool.write(1, slots, k, -k)
+    assert torch.equal(pool.k[1, [6, 1, 3]], k) and torch.equal(pool.v[1, [6, 1, 3]], -k)
+    assert not pool.k[0].any() and not pool.k[1, [0, 2, 4, 5, 7]].any()
+
+
+def test_copy_on_write_orders_copy_every_layer():
+    alloc = KVAllocator(KVAllocatorConfig(8))
+    pool = KVPool(KVPoolConfig(3, 8, 1, 2))
+    parent = alloc.allocate("a", 2)  # slots [0, 1]
+    for layer in range(3):
+        pool.write(layer, torch.tensor(parent), torch.full((2, 1, 2), layer + 1.0),
+                   torch.full((2, 1, 2), -(layer + 1.0)))
+    alloc.fork("a", "b")
+    order = alloc.write("b", 1)  # b writes into shared position 1 -> copy to a new slot
+    assert order == CopySlot(1, 2)
+    pool.copy([order])
+    assert torch.equal(pool.k[:, 2], pool.k[:, 1]) and torch.equal(pool.v[:, 2], pool.v[:, 1])
+    with pytest.raises(IndexError, match="out of range"):
+        pool.copy([CopySlot(0, 8)])
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"num_slots": 0}, "num_slots"), ({"num_kv_heads": 2.0}, "num_kv_heads"),
+    ({"dtype": "float16"}, "dtype"), ({"device": "gpu0"}, "device"),
+    ({"v_head_dim": -1}, "v_head_dim"),
+])
+def test_config_errors(kw, msg):
+    base = dict(num_layers=1, num_slots=4, num_kv_heads=1, head_dim=8)
+    base.update(kw)
+    with pytest.raises(ValueError, match=msg):
+        KVPoolConfig(**base)
+
+
+def test_for_specs_from_the_splitter(smol_split):
+    c = KVPoolConfig.for_specs(smol_split.attention_specs, num_slots=16)
+    assert (c.num_layers, c.num_kv_heads, c.head_dim, c.v_head_dim) == (30, 3, 64, 64)
