@@ -1,4 +1,4 @@
-"""The `lamina` command line: split, demo, bench."""
+"""The `lamina` command line: split, demo, bench {split, attention, fragmentation}."""
 from __future__ import annotations
 
 import argparse
@@ -74,7 +74,17 @@ def cmd_bench(args) -> int:
     from lamina import bench
 
     if args.name == "split":
-        bench.bench_split(args.model, repeat=args.repeat, out_dir=args.out)
+        bench.bench_split(args.model, repeat=args.repeat or 3, out_dir=args.out)
+        return 0
+    from lamina import bench_memory
+
+    if args.name == "attention":
+        sizes = dict(batches=(8,), lengths=(512,), bw_mib=64) if args.quick else {}
+        bench_memory.bench_attention(threads=args.threads or 1, repeat=args.repeat or 7,
+                                     out_dir=args.out, **sizes)
+        return 0
+    if args.name == "fragmentation":
+        bench_memory.bench_fragmentation(num_requests=40 if args.quick else 400, out_dir=args.out)
         return 0
     print(f"unknown benchmark {args.name!r}", file=sys.stderr)
     return 2
@@ -93,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", action="append", help="prompt (repeatable)")
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="run a benchmark")
-    b.add_argument("name", choices=["split"])
-    b.add_argument("--model", default=None)
-    b.add_argument("--repeat", type=int, default=3)
+    b.add_argument("name", choices=["split", "attention", "fragmentation"])
+    b.add_argument("--model", default=None, help="split: model to split")
+    b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
+    b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
     b.add_argument("--out", default="benchmarks/results")
     b.set_defaults(fn=cmd_bench)
     return p

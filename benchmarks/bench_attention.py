@@ -1,0 +1,8 @@
+"""Attention kernel benchmark: `python benchmarks/bench_attention.py [--repeat N]`
+(same as `lamina bench attention`; `lamina --threads 2 bench attention` for 2 threads)."""
+import sys
+
+from lamina.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["bench", "attention", *sys.argv[1:]]))
