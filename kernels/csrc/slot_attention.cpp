@@ -7,7 +7,7 @@
 // Data out: o [Nq, Hq, Dv] fp32 and lse [Nq, Hq] fp32 (natural log, -inf if empty).
 //
 // Keys are read in place from their slots (no gathered copy), in blocks of BK with
-// an online softmax; the rows of one key block are prefetched ahead of use. With AVX2
+// an online softmax. With AVX2
 // the GQA query rows of a kv head share every K/V load; elsewhere plain loops run.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -25,7 +25,6 @@
 namespace {
 
 constexpr int BK = 64;         // keys per online-softmax block
-constexpr int PF_STEP = 512;   // prefetch every 8th cache line of a row; hardware does the rest
 constexpr int QT = 16;        // queries per work item (prefill tiling)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -259,11 +258,6 @@ inline float range_max(const float* x, int64_t a0, int64_t a1) {
   return mb;
 }
 
-inline void prefetch_row(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += PF_STEP) __builtin_prefetch(c + off, 0, 1);
-}
-
 struct Args {
   const float* q; const int32_t* q_pos; const int32_t* cu_q;
   const int32_t* slots; const int32_t* cu_k; const int32_t* k_pos0;
@@ -301,7 +295,6 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
 
   const T* kr[BK];
   const T* vr[BK];
-  const int64_t kbytes = Hkv * D * sizeof(T), vbytes = Hkv * Dv * sizeof(T);
   for (int64_t j0 = lo_all; j0 < hi_all; j0 += BK) {
     const int64_t j1 = std::min<int64_t>(j0 + BK, hi_all), nb = j1 - j0;
     const int64_t nb8 = kSimd ? (nb + 7) / 8 * 8 : nb;  // padded with the last key
@@ -309,17 +302,18 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
       const int64_t slot = slots[std::min(j0 + j, j1 - 1)];
       kr[j] = K + slot * a.k_stride;
       vr[j] = V + slot * a.v_stride;
-      if (j < nb && j1 + j < hi_all) {  // next block, one block ahead
-        prefetch_row(K + int64_t(slots[j1 + j]) * a.k_stride, kbytes);
-        prefetch_row(V + int64_t(slots[j1 + j]) * a.v_stride, vbytes);
-      }
     }
-    // Scores: s[row][j] for every (query, head) row.
-    for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t r = i * Hq + h * rep;
-        head_scores<T>(&qs[r * D], D, rep, kr, h * D, nb8, &s[r * BK]);
-      }
+    // Scores, 8 keys at a time across all heads, so a key's K row is used at once.
+    // (Software prefetch of rows ahead measured no gain here: the hardware already
+    // streams a row once its first lines miss.)
+    for (int64_t jg = 0; jg < nb8; jg += 8) {
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t r = i * Hq + h * rep;
+          head_scores<T>(&qs[r * D], D, rep, kr + jg, h * D, std::min<int64_t>(8, nb8 - jg),
+                         &s[r * BK + jg]);
+        }
+    }
     // Online softmax update per row; p overwrites s (0 outside the row's range).
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t a0 = std::max(lo[i], j0) - j0, a1 = std::min(hi[i], j1) - j0;
@@ -445,7 +439,36 @@ double read_sum(at::Tensor x) {
   }, std::plus<double>());
 }
 
+// Reads every K and V row the slot list names, in order, and nothing else: the ceiling
+// for any kernel that must read those rows (the attention benchmark's baseline).
+double read_rows(at::Tensor k, at::Tensor v, at::Tensor slots) {
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == at::kFloat &&
+              v.scalar_type() == at::kFloat && slots.scalar_type() == at::kInt,
+              "read_rows wants contiguous fp32 pools and int32 slots");
+  const float* K = k.data_ptr<float>();
+  const float* V = v.data_ptr<float>();
+  const int32_t* s = slots.data_ptr<int32_t>();
+  const int64_t n = slots.numel(), rk = k.stride(0), rv = v.stride(0);
+  return at::parallel_reduce(0, n, 256, 0.0, [&](int64_t j0, int64_t j1, double init) {
+    float acc[8] = {0};
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* kr = K + int64_t(s[j]) * rk;
+      const float* vr = V + int64_t(s[j]) * rv;
+      for (int64_t d = 0; d + 8 <= rk; d += 8)
+#pragma omp simd
+        for (int u = 0; u < 8; ++u) acc[u] += kr[d + u];
+      for (int64_t d = 0; d + 8 <= rv; d += 8)
+#pragma omp simd
+        for (int u = 0; u < 8; ++u) acc[u] += vr[d + u];
+    }
+    double t = init;
+    for (float x : acc) t += x;
+    return t;
+  }, std::plus<double>());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slot_attention", &slot_attention, "attention over a token-slot KV pool (CPU)");
   m.def("read_sum", &read_sum, "streaming read of a float tensor");
+  m.def("read_rows", &read_rows, "read the K/V rows of a slot list (bandwidth ceiling)");
 }
