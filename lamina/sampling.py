@@ -1,0 +1,86 @@
+"""Sampling parameters and the sampler.
+
+Data in: one row of next-token logits per sequence (fp32 [R, V]) from the last slice,
+with each sequence's `SamplingParams` and its own seeded `torch.Generator`.
+Data out: one token id per row. Greedy rows (temperature 0) take the argmax; the rest
+apply temperature, then top-k, then top-p (nucleus), then draw.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0  # (0, 1]; 1 = off
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            bad("max_tokens", "must be a positive int")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+            bad("temperature", "must be a finite number >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 (off), 0 (off) or a positive int")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("seed", "must be a non-negative int or None")
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an int >= 1")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative ints")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy row is drawn from. logits: [V] -> probs [V] fp32."""
+    x = logits.float() / params.temperature
+    V = x.numel()
+    if 0 < params.top_k < V:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        p_sorted, idx = torch.sort(probs, descending=True)
+        before = torch.cumsum(p_sorted, 0) - p_sorted  # mass strictly above each token
+        drop = before >= params.top_p  # keep the smallest prefix reaching top_p
+        drop[0] = False
+        probs = probs.scatter(0, idx[drop], 0.0)
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """logits: [R, V]; one token per row."""
+    out = torch.argmax(logits, dim=-1).tolist()  # greedy for every row first
+    for r, p in enumerate(params):
+        if not p.greedy:
+            probs = sampling_probs(logits[r], p)
+            out[r] = int(torch.multinomial(probs, 1, generator=generators[r]))
+    return out
