@@ -1,0 +1,195 @@
+"""The engine: scheduler -> step plan -> executor -> step result -> sampler -> outputs.
+
+Data in: prompts (text or token ids) with `SamplingParams`, from `LLM` or a server.
+Data out: `RequestOutput`s when requests finish. Bad requests are rejected in
+`add_request` before anything is scheduled; other requests keep running.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_allocator import KVAllocator, KVAllocatorConfig
+from .sampling import SamplingParams, sample
+from .scheduler import Scheduler, SchedulerConfig, Sequence
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_kv_slots: int = 65536  # token slots in the KV pool
+    kv_dtype: str = "float32"
+    max_batch: int = 64
+    max_step_tokens: int = 4096
+    seed: int = 0  # seeds requests that bring no seed of their own
+
+    def __post_init__(self):
+        if not isinstance(self.num_kv_slots, int) or self.num_kv_slots <= 0:
+            raise ValueError(f"EngineConfig.num_kv_slots must be a positive int, "
+                             f"got {self.num_kv_slots!r}")
+        SchedulerConfig(self.max_batch, self.max_step_tokens)  # validates those two
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    gens: list[torch.Generator]
+    arrival: float
+    first_token: float | None = None
+    texts: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor, tokenizer, model_config):
+        self.config, self.executor, self.tokenizer = config, executor, tokenizer
+        self.max_len = int(getattr(model_config, "max_position_embeddings", 0) or 1 << 30)
+        eos = getattr(model_config, "eos_token_id", None)
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        self.alloc = KVAllocator(KVAllocatorConfig(config.num_kv_slots))
+        self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens),
+                                   self.alloc)
+        self._rng = random.Random(config.seed)
+        self._rid = itertools.count()
+        self._sid = itertools.count()
+        self._requests: dict[int, _Request] = {}
+        self._by_seq: dict[int, tuple[_Request, int]] = {}
+        self.step_timings: list[dict] = []
+
+    # -- requests --
+    def validate(self, prompt, params) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("empty prompt")
+            if not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise ValueError("prompt token ids must be non-negative ints")
+        if not ids:
+            raise ValueError("prompt tokenizes to nothing")
+        if len(ids) >= self.max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
+                             f"{self.max_len}")
+        if len(ids) + 1 > self.config.num_kv_slots:
+            raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds "
+                             f"{self.config.num_kv_slots}")
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams) -> int:
+        ids = self.validate(prompt, params)
+        rid = next(self._rid)
+        seed = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
+        req = _Request(rid, prompt if isinstance(prompt, str) else None, ids, params, [], [],
+                       time.perf_counter())
+        for i in range(params.n):
+            seq = Sequence(next(self._sid), list(ids), params)
+            req.seqs.append(seq)
+            req.gens.append(torch.Generator().manual_seed(seed + i))
+            req.texts.append("")
+            self._by_seq[seq.seq_id] = (req, i)
+            self.scheduler.add(seq)
+        self._requests[rid] = req
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step loop --
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        result = self.executor.execute(plan)
+        if result.step != plan.step or len(result.seq_ids) != result.logits.shape[0]:
+            raise RuntimeError(f"executor answered step {result.step} with "
+                               f"{len(result.seq_ids)} ids / {result.logits.shape[0]} rows for "
+                               f"plan step {plan.step}")
+        if result.timings:
+            self.step_timings.append({"tokens": plan.num_tokens, **result.timings})
+        seqs = [self._by_seq[s][0].seqs[self._by_seq[s][1]] for s in result.seq_ids]
+        gens = [self._by_seq[s][0].gens[self._by_seq[s][1]] for s in result.seq_ids]
+        tokens = sample(result.logits, [s.params for s in seqs], gens)
+        now = time.perf_counter()
+        done = []
+        for seq, tok in zip(seqs, tokens):
+            req, i = self._by_seq[seq.seq_id]
+            req.first_token = req.first_token or now
+            seq.output.append(tok)
+            reason = self._finish_reason(seq, req, i)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                if all(s.status == "finished" for s in req.seqs):
+                    done.append(self._output(req, now))
+        return done
+
+    def _finish_reason(self, seq: Sequence, req: _Request, i: int) -> str | None:
+        p, tok = seq.params, seq.output[-1]
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+            hits = [text.find(s) for s in p.stop if s in text]
+            if hits:
+                req.texts[i] = text[:min(hits)]
+                return "stop"
+        if len(seq.output) >= p.max_tokens or len(seq.tokens) >= self.max_len:
+            return "length"
+        return None
+
+    def _output(self, req: _Request, now: float) -> RequestOutput:
+        outs = []
+        for i, seq in enumerate(req.seqs):
+            text = req.texts[i]
+            if not text and self.tokenizer is not None:
+                text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+            outs.append(CompletionOutput(i, text, list(seq.output), seq.finish_reason))
+        n_out = sum(len(s.output) for s in req.seqs)
+        metrics = {"ttft_s": req.first_token - req.arrival, "e2e_s": now - req.arrival,
+                   "output_tokens": n_out,
+                   "preemptions": sum(s.num_preemptions for s in req.seqs)}
+        del self._requests[req.rid]
+        for s in req.seqs:
+            del self._by_seq[s.seq_id]
+        return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, metrics)

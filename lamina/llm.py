@@ -1,0 +1,77 @@
+"""`LLM`: the public, vLLM-style entry point.
+
+Data in: a model path (None = the embedded SmolLM2), prompts or chat messages, and
+`SamplingParams`. Data out: `RequestOutput`s in prompt order. `executor="local"` runs
+the compute and memory sides in this process; `executor="ray"` (lamina.cluster) puts
+them in Ray workers.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .engine import EngineConfig, LLMEngine, RequestOutput
+from .sampling import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, executor: str = "local",
+                 num_memory_workers: int = 1, dtype: str = "float32", **engine_kw):
+        from lamina.splitter import split_model
+
+        from .executor import LocalExecutor, MemorySide
+        from .kv_pool import KVPool, KVPoolConfig
+        from .models import load
+
+        if executor not in ("local", "ray"):
+            raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
+        if executor == "ray":
+            raise NotImplementedError("the Ray executor is not built yet (engine issue); "
+                                      "use executor='local'")
+        if num_memory_workers != 1:
+            raise NotImplementedError("the local executor has one memory side; several "
+                                      "memory workers come with the Ray executor")
+        self.config = EngineConfig(**engine_kw)
+        self.loaded = load(model, dtype=dtype)
+        self.split = split_model(self.loaded.model)
+        pool = KVPool(KVPoolConfig.for_specs(self.split.attention_specs,
+                                             self.config.num_kv_slots, self.config.kv_dtype))
+        self.executor = LocalExecutor(self.split, MemorySide(pool))
+        self.engine = LLMEngine(self.config, self.executor, self.loaded.tokenizer,
+                                self.loaded.config)
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        for i, (p, sp) in enumerate(zip(prompts, plist)):  # all checked before any runs
+            try:
+                self.engine.validate(p, sp)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        order = {self.engine.add_request(p, sp): i for i, p, sp in
+                 zip(range(len(prompts)), prompts, plist)}
+        results: list = [None] * len(prompts)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                results[order[out.request_id]] = out
+                if bar:
+                    bar.update(1)
+        if bar:
+            bar.close()
+        return results
+
+    def chat(self, messages, params: SamplingParams | None = None, **kw) -> list[RequestOutput]:
+        """messages: one conversation (list of {role, content}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.loaded.tokenizer
+        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                   for c in convs]
+        return self.generate(prompts, params, **kw)
