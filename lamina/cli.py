@@ -1,4 +1,4 @@
-"""The `lamina` command line: split, demo, bench {split, attention, fragmentation}."""
+"""The `lamina` command line: generate, split, demo, bench {split, attention, fragmentation}."""
 from __future__ import annotations
 
 import argparse
@@ -70,6 +70,28 @@ def cmd_demo(args) -> int:
     return 0 if all_match else 1
 
 
+def cmd_generate(args) -> int:
+    """Generate with the engine (local executor: compute and memory side in-process)."""
+    from lamina import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, executor=args.executor)
+    t = time.perf_counter()
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
+                        use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n = sum(len(o.token_ids) for o in outs)
+    for p, o in zip(args.prompts, outs):
+        print(f"> {p}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, {o.finish_reason}]\n")
+    print(f"{n} tokens in {dt:.1f}s ({n / dt:.1f} tok/s, {len(outs)} prompts batched)")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from lamina import bench
 
@@ -102,6 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--prompt", action="append", help="prompt (repeatable)")
     d.set_defaults(fn=cmd_demo)
+    g = sub.add_parser("generate", help="generate text with the Lamina engine")
+    g.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
+    g.add_argument("--model", default=None)
+    g.add_argument("--executor", default="local", choices=["local", "ray"])
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    g.set_defaults(fn=cmd_generate)
     b = sub.add_parser("bench", help="run a benchmark")
     b.add_argument("name", choices=["split", "attention", "fragmentation"])
     b.add_argument("--model", default=None, help="split: model to split")
@@ -120,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.fn(args)
-    except (ModelLoadError, SplitError, UnsupportedAttentionError) as e:
+    except (ModelLoadError, SplitError, UnsupportedAttentionError, ValueError,
+            NotImplementedError) as e:
         print(f"lamina: error: {e}", file=sys.stderr)
         return 2
 

@@ -45,3 +45,15 @@ def test_unsplittable_model_is_a_clear_error(tmp_path, capsys):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "bloom")
     assert main(["split", "--model", str(tmp_path / "bloom")]) == 2
     assert "no attention node to cut" in capsys.readouterr().err
+
+
+def test_generate_runs_the_engine_on_the_default_model(capsys):
+    assert main(["generate", "--max-tokens", "5", "--ignore-eos", "The capital of France is",
+                 "One, two, three,"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[5 tokens, length]") == 2 and "2 prompts batched" in out
+
+
+def test_generate_bad_params_exit_2_before_loading(capsys):
+    assert main(["generate", "hi", "--top-p", "1.5"]) == 2
+    assert "SamplingParams.top_p" in capsys.readouterr().err
