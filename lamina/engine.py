@@ -20,7 +20,8 @@ from .scheduler import Scheduler, SchedulerConfig, Sequence
 
 @dataclass(frozen=True)
 class EngineConfig:
-    num_kv_slots: int = 65536  # token slots in the KV pool
+    num_kv_slots: int = 65536  # token slots in each memory worker's KV pool
+    num_memory_workers: int = 1
     kv_dtype: str = "float32"
     max_batch: int = 64
     max_step_tokens: int = 4096
@@ -30,6 +31,9 @@ class EngineConfig:
         if not isinstance(self.num_kv_slots, int) or self.num_kv_slots <= 0:
             raise ValueError(f"EngineConfig.num_kv_slots must be a positive int, "
                              f"got {self.num_kv_slots!r}")
+        if not isinstance(self.num_memory_workers, int) or self.num_memory_workers < 1:
+            raise ValueError(f"EngineConfig.num_memory_workers must be an int >= 1, "
+                             f"got {self.num_memory_workers!r}")
         SchedulerConfig(self.max_batch, self.max_step_tokens)  # validates those two
 
 
@@ -83,9 +87,11 @@ class LLMEngine:
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
-        self.alloc = KVAllocator(KVAllocatorConfig(config.num_kv_slots))
+        self.allocs = [KVAllocator(KVAllocatorConfig(config.num_kv_slots))
+                       for _ in range(config.num_memory_workers)]
+        self.alloc = self.allocs[0]
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens),
-                                   self.alloc)
+                                   self.allocs)
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()

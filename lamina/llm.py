@@ -24,18 +24,19 @@ class LLM:
 
         if executor not in ("local", "ray"):
             raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
-        if executor == "ray":
-            raise NotImplementedError("the Ray executor is not built yet (engine issue); "
-                                      "use executor='local'")
-        if num_memory_workers != 1:
-            raise NotImplementedError("the local executor has one memory side; several "
-                                      "memory workers come with the Ray executor")
-        self.config = EngineConfig(**engine_kw)
+        self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
         self.loaded = load(model, dtype=dtype)
-        self.split = split_model(self.loaded.model)
-        pool = KVPool(KVPoolConfig.for_specs(self.split.attention_specs,
-                                             self.config.num_kv_slots, self.config.kv_dtype))
-        self.executor = LocalExecutor(self.split, MemorySide(pool))
+        if executor == "ray":
+            from lamina.cluster.executor import RayExecutor
+
+            self.split = None
+            self.executor = RayExecutor(model, dtype, self.config)
+        else:
+            self.split = split_model(self.loaded.model)
+            pool_cfg = KVPoolConfig.for_specs(self.split.attention_specs,
+                                              self.config.num_kv_slots, self.config.kv_dtype)
+            self.executor = LocalExecutor(self.split, [MemorySide(KVPool(pool_cfg))
+                                                       for _ in range(num_memory_workers)])
         self.engine = LLMEngine(self.config, self.executor, self.loaded.tokenizer,
                                 self.loaded.config)
 
@@ -75,3 +76,6 @@ class LLM:
         prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
                    for c in convs]
         return self.generate(prompts, params, **kw)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -18,6 +18,7 @@ class SeqWork:
     start_pos: int  # position of token_ids[0]
     slots: tuple[int, ...]  # KV slot of every position 0 .. start_pos + len(token_ids) - 1
     sample: bool = True  # return logits of the last fed token
+    worker: int = 0  # memory worker holding this sequence's KV (slots are its local ids)
 
     def __post_init__(self):
         if len(self.slots) != self.start_pos + len(self.token_ids) or not self.token_ids:

@@ -1,7 +1,10 @@
 """Continuous-batching scheduler: plain Python over sequence ids and KV slot ids.
 
 Data in: sequences added by the engine, sampled tokens after each step.
-Data out: a `StepPlan` per step (via `schedule`), KV slots from the `KVAllocator`.
+Data out: a `StepPlan` per step (via `schedule`), KV slots from one `KVAllocator` per
+memory worker. Requests are partitioned across memory workers (paper 5.2, request-level):
+a sequence is placed at admission on the worker with the most free slots, which keeps
+KV bytes balanced.
 
 Each step every running sequence decodes one token (one new slot). Waiting sequences
 are admitted in policy order (FIFO by default) while the batch has room and
@@ -40,6 +43,7 @@ class Sequence:
     params: SamplingParams
     output: list[int] = field(default_factory=list)
     status: str = "waiting"  # waiting | running | finished
+    worker: int = -1  # memory worker while running
     finish_reason: str | None = None
     num_preemptions: int = 0
 
@@ -53,68 +57,84 @@ def fifo(waiting: deque) -> list:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: KVAllocator,
+    def __init__(self, config: SchedulerConfig, allocators: KVAllocator | list[KVAllocator],
                  policy: Callable[[deque], list] = fifo):
-        self.config, self.alloc, self.policy = config, allocator, policy
+        self.allocs = allocators if isinstance(allocators, list) else [allocators]
+        self.config, self.policy = config, policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: newest last
         self.step = 0
 
+    @property
+    def alloc(self) -> KVAllocator:
+        """The allocator, when there is one memory worker."""
+        if len(self.allocs) != 1:
+            raise AttributeError("several memory workers: use .allocs")
+        return self.allocs[0]
+
     def add(self, seq: Sequence) -> None:
-        if len(seq.tokens) > self.alloc.config.num_slots:
+        cap = max(a.config.num_slots for a in self.allocs)
+        if len(seq.tokens) > cap:
             raise ValueError(f"sequence {seq.seq_id} needs {len(seq.tokens)} KV slots; the "
-                             f"pool has {self.alloc.config.num_slots}")
+                             f"largest memory worker pool has {cap}")
         self.waiting.append(seq)
+
+    def _place(self, n: int) -> int | None:
+        """Worker with the most free slots that can hold n more; None if none can."""
+        best = max(range(len(self.allocs)), key=lambda w: (self.allocs[w].num_free(), -w))
+        return best if self.allocs[best].can_allocate(n) else None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.alloc.free(seq.seq_id)
+        self.allocs[seq.worker].free(seq.seq_id)
         self.running.remove(seq)
         seq.status, seq.num_preemptions = "waiting", seq.num_preemptions + 1
         self.waiting.appendleft(seq)
 
     def schedule(self) -> StepPlan:
         work: list[SeqWork] = []
-        # 1. Decode: one new slot per running sequence, oldest first.
+        # 1. Decode: one new slot per running sequence, oldest first; a full worker
+        #    preempts its newest sequences.
         for seq in list(self.running):
             if seq.status != "running":
                 continue  # preempted while making room for an older one
-            while not self.alloc.can_allocate(1):
-                victim = self.running[-1]
+            alloc = self.allocs[seq.worker]
+            while not alloc.can_allocate(1):
+                victim = [s for s in self.running if s.worker == seq.worker][-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status != "running":
                 continue
-            self.alloc.append(seq.seq_id)
+            alloc.append(seq.seq_id)
             work.append(SeqWork(seq.seq_id, (seq.tokens[-1],), len(seq.tokens) - 1,
-                                tuple(self.alloc.slots(seq.seq_id))))
+                                tuple(alloc.slots(seq.seq_id)), worker=seq.worker))
         # 2. Admit waiting sequences in policy order while they fit.
         budget = self.config.max_step_tokens - len(work)
         for seq in self.policy(self.waiting):
             n = len(seq.tokens)
-            if len(self.running) >= self.config.max_batch or n > budget \
-                    or not self.alloc.can_allocate(n):
+            w = self._place(n)
+            if len(self.running) >= self.config.max_batch or n > budget or w is None:
                 break  # keep order: no overtaking
             self.waiting.remove(seq)
-            self.alloc.allocate(seq.seq_id, n)
-            seq.status = "running"
+            self.allocs[w].allocate(seq.seq_id, n)
+            seq.status, seq.worker = "running", w
             self.running.append(seq)
             budget -= n
             work.append(SeqWork(seq.seq_id, tuple(seq.tokens), 0,
-                                tuple(self.alloc.slots(seq.seq_id))))
+                                tuple(self.allocs[w].slots(seq.seq_id)), worker=w))
         if not work and self.waiting:
             seq = self.waiting[0]
             raise RuntimeError(f"sequence {seq.seq_id} ({len(seq.tokens)} tokens) cannot be "
                                f"scheduled: step token budget {self.config.max_step_tokens}, "
-                               f"{self.alloc.num_free()} free KV slots")
+                               f"{[a.num_free() for a in self.allocs]} free KV slots")
         plan = StepPlan(self.step, tuple(work))
         self.step += 1
         return plan
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = "finished", reason
-        self.alloc.free(seq.seq_id)
+        self.allocs[seq.worker].free(seq.seq_id)
         self.running.remove(seq)
