@@ -20,7 +20,7 @@ from .scheduler import Scheduler, SchedulerConfig, Sequence
 
 @dataclass(frozen=True)
 class EngineConfig:
-    num_kv_slots: int = 65536  # token slots in each memory worker's KV pool
+    num_kv_slots: int = 16384  # token slots in each memory worker's KV pool
     num_memory_workers: int = 1
     kv_dtype: str = "float32"
     max_batch: int = 64

@@ -17,3 +17,29 @@ def smol_split(smol):
     from lamina.splitter import split_model
 
     return split_model(smol.model)
+
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable "
+        "type changed how knowledge spread across Europe. ") * 40
+LENGTHS = [5, 12, 40, 77, 128, 200, 300, 450, 600, 9, 25, 60, 90, 150, 250, 350]
+
+
+@pytest.fixture(scope="session")
+def prompts(smol):
+    """16 prompts of 5-600 tokens (token ids)."""
+    ids = smol.tokenizer(TEXT)["input_ids"]
+    return [ids[:n] for n in LENGTHS]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(smol, prompts):
+    """HF generate(do_sample=False), 64 new tokens, one prompt at a time (no padding)."""
+    eos = smol.tokenizer.eos_token_id
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            refs.append(smol.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                            do_sample=False, max_new_tokens=64,
+                                            pad_token_id=eos)[0, len(p):].tolist())
+    return refs

@@ -1,16 +1,12 @@
 """End-to-end generation on SmolLM2 (real weights) with the local executor: greedy
 tokens identical to HF `generate`, preemption, seeded sampling, bad input."""
 import pytest
-import torch
 
 from lamina.engine import EngineConfig, LLMEngine
 from lamina.executor import LocalExecutor, MemorySide
 from lamina.kv_pool import KVPool, KVPoolConfig
 from lamina.sampling import SamplingParams
 
-TEXT = ("The history of the printing press begins in the fifteenth century, when movable "
-        "type changed how knowledge spread across Europe. ") * 40
-LENGTHS = [5, 12, 40, 77, 128, 200, 300, 450, 600, 9, 25, 60, 90, 150, 250, 350]
 GREEDY = SamplingParams(max_tokens=64, temperature=0)
 
 
@@ -28,25 +24,6 @@ def run(eng, prompts, params):
         for o in eng.step():
             out[o.request_id] = o
     return [out[i] for i in ids]
-
-
-@pytest.fixture(scope="module")
-def prompts(smol):
-    ids = smol.tokenizer(TEXT)["input_ids"]
-    return [ids[:n] for n in LENGTHS]
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(smol, prompts):
-    eos = smol.tokenizer.eos_token_id
-    refs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            refs.append(smol.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                            do_sample=False, max_new_tokens=64,
-                                            pad_token_id=eos)[0, len(p):].tolist())
-    return refs
 
 
 def test_greedy_batch_identical_to_hf(smol, smol_split, prompts, hf_greedy):

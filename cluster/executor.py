@@ -1,0 +1,63 @@
+"""RayExecutor: places one compute worker and N memory workers on a Ray cluster, wires
+their data plane, and forwards each `StepPlan` to the compute worker (one Ray call per
+step; per-layer tensors never go through Ray).
+
+Data in: `StepPlan`s from the engine. Data out: `StepResult`s. A dead worker surfaces
+as an error naming it, and the engine fails that step loudly.
+"""
+from __future__ import annotations
+
+import os
+
+import ray
+
+from lamina.executor import Executor
+from lamina.messages import StepPlan, StepResult
+
+from .compute_worker import ComputeWorker
+from .memory_worker import MemoryWorker
+
+
+class WorkerFailure(RuntimeError):
+    """A Ray worker died or its data plane broke; the step was not computed."""
+
+
+class RayExecutor(Executor):
+    def __init__(self, model, dtype, config, threads: int = 1, address: str | None = None):
+        if not ray.is_initialized():
+            address = address or os.environ.get("RAY_ADDRESS")
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     **({} if address else {"num_cpus": max(2, os.cpu_count() or 2)}))
+        m = config.num_memory_workers
+        # Fractional CPUs so 1 compute + 2 memory workers fit a 2-core node.
+        self.compute = ComputeWorker.options(num_cpus=0.5).remote(model, dtype, m, threads)
+        self.memory = [MemoryWorker.options(num_cpus=0.5).remote(i, threads) for i in range(m)]
+        pool_cfg, params = ray.get(self.compute.memory_spec.remote(config.num_kv_slots,
+                                                                  config.kv_dtype))
+        self.memory_info = ray.get([w.setup.remote(pool_cfg, params) for w in self.memory])
+        node = ray.get(self.compute.node_id.remote())
+        # Memory workers on the compute worker's node use Unix sockets, the rest TCP.
+        nodes = ray.get([w.__ray_call__.remote(lambda s: ray.get_runtime_context().get_node_id())
+                         for w in self.memory])
+        addrs = ray.get([w.listen.remote(n == node) for w, n in zip(self.memory, nodes)])
+        ray.get(self.compute.connect.remote(addrs))
+        self.addresses = addrs
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        try:
+            return ray.get(self.compute.execute.remote(plan))
+        except Exception as e:  # noqa: BLE001 - name the failing worker if one reported
+            errors = []
+            for i, w in enumerate(self.memory):
+                try:
+                    h = ray.get(w.health.remote(), timeout=10)
+                    if h["error"]:
+                        errors.append(h["error"])
+                except Exception as he:  # noqa: BLE001
+                    errors.append(f"memory worker {i} unreachable: {type(he).__name__}")
+            raise WorkerFailure(f"step {plan.step} failed: {type(e).__name__}: {e}"
+                                + ("; " + "; ".join(errors) if errors else "")) from e
+
+    def shutdown(self) -> None:
+        for a in [self.compute, *self.memory]:
+            ray.kill(a)

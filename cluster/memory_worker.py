@@ -1,0 +1,91 @@
+"""Memory worker: a Ray actor holding one KV pool and computing attention for the
+requests placed on it.
+
+Data in: over the data plane (frames, `lamina.wire`), per step a metadata group
+(layer -1: new-token slots, cu_q, q_pos, slots, cu_k, k_pos0 as int32 tensors), then per
+layer q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, Dv]. Data out: per layer o [n, Hq, Dv].
+Ray only creates, configures and supervises it (setup / listen / health calls).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+import traceback
+
+import ray
+import torch
+
+from lamina.executor import MemorySide
+from lamina.kernels import SlotBatch
+from lamina.kv_pool import KVPool
+from lamina.wire import FrameError, SocketChannel
+
+META = -1  # layer tag of the per-step metadata frames
+
+
+@ray.remote
+class MemoryWorker:
+    def __init__(self, index: int, threads: int = 1):
+        torch.set_num_threads(threads)
+        self.index, self.error, self.steps = index, None, 0
+        self.memory = self.params = self._srv = None
+
+    def setup(self, pool_config, params) -> dict:
+        self.memory = MemorySide(KVPool(pool_config))
+        self.params = list(params)
+        return {"backend": self.memory.backend.name, "reason": self.memory.backend.reason,
+                "pool_bytes": pool_config.nbytes, "pid": os.getpid()}
+
+    def listen(self, unix: bool) -> tuple:
+        """Open the data-plane endpoint; serve one compute worker on a thread."""
+        if unix:
+            path = os.path.join(tempfile.mkdtemp(prefix="lamina-"), f"mem{self.index}.sock")
+            self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._srv.bind(path)
+            addr = ("unix", path)
+        else:
+            self._srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._srv.bind((ray.util.get_node_ip_address(), 0))
+            addr = ("tcp", *self._srv.getsockname())
+        self._srv.listen(1)
+        threading.Thread(target=self._serve, daemon=True).start()
+        return addr
+
+    def health(self) -> dict:
+        return {"error": self.error, "steps": self.steps}
+
+    def _serve(self):
+        conn, _ = self._srv.accept()
+        if conn.family == socket.AF_INET:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ch = SocketChannel(conn)
+        try:
+            while True:
+                self._step(ch)
+                self.steps += 1
+        except FrameError as e:
+            if "header truncated: peer closed after 0" not in str(e):  # not a clean close
+                self.error = f"memory worker {self.index}: {e}"
+        except Exception:  # noqa: BLE001 - reported through health(), then the socket closes
+            self.error = f"memory worker {self.index}: {traceback.format_exc()}"
+        finally:
+            ch.close()
+
+    def _step(self, ch: SocketChannel):
+        new_slots, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32)
+        fields = [ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
+                  for _ in range(5)]
+        batch = SlotBatch(*fields)
+        n = new_slots.numel()
+        if n != batch.num_queries:
+            raise FrameError(f"step {step}: {n} new slots for {batch.num_queries} queries")
+        for layer, params in enumerate(self.params):
+            q = ch.recv(expect_layer=layer, expect_step=step)[0]
+            k = ch.recv(expect_layer=layer, expect_step=step)[0]
+            v = ch.recv(expect_layer=layer, expect_step=step)[0]
+            if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n:
+                raise FrameError(f"step {step} layer {layer}: q/k/v rows {q.shape[0]}/"
+                                 f"{k.shape[0]}/{v.shape[0]}, expected {n}")
+            ch.send(self.memory.attend(layer, params, q, k, v, new_slots, batch), layer, step)

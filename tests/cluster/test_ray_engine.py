@@ -1,0 +1,36 @@
+"""The engine on a local Ray cluster: 1 compute worker, 2 memory workers, data plane over
+Unix sockets. Greedy tokens identical to HF; a dead memory worker fails loudly."""
+import pytest
+import ray
+
+from lamina import LLM, SamplingParams
+from lamina.cluster.executor import WorkerFailure
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096, max_step_tokens=1024)
+    yield llm
+    llm.shutdown()
+    ray.shutdown()
+
+
+def test_ray_greedy_identical_to_hf(llm, prompts, hf_greedy):
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_greedy
+    info = llm.executor.memory_info
+    assert len(info) == 2 and info[0]["pid"] != info[1]["pid"]
+    assert [a[0] for a in llm.executor.addresses] == ["unix", "unix"]
+
+
+def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):
+    eng = llm.engine
+    eng.add_request(prompts[0], GREEDY)
+    eng.add_request(prompts[1], GREEDY)
+    eng.step()
+    ray.kill(llm.executor.memory[1])
+    with pytest.raises(WorkerFailure, match="step .* failed"):
+        for _ in range(3):
+            eng.step()
