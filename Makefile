@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test bench-split clean
+.PHONY: setup run test demo bench-split clean
 
 setup: $(STAMP)
 
@@ -17,11 +17,16 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: setup
-	$(VENV)/bin/lamina split
-	$(VENV)/bin/lamina demo
+	$(VENV)/bin/lamina generate --executor ray --memory-workers 2 --chat --max-tokens 48 \
+	  "What is the capital of France?" "Write a haiku about memory." \
+	  "Explain attention in one sentence." "List three prime numbers."
 
 test: setup
 	$(PY) -m pytest -q tests
+
+demo: setup
+	$(VENV)/bin/lamina split
+	$(VENV)/bin/lamina demo
 
 bench-split: setup
 	$(VENV)/bin/lamina bench split --repeat 3

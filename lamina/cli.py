@@ -77,7 +77,10 @@ def cmd_generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, executor=args.executor)
+    llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers)
+    where = (f"{args.memory_workers} Ray memory worker process(es)" if args.executor == "ray"
+             else "in-process memory side")
+    print(f"attention offloaded to {where}")
     t = time.perf_counter()
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
@@ -89,6 +92,7 @@ def cmd_generate(args) -> int:
     for p, o in zip(args.prompts, outs):
         print(f"> {p}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, {o.finish_reason}]\n")
     print(f"{n} tokens in {dt:.1f}s ({n / dt:.1f} tok/s, {len(outs)} prompts batched)")
+    llm.shutdown()
     return 0
 
 
@@ -128,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
     g.add_argument("--model", default=None)
     g.add_argument("--executor", default="local", choices=["local", "ray"])
+    g.add_argument("--memory-workers", type=int, default=1)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)
