@@ -1,4 +1,6 @@
-"""lamina.cluster: Ray actors, placement, launch and job API (the only package importing ray).
+"""lamina.cluster: Ray placement and supervision of compute and memory workers.
 
-Not built yet: see the disaggregated engine issue.
+`RayExecutor` (executor.py) creates one `ComputeWorker` (compute_worker.py) and N
+`MemoryWorker`s (memory_worker.py) and wires their socket data plane; `LLM(executor="ray")`
+finds it through `lamina.executor.PLUGINS`. This is the only package that imports ray.
 """

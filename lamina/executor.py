@@ -13,6 +13,7 @@ over its sequences' slots, and the outputs are put back in row order.
 """
 from __future__ import annotations
 
+import importlib
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -32,6 +33,21 @@ class Executor(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass
+
+
+# Executors that live in other packages, found by name at run time (so lamina/ never
+# imports them statically; only lamina.cluster imports ray).
+PLUGINS = {"ray": "lamina.cluster.executor:RayExecutor"}
+
+
+def plugin_executor(name: str):
+    if name not in PLUGINS:
+        raise ValueError(f"unknown executor {name!r}; choose 'local' or one of {sorted(PLUGINS)}")
+    mod, cls = PLUGINS[name].split(":")
+    try:
+        return getattr(importlib.import_module(mod), cls)
+    except ImportError as e:
+        raise ImportError(f"executor {name!r} needs {e.name}: {e}") from e
 
 
 def attention_params(spec) -> AttentionParams:

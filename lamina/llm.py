@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .engine import EngineConfig, LLMEngine, RequestOutput
+from .executor import plugin_executor
 from .sampling import SamplingParams
 
 
@@ -26,11 +27,9 @@ class LLM:
             raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
         self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
         self.loaded = load(model, dtype=dtype)
-        if executor == "ray":
-            from lamina.cluster.executor import RayExecutor
-
+        if executor != "local":
             self.split = None
-            self.executor = RayExecutor(model, dtype, self.config)
+            self.executor = plugin_executor(executor)(model, dtype, self.config)
         else:
             self.split = split_model(self.loaded.model)
             pool_cfg = KVPoolConfig.for_specs(self.split.attention_specs,
