@@ -109,6 +109,13 @@ def cmd_bench(args) -> int:
         bench_memory.bench_attention(threads=args.threads or 1, repeat=args.repeat or 7,
                                      out_dir=args.out, **sizes)
         return 0
+    if args.name == "e2e":
+        from lamina import bench_e2e
+
+        bench_e2e.bench_e2e(args.model, batches=(1,) if args.quick else (1, 8, 32),
+                            new_tokens=8 if args.quick else 128, threads=args.threads or 2,
+                            out_dir=args.out)
+        return 0
     if args.name == "fragmentation":
         bench_memory.bench_fragmentation(num_requests=40 if args.quick else 400, out_dir=args.out)
         return 0
@@ -142,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     g.set_defaults(fn=cmd_generate)
     b = sub.add_parser("bench", help="run a benchmark")
-    b.add_argument("name", choices=["split", "attention", "fragmentation"])
+    b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e"])
     b.add_argument("--model", default=None, help="split: model to split")
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
