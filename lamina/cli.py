@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.fn(args)
-    except (ModelLoadError, SplitError, UnsupportedAttentionError, ValueError,
-            NotImplementedError) as e:
+    except (ModelLoadError, SplitError, UnsupportedAttentionError, ValueError) as e:
         print(f"lamina: error: {e}", file=sys.stderr)
         return 2
 
