@@ -29,9 +29,16 @@ class RayExecutor(Executor):
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
                      **({} if address else {"num_cpus": max(2, os.cpu_count() or 2)}))
         m = config.num_memory_workers
-        # Fractional CPUs so 1 compute + 2 memory workers fit a 2-core node.
-        self.compute = ComputeWorker.options(num_cpus=0.5).remote(model, dtype, m, threads)
-        self.memory = [MemoryWorker.options(num_cpus=0.5).remote(i, threads) for i in range(m)]
+        # Fractional CPUs so 1 compute + 2 memory workers fit a 2-core node; on a cluster
+        # whose nodes advertise lamina_compute / lamina_memory (ray_config.yaml), use them.
+        have = ray.cluster_resources()
+        c_opts, m_opts = {"num_cpus": 0.5}, {"num_cpus": 0.5}
+        if "lamina_compute" in have:
+            c_opts["resources"] = {"lamina_compute": 1}
+        if "lamina_memory" in have:
+            m_opts["resources"] = {"lamina_memory": 1}
+        self.compute = ComputeWorker.options(**c_opts).remote(model, dtype, m, threads)
+        self.memory = [MemoryWorker.options(**m_opts).remote(i, threads) for i in range(m)]
         pool_cfg, params = ray.get(self.compute.memory_spec.remote(config.num_kv_slots,
                                                                   config.kv_dtype))
         self.memory_info = ray.get([w.setup.remote(pool_cfg, params) for w in self.memory])
