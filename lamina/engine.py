@@ -95,7 +95,6 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()
-        self._requests: dict[int, _Request] = {}
         self._by_seq: dict[int, tuple[_Request, int]] = {}
         self.step_timings: list[dict] = []
 
@@ -138,7 +137,6 @@ class LLMEngine:
             req.texts.append("")
             self._by_seq[seq.seq_id] = (req, i)
             self.scheduler.add(seq)
-        self._requests[rid] = req
         return rid
 
     def has_unfinished(self) -> bool:
@@ -195,7 +193,6 @@ class LLMEngine:
         metrics = {"ttft_s": req.first_token - req.arrival, "e2e_s": now - req.arrival,
                    "output_tokens": n_out,
                    "preemptions": sum(s.num_preemptions for s in req.seqs)}
-        del self._requests[req.rid]
         for s in req.seqs:
             del self._by_seq[s.seq_id]
         return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, metrics)

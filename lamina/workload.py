@@ -100,7 +100,7 @@ def simulate_occupancy(requests: list[tuple[int, int]], max_batch: int, page_siz
             for s in range(n_samples):
                 alloc.append((rid, s))
             st[2] += 1
-        live = slab = pages = 0
+        live = pages = 0
         for rid, (p, o, g) in running.items():
             live += p + n_samples * g
             full, part = divmod(p, page_size)

@@ -1,8 +1,6 @@
 """Fixtures for kernel tests: the compiled CPU backend (built once, cached on disk)."""
 import pytest
 
-from lamina.workload import scattered_tables  # noqa: F401  (re-exported for the tests)
-
 
 @pytest.fixture(scope="session")
 def cpu():

@@ -7,8 +7,7 @@ import torch
 from lamina.kernels import (AttentionParams, ReferenceBackend, SlotBatch, attend,
                             merge_attention, prefill_attention, write_kv)
 from lamina.splitter.attention_op import reference_attention
-
-from .conftest import scattered_tables
+from lamina.workload import scattered_tables
 
 REF = ReferenceBackend()
 D = 64
