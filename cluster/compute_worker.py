@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
+import time
 
 import ray
 import torch
 
-from lamina.executor import ComputeSide
+from lamina.executor import ComputeSide, MemoryLink, WorkerPart
+from lamina.kernels import SlotBatch
 from lamina.kv_pool import KVPoolConfig
 from lamina.messages import StepPlan
 from lamina.models import load
@@ -50,24 +53,74 @@ class ComputeWorker:
             self.channels.append(SocketChannel(s))
         return os.getpid()
 
-    def _attend(self, layer, q, k, v, parts):
-        step = self._step
-        if layer == 0:  # per-step metadata first
-            for ch, p in zip(self.channels, parts):
-                if p.rows.numel():
-                    b = p.batch
-                    for t in (p.new_slots, b.cu_q, b.q_pos, b.slots, b.cu_k, b.k_pos0):
-                        ch.send(t, META, step)
-        live = [(ch, p) for ch, p in zip(self.channels, parts) if p.rows.numel()]
-        for ch, p in live:  # send to every worker first, then collect: they run in parallel
-            for t in (q, k, v):
-                ch.send(t[p.rows], layer, step)
-        o = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-        for ch, p in live:
-            o[p.rows] = ch.recv(expect_layer=layer, expect_step=step,
-                                expect_shape=(p.rows.numel(), q.shape[1], v.shape[-1]))[0]
-        return o
-
     def execute(self, plan: StepPlan):
-        self._step = plan.step
-        return self.compute.run(plan, self._attend)
+        return self.compute.run(plan, _SocketLink(self.channels))
+
+    def probe_exchange(self, tokens, repeat: int) -> dict:
+        """Seconds per layer for n tokens' q/k/v to the memory workers and o back (and for
+        the submit alone), through
+        the real link and memory-worker loop; each token attends to its own slot only (so
+        the kernel's share is tiny), slots 0..n-1 of an idle pool."""
+        spec = self.compute.split.attention_specs[0]
+        hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
+        w = len(self.channels)
+        link, out, sub = _SocketLink(self.channels), {}, {}
+        layers = len(self.compute.params)
+        for n in tokens:
+            per = [list(range(i, n, w)) for i in range(w)]
+            parts = [WorkerPart(torch.tensor(r, dtype=torch.int64),
+                                torch.arange(len(r), dtype=torch.int32),
+                                SlotBatch.build([[j] for j in range(len(r))], [1] * len(r)))
+                     for r in per]
+            q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, dv)
+            times, subs = [], []
+            for rep in range(repeat):
+                link.begin(-2 - rep, [parts])
+                t = time.perf_counter()
+                for layer in range(layers):
+                    t1 = time.perf_counter()
+                    link.submit(layer, 0, q, k, v, parts)
+                    subs.append(time.perf_counter() - t1)
+                    link.collect(layer, 0, parts, (n, hq, dv), q.dtype)
+                times.append((time.perf_counter() - t) / layers)
+            out[n], sub[n] = statistics.median(times), statistics.median(subs)
+        return {"exchange_s": out, "submit_s": sub}
+
+    def logits(self, rows: int):
+        return torch.zeros(rows, self.loaded.config.vocab_size)
+
+
+class _SocketLink(MemoryLink):
+    """Frames to and from each memory worker. Per step, each worker first gets the number
+    of micro-batches it has rows in, then their metadata; then per layer, per micro-batch,
+    q/k/v go out and o comes back, in the same order on both sides."""
+
+    def __init__(self, channels: list[SocketChannel]):
+        self.channels = channels
+
+    def begin(self, step, parts):
+        self.step = step
+        for w, ch in enumerate(self.channels):
+            live = [p[w] for p in parts if p[w].rows.numel()]
+            if not live:
+                continue
+            frames = [(torch.tensor([len(live)], dtype=torch.int32), META, step)]
+            for p in live:
+                b = p.batch
+                frames += [(t, META, step) for t in (p.new_slots, b.cu_q, b.q_pos, b.slots,
+                                                     b.cu_k, b.k_pos0)]
+            ch.send_many(frames)
+
+    def submit(self, layer, mb, q, k, v, parts):
+        for ch, p in zip(self.channels, parts):  # every worker first: they run in parallel
+            if p.rows.numel():
+                ch.send_many([(t[p.rows], layer, self.step) for t in (q, k, v)])
+
+    def collect(self, layer, mb, parts, out_shape, dtype):
+        n, hq, dv = out_shape
+        o = torch.empty(n, hq, dv, dtype=dtype)
+        for ch, p in zip(self.channels, parts):
+            if p.rows.numel():
+                o[p.rows] = ch.recv(expect_layer=layer, expect_step=self.step,
+                                    expect_shape=(p.rows.numel(), hq, dv))[0]
+        return o

@@ -8,6 +8,8 @@ as an error naming it, and the engine fails that step loudly.
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
 import ray
 
@@ -64,6 +66,19 @@ class RayExecutor(Executor):
                     errors.append(f"memory worker {i} unreachable: {type(he).__name__}")
             raise WorkerFailure(f"step {plan.step} failed: {type(e).__name__}: {e}"
                                 + ("; " + "; ".join(errors) if errors else "")) from e
+
+    def probe(self, tokens, repeat: int = 20) -> dict:
+        ex = ray.get(self.compute.probe_exchange.remote(list(tokens), repeat))  # exchange, submit
+        call = {}
+        for n in tokens:  # a step call carrying n rows of logits back
+            ray.get(self.compute.logits.remote(n))
+            ts = []
+            for _ in range(repeat):
+                t = time.perf_counter()
+                ray.get(self.compute.logits.remote(n))
+                ts.append(time.perf_counter() - t)
+            call[n] = statistics.median(ts)
+        return {**ex, "call_s": call}
 
     def shutdown(self) -> None:
         for a in [self.compute, *self.memory]:

@@ -1,14 +1,16 @@
 """Memory worker: a Ray actor holding one KV pool and computing attention for the
 requests placed on it.
 
-Data in: over the data plane (frames, `lamina.wire`), per step a metadata group
-(layer -1: new-token slots, cu_q, q_pos, slots, cu_k, k_pos0 as int32 tensors), then per
-layer q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, Dv]. Data out: per layer o [n, Hq, Dv].
+Data in: over the data plane (frames, `lamina.wire`), per step a metadata group (layer
+-1: the micro-batch count, then per micro-batch new-token slots, cu_q, q_pos, slots,
+cu_k, k_pos0 as int32 tensors), then per layer and micro-batch q [n, Hq, D],
+k [n, Hkv, D], v [n, Hkv, Dv]. Data out: per layer and micro-batch o [n, Hq, Dv].
 Ray only creates, configures and supervises it (setup / listen / health calls).
 """
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import tempfile
 import threading
@@ -61,6 +63,10 @@ class MemoryWorker:
         if conn.family == socket.AF_INET:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         ch = SocketChannel(conn)
+        # Outputs go out on their own thread, so this one keeps reading: with micro-batches
+        # the compute side sends the next one's q/k/v before it reads this one's output.
+        self._out = queue.SimpleQueue()
+        threading.Thread(target=self._send_loop, args=(ch,), daemon=True).start()
         try:
             while True:
                 self._step(ch)
@@ -71,21 +77,39 @@ class MemoryWorker:
         except Exception:  # noqa: BLE001 - reported through health(), then the socket closes
             self.error = f"memory worker {self.index}: {traceback.format_exc()}"
         finally:
+            self._out.put(None)
+
+    def _send_loop(self, ch: SocketChannel):
+        try:
+            while (item := self._out.get()) is not None:
+                ch.send(*item)
+        except OSError as e:
+            self.error = self.error or f"memory worker {self.index}: send failed: {e}"
+        finally:
             ch.close()
 
     def _step(self, ch: SocketChannel):
-        new_slots, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32)
-        fields = [ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
-                  for _ in range(5)]
-        batch = SlotBatch(*fields)
-        n = new_slots.numel()
-        if n != batch.num_queries:
-            raise FrameError(f"step {step}: {n} new slots for {batch.num_queries} queries")
+        count, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32,
+                                 expect_shape=(1,))
+        if not 1 <= int(count[0]) <= 64:
+            raise FrameError(f"step {step}: {int(count[0])} micro-batches")
+        mbs = []
+        for _ in range(int(count[0])):
+            new_slots, *fields = [ch.recv(expect_layer=META, expect_step=step,
+                                          expect_dtype=torch.int32)[0] for _ in range(6)]
+            batch = SlotBatch(*fields)
+            if new_slots.numel() != batch.num_queries:
+                raise FrameError(f"step {step}: {new_slots.numel()} new slots for "
+                                 f"{batch.num_queries} queries")
+            mbs.append((new_slots, batch))
         for layer, params in enumerate(self.params):
-            q = ch.recv(expect_layer=layer, expect_step=step)[0]
-            k = ch.recv(expect_layer=layer, expect_step=step)[0]
-            v = ch.recv(expect_layer=layer, expect_step=step)[0]
-            if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n:
-                raise FrameError(f"step {step} layer {layer}: q/k/v rows {q.shape[0]}/"
-                                 f"{k.shape[0]}/{v.shape[0]}, expected {n}")
-            ch.send(self.memory.attend(layer, params, q, k, v, new_slots, batch), layer, step)
+            for new_slots, batch in mbs:
+                n = new_slots.numel()
+                q = ch.recv(expect_layer=layer, expect_step=step)[0]
+                k = ch.recv(expect_layer=layer, expect_step=step)[0]
+                v = ch.recv(expect_layer=layer, expect_step=step)[0]
+                if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n:
+                    raise FrameError(f"step {step} layer {layer}: q/k/v rows {q.shape[0]}/"
+                                     f"{k.shape[0]}/{v.shape[0]}, expected {n}")
+                self._out.put((self.memory.attend(layer, params, q, k, v, new_slots, batch),
+                               layer, step))

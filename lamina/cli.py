@@ -1,4 +1,4 @@
-"""The `lamina` command line: generate, split, demo, bench {split, attention, fragmentation}."""
+"""The `lamina` command line: generate, split, demo, bench NAME, cost-report."""
 from __future__ import annotations
 
 import argparse
@@ -119,8 +119,38 @@ def cmd_bench(args) -> int:
     if args.name == "fragmentation":
         bench_memory.bench_fragmentation(num_requests=40 if args.quick else 400, out_dir=args.out)
         return 0
-    print(f"unknown benchmark {args.name!r}", file=sys.stderr)
-    return 2
+    from lamina import bench_sim
+
+    if args.name == "ops":
+        bench_sim.bench_ops(args.model, out_dir=args.out)
+    elif args.name == "sim":
+        bench_sim.bench_sim(args.model, batches=(8,) if args.quick else (8, 32),
+                            new_tokens=16 if args.quick else 128, repeat=args.repeat or 3,
+                            out_dir=args.out)
+    elif args.name == "sim-scale":
+        bench_sim.bench_sim_scale(n_requests=100 if args.quick else 1000,
+                                  repeat=args.repeat or 3, out_dir=args.out)
+    return 0
+
+
+def cmd_cost_report(args) -> int:
+    from lamina.cost_report import build_report, write_report
+
+    rep = build_report(args.model, args.compute, args.memory, tuple(args.context),
+                       catalog=args.catalog, tpot_slo_ms=args.tpot_slo_ms or None,
+                       max_memory_per_compute=args.max_ratio,
+                       simulate_requests=args.sim_requests)
+    files = write_report(rep, args.out, args.format)
+    for c in rep["contexts"]:
+        h, o = c["homogeneous"], c["offloaded"]
+        print(f"context {c['context']}: homogeneous "
+              f"{h['tokens_per_s_per_kusd']:.1f} tok/s/$1k" if h else
+              f"context {c['context']}: homogeneous does not fit", end="; ")
+        print(f"offloaded {o['tokens_per_s_per_kusd']:.1f} tok/s/$1k with {o['tp']} x "
+              f"{o['compute']} + {o['memory_devices']:g} x {o['memory']}"
+              + (f" ({c['gain']:.2f}x)" if c["gain"] else "") if o else "offloaded: none fits")
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,12 +179,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     g.set_defaults(fn=cmd_generate)
     b = sub.add_parser("bench", help="run a benchmark")
-    b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e"])
+    b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "ops", "sim",
+                                    "sim-scale"])
     b.add_argument("--model", default=None, help="split: model to split")
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
     b.add_argument("--out", default="benchmarks/results")
     b.set_defaults(fn=cmd_bench)
+    c = sub.add_parser("cost-report", help="throughput per dollar: homogeneous vs offloaded")
+    c.add_argument("--model", required=True, help="built-in name (llama-13b, ...) or HF folder")
+    c.add_argument("--compute", required=True, help="compute device from the catalog")
+    c.add_argument("--memory", required=True, help="memory device from the catalog")
+    c.add_argument("--context", type=int, nargs="+", default=[512, 4096])
+    c.add_argument("--catalog", default=None, help="hardware YAML (default: the built-in one)")
+    c.add_argument("--tpot-slo-ms", type=float, default=250.0, help="TPOT bound; 0 = none")
+    c.add_argument("--max-ratio", type=int, default=32, help="most memory per compute device")
+    c.add_argument("--sim-requests", type=int, default=300, help="requests simulated")
+    c.add_argument("--format", choices=["html", "md"], default="html")
+    c.add_argument("--out", default="report")
+    c.set_defaults(fn=cmd_cost_report)
     return p
 
 
@@ -167,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except (ModelLoadError, SplitError, UnsupportedAttentionError, ValueError) as e:
+        # CatalogError is a ValueError: it names the device and the field
         print(f"lamina: error: {e}", file=sys.stderr)
         return 2
 

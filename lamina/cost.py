@@ -2,8 +2,8 @@
 formulas (arithmetic intensity of the dense part, minimum interconnect bandwidth).
 
 Data in: `lamina/data/hardware.yaml` (or a user's YAML), HF configs or built-in LLaMA
-shapes. Data out: validated `Device`s and `ModelShape`s, and numbers for reports.
-The optimizer, simulator and HTML report are not built yet.
+shapes. Data out: validated `Device`s and `ModelShape`s for `lamina.cost_model` (the
+throughput model and optimizer), `lamina.simulator` and `lamina.cost_report`.
 """
 from __future__ import annotations
 

@@ -9,13 +9,18 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .kv_allocator import KVAllocator, KVAllocatorConfig
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, SchedulerConfig, Sequence
+
+
+# "rotational" is the paper's staggered pipelining (5.1) with n = 2 batches on one
+# compute replica: there rotational and fixed coincide and no context migrates.
+PIPELINES = ("none", "rotational")
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,8 @@ class EngineConfig:
     max_batch: int = 64
     max_step_tokens: int = 4096
     seed: int = 0  # seeds requests that bring no seed of their own
+    pipeline: str = "none"  # "rotational": staggered pipelining over 2 micro-batches
+
 
     def __post_init__(self):
         if not isinstance(self.num_kv_slots, int) or self.num_kv_slots <= 0:
@@ -35,6 +42,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_memory_workers must be an int >= 1, "
                              f"got {self.num_memory_workers!r}")
         SchedulerConfig(self.max_batch, self.max_step_tokens)  # validates those two
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
+                             f"got {self.pipeline!r}")
 
 
 @dataclass
@@ -144,18 +154,21 @@ class LLMEngine:
 
     # -- the step loop --
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.config.pipeline == "rotational" and len(plan.seqs) > 1:
+            plan = replace(plan, micro_batches=2)
         result = self.executor.execute(plan)
         if result.step != plan.step or len(result.seq_ids) != result.logits.shape[0]:
             raise RuntimeError(f"executor answered step {result.step} with "
                                f"{len(result.seq_ids)} ids / {result.logits.shape[0]} rows for "
                                f"plan step {plan.step}")
-        if result.timings:
-            self.step_timings.append({"tokens": plan.num_tokens, **result.timings})
         seqs = [self._by_seq[s][0].seqs[self._by_seq[s][1]] for s in result.seq_ids]
         gens = [self._by_seq[s][0].gens[self._by_seq[s][1]] for s in result.seq_ids]
         tokens = sample(result.logits, [s.params for s in seqs], gens)
         now = time.perf_counter()
+        self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
+                                  "step_s": now - t0, **(result.timings or {})})
         done = []
         for seq, tok in zip(seqs, tokens):
             req, i = self._by_seq[seq.seq_id]

@@ -7,7 +7,9 @@ All sequences' new tokens are packed into one [1, N] row: every op outside atten
 per token, so the slices need no padding, and prefill and decode mix freely in one step.
 For each attention layer the packed q/k/v rows are split by memory worker (requests are
 partitioned across workers), each worker writes its rows' k/v into its pool and attends
-over its sequences' slots, and the outputs are put back in row order.
+over its sequences' slots, and the outputs are put back in row order. With
+`plan.micro_batches = 2` the step runs as two sub-batches in a staggered pipeline (paper
+5.1, the n = 2 case on one replica): slice i of one overlaps the other's attention.
 `LocalExecutor` holds its memory sides in this process; `lamina.cluster` runs the same
 `ComputeSide` in a Ray actor that talks to memory-worker processes over the data plane.
 """
@@ -30,6 +32,13 @@ from .messages import StepPlan, StepResult
 class Executor(ABC):
     @abstractmethod
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def probe(self, tokens, repeat: int = 20) -> dict:
+        """Per-op costs of this executor's own plumbing, for simulator calibration:
+        {"exchange_s": {n: one layer's q/k/v out and o back for n tokens}, "submit_s": {n:
+        the sending part alone}, "call_s": {n: the per-step call returning n logits rows}}. Empty when there is nothing to add
+        (in-process). Only call it while no request is running."""
+        return {}
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass
@@ -87,6 +96,22 @@ def pack(plan: StepPlan, num_workers: int):
     return torch.tensor([ids]), torch.tensor([pos]), rows, parts
 
 
+def split_micro(seqs: tuple, n: int) -> list[tuple]:
+    """Cut the plan's sequences into <= n contiguous groups of about equal token counts
+    (contiguous, so the sampled rows stay in plan order)."""
+    total = sum(len(s.token_ids) for s in seqs)
+    groups, cur, acc = [], [], 0
+    for s in seqs:
+        cur.append(s)
+        acc += len(s.token_ids)
+        if acc * n >= total * (len(groups) + 1) and len(groups) < n - 1:
+            groups.append(tuple(cur))
+            cur = []
+    if cur:
+        groups.append(tuple(cur))
+    return groups
+
+
 class MemorySide:
     """One memory worker's state: a KV pool and an attention backend."""
 
@@ -101,33 +126,82 @@ class MemorySide:
         return o
 
 
+class MemoryLink(ABC):
+    """The compute side's view of its memory workers for one step. `submit` hands a
+    micro-batch's layer q/k/v over and returns at once; `collect` waits for its output.
+    Between the two the compute side runs the other micro-batches (staggered pipelining)."""
+
+    def begin(self, step: int, parts: list[list[WorkerPart]]) -> None:  # noqa: B027
+        pass
+
+    @abstractmethod
+    def submit(self, layer: int, mb: int, q, k, v, parts: list[WorkerPart]) -> None: ...
+
+    @abstractmethod
+    def collect(self, layer: int, mb: int, parts: list[WorkerPart], out_shape,
+                dtype) -> torch.Tensor: ...
+
+
 class ComputeSide:
-    """Runs the slices; `attend(layer, q, k, v, parts)` is the memory side's job."""
+    """Runs the slices over one or more micro-batches; the memory side is a `MemoryLink`."""
 
     def __init__(self, split: SplitModel, num_workers: int):
         self.split, self.num_workers = split, num_workers
         self.params = [attention_params(s) for s in split.attention_specs]
 
     @torch.no_grad()
-    def run(self, plan: StepPlan, attend) -> StepResult:
-        ids, pos, rows, parts = pack(plan, self.num_workers)
-        t_dense = t_attn = 0.0
-        t = time.perf_counter()
-        out = self.split.slices[0](ids, pos)
-        t_dense += time.perf_counter() - t
-        for i in range(len(self.params)):
-            q, k, v, ctx = out[0], out[1], out[2], out[3:]
-            t = time.perf_counter()
-            # [1, H, N, D] -> [N, H, D]
-            o = attend(i, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                       parts)
-            t_attn += time.perf_counter() - t
-            t = time.perf_counter()
-            out = self.split.slices[i + 1](pos, o[None], *ctx)  # attn_out [1, N, Hq, Dv]
-            t_dense += time.perf_counter() - t
-        logits = out[0][0, rows].float()  # [R, V]
+    def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
+        mbs = [pack(StepPlan(plan.step, g), self.num_workers)
+               for g in split_micro(plan.seqs, plan.micro_batches)]
+        link.begin(plan.step, [m[3] for m in mbs])
+        t_dense = t_submit = t_wait = 0.0
+        outs = [None] * len(mbs)
+        n_layers = len(self.params)
+        # Layer i of micro-batch j: wait for its layer i-1 attention, run slice i, submit.
+        # The memory side attends micro-batch j while this thread runs j+1's slice.
+        for i in range(n_layers + 1):
+            for j, (ids, pos, _, parts) in enumerate(mbs):
+                if i == 0:
+                    args = (ids, pos)
+                else:
+                    q, v, ctx = outs[j][0], outs[j][2], outs[j][3:]
+                    t = time.perf_counter()
+                    o = link.collect(i - 1, j, parts, (q.shape[2], q.shape[1], v.shape[-1]),
+                                     q.dtype)
+                    t_wait += time.perf_counter() - t
+                    args = (pos, o[None], *ctx)  # attn_out [1, N, Hq, Dv]
+                t = time.perf_counter()
+                outs[j] = self.split.slices[i](*args)
+                t_dense += time.perf_counter() - t
+                if i < n_layers:
+                    q, k, v = outs[j][0], outs[j][1], outs[j][2]
+                    t = time.perf_counter()
+                    # [1, H, N, D] -> [N, H, D]
+                    link.submit(i, j, q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                v[0].transpose(0, 1), parts)
+                    t_submit += time.perf_counter() - t
+        logits = torch.cat([out[0][0, m[2]] for out, m in zip(outs, mbs)]).float()  # [R, V]
         return StepResult(plan.step, tuple(s.seq_id for s in plan.seqs if s.sample), logits,
-                          {"dense_s": t_dense, "attention_s": t_attn})
+                          {"dense_s": t_dense, "submit_s": t_submit, "wait_s": t_wait,
+                           "attention_s": t_submit + t_wait, "micro_batches": len(mbs)})
+
+
+class _LocalLink(MemoryLink):
+    """Memory sides in this process: attention runs inside `submit` (no overlap)."""
+
+    def __init__(self, memory: list[MemorySide], params):
+        self.memory, self.params, self.ready = memory, params, {}
+
+    def submit(self, layer, mb, q, k, v, parts):
+        o = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        for mem, p in zip(self.memory, parts):
+            if p.rows.numel():
+                o[p.rows] = mem.attend(layer, self.params[layer], q[p.rows], k[p.rows],
+                                       v[p.rows], p.new_slots, p.batch)
+        self.ready[layer, mb] = o
+
+    def collect(self, layer, mb, parts, out_shape, dtype):
+        return self.ready.pop((layer, mb))
 
 
 class LocalExecutor(Executor):
@@ -135,14 +209,7 @@ class LocalExecutor(Executor):
         self.memory = memory if isinstance(memory, list) else [memory]
         self.compute = ComputeSide(split, len(self.memory))
         self.params = self.compute.params
-
-    def _attend(self, layer, q, k, v, parts):
-        o = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-        for mem, p in zip(self.memory, parts):
-            if p.rows.numel():
-                o[p.rows] = mem.attend(layer, self.params[layer], q[p.rows], k[p.rows],
-                                       v[p.rows], p.new_slots, p.batch)
-        return o
+        self.link = _LocalLink(self.memory, self.params)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return self.compute.run(plan, self._attend)
+        return self.compute.run(plan, self.link)

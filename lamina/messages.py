@@ -30,6 +30,12 @@ class SeqWork:
 class StepPlan:
     step: int
     seqs: tuple[SeqWork, ...]
+    micro_batches: int = 1  # > 1: staggered pipelining over that many sub-batches
+
+    def __post_init__(self):
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"StepPlan.micro_batches must be an int >= 1, "
+                             f"got {self.micro_batches!r}")
 
     @property
     def num_tokens(self) -> int:

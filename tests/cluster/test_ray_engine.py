@@ -1,5 +1,7 @@
 """The engine on a local Ray cluster: 1 compute worker, 2 memory workers, data plane over
 Unix sockets. Greedy tokens identical to HF; a dead memory worker fails loudly."""
+from dataclasses import replace
+
 import pytest
 import ray
 
@@ -23,6 +25,19 @@ def test_ray_greedy_identical_to_hf(llm, prompts, hf_greedy):
     info = llm.executor.memory_info
     assert len(info) == 2 and info[0]["pid"] != info[1]["pid"]
     assert [a[0] for a in llm.executor.addresses] == ["unix", "unix"]
+
+
+def test_ray_rotational_pipeline_identical(llm, prompts, hf_greedy):
+    """Two micro-batches per step: one's slices overlap the other's remote attention."""
+    eng = llm.engine
+    eng.config = replace(eng.config, pipeline="rotational")
+    eng.step_timings.clear()
+    try:
+        outs = llm.generate(prompts[:6], GREEDY, use_tqdm=False)
+    finally:
+        eng.config = replace(eng.config, pipeline="none")
+    assert [o.token_ids for o in outs] == hf_greedy[:6]
+    assert max(t["micro_batches"] for t in eng.step_timings) == 2
 
 
 def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):

@@ -83,8 +83,10 @@ def test_bad_input_rejected_and_engine_keeps_serving(smol, smol_split, prompts, 
     assert [o.request_id for o in done] == [good] and done[0].token_ids == hf_greedy[0]
 
 
-def test_two_memory_workers_partition_requests_and_match(smol, smol_split, prompts, hf_greedy):
-    cfg = EngineConfig(num_kv_slots=3000, num_memory_workers=2)
+@pytest.mark.parametrize("pipeline", ["none", "rotational"])
+def test_two_memory_workers_partition_requests_and_match(smol, smol_split, prompts, hf_greedy,
+                                                         pipeline):
+    cfg = EngineConfig(num_kv_slots=3000, num_memory_workers=2, pipeline=pipeline)
     pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 3000)) for _ in range(2)]
     eng = LLMEngine(cfg, LocalExecutor(smol_split, [MemorySide(p) for p in pools]),
                     smol.tokenizer, smol.config)
@@ -98,3 +100,21 @@ def test_two_memory_workers_partition_requests_and_match(smol, smol_split, promp
         for o in eng.step():
             out[o.request_id] = o
     assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
+    want = 2 if pipeline == "rotational" else 1
+    assert {t["micro_batches"] for t in eng.step_timings} == {want}
+
+
+def test_split_micro_contiguous_and_balanced():
+    from lamina.executor import split_micro
+    from lamina.messages import SeqWork
+
+    def seq(i, n):
+        return SeqWork(i, (1,) * n, 0, tuple(range(n)))
+
+    seqs = tuple(seq(i, n) for i, n in enumerate([1, 1, 1, 1, 10, 1, 1, 1, 1]))
+    groups = split_micro(seqs, 2)
+    assert [[s.seq_id for s in g] for g in groups] == [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
+    assert [[s.seq_id for s in g] for g in split_micro(seqs[:1], 2)] == [[0]]
+    assert sum(map(len, split_micro(seqs, 3))) == 9
+    with pytest.raises(ValueError, match="pipeline must be one of"):
+        EngineConfig(pipeline="zigzag")

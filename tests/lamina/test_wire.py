@@ -79,3 +79,24 @@ def test_socket_channel_rejects_wrong_shape_before_reading_payload():
         SocketChannel(b).recv(expect_shape=(4,))
     a.close()
     b.close()
+
+
+def test_send_many_survives_partial_writes():
+    """Frames far larger than the socket buffer: the gather write goes out in pieces and
+    resumes mid-buffer; the reader sees every byte in order."""
+    import threading
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    tx, rx = SocketChannel(a), SocketChannel(b)
+    frames = [(torch.randn(4096, 9, 64), 0, 1), (torch.arange(7, dtype=torch.int32), 0, 1),
+              (torch.randn(3, 3).bfloat16(), 1, 1)]
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(rx.recv() for _ in frames))
+    reader.start()
+    tx.send_many(frames)
+    reader.join(30)
+    assert [(layer, step) for _, layer, step in got] == [(0, 1), (0, 1), (1, 1)]
+    assert all(torch.equal(g[0], f[0]) for g, f in zip(got, frames))
+    tx.close()
+    rx.close()

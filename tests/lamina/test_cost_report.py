@@ -1,0 +1,77 @@
+"""`lamina cost-report`: files written, HTML references existing PNGs, JSON schema,
+Markdown, and clear errors for bad catalogs and device names."""
+import json
+import re
+
+import jsonschema
+import pytest
+
+from lamina.cli import main
+from lamina.cost_report import REPORT_SCHEMA, build_report
+
+ARGS = ["cost-report", "--model", "llama-13b", "--compute", "a100-80g", "--memory", "rtx3090",
+        "--context", "512", "4096", "--max-ratio", "8", "--sim-requests", "60"]
+
+
+def test_html_report(tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(ARGS + ["--out", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    imgs = re.findall(r'<img src="([^"]+)"', page)
+    assert len(imgs) == 3
+    for name in imgs:  # every image the page shows exists and is a PNG
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rep = json.loads((out / "report.json").read_text())
+    jsonschema.validate(rep, REPORT_SCHEMA)
+    assert [c["context"] for c in rep["contexts"]] == [512, 4096]
+    for c in rep["contexts"]:
+        h, o = c["homogeneous"], c["offloaded"]
+        assert c["gain"] == pytest.approx(o["tokens_per_s_per_kusd"] / h["tokens_per_s_per_kusd"])
+        assert o["tpot_ms"] <= 250 and h["tpot_ms"] <= 250
+        assert len(c["sweep"]) == 8 and c["simulation"]["requests"] == 60
+    assert rep["contexts"][1]["gain"] > rep["contexts"][0]["gain"] > 1
+    assert "Recommended:" in page and "rtx3090" in page
+    assert "offloaded" in capsys.readouterr().out
+
+
+def test_markdown_report(tmp_path):
+    out = tmp_path / "md"
+    assert main(ARGS[:-4] + ["--context", "2048", "--format", "md", "--sim-requests", "30",
+                             "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert md.startswith("# Lamina cost report: llama-13b")
+    for name in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):
+        assert (out / name).is_file()
+    assert "| context | setup |" in md
+
+
+def test_schema_rejects_broken_report():
+    rep = build_report("llama-7b", "a100-80g", "rx7900xtx", (512,), max_memory_per_compute=2,
+                       simulate_requests=20)
+    jsonschema.validate(dict(rep, plots={}), REPORT_SCHEMA)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(dict(rep, contexts=[]), REPORT_SCHEMA)
+
+
+def test_bad_inputs_are_clear_errors(tmp_path, capsys):
+    assert main(["cost-report", "--model", "llama-13b", "--compute", "tpu9", "--memory",
+                 "rtx3090", "--out", str(tmp_path)]) == 2
+    assert "unknown device 'tpu9'" in capsys.readouterr().err
+    bad = tmp_path / "hw.yaml"
+    bad.write_text("devices:\n  cheap: {price_usd: -1, memory_gb: 1, memory_bw_gbps: 1, "
+                   "peak_tflops: 1, nic_gbps: 1}\n")
+    assert main(["cost-report", "--model", "llama-13b", "--compute", "cheap", "--memory",
+                 "cheap", "--catalog", str(bad), "--out", str(tmp_path)]) == 2
+    assert "device 'cheap': field 'price_usd' must be positive" in capsys.readouterr().err
+    assert main(["cost-report", "--model", "gpt-9", "--compute", "a100-80g", "--memory",
+                 "rtx3090", "--out", str(tmp_path)]) == 2
+    assert "unknown model 'gpt-9'" in capsys.readouterr().err
+
+
+def test_sim_scale_bench_writes_results(tmp_path):
+    assert main(["bench", "sim-scale", "--quick", "--repeat", "1", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "sim_scale.json").read_text())
+    assert res["requests"] == 100 and {r["pipeline"] for r in res["rows"]} == {"none",
+                                                                               "rotational"}
+    assert all(r["wall_s"] > 0 and r["throughput_tok_s"] > 0 for r in res["rows"])
+    assert "| pipeline |" in (tmp_path / "sim_scale.md").read_text()

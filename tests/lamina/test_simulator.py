@@ -1,0 +1,113 @@
+"""Discrete-event simulator: exact timelines on hand-made costs, the staggered-pipeline
+period, KV admission, Poisson arrivals, and measured-cost interpolation."""
+import pytest
+
+from lamina.simulator import (MeasuredCosts, Request, SimConfig, poisson_workload, simulate,
+                              step_time)
+from lamina.workload import sharegpt_like
+
+
+class FlatCosts:
+    """dense 1 ms per layer per token, head 2 ms, attention 0.5 ms + 1 us per key, network
+    0.1 ms per layer round trip; 2 layers."""
+
+    layers = 2
+
+    def dense_layer(self, tokens):
+        return 1e-3 * tokens
+
+    def head(self, rows):
+        return 2e-3
+
+    def attention(self, queries, keys):
+        return 0.5e-3 + 1e-6 * keys
+
+    def network(self, tokens, workers):
+        return 0.1e-3
+
+    def step_overhead(self, rows):
+        return 0.0
+
+    def exchange_host(self, tokens):
+        return 0.0
+
+
+def test_single_request_timeline_exact():
+    cfg = SimConfig(replicas=1, memory_per_replica=1)
+    r = simulate(FlatCosts(), cfg, [Request(1.0, 4, 3)])
+    # prefill: 4 tokens, causal keys 10; then 2 decode steps over 5 and 6 keys
+    prefill = 2 * (4e-3 + 0.5e-3 + 10e-6 + 0.1e-3) + 2e-3
+    dec = [2 * (1e-3 + 0.5e-3 + k * 1e-6 + 0.1e-3) + 2e-3 for k in (5, 6)]
+    assert r.ttft_s["p50"] == pytest.approx(prefill)
+    assert r.tpot_s["p50"] == pytest.approx(sum(dec) / 2)
+    assert r.makespan_s == pytest.approx(1.0 + prefill + sum(dec))
+    assert r.output_tokens == 3 and r.steps == 3
+    assert r.decode_tok_s == pytest.approx(2 / sum(dec))
+
+
+def test_rotational_period_is_the_busier_side():
+    cfg = SimConfig(memory_per_replica=1, pipeline="rotational")
+    t, dense, attn = step_time(FlatCosts(), cfg, [], [[10, 10, 10, 10]], [], 4)
+    d, a = 2e-3, 0.5e-3 + 20e-6 + 0.1e-3  # per half: 2 tokens, 20 keys
+    assert t == pytest.approx(2 * max(2 * d, 2 * a, d + a) + 2 * 2e-3)
+    slow = FlatCosts()
+    slow.exchange_host = lambda tokens: 0.05e-3  # compute-thread part of the exchange
+    t2 = step_time(slow, cfg, [], [[10, 10, 10, 10]], [], 4)[0]
+    assert t2 == pytest.approx(2 * 2 * (d + 0.05e-3) + 2 * 2e-3)
+    assert dense == pytest.approx(2 * 2 * d + 2 * 2e-3)
+    none = step_time(FlatCosts(), SimConfig(memory_per_replica=1), [], [[10] * 4], [], 4)[0]
+    assert none == pytest.approx(2 * (4e-3 + 0.5e-3 + 40e-6 + 0.1e-3) + 2e-3)
+
+
+def test_kv_capacity_queues_requests_and_loses_none():
+    reqs = [Request(0.0, 10, 5), Request(0.0, 10, 5), Request(0.0, 10, 5)]
+    cfg = SimConfig(memory_per_replica=1, kv_tokens_per_device=30)  # room for two at a time
+    r = simulate(FlatCosts(), cfg, reqs)
+    assert r.output_tokens == 15 and r.requests == 3
+    solo = simulate(FlatCosts(), cfg, reqs[:2])
+    assert r.ttft_s["p99"] > solo.makespan_s * 0.99  # the third waits for a slot to free
+    with pytest.raises(ValueError, match="needs 40 KV tokens"):
+        simulate(FlatCosts(), cfg, [Request(0.0, 30, 10)])
+
+
+def test_replicas_share_load():
+    reqs = [Request(0.0, 8, 20)] * 8
+    one = simulate(FlatCosts(), SimConfig(replicas=1, max_batch=4), reqs)
+    four = simulate(FlatCosts(), SimConfig(replicas=4, max_batch=4), reqs)
+    assert four.makespan_s < one.makespan_s / 2
+    assert four.output_tokens == one.output_tokens == 160
+
+
+def test_poisson_workload():
+    reqs = poisson_workload(4000, rate_per_s=50.0, seed=3)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:])]
+    assert all(g >= 0 for g in gaps)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.05)
+    assert [(r.prompt, r.output) for r in reqs] == sharegpt_like(4000, 3)
+    assert poisson_workload(10, 5.0, seed=1) == poisson_workload(10, 5.0, seed=1)
+
+
+def test_measured_costs_interpolate():
+    calib = {"layers": 30, "dense_layer_s": {"1": 1.0, "4": 2.5, "8": 4.5},
+             "head_s": {"1": 0.1, "8": 0.8}, "attention_s0": 1e-5,
+             "attention_s_per_key": 1e-9, "net_s0": 1e-4, "net_s_per_byte": 1e-10,
+             "net_bytes_per_token_layer": 1000}
+    c = MeasuredCosts(calib)
+    assert c.dense_layer(4) == 2.5 and c.dense_layer(2) == pytest.approx(1.5)
+    assert c.dense_layer(16) == pytest.approx(8.5)  # extrapolates the last segment
+    assert c.head(4) == pytest.approx(0.4)
+    assert c.attention(1, 1000) == pytest.approx(1e-5 + 1e-6)
+    assert c.network(10, 2) == pytest.approx(1e-4 + 1e-10 * 5000)
+    assert c.step_overhead(8) == 0.0
+    c = MeasuredCosts({**calib, "exchange_s": {"1": 1e-3, "9": 2e-3},
+                       "call_s": {"1": 1e-3, "8": 2e-3}, "sample_s": {"1": 0.0, "8": 1e-3}})
+    assert c.network(5, 2) == pytest.approx(1.5e-3) and c.step_overhead(8) == 3e-3
+    with pytest.raises(ValueError, match="bad calibration"):
+        MeasuredCosts({"layers": 30})
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="pipeline"):
+        SimConfig(pipeline="zigzag")
+    with pytest.raises(ValueError, match="replicas"):
+        SimConfig(replicas=0)
