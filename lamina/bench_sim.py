@@ -79,7 +79,8 @@ def measure_ops(model=None, tokens=TOKENS, repeat: int = 5, executor=None) -> di
     from lamina.workload import scattered_tables
 
     torch.set_num_threads(1)
-    sm = split_model(load(model, with_tokenizer=False).model)
+    lm = load(model, with_tokenizer=False)
+    sm = split_model(lm.model)
     spec, L = sm.attention_specs[0], len(sm.attention_specs)
     hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
     dense, head = {}, {}
@@ -140,6 +141,7 @@ def measure_ops(model=None, tokens=TOKENS, repeat: int = 5, executor=None) -> di
         logits, gens = torch.randn(n, vocab), [torch.Generator() for _ in range(n)]
         samp[n] = _median_time(lambda: sample(logits, [greedy] * n, gens), repeat)
     return {**extra, "sample_s": samp,
+            "params": float(sum(p.numel() for p in lm.model.parameters())),
             "layers": L, "threads": 1, "dense_layer_s": dense, "head_s": head,
             "attention_s0": a0, "attention_s_per_key": ak,
             "attention_points": [[x, y] for x, y in zip(xs, ys)],

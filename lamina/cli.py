@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 
 def _threads(n: int | None):
@@ -134,12 +135,22 @@ def cmd_bench(args) -> int:
 
 
 def cmd_cost_report(args) -> int:
+    from lamina.cost_model import Efficiency
     from lamina.cost_report import build_report, write_report
 
+    eff = Efficiency()
+    if args.calibration:  # MFU curve fitted to `lamina bench ops` timings
+        import json
+
+        if not args.calibration_peak_tflops:
+            raise ValueError("--calibration needs --calibration-peak-tflops (the measured "
+                             "device's peak)")
+        calib = json.loads(Path(args.calibration).read_text())
+        eff = Efficiency.from_ops(calib, calib["params"], args.calibration_peak_tflops)
     rep = build_report(args.model, args.compute, args.memory, tuple(args.context),
                        catalog=args.catalog, tpot_slo_ms=args.tpot_slo_ms or None,
                        max_memory_per_compute=args.max_ratio,
-                       simulate_requests=args.sim_requests)
+                       simulate_requests=args.sim_requests, eff=eff)
     files = write_report(rep, args.out, args.format)
     for c in rep["contexts"]:
         h, o = c["homogeneous"], c["offloaded"]
@@ -195,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tpot-slo-ms", type=float, default=250.0, help="TPOT bound; 0 = none")
     c.add_argument("--max-ratio", type=int, default=32, help="most memory per compute device")
     c.add_argument("--sim-requests", type=int, default=300, help="requests simulated")
+    c.add_argument("--calibration", default=None,
+                   help="ops.json from `lamina bench ops`: fit the MFU curve to it")
+    c.add_argument("--calibration-peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of the device the calibration ran on")
     c.add_argument("--format", choices=["html", "md"], default="html")
     c.add_argument("--out", default="report")
     c.set_defaults(fn=cmd_cost_report)

@@ -60,6 +60,18 @@ class Efficiency:
         mfu_max = min(1.0, 1 / icpt) if icpt > 0 else 1.0
         return Efficiency(mfu_max=mfu_max, b_half=max(0.0, slope * mfu_max), **kw)
 
+    @staticmethod
+    def from_ops(calib: dict, params: float, peak_tflops: float, **kw) -> Efficiency:
+        """Fit the MFU curve to `lamina bench ops` timings of a device whose peak is
+        `peak_tflops`: MFU(B) = 2 * params * B / (layers * dense_layer(B) + head(B)) / peak.
+        `params` is the measured model's dense parameter count."""
+        L = int(calib["layers"])
+        pts = []
+        for b, t in calib["dense_layer_s"].items():
+            total = L * float(t) + float(calib["head_s"][b])
+            pts.append((int(b), 2 * params * int(b) / (total * peak_tflops * 1e12)))
+        return Efficiency.fit_mfu(pts, **kw)
+
 
 @dataclass(frozen=True)
 class Cell:

@@ -100,3 +100,16 @@ def test_figure1_offloading_gain(capsys):
         assert gains[m, 4096] > gains[m, 512]  # wider at long context, as in the paper
         assert gains[m, 4096] > 1.5
     assert fraction_grid(1, 4, 1) == (1, 2, 4)
+
+
+def test_efficiency_from_bench_ops_timings():
+    """`lamina bench ops` timings generated from a known MFU curve give it back."""
+    truth, params, peak, L = Efficiency(mfu_max=0.3, b_half=20.0), 1.0e8, 0.08, 30
+    calib = {"layers": L, "dense_layer_s": {}, "head_s": {}}
+    for b in (1, 4, 16, 64):
+        total = 2 * params * b / (truth.mfu(b) * peak * 1e12)
+        calib["dense_layer_s"][str(b)] = 0.8 * total / L
+        calib["head_s"][str(b)] = 0.2 * total
+    fit = Efficiency.from_ops(calib, params, peak, mbu=0.5)
+    assert fit.mfu_max == pytest.approx(0.3) and fit.b_half == pytest.approx(20.0)
+    assert fit.mbu == 0.5

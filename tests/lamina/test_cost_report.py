@@ -75,3 +75,19 @@ def test_sim_scale_bench_writes_results(tmp_path):
                                                                                "rotational"}
     assert all(r["wall_s"] > 0 and r["throughput_tok_s"] > 0 for r in res["rows"])
     assert "| pipeline |" in (tmp_path / "sim_scale.md").read_text()
+
+
+def test_report_calibrated_by_bench_ops_file(tmp_path, capsys):
+    # MFU 0.125 at B=1 (20 ms) and 0.5 at B=8 (40 ms) on a 0.08 TFLOP/s device
+    calib = {"params": 1.0e8, "layers": 2, "dense_layer_s": {"1": 8e-3, "8": 16e-3},
+             "head_s": {"1": 4e-3, "8": 8e-3}}
+    f = tmp_path / "ops.json"
+    f.write_text(json.dumps(calib))
+    args = ARGS[:-4] + ["--context", "512", "--sim-requests", "20", "--calibration", str(f)]
+    assert main(args + ["--out", str(tmp_path / "r")]) == 2
+    assert "--calibration-peak-tflops" in capsys.readouterr().err
+    assert main(args + ["--calibration-peak-tflops", "0.08", "--out", str(tmp_path / "r")]) == 0
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    # 1/MFU = 1/mfu_max + (b_half/mfu_max)/B through (1, 8) and (1/8, 2)
+    assert rep["efficiency"]["mfu_max"] == pytest.approx(0.875)
+    assert rep["efficiency"]["b_half"] == pytest.approx(6.0)
