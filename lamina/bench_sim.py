@@ -21,18 +21,9 @@ from pathlib import Path
 import torch
 
 from .bench import _write
+from .bench_memory import _median_s
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def _median_time(fn, repeat: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def _fit_line(xs, ys):
@@ -89,9 +80,9 @@ def measure_ops(model=None, tokens=TOKENS, repeat: int = 5, executor=None) -> di
             ids, pos = torch.randint(0, 1000, (1, n)), torch.arange(n)[None]
             first = sm.slices[0](ids, pos)
             o = torch.randn(1, n, hq, dv)
-            mid = _median_time(lambda: sm.slices[1](pos, o, *first[3:]), repeat)
-            t0 = _median_time(lambda: sm.slices[0](ids, pos), repeat)
-            tl = _median_time(lambda: sm.slices[L](pos, o, *first[3:]), repeat)
+            mid = _median_s(lambda: sm.slices[1](pos, o, *first[3:]), repeat)
+            t0 = _median_s(lambda: sm.slices[0](ids, pos), repeat)
+            tl = _median_s(lambda: sm.slices[L](pos, o, *first[3:]), repeat)
             dense[n], head[n] = mid, max(0.0, t0 + tl - mid)
     # attention: decode over scattered slots, fit a0 + a_key * keys
     pool_cfg = KVPoolConfig.for_specs(sm.attention_specs[:1], 40000)
@@ -107,7 +98,7 @@ def measure_ops(model=None, tokens=TOKENS, repeat: int = 5, executor=None) -> di
         new = torch.tensor([t[-1] for t in tables], dtype=torch.int32)
         q, k, v = torch.randn(B, hq, d), torch.randn(B, hkv, d), torch.randn(B, hkv, dv)
         xs.append(B * ctx)
-        ys.append(_median_time(lambda: mem.attend(0, params, q, k, v, new, batch), repeat * 4))
+        ys.append(_median_s(lambda: mem.attend(0, params, q, k, v, new, batch), repeat * 4))
     a0, ak = _fit_line(xs, ys)
     # data plane: q/k/v out, o back, over a Unix socket to another process
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -125,7 +116,7 @@ def measure_ops(model=None, tokens=TOKENS, repeat: int = 5, executor=None) -> di
             ch.recv()
 
         nx.append(n * per_tok)
-        ny.append(_median_time(rt, repeat * 20))
+        ny.append(_median_s(rt, repeat * 20))
     ch.close()
     p.join(5)
     n0, nb = _fit_line(nx, ny)
@@ -139,7 +130,7 @@ def measure_ops(model=None, tokens=TOKENS, repeat: int = 5, executor=None) -> di
     samp = {}
     for n in tokens:
         logits, gens = torch.randn(n, vocab), [torch.Generator() for _ in range(n)]
-        samp[n] = _median_time(lambda: sample(logits, [greedy] * n, gens), repeat)
+        samp[n] = _median_s(lambda: sample(logits, [greedy] * n, gens), repeat)
     return {**extra, "sample_s": samp,
             "params": float(sum(p.numel() for p in lm.model.parameters())),
             "layers": L, "threads": 1, "dense_layer_s": dense, "head_s": head,

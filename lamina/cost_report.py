@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .cost import load_catalog, model_shape
 from .cost import device as get_device
-from .cost_model import Cell, Efficiency, best, estimate, min_interconnect_curve, min_tp
+from .cost_model import Efficiency, best, min_interconnect_curve, min_tp
 
 _EST = {"type": "object", "required": ["compute", "tp", "memory", "memory_devices", "pipeline",
                                        "batch", "tpot_ms", "tokens_per_s", "price_usd",

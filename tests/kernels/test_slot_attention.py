@@ -164,7 +164,7 @@ def test_lse_merge_of_split_kv_ranges_is_exact(cpu, parts):
             if len(t) > parts else [len(t)] * (parts - 1) for t in tables]
     outs, lses = [], []
     for i in range(parts):
-        sub, start, nq = [], [], []
+        sub, start = [], []
         for t, c in zip(tables, cuts):
             a, b = ([0] + c)[i], (c + [len(t)])[i]
             sub.append(t[a:b])
