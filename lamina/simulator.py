@@ -198,9 +198,11 @@ class SimResult:
     decode_tok_s: float  # generated tokens / time spent in pure-decode steps, per replica
     ttft_s: dict
     tpot_s: dict
-    compute_util: float
-    memory_util: float
+    compute_util: float  # mean over compute groups
+    memory_util: float  # mean over memory devices
     steps: int
+    compute_util_by_replica: tuple = ()
+    memory_util_by_device: tuple = ()  # replica-major
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -347,4 +349,6 @@ def simulate(costs, cfg: SimConfig, requests: list[Request]) -> SimResult:
         decode_tok_s=decode_tok / decode_time * cfg.replicas if decode_time else math.nan,
         ttft_s=_pct(ttft), tpot_s=_pct(tpot),
         compute_util=sum(r.compute_busy for r in reps) / (span * cfg.replicas),
-        memory_util=sum(sum(r.memory_busy) for r in reps) / (span * n_mem), steps=steps)
+        memory_util=sum(sum(r.memory_busy) for r in reps) / (span * n_mem), steps=steps,
+        compute_util_by_replica=tuple(r.compute_busy / span for r in reps),
+        memory_util_by_device=tuple(b / span for r in reps for b in r.memory_busy))

@@ -43,6 +43,10 @@ def test_single_request_timeline_exact():
     assert r.makespan_s == pytest.approx(1.0 + prefill + sum(dec))
     assert r.output_tokens == 3 and r.steps == 3
     assert r.decode_tok_s == pytest.approx(2 / sum(dec))
+    busy = 2 * (4e-3 + 1e-3 + 1e-3) + 3 * 2e-3  # dense per layer x 2 layers + heads
+    assert r.compute_util_by_replica == pytest.approx((busy / r.makespan_s,))
+    attn = 2 * (0.5e-3 + 10e-6 + 0.5e-3 + 5e-6 + 0.5e-3 + 6e-6)
+    assert r.memory_util_by_device == pytest.approx((attn / r.makespan_s,))
 
 
 def test_rotational_period_is_the_busier_side():
