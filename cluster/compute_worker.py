@@ -57,10 +57,9 @@ class ComputeWorker:
         return self.compute.run(plan, _SocketLink(self.channels))
 
     def probe_exchange(self, tokens, repeat: int) -> dict:
-        """Seconds per layer for n tokens' q/k/v to the memory workers and o back (and for
-        the submit alone), through
-        the real link and memory-worker loop; each token attends to its own slot only (so
-        the kernel's share is tiny), slots 0..n-1 of an idle pool."""
+        """Seconds per layer for n tokens' q/k/v to the memory workers and o back, and for
+        the submit alone, through the real link and memory-worker loop. Each token attends
+        to its own slot only (so the kernel's share is tiny), slots 0..n-1 of an idle pool."""
         spec = self.compute.split.attention_specs[0]
         hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
         w = len(self.channels)

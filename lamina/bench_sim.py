@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .bench import _write
@@ -27,10 +28,9 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def _fit_line(xs, ys):
-    n, sx, sy = len(xs), sum(xs), sum(ys)
-    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
-    b = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-    return max(0.0, (sy - b * sx) / n), max(0.0, b)
+    """-> (intercept, slope) of the least-squares line, both clamped at 0."""
+    slope, icpt = np.polyfit(xs, ys, 1)
+    return max(0.0, float(icpt)), max(0.0, float(slope))
 
 
 def _echo(sock, hq, dv):

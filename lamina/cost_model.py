@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from .cost import Device, ModelShape
 
 PIPELINES = ("none", "rotational")
@@ -51,12 +53,8 @@ class Efficiency:
         (1/MFU = 1/mfu_max + (b_half/mfu_max) / B), so least squares in that space."""
         if len(points) < 2:
             raise ValueError("fit_mfu needs MFU measured at >= 2 batch sizes")
-        xs = [1 / b for b, _ in points]
-        ys = [1 / m for _, m in points]
-        n, sx, sy = len(xs), sum(xs), sum(ys)
-        sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
-        slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-        icpt = (sy - slope * sx) / n
+        slope, icpt = (float(c) for c in np.polyfit([1 / b for b, _ in points],
+                                                     [1 / m for _, m in points], 1))
         mfu_max = min(1.0, 1 / icpt) if icpt > 0 else 1.0
         return Efficiency(mfu_max=mfu_max, b_half=max(0.0, slope * mfu_max), **kw)
 

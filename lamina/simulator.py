@@ -22,10 +22,10 @@ import math
 import random
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .cost import Device, ModelShape
-from .cost_model import Efficiency, net_bytes_per_token, weight_bytes
+from .cost_model import Cell, Efficiency, attention_time, dense_time, network_time
 from .workload import sharegpt_like
 
 
@@ -68,34 +68,31 @@ def poisson_workload(n: int, rate_per_s: float, seed: int = 0) -> list[Request]:
 
 
 class AnalyticCosts:
-    """Per-op costs from the catalog and an `Efficiency` (the analytic model's terms)."""
+    """Per-op costs from the catalog and an `Efficiency`: the analytic model's terms
+    (`lamina.cost_model`), per layer, with one memory device per worker."""
 
     def __init__(self, model: ModelShape, compute: Device, tp: int, memory: Device,
                  eff: Efficiency = Efficiency()):
-        self.layers = model.layers
-        self._flop_tok = 2 * model.params
-        self._peak = tp * compute.peak_tflops * 1e12
-        self._w = weight_bytes(model) / (tp * compute.memory_bw_gbps * 1e9)
-        self._kv_tok = model.kv_bytes_per_token() / model.layers
-        self._mem_bw = memory.memory_bw_gbps * 1e9 * eff.mbu
-        self._net_tok = net_bytes_per_token(model) / model.layers
-        self._link = min(tp * compute.nic_gbps, memory.nic_gbps) * 1e9 * eff.net_efficiency
-        self._lat = eff.net_latency_s
-        self.eff, self.tp = eff, tp
+        self.model, self.eff, self.layers = model, eff, model.layers
+        self.cell = Cell(compute, tp, memory, 1)
+        self._by_workers = {}  # workers -> Cell with that many memory devices
 
     def dense_layer(self, tokens: int) -> float:
         # MFU(B) covers the weight-bound regime at small batches; one layer's share
-        mfu = self.eff.mfu(tokens, self.tp)
-        return self._flop_tok * tokens / (mfu * self._peak) / self.layers
+        return dense_time(self.model, self.cell, tokens, self.eff) / self.layers
 
     def head(self, rows: int) -> float:
         return 0.0  # counted in `params` (the dense part) by the analytic model
 
     def attention(self, queries: int, keys_read: int) -> float:
-        return keys_read * self._kv_tok / self._mem_bw
+        return attention_time(self.model, self.cell, keys_read, 1, self.eff) / self.layers
 
     def network(self, tokens: int, workers: int) -> float:
-        return tokens * self._net_tok / (self._link * workers) + self._lat
+        cell = self._by_workers.get(workers)
+        if cell is None:
+            cell = self._by_workers[workers] = replace(self.cell, m=workers)
+        return network_time(self.model, cell, tokens, self.eff) / self.layers \
+            + self.eff.net_latency_s
 
     def step_overhead(self, rows: int) -> float:
         return 0.0  # host-side scheduling and sampling: not in the analytic model
