@@ -17,7 +17,7 @@ import torch
 from lamina.executor import ComputeSide, MemoryLink, WorkerPart
 from lamina.kernels import SlotBatch
 from lamina.kv_pool import KVPoolConfig
-from lamina.messages import StepPlan
+from lamina.messages import StepPlan, StepResult
 from lamina.models import load
 from lamina.splitter import split_model
 from lamina.wire import SocketChannel
@@ -85,8 +85,9 @@ class ComputeWorker:
             out[n], sub[n] = statistics.median(times), statistics.median(subs)
         return {"exchange_s": out, "submit_s": sub}
 
-    def logits(self, rows: int):
-        return torch.zeros(rows, self.loaded.config.vocab_size)
+    def tokens(self, rows: int):
+        """A step result's payload for `rows` sampled sequences (for call-cost probes)."""
+        return StepResult(-1, tuple(range(rows)), ((0,),) * rows)
 
 
 class _SocketLink(MemoryLink):

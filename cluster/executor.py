@@ -70,12 +70,12 @@ class RayExecutor(Executor):
     def probe(self, tokens, repeat: int = 20) -> dict:
         ex = ray.get(self.compute.probe_exchange.remote(list(tokens), repeat))  # exchange, submit
         call = {}
-        for n in tokens:  # a step call carrying n rows of logits back
-            ray.get(self.compute.logits.remote(n))
+        for n in tokens:  # a step call carrying n sampled tokens back
+            ray.get(self.compute.tokens.remote(n))
             ts = []
             for _ in range(repeat):
                 t = time.perf_counter()
-                ray.get(self.compute.logits.remote(n))
+                ray.get(self.compute.tokens.remote(n))
                 ts.append(time.perf_counter() - t)
             call[n] = statistics.median(ts)
         return {**ex, "call_s": call}

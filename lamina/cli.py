@@ -97,6 +97,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """OpenAI-compatible HTTP server over the engine."""
+    from lamina import LLM
+    from lamina.server import serve
+
+    llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
+              max_batch=args.max_batch)
+    print(f"serving {llm.loaded.source} on http://{args.host}:{args.port} "
+          f"({args.executor} executor, {args.memory_workers} memory worker(s))", flush=True)
+    try:
+        serve(llm, args.host, args.port)
+    finally:
+        llm.shutdown()
+    return 0
+
+
 def cmd_bench(args) -> int:
     from lamina import bench
 
@@ -189,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     g.set_defaults(fn=cmd_generate)
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
+                       "/v1/chat/completions)")
+    v.add_argument("--model", default=None)
+    v.add_argument("--executor", default="ray", choices=["local", "ray"])
+    v.add_argument("--memory-workers", type=int, default=2)
+    v.add_argument("--max-batch", type=int, default=64)
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="run a benchmark")
     b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "ops", "sim",
                                     "sim-scale"])

@@ -11,10 +11,9 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 
-import torch
 
 from .kv_allocator import KVAllocator, KVAllocatorConfig
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, Sequence
 
 
@@ -83,7 +82,6 @@ class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    gens: list[torch.Generator]
     arrival: float
     first_token: float | None = None
     texts: list[str] = field(default_factory=list)
@@ -129,7 +127,10 @@ class LLMEngine:
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
                              f"{self.max_len}")
-        if len(ids) + 1 > self.config.num_kv_slots:
+        if params.n > self.config.max_batch:
+            raise ValueError(f"n={params.n} parallel samples exceed max_batch "
+                             f"{self.config.max_batch}")
+        if len(ids) + params.n > self.config.num_kv_slots:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds "
                              f"{self.config.num_kv_slots}")
         return ids
@@ -138,15 +139,16 @@ class LLMEngine:
         ids = self.validate(prompt, params)
         rid = next(self._rid)
         seed = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
-        req = _Request(rid, prompt if isinstance(prompt, str) else None, ids, params, [], [],
+        req = _Request(rid, prompt if isinstance(prompt, str) else None, ids, params, [],
                        time.perf_counter())
         for i in range(params.n):
-            seq = Sequence(next(self._sid), list(ids), params)
+            seq = Sequence(next(self._sid), list(ids), params, seed=seed + i)
             req.seqs.append(seq)
-            req.gens.append(torch.Generator().manual_seed(seed + i))
             req.texts.append("")
             self._by_seq[seq.seq_id] = (req, i)
-            self.scheduler.add(seq)
+        # n > 1: one prefill; the siblings fork the parent's KV after it (scheduler.fork).
+        req.seqs[0].forks = req.seqs[1:]
+        self.scheduler.add(req.seqs[0])
         return rid
 
     def has_unfinished(self) -> bool:
@@ -159,18 +161,25 @@ class LLMEngine:
         if self.config.pipeline == "rotational" and len(plan.seqs) > 1:
             plan = replace(plan, micro_batches=2)
         result = self.executor.execute(plan)
-        if result.step != plan.step or len(result.seq_ids) != result.logits.shape[0]:
+        if (result.step != plan.step or len(result.seq_ids) != len(result.token_ids)
+                or any(s not in self._by_seq for s in result.seq_ids)):
             raise RuntimeError(f"executor answered step {result.step} with "
-                               f"{len(result.seq_ids)} ids / {result.logits.shape[0]} rows for "
-                               f"plan step {plan.step}")
-        seqs = [self._by_seq[s][0].seqs[self._by_seq[s][1]] for s in result.seq_ids]
-        gens = [self._by_seq[s][0].gens[self._by_seq[s][1]] for s in result.seq_ids]
-        tokens = sample(result.logits, [s.params for s in seqs], gens)
+                               f"{len(result.seq_ids)} ids / {len(result.token_ids)} token "
+                               f"rows for plan step {plan.step}")
         now = time.perf_counter()
         self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
                                   "step_s": now - t0, **(result.timings or {})})
+        drawn = []  # (sequence, token)
+        for sid, toks in zip(result.seq_ids, result.token_ids):
+            req, i = self._by_seq[sid]
+            seq = req.seqs[i]
+            kids = self.scheduler.fork(seq) if seq.forks else []
+            if len(toks) != 1 + len(kids):
+                raise RuntimeError(f"executor drew {len(toks)} tokens for seq {sid}, "
+                                   f"expected {1 + len(kids)}")
+            drawn += zip([seq, *kids], toks)
         done = []
-        for seq, tok in zip(seqs, tokens):
+        for seq, tok in drawn:
             req, i = self._by_seq[seq.seq_id]
             req.first_token = req.first_token or now
             seq.output.append(tok)

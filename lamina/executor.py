@@ -1,7 +1,8 @@
 """Executors run a `StepPlan` through the model slices and the memory side.
 
 Data in: `StepPlan` (tokens, positions, per-worker slot tables) from the engine.
-Data out: `StepResult` (next-token logits of sampling sequences).
+Data out: `StepResult` (the tokens drawn for the sampling sequences; the sampler runs
+here, on the compute side, so only token ids go back to the engine).
 
 All sequences' new tokens are packed into one [1, N] row: every op outside attention is
 per token, so the slices need no padding, and prefill and decode mix freely in one step.
@@ -10,6 +11,8 @@ partitioned across workers), each worker writes its rows' k/v into its pool and 
 over its sequences' slots, and the outputs are put back in row order. With
 `plan.micro_batches = 2` the step runs as two sub-batches in a staggered pipeline (paper
 5.1, the n = 2 case on one replica): slice i of one overlaps the other's attention.
+The last slice (last layer's o_proj and MLP, final norm, lm_head) runs on the sampled
+rows only: in a prefill, the other prompt tokens' outputs are never needed.
 `LocalExecutor` holds its memory sides in this process; `lamina.cluster` runs the same
 `ComputeSide` in a Ray actor that talks to memory-worker processes over the data plane.
 """
@@ -27,6 +30,7 @@ from lamina.splitter.split import SplitModel
 
 from .kv_pool import KVPool
 from .messages import StepPlan, StepResult
+from .sampling import sample_rows
 
 
 class Executor(ABC):
@@ -36,8 +40,9 @@ class Executor(ABC):
     def probe(self, tokens, repeat: int = 20) -> dict:
         """Per-op costs of this executor's own plumbing, for simulator calibration:
         {"exchange_s": {n: one layer's q/k/v out and o back for n tokens}, "submit_s": {n:
-        the sending part alone}, "call_s": {n: the per-step call returning n logits rows}}. Empty when there is nothing to add
-        (in-process). Only call it while no request is running."""
+        the sending part alone}, "call_s": {n: the per-step call returning n tokens}}.
+        Empty when there is nothing to add (in-process). Only call it while no request is
+        running."""
         return {}
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
@@ -160,7 +165,7 @@ class ComputeSide:
         # Layer i of micro-batch j: wait for its layer i-1 attention, run slice i, submit.
         # The memory side attends micro-batch j while this thread runs j+1's slice.
         for i in range(n_layers + 1):
-            for j, (ids, pos, _, parts) in enumerate(mbs):
+            for j, (ids, pos, rows, parts) in enumerate(mbs):
                 if i == 0:
                     args = (ids, pos)
                 else:
@@ -170,6 +175,11 @@ class ComputeSide:
                                      q.dtype)
                     t_wait += time.perf_counter() - t
                     args = (pos, o[None], *ctx)  # attn_out [1, N, Hq, Dv]
+                    if i == n_layers:
+                        if not rows:
+                            outs[j] = None  # nothing to sample in this micro-batch
+                            continue
+                        args = _select_rows(args, rows)
                 t = time.perf_counter()
                 outs[j] = self.split.slices[i](*args)
                 t_dense += time.perf_counter() - t
@@ -180,10 +190,31 @@ class ComputeSide:
                     link.submit(i, j, q[0].transpose(0, 1), k[0].transpose(0, 1),
                                 v[0].transpose(0, 1), parts)
                     t_submit += time.perf_counter() - t
-        logits = torch.cat([out[0][0, m[2]] for out, m in zip(outs, mbs)]).float()  # [R, V]
-        return StepResult(plan.step, tuple(s.seq_id for s in plan.seqs if s.sample), logits,
+        t = time.perf_counter()
+        works, tokens = [s for s in plan.seqs if s.sample], []
+        if works:
+            # logits: [R, V] (rows picked here if the last slice ran on every token)
+            logits = torch.cat([out[0][0] if out[0].shape[1] == len(m[2]) else out[0][0, m[2]]
+                                for out, m in zip(outs, mbs) if out is not None]).float()
+            tokens = sample_rows(logits, [s.params for s in works], [s.seeds for s in works],
+                                 [s.next_pos for s in works])
+        t_sample = time.perf_counter() - t
+        return StepResult(plan.step, tuple(s.seq_id for s in works), tuple(tokens),
                           {"dense_s": t_dense, "submit_s": t_submit, "wait_s": t_wait,
-                           "attention_s": t_submit + t_wait, "micro_batches": len(mbs)})
+                           "attention_s": t_submit + t_wait, "sample_s": t_sample,
+                           "micro_batches": len(mbs)})
+
+
+def _select_rows(args: tuple, rows: list[int]) -> tuple:
+    """The last slice's inputs at the sampled rows only. Every op outside attention is
+    per token, so each input is [1, N, ...] over the packed tokens."""
+    n = args[0].shape[1]
+    if len(rows) == n:
+        return args
+    if any(a.dim() < 2 or a.shape[0] != 1 or a.shape[1] != n for a in args):
+        return args  # not token-major: run it whole (still correct, just slower)
+    idx = torch.tensor(rows, dtype=torch.long)
+    return tuple(a.index_select(1, idx) for a in args)
 
 
 class _LocalLink(MemoryLink):

@@ -1,15 +1,16 @@
 """The per-step messages between the engine and an executor; nothing else crosses.
 
 Data in: `StepPlan` from the scheduler (which sequences, which tokens at which positions,
-which KV slots). Data out: `StepResult` from the executor (next-token logits of the
-sequences that sample this step).
+which KV slots, how to sample). Data out: `StepResult` from the executor: the token ids
+drawn on the compute worker (logits never leave it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from .sampling import SamplingParams
 
+GREEDY = SamplingParams(temperature=0.0)
 
 @dataclass(frozen=True)
 class SeqWork:
@@ -17,13 +18,22 @@ class SeqWork:
     token_ids: tuple[int, ...]  # tokens fed this step
     start_pos: int  # position of token_ids[0]
     slots: tuple[int, ...]  # KV slot of every position 0 .. start_pos + len(token_ids) - 1
-    sample: bool = True  # return logits of the last fed token
+    sample: bool = True  # draw after the last fed token
     worker: int = 0  # memory worker holding this sequence's KV (slots are its local ids)
+    params: SamplingParams = GREEDY
+    seeds: tuple[int, ...] = (0,)  # one draw per seed (> 1: the n forks of a prompt)
 
     def __post_init__(self):
         if len(self.slots) != self.start_pos + len(self.token_ids) or not self.token_ids:
             raise ValueError(f"seq {self.seq_id}: {len(self.slots)} slots for positions "
                              f"0..{self.start_pos + len(self.token_ids) - 1}")
+        if self.sample and not self.seeds:
+            raise ValueError(f"seq {self.seq_id}: sampling needs at least one seed")
+
+    @property
+    def next_pos(self) -> int:
+        """Position of the token this step draws."""
+        return self.start_pos + len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,6 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepResult:
     step: int
-    seq_ids: tuple[int, ...]  # rows of `logits`, in plan order
-    logits: torch.Tensor  # [R, V] fp32
-    timings: dict | None = None  # seconds: dense, attention, ...
+    seq_ids: tuple[int, ...]  # sampling sequences, in plan order
+    token_ids: tuple[tuple[int, ...], ...]  # per sequence, one token per seed
+    timings: dict | None = None  # seconds: dense, attention, sample, ...

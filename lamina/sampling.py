@@ -1,9 +1,13 @@
 """Sampling parameters and the sampler.
 
 Data in: one row of next-token logits per sequence (fp32 [R, V]) from the last slice,
-with each sequence's `SamplingParams` and its own seeded `torch.Generator`.
-Data out: one token id per row. Greedy rows (temperature 0) take the argmax; the rest
-apply temperature, then top-k, then top-p (nucleus), then draw.
+on the compute worker, with each sequence's `SamplingParams` and seeds. Data out: token
+ids (only these go back to the engine). Greedy rows (temperature 0) take the argmax; the
+rest apply temperature, then top-k, then top-p (nucleus), then draw.
+
+Draws are stateless: the generator of a draw is seeded from (sequence seed, position of
+the token drawn), so a sequence recomputed after preemption, or moved to another
+compute worker, draws exactly the tokens it would have drawn.
 """
 from __future__ import annotations
 
@@ -83,4 +87,32 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         if not p.greedy:
             probs = sampling_probs(logits[r], p)
             out[r] = int(torch.multinomial(probs, 1, generator=generators[r]))
+    return out
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """Seed of the draw at `position` of a sequence seeded `seed` (splitmix64 mix)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # torch seeds are < 2**63
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                seeds: list[tuple[int, ...]], positions: list[int]) -> list[tuple[int, ...]]:
+    """logits: [R, V]. Row r draws len(seeds[r]) tokens (n > 1 forks draw several from
+    one prompt), each with its own seed, at `positions[r]`. -> per row, its tokens."""
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    out = []
+    for r, (p, ss) in enumerate(zip(params, seeds)):
+        if p.greedy:
+            out.append((greedy[r],) * len(ss))
+            continue
+        probs = sampling_probs(logits[r], p)
+        out.append(tuple(int(torch.multinomial(
+            probs, 1, generator=torch.Generator().manual_seed(draw_seed(s, positions[r]))))
+            for s in ss))
     return out

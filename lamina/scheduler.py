@@ -12,6 +12,11 @@ are admitted in policy order (FIFO by default) while the batch has room and
 plus any tokens it generated before a preemption). When a running sequence cannot get
 its next slot, the newest running sequences are preempted: their slots are freed and
 they wait at the front of the queue, to be recomputed later. Nothing is dropped.
+
+Parallel sampling (n > 1): only the first sequence of a request is queued; its n - 1
+siblings ride along as `forks`. The prompt is prefilled once, n tokens are drawn from
+its last position, and `fork` then gives each sibling the parent's KV slots by
+reference count (`KVAllocator.fork`); from there each appends its own slots.
 """
 from __future__ import annotations
 
@@ -46,6 +51,8 @@ class Sequence:
     worker: int = -1  # memory worker while running
     finish_reason: str | None = None
     num_preemptions: int = 0
+    seed: int = 0  # this sequence's sampling seed (draws are keyed by seed and position)
+    forks: list["Sequence"] = field(default_factory=list)  # siblings not yet forked off
 
     @property
     def tokens(self) -> list[int]:
@@ -110,13 +117,14 @@ class Scheduler:
                 continue
             alloc.append(seq.seq_id)
             work.append(SeqWork(seq.seq_id, (seq.tokens[-1],), len(seq.tokens) - 1,
-                                tuple(alloc.slots(seq.seq_id)), worker=seq.worker))
+                                tuple(alloc.slots(seq.seq_id)), worker=seq.worker,
+                                params=seq.params, seeds=(seq.seed,)))
         # 2. Admit waiting sequences in policy order while they fit.
         budget = self.config.max_step_tokens - len(work)
         for seq in self.policy(self.waiting):
-            n = len(seq.tokens)
-            w = self._place(n)
-            if len(self.running) >= self.config.max_batch or n > budget or w is None:
+            n, k = len(seq.tokens), len(seq.forks)
+            w = self._place(n + k)  # room for each fork's first own slot too
+            if len(self.running) + 1 + k > self.config.max_batch or n > budget or w is None:
                 break  # keep order: no overtaking
             self.waiting.remove(seq)
             self.allocs[w].allocate(seq.seq_id, n)
@@ -124,7 +132,9 @@ class Scheduler:
             self.running.append(seq)
             budget -= n
             work.append(SeqWork(seq.seq_id, tuple(seq.tokens), 0,
-                                tuple(self.allocs[w].slots(seq.seq_id)), worker=w))
+                                tuple(self.allocs[w].slots(seq.seq_id)), worker=w,
+                                params=seq.params,
+                                seeds=(seq.seed, *(f.seed for f in seq.forks))))
         if not work and self.waiting:
             seq = self.waiting[0]
             raise RuntimeError(f"sequence {seq.seq_id} ({len(seq.tokens)} tokens) cannot be "
@@ -133,6 +143,15 @@ class Scheduler:
         plan = StepPlan(self.step, tuple(work))
         self.step += 1
         return plan
+
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """After the parent's prefill: its pending forks share its KV slots and run."""
+        kids, parent.forks = parent.forks, []
+        for kid in kids:
+            self.allocs[parent.worker].fork(parent.seq_id, kid.seq_id)
+            kid.status, kid.worker = "running", parent.worker
+            self.running.append(kid)
+        return kids
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = "finished", reason

@@ -233,10 +233,12 @@ def step_time(costs, cfg: SimConfig, prefill: list[int], decode_keys: list[list[
         busy_w = sum(1 for w in range(w_n) if dk[w] or w in pd)
         ex = costs.network(tokens, max(1, busy_w))
         host = min(ex, costs.exchange_host(tokens))
-        per.append((costs.dense_layer(tokens), host, max(attn) + ex - host, attn, tokens))
+        sampled = sum(len(k) for k in dk) + len(pf)
+        per.append((costs.dense_layer(tokens), host, max(attn) + ex - host, attn, sampled))
     L = costs.layers
     over = costs.step_overhead(rows)
-    # the head (final norm + lm_head) runs over every fed token, as the engine's last slice
+    # the head (final norm + lm_head) runs on the sampled rows only, as the engine's last
+    # slice does: one per decoding request and one per prefill
     head = sum(costs.head(p[4]) for p in per)
     if len(per) == 1:
         d, h, r, _, _ = per[0]

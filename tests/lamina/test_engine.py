@@ -45,13 +45,28 @@ def test_preemption_completes_with_same_tokens(smol, smol_split, prompts, hf_gre
 
 
 def test_seeded_sampling_reproducible_and_n(smol, smol_split, prompts):
-    p = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=123, n=2)
-    a = run(engine(smol, smol_split), prompts[:3], p)
+    p = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=123, n=3)
+    eng = engine(smol, smol_split)
+    a = run(eng, prompts[:3], p)
     b = run(engine(smol, smol_split), prompts[:3], p)
     assert [[c.token_ids for c in o.outputs] for o in a] == \
         [[c.token_ids for c in o.outputs] for o in b]
-    assert all(len(o.outputs) == 2 for o in a)
+    assert all(len(o.outputs) == 3 for o in a)
     assert any(o.outputs[0].token_ids != o.outputs[1].token_ids for o in a)
+    # n > 1 forks the KV: each prompt is prefilled once (first step feeds 5 + 12 + 40 tokens)
+    assert eng.step_timings[0]["tokens"] == sum(len(q) for q in prompts[:3])
+    assert eng.step_timings[0]["seqs"] == 3 and eng.step_timings[1]["seqs"] == 9
+    assert eng.alloc.num_free() == eng.config.num_kv_slots and eng.alloc.stats().shared == 0
+
+
+def test_sampled_tokens_survive_preemption(smol, smol_split, prompts):
+    """Draws are keyed by (seed, position): a recomputed sequence draws the same tokens."""
+    pick = [1, 3, 4, 10, 11, 12]
+    p = SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    big = run(engine(smol, smol_split), [prompts[i] for i in pick], p)
+    small = run(engine(smol, smol_split, num_kv_slots=400), [prompts[i] for i in pick], p)
+    assert sum(o.metrics["preemptions"] for o in small) > 0
+    assert [o.token_ids for o in small] == [o.token_ids for o in big]
 
 
 def test_stop_strings_and_stop_tokens(smol, smol_split, prompts, hf_greedy):

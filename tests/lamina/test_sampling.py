@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.sampling import SamplingParams, sample, sampling_probs
+from lamina.sampling import SamplingParams, draw_seed, sample, sample_rows, sampling_probs
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.4, -1.0, 3.0, 0.0, -0.2])
 
@@ -59,6 +59,24 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     assert run() == run()
     assert sample(logits, [SamplingParams(temperature=0)] * 3, [None] * 3) == \
         logits.argmax(-1).tolist()
+
+
+def test_stateless_draws_per_seed_and_position():
+    p = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
+    assert draw_seed(3, 10) == draw_seed(3, 10) and 0 <= draw_seed(2 ** 62, 0) < 2 ** 63
+    assert len({draw_seed(s, pos) for s in range(50) for pos in range(50)}) == 2500
+    # the same (seed, position) draws the same token whatever else is in the batch
+    one = sample_rows(LOGITS[None], [p], [(11,)], [40])
+    many = sample_rows(LOGITS[None].expand(3, -1), [p, p, p], [(1, 2), (11,), (5,)], [7, 40, 9])
+    assert many[1] == one[0] and [len(t) for t in many] == [2, 1, 1]
+    # greedy rows repeat the argmax once per seed
+    assert sample_rows(LOGITS[None], [SamplingParams(temperature=0)], [(1, 2, 3)], [0]) == \
+        [(5, 5, 5)]
+    # over many seeds the draws follow the NumPy distribution
+    draws = [t for row in sample_rows(LOGITS[None], [p], [tuple(range(4000))], [3]) for t in row]
+    freq = np.bincount(draws, minlength=8) / 4000
+    ref = numpy_probs(LOGITS.numpy(), 0.8, 5, 0.9)
+    assert np.all(freq[ref == 0] == 0) and np.abs(freq - ref).max() < 0.03
 
 
 @pytest.mark.parametrize("kw,field", [

@@ -1,0 +1,162 @@
+"""OpenAI-compatible HTTP server (FastAPI on uvicorn): `lamina serve`.
+
+Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fields,
+plus top_k, seed, stop_token_ids and ignore_eos). Data out: completion JSON with text,
+token ids, finish reasons and usage. Requests go to one `EngineLoop`, so concurrent
+HTTP requests batch together in the engine. Bad input answers 400 naming the field;
+a failed engine answers 503; other requests keep being served.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .sampling import SamplingParams
+from .serving import EngineDead, EngineLoop
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    user: str | None = None
+
+    def params(self) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, n=self.n, seed=self.seed,
+                              stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids),
+                              ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param}},
+                        status_code=status)
+
+
+def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
+    app = FastAPI(title="Lamina", description="attention-offloaded LLM inference")
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return _error(503, f"engine stopped: {loop.error}")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "owned_by": "lamina"}]}
+
+    async def _run(prompts: list, body: _Sampling) -> list | JSONResponse:
+        try:
+            params = body.params()
+        except ValueError as e:
+            return _error(400, str(e), str(e).split(" ")[0].removeprefix("SamplingParams."))
+        try:  # validate every prompt before any is queued
+            futs = [loop.submit(p, params) for p in _checked(prompts, loop, params)]
+        except (ValueError, TypeError) as e:
+            return _error(400, str(e), "prompt")
+        except EngineDead as e:
+            return _error(503, str(e))
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
+        except Exception as e:  # noqa: BLE001 - the engine failed these requests
+            return _error(503, f"generation failed: {type(e).__name__}: {e}")
+
+    def _usage(outs) -> dict:
+        p = sum(len(o.prompt_token_ids) for o in outs)
+        c = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        outs = await _run(list(prompts), body)
+        if isinstance(outs, JSONResponse):
+            return outs
+        choices = [{"index": i * body.n + c.index, "text": c.text, "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason, "logprobs": None}
+                   for i, o in enumerate(outs) for c in o.outputs]
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": model_name, "choices": choices,
+                "usage": _usage(outs)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            return _error(400, "this model has no chat template", "messages")
+        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
+                                               tokenize=False, add_generation_prompt=True)
+        outs = await _run([prompt], body)
+        if isinstance(outs, JSONResponse):
+            return outs
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                   for c in outs[0].outputs]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": int(time.time()), "model": model_name, "choices": choices,
+                "usage": _usage(outs)}
+
+    return app
+
+
+def _checked(prompts: list, loop: EngineLoop, params: SamplingParams) -> list:
+    if not prompts:
+        raise ValueError("prompt: empty list")
+    for i, p in enumerate(prompts):
+        try:
+            loop.engine.validate(p, params)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+    return prompts
+
+
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+          **uvicorn_kw: Any) -> None:
+    """Serve an `LLM` until interrupted."""
+    import uvicorn
+
+    loop = EngineLoop(llm.engine)
+    app = build_app(loop, model_name or llm.loaded.source, llm.loaded.tokenizer)
+    try:
+        uvicorn.run(app, host=host, port=port, **uvicorn_kw)
+    finally:
+        loop.shutdown()

@@ -1,0 +1,151 @@
+"""HTTP server over a real uvicorn socket, local executor on SmolLM2: completions equal
+HF greedy, concurrent requests batch, bad input answers 400 naming the field and the
+server keeps serving, chat, n > 1, engine failure answers 503."""
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import uvicorn
+
+from lamina.engine import EngineConfig, LLMEngine
+from lamina.executor import LocalExecutor, MemorySide
+from lamina.kv_pool import KVPool, KVPoolConfig
+from lamina.server import build_app
+from lamina.serving import EngineLoop
+
+
+def _engine(smol, smol_split, **kw):
+    cfg = EngineConfig(**kw)
+    pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, cfg.num_kv_slots))
+    return LLMEngine(cfg, LocalExecutor(smol_split, MemorySide(pool)), smol.tokenizer,
+                     smol.config)
+
+
+class _Server:
+    def __init__(self, loop, tokenizer):
+        app = build_app(loop, "smollm2", tokenizer)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def post(self, path, body):
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def get(self, path):
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(smol, smol_split):
+    loop = EngineLoop(_engine(smol, smol_split))
+    srv = _Server(loop, smol.tokenizer)
+    yield srv
+    srv.stop()
+    loop.shutdown()
+
+
+def test_completions_match_hf_and_batch_concurrently(server, prompts, hf_greedy):
+    pick = [0, 2, 4, 9]
+    bodies = [{"prompt": prompts[i], "max_tokens": 64, "temperature": 0} for i in pick]
+    with ThreadPoolExecutor(4) as pool:  # concurrent HTTP requests share engine steps
+        res = list(pool.map(lambda b: server.post("/v1/completions", b), bodies))
+    for (status, body), i in zip(res, pick):
+        assert status == 200, body
+        ch = body["choices"][0]
+        assert ch["token_ids"] == hf_greedy[i]
+        assert body["usage"] == {"prompt_tokens": len(prompts[i]),
+                                 "completion_tokens": len(hf_greedy[i]),
+                                 "total_tokens": len(prompts[i]) + len(hf_greedy[i])}
+    status, body = server.post("/v1/completions", {"prompt": [prompts[0], prompts[2]],
+                                                   "max_tokens": 8, "temperature": 0})
+    assert status == 200 and [c["token_ids"] for c in body["choices"]] == \
+        [hf_greedy[0][:8], hf_greedy[2][:8]]
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"prompt": ""}, "prompt", "empty prompt"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "positive"),
+    ({"prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens", "integer"),
+    ({"prompt": "hi", "frobnicate": 1}, "frobnicate", "Extra inputs"),
+    ({"prompt": [1] * 9000}, "prompt", "context"),
+    ({}, "prompt", "Field required"),
+])
+def test_bad_input_is_400_and_server_keeps_serving(server, body, param, words, prompts,
+                                                   hf_greedy):
+    status, out = server.post("/v1/completions", body)
+    assert status == 400, out
+    assert out["error"]["param"] == param and words in out["error"]["message"]
+    status, out = server.post("/v1/completions", {"prompt": prompts[0], "max_tokens": 4,
+                                                  "temperature": 0})
+    assert status == 200 and out["choices"][0]["token_ids"] == hf_greedy[0][:4]
+
+
+def test_nan_temperature_is_400(server):
+    req = urllib.request.Request(server.url + "/v1/completions",
+                                 b'{"prompt": "hi", "temperature": NaN}',
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400 and b"temperature" in e.value.read()
+
+
+def test_chat_n_seed_health_models(server, smol):
+    status, h = server.get("/health")
+    assert (status, h) == (200, {"status": "ok"})
+    assert server.get("/v1/models")[1]["data"][0]["id"] == "smollm2"
+    body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 10,
+            "temperature": 0.8, "seed": 3, "n": 2}
+    s1, a = server.post("/v1/chat/completions", body)
+    s2, b = server.post("/v1/chat/completions", body)
+    assert s1 == s2 == 200 and len(a["choices"]) == 2
+    assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]
+    c = a["choices"][0]
+    assert c["message"]["role"] == "assistant"
+    assert c["message"]["content"] == smol.tokenizer.decode(c["token_ids"],
+                                                            skip_special_tokens=True)
+
+
+class _Broken:
+    def execute(self, plan):
+        raise RuntimeError("memory worker 1 died")
+
+
+def test_engine_failure_fails_requests_loudly(smol, smol_split):
+    eng = _engine(smol, smol_split)
+    eng.executor = _Broken()
+    loop = EngineLoop(eng)
+    srv = _Server(loop, smol.tokenizer)
+    try:
+        status, out = srv.post("/v1/completions", {"prompt": "hello", "max_tokens": 4})
+        assert status == 503 and "memory worker 1 died" in out["error"]["message"]
+        assert srv.get("/health")[0] == 503
+        status, out = srv.post("/v1/completions", {"prompt": "hello", "max_tokens": 4})
+        assert status == 503 and "engine stopped" in out["error"]["message"]
+    finally:
+        srv.stop()
+        loop.shutdown()
