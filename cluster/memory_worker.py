@@ -98,9 +98,10 @@ class MemoryWorker:
             new_slots, *fields = [ch.recv(expect_layer=META, expect_step=step,
                                           expect_dtype=torch.int32)[0] for _ in range(6)]
             batch = SlotBatch(*fields)
-            if new_slots.numel() != batch.num_queries:
-                raise FrameError(f"step {step}: {new_slots.numel()} new slots for "
-                                 f"{batch.num_queries} queries")
+            try:  # index scans once per step; per layer only shapes are checked
+                self.memory.check(new_slots, batch)
+            except ValueError as e:
+                raise FrameError(f"step {step}: bad slot metadata: {e}") from None
             mbs.append((new_slots, batch))
         for layer, params in enumerate(self.params):
             for new_slots, batch in mbs:
@@ -111,5 +112,5 @@ class MemoryWorker:
                 if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n:
                     raise FrameError(f"step {step} layer {layer}: q/k/v rows {q.shape[0]}/"
                                      f"{k.shape[0]}/{v.shape[0]}, expected {n}")
-                self._out.put((self.memory.attend(layer, params, q, k, v, new_slots, batch),
-                               layer, step))
+                self._out.put((self.memory.attend(layer, params, q, k, v, new_slots, batch,
+                                                  checked=True), layer, step))

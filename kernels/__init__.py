@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from .backends import (AttentionBackend, AttentionInputError, BackendUnavailable,
-                       CpuBackend, ReferenceBackend, select_backend, validate)
+                       CpuBackend, ReferenceBackend, select_backend, validate,
+                       validate_batch)
 from .cpu_build import KernelBuildError, build_seconds, load_cpu_kernel
 from .merge import merge_attention
 from .reference import reference_slot_attention
@@ -24,7 +25,7 @@ __all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "Backen
            "CpuBackend", "KernelBuildError", "ReferenceBackend", "SlotBatch", "attend",
            "build_seconds", "decode_attention", "load_cpu_kernel", "merge_attention",
            "prefill_attention", "reference_slot_attention", "select_backend", "validate",
-           "write_kv"]
+           "validate_batch", "write_kv"]
 
 
 def attend(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams,
@@ -45,8 +46,9 @@ def decode_attention(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParam
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store new k [N, Hkv, D] / v [N, Hkv, Dv] at `slots` [N]: one batched op each."""
+             k: torch.Tensor, v: torch.Tensor, slots_checked: bool = False) -> None:
+    """Store new k [N, Hkv, D] / v [N, Hkv, Dv] at `slots` [N]: one batched op each.
+    `slots_checked`: the caller already checked the slot ids' range (once per step)."""
     if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
         raise AttentionInputError(f"slots must be a 1-D int tensor, got {slots.dtype} "
                                   f"{tuple(slots.shape)}")
@@ -59,7 +61,7 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
             raise AttentionInputError(f"{name} on {t.device} but its pool is on {pool.device}")
         if not t.is_floating_point():
             raise AttentionInputError(f"{name} must be floating point, got {t.dtype}")
-    if n and (int(slots.min()) < 0 or int(slots.max()) >= k_pool.shape[0]):
+    if n and not slots_checked and (int(slots.min()) < 0 or int(slots.max()) >= k_pool.shape[0]):
         raise AttentionInputError(f"slot ids out of range [0, {k_pool.shape[0]}): "
                                   f"min {int(slots.min())}, max {int(slots.max())}")
     idx = slots.to(device=k_pool.device, dtype=torch.int64)
@@ -68,10 +70,12 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
 
 
 def prefill_attention(q, k, v, k_pool, v_pool, new_slots: torch.Tensor, batch: SlotBatch,
-                      params: AttentionParams, backend: AttentionBackend | None = None):
+                      params: AttentionParams, backend: AttentionBackend | None = None,
+                      batch_checked: bool = False):
     """Write the prompt tokens' k/v at `new_slots`, then causal attention for q [T, Hq, D]
-    over each request's whole slot table (earlier turns' cached tokens included)."""
-    validate(q, k_pool, v_pool, batch, params)
-    write_kv(k_pool, v_pool, new_slots, k, v)
+    over each request's whole slot table (earlier turns' cached tokens included).
+    `batch_checked`: `validate_batch` already passed for this batch and `new_slots`."""
+    validate(q, k_pool, v_pool, batch, params, batch_checked)
+    write_kv(k_pool, v_pool, new_slots, k, v, batch_checked)
     return (backend or select_backend(device=q.device)).attend(q, k_pool, v_pool, batch,
                                                                 params)

@@ -33,9 +33,16 @@ class BackendUnavailable(RuntimeError):
     """The requested attention backend cannot run here."""
 
 
-def validate(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams) -> None:
-    def bad(msg):
-        raise AttentionInputError(msg)
+def _bad(msg):
+    raise AttentionInputError(msg)
+
+
+def validate(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams,
+             batch_checked: bool = False) -> None:
+    """Check every argument. `batch_checked`: the caller already ran `validate_batch` on
+    this batch against this pool (a memory worker does it once per step, not per layer),
+    so only the per-call shape checks run."""
+    bad = _bad
 
     for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
         if not isinstance(t, torch.Tensor):
@@ -68,12 +75,27 @@ def validate(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams) -> No
             bad(f"batch.{name} must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
         if t.device != q.device:
             bad(f"batch.{name} is on {t.device} but q is on {q.device}")
-    B = batch.num_requests
+    if batch.num_queries != Nq:
+        bad(f"q has {Nq} rows but batch has {batch.num_queries} query positions")
+    if not batch_checked:
+        validate_batch(batch, S)
+    if params.sinks is not None and len(params.sinks) != Hq:
+        bad(f"{len(params.sinks)} sinks for {Hq} query heads")
+
+
+def validate_batch(batch: SlotBatch, num_slots: int) -> None:
+    """The scans over a batch's index tensors: CSR offsets and slot ids in range."""
+    bad = _bad
+    if not isinstance(batch, SlotBatch):
+        bad(f"batch must be a SlotBatch, got {type(batch).__name__}")
+    for name in ("cu_q", "q_pos", "slots", "cu_k", "k_pos0"):
+        t = getattr(batch, name)
+        if t.dtype != torch.int32 or t.dim() != 1:
+            bad(f"batch.{name} must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
+    B, Nq, S = batch.num_requests, batch.num_queries, num_slots
     if B < 0 or batch.cu_k.numel() != B + 1 or batch.k_pos0.numel() != B:
         bad(f"batch has {batch.cu_q.numel()} cu_q, {batch.cu_k.numel()} cu_k and "
             f"{batch.k_pos0.numel()} k_pos0 entries (need B+1, B+1, B)")
-    if batch.num_queries != Nq:
-        bad(f"q has {Nq} rows but batch has {batch.num_queries} query positions")
     if B >= 0 and (int(batch.cu_q[0]) != 0 or int(batch.cu_q[-1]) != Nq
                    or bool((batch.cu_q.diff() < 0).any())):
         bad(f"batch.cu_q must rise from 0 to {Nq}")
@@ -85,8 +107,6 @@ def validate(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams) -> No
             f"max {int(batch.slots.max())}")
     if Nq and int(batch.q_pos.min()) < 0:
         bad("batch.q_pos has negative positions")
-    if params.sinks is not None and len(params.sinks) != Hq:
-        bad(f"{len(params.sinks)} sinks for {Hq} query heads")
 
 
 class AttentionBackend(ABC):

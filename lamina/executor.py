@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.kernels import AttentionParams, SlotBatch, prefill_attention, select_backend
+from lamina.kernels import (AttentionInputError, AttentionParams, SlotBatch, prefill_attention,
+                            select_backend, validate_batch)
 from lamina.splitter.split import SplitModel
 
 from .kv_pool import KVPool
@@ -124,10 +125,24 @@ class MemorySide:
         self.pool = pool
         self.backend = backend or select_backend(device=pool.config.device)
 
-    def attend(self, layer: int, params: AttentionParams, q, k, v, new_slots, batch):
+    def check(self, new_slots, batch) -> None:
+        """Once per step: the batch's index scans and the new slots' range (per layer,
+        `attend(..., checked=True)` then runs only the cheap shape checks)."""
+        n = self.pool.config.num_slots
+        validate_batch(batch, n)
+        if new_slots.numel() and (int(new_slots.min()) < 0 or int(new_slots.max()) >= n):
+            raise AttentionInputError(f"new slot ids out of range [0, {n}): min "
+                                      f"{int(new_slots.min())}, max {int(new_slots.max())}")
+        if new_slots.numel() != batch.num_queries:
+            raise AttentionInputError(f"{new_slots.numel()} new slots for "
+                                      f"{batch.num_queries} queries")
+
+    def attend(self, layer: int, params: AttentionParams, q, k, v, new_slots, batch,
+               checked: bool = False):
         """q [n, Hq, D], k/v [n, Hkv, D] -> o [n, Hq, Dv] (writes k/v at new_slots first)."""
         kp, vp = self.pool.layer(layer)
-        o, _ = prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend)
+        o, _ = prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
+                                 checked)
         return o
 
 
@@ -223,12 +238,18 @@ class _LocalLink(MemoryLink):
     def __init__(self, memory: list[MemorySide], params):
         self.memory, self.params, self.ready = memory, params, {}
 
+    def begin(self, step, parts):
+        for mb in parts:
+            for mem, p in zip(self.memory, mb):
+                if p.rows.numel():
+                    mem.check(p.new_slots, p.batch)
+
     def submit(self, layer, mb, q, k, v, parts):
         o = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         for mem, p in zip(self.memory, parts):
             if p.rows.numel():
                 o[p.rows] = mem.attend(layer, self.params[layer], q[p.rows], k[p.rows],
-                                       v[p.rows], p.new_slots, p.batch)
+                                       v[p.rows], p.new_slots, p.batch, checked=True)
         self.ready[layer, mb] = o
 
     def collect(self, layer, mb, parts, out_shape, dtype):

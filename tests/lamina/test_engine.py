@@ -133,3 +133,26 @@ def test_split_micro_contiguous_and_balanced():
     assert sum(map(len, split_micro(seqs, 3))) == 9
     with pytest.raises(ValueError, match="pipeline must be one of"):
         EngineConfig(pipeline="zigzag")
+
+
+def test_memory_side_checks_slot_metadata_once_per_step():
+    from lamina.kernels import AttentionInputError, AttentionParams, SlotBatch
+    import torch
+
+    mem = MemorySide(KVPool(KVPoolConfig(1, 8, 1, 4)))
+    batch = SlotBatch.build([[0, 1, 2]], [1])
+    mem.check(torch.tensor([2], dtype=torch.int32), batch)  # fine
+    with pytest.raises(AttentionInputError, match="new slot ids out of range"):
+        mem.check(torch.tensor([8], dtype=torch.int32), batch)
+    with pytest.raises(AttentionInputError, match="slot ids out of range"):
+        mem.check(torch.tensor([2], dtype=torch.int32), SlotBatch.build([[0, 9, 2]], [1]))
+    with pytest.raises(AttentionInputError, match="2 new slots for 1 queries"):
+        mem.check(torch.tensor([1, 2], dtype=torch.int32), batch)
+    # per layer, after the check: shapes are still verified
+    q, k = torch.randn(1, 1, 4), torch.randn(1, 1, 4)
+    o = mem.attend(0, AttentionParams(0.5), q, k, k, torch.tensor([2], dtype=torch.int32),
+                   batch, checked=True)
+    assert o.shape == (1, 1, 4)
+    with pytest.raises(AttentionInputError, match="q has 2 rows"):
+        mem.attend(0, AttentionParams(0.5), torch.randn(2, 1, 4), k, k,
+                   torch.tensor([2], dtype=torch.int32), batch, checked=True)
