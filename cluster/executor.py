@@ -43,6 +43,7 @@ class RayExecutor(Executor):
         self.memory = [MemoryWorker.options(**m_opts).remote(i, threads) for i in range(m)]
         pool_cfg, params = ray.get(self.compute.memory_spec.remote(config.num_kv_slots,
                                                                   config.kv_dtype))
+        self.params = list(params)  # per-layer AttentionParams
         self.memory_info = ray.get([w.setup.remote(pool_cfg, params) for w in self.memory])
         node = ray.get(self.compute.node_id.remote())
         # Memory workers on the compute worker's node use Unix sockets, the rest TCP.

@@ -4,7 +4,9 @@ requests placed on it.
 Data in: over the data plane (frames, `lamina.wire`), per step a metadata group (layer
 -1: the micro-batch count, then per micro-batch new-token slots, cu_q, q_pos, slots,
 cu_k, k_pos0 as int32 tensors), then per layer and micro-batch q [n, Hq, D],
-k [n, Hkv, D], v [n, Hkv, Dv]. Data out: per layer and micro-batch o [n, Hq, Dv].
+k [m, Hkv, D], v [m, Hkv, Dv] (m = new slots: the rows whose KV this worker stores).
+Data out: per layer and micro-batch [n, Hq, Dv + 1]: the attention output with each
+row's log-sum-exp as the last column (so a sequence split over workers merges exactly).
 Ray only creates, configures and supervises it (setup / listen / health calls).
 """
 from __future__ import annotations
@@ -105,12 +107,13 @@ class MemoryWorker:
             mbs.append((new_slots, batch))
         for layer, params in enumerate(self.params):
             for new_slots, batch in mbs:
-                n = new_slots.numel()
+                n, m = batch.num_queries, new_slots.numel()
                 q = ch.recv(expect_layer=layer, expect_step=step)[0]
                 k = ch.recv(expect_layer=layer, expect_step=step)[0]
                 v = ch.recv(expect_layer=layer, expect_step=step)[0]
-                if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n:
+                if q.shape[0] != n or k.shape[0] != m or v.shape[0] != m:
                     raise FrameError(f"step {step} layer {layer}: q/k/v rows {q.shape[0]}/"
-                                     f"{k.shape[0]}/{v.shape[0]}, expected {n}")
-                self._out.put((self.memory.attend(layer, params, q, k, v, new_slots, batch,
-                                                  checked=True), layer, step))
+                                     f"{k.shape[0]}/{v.shape[0]}, expected {n}/{m}/{m}")
+                o, lse = self.memory.attend(layer, params, q, k, v, new_slots, batch,
+                                            checked=True)
+                self._out.put((torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step))

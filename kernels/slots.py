@@ -75,13 +75,18 @@ class SlotBatch:
 
     @staticmethod
     def build(tables: Sequence[Sequence[int]], num_queries: Sequence[int],
-              start: Sequence[int] | None = None) -> "SlotBatch":
-        """Queries are the last `num_queries[b]` positions of request b's table."""
+              start: Sequence[int] | None = None,
+              q_pos: Sequence[Sequence[int]] | None = None) -> "SlotBatch":
+        """Queries are the last `num_queries[b]` positions of request b's table, or the
+        positions `q_pos[b]` when given (a KV range whose queries lie past its end)."""
         if len(num_queries) != len(tables):
             raise ValueError(f"{len(tables)} slot tables but {len(num_queries)} query counts")
         lens = np.array([len(t) for t in tables], dtype=np.int64)
         nq = np.asarray(num_queries, dtype=np.int64)
-        if np.any(nq < 0) or np.any(nq > lens):
+        if q_pos is not None:
+            if len(q_pos) != len(tables) or any(len(x) != n for x, n in zip(q_pos, nq)):
+                raise ValueError("q_pos must give num_queries[b] positions per request")
+        elif np.any(nq < 0) or np.any(nq > lens):
             bad = int(np.argmax((nq < 0) | (nq > lens)))
             raise ValueError(f"request {bad}: {int(nq[bad])} queries but only "
                              f"{int(lens[bad])} slots")
@@ -92,10 +97,12 @@ class SlotBatch:
             else np.zeros(0, np.int64)
         cu_k = np.concatenate([[0], np.cumsum(lens)])
         cu_q = np.concatenate([[0], np.cumsum(nq)])
-        # q_pos: last nq[b] positions of request b.
-        req = np.repeat(np.arange(len(tables)), nq)
-        q_pos = (pos0 + lens - nq)[req] + (np.arange(cu_q[-1]) - cu_q[:-1][req])
-        return SlotBatch(_i32(cu_q), _i32(q_pos), _i32(flat), _i32(cu_k), _i32(pos0))
+        if q_pos is not None:
+            qp = np.fromiter((p for x in q_pos for p in x), np.int64, int(cu_q[-1]))
+        else:  # last nq[b] positions of request b
+            req = np.repeat(np.arange(len(tables)), nq)
+            qp = (pos0 + lens - nq)[req] + (np.arange(cu_q[-1]) - cu_q[:-1][req])
+        return SlotBatch(_i32(cu_q), _i32(qp), _i32(flat), _i32(cu_k), _i32(pos0))
 
     @staticmethod
     def decode(tables: Sequence[Sequence[int]], start: Sequence[int] | None = None):

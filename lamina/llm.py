@@ -7,6 +7,7 @@ them in Ray workers.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from .engine import EngineConfig, LLMEngine, RequestOutput
@@ -36,6 +37,9 @@ class LLM:
                                               self.config.num_kv_slots, self.config.kv_dtype)
             self.executor = LocalExecutor(self.split, [MemorySide(KVPool(pool_cfg))
                                                        for _ in range(num_memory_workers)])
+        if self.config.split_kv and any(p.sinks is not None for p in self.executor.params):
+            # sinks enter one partial's denominator only; KV split is not offered for them
+            self.config = replace(self.config, split_kv=False)
         self.engine = LLMEngine(self.config, self.executor, self.loaded.tokenizer,
                                 self.loaded.config)
 

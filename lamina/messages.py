@@ -22,6 +22,9 @@ class SeqWork:
     worker: int = 0  # memory worker holding this sequence's KV (slots are its local ids)
     params: SamplingParams = GREEDY
     seeds: tuple[int, ...] = (0,)  # one draw per seed (> 1: the n forks of a prompt)
+    # KV split over workers: (worker, first position) per contiguous range, in order; the
+    # slots of range i are local ids on its worker. Empty: all on `worker`.
+    segments: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         if len(self.slots) != self.start_pos + len(self.token_ids) or not self.token_ids:
@@ -29,6 +32,17 @@ class SeqWork:
                              f"0..{self.start_pos + len(self.token_ids) - 1}")
         if self.sample and not self.seeds:
             raise ValueError(f"seq {self.seq_id}: sampling needs at least one seed")
+        seg = self.placement
+        starts, workers = [a for _, a in seg], [w for w, _ in seg]
+        if (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))
+                or starts[-1] >= len(self.slots) or len(set(workers)) != len(workers)):
+            raise ValueError(f"seq {self.seq_id}: bad KV segments {seg} for "
+                             f"{len(self.slots)} positions")
+
+    @property
+    def placement(self) -> tuple[tuple[int, int], ...]:
+        """(worker, first position) of each KV range."""
+        return self.segments or ((self.worker, 0),)
 
     @property
     def next_pos(self) -> int:

@@ -40,6 +40,28 @@ def test_ray_rotational_pipeline_identical(llm, prompts, hf_greedy):
     assert max(t["micro_batches"] for t in eng.step_timings) == 2
 
 
+def test_ray_kv_split_over_workers_identical(llm, prompts, hf_greedy):
+    """Hold most slots so the 600-token prompt spans both memory workers' pools; the
+    partial attentions come back with their LSE and merge exactly."""
+    eng = llm.engine
+    for w, held in enumerate((3700, 3800)):
+        eng.allocs[w].allocate(("held", w), held)
+    try:
+        rid = eng.add_request(prompts[8], GREEDY)
+        seq = eng.scheduler.waiting[0]
+        eng.add_request(prompts[0], GREEDY)
+        out, spans = {}, set()
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] = o
+            spans.add(tuple(seq.workers))
+    finally:
+        for w in range(2):
+            eng.allocs[w].free(("held", w))
+    assert (0, 1) in spans
+    assert out[rid].token_ids == hf_greedy[8] and out[rid + 1].token_ids == hf_greedy[0]
+
+
 def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):
     eng = llm.engine
     eng.add_request(prompts[0], GREEDY)

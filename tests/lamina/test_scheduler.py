@@ -9,8 +9,10 @@ from lamina.scheduler import Scheduler, SchedulerConfig, Sequence
 P = SamplingParams(max_tokens=8)
 
 
-def make(num_slots=8, max_batch=4, budget=100):
-    return Scheduler(SchedulerConfig(max_batch, budget), KVAllocator(KVAllocatorConfig(num_slots)))
+def make(num_slots=8, max_batch=4, budget=100, workers=1, split_kv=True):
+    allocs = [KVAllocator(KVAllocatorConfig(num_slots)) for _ in range(workers)]
+    return Scheduler(SchedulerConfig(max_batch, budget, split_kv),
+                     allocs[0] if workers == 1 else allocs)
 
 
 def test_admission_decode_preemption_and_recompute_exact():
@@ -99,3 +101,52 @@ def test_forks_need_batch_room_for_all_siblings():
     with pytest.raises(RuntimeError, match="cannot be scheduled"):
         s.schedule()  # 3 siblings never fit a batch of 2: reported, not dropped
     assert list(s.waiting) == [parent]
+
+
+def test_kv_split_prefill_and_decode_spill_exact():
+    s = make(num_slots=4, workers=2)
+    a = Sequence(0, [1, 2, 3, 4, 5, 6], P)
+    s.add(a)
+    plan = s.schedule()  # 6 tokens > 4 free on either worker: 4 on worker 0, 2 on worker 1
+    assert plan.seqs == (SeqWork(0, (1, 2, 3, 4, 5, 6), 0, (0, 1, 2, 3, 0, 1), worker=0,
+                                 params=P, segments=((0, 0), (1, 4))),)
+    a.output.append(7)
+    plan = s.schedule()  # decode appends on its last range's worker
+    assert plan.seqs[0].slots == (0, 1, 2, 3, 0, 1, 2) and a.worker == 1
+    b = Sequence(1, [9], P)
+    s.add(b)
+    a.output.append(8)
+    plan = s.schedule()  # a takes w1's last slot; b has no room anywhere and waits
+    assert [w.seq_id for w in plan.seqs] == [0] and list(s.waiting) == [b]
+    assert [x.num_free() for x in s.allocs] == [0, 0]
+    s.finish(a, "length")
+    assert [x.free_list() for x in s.allocs] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_decode_spills_to_another_worker_instead_of_preempting():
+    s = make(num_slots=4, workers=2)
+    a, b = Sequence(0, [1, 2, 3], P), Sequence(1, [5, 6], P)
+    s.add(a)
+    s.add(b)
+    s.schedule()  # a on worker 0 (tie: lowest id), then b on worker 1 (most free)
+    assert (a.segments, b.segments) == ([(0, 0)], [(1, 0)])
+    for q in (a, b):
+        q.output.append(9)
+    s.schedule()  # both append in place: w0 full, w1 has 1 free
+    for q in (a, b):
+        q.output.append(9)
+    plan = s.schedule()
+    # a spills its 5th position onto worker 1's last slot (3) rather than being preempted;
+    # b then finds w1 full and nowhere to spill: it is the newest on w1, so it yields
+    assert plan.seqs == (SeqWork(0, (9,), 4, (0, 1, 2, 3, 3), worker=0, params=P,
+                                 segments=((0, 0), (1, 4))),)
+    assert b.status == "waiting" and b.num_preemptions == 1 and a.num_preemptions == 0
+    assert s.allocs[1].slots(0) == [3] and s.allocs[1].free_list() == [0, 1, 2]
+
+
+def test_split_kv_off_keeps_one_worker_per_sequence():
+    s = make(num_slots=4, workers=2, split_kv=False)
+    with pytest.raises(ValueError, match="needs 6 KV slots"):
+        s.add(Sequence(0, [1] * 6, P))
+    with pytest.raises(ValueError, match="split_kv"):
+        SchedulerConfig(split_kv="yes")
