@@ -25,10 +25,16 @@ from lamina.wire import SocketChannel
 from .memory_worker import META
 
 
+PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
+
+
 @ray.remote
 class ComputeWorker:
     def __init__(self, model: str | None, dtype: str, num_memory_workers: int,
-                 threads: int = 1):
+                 threads: int = 1, prefill_threads: int | None = None):
+        # Decode steps use `threads`; a prefill-heavy step (memory workers nearly idle:
+        # their attention is small next to the dense work) borrows `prefill_threads`.
+        self.threads, self.prefill_threads = threads, prefill_threads or threads
         torch.set_num_threads(threads)
         self.loaded = load(model, dtype=dtype, with_tokenizer=False)
         self.compute = ComputeSide(split_model(self.loaded.model), num_memory_workers)
@@ -54,6 +60,9 @@ class ComputeWorker:
         return os.getpid()
 
     def execute(self, plan: StepPlan):
+        n = self.prefill_threads if plan.num_tokens >= PREFILL_TOKENS else self.threads
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
         return self.compute.run(plan, _SocketLink(self.channels))
 
     def probe_exchange(self, tokens, repeat: int) -> dict:

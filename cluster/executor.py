@@ -25,7 +25,8 @@ class WorkerFailure(RuntimeError):
 
 
 class RayExecutor(Executor):
-    def __init__(self, model, dtype, config, threads: int = 1, address: str | None = None):
+    def __init__(self, model, dtype, config, threads: int = 1, address: str | None = None,
+                 prefill_threads: int | None = None):
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS")
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
@@ -39,8 +40,16 @@ class RayExecutor(Executor):
             c_opts["resources"] = {"lamina_compute": 1}
         if "lamina_memory" in have:
             m_opts["resources"] = {"lamina_memory": 1}
-        self.compute = ComputeWorker.options(**c_opts).remote(model, dtype, m, threads)
-        self.memory = [MemoryWorker.options(**m_opts).remote(i, threads) for i in range(m)]
+        # Idle OpenMP threads sleep at once instead of spinning, so a worker's threads
+        # never hold a core another worker process needs (they share cores here).
+        env = {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
+        # Prefill-heavy steps may borrow every core of a local (single-node) cluster.
+        local_cores = int(have.get("CPU", 1)) if "lamina_compute" not in have else threads
+        pt = prefill_threads or max(threads, local_cores)
+        self.compute = ComputeWorker.options(**c_opts, **env).remote(model, dtype, m, threads,
+                                                                     pt)
+        self.memory = [MemoryWorker.options(**m_opts, **env).remote(i, threads)
+                       for i in range(m)]
         pool_cfg, params = ray.get(self.compute.memory_spec.remote(config.num_kv_slots,
                                                                   config.kv_dtype))
         self.params = list(params)  # per-layer AttentionParams
