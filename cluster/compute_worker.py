@@ -20,7 +20,7 @@ from lamina.kv_pool import KVPoolConfig
 from lamina.messages import StepPlan, StepResult
 from lamina.models import load
 from lamina.splitter import split_model
-from lamina.wire import SocketChannel
+from lamina.wire import ShmRing, SocketChannel
 
 from .memory_worker import META
 
@@ -51,12 +51,18 @@ class ComputeWorker:
     def connect(self, addresses: list) -> int:
         for kind, *addr in addresses:
             if kind == "unix":
+                rings = {}
+                if len(addr) == 4:  # shared-memory rings: map them before connecting
+                    c2m, m2c, cap = addr[1:]
+                    rings = {"ring_out": ShmRing(c2m, cap, create=False),
+                             "ring_in": ShmRing(m2c, cap, create=False)}
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.connect(addr[0])
+                self.channels.append(SocketChannel(s, **rings))
             else:
                 s = socket.create_connection(tuple(addr))
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.channels.append(SocketChannel(s))
+                self.channels.append(SocketChannel(s))
         return os.getpid()
 
     def execute(self, plan: StepPlan):

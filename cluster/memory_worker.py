@@ -24,9 +24,14 @@ import torch
 from lamina.executor import MemorySide
 from lamina.kernels import SlotBatch
 from lamina.kv_pool import KVPool
-from lamina.wire import FrameError, SocketChannel
+from lamina.wire import FrameError, ShmRing, SocketChannel
 
 META = -1  # layer tag of the per-step metadata frames
+RING_BYTES = 64 << 20  # per direction; larger payloads go inline on the socket
+
+
+def shm_enabled() -> bool:
+    return os.environ.get("LAMINA_SHM", "1") != "0" and os.path.isdir("/dev/shm")
 
 
 @ray.remote
@@ -43,12 +48,19 @@ class MemoryWorker:
                 "pool_bytes": pool_config.nbytes, "pid": os.getpid()}
 
     def listen(self, unix: bool) -> tuple:
-        """Open the data-plane endpoint; serve one compute worker on a thread."""
+        """Open the data-plane endpoint; serve one compute worker on a thread. Co-located
+        (unix): payloads go through two shared-memory rings, the socket is the doorbell."""
+        self._rings = None
         if unix:
             path = os.path.join(tempfile.mkdtemp(prefix="lamina-"), f"mem{self.index}.sock")
             self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._srv.bind(path)
             addr = ("unix", path)
+            if shm_enabled():
+                base = f"/dev/shm/lamina-{os.getpid()}-{self.index}"
+                self._rings = (ShmRing(base + "-c2m", RING_BYTES, create=True),
+                               ShmRing(base + "-m2c", RING_BYTES, create=True))
+                addr = ("unix", path, base + "-c2m", base + "-m2c", RING_BYTES)
         else:
             self._srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self._srv.bind((ray.util.get_node_ip_address(), 0))
@@ -64,7 +76,13 @@ class MemoryWorker:
         conn, _ = self._srv.accept()
         if conn.family == socket.AF_INET:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        ch = SocketChannel(conn)
+        if self._rings:  # the compute worker mapped them before connecting
+            c2m, m2c = self._rings
+            for r in self._rings:
+                r.unlink()
+            ch = SocketChannel(conn, ring_out=m2c, ring_in=c2m)
+        else:
+            ch = SocketChannel(conn)
         # Outputs go out on their own thread, so this one keeps reading: with micro-batches
         # the compute side sends the next one's q/k/v before it reads this one's output.
         self._out = queue.SimpleQueue()

@@ -7,7 +7,9 @@ validation. No pickle: a frame is
     magic "LMNA" | version u16 | ndim u8 | dtype u8 | layer i32 | step i64 |
     nbytes u64 | shape ndim x i64 | payload (nbytes raw bytes, C order)
 
-all little-endian. `decode` checks every field (and the layer, step and shape the
+all little-endian. Bit 7 of the ndim byte (`IN_RING`) says the payload is not on the
+stream but in the sender's shared-memory ring (`ShmRing`): co-located workers send
+only headers over the Unix socket (the doorbell) and the bytes through shared memory. `decode` checks every field (and the layer, step and shape the
 receiver expects) and raises `FrameError` naming what is wrong; nothing malformed
 reaches the math. `SocketChannel` carries frames over a connected stream socket
 (TCP between hosts, a Unix socket when co-located); an RDMA channel implements the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -24,6 +27,7 @@ import torch
 MAGIC, VERSION = b"LMNA", 1
 HEADER = struct.Struct("<4sHBBiqQ")  # magic, version, ndim, dtype, layer, step, nbytes
 MAX_NDIM = 8
+IN_RING = 0x80  # ndim flag: payload in the shared-memory ring
 DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16, 4: torch.int32,
           5: torch.int64, 6: torch.uint8}
 CODES = {v: k for k, v in DTYPES.items()}
@@ -57,8 +61,8 @@ def parse_header(buf: bytes, what: str = "frame"):
         raise FrameError(f"{what}: version {ver}, this side speaks {VERSION}")
     if code not in DTYPES:
         raise FrameError(f"{what}: unknown dtype code {code}")
-    if ndim > MAX_NDIM:
-        raise FrameError(f"{what}: {ndim} dims (max {MAX_NDIM})")
+    if ndim & ~IN_RING > MAX_NDIM:
+        raise FrameError(f"{what}: {ndim & ~IN_RING} dims (max {MAX_NDIM})")
     return ndim, DTYPES[code], layer, step, nbytes
 
 
@@ -86,6 +90,8 @@ def check(shape, dtype, layer, step, nbytes, expect_layer=None, expect_step=None
 def decode(buf: bytes, **expect) -> tuple[torch.Tensor, int, int]:
     """A whole frame in memory -> (tensor, layer, step)."""
     ndim, dtype, layer, step, nbytes = parse_header(buf)
+    if ndim & IN_RING:
+        raise FrameError("frame says its payload is in a shared-memory ring; none here")
     off = HEADER.size + 8 * ndim
     if len(buf) < off:
         raise FrameError(f"frame truncated in its shape: {len(buf)} of {off} bytes")
@@ -114,18 +120,102 @@ class Channel(ABC):
         pass
 
 
-class SocketChannel(Channel):
-    """Frames over a connected stream socket; payloads land directly in the tensor."""
+class ShmRing:
+    """One direction of a shared-memory byte ring: a file in /dev/shm mapped by both
+    processes. Layout: [consumed u64 | pad to 64][capacity bytes]. The writer appends
+    payloads at its cursor (jumping to the start when one would not fit before the end),
+    waiting while the reader is a full ring behind; the reader copies each payload out
+    and publishes how far it has consumed. Both sides apply the same jump rule to the
+    same frame sizes, so no offsets travel."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
+    CTRL = 64
+
+    def __init__(self, path: str, capacity: int, create: bool):
+        import mmap
+        import os
+
+        self.path, self.cap, self.pos = path, capacity, 0
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, self.CTRL + capacity)
+            self.mm = mmap.mmap(fd, self.CTRL + capacity)
+        finally:
+            os.close(fd)
+        self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.CTRL,
+                                     count=capacity)
+        self._ctrl = memoryview(self.mm)[:8].cast("Q")
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.cap // 2
+
+    def _place(self, n: int) -> int:
+        off = self.pos % self.cap
+        if off + n > self.cap:  # no wrap inside a payload: jump to the start
+            self.pos += self.cap - off
+            off = 0
+        return off
+
+    def write(self, t: torch.Tensor) -> None:
+        src = t.reshape(-1).view(torch.uint8)
+        n = src.numel()
+        off = self._place(n)
+        spins = 0
+        while self.pos + n - self._ctrl[0] > self.cap:  # reader a full ring behind
+            spins += 1
+            time.sleep(0 if spins < 100 else 1e-4)
+        self.data[off:off + n].copy_(src)
+        self.pos += n
+
+    def read_into(self, out: torch.Tensor) -> None:
+        dst = out.reshape(-1).view(torch.uint8)
+        n = dst.numel()
+        off = self._place(n)
+        dst.copy_(self.data[off:off + n])
+        self.pos += n
+        self._ctrl[0] = self.pos  # this much may now be overwritten
+
+    def unlink(self) -> None:
+        import os
+
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self._ctrl.release()
+        del self.data
+        try:
+            self.mm.close()
+        except BufferError:  # a tensor still views it; the OS unmaps at exit
+            pass
+
+
+class SocketChannel(Channel):
+    """Frames over a connected stream socket; payloads land directly in the tensor.
+    With rings (co-located peers) payloads go through shared memory and the socket
+    carries only the headers, read through a buffer (one syscall for a burst)."""
+
+    def __init__(self, sock: socket.socket, ring_out: ShmRing | None = None,
+                 ring_in: ShmRing | None = None):
+        self.sock, self.ring_out, self.ring_in = sock, ring_out, ring_in
+        self._buf, self._off = bytearray(), 0  # buffered header bytes (ring mode)
 
     def send(self, t, layer, step):
         self.send_many([(t, layer, step)])
 
     def send_many(self, frames) -> None:
         """Several frames in one gather write (one wake-up for the peer, not one each)."""
-        views = [memoryview(b).cast("B") for f in frames for b in encode(*f) if len(b)]
+        views = []
+        for f in frames:
+            head, payload = encode(*f)
+            if self.ring_out is not None and len(payload) and self.ring_out.fits(len(payload)):
+                self.ring_out.write(f[0].detach().contiguous())
+                head = bytearray(head)
+                head[6] |= IN_RING
+                payload = b""
+            views += [memoryview(b).cast("B") for b in (head, payload) if len(b)]
         while views:
             n = self.sock.sendmsg(views)
             while n:  # drop what went out; a partial write resumes mid-buffer
@@ -136,6 +226,19 @@ class SocketChannel(Channel):
 
     def _read_into(self, view: memoryview, what: str) -> None:
         got = 0
+        if self.ring_in is not None:  # serve from the buffer first, refill in big reads
+            while got < len(view):
+                if self._off == len(self._buf):
+                    chunk = self.sock.recv(1 << 16)
+                    if not chunk:
+                        raise FrameError(f"{what} truncated: peer closed after {got} of "
+                                         f"{len(view)} bytes")
+                    self._buf, self._off = chunk, 0
+                take = min(len(view) - got, len(self._buf) - self._off)
+                view[got:got + take] = self._buf[self._off:self._off + take]
+                got += take
+                self._off += take
+            return
         while got < len(view):
             n = self.sock.recv_into(view[got:])
             if n == 0:
@@ -147,15 +250,24 @@ class SocketChannel(Channel):
         head = bytearray(HEADER.size)
         self._read_into(memoryview(head), "frame header")
         ndim, dtype, layer, step, nbytes = parse_header(bytes(head))
+        in_ring, ndim = bool(ndim & IN_RING), ndim & ~IN_RING
+        if in_ring and self.ring_in is None:
+            raise FrameError("frame says its payload is in a shared-memory ring; this "
+                             "channel has none")
         shape_b = bytearray(8 * ndim)
         self._read_into(memoryview(shape_b), "frame shape")
         shape = struct.unpack(f"<{ndim}q", shape_b)
         check(shape, dtype, layer, step, nbytes, **expect)
         out = torch.empty(shape, dtype=dtype)
-        if nbytes:
+        if nbytes and in_ring:
+            self.ring_in.read_into(out)
+        elif nbytes:
             self._read_into(memoryview(out.reshape(-1).view(torch.uint8).numpy()),
                             "frame payload")
         return out, layer, step
 
     def close(self):
         self.sock.close()
+        for r in (self.ring_out, self.ring_in):
+            if r is not None:
+                r.close()

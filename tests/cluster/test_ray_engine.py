@@ -25,6 +25,7 @@ def test_ray_greedy_identical_to_hf(llm, prompts, hf_greedy):
     info = llm.executor.memory_info
     assert len(info) == 2 and info[0]["pid"] != info[1]["pid"]
     assert [a[0] for a in llm.executor.addresses] == ["unix", "unix"]
+    assert all(len(a) == 5 for a in llm.executor.addresses)  # payloads via shm rings
 
 
 def test_ray_rotational_pipeline_identical(llm, prompts, hf_greedy):
