@@ -106,8 +106,8 @@ def _ring_pair(tmp_path, cap):
     from lamina.wire import ShmRing
 
     a, b = socket.socketpair()
-    out_w = ShmRing(str(tmp_path / "ab"), cap, create=True)
-    back_w = ShmRing(str(tmp_path / "ba"), cap, create=True)
+    out_w = ShmRing(str(tmp_path / "ab"), cap, create=True, min_bytes=0)
+    back_w = ShmRing(str(tmp_path / "ba"), cap, create=True, min_bytes=0)
     tx = SocketChannel(a, ring_out=out_w, ring_in=back_w)
     rx = SocketChannel(b, ring_out=ShmRing(str(tmp_path / "ba"), cap, create=False),
                        ring_in=ShmRing(str(tmp_path / "ab"), cap, create=False))
