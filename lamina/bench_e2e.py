@@ -72,7 +72,7 @@ def run_vllm(python: str, model_dir: str, prompts: dict, dtype: str, new: int, r
         json.dump({str(b): p for b, p in prompts.items()}, f)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(threads))
-    iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+    iomp = Path(python).absolute().parent.parent / "lib" / "libiomp5.so"  # the venv's
     if iomp.exists():
         env["LD_PRELOAD"] = str(iomp)
     peer = Path(__file__).resolve().parent.parent / "benchmarks" / "vllm_peer.py"
