@@ -26,6 +26,7 @@ and merges the partial attentions exactly by log-sum-exp.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -161,7 +162,8 @@ class Scheduler:
         return True
 
     def _work(self, seq: Sequence, tokens: tuple, start: int, seeds: tuple) -> SeqWork:
-        slots = [x for w in seq.workers for x in self.allocs[w].slots(seq.seq_id)]
+        tables = [self.allocs[w].slots(seq.seq_id) for w in seq.workers]
+        slots = tables[0] if len(tables) == 1 else list(itertools.chain(*tables))
         segs = tuple(seq.segments) if len(seq.segments) > 1 else ()
         return SeqWork(seq.seq_id, tokens, start, tuple(slots), worker=seq.segments[0][0],
                        params=seq.params, seeds=seeds, segments=segs)

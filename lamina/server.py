@@ -89,7 +89,8 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
         except ValueError as e:
             return _error(400, str(e), str(e).split(" ")[0].removeprefix("SamplingParams."))
         try:  # validate every prompt before any is queued
-            futs = [loop.submit(p, params) for p in _checked(prompts, loop, params)]
+            futs = [loop.submit(p, params, validated=True)
+                    for p in _checked(prompts, loop, params)]
         except (ValueError, TypeError) as e:
             return _error(400, str(e), "prompt")
         except EngineDead as e:

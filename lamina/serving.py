@@ -32,10 +32,12 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="lamina-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt, params: SamplingParams) -> Future:
+    def submit(self, prompt, params: SamplingParams, validated: bool = False) -> Future:
+        """`validated`: the caller already ran `engine.validate` on this prompt."""
         if self.error is not None:
             raise EngineDead(f"engine stopped after a failed step: {self.error}")
-        self.engine.validate(prompt, params)  # raises ValueError / TypeError here
+        if not validated:
+            self.engine.validate(prompt, params)  # raises ValueError / TypeError here
         fut: Future = Future()
         self._inbox.put((prompt, params, fut))
         self._wake.set()
