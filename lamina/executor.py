@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.kernels import (AttentionInputError, AttentionParams, SlotBatch, prefill_attention,
-                            select_backend, validate_batch)
+from lamina.kernels import (AttentionInputError, AttentionParams, SlotBatch, merge_attention,
+                            prefill_attention, select_backend, validate_batch)
 from lamina.splitter.split import SplitModel
 
 from .kv_pool import KVPool
@@ -191,19 +191,15 @@ def combine(parts: list[WorkerPart], outs: list, out_shape, dtype, merge: bool):
             if r is not None:
                 o[p.rows] = r[0]
         return o
-    o = torch.zeros(n, hq, dv)
-    lse = torch.full((n, hq), float("-inf"))
-    for p, r in zip(parts, outs):
-        if r is None:
-            continue
-        ow, lw = r  # [n_w, Hq, Dv], [n_w, Hq]
-        cur = lse[p.rows]
-        new = torch.logaddexp(cur, lw)
-        a = torch.exp(cur - new).nan_to_num(0.0)[..., None]  # old share; nan: both -inf
-        b = torch.exp(lw - new).nan_to_num(0.0)[..., None]
-        o[p.rows] = o[p.rows] * a + ow.float() * b
-        lse[p.rows] = new
-    return o.to(dtype)
+    os, lses = [], []
+    for p, r in zip(parts, outs):  # each worker's partial over all rows; absent: lse -inf
+        if r is not None:
+            o = torch.zeros(n, hq, dv)
+            lse = torch.full((n, hq), float("-inf"))
+            o[p.rows], lse[p.rows] = r[0].float(), r[1]
+            os.append(o)
+            lses.append(lse)
+    return merge_attention(os, lses)[0].to(dtype)
 
 
 class ComputeSide:
