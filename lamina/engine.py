@@ -1,8 +1,10 @@
 """The engine: scheduler -> step plan -> executor -> step result -> sampler -> outputs.
 
 Data in: prompts (text or token ids) with `SamplingParams`, from `LLM` or a server.
-Data out: `RequestOutput`s when requests finish. Bad requests are rejected in
-`add_request` before anything is scheduled; other requests keep running.
+Data out: `RequestOutput`s when requests finish, and for streamed requests a partial one
+(`finished=False`) every step they draw a token. Bad requests are rejected in
+`add_request` before anything is scheduled; other requests keep running. `abort` drops a
+request (a client went away) and frees its KV.
 """
 from __future__ import annotations
 
@@ -47,12 +49,25 @@ class EngineConfig:
                              f"got {self.pipeline!r}")
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A drawn token's logprob and the top alternatives (the model's distribution)."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(t.logprob for t in self.logprobs)
 
 
 @dataclass
@@ -62,6 +77,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: dict = field(default_factory=dict)
+    finished: bool = True  # False: a streamed request's progress so far
 
     @property
     def text(self) -> str:
@@ -85,7 +101,8 @@ class _Request:
     seqs: list[Sequence]
     arrival: float
     first_token: float | None = None
-    texts: list[str] = field(default_factory=list)
+    texts: list[str | None] = field(default_factory=list)  # set when cut at a stop string
+    stream: bool = False
 
 
 class LLMEngine:
@@ -105,6 +122,7 @@ class LLMEngine:
         self._rid = itertools.count()
         self._sid = itertools.count()
         self._by_seq: dict[int, tuple[_Request, int]] = {}
+        self._reqs: dict[int, _Request] = {}
         self.step_timings: list[dict] = []
 
     # -- requests --
@@ -137,16 +155,18 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pools hold {cap}")
         return ids
 
-    def add_request(self, prompt, params: SamplingParams) -> int:
+    def add_request(self, prompt, params: SamplingParams, stream: bool = False) -> int:
+        """`stream`: `step` also returns this request's progress each step it draws."""
         ids = self.validate(prompt, params)
         rid = next(self._rid)
         seed = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
         req = _Request(rid, prompt if isinstance(prompt, str) else None, ids, params, [],
-                       time.perf_counter())
+                       time.perf_counter(), stream=stream)
+        self._reqs[rid] = req
         for i in range(params.n):
             seq = Sequence(next(self._sid), list(ids), params, seed=seed + i)
             req.seqs.append(seq)
-            req.texts.append("")
+            req.texts.append(None)
             self._by_seq[seq.seq_id] = (req, i)
         # n > 1: one prefill; the siblings fork the parent's KV after it (scheduler.fork).
         req.seqs[0].forks = req.seqs[1:]
@@ -155,6 +175,16 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Stop a request now and free its KV; its output so far, finish reason "abort"
+        for the unfinished samples. None if it is not (or no longer) running."""
+        req = self._reqs.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            self.scheduler.abort(seq)
+        return self._output(req, time.perf_counter())
 
     # -- the step loop --
     def step(self) -> list[RequestOutput]:
@@ -171,26 +201,33 @@ class LLMEngine:
         now = time.perf_counter()
         self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
                                   "step_s": now - t0, **(result.timings or {})})
-        drawn = []  # (sequence, token)
-        for sid, toks in zip(result.seq_ids, result.token_ids):
+        lps = result.logprobs or (None,) * len(result.seq_ids)
+        drawn = []  # (sequence, token, logprob entry or None)
+        for sid, toks, lp in zip(result.seq_ids, result.token_ids, lps):
             req, i = self._by_seq[sid]
             seq = req.seqs[i]
             kids = self.scheduler.fork(seq) if seq.forks else []
-            if len(toks) != 1 + len(kids):
+            if len(toks) != 1 + len(kids) or (lp is not None and len(lp) != len(toks)):
                 raise RuntimeError(f"executor drew {len(toks)} tokens for seq {sid}, "
                                    f"expected {1 + len(kids)}")
-            drawn += zip([seq, *kids], toks)
-        done = []
-        for seq, tok in drawn:
+            drawn += zip([seq, *kids], toks, lp or (None,) * len(toks))
+        done, progressed = [], {}
+        for seq, tok, lp in drawn:
             req, i = self._by_seq[seq.seq_id]
             req.first_token = req.first_token or now
             seq.output.append(tok)
+            if lp is not None:
+                seq.logprobs.append(TokenLogprob(tok, lp[0], tuple(zip(lp[1], lp[2]))))
             reason = self._finish_reason(seq, req, i)
             if reason:
                 self.scheduler.finish(seq, reason)
                 if all(s.status == "finished" for s in req.seqs):
                     done.append(self._output(req, now))
-        return done
+                    progressed.pop(req.rid, None)
+                    continue
+            if req.stream:
+                progressed[req.rid] = req
+        return done + [self._output(req, now, final=False) for req in progressed.values()]
 
     def _finish_reason(self, seq: Sequence, req: _Request, i: int) -> str | None:
         p, tok = seq.params, seq.output[-1]
@@ -206,17 +243,33 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, req: _Request, now: float) -> RequestOutput:
-        outs = []
-        for i, seq in enumerate(req.seqs):
-            text = req.texts[i]
-            if not text and self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-            outs.append(CompletionOutput(i, text, list(seq.output), seq.finish_reason))
+    def _text(self, seq: Sequence, req: _Request, i: int) -> str:
+        """The sample's text; while it runs, only the part that cannot change: no
+        trailing half character, nothing that may be the start of a stop string."""
+        if req.texts[i] is not None or self.tokenizer is None:
+            return req.texts[i] or ""
+        text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        if seq.status == "finished":
+            return text
+        text = text.rstrip("\ufffd")
+        hold = max((k for s in seq.params.stop for k in range(1, len(s))
+                    if text.endswith(s[:k])), default=0)
+        return text[:len(text) - hold]
+
+    def _output(self, req: _Request, now: float, final: bool = True) -> RequestOutput:
+        outs = [CompletionOutput(i, self._text(seq, req, i), list(seq.output),
+                                 seq.finish_reason,
+                                 list(seq.logprobs) if seq.params.logprobs is not None
+                                 else None)
+                for i, seq in enumerate(req.seqs)]
+        if not final:
+            return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, finished=False)
         n_out = sum(len(s.output) for s in req.seqs)
-        metrics = {"ttft_s": req.first_token - req.arrival, "e2e_s": now - req.arrival,
+        ttft = None if req.first_token is None else req.first_token - req.arrival
+        metrics = {"ttft_s": ttft, "e2e_s": now - req.arrival,
                    "output_tokens": n_out,
                    "preemptions": sum(s.num_preemptions for s in req.seqs)}
         for s in req.seqs:
             del self._by_seq[s.seq_id]
+        del self._reqs[req.rid]
         return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, metrics)

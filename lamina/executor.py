@@ -31,7 +31,7 @@ from lamina.splitter.split import SplitModel
 
 from .kv_pool import KVPool
 from .messages import StepPlan, StepResult
-from .sampling import sample_rows
+from .sampling import row_logprobs, sample_rows
 
 
 class Executor(ABC):
@@ -249,18 +249,20 @@ class ComputeSide:
                                 v[0].transpose(0, 1), parts)
                     t_submit += time.perf_counter() - t
         t = time.perf_counter()
-        works, tokens = [s for s in plan.seqs if s.sample], []
+        works, tokens, lps = [s for s in plan.seqs if s.sample], [], None
         if works:
             # logits: [R, V] (rows picked here if the last slice ran on every token)
             logits = torch.cat([out[0][0] if out[0].shape[1] == len(m[2]) else out[0][0, m[2]]
                                 for out, m in zip(outs, mbs) if out is not None]).float()
             tokens = sample_rows(logits, [s.params for s in works], [s.seeds for s in works],
                                  [s.next_pos for s in works])
+            if any(s.params.logprobs is not None for s in works):
+                lps = tuple(row_logprobs(logits, [s.params for s in works], tokens))
         t_sample = time.perf_counter() - t
         return StepResult(plan.step, tuple(s.seq_id for s in works), tuple(tokens),
                           {"dense_s": t_dense, "submit_s": t_submit, "wait_s": t_wait,
                            "attention_s": t_submit + t_wait, "sample_s": t_sample,
-                           "micro_batches": len(mbs)})
+                           "micro_batches": len(mbs)}, lps)
 
 
 def _select_rows(args: tuple, rows: list[int]) -> tuple:

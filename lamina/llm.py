@@ -65,6 +65,8 @@ class LLM:
             bar = tqdm(total=len(prompts), desc="generate", unit="req")
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if not out.finished:
+                    continue
                 results[order[out.request_id]] = out
                 if bar:
                     bar.update(1)

@@ -2,7 +2,7 @@
 
 Data in: `StepPlan` from the scheduler (which sequences, which tokens at which positions,
 which KV slots, how to sample). Data out: `StepResult` from the executor: the token ids
-drawn on the compute worker (logits never leave it).
+drawn on the compute worker (logits never leave it), with their logprobs where asked.
 """
 from __future__ import annotations
 
@@ -72,3 +72,5 @@ class StepResult:
     seq_ids: tuple[int, ...]  # sampling sequences, in plan order
     token_ids: tuple[tuple[int, ...], ...]  # per sequence, one token per seed
     timings: dict | None = None  # seconds: dense, attention, sample, ...
+    # per sequence: None, or per drawn token (logprob, top ids, top logprobs)
+    logprobs: tuple | None = None

@@ -5,6 +5,9 @@ on the compute worker, with each sequence's `SamplingParams` and seeds. Data out
 ids (only these go back to the engine). Greedy rows (temperature 0) take the argmax; the
 rest apply temperature, then top-k, then top-p (nucleus), then draw.
 
+Logprobs, where asked for, are of the model's own distribution (log-softmax of the
+logits, before temperature, top-k and top-p), as vLLM reports them.
+
 Draws are stateless: the generator of a draw is seeded from (sequence seed, position of
 the token drawn), so a sequence recomputed after preemption, or moved to another
 compute worker, draws exactly the tokens it would have drawn.
@@ -15,6 +18,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # per drawn token: its logprob and this many top ones
 
     def __post_init__(self):
         def bad(field, why):
@@ -55,6 +62,10 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative ints")
+        lp = self.logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool)
+                               or not 0 <= lp <= MAX_LOGPROBS):
+            bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -115,4 +126,26 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         out.append(tuple(int(torch.multinomial(
             probs, 1, generator=torch.Generator().manual_seed(draw_seed(s, positions[r]))))
             for s in ss))
+    return out
+
+
+def row_logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                 tokens: list[tuple[int, ...]]) -> list[tuple | None]:
+    """logits: [R, V]; tokens: per row, its drawn tokens. -> per row: None (not asked),
+    or per drawn token (logprob, top ids, top logprobs), top-`params.logprobs` first."""
+    out: list[tuple | None] = [None] * len(params)
+    want = [r for r, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return out
+    lp = torch.log_softmax(logits[want].float(), dim=-1)  # [W, V]
+    k = max(params[r].logprobs for r in want)
+    top_v, top_i = torch.topk(lp, k, dim=-1)  # [W, k]
+    pairs = [(j, t) for j, r in enumerate(want) for t in tokens[r]]
+    chosen = lp[[j for j, _ in pairs], [t for _, t in pairs]].tolist()  # one gather
+    at = 0
+    for j, r in enumerate(want):
+        kk, n = params[r].logprobs, len(tokens[r])
+        ids, vals = tuple(top_i[j, :kk].tolist()), tuple(top_v[j, :kk].tolist())
+        out[r] = tuple((v, ids, vals) for v in chosen[at:at + n])
+        at += n
     return out

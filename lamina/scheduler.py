@@ -63,6 +63,7 @@ class Sequence:
     num_preemptions: int = 0
     seed: int = 0  # this sequence's sampling seed (draws are keyed by seed and position)
     forks: list["Sequence"] = field(default_factory=list)  # siblings not yet forked off
+    logprobs: list = field(default_factory=list)  # per output token, if asked for
 
     @property
     def tokens(self) -> list[int]:
@@ -221,3 +222,13 @@ class Scheduler:
         seq.status, seq.finish_reason = "finished", reason
         self._release(seq)
         self.running.remove(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished seq wherever it is (running, waiting, or a fork not yet
+        forked off) and free its KV."""
+        if seq.status == "running":
+            self.finish(seq, "abort")
+        elif seq.status == "waiting":
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            seq.status, seq.finish_reason, seq.forks = "finished", "abort", []

@@ -2,9 +2,11 @@
 
 Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fields,
 plus top_k, seed, stop_token_ids and ignore_eos). Data out: completion JSON with text,
-token ids, finish reasons and usage. Requests go to one `EngineLoop`, so concurrent
-HTTP requests batch together in the engine. Bad input answers 400 naming the field;
-a failed engine answers 503; other requests keep being served.
+token ids, logprobs, finish reasons and usage; with `stream: true`, server-sent events
+of text deltas, then `data: [DONE]`. Requests go to one `EngineLoop`, so concurrent
+HTTP requests batch together in the engine. A streaming client that disconnects has
+its request aborted and its KV freed. Bad input answers 400 naming the field; a failed
+engine answers 503 (or an error event mid-stream); other requests keep being served.
 """
 from __future__ import annotations
 
@@ -15,11 +17,17 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .sampling import SamplingParams
 from .serving import EngineDead, EngineLoop
+from .server_stream import completion_logprobs, chat_logprobs, sse_events
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
 
 
 class _Sampling(BaseModel):
@@ -35,17 +43,26 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def num_logprobs(self) -> int | None:
+        return None
 
     def params(self) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, n=self.n, seed=self.seed,
                               stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, logprobs=self.num_logprobs())
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # the drawn token's logprob and this many top ones
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -55,6 +72,13 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -83,18 +107,32 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "owned_by": "lamina"}]}
 
-    async def _run(prompts: list, body: _Sampling) -> list | JSONResponse:
+    async def _run(prompts: list, body: _Sampling, chunk=None) -> list | JSONResponse:
+        """Run the prompts -> their final outputs; with `chunk` (streaming), a response
+        of server-sent events made by `chunk` (see `sse_events`) instead."""
         try:
             params = body.params()
         except ValueError as e:
             return _error(400, str(e), str(e).split(" ")[0].removeprefix("SamplingParams."))
+        updates: asyncio.Queue | None = asyncio.Queue() if chunk else None
+        aloop = asyncio.get_running_loop()
+
+        def listener(i):
+            return lambda out: aloop.call_soon_threadsafe(updates.put_nowait, (i, out))
+
         try:  # validate every prompt before any is queued
-            futs = [loop.submit(p, params, validated=True)
-                    for p in _checked(prompts, loop, params)]
+            futs = [loop.submit(p, params, validated=True,
+                                on_update=listener(i) if chunk else None)
+                    for i, p in enumerate(_checked(prompts, loop, params))]
         except (ValueError, TypeError) as e:
             return _error(400, str(e), "prompt")
         except EngineDead as e:
             return _error(503, str(e))
+        if chunk:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                sse_events(loop, futs, updates, chunk, _usage if include_usage else None),
+                media_type="text/event-stream")
         try:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
         except Exception as e:  # noqa: BLE001 - the engine failed these requests
@@ -105,20 +143,32 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
         c = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
+    def _decode(ids) -> list[str]:
+        return [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in ids]
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": model_name}
+
+        def choice(i, c, text, lps, start=0):
+            return {"index": i * body.n + c.index, "text": text,
+                    "token_ids": c.token_ids[start:], "finish_reason": c.finish_reason,
+                    "logprobs": None if lps is None else completion_logprobs(
+                        lps, _decode, len("".join(_decode(c.token_ids[:start]))))}
+
+        if body.stream:
+            return await _run(list(prompts), body, lambda i, c, text, lps, start: {
+                **head, "choices": [choice(i, c, text, lps, start)]})
         outs = await _run(list(prompts), body)
         if isinstance(outs, JSONResponse):
             return outs
-        choices = [{"index": i * body.n + c.index, "text": c.text, "token_ids": c.token_ids,
-                    "finish_reason": c.finish_reason, "logprobs": None}
-                   for i, o in enumerate(outs) for c in o.outputs]
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": model_name, "choices": choices,
-                "usage": _usage(outs)}
+        choices = [choice(i, c, c.text, c.logprobs) for i, o in enumerate(outs)
+                   for c in o.outputs]
+        return {**head, "choices": choices, "usage": _usage(outs)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
@@ -126,15 +176,28 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
             return _error(400, "this model has no chat template", "messages")
         prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
                                                tokenize=False, add_generation_prompt=True)
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def lp_json(lps):
+            return chat_logprobs(lps, _decode) if lps is not None else None
+
+        if body.stream:
+            def chunk(i, c, text, lps, start):
+                delta = {"content": text} if start else {"role": "assistant", "content": text}
+                return {"id": rid, "object": "chat.completion.chunk", "created": now,
+                        "model": model_name, "choices": [{
+                            "index": c.index, "delta": delta, "token_ids": c.token_ids[start:],
+                            "logprobs": lp_json(lps), "finish_reason": c.finish_reason}]}
+            return await _run([prompt], body, chunk)
         outs = await _run([prompt], body)
         if isinstance(outs, JSONResponse):
             return outs
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                    "token_ids": c.token_ids, "logprobs": lp_json(c.logprobs),
+                    "finish_reason": c.finish_reason}
                    for c in outs[0].outputs]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                "created": int(time.time()), "model": model_name, "choices": choices,
-                "usage": _usage(outs)}
+        return {"id": rid, "object": "chat.completion", "created": now,
+                "model": model_name, "choices": choices, "usage": _usage(outs)}
 
     return app
 

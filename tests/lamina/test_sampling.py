@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.sampling import SamplingParams, draw_seed, sample, sample_rows, sampling_probs
+from lamina.sampling import (SamplingParams, draw_seed, row_logprobs, sample, sample_rows,
+                             sampling_probs)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.4, -1.0, 3.0, 0.0, -0.2])
 
@@ -89,3 +90,28 @@ def test_stateless_draws_per_seed_and_position():
 def test_bad_params_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**kw)
+
+
+def test_row_logprobs_match_numpy_log_softmax():
+    rows = torch.stack([LOGITS, LOGITS.flip(0) * 2, LOGITS - 5])
+    params = [SamplingParams(logprobs=3), SamplingParams(), SamplingParams(logprobs=0)]
+    tokens = [(5, 2), (1,), (7,)]  # row 0 drew two tokens (n=2 forks)
+    out = row_logprobs(rows, params, tokens)
+    x = rows.double().numpy()
+    ref = x - x.max(1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(1, keepdims=True))
+    assert out[1] is None and len(out[0]) == 2 and len(out[2]) == 1
+    for r, toks in [(0, (5, 2)), (2, (7,))]:
+        for entry, t in zip(out[r], toks):
+            lp, ids, vals = entry
+            assert lp == pytest.approx(ref[r, t], abs=1e-6)
+            k = params[r].logprobs
+            assert list(ids) == list(np.argsort(-ref[r], kind="stable")[:k])
+            assert np.allclose(vals, np.sort(ref[r])[::-1][:k], atol=1e-6)
+    assert out[0][0][1] == (5, 0, 1) and out[2][0][1] == ()
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 2.0, True])
+def test_logprobs_param_checked(bad):
+    with pytest.raises(ValueError, match="SamplingParams.logprobs"):
+        SamplingParams(logprobs=bad)

@@ -1,7 +1,9 @@
 """HTTP server over a real uvicorn socket, local executor on SmolLM2: completions equal
 HF greedy, concurrent requests batch, bad input answers 400 naming the field and the
-server keeps serving, chat, n > 1, engine failure answers 503."""
+server keeps serving, chat, n > 1, streaming (SSE) equals the plain answer, logprobs, a
+disconnected stream is aborted, engine failure answers 503."""
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -46,6 +48,20 @@ class _Server:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
+    def stream(self, path, body):
+        """POST with stream: true; -> the decoded `data:` events, up to [DONE]."""
+        req = urllib.request.Request(self.url + path, json.dumps({**body, "stream": True})
+                                     .encode(), {"Content-Type": "application/json"})
+        events = []
+        with urllib.request.urlopen(req, timeout=300) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else
+                                  json.loads(line[6:]))
+        return events
+
     def get(self, path):
         try:
             with urllib.request.urlopen(self.url + path, timeout=30) as r:
@@ -62,6 +78,7 @@ class _Server:
 def server(smol, smol_split):
     loop = EngineLoop(_engine(smol, smol_split))
     srv = _Server(loop, smol.tokenizer)
+    srv.loop = loop
     yield srv
     srv.stop()
     loop.shutdown()
@@ -130,9 +147,85 @@ def test_chat_n_seed_health_models(server, smol):
                                                             skip_special_tokens=True)
 
 
+def test_stream_equals_plain_completion(server, prompts, hf_greedy, smol):
+    text = smol.tokenizer.decode(hf_greedy[4], skip_special_tokens=True)
+    body = {"prompt": prompts[4], "max_tokens": 64, "temperature": 0,
+            "stop": text[len(text) // 2: len(text) // 2 + 6], "logprobs": 2}
+    status, plain = server.post("/v1/completions", body)
+    assert status == 200
+    events = server.stream("/v1/completions", {**body, "stream_options":
+                                               {"include_usage": True}})
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == plain["usage"]
+    chunks = [e["choices"][0] for e in events[:-2]]
+    want = plain["choices"][0]
+    assert "".join(c["text"] for c in chunks) == want["text"]
+    assert sum((c["token_ids"] for c in chunks), []) == want["token_ids"]
+    assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((c["logprobs"][key] for c in chunks), []) == want["logprobs"][key]
+    lp = want["logprobs"]
+    assert len(lp["tokens"]) == len(want["token_ids"]) and \
+        all(len(t) <= 2 for t in lp["top_logprobs"])
+    assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+
+
+def test_chat_stream_and_logprobs(server):
+    body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    status, plain = server.post("/v1/chat/completions", body)
+    assert status == 200
+    content = plain["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(plain["choices"][0]["token_ids"])
+    assert all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 and
+               c["top_logprobs"][0]["token"] == c["token"] for c in content)  # greedy
+    events = server.stream("/v1/chat/completions", body)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas[0]["role"] == "assistant" and "role" not in deltas[-1]
+    assert "".join(d["content"] for d in deltas) == plain["choices"][0]["message"]["content"]
+    status, out = server.post("/v1/chat/completions", {**body, "logprobs": False})
+    assert status == 400 and "top_logprobs" in out["error"]["message"]
+
+
+def test_disconnected_stream_is_aborted(server, prompts):
+    loop = server.loop
+    before = dict(loop.stats)
+    body = json.dumps({"prompt": prompts[2], "max_tokens": 4000, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while b"data: {" not in got:  # the first token arrived: the request is running
+            got += s.recv(4096)
+    deadline = time.time() + 120
+    while loop.stats["aborted"] == before["aborted"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert loop.stats["aborted"] == before["aborted"] + 1
+    assert loop.stats["finished"] == before["finished"]
+    while loop.engine.has_unfinished() and time.time() < deadline:
+        time.sleep(0.1)
+    assert loop.engine.alloc.num_free() == loop.engine.config.num_kv_slots
+
+
 class _Broken:
     def execute(self, plan):
         raise RuntimeError("memory worker 1 died")
+
+
+def test_engine_failure_mid_stream_is_an_error_event(smol, smol_split):
+    eng = _engine(smol, smol_split)
+    eng.executor = _Broken()
+    loop = EngineLoop(eng)
+    srv = _Server(loop, smol.tokenizer)
+    try:
+        events = srv.stream("/v1/completions", {"prompt": "hello", "max_tokens": 4})
+        assert events[-1] == "[DONE]" and len(events) == 2
+        assert "memory worker 1 died" in events[0]["error"]["message"]
+        assert srv.get("/health")[0] == 503
+    finally:
+        srv.stop()
+        loop.shutdown()
 
 
 def test_engine_failure_fails_requests_loudly(smol, smol_split):
