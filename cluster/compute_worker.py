@@ -129,8 +129,8 @@ class _SocketLink(MemoryLink):
     def submit(self, layer, mb, q, k, v, parts):
         for ch, p in zip(self.channels, parts):  # every worker first: they run in parallel
             if p.rows.numel():
-                ch.send_many([(q[p.rows], layer, self.step), (k[p.kv_rows], layer, self.step),
-                              (v[p.kv_rows], layer, self.step)])
+                qkv = (q, k, v) if p.whole else (q[p.rows], k[p.kv_rows], v[p.kv_rows])
+                ch.send_many([(t, layer, self.step) for t in qkv])
 
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
         n, hq, dv = out_shape

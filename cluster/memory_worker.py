@@ -83,9 +83,11 @@ class MemoryWorker:
             ch = SocketChannel(conn, ring_out=m2c, ring_in=c2m)
         else:
             ch = SocketChannel(conn)
-        # Outputs go out on their own thread, so this one keeps reading: with micro-batches
+        # With micro-batches, outputs go out on their own thread so this one keeps reading:
         # the compute side sends the next one's q/k/v before it reads this one's output.
+        # With one, the output goes out at once (no hand-off between threads).
         self._out = queue.SimpleQueue()
+        self._send_lock = threading.Lock()
         threading.Thread(target=self._send_loop, args=(ch,), daemon=True).start()
         try:
             while True:
@@ -102,7 +104,8 @@ class MemoryWorker:
     def _send_loop(self, ch: SocketChannel):
         try:
             while (item := self._out.get()) is not None:
-                ch.send(*item)
+                with self._send_lock:
+                    ch.send(*item)
         except OSError as e:
             self.error = self.error or f"memory worker {self.index}: send failed: {e}"
         finally:
@@ -134,4 +137,9 @@ class MemoryWorker:
                                      f"{k.shape[0]}/{v.shape[0]}, expected {n}/{m}/{m}")
                 o, lse = self.memory.attend(layer, params, q, k, v, new_slots, batch,
                                             checked=True)
-                self._out.put((torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step))
+                frame = (torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step)
+                if len(mbs) == 1:  # the peer reads it before it sends more: no deadlock
+                    with self._send_lock:
+                        ch.send(*frame)
+                else:
+                    self._out.put(frame)

@@ -64,9 +64,10 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
     if n and not slots_checked and (int(slots.min()) < 0 or int(slots.max()) >= k_pool.shape[0]):
         raise AttentionInputError(f"slot ids out of range [0, {k_pool.shape[0]}): "
                                   f"min {int(slots.min())}, max {int(slots.max())}")
-    idx = slots.to(device=k_pool.device, dtype=torch.int64)
-    k_pool.index_copy_(0, idx, k.to(k_pool.dtype))
-    v_pool.index_copy_(0, idx, v.to(v_pool.dtype))
+    idx = slots if slots.dtype == torch.int64 else slots.to(device=k_pool.device,
+                                                              dtype=torch.int64)
+    k_pool.index_copy_(0, idx, k if k.dtype == k_pool.dtype else k.to(k_pool.dtype))
+    v_pool.index_copy_(0, idx, v if v.dtype == v_pool.dtype else v.to(v_pool.dtype))
 
 
 def prefill_attention(q, k, v, k_pool, v_pool, new_slots: torch.Tensor, batch: SlotBatch,

@@ -140,12 +140,12 @@ class CpuBackend(AttentionBackend):
     def attend(self, q, k_pool, v_pool, batch, params):
         if q.device.type != "cpu":
             raise BackendUnavailable(f"the cpu backend cannot read tensors on {q.device}")
-        qf = q.float().contiguous()
+        qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
         o, lse = self._ext.slot_attention(
             qf, k_pool, v_pool, batch.cu_q, batch.q_pos, batch.slots, batch.cu_k,
             batch.k_pos0, float(params.scale), int(params.sliding_window),
             float(params.softcap), params.sinks_tensor("cpu"))
-        return o.to(q.dtype), lse
+        return (o if q.dtype == torch.float32 else o.to(q.dtype)), lse
 
 
 BACKENDS = {"reference": ReferenceBackend, "cpu": CpuBackend}

@@ -78,6 +78,7 @@ class WorkerPart:
     new_slots: torch.Tensor  # [m] int32: where the k/v of `kv_rows` go in its pool
     batch: SlotBatch  # its sequences' slot tables and query positions
     kv_rows: torch.Tensor | None = None  # [m] int64: rows whose k/v it stores (None: rows)
+    whole: bool = False  # rows and kv_rows are every packed row, in order (no gather)
 
     def __post_init__(self):
         if self.kv_rows is None:
@@ -114,12 +115,12 @@ def pack(plan: StepPlan, num_workers: int):
             p[3].append(s.slots[a:b])
             p[4].append(range(q0, p0 + n))
             p[5].append(a)
-    parts = []
+    parts, every = [], list(range(len(ids)))
     for qr, kr, ns, tables, qpos, k0 in per:
         batch = SlotBatch.build(tables, [len(x) for x in qpos], k0, q_pos=qpos)
         parts.append(WorkerPart(torch.tensor(qr, dtype=torch.int64),
                                 torch.tensor(ns, dtype=torch.int32), batch,
-                                torch.tensor(kr, dtype=torch.int64)))
+                                torch.tensor(kr, dtype=torch.int64), qr == kr == every))
     return torch.tensor([ids]), torch.tensor([pos]), rows, parts, merge
 
 
@@ -145,6 +146,7 @@ class MemorySide:
     def __init__(self, pool: KVPool, backend=None):
         self.pool = pool
         self.backend = backend or select_backend(device=pool.config.device)
+        self._idx = (None, None)
 
     def check(self, new_slots, batch) -> None:
         """Once per step: the batch's index scans and the new slots' range (per layer,
@@ -154,12 +156,15 @@ class MemorySide:
         if new_slots.numel() and (int(new_slots.min()) < 0 or int(new_slots.max()) >= n):
             raise AttentionInputError(f"new slot ids out of range [0, {n}): min "
                                       f"{int(new_slots.min())}, max {int(new_slots.max())}")
+        self._idx = (new_slots, new_slots.long())  # the write index, converted once
 
     def attend(self, layer: int, params: AttentionParams, q, k, v, new_slots, batch,
                checked: bool = False):
         """q [n, Hq, D], k/v [m, Hkv, D] -> (o [n, Hq, Dv], lse [n, Hq] fp32); writes k/v at
         new_slots [m] first."""
         kp, vp = self.pool.layer(layer)
+        if checked and self._idx[0] is new_slots:
+            new_slots = self._idx[1]
         return prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
                                  checked)
 
@@ -186,6 +191,9 @@ def combine(parts: list[WorkerPart], outs: list, out_shape, dtype, merge: bool):
     exactly by log-sum-exp. Rows are unique within one worker's part."""
     n, hq, dv = out_shape
     if not merge:
+        for p, r in zip(parts, outs):
+            if p.whole:  # one worker has every row: its output is the answer
+                return r[0] if r[0].dtype == dtype else r[0].to(dtype)
         o = torch.empty(n, hq, dv, dtype=dtype)
         for p, r in zip(parts, outs):
             if r is not None:
@@ -291,7 +299,8 @@ class _LocalLink(MemoryLink):
 
     def submit(self, layer, mb, q, k, v, parts):
         self.ready[layer, mb] = [
-            mem.attend(layer, self.params[layer], q[p.rows], k[p.kv_rows], v[p.kv_rows],
+            mem.attend(layer, self.params[layer], *((q, k, v) if p.whole else
+                                                    (q[p.rows], k[p.kv_rows], v[p.kv_rows])),
                        p.new_slots, p.batch, checked=True)
             if p.rows.numel() else None
             for mem, p in zip(self.memory, parts)]

@@ -82,12 +82,13 @@ class KVPool:
                              dtype=dt, device=c.device)
         self.v = torch.zeros(c.num_layers, c.num_slots, c.num_kv_heads, c.v_head_dim,
                              dtype=dt, device=c.device)
+        self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # views, made once
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views k [S, Hkv, D], v [S, Hkv, Dv] of layer i (no copy)."""
         if not 0 <= i < self.config.num_layers:
             raise IndexError(f"layer {i} out of range [0, {self.config.num_layers})")
-        return self.k[i], self.v[i]
+        return self._layers[i]
 
     def write(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a step's new k [N, Hkv, D] / v [N, Hkv, Dv] of layer i at `slots` [N]."""

@@ -28,9 +28,11 @@ MAGIC, VERSION = b"LMNA", 1
 HEADER = struct.Struct("<4sHBBiqQ")  # magic, version, ndim, dtype, layer, step, nbytes
 MAX_NDIM = 8
 IN_RING = 0x80  # ndim flag: payload in the shared-memory ring
+RECV_BUF = 1 << 18  # receive buffer of a SocketChannel
 DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16, 4: torch.int32,
           5: torch.int64, 6: torch.uint8}
 CODES = {v: k for k, v in DTYPES.items()}
+ITEMSIZE = {t: t.itemsize for t in DTYPES.values()}
 
 
 class FrameError(ValueError):
@@ -73,10 +75,9 @@ def check(shape, dtype, layer, step, nbytes, expect_layer=None, expect_step=None
     n = 1
     for d in shape:
         n *= d
-    if n * torch.empty((), dtype=dtype).element_size() != nbytes:
+    if n * ITEMSIZE[dtype] != nbytes:
         raise FrameError(f"{what}: shape {tuple(shape)} of {dtype} needs "
-                         f"{n * torch.empty((), dtype=dtype).element_size()} bytes, header says "
-                         f"{nbytes}")
+                         f"{n * ITEMSIZE[dtype]} bytes, header says {nbytes}")
     if expect_layer is not None and layer != expect_layer:
         raise FrameError(f"{what}: layer {layer}, expected {expect_layer}")
     if expect_step is not None and step != expect_step:
@@ -196,14 +197,16 @@ class ShmRing:
 
 
 class SocketChannel(Channel):
-    """Frames over a connected stream socket; payloads land directly in the tensor.
-    With rings (co-located peers) payloads go through shared memory and the socket
-    carries only the headers, read through a buffer (one syscall for a burst)."""
+    """Frames over a connected stream socket, read through a buffer (one syscall for a
+    burst of small frames); big payloads land directly in their tensor. With rings
+    (co-located peers) payloads go through shared memory and the socket carries only
+    the headers."""
 
     def __init__(self, sock: socket.socket, ring_out: ShmRing | None = None,
                  ring_in: ShmRing | None = None):
         self.sock, self.ring_out, self.ring_in = sock, ring_out, ring_in
-        self._buf, self._off = bytearray(), 0  # buffered header bytes (ring mode)
+        self._rbuf = bytearray(RECV_BUF)  # received bytes not yet parsed: [_lo, _hi)
+        self._rview, self._lo, self._hi = memoryview(self._rbuf), 0, 0
 
     def send(self, t, layer, step):
         self.send_many([(t, layer, step)])
@@ -227,20 +230,34 @@ class SocketChannel(Channel):
                 else:
                     views[0], n = views[0][n:], 0
 
+    def _fill(self, need: int, what: str, done: int = 0) -> None:
+        """Read until `need` (<= RECV_BUF) bytes are buffered: one syscall brings a whole
+        burst of small frames (a layer's q/k/v) at once. `done`: bytes of this item
+        already taken (for the error message)."""
+        if self._hi - self._lo >= need:
+            return
+        if len(self._rbuf) - self._lo < need:  # move the tail to the front
+            n = self._hi - self._lo
+            self._rbuf[:n] = self._rbuf[self._lo:self._hi]
+            self._lo, self._hi = 0, n
+        while self._hi - self._lo < need:
+            n = self.sock.recv_into(self._rview[self._hi:])
+            if n == 0:
+                raise FrameError(f"{what} truncated: peer closed after "
+                                 f"{done + self._hi - self._lo} of {done + need} bytes")
+            self._hi += n
+
     def _read_into(self, view: memoryview, what: str) -> None:
-        got = 0
-        if self.ring_in is not None:  # serve from the buffer first, refill in big reads
-            while got < len(view):
-                if self._off == len(self._buf):
-                    chunk = self.sock.recv(1 << 16)
-                    if not chunk:
-                        raise FrameError(f"{what} truncated: peer closed after {got} of "
-                                         f"{len(view)} bytes")
-                    self._buf, self._off = chunk, 0
-                take = min(len(view) - got, len(self._buf) - self._off)
-                view[got:got + take] = self._buf[self._off:self._off + take]
-                got += take
-                self._off += take
+        """Fill `view`: buffered bytes first; a small rest through the buffer, a big one
+        straight from the socket into `view` (no extra copy)."""
+        got = min(len(view), self._hi - self._lo)
+        view[:got] = self._rview[self._lo:self._lo + got]
+        self._lo += got
+        rest = len(view) - got
+        if rest and rest <= RECV_BUF // 4:
+            self._fill(rest, what, got)
+            view[got:] = self._rview[self._lo:self._lo + rest]
+            self._lo += rest
             return
         while got < len(view):
             n = self.sock.recv_into(view[got:])
@@ -250,16 +267,16 @@ class SocketChannel(Channel):
             got += n
 
     def recv(self, **expect):
-        head = bytearray(HEADER.size)
-        self._read_into(memoryview(head), "frame header")
-        ndim, dtype, layer, step, nbytes = parse_header(bytes(head))
+        self._fill(HEADER.size, "frame header")
+        ndim, dtype, layer, step, nbytes = parse_header(
+            self._rview[self._lo:self._lo + HEADER.size])
         in_ring, ndim = bool(ndim & IN_RING), ndim & ~IN_RING
         if in_ring and self.ring_in is None:
             raise FrameError("frame says its payload is in a shared-memory ring; this "
                              "channel has none")
-        shape_b = bytearray(8 * ndim)
-        self._read_into(memoryview(shape_b), "frame shape")
-        shape = struct.unpack(f"<{ndim}q", shape_b)
+        self._fill(HEADER.size + 8 * ndim, "frame shape")
+        shape = struct.unpack_from(f"<{ndim}q", self._rbuf, self._lo + HEADER.size)
+        self._lo += HEADER.size + 8 * ndim
         check(shape, dtype, layer, step, nbytes, **expect)
         out = torch.empty(shape, dtype=dtype)
         if nbytes and in_ring:
