@@ -213,32 +213,28 @@ class _Broken:
         raise RuntimeError("memory worker 1 died")
 
 
-def test_engine_failure_mid_stream_is_an_error_event(smol, smol_split):
+@pytest.fixture
+def broken(smol, smol_split):
+    """A server whose executor fails every step (a dead memory worker)."""
     eng = _engine(smol, smol_split)
     eng.executor = _Broken()
     loop = EngineLoop(eng)
     srv = _Server(loop, smol.tokenizer)
-    try:
-        events = srv.stream("/v1/completions", {"prompt": "hello", "max_tokens": 4})
-        assert events[-1] == "[DONE]" and len(events) == 2
-        assert "memory worker 1 died" in events[0]["error"]["message"]
-        assert srv.get("/health")[0] == 503
-    finally:
-        srv.stop()
-        loop.shutdown()
+    yield srv
+    srv.stop()
+    loop.shutdown()
 
 
-def test_engine_failure_fails_requests_loudly(smol, smol_split):
-    eng = _engine(smol, smol_split)
-    eng.executor = _Broken()
-    loop = EngineLoop(eng)
-    srv = _Server(loop, smol.tokenizer)
-    try:
-        status, out = srv.post("/v1/completions", {"prompt": "hello", "max_tokens": 4})
-        assert status == 503 and "memory worker 1 died" in out["error"]["message"]
-        assert srv.get("/health")[0] == 503
-        status, out = srv.post("/v1/completions", {"prompt": "hello", "max_tokens": 4})
-        assert status == 503 and "engine stopped" in out["error"]["message"]
-    finally:
-        srv.stop()
-        loop.shutdown()
+def test_engine_failure_mid_stream_is_an_error_event(broken):
+    events = broken.stream("/v1/completions", {"prompt": "hello", "max_tokens": 4})
+    assert events[-1] == "[DONE]" and len(events) == 2
+    assert "memory worker 1 died" in events[0]["error"]["message"]
+    assert broken.get("/health")[0] == 503
+
+
+def test_engine_failure_fails_requests_loudly(broken):
+    status, out = broken.post("/v1/completions", {"prompt": "hello", "max_tokens": 4})
+    assert status == 503 and "memory worker 1 died" in out["error"]["message"]
+    assert broken.get("/health")[0] == 503
+    status, out = broken.post("/v1/completions", {"prompt": "hello", "max_tokens": 4})
+    assert status == 503 and "engine stopped" in out["error"]["message"]
