@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 
@@ -22,6 +23,7 @@ from .scheduler import Scheduler, SchedulerConfig, Sequence
 # "rotational" is the paper's staggered pipelining (5.1) with n = 2 batches on one
 # compute replica: there rotational and fixed coincide and no context migrates.
 PIPELINES = ("none", "rotational")
+STEP_HISTORY = 100_000  # step timings kept (a long-running server must not grow forever)
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ class LLMEngine:
         self._sid = itertools.count()
         self._by_seq: dict[int, tuple[_Request, int]] = {}
         self._reqs: dict[int, _Request] = {}
-        self.step_timings: list[dict] = []
+        self.step_timings: deque[dict] = deque(maxlen=STEP_HISTORY)  # the latest steps
 
     # -- requests --
     def validate(self, prompt, params) -> list[int]:
@@ -211,6 +213,7 @@ class LLMEngine:
                 raise RuntimeError(f"executor drew {len(toks)} tokens for seq {sid}, "
                                    f"expected {1 + len(kids)}")
             drawn += zip([seq, *kids], toks, lp or (None,) * len(toks))
+        self.step_timings[-1]["drawn"] = len(drawn)
         done, progressed = [], {}
         for seq, tok, lp in drawn:
             req, i = self._by_seq[seq.seq_id]

@@ -3,7 +3,7 @@
 Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fields,
 plus top_k, seed, stop_token_ids and ignore_eos). Data out: completion JSON with text,
 token ids, logprobs, finish reasons and usage; with `stream: true`, server-sent events
-of text deltas, then `data: [DONE]`. Requests go to one `EngineLoop`, so concurrent
+of text deltas, then `data: [DONE]`; Prometheus metrics on /metrics. Requests go to one `EngineLoop`, so concurrent
 HTTP requests batch together in the engine. A streaming client that disconnects has
 its request aborted and its KV freed. Bad input answers 400 naming the field; a failed
 engine answers 503 (or an error event mid-stream); other requests keep being served.
@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .sampling import SamplingParams
@@ -101,6 +101,12 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
         if not loop.alive:
             return _error(503, f"engine stopped: {loop.error}")
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if loop.metrics is None:
+            return _error(404, "this server keeps no metrics")
+        return Response(loop.metrics.render(), media_type=loop.metrics.content_type)
 
     @app.get("/v1/models")
     async def models():
@@ -218,7 +224,9 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None
     """Serve an `LLM` until interrupted."""
     import uvicorn
 
-    loop = EngineLoop(llm.engine)
+    from .metrics import EngineMetrics
+
+    loop = EngineLoop(llm.engine, EngineMetrics())
     app = build_app(loop, model_name or llm.loaded.source, llm.loaded.tokenizer)
     try:
         uvicorn.run(app, host=host, port=port, **uvicorn_kw)

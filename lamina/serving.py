@@ -28,8 +28,9 @@ class EngineDead(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, metrics=None):
+        """`metrics`: an `EngineMetrics` this loop keeps up to date (or None)."""
+        self.engine, self.metrics = engine, metrics
         # ("add", prompt, params, future, on_update) | ("abort", future)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._futures: dict[int, Future] = {}
@@ -88,6 +89,8 @@ class EngineLoop:
                 out = self.engine.abort(rid) if rid is not None else None
                 if out is not None:
                     self.stats["aborted"] += 1
+                    if self.metrics is not None:
+                        self.metrics.request(out, aborted=True)
                     self._resolve(out)
                 continue
             _, prompt, params, fut, on_update = msg
@@ -126,9 +129,13 @@ class EngineLoop:
                 self._updates.clear()
                 self._drain(e)
                 return
+            if self.metrics is not None:
+                self.metrics.step(self.engine, self.engine.step_timings[-1]["drawn"])
             for out in outs:
                 if out.finished:
                     self.stats["finished"] += 1
+                    if self.metrics is not None:
+                        self.metrics.request(out)
                     self._resolve(out)
                     continue
                 try:

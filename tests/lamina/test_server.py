@@ -12,10 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from lamina.engine import EngineConfig, LLMEngine
 from lamina.executor import LocalExecutor, MemorySide
 from lamina.kv_pool import KVPool, KVPoolConfig
+from lamina.metrics import EngineMetrics
 from lamina.server import build_app
 from lamina.serving import EngineLoop
 
@@ -76,7 +78,7 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def server(smol, smol_split):
-    loop = EngineLoop(_engine(smol, smol_split))
+    loop = EngineLoop(_engine(smol, smol_split), EngineMetrics())
     srv = _Server(loop, smol.tokenizer)
     srv.loop = loop
     yield srv
@@ -211,6 +213,34 @@ def test_disconnected_stream_is_aborted(server, prompts):
 class _Broken:
     def execute(self, plan):
         raise RuntimeError("memory worker 1 died")
+
+
+def _metrics(server) -> dict:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_count_tokens_and_requests(server, prompts, hf_greedy):
+    before = _metrics(server)
+    status, body = server.post("/v1/completions", {"prompt": [prompts[0], prompts[1]],
+                                                   "max_tokens": 5, "temperature": 0,
+                                                   "ignore_eos": True})
+    assert status == 200
+    after = _metrics(server)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("lamina_generation_tokens_total") == body["usage"]["completion_tokens"] == 10
+    assert delta("lamina_prompt_tokens_total") == body["usage"]["prompt_tokens"]
+    assert delta("lamina_requests_total", finish="length") == 2
+    assert delta("lamina_time_to_first_token_seconds_count") == 2
+    assert delta("lamina_engine_steps_total") >= 5
+    assert after[("lamina_kv_slots_used", (("memory_worker", "0"),))] == 0  # all freed
+    assert after[("lamina_sequences_running", ())] == 0
 
 
 @pytest.fixture

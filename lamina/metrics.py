@@ -1,0 +1,62 @@
+"""Prometheus metrics of a serving engine (`GET /metrics` on `lamina serve`).
+
+Data in: from the `EngineLoop` thread, each step's outputs and the engine's scheduler and
+allocators; each finished or aborted `RequestOutput`. Data out: counters, gauges and
+histograms in their own `CollectorRegistry` (no process-global state), rendered in the
+Prometheus text format by `render`.
+"""
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+class EngineMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("lamina_requests", "Requests that left the engine",
+                                ["finish"], registry=r)
+        self.prompt_tokens = Counter("lamina_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("lamina_generation_tokens",
+                                         "Tokens drawn, all samples", registry=r)
+        self.steps = Counter("lamina_engine_steps", "Engine steps run", registry=r)
+        self.preemptions = Counter("lamina_preemptions", "Sequences preempted and "
+                                   "recomputed later", registry=r)
+        self.running = Gauge("lamina_sequences_running", "Sequences holding KV",
+                             registry=r)
+        self.waiting = Gauge("lamina_sequences_waiting", "Sequences queued", registry=r)
+        self.kv_used = Gauge("lamina_kv_slots_used", "Token slots in use",
+                             ["memory_worker"], registry=r)
+        self.ttft = Histogram("lamina_time_to_first_token_seconds", "Arrival to first "
+                              "token", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("lamina_request_latency_seconds", "Arrival to finish",
+                             buckets=LATENCY_BUCKETS, registry=r)
+
+    def step(self, engine, drawn: int) -> None:
+        """After each engine step: `drawn` tokens were sampled in it."""
+        self.steps.inc()
+        self.generation_tokens.inc(drawn)
+        sched = engine.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        for w, alloc in enumerate(engine.allocs):
+            self.kv_used.labels(str(w)).set(alloc.config.num_slots - alloc.num_free())
+
+    def request(self, out, aborted: bool = False) -> None:
+        """A request left the engine (finished, or aborted)."""
+        reasons = {c.finish_reason for c in out.outputs}
+        self.requests.labels("abort" if aborted else
+                             "stop" if reasons == {"stop"} else "length").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.preemptions.inc(out.metrics.get("preemptions", 0))
+        if out.metrics.get("ttft_s") is not None:
+            self.ttft.observe(out.metrics["ttft_s"])
+        self.e2e.observe(out.metrics.get("e2e_s", 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
