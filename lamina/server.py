@@ -3,10 +3,11 @@
 Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fields,
 plus top_k, seed, stop_token_ids and ignore_eos). Data out: completion JSON with text,
 token ids, logprobs, finish reasons and usage; with `stream: true`, server-sent events
-of text deltas, then `data: [DONE]`; Prometheus metrics on /metrics. Requests go to one `EngineLoop`, so concurrent
-HTTP requests batch together in the engine. A streaming client that disconnects has
-its request aborted and its KV freed. Bad input answers 400 naming the field; a failed
-engine answers 503 (or an error event mid-stream); other requests keep being served.
+of text deltas, then `data: [DONE]`; Prometheus metrics on /metrics. Requests go to one
+`EngineLoop`, so concurrent HTTP requests batch together in the engine. A streaming
+client that disconnects has its request aborted and its KV freed. Bad input answers 400
+naming the field; a failed engine answers 503 (or an error event mid-stream); other
+requests keep being served.
 """
 from __future__ import annotations
 
@@ -160,11 +161,17 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": model_name}
 
+        ends: dict[tuple[int, int], int] = {}  # streamed: text offset after the last token
+
         def choice(i, c, text, lps, start=0):
+            lp = None
+            if lps is not None:
+                lp = completion_logprobs(lps, _decode, ends.get((i, c.index), 0))
+                if lp["tokens"]:
+                    ends[i, c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             return {"index": i * body.n + c.index, "text": text,
                     "token_ids": c.token_ids[start:], "finish_reason": c.finish_reason,
-                    "logprobs": None if lps is None else completion_logprobs(
-                        lps, _decode, len("".join(_decode(c.token_ids[:start]))))}
+                    "logprobs": lp}
 
         if body.stream:
             return await _run(list(prompts), body, lambda i, c, text, lps, start: {

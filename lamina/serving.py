@@ -6,8 +6,9 @@ the caller's thread (bad input raises there, nothing is queued). Data out: a
 `concurrent.futures.Future` resolved with the `RequestOutput` when the request finishes;
 with `on_update`, also each step's partial output (streaming), called from the loop
 thread. `abort(future)` stops a request (its client went away) and frees its KV; the
-future then resolves with finish reason "abort". Only the loop thread touches the engine. If a step fails (a dead worker), every request
-in flight fails with that error, loudly, and the loop stops taking new work.
+future then resolves with finish reason "abort". Only the loop thread touches the
+engine. If a step fails (a dead worker), every request in flight fails with that error,
+loudly, and the loop stops taking new work.
 """
 from __future__ import annotations
 
