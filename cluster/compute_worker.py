@@ -49,6 +49,8 @@ class ComputeWorker:
         return ray.get_runtime_context().get_node_id()
 
     def connect(self, addresses: list) -> int:
+        """Open the data plane to each memory worker (replacing any earlier one)."""
+        self.disconnect()
         for kind, *addr in addresses:
             if kind == "unix":
                 rings = {}
@@ -64,6 +66,14 @@ class ComputeWorker:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.channels.append(SocketChannel(s))
         return os.getpid()
+
+    def disconnect(self) -> None:
+        for ch in self.channels:
+            try:
+                ch.close()
+            except OSError:
+                pass
+        self.channels = []
 
     def execute(self, plan: StepPlan):
         n = self.prefill_threads if plan.num_tokens >= PREFILL_TOKENS else self.threads

@@ -3,10 +3,12 @@ their data plane, and forwards each `StepPlan` to the compute worker (one Ray ca
 step; per-layer tensors never go through Ray).
 
 Data in: `StepPlan`s from the engine. Data out: `StepResult`s. A dead worker surfaces
-as an error naming it, and the engine fails that step loudly.
+as an error naming it; `recover` then replaces the workers (the engine recomputes the
+lost KV), or the engine fails loudly when it cannot.
 """
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -18,6 +20,10 @@ from lamina.messages import StepPlan, StepResult
 
 from .compute_worker import ComputeWorker
 from .memory_worker import MemoryWorker
+
+
+log = logging.getLogger(__name__)
+RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
 
 
 class WorkerFailure(RuntimeError):
@@ -46,12 +52,20 @@ class RayExecutor(Executor):
         # Prefill-heavy steps may borrow every core of a local (single-node) cluster.
         local_cores = int(have.get("CPU", 1)) if "lamina_compute" not in have else threads
         pt = prefill_threads or max(threads, local_cores)
-        self.compute = ComputeWorker.options(**c_opts, **env).remote(model, dtype, m, threads,
-                                                                     pt)
-        self.memory = [MemoryWorker.options(**m_opts, **env).remote(i, threads)
-                       for i in range(m)]
-        pool_cfg, params = ray.get(self.compute.memory_spec.remote(config.num_kv_slots,
-                                                                  config.kv_dtype))
+        self._c_opts, self._m_opts = {**c_opts, **env}, {**m_opts, **env}
+        self._compute_args = (model, dtype, m, threads, pt)
+        self.threads, self.config = threads, config
+        self.compute = ComputeWorker.options(**self._c_opts).remote(*self._compute_args)
+        self.memory = []
+        self._start_memory()
+
+    def _start_memory(self) -> None:
+        """Fresh memory workers (empty pools), wired to the compute worker."""
+        cfg = self.config
+        self.memory = [MemoryWorker.options(**self._m_opts).remote(i, self.threads)
+                       for i in range(cfg.num_memory_workers)]
+        pool_cfg, params = ray.get(self.compute.memory_spec.remote(cfg.num_kv_slots,
+                                                                  cfg.kv_dtype))
         self.params = list(params)  # per-layer AttentionParams
         self.memory_info = ray.get([w.setup.remote(pool_cfg, params) for w in self.memory])
         node = ray.get(self.compute.node_id.remote())
@@ -61,6 +75,23 @@ class RayExecutor(Executor):
         addrs = ray.get([w.listen.remote(n == node) for w, n in zip(self.memory, nodes)])
         ray.get(self.compute.connect.remote(addrs))
         self.addresses = addrs
+
+    def recover(self, error: BaseException) -> bool:
+        """Replace the memory workers (all of them: a step broke off mid-way, so no
+        pool's contents can be trusted) and, if it died, the compute worker; the engine
+        then recomputes the lost KV. False if the cluster cannot give new workers."""
+        try:
+            ray.get(self.compute.node_id.remote(), timeout=RECOVER_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - dead or hung: start another
+            log.warning("compute worker lost (%s: %s); starting a new one", type(e).__name__, e)
+            ray.kill(self.compute)
+            self.compute = ComputeWorker.options(**self._c_opts).remote(*self._compute_args)
+        else:
+            ray.get(self.compute.disconnect.remote(), timeout=RECOVER_TIMEOUT_S)
+        for w in self.memory:
+            ray.kill(w)
+        self._start_memory()
+        return True
 
     def execute(self, plan: StepPlan) -> StepResult:
         try:

@@ -46,7 +46,8 @@ def _ours(llm, prompts, new, repeat):
                                                     ignore_eos=True), use_tqdm=False)
         dt = time.perf_counter() - t
         runs.append(sum(len(o.token_ids) for o in outs) / dt)
-        steps += [s for s in eng.step_timings if s["tokens"] == len(prompts)]  # pure decode
+        steps += [s for s in eng.step_timings  # pure decode steps that ran
+                  if s["tokens"] == len(prompts) and not s.get("failed")]
         toks = [o.token_ids for o in outs]
     step = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in _KEYS}
     return statistics.median(runs), step, toks

@@ -166,7 +166,7 @@ def _engine_decode(llm, B, prompt_len, new, pipeline):
     eng.step_timings.clear()
     llm.generate(_prompts(llm.loaded.tokenizer, B, prompt_len),
                  SamplingParams(max_tokens=new, temperature=0, ignore_eos=True), use_tqdm=False)
-    dec = [s for s in eng.step_timings if s["tokens"] == B]  # pure decode steps
+    dec = [s for s in eng.step_timings if s["tokens"] == B and not s.get("failed")]  # decode
     return B * len(dec) / sum(s["step_s"] for s in dec)
 
 

@@ -4,11 +4,14 @@ Data in: prompts (text or token ids) with `SamplingParams`, from `LLM` or a serv
 Data out: `RequestOutput`s when requests finish, and for streamed requests a partial one
 (`finished=False`) every step they draw a token. Bad requests are rejected in
 `add_request` before anything is scheduled; other requests keep running. `abort` drops a
-request (a client went away) and frees its KV.
+request (a client went away) and frees its KV. A failed step (a dead worker) is
+recovered when the executor can replace its workers: the running sequences are recomputed
+and nothing is lost (`EngineConfig.max_recoveries`); otherwise the error propagates.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections import deque
@@ -18,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from .kv_allocator import KVAllocator, KVAllocatorConfig
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, Sequence
+
+log = logging.getLogger(__name__)
 
 
 # "rotational" is the paper's staggered pipelining (5.1) with n = 2 batches on one
@@ -36,6 +41,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that bring no seed of their own
     pipeline: str = "none"  # "rotational": staggered pipelining over 2 micro-batches
     split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
+    max_recoveries: int = 3  # failed steps the executor may recover from (0: fail at once)
 
 
     def __post_init__(self):
@@ -46,6 +52,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_memory_workers must be an int >= 1, "
                              f"got {self.num_memory_workers!r}")
         SchedulerConfig(self.max_batch, self.max_step_tokens, self.split_kv)  # validates
+        if (not isinstance(self.max_recoveries, int) or isinstance(self.max_recoveries, bool)
+                or self.max_recoveries < 0):
+            raise ValueError(f"EngineConfig.max_recoveries must be an int >= 0, "
+                             f"got {self.max_recoveries!r}")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
                              f"got {self.pipeline!r}")
@@ -126,6 +136,7 @@ class LLMEngine:
         self._by_seq: dict[int, tuple[_Request, int]] = {}
         self._reqs: dict[int, _Request] = {}
         self.step_timings: deque[dict] = deque(maxlen=STEP_HISTORY)  # the latest steps
+        self.recoveries: list[str] = []  # the errors of failed steps recovered from
 
     # -- requests --
     def validate(self, prompt, params) -> list[int]:
@@ -194,7 +205,15 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if self.config.pipeline == "rotational" and len(plan.seqs) > 1:
             plan = replace(plan, micro_batches=2)
-        result = self.executor.execute(plan)
+        try:
+            result = self.executor.execute(plan)
+        except Exception as e:
+            if not self._recover(plan, e):
+                raise
+            self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
+                                      "step_s": time.perf_counter() - t0, "failed": True,
+                                      "drawn": 0})
+            return []  # nothing drawn; the lost KV is recomputed from the next step on
         if (result.step != plan.step or len(result.seq_ids) != len(result.token_ids)
                 or any(s not in self._by_seq for s in result.seq_ids)):
             raise RuntimeError(f"executor answered step {result.step} with "
@@ -231,6 +250,33 @@ class LLMEngine:
             if req.stream:
                 progressed[req.rid] = req
         return done + [self._output(req, now, final=False) for req in progressed.values()]
+
+    def _recover(self, plan, error: BaseException) -> bool:
+        """A failed step (a dead worker, a broken data plane): if the executor can bring
+        its workers back, every running sequence is preempted (its KV is gone) and will be
+        recomputed from its prompt and the tokens it already drew, so no request is lost
+        and no drawn token changes. False (the caller re-raises) when recovery is off, used
+        up, or fails."""
+        what = f"step {plan.step} failed: {type(error).__name__}: {error}"
+        if len(self.recoveries) >= self.config.max_recoveries:
+            log.error("%s; no recovery left (max_recoveries=%d)", what,
+                      self.config.max_recoveries)
+            return False
+        try:
+            ok = self.executor.recover(error)
+        except Exception as e:  # noqa: BLE001 - the original error is what gets raised
+            log.error("%s; recovery failed: %s: %s", what, type(e).__name__, e)
+            return False
+        if not ok:
+            return False
+        n = self.scheduler.preempt_all()
+        leaked = [a.config.num_slots - a.num_free() for a in self.allocs]
+        if any(leaked):
+            raise RuntimeError(f"KV slots still held after recovery: {leaked}")
+        self.recoveries.append(what)
+        log.warning("%s; workers recovered (%d of %d), %d sequences will be recomputed",
+                    what, len(self.recoveries), self.config.max_recoveries, n)
+        return True
 
     def _finish_reason(self, seq: Sequence, req: _Request, i: int) -> str | None:
         p, tok = seq.params, seq.output[-1]

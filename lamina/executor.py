@@ -46,6 +46,12 @@ class Executor(ABC):
         running."""
         return {}
 
+    def recover(self, error: BaseException) -> bool:
+        """After `execute` raised `error`: bring the workers back (replacing dead ones) so
+        steps can run again. True if it did; every memory worker's KV is then empty, and
+        the engine recomputes what it held. False (the default): not recoverable."""
+        return False
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass
 

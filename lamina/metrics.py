@@ -27,6 +27,9 @@ class EngineMetrics:
         self.steps = Counter("lamina_engine_steps", "Engine steps run", registry=r)
         self.preemptions = Counter("lamina_preemptions", "Sequences preempted and "
                                    "recomputed later", registry=r)
+        self.recoveries = Counter("lamina_recoveries", "Failed steps recovered (workers "
+                                  "replaced, running sequences recomputed)", registry=r)
+        self._recovered = 0
         self.running = Gauge("lamina_sequences_running", "Sequences holding KV",
                              registry=r)
         self.waiting = Gauge("lamina_sequences_waiting", "Sequences queued", registry=r)
@@ -41,6 +44,9 @@ class EngineMetrics:
         """After each engine step: `drawn` tokens were sampled in it."""
         self.steps.inc()
         self.generation_tokens.inc(drawn)
+        if len(engine.recoveries) > self._recovered:
+            self.recoveries.inc(len(engine.recoveries) - self._recovered)
+            self._recovered = len(engine.recoveries)
         sched = engine.scheduler
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))

@@ -146,6 +146,15 @@ class Scheduler:
         seq.status, seq.num_preemptions = "waiting", seq.num_preemptions + 1
         self.waiting.appendleft(seq)
 
+    def preempt_all(self) -> int:
+        """Every running sequence back to the waiting queue, in admission order ahead of
+        the ones already waiting, its KV freed (the memory workers lost it). Returns how
+        many."""
+        victims = list(self.running)
+        for seq in reversed(victims):  # newest first, so the oldest ends up in front
+            self._preempt(seq)
+        return len(victims)
+
     def _grow(self, seq: Sequence) -> bool:
         """One more slot for seq's next position; False if seq itself was preempted."""
         w = seq.worker

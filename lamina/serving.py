@@ -7,8 +7,9 @@ the caller's thread (bad input raises there, nothing is queued). Data out: a
 with `on_update`, also each step's partial output (streaming), called from the loop
 thread. `abort(future)` stops a request (its client went away) and frees its KV; the
 future then resolves with finish reason "abort". Only the loop thread touches the
-engine. If a step fails (a dead worker), every request in flight fails with that error,
-loudly, and the loop stops taking new work.
+engine. A failed step the engine recovers from (workers replaced, KV recomputed) is
+invisible here; one it cannot recover from fails every request in flight with that
+error, loudly, and the loop stops taking new work.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The engine on a local Ray cluster: 1 compute worker, 2 memory workers, data plane over
-Unix sockets. Greedy tokens identical to HF; a dead memory worker fails loudly."""
+Unix sockets. Greedy tokens identical to HF; a dead memory worker is replaced and its
+requests recomputed, or (recovery off) the step fails loudly."""
 from dataclasses import replace
 
 import pytest
@@ -63,8 +64,37 @@ def test_ray_kv_split_over_workers_identical(llm, prompts, hf_greedy):
     assert out[rid].token_ids == hf_greedy[8] and out[rid + 1].token_ids == hf_greedy[0]
 
 
+def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_greedy):
+    """A memory worker killed mid-decode: the step fails, the executor starts fresh
+    memory workers, the engine recomputes the lost KV, and every request still ends with
+    HF's greedy tokens."""
+    eng, pick = llm.engine, [0, 3, 5, 9]
+    ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
+    for _ in range(5):
+        eng.step()
+    assert {s.worker for s in eng.scheduler.running} == {0, 1}  # both hold KV
+    old = [w._actor_id for w in llm.executor.memory]
+    old_pids = [i["pid"] for i in llm.executor.memory_info]
+    ray.kill(llm.executor.memory[1])
+    out = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] = o
+    assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
+    assert len(eng.recoveries) == 1 and "WorkerFailure" in eng.recoveries[0]
+    assert all(out[i].metrics["preemptions"] == 1 for i in ids)
+    new = [w._actor_id for w in llm.executor.memory]
+    assert not set(old) & set(new)
+    assert not set(old_pids) & {i["pid"] for i in llm.executor.memory_info}
+    assert all(a.num_free() == a.config.num_slots for a in eng.allocs)
+    # and it keeps serving
+    assert llm.generate([prompts[2]], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy[2]
+
+
 def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):
+    """With recovery off (the last test here: it leaves the engine without workers)."""
     eng = llm.engine
+    eng.config = replace(eng.config, max_recoveries=0)
     eng.add_request(prompts[0], GREEDY)
     eng.add_request(prompts[1], GREEDY)
     eng.step()

@@ -1,0 +1,146 @@
+"""Recovery from a failed step (a dead worker): the engine preempts every running
+sequence, the executor brings fresh workers with empty pools, and the lost KV is
+recomputed, so every request still ends with HF's greedy tokens. Without recovery (off,
+used up, or refused) the step's error propagates. Local executor with injected faults;
+the Ray path (a killed memory worker) is in tests/cluster."""
+import logging
+
+import pytest
+
+from lamina.engine import EngineConfig, LLMEngine
+from lamina.executor import LocalExecutor, MemorySide
+from lamina.kv_pool import KVPool, KVPoolConfig
+from lamina.sampling import SamplingParams
+
+from .test_engine import GREEDY
+
+PICK = [1, 4, 9, 12]  # 12..140-token prompts
+
+
+class WorkerGone(ConnectionError):
+    pass
+
+
+class FlakyExecutor(LocalExecutor):
+    """Raises on the listed `execute` calls, as a dead worker would. `recover` poisons
+    every pool with NaN (a replacement worker knows nothing), so an output equal to HF's
+    proves the KV was recomputed, not reused."""
+
+    def __init__(self, split, memory, fail_on: set[int], recoverable: bool = True):
+        super().__init__(split, memory)
+        self.fail_on, self.recoverable, self.calls, self.recovered = fail_on, recoverable, 0, 0
+
+    def execute(self, plan):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise WorkerGone(f"memory worker 1 gone at call {self.calls}")
+        return super().execute(plan)
+
+    def recover(self, error):
+        assert isinstance(error, WorkerGone)
+        if not self.recoverable:
+            return False
+        for mem in self.memory:
+            mem.pool.k.fill_(float("nan"))
+            mem.pool.v.fill_(float("nan"))
+        self.recovered += 1
+        return True
+
+
+def flaky_engine(smol, smol_split, fail_on, workers=2, slots=2000, **kw):
+    cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=workers, **kw)
+    pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, slots))
+             for _ in range(workers)]
+    ex = FlakyExecutor(smol_split, [MemorySide(p) for p in pools], set(fail_on))
+    return LLMEngine(cfg, ex, smol.tokenizer, smol.config)
+
+
+def drain(eng, ids):
+    out = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] = o
+    return [out[i] for i in ids]
+
+
+def test_failed_steps_are_recovered_with_hf_tokens(smol, smol_split, prompts, hf_greedy,
+                                                   caplog):
+    # call 1 is the admission (prefill) step, call 20 is mid-decode with 4 running
+    eng = flaky_engine(smol, smol_split, fail_on={1, 20})
+    ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
+    with caplog.at_level(logging.WARNING, logger="lamina.engine"):
+        outs = drain(eng, ids)
+    assert [o.token_ids for o in outs] == [hf_greedy[i] for i in PICK]
+    assert eng.executor.recovered == 2 and len(eng.recoveries) == 2
+    assert "step 0 failed: WorkerGone" in eng.recoveries[0]
+    assert "step 19 failed" in eng.recoveries[1]  # 19 plans before it ran fine
+    assert sum("workers recovered" in r.message for r in caplog.records) == 2
+    # Each failure preempted all 4 running sequences: 2 recomputations each.
+    assert [o.metrics["preemptions"] for o in outs] == [2, 2, 2, 2]
+    assert all(a.num_free() == 2000 and a.stats().shared == 0 for a in eng.allocs)
+
+
+def test_parallel_samples_recovered_after_fork(smol, smol_split, prompts):
+    """n=3 forks share the prompt's slots; a failure after the fork frees every
+    reference, and the recomputed siblings draw the same tokens as an undisturbed run."""
+    p = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, n=3)
+    calm = flaky_engine(smol, smol_split, fail_on=set())
+    want = [[c.token_ids for c in o.outputs] for o in drain(calm, [calm.add_request(
+        prompts[3], p)])]
+    eng = flaky_engine(smol, smol_split, fail_on={4})
+    got = [[c.token_ids for c in o.outputs] for o in drain(eng, [eng.add_request(
+        prompts[3], p)])]
+    assert got == want and len(eng.recoveries) == 1
+    assert all(a.num_free() == 2000 and a.stats().shared == 0 for a in eng.allocs)
+
+
+def test_recovery_used_up_or_refused_raises_the_step_error(smol, smol_split, prompts):
+    eng = flaky_engine(smol, smol_split, fail_on={2, 3}, max_recoveries=1)
+    eng.add_request(prompts[1], GREEDY)
+    eng.step()
+    assert eng.step() == [] and len(eng.recoveries) == 1  # call 2: recovered
+    with pytest.raises(WorkerGone, match="call 3"):  # call 3: none left
+        eng.step()
+
+    eng = flaky_engine(smol, smol_split, fail_on={1}, max_recoveries=0)
+    eng.add_request(prompts[1], GREEDY)
+    with pytest.raises(WorkerGone):
+        eng.step()
+    assert eng.executor.recovered == 0
+
+    eng = flaky_engine(smol, smol_split, fail_on={1})
+    eng.executor.recoverable = False  # e.g. the local executor: a failure is a bug
+    eng.add_request(prompts[1], GREEDY)
+    with pytest.raises(WorkerGone):
+        eng.step()
+    assert eng.recoveries == []
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_max_recoveries_validated(bad):
+    with pytest.raises(ValueError, match="max_recoveries"):
+        EngineConfig(max_recoveries=bad)
+
+
+def test_engine_loop_keeps_serving_through_a_recovery(smol, smol_split, prompts, hf_greedy):
+    """The serving loop: a step fails mid-flight, every future still resolves with HF's
+    tokens, the loop stays alive, and the metrics count the recovery once and no token
+    twice."""
+    from lamina.metrics import EngineMetrics
+    from lamina.serving import EngineLoop
+
+    eng = flaky_engine(smol, smol_split, fail_on={3})
+    metrics = EngineMetrics()
+    loop = EngineLoop(eng, metrics=metrics)
+    try:
+        p = SamplingParams(max_tokens=16, temperature=0)
+        futs = [loop.submit(prompts[i], p) for i in PICK]
+        outs = [f.result(timeout=300) for f in futs]
+        assert [o.token_ids for o in outs] == [hf_greedy[i][:16] for i in PICK]
+        assert loop.alive and loop.stats["finished"] == len(PICK)
+        value = metrics.registry.get_sample_value
+        assert value("lamina_recoveries_total") == 1
+        assert value("lamina_generation_tokens_total") == 16 * len(PICK)
+        assert value("lamina_kv_slots_used", {"memory_worker": "0"}) == 0
+    finally:
+        loop.shutdown()
