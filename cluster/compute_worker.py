@@ -48,8 +48,9 @@ class ComputeWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def connect(self, addresses: list) -> int:
-        """Open the data plane to each memory worker (replacing any earlier one)."""
+    def connect(self, addresses: list, timeout_s: float | None = None) -> int:
+        """Open the data plane to each memory worker (replacing any earlier one). A
+        worker that does not answer within `timeout_s` fails the step (`PeerTimeout`)."""
         self.disconnect()
         for kind, *addr in addresses:
             if kind == "unix":
@@ -65,7 +66,12 @@ class ComputeWorker:
                 s = socket.create_connection(tuple(addr))
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.channels.append(SocketChannel(s))
+        self.set_timeout(timeout_s)
         return os.getpid()
+
+    def set_timeout(self, seconds: float | None) -> None:
+        for ch in self.channels:
+            ch.set_timeout(seconds)
 
     def disconnect(self) -> None:
         for ch in self.channels:

@@ -12,6 +12,7 @@ import logging
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import ray
 
@@ -73,8 +74,14 @@ class RayExecutor(Executor):
         nodes = ray.get([w.__ray_call__.remote(lambda s: ray.get_runtime_context().get_node_id())
                          for w in self.memory])
         addrs = ray.get([w.listen.remote(n == node) for w, n in zip(self.memory, nodes)])
-        ray.get(self.compute.connect.remote(addrs))
+        ray.get(self.compute.connect.remote(addrs, cfg.worker_timeout_s))
         self.addresses = addrs
+
+    def set_worker_timeout(self, seconds: float | None) -> None:
+        """How long the compute worker waits on a silent memory worker before the step
+        fails (then `recover` replaces it)."""
+        self.config = replace(self.config, worker_timeout_s=seconds)  # validates
+        ray.get(self.compute.set_timeout.remote(seconds))
 
     def recover(self, error: BaseException) -> bool:
         """Replace the memory workers (all of them: a step broke off mid-way, so no

@@ -42,6 +42,7 @@ class EngineConfig:
     pipeline: str = "none"  # "rotational": staggered pipelining over 2 micro-batches
     split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
     max_recoveries: int = 3  # failed steps the executor may recover from (0: fail at once)
+    worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
 
 
     def __post_init__(self):
@@ -56,6 +57,11 @@ class EngineConfig:
                 or self.max_recoveries < 0):
             raise ValueError(f"EngineConfig.max_recoveries must be an int >= 0, "
                              f"got {self.max_recoveries!r}")
+        t = self.worker_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not t > 0 or t == float("inf")):
+            raise ValueError(f"EngineConfig.worker_timeout_s must be a positive number of "
+                             f"seconds or None, got {t!r}")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
                              f"got {self.pipeline!r}")

@@ -39,6 +39,10 @@ class FrameError(ValueError):
     """A data-plane frame failed validation; its step must not be computed."""
 
 
+class PeerTimeout(TimeoutError):
+    """The peer did not answer (or read) within the channel's timeout: it is hung."""
+
+
 def encode(t: torch.Tensor, layer: int, step: int) -> list:
     """-> [header bytes, payload memoryview] (send both, in order; no copy of the data)."""
     if t.dtype not in CODES:
@@ -139,6 +143,7 @@ class ShmRing:
         import os
 
         self.path, self.cap, self.pos, self.min_bytes = path, capacity, 0, min_bytes
+        self.timeout_s: float | None = None  # how long `write` waits for the reader
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
@@ -164,10 +169,13 @@ class ShmRing:
         src = t.reshape(-1).view(torch.uint8)
         n = src.numel()
         off = self._place(n)
-        spins = 0
+        spins, t0 = 0, time.monotonic()
         while self.pos + n - self._ctrl[0] > self.cap:  # reader a full ring behind
             spins += 1
             time.sleep(0 if spins < 100 else 1e-4)
+            if self.timeout_s is not None and time.monotonic() - t0 > self.timeout_s:
+                raise PeerTimeout(f"shared-memory ring {self.path}: the peer read nothing "
+                                  f"for {self.timeout_s:g} s")
         self.data[off:off + n].copy_(src)
         self.pos += n
 
@@ -208,6 +216,20 @@ class SocketChannel(Channel):
         self._rbuf = bytearray(RECV_BUF)  # received bytes not yet parsed: [_lo, _hi)
         self._rview, self._lo, self._hi = memoryview(self._rbuf), 0, 0
 
+    def set_timeout(self, seconds: float | None) -> None:
+        """Sends and receives (and ring writes) that wait longer than this raise
+        `PeerTimeout`; None waits forever."""
+        self.sock.settimeout(seconds)
+        if self.ring_out is not None:
+            self.ring_out.timeout_s = seconds
+
+    def _recv_into(self, view, what: str) -> int:
+        try:
+            return self.sock.recv_into(view)
+        except TimeoutError:
+            raise PeerTimeout(f"no {what} from the peer within {self.sock.gettimeout():g} "
+                              f"s") from None
+
     def send(self, t, layer, step):
         self.send_many([(t, layer, step)])
 
@@ -223,7 +245,11 @@ class SocketChannel(Channel):
                 payload = b""
             views += [memoryview(b).cast("B") for b in (head, payload) if len(b)]
         while views:
-            n = self.sock.sendmsg(views)
+            try:
+                n = self.sock.sendmsg(views)
+            except TimeoutError:
+                raise PeerTimeout(f"the peer took nothing for {self.sock.gettimeout():g} s "
+                                  f"(send)") from None
             while n:  # drop what went out; a partial write resumes mid-buffer
                 if n >= len(views[0]):
                     n -= len(views.pop(0))
@@ -241,7 +267,7 @@ class SocketChannel(Channel):
             self._rbuf[:n] = self._rbuf[self._lo:self._hi]
             self._lo, self._hi = 0, n
         while self._hi - self._lo < need:
-            n = self.sock.recv_into(self._rview[self._hi:])
+            n = self._recv_into(self._rview[self._hi:], what)
             if n == 0:
                 raise FrameError(f"{what} truncated: peer closed after "
                                  f"{done + self._hi - self._lo} of {done + need} bytes")
@@ -260,7 +286,7 @@ class SocketChannel(Channel):
             self._lo += rest
             return
         while got < len(view):
-            n = self.sock.recv_into(view[got:])
+            n = self._recv_into(view[got:], what)
             if n == 0:
                 raise FrameError(f"{what} truncated: peer closed after {got} of {len(view)} "
                                  f"bytes")

@@ -1,6 +1,8 @@
 """The engine on a local Ray cluster: 1 compute worker, 2 memory workers, data plane over
 Unix sockets. Greedy tokens identical to HF; a dead memory worker is replaced and its
 requests recomputed, or (recovery off) the step fails loudly."""
+import os
+import signal
 from dataclasses import replace
 
 import pytest
@@ -89,6 +91,32 @@ def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_gr
     assert all(a.num_free() == a.config.num_slots for a in eng.allocs)
     # and it keeps serving
     assert llm.generate([prompts[2]], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy[2]
+
+
+def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
+    """A memory worker that stops answering (SIGSTOP: alive, silent) fails the step after
+    the worker timeout instead of blocking forever; it is then replaced like a dead one."""
+    eng, pick = llm.engine, [1, 6]
+    llm.executor.set_worker_timeout(3.0)
+    before = len(eng.recoveries)
+    ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
+    eng.step()
+    hung = llm.executor.memory_info[0]["pid"]
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        out = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] = o
+    finally:
+        try:
+            os.kill(hung, signal.SIGCONT)  # if the replacement did not kill it
+        except ProcessLookupError:
+            pass
+    assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
+    assert len(eng.recoveries) == before + 1
+    assert "PeerTimeout" in eng.recoveries[-1] and "within 3 s" in eng.recoveries[-1]
+    assert hung not in {i["pid"] for i in llm.executor.memory_info}
 
 
 def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):

@@ -122,6 +122,13 @@ def test_max_recoveries_validated(bad):
         EngineConfig(max_recoveries=bad)
 
 
+@pytest.mark.parametrize("bad", [0, -2.0, float("nan"), float("inf"), True, "60"])
+def test_worker_timeout_validated(bad):
+    with pytest.raises(ValueError, match="worker_timeout_s"):
+        EngineConfig(worker_timeout_s=bad)
+    assert EngineConfig(worker_timeout_s=None).worker_timeout_s is None
+
+
 def test_engine_loop_keeps_serving_through_a_recovery(smol, smol_split, prompts, hf_greedy):
     """The serving loop: a step fails mid-flight, every future still resolves with HF's
     tokens, the loop stays alive, and the metrics count the recovery once and no token

@@ -145,3 +145,35 @@ def test_shared_memory_ring_channel_round_trips_and_wraps(tmp_path):
         rx.recv(expect_shape=(4,))
     for ch in (tx, rx):
         ch.close()
+
+
+def test_silent_peer_times_out(tmp_path):
+    """A hung peer: a receive with nothing coming, a send it never drains, and a ring
+    write it never makes room for each raise PeerTimeout after the channel's timeout."""
+    import time
+
+    from lamina.wire import PeerTimeout
+
+    a, b = socket.socketpair()
+    tx = SocketChannel(a)
+    tx.set_timeout(0.2)
+    t = time.monotonic()
+    with pytest.raises(PeerTimeout, match=r"no frame header from the peer within 0.2 s"):
+        tx.recv()
+    assert 0.15 < time.monotonic() - t < 5
+    b.sendall(encode(torch.ones(4), 1, 1)[0])  # a header, no payload: that times out too
+    with pytest.raises(PeerTimeout, match="frame payload"):
+        tx.recv()
+    with pytest.raises(PeerTimeout, match=r"took nothing for 0.2 s"):
+        for _ in range(10_000):  # fills both socket buffers: b never reads
+            tx.send(torch.ones(16_384), 0, 0)
+
+    ring_tx, _, _ = _ring_pair(tmp_path, cap=4096)
+    ring_tx.set_timeout(0.2)
+    with pytest.raises(PeerTimeout, match="read nothing for 0.2 s"):
+        for _ in range(10):  # 1.6 KB each, the reader never consumes
+            ring_tx.ring_out.write(torch.ones(400))
+    ring_tx.set_timeout(None)
+    assert ring_tx.sock.gettimeout() is None and ring_tx.ring_out.timeout_s is None
+    for s in (a, b):
+        s.close()
