@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 
+from .detok import IncrementalDetokenizer
 from .kv_allocator import KVAllocator, KVAllocatorConfig
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, Sequence
@@ -120,6 +121,7 @@ class _Request:
     arrival: float
     first_token: float | None = None
     texts: list[str | None] = field(default_factory=list)  # set when cut at a stop string
+    detok: list[IncrementalDetokenizer | None] = field(default_factory=list)  # per sample
     stream: bool = False
 
 
@@ -186,6 +188,8 @@ class LLMEngine:
             seq = Sequence(next(self._sid), list(ids), params, seed=seed + i)
             req.seqs.append(seq)
             req.texts.append(None)
+            req.detok.append(IncrementalDetokenizer(self.tokenizer) if self.tokenizer
+                             is not None else None)
             self._by_seq[seq.seq_id] = (req, i)
         # n > 1: one prefill; the siblings fork the parent's KV after it (scheduler.fork).
         req.seqs[0].forks = req.seqs[1:]
@@ -244,6 +248,8 @@ class LLMEngine:
             req, i = self._by_seq[seq.seq_id]
             req.first_token = req.first_token or now
             seq.output.append(tok)
+            if req.detok[i] is not None:
+                req.detok[i].update(seq.output)
             if lp is not None:
                 seq.logprobs.append(TokenLogprob(tok, lp[0], tuple(zip(lp[1], lp[2]))))
             reason = self._finish_reason(seq, req, i)
@@ -285,28 +291,29 @@ class LLMEngine:
         return True
 
     def _finish_reason(self, seq: Sequence, req: _Request, i: int) -> str | None:
-        p, tok = seq.params, seq.output[-1]
+        p, tok, d = seq.params, seq.output[-1], req.detok[i]
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
-        if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-            hits = [text.find(s) for s in p.stop if s in text]
-            if hits:
-                req.texts[i] = text[:min(hits)]
+        length = len(seq.output) >= p.max_tokens or len(seq.tokens) >= self.max_len
+        if length and d is not None:
+            d.flush(seq.output)  # a stop string may sit in a held-back tail
+        if p.stop and d is not None:
+            hit = d.find_stop(p.stop)
+            if hit is not None:
+                req.texts[i] = d.text[:hit]
                 return "stop"
-        if len(seq.output) >= p.max_tokens or len(seq.tokens) >= self.max_len:
-            return "length"
-        return None
+        return "length" if length else None
 
     def _text(self, seq: Sequence, req: _Request, i: int) -> str:
         """The sample's text; while it runs, only the part that cannot change: no
         trailing half character, nothing that may be the start of a stop string."""
-        if req.texts[i] is not None or self.tokenizer is None:
+        d = req.detok[i]
+        if req.texts[i] is not None or d is None:
             return req.texts[i] or ""
-        text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
         if seq.status == "finished":
-            return text
-        text = text.rstrip("\ufffd")
+            d.flush(seq.output)
+            return d.text
+        text = d.text  # never ends in half a character: the detokenizer holds it back
         hold = max((k for s in seq.params.stop for k in range(1, len(s))
                     if text.endswith(s[:k])), default=0)
         return text[:len(text) - hold]
