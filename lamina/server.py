@@ -4,8 +4,8 @@ Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fie
 plus top_k, seed, stop_token_ids and ignore_eos). Data out: completion JSON with text,
 token ids, logprobs, finish reasons and usage; with `stream: true`, server-sent events
 of text deltas, then `data: [DONE]`; Prometheus metrics on /metrics. Requests go to one
-`EngineLoop`, so concurrent HTTP requests batch together in the engine. A streaming
-client that disconnects has its request aborted and its KV freed. Bad input answers 400
+`EngineLoop`, so concurrent HTTP requests batch together in the engine. A client that
+disconnects (streaming or not) has its request aborted and its KV freed. Bad input answers 400
 naming the field; a failed engine answers 503 (or an error event mid-stream); other
 requests keep being served.
 """
@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from .sampling import SamplingParams
 from .serving import EngineDead, EngineLoop
 from .server_stream import completion_logprobs, chat_logprobs, sse_events
+
+DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks its client
 
 
 class StreamOptions(BaseModel):
@@ -114,9 +116,11 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "owned_by": "lamina"}]}
 
-    async def _run(prompts: list, body: _Sampling, chunk=None) -> list | JSONResponse:
+    async def _run(prompts: list, body: _Sampling, request: Request,
+                   chunk=None) -> list | JSONResponse:
         """Run the prompts -> their final outputs; with `chunk` (streaming), a response
-        of server-sent events made by `chunk` (see `sse_events`) instead."""
+        of server-sent events made by `chunk` (see `sse_events`) instead. A client that
+        disconnects before its answer has its requests aborted (KV freed at once)."""
         try:
             params = body.params()
         except ValueError as e:
@@ -140,8 +144,15 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
             return StreamingResponse(
                 sse_events(loop, futs, updates, chunk, _usage if include_usage else None),
                 media_type="text/event-stream")
+        waiter = asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
         try:
-            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
+            while not (await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    for f in futs:
+                        loop.abort(f)
+                    waiter.add_done_callback(lambda w: w.exception())  # nobody reads it
+                    return _error(499, "client disconnected; request aborted")
+            return list(waiter.result())
         except Exception as e:  # noqa: BLE001 - the engine failed these requests
             return _error(503, f"generation failed: {type(e).__name__}: {e}")
 
@@ -154,7 +165,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
         return [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in ids]
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -174,9 +185,9 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
                     "logprobs": lp}
 
         if body.stream:
-            return await _run(list(prompts), body, lambda i, c, text, lps, start: {
+            return await _run(list(prompts), body, request, lambda i, c, text, lps, start: {
                 **head, "choices": [choice(i, c, text, lps, start)]})
-        outs = await _run(list(prompts), body)
+        outs = await _run(list(prompts), body, request)
         if isinstance(outs, JSONResponse):
             return outs
         choices = [choice(i, c, c.text, c.logprobs) for i, o in enumerate(outs)
@@ -184,7 +195,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
         return {**head, "choices": choices, "usage": _usage(outs)}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             return _error(400, "this model has no chat template", "messages")
         prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
@@ -201,8 +212,8 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
                         "model": model_name, "choices": [{
                             "index": c.index, "delta": delta, "token_ids": c.token_ids[start:],
                             "logprobs": lp_json(lps), "finish_reason": c.finish_reason}]}
-            return await _run([prompt], body, chunk)
-        outs = await _run([prompt], body)
+            return await _run([prompt], body, request, chunk)
+        outs = await _run([prompt], body, request)
         if isinstance(outs, JSONResponse):
             return outs
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},

@@ -188,18 +188,25 @@ def test_chat_stream_and_logprobs(server):
     assert status == 400 and "top_logprobs" in out["error"]["message"]
 
 
-def test_disconnected_stream_is_aborted(server, prompts):
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnected_client_is_aborted(server, prompts, stream):
     loop = server.loop
     before = dict(loop.stats)
     body = json.dumps({"prompt": prompts[2], "max_tokens": 4000, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
+                       "ignore_eos": True, "stream": stream}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=60) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                   b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        got = b""
-        while b"data: {" not in got:  # the first token arrived: the request is running
-            got += s.recv(4096)
+        if stream:
+            got = b""
+            while b"data: {" not in got:  # the first token arrived: the request is running
+                got += s.recv(4096)
+        else:
+            deadline = time.time() + 60
+            while not loop.engine.has_unfinished() and time.time() < deadline:
+                time.sleep(0.05)  # running once the engine holds it
+            assert loop.engine.has_unfinished()
     deadline = time.time() + 120
     while loop.stats["aborted"] == before["aborted"] and time.time() < deadline:
         time.sleep(0.1)
