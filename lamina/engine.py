@@ -97,6 +97,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: dict = field(default_factory=dict)
     finished: bool = True  # False: a streamed request's progress so far
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then each
+    # token's logprob given the ones before it (and the top alternatives there)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -122,6 +125,7 @@ class _Request:
     first_token: float | None = None
     texts: list[str | None] = field(default_factory=list)  # set when cut at a stop string
     detok: list[IncrementalDetokenizer | None] = field(default_factory=list)  # per sample
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # from its (first) prefill
     stream: bool = False
 
 
@@ -234,9 +238,15 @@ class LLMEngine:
                                   "step_s": now - t0, **(result.timings or {})})
         lps = result.logprobs or (None,) * len(result.seq_ids)
         drawn = []  # (sequence, token, logprob entry or None)
-        for sid, toks, lp in zip(result.seq_ids, result.token_ids, lps):
+        plps = result.prompt_logprobs or (None,) * len(result.seq_ids)
+        for sid, toks, lp, plp in zip(result.seq_ids, result.token_ids, lps, plps):
             req, i = self._by_seq[sid]
             seq = req.seqs[i]
+            if plp is not None and req.prompt_logprobs is None:  # a recompute repeats it
+                n = len(req.prompt_ids) - 1
+                req.prompt_logprobs = [None] + [
+                    TokenLogprob(t, v, tuple(zip(ti, tv))) for t, v, ti, tv in
+                    zip(req.prompt_ids[1:], plp[0][:n], plp[1][:n], plp[2][:n])]
             kids = self.scheduler.fork(seq) if seq.forks else []
             if len(toks) != 1 + len(kids) or (lp is not None and len(lp) != len(toks)):
                 raise RuntimeError(f"executor drew {len(toks)} tokens for seq {sid}, "
@@ -324,8 +334,12 @@ class LLMEngine:
                                  list(seq.logprobs) if seq.params.logprobs is not None
                                  else None)
                 for i, seq in enumerate(req.seqs)]
+        plp = req.prompt_logprobs if req.params.prompt_logprobs is not None else None
+        if plp is None and req.params.prompt_logprobs is not None and len(req.prompt_ids) == 1:
+            plp = [None]  # a one-token prompt: nothing to score
         if not final:
-            return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, finished=False)
+            return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, finished=False,
+                                 prompt_logprobs=plp)
         n_out = sum(len(s.output) for s in req.seqs)
         ttft = None if req.first_token is None else req.first_token - req.arrival
         metrics = {"ttft_s": ttft, "e2e_s": now - req.arrival,
@@ -334,4 +348,5 @@ class LLMEngine:
         for s in req.seqs:
             del self._by_seq[s.seq_id]
         del self._reqs[req.rid]
-        return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, metrics)
+        return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, metrics,
+                             prompt_logprobs=plp)

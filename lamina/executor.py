@@ -31,7 +31,7 @@ from lamina.splitter.split import SplitModel
 
 from .kv_pool import KVPool
 from .messages import StepPlan, StepResult
-from .sampling import row_logprobs, sample_rows
+from .sampling import prompt_logprobs, row_logprobs, sample_rows
 
 
 class Executor(ABC):
@@ -92,9 +92,11 @@ class WorkerPart:
 
 
 def pack(plan: StepPlan, num_workers: int):
-    """-> input_ids [1, N], position_ids [1, N], sample rows, [WorkerPart per worker],
-    merge (True when some query row attends on several workers: KV split)."""
-    ids, pos, rows, merge = [], [], [], False
+    """-> input_ids [1, N], position_ids [1, N], logit rows, [WorkerPart per worker],
+    merge (True when some query row attends on several workers: KV split), sample (the
+    index in logit rows of each sampled row), prompt ((seq index, first logit row, count)
+    for each sequence whose prompt logprobs are wanted: a full prefill asking for them)."""
+    ids, pos, rows, merge, sample, prompt = [], [], [], False, [], []
     # per worker: query rows, kv rows, new slots, tables, q positions, k_pos0
     per = [([], [], [], [], [], []) for _ in range(num_workers)]
     for s in plan.seqs:
@@ -105,7 +107,11 @@ def pack(plan: StepPlan, num_workers: int):
         n, r0, p0 = len(s.token_ids), len(ids), s.start_pos
         ids += s.token_ids
         pos += range(p0, p0 + n)
+        if s.sample and s.params.prompt_logprobs is not None and p0 == 0 and n > 1:
+            prompt.append((len(sample), len(rows), n - 1))
+            rows += range(r0, r0 + n - 1)
         if s.sample:
+            sample.append(len(rows))
             rows.append(r0 + n - 1)
         merge |= len(seg) > 1 and seg[-1][1] < p0 + n  # some query sees several ranges
         ends = [a for _, a in seg[1:]] + [len(s.slots)]
@@ -127,7 +133,7 @@ def pack(plan: StepPlan, num_workers: int):
         parts.append(WorkerPart(torch.tensor(qr, dtype=torch.int64),
                                 torch.tensor(ns, dtype=torch.int32), batch,
                                 torch.tensor(kr, dtype=torch.int64), qr == kr == every))
-    return torch.tensor([ids]), torch.tensor([pos]), rows, parts, merge
+    return torch.tensor([ids]), torch.tensor([pos]), rows, parts, merge, sample, prompt
 
 
 def split_micro(seqs: tuple, n: int) -> list[tuple]:
@@ -237,7 +243,7 @@ class ComputeSide:
         # Layer i of micro-batch j: wait for its layer i-1 attention, run slice i, submit.
         # The memory side attends micro-batch j while this thread runs j+1's slice.
         for i in range(n_layers + 1):
-            for j, (ids, pos, rows, parts, merge) in enumerate(mbs):
+            for j, (ids, pos, rows, parts, merge, _, _) in enumerate(mbs):
                 if i == 0:
                     args = (ids, pos)
                 else:
@@ -263,20 +269,34 @@ class ComputeSide:
                                 v[0].transpose(0, 1), parts)
                     t_submit += time.perf_counter() - t
         t = time.perf_counter()
-        works, tokens, lps = [s for s in plan.seqs if s.sample], [], None
+        works, tokens, lps, plps = [s for s in plan.seqs if s.sample], [], None, None
         if works:
-            # logits: [R, V] (rows picked here if the last slice ran on every token)
-            logits = torch.cat([out[0][0] if out[0].shape[1] == len(m[2]) else out[0][0, m[2]]
-                                for out, m in zip(outs, mbs) if out is not None]).float()
+            # all: [R, V] logit rows (picked here if the last slice ran on every token)
+            all_, sample, prompt, at, k = [], [], [], 0, 0
+            for out, m in zip(outs, mbs):
+                if out is not None:
+                    all_.append(out[0][0] if out[0].shape[1] == len(m[2]) else out[0][0, m[2]])
+                    sample += [at + r for r in m[5]]
+                    prompt += [(k + i, at + r0, n) for i, r0, n in m[6]]
+                    at, k = at + len(m[2]), k + len(m[5])
+            all_ = torch.cat(all_).float()
+            logits = all_ if len(sample) == len(all_) else all_[sample]  # [S, V]
             tokens = sample_rows(logits, [s.params for s in works], [s.seeds for s in works],
                                  [s.next_pos for s in works])
             if any(s.params.logprobs is not None for s in works):
                 lps = tuple(row_logprobs(logits, [s.params for s in works], tokens))
+            if prompt:
+                plps = [None] * len(works)
+                for i, r0, n in prompt:
+                    s = works[i]
+                    plps[i] = prompt_logprobs(all_[r0:r0 + n], list(s.token_ids[1:n + 1]),
+                                              s.params.prompt_logprobs)
+                plps = tuple(plps)
         t_sample = time.perf_counter() - t
         return StepResult(plan.step, tuple(s.seq_id for s in works), tuple(tokens),
                           {"dense_s": t_dense, "submit_s": t_submit, "wait_s": t_wait,
                            "attention_s": t_submit + t_wait, "sample_s": t_sample,
-                           "micro_batches": len(mbs)}, lps)
+                           "micro_batches": len(mbs)}, lps, plps)
 
 
 def _select_rows(args: tuple, rows: list[int]) -> tuple:

@@ -74,3 +74,5 @@ class StepResult:
     timings: dict | None = None  # seconds: dense, attention, sample, ...
     # per sequence: None, or per drawn token (logprob, top ids, top logprobs)
     logprobs: tuple | None = None
+    # per sequence: None, or for its prompt tokens 1.. (logprobs, top ids, top logprobs)
+    prompt_logprobs: tuple | None = None

@@ -35,6 +35,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # per drawn token: its logprob and this many top ones
+    prompt_logprobs: int | None = None  # per prompt token (after the first): the same
 
     def __post_init__(self):
         def bad(field, why):
@@ -62,10 +63,11 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative ints")
-        lp = self.logprobs
-        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool)
-                               or not 0 <= lp <= MAX_LOGPROBS):
-            bad("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool)
+                                   or not 0 <= lp <= MAX_LOGPROBS):
+                bad(name, f"must be None or an int in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -127,6 +129,17 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
             probs, 1, generator=torch.Generator().manual_seed(draw_seed(s, positions[r]))))
             for s in ss))
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> tuple:
+    """logits: [P, V] at prompt positions 0..P-1; next_ids: the P tokens they predict
+    (prompt tokens 1..P). -> (logprob of each, top-k ids per row, top-k logprobs per row)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
+    chosen = lp[torch.arange(len(next_ids)), torch.tensor(next_ids)].tolist()
+    if k == 0:
+        return chosen, [()] * len(chosen), [()] * len(chosen)
+    top_v, top_i = torch.topk(lp, k, dim=-1)  # [P, k]
+    return chosen, [tuple(r) for r in top_i.tolist()], [tuple(r) for r in top_v.tolist()]
 
 
 def row_logprobs(logits: torch.Tensor, params: list[SamplingParams],

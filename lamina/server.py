@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI on uvicorn): `lamina serve`.
 
 Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fields,
-plus top_k, seed, stop_token_ids and ignore_eos). Data out: completion JSON with text,
-token ids, logprobs, finish reasons and usage; with `stream: true`, server-sent events
+echo included, plus top_k, seed, stop_token_ids, ignore_eos and prompt_logprobs). Data
+out: completion JSON with text, token ids, logprobs, finish reasons and usage; with `stream: true`, server-sent events
 of text deltas, then `data: [DONE]`; Prometheus metrics on /metrics. Requests go to one
 `EngineLoop`, so concurrent HTTP requests batch together in the engine. A client that
 disconnects (streaming or not) has its request aborted and its KV freed. Bad input answers 400
@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .sampling import SamplingParams
 from .serving import EngineDead, EngineLoop
-from .server_stream import completion_logprobs, chat_logprobs, sse_events
+from .server_stream import (chat_logprobs, completion_logprobs, sse_events,
+                            vllm_prompt_logprobs)
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks its client
 
@@ -52,20 +53,33 @@ class _Sampling(BaseModel):
     def num_logprobs(self) -> int | None:
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        return None
+
     def params(self) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, n=self.n, seed=self.seed,
                               stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, logprobs=self.num_logprobs())
+                              ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+                              prompt_logprobs=self.num_prompt_logprobs())
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # the drawn token's logprob and this many top ones
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream")
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(BaseModel):
@@ -174,15 +188,24 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
 
         ends: dict[tuple[int, int], int] = {}  # streamed: text offset after the last token
 
-        def choice(i, c, text, lps, start=0):
-            lp = None
+        def choice(i, c, text, lps, start=0, out=None):
+            lp, ids = None, c.token_ids[start:]
+            echo = out is not None and body.echo
+            if echo:  # the prompt first (its first token has no logprob)
+                prompt_text = out.prompt if out.prompt is not None else \
+                    "".join(_decode(out.prompt_token_ids))
+                text, ids = prompt_text + text, out.prompt_token_ids + ids
             if lps is not None:
-                lp = completion_logprobs(lps, _decode, ends.get((i, c.index), 0))
+                plps = (out.prompt_logprobs or []) if echo else []
+                lp = completion_logprobs(plps + list(lps), _decode, ends.get((i, c.index), 0),
+                                         ids=ids if echo else None)
                 if lp["tokens"]:
                     ends[i, c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            return {"index": i * body.n + c.index, "text": text,
-                    "token_ids": c.token_ids[start:], "finish_reason": c.finish_reason,
-                    "logprobs": lp}
+            ch = {"index": i * body.n + c.index, "text": text, "token_ids": ids,
+                  "finish_reason": c.finish_reason, "logprobs": lp}
+            if out is not None and body.prompt_logprobs is not None:
+                ch["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, _decode)
+            return ch
 
         if body.stream:
             return await _run(list(prompts), body, request, lambda i, c, text, lps, start: {
@@ -190,7 +213,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
         outs = await _run(list(prompts), body, request)
         if isinstance(outs, JSONResponse):
             return outs
-        choices = [choice(i, c, c.text, c.logprobs) for i, o in enumerate(outs)
+        choices = [choice(i, c, c.text, c.logprobs, out=o) for i, o in enumerate(outs)
                    for c in o.outputs]
         return {**head, "choices": choices, "usage": _usage(outs)}
 

@@ -62,18 +62,36 @@ async def sse_events(loop, futs: list[Future], updates: asyncio.Queue, chunk: Ca
             loop.abort(f)
 
 
-def completion_logprobs(lps, decode: Callable, offset: int = 0) -> dict:
+def completion_logprobs(lps, decode: Callable, offset: int = 0, ids=None) -> dict:
     """OpenAI completions format; `offset`: characters of the completion before these
-    tokens."""
-    toks = decode([t.token_id for t in lps])
+    tokens. An entry may be None (an echoed prompt's first token): then `ids` gives every
+    entry's token and its logprob and top_logprobs are null."""
+    toks = decode(ids if ids is not None else [t.token_id for t in lps])
     starts, at = [], offset
     for s in toks:
         starts.append(at)
         at += len(s)
-    return {"tokens": toks, "token_logprobs": [t.logprob for t in lps],
-            "top_logprobs": [dict(zip(decode([i for i, _ in t.top]),
-                                      [v for _, v in t.top])) for t in lps],
+    return {"tokens": toks, "token_logprobs": [t and t.logprob for t in lps],
+            "top_logprobs": [t and dict(zip(decode([i for i, _ in t.top]),
+                                            [v for _, v in t.top])) for t in lps],
             "text_offset": starts}
+
+
+def vllm_prompt_logprobs(plps, decode: Callable) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
+    decoded_token}} for the token itself and its top alternatives."""
+    if plps is None:
+        return None
+    out = []
+    for t in plps:
+        if t is None:
+            out.append(None)
+            continue
+        pairs = dict(t.top)
+        pairs[t.token_id] = t.logprob
+        out.append({str(i): {"logprob": v, "decoded_token": decode([i])[0]}
+                    for i, v in pairs.items()})
+    return out
 
 
 def chat_logprobs(lps, decode: Callable) -> dict:

@@ -11,6 +11,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -113,6 +114,8 @@ def test_completions_match_hf_and_batch_concurrently(server, prompts, hf_greedy)
     ({"prompt": "hi", "frobnicate": 1}, "frobnicate", "Extra inputs"),
     ({"prompt": [1] * 9000}, "prompt", "context"),
     ({}, "prompt", "Field required"),
+    ({"prompt": "hi", "echo": True, "stream": True}, "echo", "not supported with stream"),
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
 ])
 def test_bad_input_is_400_and_server_keeps_serving(server, body, param, words, prompts,
                                                    hf_greedy):
@@ -275,3 +278,39 @@ def test_engine_failure_fails_requests_loudly(broken):
     assert broken.get("/health")[0] == 503
     status, out = broken.post("/v1/completions", {"prompt": "hello", "max_tokens": 4})
     assert status == 503 and "engine stopped" in out["error"]["message"]
+
+
+def test_echo_and_prompt_logprobs_equal_hf(server, smol, prompts, hf_greedy):
+    """echo: the prompt's tokens and logprobs come first (the first token's null), as
+    lm-eval-style loglikelihood scoring reads them; prompt_logprobs: vLLM's per-token
+    dicts. Both against HF's log-softmax of the full model's logits."""
+    ptoks = prompts[1]
+    with torch.no_grad():
+        ref = torch.log_softmax(smol.model(torch.tensor([ptoks])).logits[0, :-1].double(), -1)
+    status, body = server.post("/v1/completions", {"prompt": ptoks, "max_tokens": 2,
+                                                   "temperature": 0, "logprobs": 1,
+                                                   "echo": True})
+    assert status == 200, body
+    ch = body["choices"][0]
+    assert ch["token_ids"] == ptoks + hf_greedy[1][:2]
+    lp = ch["logprobs"]
+    assert len(lp["tokens"]) == len(ptoks) + 2 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    got = torch.tensor(lp["token_logprobs"][1:len(ptoks)], dtype=torch.float64)
+    want = ref[torch.arange(len(ptoks) - 1), torch.tensor(ptoks[1:])]
+    assert torch.allclose(got, want, atol=1e-4)
+    assert ch["text"] == "".join(lp["tokens"])  # the prompt's text, then the completion's
+    assert ch["text"].startswith(smol.tokenizer.decode(ptoks))
+
+    status, body = server.post("/v1/completions", {"prompt": ptoks, "max_tokens": 1,
+                                                   "temperature": 0, "prompt_logprobs": 2})
+    assert status == 200, body
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ptoks) and plp[0] is None
+    for t in range(1, len(ptoks)):
+        entry = {int(k): v["logprob"] for k, v in plp[t].items()}
+        top2 = torch.topk(ref[t - 1], 2).indices.tolist()
+        assert set(entry) == {ptoks[t], *top2}
+        assert abs(entry[ptoks[t]] - ref[t - 1, ptoks[t]].item()) < 1e-4
+    assert body["choices"][0]["logprobs"] is None and body["choices"][0]["token_ids"] == \
+        hf_greedy[1][:1]

@@ -1,5 +1,6 @@
-"""Engine logprobs against HF's log-softmax, streamed partial outputs, and abort (exact
-allocator state after it), on SmolLM2 with the local executor."""
+"""Engine logprobs (drawn and prompt tokens) against HF's log-softmax, streamed partial
+outputs, and abort (exact allocator state after it), on SmolLM2 with the local executor."""
+import pytest
 import torch
 
 from lamina.sampling import SamplingParams
@@ -76,3 +77,31 @@ def test_abort_frees_kv_and_others_keep_running(smol, smol_split, prompts, hf_gr
         done += eng.step()
     assert [o.request_id for o in done] == [b] and done[0].token_ids == hf_greedy[2]
     assert eng.alloc.num_free() == 2000 and eng.alloc.stats().shared == 0
+
+
+@pytest.mark.parametrize("pipeline", ["none", "rotational"])
+def test_prompt_logprobs_equal_hf_log_softmax(smol, smol_split, prompts, hf_greedy, pipeline):
+    """Each prompt token's logprob given the ones before it, with top-2, next to a request
+    that asks for none (and, rotational, split over two micro-batches)."""
+    eng = engine(smol, smol_split, pipeline=pipeline)
+    p = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2)
+    pick = [1, 4]
+    ids = [eng.add_request(prompts[i], p) for i in pick]
+    plain = eng.add_request(prompts[0], SamplingParams(max_tokens=3, temperature=0))
+    out = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] = o
+    assert out[plain].prompt_logprobs is None and out[plain].token_ids == hf_greedy[0][:3]
+    for rid, i in zip(ids, pick):
+        o, ptoks = out[rid], prompts[i]
+        assert o.token_ids == hf_greedy[i][:3]
+        plp = o.prompt_logprobs
+        assert len(plp) == len(ptoks) and plp[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(smol.model(torch.tensor([ptoks])).logits[0, :-1].double(), -1)
+        for t in range(1, len(ptoks)):
+            e = plp[t]
+            assert e.token_id == ptoks[t]
+            assert abs(e.logprob - ref[t - 1, ptoks[t]].item()) < 1e-4
+            assert [tid for tid, _ in e.top] == torch.topk(ref[t - 1], 2).indices.tolist()
