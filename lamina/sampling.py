@@ -21,6 +21,7 @@ import torch
 
 
 MAX_LOGPROBS = 20
+PROMPT_CHUNK = 256  # prompt rows per log-softmax
 
 
 @dataclass(frozen=True)
@@ -134,12 +135,18 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> tuple:
     """logits: [P, V] at prompt positions 0..P-1; next_ids: the P tokens they predict
     (prompt tokens 1..P). -> (logprob of each, top-k ids per row, top-k logprobs per row)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
-    chosen = lp[torch.arange(len(next_ids)), torch.tensor(next_ids)].tolist()
-    if k == 0:
-        return chosen, [()] * len(chosen), [()] * len(chosen)
-    top_v, top_i = torch.topk(lp, k, dim=-1)  # [P, k]
-    return chosen, [tuple(r) for r in top_i.tolist()], [tuple(r) for r in top_v.tolist()]
+    chosen, top_i, top_v = [], [], []
+    for a in range(0, len(next_ids), PROMPT_CHUNK):  # no second [P, V] buffer at once
+        lp = torch.log_softmax(logits[a:a + PROMPT_CHUNK].float(), dim=-1)  # [c, V]
+        nxt = torch.tensor(next_ids[a:a + PROMPT_CHUNK])
+        chosen += lp[torch.arange(len(nxt)), nxt].tolist()
+        if k:
+            v, i = torch.topk(lp, k, dim=-1)  # [c, k]
+            top_i += [tuple(r) for r in i.tolist()]
+            top_v += [tuple(r) for r in v.tolist()]
+    if not k:
+        top_i = top_v = [()] * len(chosen)
+    return chosen, top_i, top_v
 
 
 def row_logprobs(logits: torch.Tensor, params: list[SamplingParams],

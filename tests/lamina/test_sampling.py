@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.sampling import (SamplingParams, draw_seed, row_logprobs, sample, sample_rows,
-                             sampling_probs)
+from lamina.sampling import (SamplingParams, draw_seed, prompt_logprobs, row_logprobs,
+                             sample, sample_rows, sampling_probs)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.4, -1.0, 3.0, 0.0, -0.2])
 
@@ -115,3 +115,24 @@ def test_row_logprobs_match_numpy_log_softmax():
 def test_logprobs_param_checked(bad):
     with pytest.raises(ValueError, match="SamplingParams.logprobs"):
         SamplingParams(logprobs=bad)
+    with pytest.raises(ValueError, match="SamplingParams.prompt_logprobs"):
+        SamplingParams(prompt_logprobs=bad)
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_prompt_logprobs_match_numpy_across_chunks(k):
+    """600 prompt rows: more than two log-softmax chunks of 256."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(600, 50, generator=g) * 4
+    nxt = torch.randint(0, 50, (600,), generator=g).tolist()
+    chosen, ids, vals = prompt_logprobs(logits, nxt, k)
+    x = logits.double().numpy()
+    ref = x - x.max(1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(1, keepdims=True))
+    assert np.allclose(chosen, ref[np.arange(600), nxt], atol=1e-5)
+    assert len(ids) == len(vals) == 600
+    if k:
+        assert [list(r) for r in ids] == np.argsort(-ref, 1, kind="stable")[:, :k].tolist()
+        assert np.allclose(vals, -np.sort(-ref, 1)[:, :k], atol=1e-5)
+    else:
+        assert ids == vals == [()] * 600
