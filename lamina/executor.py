@@ -282,7 +282,8 @@ class ComputeSide:
             all_ = torch.cat(all_).float()
             logits = all_ if len(sample) == len(all_) else all_[sample]  # [S, V]
             tokens = sample_rows(logits, [s.params for s in works], [s.seeds for s in works],
-                                 [s.next_pos for s in works])
+                                 [s.next_pos for s in works],
+                                 [(s.history, s.prompt_len) for s in works])
             if any(s.params.logprobs is not None for s in works):
                 lps = tuple(row_logprobs(logits, [s.params for s in works], tokens))
             if prompt:

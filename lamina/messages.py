@@ -25,6 +25,10 @@ class SeqWork:
     # KV split over workers: (worker, first position) per contiguous range, in order; the
     # slots of range i are local ids on its worker. Empty: all on `worker`.
     segments: tuple[tuple[int, int], ...] = ()
+    # penalties only (params.penalized): every token so far, prompt first, and how many
+    # of them are the prompt (the compute side keeps no per-sequence state)
+    history: tuple[int, ...] = ()
+    prompt_len: int = 0
 
     def __post_init__(self):
         if len(self.slots) != self.start_pos + len(self.token_ids) or not self.token_ids:

@@ -37,6 +37,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # per drawn token: its logprob and this many top ones
     prompt_logprobs: int | None = None  # per prompt token (after the first): the same
+    # OpenAI's: subtract presence * [t drawn before] + frequency * (times t was drawn)
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # HF's (> 0): prompt and drawn tokens' logits / it
 
     def __post_init__(self):
         def bad(field, why):
@@ -64,6 +68,14 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative ints")
+        for name in ("presence_penalty", "frequency_penalty"):
+            x = getattr(self, name)
+            if (isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x)
+                    or not -2 <= x <= 2):
+                bad(name, "must be a number in [-2, 2]")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
+            bad("repetition_penalty", "must be a finite number > 0")
         for name in ("logprobs", "prompt_logprobs"):
             lp = getattr(self, name)
             if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool)
@@ -73,6 +85,31 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Draws depend on the tokens before (the compute side needs the history)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: tuple[int, ...],
+                    prompt_len: int) -> torch.Tensor:
+    """logits: [V] -> a penalized copy. history: the sequence so far (prompt, then drawn
+    tokens). Repetition (HF): every token seen, prompt included, has its logit divided
+    by the penalty if positive, multiplied if not. Presence / frequency (OpenAI): on
+    drawn tokens only."""
+    x = logits.clone()
+    if params.repetition_penalty != 1 and history:
+        seen = torch.unique(torch.tensor(history))
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / params.repetition_penalty,
+                              v * params.repetition_penalty)
+    drawn = history[prompt_len:]
+    if drawn and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(drawn), minlength=x.numel())[:x.numel()]
+        x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return x
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -116,16 +153,23 @@ def draw_seed(seed: int, position: int) -> int:
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                seeds: list[tuple[int, ...]], positions: list[int]) -> list[tuple[int, ...]]:
+                seeds: list[tuple[int, ...]], positions: list[int],
+                histories: list[tuple[tuple[int, ...], int] | None] | None = None
+                ) -> list[tuple[int, ...]]:
     """logits: [R, V]. Row r draws len(seeds[r]) tokens (n > 1 forks draw several from
-    one prompt), each with its own seed, at `positions[r]`. -> per row, its tokens."""
+    one prompt), each with its own seed, at `positions[r]`. histories[r]: (tokens so far,
+    prompt length) for a row with penalties. -> per row, its tokens."""
     greedy = torch.argmax(logits, dim=-1).tolist()
     out = []
     for r, (p, ss) in enumerate(zip(params, seeds)):
+        row = logits[r]
+        if p.penalized:
+            row = apply_penalties(row, p, *histories[r])
+            greedy[r] = int(torch.argmax(row))
         if p.greedy:
             out.append((greedy[r],) * len(ss))
             continue
-        probs = sampling_probs(logits[r], p)
+        probs = sampling_probs(row, p)
         out.append(tuple(int(torch.multinomial(
             probs, 1, generator=torch.Generator().manual_seed(draw_seed(s, positions[r]))))
             for s in ss))

@@ -46,6 +46,9 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -62,6 +65,9 @@ class _Sampling(BaseModel):
                               top_p=self.top_p, top_k=self.top_k, n=self.n, seed=self.seed,
                               stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids),
                               ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+                              presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty,
                               prompt_logprobs=self.num_prompt_logprobs())
 
 

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.sampling import (SamplingParams, draw_seed, prompt_logprobs, row_logprobs,
-                             sample, sample_rows, sampling_probs)
+from lamina.sampling import (SamplingParams, apply_penalties, draw_seed, prompt_logprobs,
+                             row_logprobs, sample, sample_rows, sampling_probs)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.4, -1.0, 3.0, 0.0, -0.2])
 
@@ -136,3 +136,37 @@ def test_prompt_logprobs_match_numpy_across_chunks(k):
         assert np.allclose(vals, -np.sort(-ref, 1)[:, :k], atol=1e-5)
     else:
         assert ids == vals == [()] * 600
+
+
+def test_penalties_match_numpy():
+    """Repetition (HF): each token seen in prompt or output once, logit / p if > 0 else
+    * p. Presence and frequency (OpenAI): drawn tokens only, by count."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, generator=g) * 3
+    history, plen = (3, 9, 3, 17, 5, 5, 5, 22, 9), 4  # prompt 3 9 3 17 | drawn 5 5 5 22 9
+    p = SamplingParams(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.25)
+    got = apply_penalties(logits, p, history, plen).double().numpy()
+    x = logits.double().numpy().copy()
+    for t in set(history):
+        x[t] = x[t] / 1.7 if x[t] > 0 else x[t] * 1.7
+    for t, c in {5: 3, 22: 1, 9: 1}.items():
+        x[t] -= 0.25 * c + 0.5
+    assert np.allclose(got, x, atol=1e-5)
+    assert torch.equal(apply_penalties(logits, SamplingParams(), history, plen), logits)
+    # greedy draws from the penalized row; the caller's logits stay untouched
+    rows = logits[None].clone()
+    tok = sample_rows(rows, [SamplingParams(temperature=0, frequency_penalty=2)], [(0,)], [9],
+                      [((int(logits.argmax()),) * 3, 0)])
+    assert tok[0][0] != int(logits.argmax()) and torch.equal(rows[0], logits)
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"presence_penalty": True}, "presence_penalty"),
+])
+def test_penalty_params_checked(kw, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**kw)

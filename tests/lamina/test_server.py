@@ -116,6 +116,8 @@ def test_completions_match_hf_and_batch_concurrently(server, prompts, hf_greedy)
     ({}, "prompt", "Field required"),
     ({"prompt": "hi", "echo": True, "stream": True}, "echo", "not supported with stream"),
     ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
+    ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
 ])
 def test_bad_input_is_400_and_server_keeps_serving(server, body, param, words, prompts,
                                                    hf_greedy):
@@ -314,3 +316,8 @@ def test_echo_and_prompt_logprobs_equal_hf(server, smol, prompts, hf_greedy):
         assert abs(entry[ptoks[t]] - ref[t - 1, ptoks[t]].item()) < 1e-4
     assert body["choices"][0]["logprobs"] is None and body["choices"][0]["token_ids"] == \
         hf_greedy[1][:1]
+    # OpenAI clients often send zero penalties explicitly: accepted, and a no-op
+    status, body = server.post("/v1/completions", {"prompt": ptoks, "max_tokens": 4,
+                                                   "temperature": 0, "presence_penalty": 0,
+                                                   "frequency_penalty": 0.0})
+    assert status == 200 and body["choices"][0]["token_ids"] == hf_greedy[1][:4]
