@@ -6,7 +6,8 @@ Data out: `RequestOutput`s when requests finish, and for streamed requests a par
 `add_request` before anything is scheduled; other requests keep running. `abort` drops a
 request (a client went away) and frees its KV. A failed step (a dead worker) is
 recovered when the executor can replace its workers: the running sequences are recomputed
-and nothing is lost (`EngineConfig.max_recoveries`); otherwise the error propagates.
+and nothing is lost (up to `EngineConfig.max_recoveries` failed steps in a row);
+otherwise the error propagates.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that bring no seed of their own
     pipeline: str = "none"  # "rotational": staggered pipelining over 2 micro-batches
     split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
-    max_recoveries: int = 3  # failed steps the executor may recover from (0: fail at once)
+    max_recoveries: int = 3  # failed steps in a row the executor may recover from (0: none)
     worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
 
 
@@ -149,6 +150,7 @@ class LLMEngine:
         self._reqs: dict[int, _Request] = {}
         self.step_timings: deque[dict] = deque(maxlen=STEP_HISTORY)  # the latest steps
         self.recoveries: list[str] = []  # the errors of failed steps recovered from
+        self._failed_in_row = 0  # failed steps since the last one that ran
 
     # -- requests --
     def validate(self, prompt, params) -> list[int]:
@@ -228,6 +230,7 @@ class LLMEngine:
                                       "step_s": time.perf_counter() - t0, "failed": True,
                                       "drawn": 0})
             return []  # nothing drawn; the lost KV is recomputed from the next step on
+        self._failed_in_row = 0
         if (result.step != plan.step or len(result.seq_ids) != len(result.token_ids)
                 or any(s not in self._by_seq for s in result.seq_ids)):
             raise RuntimeError(f"executor answered step {result.step} with "
@@ -277,12 +280,13 @@ class LLMEngine:
         """A failed step (a dead worker, a broken data plane): if the executor can bring
         its workers back, every running sequence is preempted (its KV is gone) and will be
         recomputed from its prompt and the tokens it already drew, so no request is lost
-        and no drawn token changes. False (the caller re-raises) when recovery is off, used
-        up, or fails."""
+        and no drawn token changes. False (the caller re-raises) when recovery is off, the
+        steps keep failing (more than max_recoveries in a row), or recovery fails."""
         what = f"step {plan.step} failed: {type(error).__name__}: {error}"
-        if len(self.recoveries) >= self.config.max_recoveries:
-            log.error("%s; no recovery left (max_recoveries=%d)", what,
-                      self.config.max_recoveries)
+        self._failed_in_row += 1
+        if self._failed_in_row > self.config.max_recoveries:  # it keeps failing: give up
+            log.error("%s; %d failed steps in a row (max_recoveries=%d)", what,
+                      self._failed_in_row, self.config.max_recoveries)
             return False
         try:
             ok = self.executor.recover(error)
@@ -296,8 +300,8 @@ class LLMEngine:
         if any(leaked):
             raise RuntimeError(f"KV slots still held after recovery: {leaked}")
         self.recoveries.append(what)
-        log.warning("%s; workers recovered (%d of %d), %d sequences will be recomputed",
-                    what, len(self.recoveries), self.config.max_recoveries, n)
+        log.warning("%s; workers recovered (%d in a row, at most %d), %d sequences will "
+                    "be recomputed", what, self._failed_in_row, self.config.max_recoveries, n)
         return True
 
     def _finish_reason(self, seq: Sequence, req: _Request, i: int) -> str | None:

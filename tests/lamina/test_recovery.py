@@ -95,11 +95,14 @@ def test_parallel_samples_recovered_after_fork(smol, smol_split, prompts):
 
 
 def test_recovery_used_up_or_refused_raises_the_step_error(smol, smol_split, prompts):
-    eng = flaky_engine(smol, smol_split, fail_on={2, 3}, max_recoveries=1)
+    # max_recoveries counts failed steps in a row: a step that runs resets it
+    eng = flaky_engine(smol, smol_split, fail_on={2, 4, 5}, max_recoveries=1)
     eng.add_request(prompts[1], GREEDY)
     eng.step()
     assert eng.step() == [] and len(eng.recoveries) == 1  # call 2: recovered
-    with pytest.raises(WorkerGone, match="call 3"):  # call 3: none left
+    eng.step()  # call 3 runs (the recompute)
+    assert eng.step() == [] and len(eng.recoveries) == 2  # call 4: recovered again
+    with pytest.raises(WorkerGone, match="call 5"):  # call 5: a second failure in a row
         eng.step()
 
     eng = flaky_engine(smol, smol_split, fail_on={1}, max_recoveries=0)
