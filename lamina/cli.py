@@ -78,7 +78,10 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()),
+                            repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty)
     llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers)
     where = (f"{args.memory_workers} Ray memory worker process(es)" if args.executor == "ray"
              else "in-process memory side")
@@ -206,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's; 1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")
     g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     g.set_defaults(fn=cmd_generate)
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "

@@ -57,3 +57,17 @@ def test_generate_runs_the_engine_on_the_default_model(capsys):
 def test_generate_bad_params_exit_2_before_loading(capsys):
     assert main(["generate", "hi", "--top-p", "1.5"]) == 2
     assert "SamplingParams.top_p" in capsys.readouterr().err
+    assert main(["generate", "hi", "--repetition-penalty", "0"]) == 2
+    assert "SamplingParams.repetition_penalty" in capsys.readouterr().err
+
+
+def test_generate_stop_and_penalty_flags(capsys):
+    """A stop string cuts the text; a repetition penalty changes the greedy path."""
+    args = ["generate", "--max-tokens", "24", "One, two, three, four,"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--stop", " six"]) == 0
+    out = capsys.readouterr().out
+    assert "six" in plain and "six" not in out.split("\n", 2)[2] and "stop]" in out
+    assert main(args + ["--repetition-penalty", "1.5"]) == 0
+    assert capsys.readouterr().out.split("\n")[2] != plain.split("\n")[2]
