@@ -25,6 +25,7 @@ from .memory_worker import MemoryWorker
 
 log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
+HEALTH_TIMEOUT_S = 10  # after a failed step: how long the memory workers get to report
 
 
 class WorkerFailure(RuntimeError):
@@ -105,9 +106,15 @@ class RayExecutor(Executor):
             return ray.get(self.compute.execute.remote(plan))
         except Exception as e:  # noqa: BLE001 - name the failing worker if one reported
             errors = []
-            for i, w in enumerate(self.memory):
+            refs = [w.health.remote() for w in self.memory]  # asked all at once: one wait
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
+            for i, r in enumerate(refs):
+                if r not in ready:
+                    errors.append(f"memory worker {i} unreachable: no health answer in "
+                                  f"{HEALTH_TIMEOUT_S} s")
+                    continue
                 try:
-                    h = ray.get(w.health.remote(), timeout=10)
+                    h = ray.get(r)
                     if h["error"]:
                         errors.append(h["error"])
                 except Exception as he:  # noqa: BLE001

@@ -116,6 +116,7 @@ def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
     assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
     assert len(eng.recoveries) == before + 1
     assert "PeerTimeout" in eng.recoveries[-1] and "within 3 s" in eng.recoveries[-1]
+    assert "memory worker 0 unreachable: no health answer" in eng.recoveries[-1]
     assert hung not in {i["pid"] for i in llm.executor.memory_info}
 
 
