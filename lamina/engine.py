@@ -261,8 +261,8 @@ class LLMEngine:
             req, i = self._by_seq[seq.seq_id]
             req.first_token = req.first_token or now
             seq.output.append(tok)
-            if req.detok[i] is not None:
-                req.detok[i].update(seq.output)
+            if req.detok[i] is not None and (req.stream or seq.params.stop):
+                req.detok[i].update(seq.output)  # else: one decode when it finishes
             if lp is not None:
                 seq.logprobs.append(TokenLogprob(tok, lp[0], tuple(zip(lp[1], lp[2]))))
             reason = self._finish_reason(seq, req, i)
