@@ -134,6 +134,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, executor, tokenizer, model_config):
         self.config, self.executor, self.tokenizer = config, executor, tokenizer
         self.max_len = int(getattr(model_config, "max_position_embeddings", 0) or 1 << 30)
+        self.vocab_size = int(getattr(model_config, "vocab_size", 0) or 1 << 30)
         eos = getattr(model_config, "eos_token_id", None)
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
@@ -173,6 +174,9 @@ class LLMEngine:
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
                              f"{self.max_len}")
+        if params.logit_bias and max(t for t, _ in params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias names token {max(t for t, _ in params.logit_bias)}; "
+                             f"the vocabulary has {self.vocab_size}")
         if params.n > self.config.max_batch:
             raise ValueError(f"n={params.n} parallel samples exceed max_batch "
                              f"{self.config.max_batch}")

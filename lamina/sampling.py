@@ -41,6 +41,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
     repetition_penalty: float = 1.0  # HF's (> 0): prompt and drawn tokens' logits / it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, added to logit)
 
     def __post_init__(self):
         def bad(field, why):
@@ -76,6 +77,13 @@ class SamplingParams:
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
             bad("repetition_penalty", "must be a finite number > 0")
+        lb = self.logit_bias
+        lb = tuple(sorted(lb.items())) if isinstance(lb, dict) else tuple(map(tuple, lb))
+        object.__setattr__(self, "logit_bias", lb)
+        if any(len(e) != 2 or isinstance(e[0], bool) or not isinstance(e[0], int) or e[0] < 0
+               or isinstance(e[1], bool) or not isinstance(e[1], (int, float))
+               or not -100 <= e[1] <= 100 for e in lb):
+            bad("logit_bias", "must map token ids (ints >= 0) to numbers in [-100, 100]")
         for name in ("logprobs", "prompt_logprobs"):
             lp = getattr(self, name)
             if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool)
@@ -165,6 +173,10 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         row = logits[r]
         if p.penalized:
             row = apply_penalties(row, p, *histories[r])
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias)
+            row = row.index_add(0, torch.tensor(ids), torch.tensor(bias, dtype=row.dtype))
+        if p.penalized or p.logit_bias:
             greedy[r] = int(torch.argmax(row))
         if p.greedy:
             out.append((greedy[r],) * len(ss))

@@ -49,6 +49,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -59,6 +60,13 @@ class _Sampling(BaseModel):
     def num_prompt_logprobs(self) -> int | None:
         return None
 
+    def _logit_bias(self) -> dict:
+        try:
+            return {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise ValueError("SamplingParams.logit_bias keys must be token ids, got "
+                             f"{list(self.logit_bias)!r}") from None
+
     def params(self) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
@@ -68,6 +76,7 @@ class _Sampling(BaseModel):
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty,
+                              logit_bias=self._logit_bias(),
                               prompt_logprobs=self.num_prompt_logprobs())
 
 

@@ -230,3 +230,13 @@ def test_presence_and_frequency_penalties_equal_a_reference_loop(smol, smol_spli
         ref = smol.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                   do_sample=False, pad_token_id=0)[0, len(prompts[3]):].tolist()
     assert out[plain].token_ids == ref[:len(out[plain].token_ids)]
+
+
+def test_logit_bias_forces_a_token_and_bad_ids_are_rejected(smol, smol_split, prompts):
+    eng = engine(smol, smol_split)
+    out = run(eng, [prompts[0]], SamplingParams(max_tokens=3, temperature=0,
+                                                logit_bias={42: 100}))
+    assert out[0].token_ids == [42, 42, 42]
+    with pytest.raises(ValueError, match="logit_bias names token 49152"):
+        eng.add_request(prompts[0], SamplingParams(logit_bias={49152: 1.0}))
+    assert not eng.has_unfinished()

@@ -170,3 +170,23 @@ def test_penalties_match_numpy():
 def test_penalty_params_checked(kw, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**kw)
+
+
+def test_logit_bias_added_before_the_draw():
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.5])
+    p = SamplingParams(temperature=0, logit_bias={2: 1.5, 0: -100})
+    assert p.logit_bias == ((0, -100), (2, 1.5))
+    assert sample_rows(logits[None], [p], [(0,)], [0])[0] == (2,)  # 2 + 1.5 > 3
+    # sampled: the distribution is softmax(logits + bias)
+    q = SamplingParams(temperature=1.0, logit_bias={3: 3.0})
+    draws = [sample_rows(logits[None], [q], [(s,)], [0])[0][0] for s in range(4000)]
+    x = np.array([1.0, 3.0, 2.0, 3.5])
+    want = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    freq = np.bincount(draws, minlength=4) / 4000
+    assert np.abs(freq - want).max() < 0.03
+
+
+@pytest.mark.parametrize("bad", [{1: 101}, {-1: 0.5}, {True: 1.0}, {1: "a"}])
+def test_logit_bias_checked(bad):
+    with pytest.raises(ValueError, match="SamplingParams.logit_bias"):
+        SamplingParams(logit_bias=bad)

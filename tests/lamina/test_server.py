@@ -118,6 +118,7 @@ def test_completions_match_hf_and_batch_concurrently(server, prompts, hf_greedy)
     ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
     ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
     ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
 ])
 def test_bad_input_is_400_and_server_keeps_serving(server, body, param, words, prompts,
                                                    hf_greedy):
@@ -321,3 +322,7 @@ def test_echo_and_prompt_logprobs_equal_hf(server, smol, prompts, hf_greedy):
                                                    "temperature": 0, "presence_penalty": 0,
                                                    "frequency_penalty": 0.0})
     assert status == 200 and body["choices"][0]["token_ids"] == hf_greedy[1][:4]
+    status, body = server.post("/v1/completions", {"prompt": ptoks, "max_tokens": 2,
+                                                   "temperature": 0,
+                                                   "logit_bias": {"42": 100}})
+    assert status == 200 and body["choices"][0]["token_ids"] == [42, 42]
