@@ -193,6 +193,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
         req = _Request(rid, prompt if isinstance(prompt, str) else None, ids, params, [],
                        time.perf_counter(), stream=stream)
+        if params.prompt_logprobs is not None and len(ids) == 1:
+            req.prompt_logprobs = [None]  # a one-token prompt: nothing to score
         self._reqs[rid] = req
         for i in range(params.n):
             seq = Sequence(next(self._sid), list(ids), params, seed=seed + i)
@@ -342,9 +344,7 @@ class LLMEngine:
                                  list(seq.logprobs) if seq.params.logprobs is not None
                                  else None)
                 for i, seq in enumerate(req.seqs)]
-        plp = req.prompt_logprobs if req.params.prompt_logprobs is not None else None
-        if plp is None and req.params.prompt_logprobs is not None and len(req.prompt_ids) == 1:
-            plp = [None]  # a one-token prompt: nothing to score
+        plp = req.prompt_logprobs
         if not final:
             return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, finished=False,
                                  prompt_logprobs=plp)

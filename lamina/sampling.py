@@ -106,7 +106,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: tuple
     """logits: [V] -> a penalized copy. history: the sequence so far (prompt, then drawn
     tokens). Repetition (HF): every token seen, prompt included, has its logit divided
     by the penalty if positive, multiplied if not. Presence / frequency (OpenAI): on
-    drawn tokens only."""
+    drawn tokens only. Then `logit_bias` is added."""
     x = logits.clone()
     if params.repetition_penalty != 1 and history:
         seen = torch.unique(torch.tensor(history))
@@ -117,6 +117,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: tuple
     if drawn and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(torch.tensor(drawn), minlength=x.numel())[:x.numel()]
         x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        x.index_add_(0, torch.tensor(ids), torch.tensor(bias, dtype=x.dtype))
     return x
 
 
@@ -171,12 +174,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     out = []
     for r, (p, ss) in enumerate(zip(params, seeds)):
         row = logits[r]
-        if p.penalized:
-            row = apply_penalties(row, p, *histories[r])
-        if p.logit_bias:
-            ids, bias = zip(*p.logit_bias)
-            row = row.index_add(0, torch.tensor(ids), torch.tensor(bias, dtype=row.dtype))
         if p.penalized or p.logit_bias:
+            row = apply_penalties(row, p, *(histories[r] if p.penalized else ((), 0)))
             greedy[r] = int(torch.argmax(row))
         if p.greedy:
             out.append((greedy[r],) * len(ss))

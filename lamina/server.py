@@ -1,13 +1,14 @@
 """OpenAI-compatible HTTP server (FastAPI on uvicorn): `lamina serve`.
 
 Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fields,
-echo included, plus top_k, seed, stop_token_ids, ignore_eos and prompt_logprobs). Data
-out: completion JSON with text, token ids, logprobs, finish reasons and usage; with `stream: true`, server-sent events
-of text deltas, then `data: [DONE]`; Prometheus metrics on /metrics. Requests go to one
+echo, penalties and logit_bias included, plus top_k, seed, stop_token_ids, ignore_eos,
+repetition_penalty and prompt_logprobs). Data out: completion JSON with text, token ids,
+logprobs, finish reasons and usage; with `stream: true`, server-sent events of text
+deltas, then `data: [DONE]`; Prometheus metrics on /metrics. Requests go to one
 `EngineLoop`, so concurrent HTTP requests batch together in the engine. A client that
-disconnects (streaming or not) has its request aborted and its KV freed. Bad input answers 400
-naming the field; a failed engine answers 503 (or an error event mid-stream); other
-requests keep being served.
+disconnects (streaming or not) has its request aborted and its KV freed. Bad input
+answers 400 naming the field; a failed engine answers 503 (or an error event
+mid-stream); other requests keep being served.
 """
 from __future__ import annotations
 
