@@ -40,10 +40,11 @@ class ComputeWorker:
         self.compute = ComputeSide(split_model(self.loaded.model), num_memory_workers)
         self.channels: list[SocketChannel] = []
 
-    def memory_spec(self, num_slots: int, kv_dtype: str):
+    def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu"):
         """What each memory worker needs: its pool shape and per-layer attention params."""
         specs = self.compute.split.attention_specs
-        return KVPoolConfig.for_specs(specs, num_slots, kv_dtype), self.compute.params
+        return (KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device),
+                self.compute.params)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -1,5 +1,8 @@
 """lamina.kernels: attention over a token-slot KV pool, for memory workers.
 
+Backends: the compiled C++ kernel (CPU pools), Triton kernels (CUDA pools) and a
+pure-torch reference (any device).
+
 Data in: per step, q from the compute side, the worker's pool tensors
 k/v [num_slots, Hkv, D] and a `SlotBatch` saying which slots each request attends to.
 Data out: attention outputs [Nq, Hq, Dv] plus per-row log-sum-exp, which
@@ -14,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from .backends import (AttentionBackend, AttentionInputError, BackendUnavailable,
-                       CpuBackend, ReferenceBackend, select_backend, validate,
-                       validate_batch)
+                       CpuBackend, ReferenceBackend, TritonBackend, select_backend,
+                       validate, validate_batch)
 from .cpu_build import KernelBuildError, build_seconds, load_cpu_kernel
 from .merge import merge_attention
 from .reference import reference_slot_attention
@@ -24,8 +27,8 @@ from .slots import AttentionParams, SlotBatch
 __all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "BackendUnavailable",
            "CpuBackend", "KernelBuildError", "ReferenceBackend", "SlotBatch", "attend",
            "build_seconds", "decode_attention", "load_cpu_kernel", "merge_attention",
-           "prefill_attention", "reference_slot_attention", "select_backend", "validate",
-           "validate_batch", "write_kv"]
+           "prefill_attention", "reference_slot_attention", "select_backend",
+           "TritonBackend", "validate", "validate_batch", "write_kv"]
 
 
 def attend(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams,

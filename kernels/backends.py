@@ -3,9 +3,9 @@
 Data in: q, the pool tensors, a `SlotBatch` and `AttentionParams` from the memory
 worker. Data out: (o [Nq, Hq, Dv], lse [Nq, Hq] fp32) from the chosen backend.
 `validate` runs before any backend and raises `AttentionInputError` naming the bad
-argument. `select_backend` picks the compiled CPU kernel when it builds, else the
-reference, and logs why; GPU kernels (Triton/CUDA over the same slot layout) register
-here as further `AttentionBackend`s.
+argument. `select_backend` picks, for a CPU pool, the compiled CPU kernel when it builds,
+and for a GPU pool the Triton kernels when triton is installed; else the reference. It
+logs which and why.
 """
 from __future__ import annotations
 
@@ -148,11 +148,65 @@ class CpuBackend(AttentionBackend):
         return (o if q.dtype == torch.float32 else o.to(q.dtype)), lse
 
 
-BACKENDS = {"reference": ReferenceBackend, "cpu": CpuBackend}
+class TritonBackend(AttentionBackend):
+    """Triton kernels (`triton_slot`) for pools on a CUDA GPU. `interpret=True` runs the
+    same kernels in Triton's interpreter on CPU tensors (slow; for tests without a GPU;
+    TRITON_INTERPRET=1 must be set before triton is imported). `splits` forces the
+    key-split count (None: chosen per batch to fill the GPU)."""
+
+    name = "triton"
+
+    def __init__(self, interpret: bool = False, splits: int | None = None,
+                 block_n: int | None = None, max_splits: int = 64,
+                 num_warps: int | None = None, num_stages: int | None = None):
+        from . import triton_slot
+
+        if triton_slot.triton is None:
+            raise BackendUnavailable("triton is not installed (pip install triton)")
+        if interpret != triton_slot.interpreting():
+            raise BackendUnavailable(
+                "Triton's interpreter is " + ("off: set TRITON_INTERPRET=1 before triton is "
+                                              "imported" if interpret else
+                                              "on (TRITON_INTERPRET=1): unset it to run the "
+                                              "triton backend on the GPU"))
+        if not interpret and not torch.cuda.is_available():
+            raise BackendUnavailable("the triton backend needs a CUDA GPU, and torch sees "
+                                     "none")
+        if splits is not None and (not isinstance(splits, int) or splits < 1):
+            raise ValueError(f"splits must be a positive int or None, got {splits!r}")
+        self._k, self.interpret, self.splits = triton_slot, interpret, splits
+        self.block_n, self.max_splits, self.num_warps = block_n, max_splits, num_warps
+        self.num_stages = num_stages
+        self._plan = (None, None, None)  # (batch, key, plan): layers of a step share it
+        self.reason = ("Triton interpreter on CPU tensors" if interpret
+                       else "Triton kernels for GPU pools")
+
+    def plan(self, batch: SlotBatch, rep: int, num_kv_heads: int, device):
+        key = (rep, num_kv_heads)
+        if self._plan[0] is batch and self._plan[1] == key:
+            return self._plan[2]
+        sms = 4 if device.type != "cuda" else \
+            torch.cuda.get_device_properties(device).multi_processor_count
+        plan = self._k.SlotAttentionPlan(batch, rep, num_kv_heads, 16 * sms, self.block_n,
+                                         self.max_splits, self.splits,
+                                         num_warps=self.num_warps)
+        self._plan = (batch, key, plan)
+        return plan
+
+    def attend(self, q, k_pool, v_pool, batch, params):
+        if not self.interpret and q.device.type != "cuda":
+            raise BackendUnavailable(f"the triton backend cannot read tensors on {q.device}")
+        plan = self.plan(batch, q.shape[1] // k_pool.shape[1], k_pool.shape[1], q.device)
+        return self._k.slot_attention(q, k_pool, v_pool, batch, params, plan,
+                                      self.interpret, self.num_stages)
+
+
+BACKENDS = {"reference": ReferenceBackend, "cpu": CpuBackend, "triton": TritonBackend}
 
 
 def select_backend(name: str | None = None, device="cpu") -> AttentionBackend:
-    """`name` (or $LAMINA_ATTENTION_BACKEND) in {auto, cpu, reference}; auto by default."""
+    """`name` (or $LAMINA_ATTENTION_BACKEND) in {auto, cpu, triton, reference}; auto by
+    default: cpu for a CPU pool, triton for a CUDA pool."""
     name = (name or os.environ.get("LAMINA_ATTENTION_BACKEND") or "auto").lower()
     device = torch.device(device)
     if name not in ("auto", *BACKENDS):
@@ -163,9 +217,17 @@ def select_backend(name: str | None = None, device="cpu") -> AttentionBackend:
     elif device.type != "cpu":
         if name == "cpu":
             raise BackendUnavailable(f"the cpu backend cannot serve a pool on {device}")
-        backend = ReferenceBackend(f"no compiled attention kernel for {device.type} in this "
-                                   f"build (GPU kernels are separate work); pure-torch "
-                                   f"reference runs on {device}")
+        try:
+            if device.type != "cuda":
+                raise BackendUnavailable(f"no attention kernel for {device.type} pools")
+            backend = TritonBackend()
+        except BackendUnavailable as e:
+            if name == "triton":
+                raise
+            backend = ReferenceBackend(f"{e}; pure-torch reference runs on {device}")
+    elif name == "triton":
+        raise BackendUnavailable(f"the triton backend serves GPU pools, not {device} (its "
+                                 f"interpreter is TritonBackend(interpret=True), for tests)")
     else:
         try:
             backend = CpuBackend()

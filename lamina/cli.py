@@ -82,9 +82,10 @@ def cmd_generate(args) -> int:
                             repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty)
-    llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers)
+    llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
+              kv_device=args.kv_device)
     where = (f"{args.memory_workers} Ray memory worker process(es)" if args.executor == "ray"
-             else "in-process memory side")
+             else "in-process memory side") + f", KV on {args.kv_device}"
     print(f"attention offloaded to {where}")
     t = time.perf_counter()
     if args.chat:
@@ -107,7 +108,7 @@ def cmd_serve(args) -> int:
     from lamina.server import serve
 
     llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
-              max_batch=args.max_batch)
+              max_batch=args.max_batch, kv_device=args.kv_device)
     print(f"serving {llm.loaded.source} on http://{args.host}:{args.port} "
           f"({args.executor} executor, {args.memory_workers} memory worker(s))", flush=True)
     try:
@@ -125,6 +126,12 @@ def cmd_bench(args) -> int:
         return 0
     from lamina import bench_memory
 
+    if args.name == "attention" and args.device == "cuda":
+        from lamina import bench_gpu
+
+        sizes = dict(batches=(8,), lengths=(512,), splits_sweep=(1, 2)) if args.quick else {}
+        bench_gpu.bench_attention_gpu(out_dir=args.out, **sizes)
+        return 0
     if args.name == "attention":
         sizes = dict(batches=(8,), lengths=(512,), bw_mib=64) if args.quick else {}
         bench_memory.bench_attention(threads=args.threads or 1, repeat=args.repeat or 7,
@@ -203,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None)
     g.add_argument("--executor", default="local", choices=["local", "ray"])
     g.add_argument("--memory-workers", type=int, default=1)
+    g.add_argument("--kv-device", default="cpu",
+                   help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)
@@ -220,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default=None)
     v.add_argument("--executor", default="ray", choices=["local", "ray"])
     v.add_argument("--memory-workers", type=int, default=2)
+    v.add_argument("--kv-device", default="cpu",
+                   help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
     v.add_argument("--max-batch", type=int, default=64)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
@@ -231,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
     b.add_argument("--out", default="benchmarks/results")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="attention: cpu (compiled kernel) or cuda (Triton kernels)")
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="e2e: batch sizes")
     b.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
                    choices=["float32", "bfloat16"], help="e2e: dtypes")

@@ -12,6 +12,7 @@ otherwise the error propagates.
 from __future__ import annotations
 
 import itertools
+import re
 import logging
 import random
 import time
@@ -38,6 +39,7 @@ class EngineConfig:
     num_kv_slots: int = 16384  # token slots in each memory worker's KV pool
     num_memory_workers: int = 1
     kv_dtype: str = "float32"
+    kv_device: str = "cpu"  # memory workers' pool device: "cpu" (host DRAM) or "cuda[:i]"
     max_batch: int = 64
     max_step_tokens: int = 4096
     seed: int = 0  # seeds requests that bring no seed of their own
@@ -64,6 +66,10 @@ class EngineConfig:
                               or not t > 0 or t == float("inf")):
             raise ValueError(f"EngineConfig.worker_timeout_s must be a positive number of "
                              f"seconds or None, got {t!r}")
+        if not isinstance(self.kv_device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?",
+                                                                   self.kv_device):
+            raise ValueError(f"EngineConfig.kv_device must be 'cpu' or 'cuda[:i]', "
+                             f"got {self.kv_device!r}")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
                              f"got {self.pipeline!r}")

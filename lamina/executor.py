@@ -153,32 +153,42 @@ def split_micro(seqs: tuple, n: int) -> list[tuple]:
 
 
 class MemorySide:
-    """One memory worker's state: a KV pool and an attention backend."""
+    """One memory worker's state: a KV pool and an attention backend. The pool may sit on
+    a GPU while q/k/v arrive in host memory (the data plane carries host tensors): they
+    go to the pool's device and the outputs come back."""
 
     def __init__(self, pool: KVPool, backend=None):
         self.pool = pool
-        self.backend = backend or select_backend(device=pool.config.device)
-        self._idx = (None, None)
+        self.device = pool.k.device
+        self.backend = backend or select_backend(device=self.device)
+        self._step = (None, None, None, None)  # new_slots, batch -> their checked forms
 
     def check(self, new_slots, batch) -> None:
         """Once per step: the batch's index scans and the new slots' range (per layer,
-        `attend(..., checked=True)` then runs only the cheap shape checks)."""
+        `attend(..., checked=True)` then runs only the cheap shape checks). The write
+        index (int64) and the batch are put on the pool's device once here."""
         n = self.pool.config.num_slots
         validate_batch(batch, n)
         if new_slots.numel() and (int(new_slots.min()) < 0 or int(new_slots.max()) >= n):
             raise AttentionInputError(f"new slot ids out of range [0, {n}): min "
                                       f"{int(new_slots.min())}, max {int(new_slots.max())}")
-        self._idx = (new_slots, new_slots.long())  # the write index, converted once
+        self._step = (new_slots, new_slots.long().to(self.device), batch,
+                      batch if batch.slots.device == self.device else batch.to(self.device))
 
     def attend(self, layer: int, params: AttentionParams, q, k, v, new_slots, batch,
                checked: bool = False):
-        """q [n, Hq, D], k/v [m, Hkv, D] -> (o [n, Hq, Dv], lse [n, Hq] fp32); writes k/v at
-        new_slots [m] first."""
+        """q [n, Hq, D], k/v [m, Hkv, D] -> (o [n, Hq, Dv], lse [n, Hq] fp32) on q's device;
+        writes k/v at new_slots [m] first."""
         kp, vp = self.pool.layer(layer)
-        if checked and self._idx[0] is new_slots:
-            new_slots = self._idx[1]
-        return prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
-                                 checked)
+        if checked and self._step[0] is new_slots and self._step[2] is batch:
+            new_slots, batch = self._step[1], self._step[3]
+        home = q.device
+        if home != self.device:
+            q, k, v = (t.to(self.device, non_blocking=True) for t in (q, k, v))
+            new_slots, batch = new_slots.to(self.device), batch.to(self.device)
+        o, lse = prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
+                                   checked)
+        return (o, lse) if home == self.device else (o.to(home), lse.to(home))
 
 
 class MemoryLink(ABC):

@@ -77,6 +77,9 @@ class KVPool:
     def __init__(self, config: KVPoolConfig):
         self.config = c = config
         dt = POOL_DTYPES[c.dtype]
+        if torch.device(c.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"KV pool device {c.device!r}: torch sees no CUDA GPU here "
+                             f"(torch {torch.__version__}, cuda {torch.version.cuda})")
         # k: [L, S, Hkv, D], v: [L, S, Hkv, Dv]; zeros so every page is touched up front.
         self.k = torch.zeros(c.num_layers, c.num_slots, c.num_kv_heads, c.head_dim,
                              dtype=dt, device=c.device)

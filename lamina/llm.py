@@ -34,7 +34,8 @@ class LLM:
         else:
             self.split = split_model(self.loaded.model)
             pool_cfg = KVPoolConfig.for_specs(self.split.attention_specs,
-                                              self.config.num_kv_slots, self.config.kv_dtype)
+                                              self.config.num_kv_slots, self.config.kv_dtype,
+                                              self.config.kv_device)
             self.executor = LocalExecutor(self.split, [MemorySide(KVPool(pool_cfg))
                                                        for _ in range(num_memory_workers)])
         if self.config.split_kv and any(p.sinks is not None for p in self.executor.params):

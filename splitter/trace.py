@@ -68,6 +68,9 @@ def _no_stack_traces():
     """Skip per-node stack-trace capture during export (~12% of SmolLM2's trace time)."""
     import torch.fx.config as fx_config
 
+    if not hasattr(fx_config, "do_not_emit_stack_traces"):  # older torch: nothing to skip
+        yield
+        return
     saved = fx_config.do_not_emit_stack_traces
     fx_config.do_not_emit_stack_traces = True
     try:

@@ -1,6 +1,13 @@
 """Shared fixtures: the real default model (loaded and split once per session)."""
+import os
+
 import pytest
 import torch
+
+# With no GPU the Triton kernels run in Triton's interpreter (on CPU tensors), which
+# must be switched on before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

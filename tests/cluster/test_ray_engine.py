@@ -31,6 +31,17 @@ def test_ray_greedy_identical_to_hf(llm, prompts, hf_greedy):
     assert all(len(a) == 5 for a in llm.executor.addresses)  # payloads via shm rings
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_gpu_pool_on_a_cluster_without_gpus_is_a_clear_error(llm):
+    """kv_device='cuda' gives each memory worker a GPU of its own; a cluster with fewer
+    GPUs is refused before any worker starts (Ray would otherwise wait forever)."""
+    from lamina.cluster.executor import RayExecutor
+    from lamina.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="the Ray cluster has 0 GPU"):
+        RayExecutor(None, "float32", EngineConfig(num_memory_workers=2, kv_device="cuda"))
+
+
 def test_ray_rotational_pipeline_identical(llm, prompts, hf_greedy):
     """Two micro-batches per step: one's slices overlap the other's remote attention."""
     eng = llm.engine

@@ -1,0 +1,251 @@
+"""Triton attention over a token-slot KV pool: the GPU backend's kernels.
+
+Data in: q [Nq, Hq, D], the pool k [S, Hkv, D] / v [S, Hkv, Dv] (fp32/bf16, on a GPU),
+and a `SlotBatch` (CSR slot tables, query positions) on the same device, already
+validated by `lamina.kernels.validate`. Data out: o [Nq, Hq, Dv] in q's dtype and
+lse [Nq, Hq] fp32 (natural log), the same contract as the CPU kernel and the reference.
+
+One program = (query tile of one request, kv head, key split). Its rows are the tile's
+queries x the GQA group of that kv head, so every K/V row gathered by slot id is loaded
+once for all the query heads that share it. Keys are read in place (a gather by slot
+id: each row is Hkv*D contiguous elements), in blocks of BLOCK_N with an online softmax
+in base 2; math is fp32 (`tl.dot` in IEEE mode) whatever the pool dtype. Decode with few
+(request, head) programs splits each request's keys over several programs
+(flash-decoding); a second kernel merges the splits' partial outputs exactly by their
+log-sum-exp and adds the sink logits, which join the denominator only.
+
+The kernels are plain functions jitted on first use. With TRITON_INTERPRET=1 set before
+triton is imported, Triton's interpreter runs them on CPU tensors (numpy, slow): that is
+how the tests check them on a machine with no GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the backend reports it; nothing here runs without triton
+    triton = tl = None
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _slot_attn_fwd(Q, K, V, O, LSE, ITEM_B, ITEM_Q0, CU_Q, Q_POS, SLOTS, CU_K, K_POS0,
+                   qk_scale, softcap, window, keys_per_split,
+                   s_qn, s_qh, s_ks, s_kh, s_vs, s_vh, s_osp, s_on, s_oh, s_lsp, s_ln,
+                   REP: tl.constexpr, REP_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DV: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
+                   WINDOW: tl.constexpr, USE_DOT: tl.constexpr):
+    item = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    b = tl.load(ITEM_B + item)
+    q0 = tl.load(ITEM_Q0 + item)
+    q_end = tl.load(CU_Q + b + 1)
+    k_beg = tl.load(CU_K + b)
+    nk = tl.load(CU_K + b + 1) - k_beg
+    pos0 = tl.load(K_POS0 + b)
+
+    # rows: query (r // REP_P) of the tile x head (r % REP_P) of kv head h's group
+    r = tl.arange(0, BLOCK_M)
+    qn = q0 + r // REP_P
+    g = r % REP_P
+    row_ok = (qn < q_end) & (g < REP)
+    qpos = tl.load(Q_POS + qn, mask=row_ok, other=0)  # [BLOCK_M]
+    head = h * REP + g
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + qn[:, None].to(tl.int64) * s_qn + head[:, None] * s_qh + d[None, :],
+                mask=row_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+
+    # keys [lo, hi) (relative to the request's table) that some row of the tile sees
+    hi = tl.minimum(nk, tl.max(tl.where(row_ok, qpos, -1)) - pos0 + 1)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(tl.min(tl.where(row_ok, qpos, 2147483647)) - window + 1 - pos0, 0)
+    j_lo = lo + split * keys_per_split
+    j_hi = tl.minimum(hi, j_lo + keys_per_split)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for j0 in range(j_lo, j_hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        j_ok = j < j_hi
+        slot = tl.load(SLOTS + k_beg + j, mask=j_ok, other=0).to(tl.int64)  # [BLOCK_N]
+        k = tl.load(K + slot[:, None] * s_ks + h * s_kh + d[None, :],
+                    mask=j_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        if USE_DOT:  # prefill tiles: full rows
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        else:  # decode: a few rows (the GQA group); padding them to 16 for a dot costs more
+            s = tl.sum(q[:, None, :] * k[None, :, :], 2)
+        if SOFTCAP:  # softcap * tanh(s * scale / softcap), tanh from one exp
+            x = s * qk_scale
+            e = tl.exp(-2.0 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(x < 0, -t, t) * 1.4426950408889634
+        else:
+            s = s * (qk_scale * 1.4426950408889634)
+        kpos = pos0 + j
+        keep = j_ok[None, :] & (kpos[None, :] <= qpos[:, None]) & row_ok[:, None]
+        if WINDOW:
+            keep = keep & (kpos[None, :] > qpos[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * s_vs + h * s_vh + dv[None, :],
+                    mask=j_ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        m_i = m_new
+
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    qn64 = qn.to(tl.int64)
+    tl.store(O + split * s_osp + qn64[:, None] * s_on + head[:, None] * s_oh + dv[None, :],
+             o.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + split * s_lsp + qn64 * s_ln + head, lse, mask=row_ok)
+
+
+def _merge_splits(OP, LP, O, LSE, SINKS, num_splits, Hq, s_osp, s_lsp,
+                  SPLITS_P: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
+    """One program per (query, head): partials OP [S, Nq, Hq, DV] fp32 / LP [S, Nq, Hq]
+    -> O [Nq, Hq, DV] (its dtype), LSE [Nq, Hq]; the sink logit joins the total only."""
+    row = tl.program_id(0).to(tl.int64)  # = n * Hq + hq (partials are contiguous)
+    sp = tl.arange(0, SPLITS_P)
+    dv = tl.arange(0, BLOCK_DV)
+    lp = tl.load(LP + sp * s_lsp + row, mask=sp < num_splits, other=float("-inf"))
+    m = tl.max(lp, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + row % Hq)
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lp - m_safe)  # [SPLITS_P], 0 for empty partials
+    tot = tl.sum(w, 0)
+    if HAS_SINKS:
+        tot += tl.exp(sink - m_safe)
+    op = tl.load(OP + sp[:, None] * s_osp + row * DV + dv[None, :],
+                 mask=(sp[:, None] < num_splits) & (dv[None, :] < DV), other=0.0)
+    o = tl.sum(op * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
+    tl.store(O + row * DV + dv, o.to(O.dtype.element_ty), mask=dv < DV)
+    tl.store(LSE + row, tl.where(tot > 0, m_safe + tl.log(tl.where(tot > 0, tot, 1.0)),
+                                 float("-inf")))
+
+
+_JITTED: list = []
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter: TRITON_INTERPRET=1 was set
+    before triton was imported (its own library functions are jitted at import)."""
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def _kernels():
+    """(attention kernel, merge kernel), jitted on first use."""
+    if triton is None:
+        raise ImportError("triton is not installed")
+    if not _JITTED:
+        _JITTED.extend((triton.jit(_slot_attn_fwd), triton.jit(_merge_splits)))
+    return _JITTED
+
+
+def _p2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class SlotAttentionPlan:
+    """Host-side launch plan for one SlotBatch (its work items and split count), made
+    once and reused by every layer of a step."""
+
+    def __init__(self, batch, rep: int, num_kv_heads: int, target_programs: int,
+                 block_n: int | None, max_splits: int, splits: int | None = None,
+                 block_m: int = 64, num_warps: int | None = None):
+        cu_q = batch.cu_q.tolist()  # the one host sync per batch
+        cu_k = batch.cu_k.tolist()
+        nq = [b - a for a, b in zip(cu_q, cu_q[1:])]
+        nk = [b - a for a, b in zip(cu_k, cu_k[1:])]
+        self.rep_p = _p2(rep)
+        most_q = max(nq, default=0)
+        self.block_q = 1 if most_q <= 1 else max(1, block_m // self.rep_p)
+        # decode (one query a request): rows are just the GQA group, math by broadcasting,
+        # small key blocks and one warp (measured best on an H100); prefill tiles use
+        # tl.dot, which needs >= 16 rows
+        self.use_dot = self.block_q > 1
+        self.block_m = max(16, _p2(self.block_q * self.rep_p)) if self.use_dot else self.rep_p
+        self.block_n = block_n or (64 if self.use_dot else 32)
+        self.num_warps = num_warps or (4 if self.use_dot else 1)
+        item_b, item_q0 = [], []
+        for b, (a, n) in enumerate(zip(cu_q, nq)):
+            for i in range(0, n, self.block_q):
+                item_b.append(b)
+                item_q0.append(a + i)
+        self.num_items = len(item_b)
+        dev = batch.cu_q.device
+        self.item_b = torch.tensor(item_b, dtype=torch.int32, device=dev)
+        self.item_q0 = torch.tensor(item_q0, dtype=torch.int32, device=dev)
+        longest, bn = max(nk, default=0), self.block_n
+        if splits is None:  # split keys where (item, head) programs are too few to fill
+            progs = max(1, self.num_items * num_kv_heads)  # the GPU; >= 4 blocks a split
+            splits = min(max_splits, max(1, target_programs // progs),
+                         max(1, math.ceil(longest / (4 * bn))))
+        self.keys_per_split = max(bn, math.ceil(longest / max(1, splits) / bn) * bn)
+        self.splits = max(1, math.ceil(longest / self.keys_per_split))
+
+
+def slot_attention(q, k_pool, v_pool, batch, params, plan: SlotAttentionPlan,
+                   interpret: bool = False, num_stages: int | None = None):
+    """Validated inputs -> (o [Nq, Hq, Dv] in q.dtype, lse [Nq, Hq] fp32)."""
+    attn, merge = _kernels()
+    Nq, Hq, D = q.shape
+    Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
+    rep = Hq // Hkv
+    q = q if q.stride(2) == 1 else q.contiguous()
+    S = plan.splits
+    sinks = params.sinks_tensor(q.device)
+    direct = S == 1 and sinks is None  # the kernel writes the answer itself
+    o = torch.empty(Nq, Hq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(Nq, Hq, dtype=torch.float32, device=q.device)
+    if Nq == 0:
+        return o, lse
+    if direct:
+        op, lp = o, lse
+    else:
+        op = torch.empty(S, Nq, Hq, Dv, dtype=torch.float32, device=q.device)
+        lp = torch.empty(S, Nq, Hq, dtype=torch.float32, device=q.device)
+    if plan.num_items:
+        grid = (plan.num_items, Hkv, S)
+        kw = {} if interpret else {"num_warps": plan.num_warps,
+                                   **({"num_stages": num_stages} if num_stages else {})}
+        attn[grid](q, k_pool, v_pool, op, lp, plan.item_b, plan.item_q0, batch.cu_q,
+                   batch.q_pos, batch.slots, batch.cu_k, batch.k_pos0,
+                   float(params.scale if params.softcap <= 0 else params.scale / params.softcap),
+                   float(params.softcap), int(params.sliding_window), plan.keys_per_split,
+                   q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+                   v_pool.stride(0), v_pool.stride(1),
+                   op.stride(0) if not direct else 0, op.stride(-3), op.stride(-2),
+                   lp.stride(0) if not direct else 0, lp.stride(-2),
+                   REP=rep, REP_P=plan.rep_p, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, D=D,
+                   BLOCK_D=max(16, _p2(D)), DV=Dv, BLOCK_DV=max(16, _p2(Dv)),
+                   SOFTCAP=params.softcap > 0, WINDOW=params.sliding_window > 0,
+                   USE_DOT=plan.use_dot, **kw)
+    if not direct:
+        merge[(Nq * Hq,)](op, lp, o, lse, sinks if sinks is not None else lp, S, Hq,
+                          op.stride(0), lp.stride(0), SPLITS_P=max(2, _p2(S)), DV=Dv,
+                          BLOCK_DV=max(16, _p2(Dv)), HAS_SINKS=sinks is not None)
+    return o, lse
