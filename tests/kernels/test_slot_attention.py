@@ -32,20 +32,26 @@ PARAMS = {
 }
 
 
+GQA = pytest.mark.parametrize("Hq,Hkv", [(4, 4), (9, 3), (16, 2)], ids=["gqa1", "gqa3", "gqa8"])
+
+
+def decode_case(Hq, Hkv):
+    """Ragged lengths 1..4096 on slots scattered by an allocator history."""
+    tables = scattered_tables([1, 2, 7, 64, 65, 333, 1024, 4096], 8000, seed=Hq)
+    return tables, *pools(8000, Hkv)
+
+
 def params_for(name, Hq):
     if name == "sinks":
         return AttentionParams(D ** -0.5, sinks=tuple(np.linspace(-2, 3, Hq)))
     return PARAMS[name]
 
 
-@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (9, 3), (16, 2)], ids=["gqa1", "gqa3", "gqa8"])
+@GQA
 @pytest.mark.parametrize("pname", ["plain", "window", "softcap", "sinks"])
 def test_decode_matches_reference(cpu, Hq, Hkv, pname):
-    lengths = [1, 2, 7, 64, 65, 333, 1024, 4096]
-    S = 8000
-    tables = scattered_tables(lengths, S, seed=Hq)
+    tables, k, v = decode_case(Hq, Hkv)
     assert any(np.diff(t).tolist() != [1] * (len(t) - 1) for t in tables)  # really scattered
-    k, v = pools(S, Hkv)
     batch = SlotBatch.decode(tables)
     q = queries(len(tables), Hq)
     p = params_for(pname, Hq)
@@ -55,7 +61,7 @@ def test_decode_matches_reference(cpu, Hq, Hkv, pname):
     assert (lse - lse_ref).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (9, 3), (16, 2)], ids=["gqa1", "gqa3", "gqa8"])
+@GQA
 @pytest.mark.parametrize("pname", ["plain", "window", "softcap"])
 def test_prefill_matches_reference(cpu, Hq, Hkv, pname):
     # Requests with cached context (multi-turn) plus new prompt tokens; ragged.

@@ -13,7 +13,7 @@ from lamina.kernels import (AttentionParams, BackendUnavailable, ReferenceBacken
                             select_backend)
 from lamina.workload import scattered_tables
 
-from .test_slot_attention import D, params_for, pools, queries
+from .test_slot_attention import GQA, D, decode_case, params_for, pools, queries
 
 REF = ReferenceBackend()
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -50,18 +50,15 @@ def check(q, k, v, batch, p, backend, tol=1e-5):
     return o, lse
 
 
-@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (9, 3), (16, 2)], ids=["gqa1", "gqa3", "gqa8"])
+@GQA
 @pytest.mark.parametrize("pname", ["plain", "window", "softcap", "sinks"])
 def test_decode_matches_reference(tri_splits, Hq, Hkv, pname):
-    lengths = [1, 2, 7, 64, 65, 333, 1024, 4096]
-    S = 8000
-    tables = scattered_tables(lengths, S, seed=Hq)
-    k, v = pools(S, Hkv)
+    tables, k, v = decode_case(Hq, Hkv)
     check(queries(len(tables), Hq), k, v, SlotBatch.decode(tables), params_for(pname, Hq),
           tri_splits)
 
 
-@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (9, 3), (16, 2)], ids=["gqa1", "gqa3", "gqa8"])
+@GQA
 @pytest.mark.parametrize("pname", ["plain", "window", "softcap"])
 def test_prefill_matches_reference(tri, Hq, Hkv, pname):
     prefill_case(tri, Hq, Hkv, pname)
