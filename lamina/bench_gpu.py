@@ -97,7 +97,6 @@ def bench_attention_gpu(batches=(8, 32, 128), lengths=(512, 2048, 8192), rep_ms:
                 vc = vp[idx].permute(0, 2, 1, 3).contiguous()
                 t_sdpa = _graph_ms(lambda: F.scaled_dot_product_attention(
                     qd, kc, vc, scale=params.scale, enable_gqa=True), rep_ms)
-                del kc, vc
 
                 def gather_sdpa():
                     k = kp[idx].permute(0, 2, 1, 3)
@@ -116,7 +115,6 @@ def bench_attention_gpu(batches=(8, 32, 128), lengths=(512, 2048, 8192), rep_ms:
                         sweep[s] = _graph_ms(lambda: fixed.attend(q, kp, vp, batch, params),
                                              rep_ms)
                     row["splits_sweep_ms"] = sweep
-                del kp, vp
             row["ours_frac_of_read_bw"] = row["ours_fp32_GBps"] / bw["read_GBps"]
             row["speedup_vs_sdpa"] = row["sdpa_fp32_ms"] / row["ours_fp32_ms"]
             row["speedup_vs_gather_sdpa"] = row["gather_sdpa_fp32_ms"] / row["ours_fp32_ms"]
