@@ -152,13 +152,15 @@ class TritonBackend(AttentionBackend):
     """Triton kernels (`triton_slot`) for pools on a CUDA GPU. `interpret=True` runs the
     same kernels in Triton's interpreter on CPU tensors (slow; for tests without a GPU;
     TRITON_INTERPRET=1 must be set before triton is imported). `splits` forces the
-    key-split count (None: chosen per batch to fill the GPU)."""
+    key-split count (None: chosen per batch to fill the GPU). `bf16_tensor_cores`: bf16
+    pools use bf16 tensor cores (q and p rounded to bf16); False keeps fp32 math."""
 
     name = "triton"
 
     def __init__(self, interpret: bool = False, splits: int | None = None,
                  block_n: int | None = None, max_splits: int = 64,
-                 num_warps: int | None = None, num_stages: int | None = None):
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 bf16_tensor_cores: bool = True):
         from . import triton_slot
 
         if triton_slot.triton is None:
@@ -176,7 +178,8 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"splits must be a positive int or None, got {splits!r}")
         self._k, self.interpret, self.splits = triton_slot, interpret, splits
         self.block_n, self.max_splits, self.num_warps = block_n, max_splits, num_warps
-        self.num_stages = num_stages
+        # the interpreter computes bf16 dots wrongly (triton 3.9), so it keeps fp32 math
+        self.num_stages, self.tensor_cores = num_stages, bf16_tensor_cores and not interpret
         self._plan = (None, None, None)  # (batch, key, plan): layers of a step share it
         self.reason = ("Triton interpreter on CPU tensors" if interpret
                        else "Triton kernels for GPU pools")
@@ -198,7 +201,7 @@ class TritonBackend(AttentionBackend):
             raise BackendUnavailable(f"the triton backend cannot read tensors on {q.device}")
         plan = self.plan(batch, q.shape[1] // k_pool.shape[1], k_pool.shape[1], q.device)
         return self._k.slot_attention(q, k_pool, v_pool, batch, params, plan,
-                                      self.interpret, self.num_stages)
+                                      self.interpret, self.num_stages, self.tensor_cores)
 
 
 BACKENDS = {"reference": ReferenceBackend, "cpu": CpuBackend, "triton": TritonBackend}

@@ -9,7 +9,9 @@ One program = (query tile of one request, kv head, key split). Its rows are the 
 queries x the GQA group of that kv head, so every K/V row gathered by slot id is loaded
 once for all the query heads that share it. Keys are read in place (a gather by slot
 id: each row is Hkv*D contiguous elements), in blocks of BLOCK_N with an online softmax
-in base 2; math is fp32 (`tl.dot` in IEEE mode) whatever the pool dtype. Decode with few
+in base 2. Math is fp32 (`tl.dot` in IEEE mode) for fp32 pools; a bf16 pool's dots run on
+bf16 tensor cores with fp32 accumulation (as flash attention does), or in fp32 on
+request (`tensor_cores=False`, the reference's numerics). Decode with few
 (request, head) programs splits each request's keys over several programs
 (flash-decoding); a second kernel merges the splits' partial outputs exactly by their
 log-sum-exp and adds the sink logits, which join the denominator only.
@@ -40,7 +42,7 @@ def _slot_attn_fwd(Q, K, V, O, LSE, ITEM_B, ITEM_Q0, CU_Q, Q_POS, SLOTS, CU_K, K
                    REP: tl.constexpr, REP_P: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
-                   WINDOW: tl.constexpr, USE_DOT: tl.constexpr):
+                   WINDOW: tl.constexpr, USE_DOT: tl.constexpr, TC: tl.constexpr):
     item = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -80,7 +82,9 @@ def _slot_attn_fwd(Q, K, V, O, LSE, ITEM_B, ITEM_Q0, CU_Q, Q_POS, SLOTS, CU_K, K
         slot = tl.load(SLOTS + k_beg + j, mask=j_ok, other=0).to(tl.int64)  # [BLOCK_N]
         k = tl.load(K + slot[:, None] * s_ks + h * s_kh + d[None, :],
                     mask=j_ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
-        if USE_DOT:  # prefill tiles: full rows
+        if TC:  # bf16 pool: bf16 tensor cores, fp32 accumulate (q rounded to bf16)
+            s = tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+        elif USE_DOT:  # prefill tiles: full rows
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         else:  # decode: a few rows (the GQA group); padding them to 16 for a dot costs more
             s = tl.sum(q[:, None, :] * k[None, :, :], 2)
@@ -103,7 +107,9 @@ def _slot_attn_fwd(Q, K, V, O, LSE, ITEM_B, ITEM_Q0, CU_Q, Q_POS, SLOTS, CU_K, K
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * s_vs + h * s_vh + dv[None, :],
                     mask=j_ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-        if USE_DOT:
+        if TC:  # p rounded to bf16, as flash attention does
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+        elif USE_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
@@ -209,8 +215,11 @@ class SlotAttentionPlan:
 
 
 def slot_attention(q, k_pool, v_pool, batch, params, plan: SlotAttentionPlan,
-                   interpret: bool = False, num_stages: int | None = None):
-    """Validated inputs -> (o [Nq, Hq, Dv] in q.dtype, lse [Nq, Hq] fp32)."""
+                   interpret: bool = False, num_stages: int | None = None,
+                   tensor_cores: bool = True):
+    """Validated inputs -> (o [Nq, Hq, Dv] in q.dtype, lse [Nq, Hq] fp32). `tensor_cores`:
+    a bf16 pool's dots run on bf16 tensor cores (q and p rounded to bf16, fp32
+    accumulation); else all math is fp32 (the reference's numerics, about 2x slower)."""
     attn, merge = _kernels()
     Nq, Hq, D = q.shape
     Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
@@ -228,6 +237,8 @@ def slot_attention(q, k_pool, v_pool, batch, params, plan: SlotAttentionPlan,
     else:
         op = torch.empty(S, Nq, Hq, Dv, dtype=torch.float32, device=q.device)
         lp = torch.empty(S, Nq, Hq, dtype=torch.float32, device=q.device)
+    tc = tensor_cores and k_pool.dtype == torch.bfloat16
+    block_m = plan.block_m if plan.use_dot or not tc else 16  # a dot needs >= 16 rows
     if plan.num_items:
         grid = (plan.num_items, Hkv, S)
         kw = {} if interpret else {"num_warps": plan.num_warps,
@@ -240,10 +251,10 @@ def slot_attention(q, k_pool, v_pool, batch, params, plan: SlotAttentionPlan,
                    v_pool.stride(0), v_pool.stride(1),
                    op.stride(0) if not direct else 0, op.stride(-3), op.stride(-2),
                    lp.stride(0) if not direct else 0, lp.stride(-2),
-                   REP=rep, REP_P=plan.rep_p, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, D=D,
+                   REP=rep, REP_P=plan.rep_p, BLOCK_M=block_m, BLOCK_N=plan.block_n, D=D,
                    BLOCK_D=max(16, _p2(D)), DV=Dv, BLOCK_DV=max(16, _p2(Dv)),
                    SOFTCAP=params.softcap > 0, WINDOW=params.sliding_window > 0,
-                   USE_DOT=plan.use_dot, **kw)
+                   USE_DOT=plan.use_dot or tc, TC=tc, **kw)
     if not direct:
         merge[(Nq * Hq,)](op, lp, o, lse, sinks if sinks is not None else lp, S, Hq,
                           op.stride(0), lp.stride(0), SPLITS_P=max(2, _p2(S)), DV=Dv,

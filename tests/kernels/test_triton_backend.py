@@ -96,9 +96,11 @@ def test_prefill_writes_pool_then_attends(tri):
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_bf16_pool(tri, q_dtype):
-    """Same bounds as the CPU kernel's bf16 test: both read the same bf16 values and
-    compute in fp32 (1e-5); a bf16 q rounds the output once (one bf16 ulp, 2^-7 |o|)."""
+def test_bf16_pool_fp32_math(q_dtype):
+    """With tensor cores off: same bounds as the CPU kernel's bf16 test. Both read the
+    same bf16 values and compute in fp32 (1e-5); a bf16 q rounds the output once (one
+    bf16 ulp, 2^-7 |o|)."""
+    tri = TritonBackend(interpret=DEV.type == "cpu", bf16_tensor_cores=False)
     Hq, Hkv, S = 9, 3, 6000
     tables = scattered_tables([1, 100, 2048, 3000], S, seed=11)
     k, v = (t.bfloat16() for t in pools(S, Hkv))
@@ -112,6 +114,30 @@ def test_bf16_pool(tri, q_dtype):
     assert o.dtype == torch.bfloat16 and (lse.cpu() - lse_ref).abs().max() <= 1e-5
     ulp = o_ref.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7
     assert ((o.cpu().float() - o_ref.float()).abs() <= ulp).all()
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="Triton's interpreter computes bf16 dots "
+                    "wrongly, so it keeps fp32 math: the tensor-core path needs a GPU")
+@pytest.mark.parametrize("pname", ["plain", "window", "sinks"])
+def test_bf16_pool_tensor_cores(tri, pname):
+    """The default for bf16 pools: bf16 tensor-core dots with fp32 accumulation, decode
+    and prefill. q and p are rounded to bf16 (relative 2^-9 each): with unit-scale data
+    and scale 1/8 a score moves by about 2^-9 * |s| and an output by about 2^-9 of the
+    values it averages, so 1e-2 bounds o and lse with a wide margin (the H100 measured
+    2e-4 to 9e-4 on decode up to L=8192). fp32 pools never take this path."""
+    Hq, Hkv, S = 9, 3, 6000
+    tables = scattered_tables([1, 100, 700, 2048], S, seed=12)
+    k, v = (t.bfloat16() for t in pools(S, Hkv))
+    p = params_for(pname, Hq)
+    for batch in (SlotBatch.decode(tables), SlotBatch.build(tables, [1, 37, 90, 5])):
+        q = queries(batch.num_queries, Hq)
+        o_ref, lse_ref = attend(q, k, v, batch, p, REF)
+        o, lse = attend(*on_dev(q, k, v), batch.to(DEV), p, tri)
+        assert (o.cpu() - o_ref).abs().max() <= 1e-2
+        assert (lse.cpu() - lse_ref).abs().max() <= 1e-2
+        exact, _ = attend(*on_dev(q, k, v), batch.to(DEV), p,
+                          TritonBackend(interpret=DEV.type == "cpu", bf16_tensor_cores=False))
+        assert (o.cpu() - exact.cpu()).abs().max() > 0  # the fast path really ran
 
 
 def test_lse_merge_of_split_kv_ranges_is_exact(tri_splits):
