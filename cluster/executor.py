@@ -48,7 +48,10 @@ class RayExecutor(Executor):
             c_opts["resources"] = {"lamina_compute": 1}
         if "lamina_memory" in have:
             m_opts["resources"] = {"lamina_memory": 1}
-        if config.kv_device.startswith("cuda"):
+        # A GPU pool: each memory worker holds one GPU of its own (Ray sets its
+        # CUDA_VISIBLE_DEVICES, so inside the worker it is "cuda").
+        self._pool_device = "cuda" if config.kv_device.startswith("cuda") else "cpu"
+        if self._pool_device == "cuda":
             if have.get("GPU", 0) < m:
                 raise ValueError(f"kv_device={config.kv_device!r} puts each of the {m} memory "
                                  f"workers on a GPU of its own, but the Ray cluster has "
@@ -72,11 +75,9 @@ class RayExecutor(Executor):
         cfg = self.config
         self.memory = [MemoryWorker.options(**self._m_opts).remote(i, self.threads)
                        for i in range(cfg.num_memory_workers)]
-        # A GPU pool: each memory worker holds one GPU of its own (Ray sets its
-        # CUDA_VISIBLE_DEVICES, so inside the worker it is "cuda").
-        device = "cuda" if cfg.kv_device.startswith("cuda") else "cpu"
         pool_cfg, params = ray.get(self.compute.memory_spec.remote(cfg.num_kv_slots,
-                                                                  cfg.kv_dtype, device))
+                                                                  cfg.kv_dtype,
+                                                                  self._pool_device))
         self.params = list(params)  # per-layer AttentionParams
         self.memory_info = ray.get([w.setup.remote(pool_cfg, params) for w in self.memory])
         node = ray.get(self.compute.node_id.remote())

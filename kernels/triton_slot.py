@@ -32,9 +32,6 @@ try:
 except ImportError:  # the backend reports it; nothing here runs without triton
     triton = tl = None
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
 
 def _slot_attn_fwd(Q, K, V, O, LSE, ITEM_B, ITEM_Q0, CU_Q, Q_POS, SLOTS, CU_K, K_POS0,
                    qk_scale, softcap, window, keys_per_split,

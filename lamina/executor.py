@@ -181,11 +181,12 @@ class MemorySide:
         writes k/v at new_slots [m] first."""
         kp, vp = self.pool.layer(layer)
         if checked and self._step[0] is new_slots and self._step[2] is batch:
-            new_slots, batch = self._step[1], self._step[3]
+            new_slots, batch = self._step[1], self._step[3]  # the same objects every layer
+        elif batch.slots.device != self.device:
+            new_slots, batch = new_slots.to(self.device), batch.to(self.device)
         home = q.device
         if home != self.device:
             q, k, v = (t.to(self.device, non_blocking=True) for t in (q, k, v))
-            new_slots, batch = new_slots.to(self.device), batch.to(self.device)
         o, lse = prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
                                    checked)
         return (o, lse) if home == self.device else (o.to(home), lse.to(home))
