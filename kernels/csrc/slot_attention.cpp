@@ -54,6 +54,26 @@ inline float exp_neg(float x) {
   return x < -87.0f ? 0.0f : p * two_n;
 }
 
+// Prefetches the next key block's pool rows, whole rows in slot order, a few lines per
+// call, spread over the current block's score and value passes. Scattered slots defeat
+// the hardware prefetcher, so without this each row's first misses stall the FMAs; all
+// at once (one burst per block) measured no gain, nor did a burst per row, nor slicing
+// rows across passes, nor the L2 hint. About 25% faster from DRAM at B=32 L=2048; it
+// costs ~10 ns/token when the KV is already in cache.
+struct RowPrefetcher {
+  const char* rows[BK];
+  int64_t n = 0, lines = 0, r = 0, l = 0;
+  void reset(int64_t nl) { n = 0; r = 0; l = 0; lines = nl; }
+  inline void step(int64_t k) {
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; k > 0 && r < n; --k) {
+      _mm_prefetch(rows[r] + 64 * l, _MM_HINT_T0);
+      if (++l == lines) { l = 0; ++r; }
+    }
+#endif
+  }
+};
+
 // ---- Inner blocks. A key block's rows are addressed through pointer arrays
 // (kr[j] / vr[j] = that key's row in the pool), padded to a multiple of 8.
 
@@ -140,7 +160,7 @@ inline void scores_group(const float* q, int64_t D, const T* const* k, int64_t o
 // GQA: RG rows (acc stride Dv, p stride BK) share each value load; 32 columns a pass.
 template <typename T, int RG>
 inline void pv_group(float* acc, int64_t Dv, const float* p, const T* const* v, int64_t off,
-                     int64_t n) {
+                     int64_t n, RowPrefetcher* pf, int64_t pf_step) {
   for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
     __m256 a[RG][4];
 #pragma GCC unroll 4
@@ -148,6 +168,7 @@ inline void pv_group(float* acc, int64_t Dv, const float* p, const T* const* v, 
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) a[g][u] = _mm256_loadu_ps(acc + g * Dv + c0 + 8 * u);
     for (int64_t j = 0; j < n; ++j) {
+      pf->step(pf_step);
       const T* vj = v[j] + off + c0;
       __m256 pb[RG];
 #pragma GCC unroll 4
@@ -229,12 +250,12 @@ inline void head_scores(const float* q, int64_t D, int64_t rep, const T* const* 
 // acc rows (stride Dv) += p rows (stride BK) . v, for one kv head's `rep` rows.
 template <typename T>
 inline void head_pv(float* acc, int64_t Dv, int64_t rep, const float* p, const T* const* v,
-                    int64_t off, int64_t n) {
+                    int64_t off, int64_t n, RowPrefetcher* pf, int64_t pf_step) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (Dv % 32 == 0 && rep > 1) {
     int64_t g = 0;
-    for (; g + 3 <= rep; g += 3) pv_group<T, 3>(acc + g * Dv, Dv, p + g * BK, v, off, n);
-    if (rep - g == 2) pv_group<T, 2>(acc + g * Dv, Dv, p + g * BK, v, off, n);
+    for (; g + 3 <= rep; g += 3) pv_group<T, 3>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
+    if (rep - g == 2) pv_group<T, 2>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
     if (rep - g == 1) block_pv<T>(acc + g * Dv, p + g * BK, v, off, Dv, n);
     return;
   }
@@ -295,8 +316,20 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
 
   const T* kr[BK];
   const T* vr[BK];
+  const int64_t klines = (Hkv * D * int64_t(sizeof(T)) + 63) / 64;
+  const int64_t vlines = (Hkv * Dv * int64_t(sizeof(T)) + 63) / 64;
+  // V passes per block: one per (kv head, 32 columns) on the grouped path.
+  const int64_t vpasses = std::max<int64_t>(1, Hkv * ((Dv + 31) / 32) * ((rep + 2) / 3));
+  RowPrefetcher pfk, pfv;
   for (int64_t j0 = lo_all; j0 < hi_all; j0 += BK) {
     const int64_t j1 = std::min<int64_t>(j0 + BK, hi_all), nb = j1 - j0;
+    pfk.reset(klines); pfv.reset(vlines);
+    for (int64_t j = j1; j < std::min<int64_t>(j1 + BK, hi_all); ++j) {
+      pfk.rows[pfk.n++] = reinterpret_cast<const char*>(K + slots[j] * a.k_stride);
+      pfv.rows[pfv.n++] = reinterpret_cast<const char*>(V + slots[j] * a.v_stride);
+    }
+    const int64_t kstep = (8 * klines + Hkv * nq - 1) / (Hkv * nq);
+    const int64_t vstep = (vlines + vpasses - 1) / vpasses;
     const int64_t nb8 = kSimd ? (nb + 7) / 8 * 8 : nb;  // padded with the last key
     for (int64_t j = 0; j < nb8; ++j) {
       const int64_t slot = slots[std::min(j0 + j, j1 - 1)];
@@ -304,12 +337,11 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
       vr[j] = V + slot * a.v_stride;
     }
     // Scores, 8 keys at a time across all heads, so a key's K row is used at once.
-    // (Software prefetch of rows ahead measured no gain here: the hardware already
-    // streams a row once its first lines miss.)
     for (int64_t jg = 0; jg < nb8; jg += 8) {
       for (int64_t h = 0; h < Hkv; ++h)
         for (int64_t i = 0; i < nq; ++i) {
           const int64_t r = i * Hq + h * rep;
+          pfk.step(kstep);
           head_scores<T>(&qs[r * D], D, rep, kr + jg, h * D, std::min<int64_t>(8, nb8 - jg),
                          &s[r * BK + jg]);
         }
@@ -347,7 +379,8 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
         const int64_t a0 = std::max(lo[i], j0) - j0, a1 = std::min(hi[i], j1) - j0;
         if (a0 >= a1) continue;
         const int64_t r = i * Hq + h * rep;
-        head_pv<T>(&acc[r * Dv], Dv, rep, &s[r * BK + a0], vr + a0, h * Dv, a1 - a0);
+        head_pv<T>(&acc[r * Dv], Dv, rep, &s[r * BK + a0], vr + a0, h * Dv, a1 - a0, &pfv,
+                   vstep);
       }
   }
   // Finish: sinks join the denominator only; empty rows give 0 and lse -inf.

@@ -45,7 +45,7 @@ def test_copy_on_write_orders_copy_every_layer():
 @pytest.mark.parametrize("kw,msg", [
     ({"num_slots": 0}, "num_slots"), ({"num_kv_heads": 2.0}, "num_kv_heads"),
     ({"dtype": "float16"}, "dtype"), ({"device": "gpu0"}, "device"),
-    ({"v_head_dim": -1}, "v_head_dim"),
+    ({"v_head_dim": -1}, "v_head_dim"), ({"huge_pages": "yes"}, "huge_pages"),
 ])
 def test_config_errors(kw, msg):
     base = dict(num_layers=1, num_slots=4, num_kv_heads=1, head_dim=8)
@@ -57,3 +57,46 @@ def test_config_errors(kw, msg):
 def test_for_specs_from_the_splitter(smol_split):
     c = KVPoolConfig.for_specs(smol_split.attention_specs, num_slots=16)
     assert (c.num_layers, c.num_kv_heads, c.head_dim, c.v_head_dim) == (30, 3, 64, 64)
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "unknown"
+    return text.split("[")[1].split("]")[0]
+
+
+def _huge_kib_at(addr: int) -> int:
+    """AnonHugePages of the mapping holding `addr`, from /proc/self/smaps."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_host_pool_on_huge_pages_and_zeroed():
+    c = KVPoolConfig(num_layers=2, num_slots=8192, num_kv_heads=3, head_dim=64)
+    pool = KVPool(c)
+    assert pool.k.data_ptr() % (2 << 20) == 0 and pool.v.data_ptr() % (2 << 20) == 0
+    assert pool.k.shape == (2, 8192, 3, 64) and not pool.k.any() and not pool.v.any()
+    pool.write(1, torch.tensor([5, 8000], dtype=torch.int32), torch.ones(2, 3, 64),
+               torch.ones(2, 3, 64))
+    assert pool.k[1].sum().item() == 2 * 3 * 64
+    if _thp_mode() in ("always", "madvise"):  # the kernel grants THP to this mapping
+        assert _huge_kib_at(pool.k.data_ptr()) >= 2048
+    plain = KVPool(KVPoolConfig(2, 8192, 3, 64, huge_pages=False))
+    assert not plain.k.any() and plain.k.shape == pool.k.shape
+
+
+def test_host_zeros_small_and_bf16():
+    from lamina.kv_pool import host_zeros
+    t = host_zeros((4, 3), torch.bfloat16)  # under 2 MiB: an ordinary tensor
+    assert t.dtype == torch.bfloat16 and t.shape == (4, 3) and not t.any()
+    big = host_zeros((1 << 20, 2), torch.bfloat16)
+    assert big.data_ptr() % (2 << 20) == 0 and big.dtype == torch.bfloat16 and not big.any()
