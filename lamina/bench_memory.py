@@ -114,7 +114,6 @@ def bench_attention(threads: int = 1, repeat: int = 7, batches=(8, 32, 128),
                        q4, kc, vc, scale=params.scale, enable_gqa=True),
                    "gather": gather_sdpa}
             t = _interleaved_medians(fns, repeat)
-            del kc, vc, pools, fns
             nbytes = 2 * B * L * HKV * D * 4
             gbs = {k: (nbytes // 2 if k == "bf16" else nbytes) / v / 1e9 for k, v in t.items()}
             # The stricter of the read bandwidth measured beside this case and up front.
