@@ -121,6 +121,15 @@ class Channel(ABC):
         for f in frames:
             self.send(*f)
 
+    def stage(self, frames):
+        """Prepare frames for `flush` (encode, copy payloads out), so a sender serving
+        several peers can wake them all back to back: waking one first can cost the
+        sender its core before it has served the next."""
+        return list(frames)
+
+    def flush(self, staged) -> None:
+        self.send_many(staged)
+
     def close(self) -> None:  # noqa: B027
         pass
 
@@ -235,6 +244,11 @@ class SocketChannel(Channel):
 
     def send_many(self, frames) -> None:
         """Several frames in one gather write (one wake-up for the peer, not one each)."""
+        self.flush(self.stage(frames))
+
+    def stage(self, frames) -> list:
+        """Encode the frames and put ring payloads in the ring; the socket write (the
+        peer's wake-up) is left to `flush`."""
         views = []
         for f in frames:
             head, payload = encode(*f)
@@ -244,6 +258,11 @@ class SocketChannel(Channel):
                 head[6] |= IN_RING
                 payload = b""
             views += [memoryview(b).cast("B") for b in (head, payload) if len(b)]
+        return views
+
+    def flush(self, views: list) -> None:
+        """One gather write of staged frames."""
+        views = list(views)
         while views:
             try:
                 n = self.sock.sendmsg(views)

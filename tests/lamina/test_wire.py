@@ -177,3 +177,25 @@ def test_silent_peer_times_out(tmp_path):
     assert ring_tx.sock.gettimeout() is None and ring_tx.ring_out.timeout_s is None
     for s in (a, b):
         s.close()
+
+
+def test_stage_wakes_no_peer_until_flush(tmp_path):
+    """`stage` puts ring payloads in the ring but writes nothing to the socket, so a
+    sender can prepare every peer's frames and then wake them back to back (`flush`)."""
+    import select
+
+    tx, rx, a = _ring_pair(tmp_path, cap=1 << 16)
+    plain_a, plain_b = socket.socketpair()
+    plain_tx, plain_rx = SocketChannel(plain_a), SocketChannel(plain_b)
+    frames = [(torch.randn(4, 9, 8), 3, 7), (torch.randn(2, 3, 8), 3, 7)]
+    staged = [(ch, ch.stage(frames)) for ch in (tx, plain_tx)]
+    assert tx.ring_out.pos == sum(f[0].nbytes for f in frames)  # payloads in the ring
+    for peer in (rx.sock, plain_b):
+        assert select.select([peer], [], [], 0.05)[0] == []  # no doorbell yet
+    for ch, views in staged:
+        ch.flush(views)
+    for peer in (rx, plain_rx):
+        got = [peer.recv(expect_layer=3, expect_step=7)[0] for _ in frames]
+        assert all(torch.equal(g, f[0]) for g, f in zip(got, frames))
+    for ch in (tx, rx, plain_tx, plain_rx):
+        ch.close()
