@@ -251,7 +251,7 @@ def slot_attention(q, k_pool, v_pool, batch, params, plan: SlotAttentionPlan,
                    REP=rep, REP_P=plan.rep_p, BLOCK_M=block_m, BLOCK_N=plan.block_n, D=D,
                    BLOCK_D=max(16, _p2(D)), DV=Dv, BLOCK_DV=max(16, _p2(Dv)),
                    SOFTCAP=params.softcap > 0, WINDOW=params.sliding_window > 0,
-                   USE_DOT=plan.use_dot or tc, TC=tc, **kw)
+                   USE_DOT=plan.use_dot, TC=tc, **kw)
     if not direct:
         merge[(Nq * Hq,)](op, lp, o, lse, sinks if sinks is not None else lp, S, Hq,
                           op.stride(0), lp.stride(0), SPLITS_P=max(2, _p2(S)), DV=Dv,

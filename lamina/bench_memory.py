@@ -43,14 +43,13 @@ def _interleaved_medians(fns: dict, repeat: int) -> dict:
     return {k: statistics.median(v) for k, v in ts.items()}
 
 
-def read_bandwidth(repeat: int, mib: int = 512) -> dict:
-    """Machine read bandwidth: best of torch.sum and the kernel's streaming read over a
-    buffer much larger than the caches (the larger is the stricter baseline). The
+def read_bandwidth(repeat: int, x: torch.Tensor) -> dict:
+    """Machine read bandwidth: best of torch.sum and the kernel's streaming read over `x`,
+    a buffer much larger than the caches (the larger is the stricter baseline). The
     per-case `rows_ceiling` reads just the K/V rows of that case's scattered slots, in
     order, with no math: what any kernel over those slots could reach on this core."""
     from lamina.kernels import load_cpu_kernel
 
-    x = torch.ones(mib * 2 ** 20 // 4)
     ext = load_cpu_kernel()
     torch_gbs = x.nbytes / _median_s(lambda: x.sum(), repeat) / 1e9
     ext_gbs = x.nbytes / _median_s(lambda: ext.read_sum(x), repeat) / 1e9
@@ -76,8 +75,8 @@ def bench_attention(threads: int = 1, repeat: int = 7, batches=(8, 32, 128),
     if backend.name != "cpu":
         raise RuntimeError(f"the compiled CPU kernel is needed: {backend.reason}")
     ext = load_cpu_kernel()
-    bw = read_bandwidth(repeat, bw_mib)
-    x = torch.ones(bw_mib * 2 ** 20 // 4)
+    x = torch.ones(bw_mib * 2 ** 20 // 4)  # the streaming-read buffer, up front and per case
+    bw = read_bandwidth(repeat, x)
     params = AttentionParams(D ** -0.5)
     rows = []
     for L in lengths:
@@ -114,10 +113,11 @@ def bench_attention(threads: int = 1, repeat: int = 7, batches=(8, 32, 128),
                        q4, kc, vc, scale=params.scale, enable_gqa=True),
                    "gather": gather_sdpa}
             t = _interleaved_medians(fns, repeat)
-            nbytes = 2 * B * L * HKV * D * 4
-            gbs = {k: (nbytes // 2 if k == "bf16" else nbytes) / v / 1e9 for k, v in t.items()}
+            nbytes = 2 * B * L * HKV * D * 4  # fp32 K+V rows read
             # The stricter of the read bandwidth measured beside this case and up front.
-            gbs["read"] = max(x.nbytes / t["read"] / 1e9, bw["read_GBps"])
+            gbs = {"read": max(x.nbytes / t["read"] / 1e9, bw["read_GBps"]),
+                   "bf16": nbytes // 2 / t["bf16"] / 1e9}
+            gbs.update({k: nbytes / t[k] / 1e9 for k in ("rows", "fp32", "sdpa", "gather")})
             row = {"B": B, "L": L, "read_GBps": gbs["read"],
                    "ours_fp32_ms": t["fp32"] * 1e3, "ours_fp32_GBps": gbs["fp32"],
                    "ours_bf16_ms": t["bf16"] * 1e3, "ours_bf16_GBps": gbs["bf16"],
