@@ -34,7 +34,7 @@ class WorkerFailure(RuntimeError):
 
 class RayExecutor(Executor):
     def __init__(self, model, dtype, config, threads: int = 1, address: str | None = None,
-                 prefill_threads: int | None = None):
+                 wide_threads: int | None = None):
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS")
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
@@ -60,12 +60,13 @@ class RayExecutor(Executor):
         # Idle OpenMP threads sleep at once instead of spinning, so a worker's threads
         # never hold a core another worker process needs (they share cores here).
         env = {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
-        # Prefill-heavy steps may borrow every core of a local (single-node) cluster.
+        # Steps whose dense part runs while the memory workers are idle may take every
+        # core of a local (single-node) cluster (`compute_worker.step_threads`).
         local_cores = int(have.get("CPU", 1)) if "lamina_compute" not in have else threads
-        pt = prefill_threads or max(threads, local_cores)
+        pt = wide_threads or max(threads, local_cores)
         self._c_opts, self._m_opts = {**c_opts, **env}, {**m_opts, **env}
         self._compute_args = (model, dtype, m, threads, pt)
-        self.threads, self.config = threads, config
+        self.threads, self.wide_threads, self.config = threads, pt, config
         self.compute = ComputeWorker.options(**self._c_opts).remote(*self._compute_args)
         self.memory = []
         self._start_memory()

@@ -22,9 +22,22 @@ def llm():
     ray.shutdown()
 
 
+def test_step_threads_rule():
+    from lamina.cluster.compute_worker import PREFILL_TOKENS, WIDE_TOKENS, step_threads
+
+    assert step_threads(WIDE_TOKENS - 1, 1, 1, 2) == 1  # too few rows to pay a thread
+    assert step_threads(WIDE_TOKENS, 1, 1, 2) == 2  # sides take turns: every core
+    assert step_threads(WIDE_TOKENS, 2, 1, 2) == 1  # pipelined: memory workers busy
+    assert step_threads(PREFILL_TOKENS, 2, 1, 2) == 2  # prefill-heavy: they are near idle
+
+
 def test_ray_greedy_identical_to_hf(llm, prompts, hf_greedy):
+    llm.engine.step_timings.clear()
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_greedy
+    # the compute worker took both cores only for steps with >= WIDE_TOKENS rows
+    used = {(s["tokens"] >= 16, s["threads"]) for s in llm.engine.step_timings}
+    assert used == {(True, llm.executor.wide_threads), (False, 1)}, used
     info = llm.executor.memory_info
     assert len(info) == 2 and info[0]["pid"] != info[1]["pid"]
     assert [a[0] for a in llm.executor.addresses] == ["unix", "unix"]
