@@ -165,7 +165,9 @@ class _SocketLink(MemoryLink):
         staged = []
         for ch, p in zip(self.channels, parts):  # every worker first: they run in parallel
             if p.rows.numel():
-                qkv = (q, k, v) if p.whole else (q[p.rows], k[p.kv_rows], v[p.kv_rows])
+                qkv = (q, k, v) if p.whole else (q.index_select(0, p.rows),
+                                                  k.index_select(0, p.kv_rows),
+                                                  v.index_select(0, p.kv_rows))
                 staged.append((ch, ch.stage([(t, layer, self.step) for t in qkv])))
         for ch, views in staged:
             ch.flush(views)

@@ -220,7 +220,7 @@ def combine(parts: list[WorkerPart], outs: list, out_shape, dtype, merge: bool):
         o = torch.empty(n, hq, dv, dtype=dtype)
         for p, r in zip(parts, outs):
             if r is not None:
-                o[p.rows] = r[0]
+                o.index_copy_(0, p.rows, r[0].to(dtype))
         return o
     os, lses = [], []
     for p, r in zip(parts, outs):  # each worker's partial over all rows; absent: lse -inf
@@ -337,8 +337,10 @@ class _LocalLink(MemoryLink):
 
     def submit(self, layer, mb, q, k, v, parts):
         self.ready[layer, mb] = [
-            mem.attend(layer, self.params[layer], *((q, k, v) if p.whole else
-                                                    (q[p.rows], k[p.kv_rows], v[p.kv_rows])),
+            mem.attend(layer, self.params[layer],
+                       *((q, k, v) if p.whole else (q.index_select(0, p.rows),
+                                                    k.index_select(0, p.kv_rows),
+                                                    v.index_select(0, p.kv_rows))),
                        p.new_slots, p.batch, checked=True)
             if p.rows.numel() else None
             for mem, p in zip(self.memory, parts)]

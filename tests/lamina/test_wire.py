@@ -21,6 +21,17 @@ def test_round_trip(dtype):
     assert (layer, step) == (3, 7) and out.dtype == dtype and torch.equal(out, t[:, 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_socket_channel_round_trips_each_dtype(dtype):
+    a, b = socket.socketpair()
+    t = (torch.randn(6, 2, 3) * 10).to(dtype)
+    w = torch.randn(2, 2, requires_grad=True)  # sent as its values
+    SocketChannel(a).send_many([(t.transpose(0, 1), 1, 2), (w, 1, 2)])
+    rx = SocketChannel(b)
+    out = rx.recv(expect_shape=(2, 6, 3), expect_dtype=dtype)[0]
+    assert torch.equal(out, t.transpose(0, 1)) and torch.equal(rx.recv()[0], w.detach())
+
+
 def test_empty_and_scalar():
     assert decode(frame(torch.zeros(0, 9)))[0].shape == (0, 9)
     assert decode(frame(torch.tensor(2.5)))[0].item() == 2.5
