@@ -165,10 +165,8 @@ class _SocketLink(MemoryLink):
         staged = []
         for ch, p in zip(self.channels, parts):  # every worker first: they run in parallel
             if p.rows.numel():
-                qkv = (q, k, v) if p.whole else (q.index_select(0, p.rows),
-                                                  k.index_select(0, p.kv_rows),
-                                                  v.index_select(0, p.kv_rows))
-                staged.append((ch, ch.stage([(t, layer, self.step) for t in qkv])))
+                staged.append((ch, ch.stage([(t, layer, self.step)
+                                             for t in p.take(q, k, v)])))
         for ch, views in staged:
             ch.flush(views)
 

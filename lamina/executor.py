@@ -90,6 +90,13 @@ class WorkerPart:
         if self.kv_rows is None:
             self.kv_rows = self.rows
 
+    def take(self, q, k, v):
+        """Its share of a layer's packed q [N, Hq, D] and k/v [N, Hkv, D]."""
+        if self.whole:
+            return q, k, v
+        return (q.index_select(0, self.rows), k.index_select(0, self.kv_rows),
+                v.index_select(0, self.kv_rows))
+
 
 def pack(plan: StepPlan, num_workers: int):
     """-> input_ids [1, N], position_ids [1, N], logit rows, [WorkerPart per worker],
@@ -337,11 +344,8 @@ class _LocalLink(MemoryLink):
 
     def submit(self, layer, mb, q, k, v, parts):
         self.ready[layer, mb] = [
-            mem.attend(layer, self.params[layer],
-                       *((q, k, v) if p.whole else (q.index_select(0, p.rows),
-                                                    k.index_select(0, p.kv_rows),
-                                                    v.index_select(0, p.kv_rows))),
-                       p.new_slots, p.batch, checked=True)
+            mem.attend(layer, self.params[layer], *p.take(q, k, v), p.new_slots, p.batch,
+                       checked=True)
             if p.rows.numel() else None
             for mem, p in zip(self.memory, parts)]
 

@@ -268,7 +268,7 @@ class SocketChannel(Channel):
         for f in frames:
             head, payload = encode(*f)
             if self.ring_out is not None and len(payload) and self.ring_out.fits(len(payload)):
-                self.ring_out.write(f[0].detach().contiguous())
+                self.ring_out.write(torch.frombuffer(payload, dtype=torch.uint8))  # encoded
                 head = bytearray(head)
                 head[6] |= IN_RING
                 payload = b""
