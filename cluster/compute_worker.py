@@ -20,23 +20,25 @@ from lamina.kv_pool import KVPoolConfig
 from lamina.messages import StepPlan, StepResult
 from lamina.models import load
 from lamina.splitter import split_model
+from lamina.splitter.dense import pack_dense
 from lamina.wire import ShmRing, SocketChannel
 
 from .memory_worker import META
 
 
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
-WIDE_TOKENS = 16  # fewer rows than this: ops too small for a second thread to pay
+# Fewer rows than this: a second thread does not pay. MKL's sgemm (eager) barely scales
+# past one thread on skinny shapes; oneDNN's packed kernels do, from one row on.
+WIDE_ROWS = {"eager": 16, "onednn": 1}
 
 
-def step_threads(num_tokens: int, micro_batches: int, threads: int, wide: int) -> int:
+def step_threads(num_tokens: int, micro_batches: int, threads: int, wide: int,
+                 wide_rows: int = WIDE_ROWS["eager"]) -> int:
     """Torch threads for a step's dense part: `wide` (every core the memory workers
     leave idle) when they are idle meanwhile, else `threads`. They are idle in a
     prefill-heavy step (their attention is small next to the dense work) and in any
-    one-micro-batch step, where the two sides take turns. Measured on 2 cores,
-    `LLM(executor="ray")`, B=32 decode: 110 tok/s median of 3 with 2 threads against
-    99.5 with 1 (B=8 even); below WIDE_TOKENS rows the thread wake-ups cost more."""
-    if num_tokens >= PREFILL_TOKENS or (micro_batches == 1 and num_tokens >= WIDE_TOKENS):
+    one-micro-batch step of >= `wide_rows` rows, where the two sides take turns."""
+    if num_tokens >= PREFILL_TOKENS or (micro_batches == 1 and num_tokens >= wide_rows):
         return wide
     return threads
 
@@ -44,13 +46,17 @@ def step_threads(num_tokens: int, micro_batches: int, threads: int, wide: int) -
 @ray.remote
 class ComputeWorker:
     def __init__(self, model: str | None, dtype: str, num_memory_workers: int,
-                 threads: int = 1, wide_threads: int | None = None):
+                 threads: int = 1, wide_threads: int | None = None,
+                 dense_backend: str = "auto", batch_hint: int = 32):
         # Steps use `threads`, or `wide_threads` where the memory workers sit idle during
         # the dense part (see `step_threads`).
         self.threads, self.wide_threads = threads, wide_threads or threads
         torch.set_num_threads(threads)
         self.loaded = load(model, dtype=dtype, with_tokenizer=False)
-        self.compute = ComputeSide(split_model(self.loaded.model), num_memory_workers)
+        split, self.dense = pack_dense(split_model(self.loaded.model), dense_backend,
+                                       batch_hint)
+        self.compute = ComputeSide(split, num_memory_workers)
+        self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
         self.channels: list[SocketChannel] = []
 
     def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu"):
@@ -58,6 +64,10 @@ class ComputeWorker:
         specs = self.compute.split.attention_specs
         return (KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device),
                 self.compute.params)
+
+    def dense_choice(self):
+        """The `DenseChoice` this worker's slices run with."""
+        return self.dense
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -96,7 +106,8 @@ class ComputeWorker:
         self.channels = []
 
     def execute(self, plan: StepPlan):
-        n = step_threads(plan.num_tokens, plan.micro_batches, self.threads, self.wide_threads)
+        n = step_threads(plan.num_tokens, plan.micro_batches, self.threads, self.wide_threads,
+                         self.wide_rows)
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         result = self.compute.run(plan, _SocketLink(self.channels))

@@ -65,9 +65,11 @@ class RayExecutor(Executor):
         local_cores = int(have.get("CPU", 1)) if "lamina_compute" not in have else threads
         pt = wide_threads or max(threads, local_cores)
         self._c_opts, self._m_opts = {**c_opts, **env}, {**m_opts, **env}
-        self._compute_args = (model, dtype, m, threads, pt)
+        self._compute_args = (model, dtype, m, threads, pt, config.dense_backend,
+                              config.max_batch)
         self.threads, self.wide_threads, self.config = threads, pt, config
         self.compute = ComputeWorker.options(**self._c_opts).remote(*self._compute_args)
+        self.dense = ray.get(self.compute.dense_choice.remote())
         self.memory = []
         self._start_memory()
 

@@ -93,7 +93,7 @@ def run_vllm(python: str, model_dir: str, prompts: dict, dtype: str, new: int, r
 def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, threads=2,
               out_dir: str | Path = "benchmarks/results", executors=("local", "ray"),
               dtypes=("float32", "bfloat16"), repeat: int = 3,
-              vllm_python: str | None = None) -> dict:
+              vllm_python: str | None = None, dense_backend: str = "auto") -> dict:
     from lamina import LLM
     from lamina.models import export_hf_folder
 
@@ -105,7 +105,8 @@ def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, th
             kw = dict(executor="ray", num_memory_workers=2) if ex == "ray" else {}
             llms[ex] = LLM(model, dtype=dtype, kv_dtype=dtype,
                            num_kv_slots=max(batches) * (prompt_len + new_tokens) + 64,
-                           max_step_tokens=max(batches) * prompt_len, **kw)
+                           max_step_tokens=max(batches) * prompt_len,
+                           dense_backend=dense_backend, **kw)
         any_llm = next(iter(llms.values()))
         tok, hf = any_llm.loaded.tokenizer, any_llm.loaded.model
         prompts = {B: _prompts(tok, B, prompt_len) for B in batches}
@@ -140,6 +141,8 @@ def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, th
                 row["vllm_tok_s"] = vllm[str(B)]
                 for ex in llms:
                     row[f"{ex}_x_vllm"] = row[f"{ex}_tok_s"] / vllm[str(B)]
+            row["dense"] = {ex: f"{llm.dense.backend} ({llm.dense.reason})"
+                            for ex, llm in llms.items()}
             rows.append(row)
             print(_line(row), flush=True)
         for llm in llms.values():

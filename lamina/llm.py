@@ -19,6 +19,7 @@ class LLM:
     def __init__(self, model: str | None = None, executor: str = "local",
                  num_memory_workers: int = 1, dtype: str = "float32", **engine_kw):
         from lamina.splitter import split_model
+        from lamina.splitter.dense import DenseChoice, pack_dense
 
         from .executor import LocalExecutor, MemorySide
         from .kv_pool import KVPool, KVPoolConfig
@@ -31,8 +32,13 @@ class LLM:
         if executor != "local":
             self.split = None
             self.executor = plugin_executor(executor)(model, dtype, self.config)
+            # the compute worker's DenseChoice
+            self.dense = getattr(self.executor, "dense", None) or DenseChoice(
+                "unknown", f"the {executor!r} executor does not report it")
         else:
-            self.split = split_model(self.loaded.model)
+            self.split, self.dense = pack_dense(split_model(self.loaded.model),
+                                                self.config.dense_backend,
+                                                self.config.max_batch)
             pool_cfg = KVPoolConfig.for_specs(self.split.attention_specs,
                                               self.config.num_kv_slots, self.config.kv_dtype,
                                               self.config.kv_device)

@@ -50,3 +50,13 @@ def hf_greedy(smol, prompts):
                                             do_sample=False, max_new_tokens=64,
                                             pad_token_id=eos)[0, len(p):].tolist())
     return refs
+
+
+@pytest.fixture(scope="session")
+def smol_packed(smol_split):
+    """The split with its linears on oneDNN-prepacked weights (LLM's default on CPU)."""
+    from lamina.splitter.dense import pack_dense
+
+    packed, choice = pack_dense(smol_split, "onednn")
+    assert choice.backend == "onednn"
+    return packed

@@ -23,21 +23,25 @@ def llm():
 
 
 def test_step_threads_rule():
-    from lamina.cluster.compute_worker import PREFILL_TOKENS, WIDE_TOKENS, step_threads
+    from lamina.cluster.compute_worker import PREFILL_TOKENS, WIDE_ROWS, step_threads
 
-    assert step_threads(WIDE_TOKENS - 1, 1, 1, 2) == 1  # too few rows to pay a thread
-    assert step_threads(WIDE_TOKENS, 1, 1, 2) == 2  # sides take turns: every core
-    assert step_threads(WIDE_TOKENS, 2, 1, 2) == 1  # pipelined: memory workers busy
+    rows = WIDE_ROWS["eager"]
+    assert step_threads(rows - 1, 1, 1, 2) == 1  # too few rows to pay a thread (MKL)
+    assert step_threads(rows, 1, 1, 2) == 2  # sides take turns: every core
+    assert step_threads(rows, 2, 1, 2) == 1  # pipelined: memory workers busy
     assert step_threads(PREFILL_TOKENS, 2, 1, 2) == 2  # prefill-heavy: they are near idle
+    assert step_threads(1, 1, 1, 2, WIDE_ROWS["onednn"]) == 2  # oneDNN scales from 1 row
+    assert step_threads(1, 2, 1, 2, WIDE_ROWS["onednn"]) == 1
 
 
 def test_ray_greedy_identical_to_hf(llm, prompts, hf_greedy):
     llm.engine.step_timings.clear()
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_greedy
-    # the compute worker took both cores only for steps with >= WIDE_TOKENS rows
-    used = {(s["tokens"] >= 16, s["threads"]) for s in llm.engine.step_timings}
-    assert used == {(True, llm.executor.wide_threads), (False, 1)}, used
+    assert llm.dense.backend == "onednn"  # the compute worker's linears run prepacked
+    # one micro-batch per step and oneDNN linears: the compute worker took every core
+    used = {s["threads"] for s in llm.engine.step_timings}
+    assert used == {llm.executor.wide_threads}, used
     info = llm.executor.memory_info
     assert len(info) == 2 and info[0]["pid"] != info[1]["pid"]
     assert [a[0] for a in llm.executor.addresses] == ["unix", "unix"]

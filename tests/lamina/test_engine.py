@@ -27,13 +27,19 @@ def run(eng, prompts, params):
     return [out[i] for i in ids]
 
 
-def test_greedy_batch_identical_to_hf(smol, smol_split, prompts, hf_greedy):
+def test_greedy_batch_identical_to_hf(smol, smol_packed, prompts, hf_greedy):
     """16 prompts of 5-600 tokens sent together; short ones finish prefill first and the
-    batch mixes prefill and decode, 64 new tokens each."""
-    outs = run(engine(smol, smol_split, max_step_tokens=1024), prompts, GREEDY)
+    batch mixes prefill and decode, 64 new tokens each. The slices run on oneDNN-packed
+    weights, as `LLM` does on CPU; the other tests here run the eager split."""
+    outs = run(engine(smol, smol_packed, max_step_tokens=1024), prompts, GREEDY)
     assert [o.token_ids for o in outs] == hf_greedy
     assert all(o.finish_reason in ("length", "stop") for o in outs)
     assert outs[0].text == smol.tokenizer.decode(hf_greedy[0], skip_special_tokens=True)
+
+
+def test_unknown_dense_backend_is_rejected():
+    with pytest.raises(ValueError, match="dense_backend must be one of"):
+        EngineConfig(dense_backend="mkl")
 
 
 def test_preemption_completes_with_same_tokens(smol, smol_split, prompts, hf_greedy):

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from lamina.splitter import LocalKVCache, split_model
+from lamina.splitter import split_model
+from tests.splitter.cached import assert_cached_decode_matches
 from tests.tiny_models import TINY, tiny_model
 
 # Context the min cut finds, bytes per token (d_model = 64, fp32 -> 256).
@@ -38,16 +39,7 @@ def test_cached_decode_matches_hf_cache(arch):
     _, model, sm = arch
     ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(2))
     P = 8  # longer than every sliding window in TINY, so windows are exercised
-    cache = LocalKVCache(len(sm.attention_specs))
-    with torch.no_grad():
-        hf = model(ids[:, :P], use_cache=True)
-        pkv = hf.past_key_values
-        sm.forward_cached(ids[:, :P], cache)
-        for t in range(P, ids.shape[1]):
-            hf = model(ids[:, t:t + 1], past_key_values=pkv, use_cache=True)
-            pkv = hf.past_key_values
-            ours = sm.forward_cached(ids[:, t:t + 1], cache)
-            assert (ours - hf.logits).abs().max().item() <= 1e-5
+    assert_cached_decode_matches(model, sm, ids, P, 1e-5)
 
 
 def test_slices_individually_invokable(arch):

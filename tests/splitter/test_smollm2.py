@@ -1,7 +1,7 @@
 """SmolLM2-135M (real weights): split equivalence against HF transformers."""
 import torch
 
-from lamina.splitter import LocalKVCache
+from tests.splitter.cached import assert_cached_decode_matches
 
 
 def _prompts(tok):
@@ -48,19 +48,7 @@ def test_run_local_matches_hf_on_ragged_batch(smol_split, smol, ):
 def test_kv_cached_decode_matches_hf_cache(smol_split, smol):
     _, b = _prompts(smol.tokenizer)
     ids = b[None]
-    P = ids.shape[1] - 3
-    cache = LocalKVCache(30)
-    with torch.no_grad():
-        hf = smol.model(ids[:, :P], use_cache=True)
-        pkv = hf.past_key_values
-        ours = smol_split.forward_cached(ids[:, :P], cache)
-        assert (ours - hf.logits).abs().max().item() <= 1e-5
-        for t in range(P, ids.shape[1]):
-            hf = smol.model(ids[:, t:t + 1], past_key_values=pkv, use_cache=True)
-            pkv = hf.past_key_values
-            ours = smol_split.forward_cached(ids[:, t:t + 1], cache)
-            assert ours.shape == (1, 1, smol.config.vocab_size)
-            assert (ours - hf.logits).abs().max().item() <= 1e-5
+    cache = assert_cached_decode_matches(smol.model, smol_split, ids, ids.shape[1] - 3, 1e-5)
     assert cache.length == ids.shape[1]
 
 
