@@ -1,10 +1,13 @@
 """The dense transform (`pack_dense`): linears on oneDNN-prepacked weights, checked
 against the unsplit HF model on tiny architectures and on SmolLM2's real weights."""
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from lamina.splitter import split_model
 from lamina.splitter.dense import DenseBackendError, pack_dense, select_dense_backend
+from lamina.splitter.slices import Slice
 from tests.splitter.cached import assert_cached_decode_matches
 from tests.tiny_models import TINY, tiny_model
 
@@ -54,14 +57,70 @@ def test_backend_selection_and_errors():
         pack_dense(None, "auto", batch_hint=0)
 
 
-@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                    reason="this CPU has a fast oneDNN bf16 path")
-def test_bf16_without_cpu_support_stays_eager_with_reason():
-    model = tiny_model("llama").to(torch.bfloat16)
+NATIVE_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+TO = torch.ops.aten._to_copy.default
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """bf16's spacing at |x| (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+
+
+@pytest.mark.parametrize("mt", ["llama", "gpt2", "opt"])  # no bias, fused bias, bias
+def test_bf16_packed_split_matches_hf_bf16(mt):
+    """Packed natively where the CPU has a bf16 GEMM, else as fp32 copies with casts
+    around each linear; either way within a few bf16 ulps of HF's own bf16 forward."""
+    model = tiny_model(mt).to(torch.bfloat16)
+    sm = split_model(model)
+    n_linear = _count(sm, LINEAR)
+    packed, choice = pack_dense(sm, "auto", batch_hint=4)
+    assert choice.backend == "onednn" and _count(packed, PACKED) == n_linear
+    # upcast path: one cast in and one out per linear (biases are cast once, as buffers)
+    assert _count(packed, TO) - _count(sm, TO) == (0 if NATIVE_BF16 else 2 * n_linear)
+    if not NATIVE_BF16:
+        assert "float32 copies" in choice.reason and "AVX512-BF16" in choice.reason
+    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    out = packed.run_local(ids)
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref.float()).abs() <= 4 * _bf16_ulp(ref.float().abs().max())).all()
+
+
+def test_upcast_linear_rounds_like_a_bf16_linear(monkeypatch):
+    """The fp32-copy path (forced, whatever this CPU has): one linear's outputs equal an
+    eager bf16 linear's bitwise almost everywhere and within 1 ulp everywhere (bf16
+    products are exact in fp32; only the summation order differs)."""
+    import lamina.splitter.dense as dense
+
+    monkeypatch.setitem(dense._NATIVE, torch.bfloat16, lambda: False)
+    lin = torch.nn.Linear(576, 1536).to(torch.bfloat16)
+    torch.nn.init.normal_(lin.weight, std=0.05)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(LINEAR, (x, g.get_attr("weight"), g.get_attr("bias"))))
+    split = _OneSlice([Slice(0, torch.fx.GraphModule(lin, g), ("x",), ("y",), 1)])
+    packed, choice = dense.pack_dense(split, "onednn", batch_hint=32)
+    assert "float32 copies" in choice.reason
+    xb = torch.randn(32, 576, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ref = torch.nn.functional.linear(xb, lin.weight, lin.bias)
+    out = packed.slices[0](xb)
+    assert out.dtype == torch.bfloat16
+    assert (out == ref).float().mean().item() > 0.999
+    assert ((out.float() - ref.float()).abs() <= _bf16_ulp(ref.float())).all()
+
+
+@dataclass
+class _OneSlice:  # the one field of a SplitModel that pack_dense reads
+    slices: list
+
+
+def test_unpackable_dtype_is_refused_or_left_eager():
+    model = tiny_model("llama").to(torch.float64)
     sm = split_model(model)
     same, choice = pack_dense(sm, "auto")
-    assert same is sm and choice.backend == "eager" and "AVX512-BF16" in choice.reason
-    with pytest.raises(DenseBackendError, match="bfloat16"):
+    assert same is sm and choice.backend == "eager" and "float64" in choice.reason
+    with pytest.raises(DenseBackendError, match="float64"):
         pack_dense(sm, "onednn")
 
 
