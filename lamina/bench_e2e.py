@@ -153,8 +153,9 @@ def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, th
     res = {"model": any_llm.loaded.source, "prompt_len": prompt_len, "new_tokens": new_tokens,
            "repeat": repeat, "hf_threads": threads,
            "ours": ("1 compute worker + 2 memory workers, 1 thread each (2 cores in all); "
-                    "the compute worker takes both cores in steps of >= 16 rows, while the "
-                    "memory workers wait"),
+                    "the compute worker takes both cores in one-micro-batch steps (with "
+                    "oneDNN linears; eager ones: steps of >= 16 rows), while the memory "
+                    "workers wait"),
            "rows": rows}
     hdr = ["dtype", "B", "HF tok/s", "local tok/s", "ray tok/s", "ray x HF", "vLLM tok/s",
            "ray x vLLM", "ray step ms", "dense", "attention", "data plane", "sample",
