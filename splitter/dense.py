@@ -12,7 +12,7 @@ this 2-core AVX2 VM (fp32, M=32 rows): SmolLM2's lm_head (576 -> 49152) 53 ms ea
 Packed weights are extra memory (one more copy of every packed weight): the model's own
 stay, since the embedding table and the HF module keep using them.
 
-bf16 (or fp16) weights on a CPU without that GEMM in hardware (AVX512-BF16 / AMX) are
+bf16 (or fp16) weights on a CPU without that GEMM in hardware (AVX512-BF16 or AMX) are
 packed as fp32 copies: each linear casts its input up, multiplies in fp32 and rounds its
 output back to the model's dtype. bf16 x bf16 products are exact in fp32, so this differs
 from an eager bf16 linear (also fp32 sums, rounded once) only in summation order: measured
@@ -44,6 +44,7 @@ _TO = torch.ops.aten._to_copy.default
 # Half dtypes oneDNN packs as they are where the CPU has their GEMM in hardware.
 _NATIVE = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
+_NEEDS = {torch.bfloat16: "AVX512-BF16 or AMX", torch.float16: "AVX512-FP16 or AMX-FP16"}
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def math_dtype(dtype: torch.dtype) -> tuple[torch.dtype | None, str]:
     if _NATIVE[dtype]():
         return dtype, f"{name} CPU weights prepacked for oneDNN"
     return torch.float32, (f"{name} weights prepacked for oneDNN as float32 copies (this "
-                           f"CPU has no {name} GEMM in hardware, AVX512-BF16/AMX, so eager "
+                           f"CPU has no {name} GEMM in hardware, {_NEEDS[dtype]}, so eager "
                            f"{name} linears run several times slower); outputs are rounded "
                            f"back to {name}")
 

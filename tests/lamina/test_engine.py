@@ -248,21 +248,26 @@ def test_logit_bias_forces_a_token_and_bad_ids_are_rejected(smol, smol_split, pr
     assert not eng.has_unfinished()
 
 
-def test_bf16_llm_greedy_tracks_hf_bf16(prompts):
-    """A bf16 model with a bf16 KV pool, through `LLM` (local executor), on oneDNN-packed
-    linears (fp32 copies where this CPU has no bf16 GEMM). bf16 rounds differently in
-    every engine (here even the eager split drifts from HF), so as vLLM checks its bf16
-    runs: tokens equal HF bf16 greedy's until the first difference, and there ours is one
-    of HF's own top-2 choices (a near tie), never an unrelated token."""
-    from lamina import LLM
+def test_bf16_greedy_tracks_hf_bf16(smol, prompts):
+    """SmolLM2 in bf16 with a bf16 KV pool, on oneDNN-packed linears (fp32 copies where
+    this CPU has no bf16 GEMM, as `LLM(dtype="bfloat16")` runs it). bf16 rounds
+    differently in every engine (here even the eager split drifts from HF), so as vLLM
+    checks its bf16 runs: tokens equal HF bf16 greedy's until the first difference, and
+    there ours is one of HF's own top-2 choices (a near tie), never an unrelated token."""
+    import copy
 
-    llm = LLM(executor="local", dtype="bfloat16", kv_dtype="bfloat16", num_kv_slots=2048)
-    assert llm.dense.backend == "onednn"
-    hf, eos = llm.loaded.model, llm.loaded.tokenizer.eos_token_id
+    from lamina.splitter import split_model
+    from lamina.splitter.dense import pack_dense
+
+    hf = copy.deepcopy(smol.model).to(torch.bfloat16)
+    split, choice = pack_dense(split_model(hf), "auto")
+    assert choice.backend == "onednn"
+    cfg = EngineConfig(num_kv_slots=2048)
+    pool = KVPool(KVPoolConfig.for_specs(split.attention_specs, 2048, "bfloat16"))
+    eng = LLMEngine(cfg, LocalExecutor(split, MemorySide(pool)), smol.tokenizer, smol.config)
     pick = [prompts[i] for i in (0, 2, 4, 6)]  # 5, 40, 128, 300 tokens
-    outs = llm.generate(pick, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)
-    same = 0
+    outs = run(eng, pick, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    eos, same = smol.tokenizer.eos_token_id, 0
     with torch.no_grad():
         for p, o in zip(pick, outs):
             ids = torch.tensor([p])
