@@ -83,7 +83,8 @@ def cmd_generate(args) -> int:
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty)
     llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
-              kv_device=args.kv_device, dense_backend=args.dense_backend)
+              kv_device=args.kv_device, dense_backend=args.dense_backend, dtype=args.dtype,
+              kv_dtype=args.dtype)
     where = (f"{args.memory_workers} Ray memory worker process(es)" if args.executor == "ray"
              else "in-process memory side") + f", KV on {args.kv_device}"
     print(f"attention offloaded to {where}; dense part: {llm.dense.backend} "
@@ -110,7 +111,7 @@ def cmd_serve(args) -> int:
 
     llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
               max_batch=args.max_batch, kv_device=args.kv_device,
-              dense_backend=args.dense_backend)
+              dense_backend=args.dense_backend, dtype=args.dtype, kv_dtype=args.dtype)
     print(f"serving {llm.loaded.source} on http://{args.host}:{args.port} "
           f"({args.executor} executor, {args.memory_workers} memory worker(s))", flush=True)
     try:
@@ -202,6 +203,12 @@ def _dense_backend_arg(p, help: str) -> None:
                    help=help)
 
 
+def _dtype_arg(p) -> None:
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="model weights and KV pool dtype (bfloat16 on a CPU without a bf16 "
+                        "GEMM: linears on float32 oneDNN copies, see --dense-backend)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lamina", description="Lamina: attention-offloaded LLM inference")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -222,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-device", default="cpu",
                    help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
     g.add_argument("--max-tokens", type=int, default=64)
-    _dense_backend_arg(g, "compute side's linears: oneDNN-prepacked weights (auto on CPU "
-                       "fp32) or torch eager")
+    _dense_backend_arg(g, "compute side's linears: oneDNN-prepacked weights (auto: on CPU) "
+                       "or torch eager")
+    _dtype_arg(g)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -243,8 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--kv-device", default="cpu",
                    help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
     v.add_argument("--max-batch", type=int, default=64)
-    _dense_backend_arg(v, "compute side's linears: oneDNN-prepacked weights (auto on CPU "
-                       "fp32) or torch eager")
+    _dense_backend_arg(v, "compute side's linears: oneDNN-prepacked weights (auto: on CPU) "
+                       "or torch eager")
+    _dtype_arg(v)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.set_defaults(fn=cmd_serve)

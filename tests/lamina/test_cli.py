@@ -1,6 +1,8 @@
 """The `lamina` CLI: split report, benchmark output files, clear errors."""
 import json
 
+import pytest
+
 from lamina.cli import main
 from tests.tiny_models import tiny_model
 
@@ -81,3 +83,35 @@ def test_dense_backend_choices_follow_the_library():
     for cmd in ("generate", "serve", "bench"):
         opt = next(a for a in sub.choices[cmd]._actions if a.dest == "dense_backend")
         assert tuple(opt.choices) == DENSE_BACKENDS and opt.default == "auto"
+
+
+def test_dtype_flag_reaches_llm(monkeypatch, capsys):
+    """--dtype sets the model's and the KV pool's dtype (generate and serve)."""
+    import lamina
+    import lamina.server
+
+    seen = []
+
+    class FakeLLM:
+        dense = type("D", (), {"backend": "onednn", "reason": "fake"})()
+        loaded = type("L", (), {"source": "fake"})()
+
+        def __init__(self, model, **kw):
+            seen.append(kw)
+
+        def generate(self, prompts, params, use_tqdm=True):
+            return []
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(lamina, "LLM", FakeLLM)
+    monkeypatch.setattr(lamina.server, "serve", lambda llm, host, port: None)
+    assert main(["generate", "--dtype", "bfloat16", "hi"]) == 0
+    assert main(["serve", "--dtype", "bfloat16"]) == 0
+    assert main(["generate", "hi"]) == 0
+    assert [(k["dtype"], k["kv_dtype"]) for k in seen] == [("bfloat16", "bfloat16")] * 2 + \
+        [("float32", "float32")]
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        main(["generate", "--dtype", "float16", "hi"])
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
