@@ -114,6 +114,7 @@ def _pack_slice(s: Slice, packed: dict, batch_hint: int) -> tuple[Slice, int]:
         math = math_dtype(w.dtype)[0]
         if math is None:
             continue
+        upcast = math != w.dtype
         key = (w.data_ptr(), tuple(w.shape), w.dtype)
         if key not in packed:  # a weight read by several slices is packed once
             packed[key] = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(math),
@@ -123,7 +124,7 @@ def _pack_slice(s: Slice, packed: dict, batch_hint: int) -> tuple[Slice, int]:
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         with gm.graph.inserting_before(node):
             attr = gm.graph.get_attr(f"_lamina_packed_{n}")
-            if math != w.dtype:
+            if upcast:
                 x = _cast(gm.graph, x, math)
                 b = _weight_of(gm, bias)
                 if b is not None:  # a parameter bias: one cast copy, kept like the weight
@@ -134,7 +135,7 @@ def _pack_slice(s: Slice, packed: dict, batch_hint: int) -> tuple[Slice, int]:
                     bias = _cast(gm.graph, bias, math)
         node.target = torch.ops.mkldnn._linear_pointwise.default
         node.args, node.kwargs = (x, attr, bias, "none", [], ""), {}
-        if math != w.dtype:
+        if upcast:
             with gm.graph.inserting_after(node):
                 out = _cast(gm.graph, node, w.dtype)
             node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)

@@ -13,7 +13,8 @@ GREEDY = SamplingParams(max_tokens=64, temperature=0)
 
 def engine(smol, smol_split, **kw):
     cfg = EngineConfig(**kw)
-    pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, cfg.num_kv_slots))
+    pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, cfg.num_kv_slots,
+                                         cfg.kv_dtype))
     return LLMEngine(cfg, LocalExecutor(smol_split, MemorySide(pool)), smol.tokenizer,
                      smol.config)
 
@@ -262,9 +263,7 @@ def test_bf16_greedy_tracks_hf_bf16(smol, prompts):
     hf = copy.deepcopy(smol.model).to(torch.bfloat16)
     split, choice = pack_dense(split_model(hf), "auto")
     assert choice.backend == "onednn"
-    cfg = EngineConfig(num_kv_slots=2048)
-    pool = KVPool(KVPoolConfig.for_specs(split.attention_specs, 2048, "bfloat16"))
-    eng = LLMEngine(cfg, LocalExecutor(split, MemorySide(pool)), smol.tokenizer, smol.config)
+    eng = engine(smol, split, num_kv_slots=2048, kv_dtype="bfloat16")
     pick = [prompts[i] for i in (0, 2, 4, 6)]  # 5, 40, 128, 300 tokens
     outs = run(eng, pick, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     eos, same = smol.tokenizer.eos_token_id, 0
