@@ -82,9 +82,7 @@ def cmd_generate(args) -> int:
                             repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty)
-    llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
-              kv_device=args.kv_device, dense_backend=args.dense_backend, dtype=args.dtype,
-              kv_dtype=args.dtype)
+    llm = _llm(LLM, args)
     where = (f"{args.memory_workers} Ray memory worker process(es)" if args.executor == "ray"
              else "in-process memory side") + f", KV on {args.kv_device}"
     print(f"attention offloaded to {where}; dense part: {llm.dense.backend} "
@@ -109,9 +107,7 @@ def cmd_serve(args) -> int:
     from lamina import LLM
     from lamina.server import serve
 
-    llm = LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
-              max_batch=args.max_batch, kv_device=args.kv_device,
-              dense_backend=args.dense_backend, dtype=args.dtype, kv_dtype=args.dtype)
+    llm = _llm(LLM, args, max_batch=args.max_batch)
     print(f"serving {llm.loaded.source} on http://{args.host}:{args.port} "
           f"({args.executor} executor, {args.memory_workers} memory worker(s))", flush=True)
     try:
@@ -203,10 +199,25 @@ def _dense_backend_arg(p, help: str) -> None:
                    help=help)
 
 
-def _dtype_arg(p) -> None:
+def _engine_args(p, executor: str, memory_workers: int) -> None:
+    """The engine options `generate` and `serve` share (read back by `_llm`)."""
+    p.add_argument("--model", default=None)
+    p.add_argument("--executor", default=executor, choices=["local", "ray"])
+    p.add_argument("--memory-workers", type=int, default=memory_workers)
+    p.add_argument("--kv-device", default="cpu",
+                   help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
+    _dense_backend_arg(p, "compute side's linears: oneDNN-prepacked weights (auto: on CPU) "
+                       "or torch eager")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="model weights and KV pool dtype (bfloat16 on a CPU without a bf16 "
                         "GEMM: linears on float32 oneDNN copies, see --dense-backend)")
+
+
+def _llm(LLM, args, **kw):
+    """`LLM` built from the `_engine_args` options."""
+    return LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
+               kv_device=args.kv_device, dense_backend=args.dense_backend, dtype=args.dtype,
+               kv_dtype=args.dtype, **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,15 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
     g = sub.add_parser("generate", help="generate text with the Lamina engine")
     g.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
-    g.add_argument("--model", default=None)
-    g.add_argument("--executor", default="local", choices=["local", "ray"])
-    g.add_argument("--memory-workers", type=int, default=1)
-    g.add_argument("--kv-device", default="cpu",
-                   help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
+    _engine_args(g, executor="local", memory_workers=1)
     g.add_argument("--max-tokens", type=int, default=64)
-    _dense_backend_arg(g, "compute side's linears: oneDNN-prepacked weights (auto: on CPU) "
-                       "or torch eager")
-    _dtype_arg(g)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -245,15 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
                        "/v1/chat/completions)")
-    v.add_argument("--model", default=None)
-    v.add_argument("--executor", default="ray", choices=["local", "ray"])
-    v.add_argument("--memory-workers", type=int, default=2)
-    v.add_argument("--kv-device", default="cpu",
-                   help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
+    _engine_args(v, executor="ray", memory_workers=2)
     v.add_argument("--max-batch", type=int, default=64)
-    _dense_backend_arg(v, "compute side's linears: oneDNN-prepacked weights (auto: on CPU) "
-                       "or torch eager")
-    _dtype_arg(v)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.set_defaults(fn=cmd_serve)
