@@ -2,7 +2,8 @@
 and exchanges each layer's q/k/v and attention output with the memory workers over the
 data plane (`lamina.wire` frames), not through Ray.
 
-Data in: a `StepPlan` per step (one Ray call). Data out: the `StepResult`.
+Data in: a `StepPlan` per step (one Ray call). Data out: the `StepResult`. The
+per-layer protocol is `lamina.link` (`SocketLink`).
 """
 from __future__ import annotations
 
@@ -14,16 +15,15 @@ import time
 import ray
 import torch
 
-from lamina.executor import ComputeSide, MemoryLink, WorkerPart, combine
+from lamina.executor import ComputeSide, WorkerPart
 from lamina.kernels import SlotBatch
 from lamina.kv_pool import KVPoolConfig
+from lamina.link import SocketLink
 from lamina.messages import StepPlan, StepResult
 from lamina.models import load
 from lamina.splitter import split_model
 from lamina.splitter.dense import pack_dense
 from lamina.wire import ShmRing, SocketChannel
-
-from .memory_worker import META
 
 
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
@@ -110,7 +110,7 @@ class ComputeWorker:
                          self.wide_rows)
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
-        result = self.compute.run(plan, _SocketLink(self.channels))
+        result = self.compute.run(plan, SocketLink(self.channels))
         result.timings["threads"] = n
         return result
 
@@ -121,7 +121,7 @@ class ComputeWorker:
         spec = self.compute.split.attention_specs[0]
         hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
         w = len(self.channels)
-        link, out, sub = _SocketLink(self.channels), {}, {}
+        link, out, sub = SocketLink(self.channels), {}, {}
         layers = len(self.compute.params)
         for n in tokens:
             per = [list(range(i, n, w)) for i in range(w)]
@@ -146,49 +146,3 @@ class ComputeWorker:
     def tokens(self, rows: int):
         """A step result's payload for `rows` sampled sequences (for call-cost probes)."""
         return StepResult(-1, tuple(range(rows)), ((0,),) * rows)
-
-
-class _SocketLink(MemoryLink):
-    """Frames to and from each memory worker. Per step, each worker first gets the number
-    of micro-batches it has rows in, then their metadata; then per layer, per micro-batch,
-    q/k/v go out and o comes back, in the same order on both sides."""
-
-    def __init__(self, channels: list[SocketChannel]):
-        self.channels = channels
-
-    def begin(self, step, parts):
-        self.step = step
-        for w, ch in enumerate(self.channels):
-            live = [p[w] for p in parts if p[w].rows.numel()]
-            if not live:
-                continue
-            frames = [(torch.tensor([len(live)], dtype=torch.int32), META, step)]
-            for p in live:
-                b = p.batch
-                frames += [(t, META, step) for t in (p.new_slots, b.cu_q, b.q_pos, b.slots,
-                                                     b.cu_k, b.k_pos0)]
-            ch.send_many(frames)
-
-    def submit(self, layer, mb, q, k, v, parts):
-        # Every worker's frames are staged before any is woken, then the wake-ups go out
-        # back to back: a woken worker can take this process's core (measured: the next
-        # worker's gather then waited ~1 ms), so nothing else may sit between them.
-        staged = []
-        for ch, p in zip(self.channels, parts):  # every worker first: they run in parallel
-            if p.rows.numel():
-                staged.append((ch, ch.stage([(t, layer, self.step)
-                                             for t in p.take(q, k, v)])))
-        for ch, views in staged:
-            ch.flush(views)
-
-    def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
-        n, hq, dv = out_shape
-        outs = []
-        for ch, p in zip(self.channels, parts):
-            if not p.rows.numel():
-                outs.append(None)
-                continue
-            ol = ch.recv(expect_layer=layer, expect_step=self.step,
-                         expect_shape=(p.rows.numel(), hq, dv + 1))[0]  # o | lse
-            outs.append((ol[..., :dv], ol[..., dv].float()))
-        return combine(parts, outs, out_shape, dtype, merge)

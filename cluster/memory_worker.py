@@ -1,32 +1,27 @@
 """Memory worker: a Ray actor holding one KV pool and computing attention for the
 requests placed on it.
 
-Data in: over the data plane (frames, `lamina.wire`), per step a metadata group (layer
--1: the micro-batch count, then per micro-batch new-token slots, cu_q, q_pos, slots,
-cu_k, k_pos0 as int32 tensors), then per layer and micro-batch q [n, Hq, D],
-k [m, Hkv, D], v [m, Hkv, Dv] (m = new slots: the rows whose KV this worker stores).
-Data out: per layer and micro-batch [n, Hq, Dv + 1]: the attention output with each
-row's log-sum-exp as the last column (so a sequence split over workers merges exactly).
+Data in: the compute worker's frames over the data plane: per step the slot metadata,
+per layer and micro-batch q/k/v (the protocol is `lamina.link`; its `MemoryServer`
+runs here, on a thread). Data out: per layer and micro-batch the attention output with
+each row's log-sum-exp (so a sequence split over workers merges exactly).
 Ray only creates, configures and supervises it (setup / listen / health calls).
 """
 from __future__ import annotations
 
 import os
-import queue
 import socket
 import tempfile
 import threading
-import traceback
 
 import ray
 import torch
 
 from lamina.executor import MemorySide
-from lamina.kernels import SlotBatch
 from lamina.kv_pool import KVPool
-from lamina.wire import FrameError, ShmRing, SocketChannel
+from lamina.link import MemoryServer
+from lamina.wire import ShmRing, SocketChannel
 
-META = -1  # layer tag of the per-step metadata frames
 RING_BYTES = 64 << 20  # per direction; larger payloads go inline on the socket
 
 
@@ -38,8 +33,8 @@ def shm_enabled() -> bool:
 class MemoryWorker:
     def __init__(self, index: int, threads: int = 1):
         torch.set_num_threads(threads)
-        self.index, self.error, self.steps = index, None, 0
-        self.memory = self.params = self._srv = None
+        self.index = index
+        self.memory = self.params = self._srv = self.server = None
 
     def setup(self, pool_config, params) -> dict:
         self.memory = MemorySide(KVPool(pool_config))
@@ -70,7 +65,8 @@ class MemoryWorker:
         return addr
 
     def health(self) -> dict:
-        return {"error": self.error, "steps": self.steps}
+        s = self.server
+        return {"error": s and s.error, "steps": s.steps if s else 0}
 
     def _serve(self):
         conn, _ = self._srv.accept()
@@ -83,63 +79,6 @@ class MemoryWorker:
             ch = SocketChannel(conn, ring_out=m2c, ring_in=c2m)
         else:
             ch = SocketChannel(conn)
-        # With micro-batches, outputs go out on their own thread so this one keeps reading:
-        # the compute side sends the next one's q/k/v before it reads this one's output.
-        # With one, the output goes out at once (no hand-off between threads).
-        self._out = queue.SimpleQueue()
-        self._send_lock = threading.Lock()
-        threading.Thread(target=self._send_loop, args=(ch,), daemon=True).start()
-        try:
-            while True:
-                self._step(ch)
-                self.steps += 1
-        except FrameError as e:
-            if "header truncated: peer closed after 0" not in str(e):  # not a clean close
-                self.error = f"memory worker {self.index}: {e}"
-        except Exception:  # noqa: BLE001 - reported through health(), then the socket closes
-            self.error = f"memory worker {self.index}: {traceback.format_exc()}"
-        finally:
-            self._out.put(None)
-
-    def _send_loop(self, ch: SocketChannel):
-        try:
-            while (item := self._out.get()) is not None:
-                with self._send_lock:
-                    ch.send(*item)
-        except OSError as e:
-            self.error = self.error or f"memory worker {self.index}: send failed: {e}"
-        finally:
-            ch.close()
-
-    def _step(self, ch: SocketChannel):
-        count, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32,
-                                 expect_shape=(1,))
-        if not 1 <= int(count[0]) <= 64:
-            raise FrameError(f"step {step}: {int(count[0])} micro-batches")
-        mbs = []
-        for _ in range(int(count[0])):
-            new_slots, *fields = [ch.recv(expect_layer=META, expect_step=step,
-                                          expect_dtype=torch.int32)[0] for _ in range(6)]
-            batch = SlotBatch(*fields)
-            try:  # index scans once per step; per layer only shapes are checked
-                self.memory.check(new_slots, batch)
-            except ValueError as e:
-                raise FrameError(f"step {step}: bad slot metadata: {e}") from None
-            mbs.append((new_slots, batch))
-        for layer, params in enumerate(self.params):
-            for new_slots, batch in mbs:
-                n, m = batch.num_queries, new_slots.numel()
-                q = ch.recv(expect_layer=layer, expect_step=step)[0]
-                k = ch.recv(expect_layer=layer, expect_step=step)[0]
-                v = ch.recv(expect_layer=layer, expect_step=step)[0]
-                if q.shape[0] != n or k.shape[0] != m or v.shape[0] != m:
-                    raise FrameError(f"step {step} layer {layer}: q/k/v rows {q.shape[0]}/"
-                                     f"{k.shape[0]}/{v.shape[0]}, expected {n}/{m}/{m}")
-                o, lse = self.memory.attend(layer, params, q, k, v, new_slots, batch,
-                                            checked=True)
-                frame = (torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step)
-                if len(mbs) == 1:  # the peer reads it before it sends more: no deadlock
-                    with self._send_lock:
-                        ch.send(*frame)
-                else:
-                    self._out.put(frame)
+        self.server = MemoryServer(self.memory, self.params, ch,
+                                   f"memory worker {self.index}")
+        self.server.serve()

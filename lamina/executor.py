@@ -7,8 +7,9 @@ here, on the compute side, so only token ids go back to the engine).
 All sequences' new tokens are packed into one [1, N] row: every op outside attention is
 per token, so the slices need no padding, and prefill and decode mix freely in one step.
 For each attention layer the packed q/k/v rows are split by memory worker (requests are
-partitioned across workers), each worker writes its rows' k/v into its pool and attends
-over its sequences' slots, and the outputs are put back in row order. With
+partitioned across workers; rows are packed grouped by worker, so each worker's share is
+one slice), each worker writes its rows' k/v into its pool and attends over its
+sequences' slots, and the outputs are put back in row order. With
 `plan.micro_batches = 2` the step runs as two sub-batches in a staggered pipeline (paper
 5.1, the n = 2 case on one replica): slice i of one overlaps the other's attention.
 The last slice (last layer's o_proj and MLP, final norm, lm_head) runs on the sampled
@@ -84,7 +85,9 @@ class WorkerPart:
     new_slots: torch.Tensor  # [m] int32: where the k/v of `kv_rows` go in its pool
     batch: SlotBatch  # its sequences' slot tables and query positions
     kv_rows: torch.Tensor | None = None  # [m] int64: rows whose k/v it stores (None: rows)
-    whole: bool = False  # rows and kv_rows are every packed row, in order (no gather)
+    # (a, b): rows and kv_rows are both exactly a..b-1 (a slice, no gather); None: not
+    span: tuple[int, int] | None = None
+    whole: bool = False  # span covers every packed row
 
     def __post_init__(self):
         if self.kv_rows is None:
@@ -94,8 +97,17 @@ class WorkerPart:
         """Its share of a layer's packed q [N, Hq, D] and k/v [N, Hkv, D]."""
         if self.whole:
             return q, k, v
+        if self.span:
+            a, b = self.span
+            return q[a:b], k[a:b], v[a:b]
         return (q.index_select(0, self.rows), k.index_select(0, self.kv_rows),
                 v.index_select(0, self.kv_rows))
+
+    def take_rows(self, x):
+        """Its query rows of a packed [N, ...] tensor (a view when they are a slice)."""
+        if self.span:
+            return x if self.whole else x[self.span[0]:self.span[1]]
+        return x.index_select(0, self.rows)
 
 
 def pack(plan: StepPlan, num_workers: int):
@@ -134,13 +146,22 @@ def pack(plan: StepPlan, num_workers: int):
             p[3].append(s.slots[a:b])
             p[4].append(range(q0, p0 + n))
             p[5].append(a)
-    parts, every = [], list(range(len(ids)))
+    parts = []
     for qr, kr, ns, tables, qpos, k0 in per:
         batch = SlotBatch.build(tables, [len(x) for x in qpos], k0, q_pos=qpos)
+        # rows ascend, so they are a slice iff they span exactly len(qr) rows
+        span = (qr[0], qr[-1] + 1) if qr and qr == kr and qr[-1] - qr[0] + 1 == len(qr) else None
         parts.append(WorkerPart(torch.tensor(qr, dtype=torch.int64),
                                 torch.tensor(ns, dtype=torch.int32), batch,
-                                torch.tensor(kr, dtype=torch.int64), qr == kr == every))
+                                torch.tensor(kr, dtype=torch.int64), span,
+                                span == (0, len(ids))))
     return torch.tensor([ids]), torch.tensor([pos]), rows, parts, merge, sample, prompt
+
+
+def by_worker(seqs: tuple) -> tuple:
+    """The sequences grouped by memory worker (stable; KV-split ones last), so that in the
+    packed order each worker's rows are one slice: its q/k/v go out without a gather."""
+    return tuple(sorted(seqs, key=lambda s: (len(s.placement) > 1, s.placement[0][0])))
 
 
 def split_micro(seqs: tuple, n: int) -> list[tuple]:
@@ -226,7 +247,9 @@ def combine(parts: list[WorkerPart], outs: list, out_shape, dtype, merge: bool):
                 return r[0] if r[0].dtype == dtype else r[0].to(dtype)
         o = torch.empty(n, hq, dv, dtype=dtype)
         for p, r in zip(parts, outs):
-            if r is not None:
+            if r is not None and p.span:
+                o[p.span[0]:p.span[1]] = r[0]
+            elif r is not None:
                 o.index_copy_(0, p.rows, r[0].to(dtype))
         return o
     os, lses = [], []
@@ -249,8 +272,8 @@ class ComputeSide:
 
     @torch.no_grad()
     def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
-        mbs = [pack(StepPlan(plan.step, g), self.num_workers)
-               for g in split_micro(plan.seqs, plan.micro_batches)]
+        groups = [by_worker(g) for g in split_micro(plan.seqs, plan.micro_batches)]
+        mbs = [pack(StepPlan(plan.step, g), self.num_workers) for g in groups]
         if any(m[4] for m in mbs) and any(p.sinks is not None for p in self.params):
             raise ValueError("a sequence's KV is split over memory workers, but this model's "
                              "attention has sinks: run with split_kv=False")
@@ -287,7 +310,7 @@ class ComputeSide:
                                 v[0].transpose(0, 1), parts)
                     t_submit += time.perf_counter() - t
         t = time.perf_counter()
-        works, tokens, lps, plps = [s for s in plan.seqs if s.sample], [], None, None
+        works, tokens, lps, plps = [s for g in groups for s in g if s.sample], [], None, None
         if works:
             # all: [R, V] logit rows (picked here if the last slice ran on every token)
             all_, sample, prompt, at, k = [], [], [], 0, 0
@@ -312,6 +335,12 @@ class ComputeSide:
                                               s.params.prompt_logprobs)
                 plps = tuple(plps)
         t_sample = time.perf_counter() - t
+        if works:  # back to plan order (rows were grouped by worker)
+            rank = {s.seq_id: i for i, s in enumerate(s for s in plan.seqs if s.sample)}
+            order = sorted(range(len(works)), key=lambda i: rank[works[i].seq_id])
+            works, tokens = [works[i] for i in order], [tokens[i] for i in order]
+            lps = lps if lps is None else tuple(lps[i] for i in order)
+            plps = plps if plps is None else tuple(plps[i] for i in order)
         return StepResult(plan.step, tuple(s.seq_id for s in works), tuple(tokens),
                           {"dense_s": t_dense, "submit_s": t_submit, "wait_s": t_wait,
                            "attention_s": t_submit + t_wait, "sample_s": t_sample,
