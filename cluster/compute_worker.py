@@ -58,6 +58,7 @@ class ComputeWorker:
         self.compute = ComputeSide(split, num_memory_workers)
         self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
         self.channels: list[SocketChannel] = []
+        self.fused = True
 
     def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu"):
         """What each memory worker needs: its pool shape and per-layer attention params."""
@@ -93,6 +94,14 @@ class ComputeWorker:
         self.set_timeout(timeout_s)
         return os.getpid()
 
+    def set_layout(self, layout: str) -> None:
+        """How steps send q/k/v: "slices" (the default: rows grouped by worker, one
+        q|k|v frame each) or "gathered" (plan order, rows gathered per worker, three
+        frames: the earlier protocol, kept for paired benchmarks)."""
+        if layout not in ("slices", "gathered"):
+            raise ValueError(f"unknown layout {layout!r}: slices or gathered")
+        self.fused = self.compute.group_rows = layout == "slices"
+
     def set_timeout(self, seconds: float | None) -> None:
         for ch in self.channels:
             ch.set_timeout(seconds)
@@ -110,38 +119,57 @@ class ComputeWorker:
                          self.wide_rows)
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
-        result = self.compute.run(plan, SocketLink(self.channels))
+        result = self.compute.run(plan, SocketLink(self.channels, self.fused))
         result.timings["threads"] = n
         return result
 
-    def probe_exchange(self, tokens, repeat: int) -> dict:
+    def probe_exchange(self, tokens, repeat: int, layouts=("slices",)) -> dict:
         """Seconds per layer for n tokens' q/k/v to the memory workers and o back, and for
         the submit alone, through the real link and memory-worker loop. Each token attends
-        to its own slot only (so the kernel's share is tiny), slots 0..n-1 of an idle pool."""
+        to its own slot only (so the kernel's share is tiny), slots 0..n-1 of an idle pool.
+        Layouts, timed in turn within each repeat: "slices" (how steps run: each worker's
+        rows one slice, one q|k|v frame) and "gathered" (rows dealt round-robin, gathered
+        per worker, three frames: the protocol before the slices). One layout: flat
+        results; several: {layout: results}."""
         spec = self.compute.split.attention_specs[0]
         hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
-        w = len(self.channels)
-        link, out, sub = SocketLink(self.channels), {}, {}
-        layers = len(self.compute.params)
+        w, layers = len(self.channels), len(self.compute.params)
+        res = {lay: {"exchange_s": {}, "submit_s": {}} for lay in layouts}
         for n in tokens:
-            per = [list(range(i, n, w)) for i in range(w)]
-            parts = [WorkerPart(torch.tensor(r, dtype=torch.int64),
-                                torch.arange(len(r), dtype=torch.int32),
-                                SlotBatch.build([[j] for j in range(len(r))], [1] * len(r)))
-                     for r in per]
-            q, k, v = torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, dv)
-            times, subs = [], []
+            setups = {}
+            for lay in layouts:
+                if lay == "slices":
+                    per = [list(range(i * n // w, (i + 1) * n // w)) for i in range(w)]
+                elif lay == "gathered":
+                    per = [list(range(i, n, w)) for i in range(w)]
+                else:
+                    raise ValueError(f"unknown layout {lay!r}: slices or gathered")
+                parts = []
+                for r in per:
+                    span = (r[0], r[-1] + 1) if r and lay == "slices" else None
+                    parts.append(WorkerPart(
+                        torch.tensor(r, dtype=torch.int64), torch.arange(len(r), dtype=torch.int32),
+                        SlotBatch.build([[j] for j in range(len(r))], [1] * len(r)),
+                        span=span, whole=span == (0, n)))
+                setups[lay] = (SocketLink(self.channels, fused=lay == "slices"), parts)
+            # strided as the slices give them: [1, H, N, D] -> [N, H, D]
+            q, k, v = (torch.randn(1, h, n, e)[0].transpose(0, 1)
+                       for h, e in ((hq, d), (hkv, d), (hkv, dv)))
+            times = {lay: ([], []) for lay in layouts}
             for rep in range(repeat):
-                link.begin(-2 - rep, [parts])
-                t = time.perf_counter()
-                for layer in range(layers):
-                    t1 = time.perf_counter()
-                    link.submit(layer, 0, q, k, v, parts)
-                    subs.append(time.perf_counter() - t1)
-                    link.collect(layer, 0, parts, (n, hq, dv), q.dtype)
-                times.append((time.perf_counter() - t) / layers)
-            out[n], sub[n] = statistics.median(times), statistics.median(subs)
-        return {"exchange_s": out, "submit_s": sub}
+                for lay, (link, parts) in setups.items():
+                    link.begin(-2 - rep, [parts])
+                    t = time.perf_counter()
+                    for layer in range(layers):
+                        t1 = time.perf_counter()
+                        link.submit(layer, 0, q, k, v, parts)
+                        times[lay][1].append(time.perf_counter() - t1)
+                        link.collect(layer, 0, parts, (n, hq, dv), q.dtype)
+                    times[lay][0].append((time.perf_counter() - t) / layers)
+            for lay, (ex, sub) in times.items():
+                res[lay]["exchange_s"][n] = statistics.median(ex)
+                res[lay]["submit_s"][n] = statistics.median(sub)
+        return res[layouts[0]] if len(layouts) == 1 else res
 
     def tokens(self, rows: int):
         """A step result's payload for `rows` sampled sequences (for call-cost probes)."""

@@ -269,10 +269,12 @@ class ComputeSide:
     def __init__(self, split: SplitModel, num_workers: int):
         self.split, self.num_workers = split, num_workers
         self.params = [attention_params(s) for s in split.attention_specs]
+        self.group_rows = True  # pack rows grouped by worker (False: plan order, to compare)
 
     @torch.no_grad()
     def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
-        groups = [by_worker(g) for g in split_micro(plan.seqs, plan.micro_batches)]
+        groups = [by_worker(g) if self.group_rows else g
+                  for g in split_micro(plan.seqs, plan.micro_batches)]
         mbs = [pack(StepPlan(plan.step, g), self.num_workers) for g in groups]
         if any(m[4] for m in mbs) and any(p.sinks is not None for p in self.params):
             raise ValueError("a sequence's KV is split over memory workers, but this model's "

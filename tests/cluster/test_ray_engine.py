@@ -72,6 +72,24 @@ def test_ray_rotational_pipeline_identical(llm, prompts, hf_greedy):
     assert max(t["micro_batches"] for t in eng.step_timings) == 2
 
 
+def test_ray_gathered_layout_and_probe(llm, prompts, hf_greedy):
+    """The earlier q/k/v layout (kept for paired benchmarks) gives the same tokens; the
+    exchange probe times both layouts through the real workers."""
+    compute = llm.executor.compute
+    ray.get(compute.set_layout.remote("gathered"))
+    try:
+        outs = llm.generate(prompts[:4], replace(GREEDY, max_tokens=8), use_tqdm=False)
+    finally:
+        ray.get(compute.set_layout.remote("slices"))
+    assert [o.token_ids for o in outs] == [r[:8] for r in hf_greedy[:4]]
+    res = ray.get(compute.probe_exchange.remote([1, 8], 2, ("gathered", "slices")))
+    for lay in ("gathered", "slices"):
+        assert set(res[lay]["exchange_s"]) == {1, 8}
+        assert 0 < res[lay]["submit_s"][8] < res[lay]["exchange_s"][8]
+    with pytest.raises(ValueError, match="unknown layout 'rows'"):
+        ray.get(compute.set_layout.remote("rows"))
+
+
 def test_ray_kv_split_over_workers_identical(llm, prompts, hf_greedy):
     """Hold most slots so the 600-token prompt spans both memory workers' pools; the
     partial attentions come back with their LSE and merge exactly."""
