@@ -26,6 +26,7 @@ from .memory_worker import MemoryWorker
 log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
 HEALTH_TIMEOUT_S = 10  # after a failed step: how long the memory workers get to report
+OMP_SPIN = 10_000  # libgomp spin rounds of an idle worker thread before it sleeps
 
 
 class WorkerFailure(RuntimeError):
@@ -57,9 +58,12 @@ class RayExecutor(Executor):
                                  f"workers on a GPU of its own, but the Ray cluster has "
                                  f"{int(have.get('GPU', 0))} GPU(s)")
             m_opts["num_gpus"] = 1
-        # Idle OpenMP threads sleep at once instead of spinning, so a worker's threads
-        # never hold a core another worker process needs (they share cores here).
-        env = {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
+        # Idle OpenMP threads spin only briefly (10^4 rounds of libgomp's wait loop), then
+        # sleep: long enough to carry the compute worker's threads from one linear to
+        # the next, short enough that they give the cores to the memory workers while
+        # those attend. Measured (B=32 bf16 decode, alternating runs): 1.09x the tok/s
+        # of sleeping at once (OMP_WAIT_POLICY=PASSIVE) and 1.03x libgomp's default spin.
+        env = {"runtime_env": {"env_vars": {"GOMP_SPINCOUNT": str(OMP_SPIN)}}}
         # Steps whose dense part runs while the memory workers are idle may take every
         # core of a local (single-node) cluster (`compute_worker.step_threads`).
         local_cores = int(have.get("CPU", 1)) if "lamina_compute" not in have else threads

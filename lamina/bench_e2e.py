@@ -129,6 +129,9 @@ def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, th
                 row[f"{ex}_x_hf"] = tps / hf_tps
                 row[f"{ex}_step_ms"] = {k[:-2]: v * 1e3 for k, v in step.items()}
                 row[f"{ex}_same_tokens_as_hf"] = toks == ref
+                # bf16 greedy can part from HF's at near ties: how many and how far
+                row[f"{ex}_identical_seqs"] = f"{sum(a == b for a, b in zip(toks, ref))}/{B}"
+                row[f"{ex}_common_prefix_min"] = min(_prefix(a, b) for a, b in zip(toks, ref))
             if "ray" in llms and "local" in llms:
                 r, loc = row["ray_step_ms"], row["local_step_ms"]
                 attn = loc["attention"]
@@ -178,6 +181,10 @@ def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, th
 
 def _f(x, nd=1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _prefix(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _line(row: dict) -> str:

@@ -16,6 +16,8 @@ from lamina.messages import SeqWork, StepPlan
 from lamina.sampling import SamplingParams
 from lamina.wire import FrameError, SocketChannel
 
+from .test_engine import run
+
 
 class LinkedExecutor(Executor):
     """ComputeSide in this thread, each memory side serving on a thread of its own."""
@@ -49,12 +51,7 @@ def linked_engine(smol, split, slots, fused=True, link_cls=SocketLink, **kw):
 
 
 def generate(eng, prompts, params):
-    ids = [eng.add_request(p, params) for p in prompts]
-    out = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id] = o
-    return [out[i].token_ids for i in ids]
+    return [o.token_ids for o in run(eng, prompts, params)]
 
 
 def test_fuse_and_split_qkv_round_trip():
