@@ -61,8 +61,9 @@ class RayExecutor(Executor):
         # Idle OpenMP threads spin only briefly (10^4 rounds of libgomp's wait loop), then
         # sleep: long enough to carry the compute worker's threads from one linear to
         # the next, short enough that they give the cores to the memory workers while
-        # those attend. Measured (B=32 bf16 decode, alternating runs): 1.09x the tok/s
-        # of sleeping at once (OMP_WAIT_POLICY=PASSIVE) and 1.03x libgomp's default spin.
+        # those attend. Measured (B=32 bf16 decode, runs taking turns): 0.95-1.06x the
+        # tok/s of sleeping at once (OMP_WAIT_POLICY=PASSIVE), median pair 1.05x: a small
+        # gain at best, never a clear loss (README, end-to-end section).
         env = {"runtime_env": {"env_vars": {"GOMP_SPINCOUNT": str(OMP_SPIN)}}}
         # Steps whose dense part runs while the memory workers are idle may take every
         # core of a local (single-node) cluster (`compute_worker.step_threads`).
