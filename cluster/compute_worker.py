@@ -18,7 +18,7 @@ import torch
 from lamina.executor import ComputeSide, WorkerPart
 from lamina.kernels import SlotBatch
 from lamina.kv_pool import KVPoolConfig
-from lamina.link import SocketLink
+from lamina.link import SocketLink, dataplane_ext
 from lamina.messages import StepPlan, StepResult
 from lamina.models import load
 from lamina.splitter import split_model
@@ -59,6 +59,7 @@ class ComputeWorker:
         self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
         self.channels: list[SocketChannel] = []
         self.fused = True
+        dataplane_ext()  # the C++ data plane (built or loaded now, not in the first step)
 
     def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu"):
         """What each memory worker needs: its pool shape and per-layer attention params."""

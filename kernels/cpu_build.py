@@ -1,6 +1,7 @@
-"""Build (once) and load the C++/OpenMP CPU kernel in `csrc/slot_attention.cpp`.
+"""Build (once) and load the C++/OpenMP CPU kernel in `csrc/slot_attention.cpp` (and the
+memory worker's per-layer loop in `csrc/dataplane.cpp`, which calls it).
 
-Data in: the C++ source beside this file. Data out: the loaded extension module, or a
+Data in: the C++ sources beside this file. Data out: the loaded extension module, or a
 `KernelBuildError` saying why it could not be had. Builds go to
 `$LAMINA_CACHE_DIR/kernels/<key>` (default `~/.cache/lamina/kernels/<key>`), keyed by the
 source, flags, torch version and CPU, so a build is reused by every later process and a
@@ -21,7 +22,9 @@ import torch
 
 log = logging.getLogger("lamina.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "slot_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+# the kernels, and the memory worker's per-layer loop that calls them (lamina.link)
+SOURCES = (CSRC / "slot_attention.cpp", CSRC / "dataplane.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 _lock = threading.Lock()
@@ -38,7 +41,9 @@ def cache_root() -> Path:
 
 
 def build_key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(platform.machine().encode())
@@ -85,7 +90,7 @@ def _build():
     build_dir.mkdir(parents=True, exist_ok=True)
     cached = any(build_dir.glob("*.so"))
     t0 = time.perf_counter()
-    mod = cpp_extension.load(name="lamina_slot_attention", sources=[str(SOURCE)],
+    mod = cpp_extension.load(name="lamina_slot_attention", sources=[str(s) for s in SOURCES],
                              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                              build_directory=str(build_dir), verbose=False)
     _state["build_s"] = time.perf_counter() - t0

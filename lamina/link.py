@@ -26,10 +26,10 @@ import traceback
 
 import torch
 
-from lamina.kernels import SlotBatch
+from lamina.kernels import KernelBuildError, SlotBatch, load_cpu_kernel
 
 from .executor import MemoryLink, MemorySide, combine
-from .wire import FrameError, SocketChannel
+from .wire import FrameError, PeerTimeout, SocketChannel
 
 META = -1  # layer tag of the per-step metadata frames
 MAX_MICRO_BATCHES = 64
@@ -59,12 +59,35 @@ def split_qkv(x: torch.Tensor, hkv: int, d: int, dv: int, what: str = "q|k|v fra
             x[:, b:].unflatten(1, (hkv, dv)))
 
 
+def dataplane_ext():
+    """The compiled module with the data plane's C++ fast paths, or None (then the
+    Python ends run; they speak the same protocol)."""
+    try:
+        return load_cpu_kernel()
+    except KernelBuildError:
+        return None
+
+
+def _rings(rings: list) -> tuple:
+    """C++ arguments for one direction of each channel's ring (None: no ring)."""
+    return ([r and r.data for r in rings], [r and r.ctrl for r in rings],
+            [r.pos if r else 0 for r in rings])
+
+
+def _raise(status: int, msg: str) -> None:
+    raise (FrameError, PeerTimeout, RuntimeError)[status - 1](msg)
+
+
 class SocketLink(MemoryLink):
     """The compute end: frames to and from one channel per memory worker. `fused=False`
-    sends q/k/v as three frames even where one would do (both are valid protocol)."""
+    sends q/k/v as three frames even where one would do (both are valid protocol).
+    When every worker's rows are a slice (`WorkerPart.span`, no KV split) a layer's
+    frames go out and come back through C++ (`submit_qkv`, `collect_o`), unless
+    `fast=False`."""
 
-    def __init__(self, channels: list[SocketChannel], fused: bool = True):
+    def __init__(self, channels: list[SocketChannel], fused: bool = True, fast: bool = True):
         self.channels, self.fused = channels, fused
+        self._ext = dataplane_ext() if fast and fused else None
 
     def begin(self, step, parts):
         self.step = step
@@ -79,7 +102,29 @@ class SocketLink(MemoryLink):
                                                      b.cu_k, b.k_pos0)]
             ch.send_many(frames)
 
+    def _spans(self, parts):
+        """(starts, ends) of each worker's rows when all are slices, else None."""
+        if any(p.span is None and p.rows.numel() for p in parts):
+            return None
+        return ([p.span[0] if p.span else 0 for p in parts],
+                [p.span[1] if p.span else 0 for p in parts])
+
     def submit(self, layer, mb, q, k, v, parts):
+        spans = self._ext and q.dtype == k.dtype == v.dtype and self._spans(parts)
+        if spans:
+            chs = self.channels
+            rings = [ch.ring_out for ch in chs]
+            data, ctrl, pos = _rings(rings)
+            status, msg, pos = self._ext.submit_qkv(
+                [ch.sock.fileno() for ch in chs], [ch.timeout_ms() for ch in chs], data, ctrl,
+                pos, next((r.min_bytes for r in rings if r), 0), q, k, v, *spans, layer,
+                self.step)
+            for r, p in zip(rings, pos):
+                if r:
+                    r.pos = p
+            if status:
+                _raise(status, msg)
+            return
         # Every worker's frames are staged before any is woken, then the wake-ups go out
         # back to back: a woken worker can take this process's core (measured: the next
         # worker's gather then waited ~1 ms), so nothing else may sit between them.
@@ -100,6 +145,20 @@ class SocketLink(MemoryLink):
 
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
         n, hq, dv = out_shape
+        spans = (self._ext and not merge and not any(ch.buffered() for ch in self.channels)
+                 and self._spans(parts))
+        if spans:
+            chs = self.channels
+            rings = [ch.ring_in for ch in chs]
+            status, msg, pos, o = self._ext.collect_o(
+                [ch.sock.fileno() for ch in chs], [ch.timeout_ms() for ch in chs],
+                *_rings(rings), *spans, layer, self.step, torch.empty(n, hq, dv, dtype=dtype))
+            for r, p in zip(rings, pos):
+                if r:
+                    r.pos = p
+            if status:
+                _raise(status, msg)
+            return o
         outs = []
         for ch, p in zip(self.channels, parts):
             if not p.rows.numel():
@@ -117,11 +176,23 @@ class MemoryServer:
     sees the channel close and fails its step); `steps` counts completed steps."""
 
     def __init__(self, memory: MemorySide, params: list, ch: SocketChannel,
-                 name: str = "memory worker"):
+                 name: str = "memory worker", fast: bool = True):
         self.memory, self.params, self.ch, self.name = memory, list(params), ch, name
         cfg = memory.pool.config
         self.kv_shape = (cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim)
-        self.steps, self.error = 0, None
+        self.steps, self.fast_steps, self.error = 0, 0, None
+        # Steps of one micro-batch run their layers in C++ (`serve_step`, GIL released)
+        # when the compiled CPU kernel serves a host pool; else (GPU pools, the
+        # reference backend, `fast=False`) this file's Python loop does.
+        ext = getattr(memory.backend, "_ext", None)
+        self._fast = None
+        if fast and memory.backend.name == "cpu" and hasattr(ext, "serve_step"):
+            pools = [memory.pool.layer(i) for i in range(len(self.params))]
+            self._fast = (ext.serve_step, [k for k, _ in pools], [v for _, v in pools],
+                          [p.scale for p in self.params],
+                          [p.sliding_window for p in self.params],
+                          [p.softcap for p in self.params],
+                          [p.sinks_tensor("cpu") for p in self.params])
         # With micro-batches, outputs go out on their own thread so this one keeps
         # reading: the compute side sends the next one's q/k/v before it reads this
         # one's output. With one, the output goes out at once (no hand-off).
@@ -167,6 +238,8 @@ class MemoryServer:
             except ValueError as e:
                 raise FrameError(f"step {step}: bad slot metadata: {e}") from None
             mbs.append((new_slots, batch))
+        if self._fast and len(mbs) == 1:
+            return self._serve_fast(step, *mbs[0])
         for layer, params in enumerate(self.params):
             for new_slots, batch in mbs:
                 q, k, v = self._recv_qkv(layer, step, batch.num_queries, new_slots.numel())
@@ -178,6 +251,26 @@ class MemoryServer:
                         ch.send(*frame)
                 else:
                     self._out.put(frame)
+
+    def _serve_fast(self, step: int, new_slots, batch) -> None:
+        """The layers of a one-micro-batch step in C++: the same frames and checks."""
+        fn, kps, vps, scales, windows, caps, sinks = self._fast
+        ch, rin, rout = self.ch, self.ch.ring_in, self.ch.ring_out
+        with self._lock:
+            status, msg, in_pos, out_pos = fn(
+                ch.sock.fileno(), ch.take_pending(), ch.timeout_ms(), step, kps, vps,
+                new_slots, batch.cu_q, batch.q_pos, batch.slots, batch.cu_k, batch.k_pos0,
+                scales, windows, caps, sinks,
+                rin and rin.data, rin and rin.ctrl, rin.pos if rin else 0,
+                rout and rout.data, rout and rout.ctrl, rout.pos if rout else 0,
+                (rin or rout).min_bytes if (rin or rout) else 0)
+        if rin:
+            rin.pos = in_pos
+        if rout:
+            rout.pos = out_pos
+        if status:
+            _raise(status, msg)
+        self.fast_steps += 1
 
     def _recv_qkv(self, layer: int, step: int, n: int, m: int):
         """One layer's q [n, Hq, D], k/v [m, Hkv, D|Dv] for one micro-batch."""

@@ -178,6 +178,7 @@ class ShmRing:
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.CTRL,
                                      count=capacity)
         self._ctrl = memoryview(self.mm)[:8].cast("Q")
+        self.ctrl = torch.frombuffer(self.mm, dtype=torch.int64, count=1)  # for C++ ends
 
     def fits(self, nbytes: int) -> bool:
         return self.min_bytes <= nbytes <= self.cap // 2
@@ -221,7 +222,7 @@ class ShmRing:
 
     def close(self) -> None:
         self._ctrl.release()
-        del self.data
+        del self.data, self.ctrl
         try:
             self.mm.close()
         except BufferError:  # a tensor still views it; the OS unmaps at exit
@@ -325,6 +326,21 @@ class SocketChannel(Channel):
                 raise FrameError(f"{what} truncated: peer closed after {got} of {len(view)} "
                                  f"bytes")
             got += n
+
+    def take_pending(self) -> bytes:
+        """The received bytes not yet parsed, removed from the buffer (a C++ end
+        continues from them: `lamina.link.MemoryServer`'s fast path)."""
+        out = bytes(self._rview[self._lo:self._hi])
+        self._lo = self._hi = 0
+        return out
+
+    def buffered(self) -> int:
+        """Received bytes not yet parsed."""
+        return self._hi - self._lo
+
+    def timeout_ms(self) -> int:
+        t = self.sock.gettimeout()
+        return -1 if t is None else max(1, int(t * 1000))
 
     def recv(self, **expect):
         self._fill(HEADER.size, "frame header")

@@ -502,8 +502,34 @@ double read_rows(at::Tensor k, at::Tensor v, at::Tensor slots) {
   }, std::plus<double>());
 }
 
+// dataplane.cpp: the data plane's per-layer fast paths (memory end, compute end).
+std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
+    int64_t fd, std::string pending, int64_t timeout_ms, int64_t step,
+    std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools, at::Tensor new_slots,
+    at::Tensor cu_q, at::Tensor q_pos, at::Tensor slots, at::Tensor cu_k, at::Tensor k_pos0,
+    std::vector<double> scales, std::vector<int64_t> windows, std::vector<double> softcaps,
+    std::vector<c10::optional<at::Tensor>> sinks,
+    c10::optional<at::Tensor> ring_in, c10::optional<at::Tensor> ring_in_ctrl, int64_t in_pos,
+    c10::optional<at::Tensor> ring_out, c10::optional<at::Tensor> ring_out_ctrl,
+    int64_t out_pos, int64_t ring_min_bytes);
+std::tuple<int64_t, std::string, std::vector<int64_t>> submit_qkv(
+    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
+    std::vector<c10::optional<at::Tensor>> ring_data,
+    std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
+    int64_t ring_min_bytes, at::Tensor q, at::Tensor k, at::Tensor v,
+    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step);
+std::tuple<int64_t, std::string, std::vector<int64_t>, at::Tensor> collect_o(
+    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
+    std::vector<c10::optional<at::Tensor>> ring_data,
+    std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
+    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
+    at::Tensor o);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slot_attention", &slot_attention, "attention over a token-slot KV pool (CPU)");
   m.def("read_sum", &read_sum, "streaming read of a float tensor");
   m.def("read_rows", &read_rows, "read the K/V rows of a slot list (bandwidth ceiling)");
+  m.def("serve_step", &serve_step, "a memory worker's layers of one step (GIL released)");
+  m.def("submit_qkv", &submit_qkv, "one layer's q|k|v rows to each memory worker");
+  m.def("collect_o", &collect_o, "one layer's attention outputs from each memory worker");
 }

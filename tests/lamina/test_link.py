@@ -2,6 +2,7 @@
 `SocketLink` and `MemoryServer` threads over socket pairs, on SmolLM2; greedy tokens
 equal HF's with one q|k/v frame or three, with KV split over workers, and a malformed
 frame fails the step loudly."""
+import re
 import socket
 import threading
 
@@ -9,31 +10,48 @@ import pytest
 import torch
 
 from lamina.engine import EngineConfig, LLMEngine
-from lamina.executor import ComputeSide, Executor, MemorySide, by_worker, pack
+from lamina.executor import ComputeSide, Executor, MemorySide, WorkerPart, by_worker, pack
 from lamina.kv_pool import KVPool, KVPoolConfig
-from lamina.link import MemoryServer, SocketLink, fuse_qkv, split_qkv
+from lamina.kernels import AttentionParams, SlotBatch, reference_slot_attention
+from lamina.link import META, MemoryServer, SocketLink, fuse_qkv, split_qkv
 from lamina.messages import SeqWork, StepPlan
 from lamina.sampling import SamplingParams
-from lamina.wire import FrameError, SocketChannel
+from lamina.wire import FrameError, ShmRing, SocketChannel, encode
 
 from .test_engine import run
 
 
-class LinkedExecutor(Executor):
-    """ComputeSide in this thread, each memory side serving on a thread of its own."""
+def ring_pair(tmp, name, cap=16 << 20):
+    """(writer, reader) ends of one shared-memory ring."""
+    w = ShmRing(str(tmp / name), cap, create=True)
+    r = ShmRing(str(tmp / name), cap, create=False)
+    w.unlink()
+    return w, r
 
-    def __init__(self, split, pools, fused=True, link_cls=SocketLink):
+
+class LinkedExecutor(Executor):
+    """ComputeSide in this thread, each memory side serving on a thread of its own.
+    `fast`: which ends run their C++ per-layer path, "both", "memory", "compute" or
+    "none" (the Python one); `rings`: a directory for shared-memory rings (big payloads
+    go through them, as between co-located processes)."""
+
+    def __init__(self, split, pools, fused=True, link_cls=SocketLink, fast="both", rings=None):
         self.compute = ComputeSide(split, len(pools))
-        chans, self.servers, self.threads = [], [], []
+        chans, self.servers, self.threads, self.rings = [], [], [], []
         for i, pool in enumerate(pools):
             a, b = socket.socketpair()
-            srv = MemoryServer(MemorySide(pool), self.compute.params, SocketChannel(b),
-                               f"memory worker {i}")
+            ca, cb = {}, {}
+            if rings is not None:
+                (ca["ring_out"], cb["ring_in"]), (cb["ring_out"], ca["ring_in"]) = (
+                    ring_pair(rings, f"c2m{i}"), ring_pair(rings, f"m2c{i}"))
+                self.rings += [ca["ring_out"], cb["ring_out"]]
+            srv = MemoryServer(MemorySide(pool), self.compute.params, SocketChannel(b, **cb),
+                               f"memory worker {i}", fast=fast in ("both", "memory"))
             self.threads.append(threading.Thread(target=srv.serve, daemon=True))
             self.threads[-1].start()
-            chans.append(SocketChannel(a))
+            chans.append(SocketChannel(a, **ca))
             self.servers.append(srv)
-        self.link = link_cls(chans, fused)
+        self.link = link_cls(chans, fused, fast in ("both", "compute"))
 
     def execute(self, plan):
         return self.compute.run(plan, self.link)
@@ -43,9 +61,10 @@ class LinkedExecutor(Executor):
             ch.close()
 
 
-def linked_engine(smol, split, slots, fused=True, link_cls=SocketLink, **kw):
+def linked_engine(smol, split, slots, fused=True, link_cls=SocketLink, fast="both", rings=None,
+                  **kw):
     pools = [KVPool(KVPoolConfig.for_specs(split.attention_specs, slots)) for _ in range(2)]
-    ex = LinkedExecutor(split, pools, fused, link_cls)
+    ex = LinkedExecutor(split, pools, fused, link_cls, fast, rings)
     cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=2, **kw)
     return LLMEngine(cfg, ex, smol.tokenizer, smol.config), ex
 
@@ -92,25 +111,50 @@ def test_rows_grouped_by_worker_are_slices():
         0, 1, 2, 10, 11]
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_socket_link_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy, fused):
+@pytest.mark.parametrize("fused,fast", [(True, "both"), (False, "both"), (True, "none"),
+                                        (True, "memory"), (True, "compute")])
+def test_socket_link_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy, fused,
+                                            fast):
+    """One q|k|v frame or three (`fused`; three: the compute end's Python path), each end
+    on its C++ or its Python path: all speak the same protocol."""
     pick = [0, 1, 2, 3, 4, 9, 10, 11]
-    eng, ex = linked_engine(smol, smol_split, 3000, fused)
+    eng, ex = linked_engine(smol, smol_split, 3000, fused, fast=fast)
     ex.compute.group_rows = fused  # False: the earlier layout (plan order, gathers)
     got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=16, temperature=0))
     assert got == [hf_greedy[i][:16] for i in pick]
     assert all(s.error is None for s in ex.servers)
     assert min(s.steps for s in ex.servers) > 0  # both workers served
+    on = fast in ("both", "memory")
+    assert [s.fast_steps == s.steps for s in ex.servers] == [on, on]
+    assert (ex.link._ext is not None) == (fused and fast in ("both", "compute"))
     ex.shutdown()
 
 
-def test_socket_link_kv_split_and_micro_batches(smol, smol_split, prompts, hf_greedy):
+@pytest.mark.parametrize("pipeline", ["rotational", "none"])
+def test_socket_link_kv_split_and_micro_batches(smol, smol_split, prompts, hf_greedy, pipeline):
     """A 600-token prompt over two 400-slot pools: its rows go as three frames, the
-    others' as one; with the rotational pipeline (two micro-batches per step)."""
-    eng, ex = linked_engine(smol, smol_split, 400, pipeline="rotational")
+    others' as one; with the rotational pipeline (two micro-batches per step: the Python
+    layer loop) and without (the C++ one)."""
+    eng, ex = linked_engine(smol, smol_split, 400, pipeline=pipeline)
     got = generate(eng, [prompts[8], prompts[0]], SamplingParams(max_tokens=8, temperature=0))
     assert got == [hf_greedy[8][:8], hf_greedy[0][:8]]
     assert all(s.error is None for s in ex.servers)
+    # a worker with rows in both micro-batches of a step runs its Python loop
+    python_steps = [s.steps - s.fast_steps for s in ex.servers]
+    assert (max(python_steps) > 0) == (pipeline == "rotational"), python_steps
+    ex.shutdown()
+
+
+def test_socket_link_through_shared_memory_rings(smol, smol_split, prompts, hf_greedy,
+                                                 tmp_path):
+    """Prefill payloads (q|k|v in, o|lse out) of 64 KiB and more go through the rings,
+    decode ones inline on the socket; both ends keep the rings' cursors in step."""
+    pick = [8, 5, 0, 1]
+    eng, ex = linked_engine(smol, smol_split, 3000, rings=tmp_path)
+    got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=8, temperature=0))
+    assert got == [hf_greedy[i][:8] for i in pick]
+    assert all(s.error is None and s.fast_steps == s.steps > 0 for s in ex.servers)
+    assert all(r.pos > 0 for r in ex.rings)  # both directions used them
     ex.shutdown()
 
 
@@ -140,3 +184,123 @@ def test_malformed_qkv_frame_fails_the_step_loudly(smol, smol_split, prompts):
     errors = [s.error for s in ex.servers]
     assert all(e and "step 1 layer 0 q|k|v frame: row width 959 is not" in e for e in errors)
     ex.shutdown()
+
+
+# -- the memory end's layer loop on a tiny pool, frames written by hand --
+HKV, D, LAYERS = 2, 8, 2
+
+
+def tiny_server(fast, dtype=torch.float32):
+    pool = KVPool(KVPoolConfig(LAYERS, 16, HKV, D, dtype=str(dtype).split(".")[1]))
+    params = [AttentionParams(0.3), AttentionParams(0.3, sliding_window=2, softcap=5.0)]
+    a, b = socket.socketpair()
+    srv = MemoryServer(MemorySide(pool), params, SocketChannel(b), "mw", fast=fast)
+    t = threading.Thread(target=srv.serve, daemon=True)
+    t.start()
+    return srv, t, a, pool, params
+
+
+def send_meta(ch, step, tables, new_slots):
+    batch = SlotBatch.build(tables, [1] * len(tables))
+    frames = [(torch.tensor([1], dtype=torch.int32), META, step),
+              (torch.tensor(new_slots, dtype=torch.int32), META, step)]
+    frames += [(t, META, step) for t in (batch.cu_q, batch.q_pos, batch.slots, batch.cu_k,
+                                         batch.k_pos0)]
+    ch.send_many(frames)
+    return batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_loops_agree_with_reference(dtype):
+    """The C++ and the Python layer loop give the same bytes, and they are the
+    reference attention over the pool after the new k/v were written."""
+    torch.manual_seed(0)
+    tables, new = [[3, 9, 4], [7, 1]], [4, 1]
+    q, k, v = torch.randn(2, 6, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
+    old = torch.randn(LAYERS, 16, HKV, 2 * D)
+    outs = {}
+    for fast in (True, False):
+        srv, t, a, pool, params = tiny_server(fast, dtype)
+        for i in range(LAYERS):
+            kp, vp = pool.layer(i)
+            kp.copy_(old[i, ..., :D])
+            vp.copy_(old[i, ..., D:])
+        ch = SocketChannel(a)
+        batch = send_meta(ch, 5, tables, new)
+        outs[fast] = []
+        for layer in range(LAYERS):
+            ch.send(fuse_qkv(q, k, v).to(dtype), layer, 5)
+            outs[fast].append(ch.recv(expect_layer=layer, expect_step=5,
+                                      expect_shape=(2, 6, D + 1))[0])
+        ch.close()
+        t.join(timeout=30)
+        assert srv.error is None and srv.steps == 1 and srv.fast_steps == int(fast)
+        for layer in range(LAYERS):
+            kp, vp = pool.layer(layer)
+            assert torch.equal(kp[new], k.to(dtype)) and torch.equal(vp[new], v.to(dtype))
+            o, lse = reference_slot_attention(q.to(dtype).float(), kp.float(), vp.float(),
+                                              batch, params[layer])
+            got = outs[fast][layer].float()
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got[..., :D], o, atol=tol, rtol=tol)
+            torch.testing.assert_close(got[..., D], lse, atol=tol, rtol=tol)
+    for x, y in zip(outs[True], outs[False]):
+        assert torch.equal(x, y)
+
+
+def good_frame(layer=0, step=5, rows=2, width=6 * D + HKV * 2 * D):
+    return b"".join(bytes(x) for x in encode(torch.zeros(rows, width), layer, step))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("raw,msg", [
+    (b"XXXX" + good_frame()[4:], "bad magic b'XXXX'"),
+    (good_frame(layer=1), "layer 1, expected 0"),
+    (good_frame(step=6), "step 6, expected 5"),
+    (good_frame(rows=3), "a q|k|v frame of 3 rows, expected 2 query and 2 KV rows"),
+    (good_frame(width=6 * D + HKV * 2 * D - 1), "layer 0 q|k|v frame: row width 79 is not"),
+    (good_frame()[:100], "frame payload truncated: peer closed after"),
+])
+def test_malformed_frames_end_the_server_with_a_clear_error(fast, raw, msg):
+    srv, t, a, pool, _ = tiny_server(fast)
+    ch = SocketChannel(a)
+    send_meta(ch, 5, [[3, 9, 4], [7, 1]], [4, 1])
+    before = pool.layer(0)[0].clone()
+    a.sendall(raw)
+    a.shutdown(socket.SHUT_WR)
+    t.join(timeout=30)
+    assert srv.error and msg in srv.error, srv.error
+    assert torch.equal(pool.layer(0)[0], before)  # nothing written from a bad frame
+    ch.close()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("reply,msg", [
+    (lambda: (torch.zeros(3, 6, D + 1), 0, 5), "shape (3, 6, 9), expected (2, 6, 9)"),
+    (lambda: (torch.zeros(2, 6, D + 1), 1, 5), "layer 1, expected 0"),
+    (lambda: (torch.zeros(2, 6, D + 1), 0, 4), "step 4, expected 5"),
+    (lambda: None, "frame header truncated: peer closed after 0 of 28 bytes"),
+])
+def test_compute_end_rejects_malformed_outputs(fast, reply, msg):
+    """The compute end checks each output frame before reading it into o; the C++ and
+    the Python path name the same fault."""
+    a, b = socket.socketpair()
+    link, peer = SocketLink([SocketChannel(a)], fast=fast), SocketChannel(b)
+    assert (link._ext is not None) == fast
+    batch = SlotBatch.build([[3, 9, 4], [7, 1]], [1, 1])
+    part = WorkerPart(torch.arange(2), torch.tensor([4, 1], dtype=torch.int32), batch,
+                      span=(0, 2), whole=True)
+    link.begin(5, [[part]])
+    q, k, v = torch.randn(2, 6, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
+    link.submit(0, 0, q, k, v, [part])
+    for _ in range(7):  # the metadata frames
+        peer.recv(expect_layer=META, expect_step=5)
+    x = peer.recv(expect_layer=0, expect_step=5)[0]
+    assert torch.equal(x, fuse_qkv(q, k, v))  # the q|k|v frame as sent
+    if reply() is None:
+        peer.close()
+    else:
+        peer.send(*reply())
+    with pytest.raises(FrameError, match=re.escape(msg)):
+        link.collect(0, 0, [part], (2, 6, D), torch.float32)
+    a.close()

@@ -1,0 +1,138 @@
+"""The data plane's per-layer exchange, C++ ends against Python ends, without Ray:
+`python benchmarks/bench_dataplane.py [--repeat 5] [--batch 32] [--context 1 256]`.
+
+Two memory-server processes (`lamina.link.MemoryServer`, forked, one torch thread each)
+hold SmolLM2-shaped pools (30 layers, 3 KV heads, head_dim 64); this process is the
+compute end (`SocketLink`). Per layer it spins `--gap-ms` (a stand-in for the dense
+slice, so the workers sleep between layers as in a real step), then sends the layer's
+q|k|v for B decode rows (half per worker) and waits for the outputs. Timed: that
+exchange, median over the steps of a round. Rounds alternate the two paths, fresh
+servers each: "python" (both ends' Python per-layer code, `fast=False`) and "c++"
+(`serve_step` on the memory end, `submit_qkv` / `collect_o` on the compute end). The
+context length sets the kernel's share (1: almost none, the exchange is pure overhead).
+Writes JSON and Markdown (benchmarks/results/dataplane.*).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LAYERS, HQ, HKV, D, WORKERS = 30, 9, 3, 64, 2
+
+
+def serve(sock, pool_cfg, params, fast: bool) -> None:
+    from lamina.executor import MemorySide
+    from lamina.kv_pool import KVPool
+    from lamina.link import MemoryServer
+    from lamina.wire import SocketChannel
+
+    torch.set_num_threads(1)
+    MemoryServer(MemorySide(KVPool(pool_cfg)), params, SocketChannel(sock), fast=fast).serve()
+
+
+def one_round(fast: bool, batch: int, ctx: int, dtype: str, steps: int, gap_s: float):
+    """Median seconds of one layer's exchange over `steps` steps (after 2 warm-up)."""
+    from lamina.executor import WorkerPart
+    from lamina.kernels import AttentionParams, SlotBatch
+    from lamina.kv_pool import KVPoolConfig
+    from lamina.link import SocketLink
+    from lamina.wire import SocketChannel
+
+    per = batch // WORKERS
+    cfg = KVPoolConfig(LAYERS, per * (ctx + 1) + 8, HKV, D, dtype=dtype)
+    params = [AttentionParams(D ** -0.5)] * LAYERS
+    chans, pids = [], []
+    for _ in range(WORKERS):
+        a, b = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # the memory worker
+            a.close()
+            code = 0
+            try:
+                serve(b, cfg, params, fast)
+            except BaseException:  # noqa: BLE001
+                code = 1
+            os._exit(code)
+        b.close()
+        chans.append(SocketChannel(a))
+        pids.append(pid)
+    link = SocketLink(chans, fused=True, fast=fast)
+    parts = []
+    for w in range(WORKERS):  # request i of worker w owns slots i*(ctx+1) .. +ctx
+        tables = [list(range(i * (ctx + 1), (i + 1) * (ctx + 1))) for i in range(per)]
+        rows = torch.arange(w * per, (w + 1) * per)
+        parts.append(WorkerPart(rows, torch.tensor([t[-1] for t in tables], dtype=torch.int32),
+                                SlotBatch.build(tables, [1] * per), rows,
+                                (w * per, (w + 1) * per)))
+    t = getattr(torch, dtype)
+    q, k, v = (torch.randn(batch, h, D, dtype=t) for h in (HQ, HKV, HKV))
+    times = []
+    try:
+        for step in range(steps + 2):
+            link.begin(step, [parts])
+            for layer in range(LAYERS):
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < gap_s:
+                    pass
+                t0 = time.perf_counter()
+                link.submit(layer, 0, q, k, v, parts)
+                link.collect(layer, 0, parts, (batch, HQ, D), t)
+                if step >= 2:
+                    times.append(time.perf_counter() - t0)
+    finally:
+        for ch in chans:
+            ch.close()
+        for pid in pids:
+            os.waitpid(pid, 0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeat", type=int, default=5, help="rounds per path (alternating)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, nargs="+", default=[1, 256])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--gap-ms", type=float, default=2.0)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    from lamina.bench import _write
+    from lamina.link import dataplane_ext
+
+    if dataplane_ext() is None:
+        print("the compiled data plane is unavailable (see lamina.kernels.load_cpu_kernel)")
+        return 1
+    torch.set_num_threads(1)
+    rows = []
+    for ctx in args.context:
+        got = {"python": [], "c++": []}
+        for _ in range(args.repeat):
+            for name in got:
+                got[name].append(one_round(name == "c++", args.batch, ctx, args.dtype,
+                                           args.steps, args.gap_ms * 1e-3))
+        py, cc = (statistics.median(got[n]) for n in ("python", "c++"))
+        rows.append({"batch": args.batch, "context": ctx, "dtype": args.dtype,
+                     "python_us": py * 1e6, "cpp_us": cc * 1e6, "speedup": py / cc,
+                     "python_rounds_us": [x * 1e6 for x in got["python"]],
+                     "cpp_rounds_us": [x * 1e6 for x in got["c++"]]})
+        print(f"B={args.batch} context={ctx} {args.dtype}: one layer's exchange python "
+              f"{py * 1e6:.0f} us, c++ {cc * 1e6:.0f} us: x{py / cc:.2f}", flush=True)
+    table = [["B", "context", "dtype", "python ends, us/layer", "c++ ends, us/layer",
+              "speedup"]]
+    table += [[str(r["batch"]), str(r["context"]), r["dtype"], f"{r['python_us']:.0f}",
+               f"{r['cpp_us']:.0f}", f"{r['speedup']:.2f}"] for r in rows]
+    jp, mp = _write(Path(args.out), "dataplane", {"args": vars(args), "rows": rows}, table)
+    print(f"wrote {jp} and {mp}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+// The data plane's per-layer work in C++, both ends, with the GIL released.
+//
+// Memory end (`serve_step`): data in is the frames of one step's layers on a connected
+// socket (fd), read exactly (after any bytes the Python channel had buffered), or their
+// payloads from a shared-memory ring; the step's checked slot metadata; the pool's
+// per-layer K/V. Data out: per layer one frame [n, Hq, Dv + 1] (attention output |
+// log-sum-exp) on the same socket (or its payload in the outgoing ring).
+// Compute end (`submit_qkv`, `collect_o`): one layer's q|k|v rows out to each worker,
+// the outputs back into one [N, Hq, Dv] tensor.
+// The frame format and protocol are `lamina.wire` / `lamina.link`; this file is their
+// fast path (one micro-batch a step on the memory end; workers' rows as slices on the
+// compute end) and stays byte-compatible: the tests run Python and C++ ends against
+// each other. Every frame is validated as `wire.check` does; errors come back as
+// (status, message) and nothing is computed from a bad frame.
+#include <torch/extension.h>
+
+#include <poll.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+std::vector<at::Tensor> slot_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
+                                       at::Tensor cu_q, at::Tensor q_pos, at::Tensor slots,
+                                       at::Tensor cu_k, at::Tensor k_pos0, double scale,
+                                       int64_t window, double softcap,
+                                       c10::optional<at::Tensor> sinks);
+
+namespace {
+
+constexpr int HEADER = 28;  // "<4sHBBiqQ": magic, version, ndim, dtype, layer, step, nbytes
+constexpr uint16_t VERSION = 1;
+constexpr int MAX_NDIM = 8;
+constexpr uint8_t IN_RING = 0x80;
+
+struct FrameErr : std::runtime_error { using std::runtime_error::runtime_error; };
+struct Timeout : std::runtime_error { using std::runtime_error::runtime_error; };
+
+int code_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 1; case at::kBFloat16: return 2; case at::kHalf: return 3;
+    case at::kInt: return 4; case at::kLong: return 5; case at::kByte: return 6;
+    default: throw FrameErr(std::string("cannot send dtype ") + c10::toString(t));
+  }
+}
+bool type_of(int code, at::ScalarType* t) {
+  static const at::ScalarType types[] = {at::kFloat, at::kBFloat16, at::kHalf, at::kInt,
+                                         at::kLong, at::kByte};
+  if (code < 1 || code > 6) return false;
+  *t = types[code - 1];
+  return true;
+}
+std::string dtype_name(at::ScalarType t) {  // as Python prints torch dtypes
+  switch (t) {
+    case at::kFloat: return "torch.float32"; case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16"; case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64"; default: return "torch.uint8";
+  }
+}
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string r = "(";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + (s.size() == 1 ? ",)" : ")");
+}
+
+// One direction of a `lamina.wire.ShmRing`: the same cursor and jump rule.
+struct Ring {
+  uint8_t* data = nullptr;
+  std::atomic<int64_t>* consumed = nullptr;  // the ring's control word
+  int64_t cap = 0, pos = 0, min_bytes = 0;
+  int64_t place(int64_t n) {
+    int64_t off = pos % cap;
+    if (off + n > cap) { pos += cap - off; off = 0; }
+    return off;
+  }
+};
+
+// The socket end: exact reads (buffered bytes first), gather writes, poll for timeouts.
+struct Conn {
+  int fd; int timeout_ms; std::string pending; size_t used = 0;
+
+  void wait(short ev, const char* what) {
+    pollfd p{fd, ev, 0};
+    for (;;) {
+      const int r = ::poll(&p, 1, timeout_ms);
+      if (r > 0) return;
+      if (r == 0) {
+        char sec[32];
+        std::snprintf(sec, sizeof sec, "%g", timeout_ms / 1000.0);
+        throw Timeout(std::string("no ") + what + " from the peer within " + sec + " s");
+      }
+      if (errno != EINTR) throw std::runtime_error(std::string("poll: ") + strerror(errno));
+    }
+  }
+  void read(void* dst, int64_t n, const char* what) {
+    auto* out = static_cast<char*>(dst);
+    int64_t got = std::min<int64_t>(n, int64_t(pending.size() - used));
+    std::memcpy(out, pending.data() + used, got);
+    used += got;
+    while (got < n) {
+      const ssize_t r = ::recv(fd, out + got, n - got, MSG_DONTWAIT);
+      if (r > 0) { got += r; continue; }
+      if (r == 0) throw FrameErr(std::string(what) + " truncated: peer closed after " +
+                                 std::to_string(got) + " of " + std::to_string(n) + " bytes");
+      if (errno == EAGAIN || errno == EWOULDBLOCK) wait(POLLIN, what);
+      else if (errno != EINTR) throw std::runtime_error(std::string("recv: ") + strerror(errno));
+    }
+  }
+  void write(std::vector<iovec> iov) {
+    size_t i = 0;
+    while (i < iov.size()) {
+      msghdr m{};
+      m.msg_iov = iov.data() + i;
+      m.msg_iovlen = iov.size() - i;
+      ssize_t r = ::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) { wait(POLLOUT, "read"); continue; }
+        if (errno == EINTR) continue;
+        throw std::runtime_error(std::string("send failed: ") + strerror(errno));
+      }
+      while (i < iov.size() && size_t(r) >= iov[i].iov_len) r -= iov[i++].iov_len;
+      if (i < iov.size()) {
+        iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + r;
+        iov[i].iov_len -= r;
+      }
+    }
+  }
+};
+
+struct Frame { at::Tensor t; int64_t layer, step; };
+
+// Reads and checks one frame (as `SocketChannel.recv` + `wire.check`).
+Frame recv_frame(Conn& c, Ring* ring, int64_t layer, int64_t step,
+                 const std::vector<int64_t>* expect_shape = nullptr) {
+  uint8_t h[HEADER];
+  c.read(h, HEADER, "frame header");
+  if (std::memcmp(h, "LMNA", 4) != 0)
+    throw FrameErr("frame: bad magic b'" + std::string(reinterpret_cast<char*>(h), 4) +
+                   "' (expected b'LMNA')");
+  uint16_t ver; std::memcpy(&ver, h + 4, 2);
+  if (ver != VERSION)
+    throw FrameErr("frame: version " + std::to_string(ver) + ", this side speaks 1");
+  const bool in_ring = h[6] & IN_RING;
+  const int ndim = h[6] & ~IN_RING;
+  at::ScalarType dt;
+  if (!type_of(h[7], &dt)) throw FrameErr("frame: unknown dtype code " + std::to_string(h[7]));
+  if (ndim > MAX_NDIM)
+    throw FrameErr("frame: " + std::to_string(ndim) + " dims (max 8)");
+  int32_t lay; int64_t stp; uint64_t nbytes;
+  std::memcpy(&lay, h + 8, 4); std::memcpy(&stp, h + 12, 8); std::memcpy(&nbytes, h + 20, 8);
+  std::vector<int64_t> shape(ndim);
+  c.read(shape.data(), 8 * ndim, "frame shape");
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw FrameErr("frame: negative dimension in shape " + shape_str(shape));
+    n *= d;
+  }
+  const int64_t want = n * int64_t(c10::elementSize(dt));
+  if (uint64_t(want) != nbytes)
+    throw FrameErr("frame: shape " + shape_str(shape) + " of " + dtype_name(dt) + " needs " +
+                   std::to_string(want) + " bytes, header says " + std::to_string(nbytes));
+  if (lay != layer)
+    throw FrameErr("frame: layer " + std::to_string(lay) + ", expected " + std::to_string(layer));
+  if (stp != step)
+    throw FrameErr("frame: step " + std::to_string(stp) + ", expected " + std::to_string(step));
+  if (expect_shape && shape != *expect_shape)
+    throw FrameErr("frame: shape " + shape_str(shape) + ", expected " + shape_str(*expect_shape));
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dt));
+  if (nbytes && in_ring) {
+    if (!ring) throw FrameErr("frame says its payload is in a shared-memory ring; this "
+                              "channel has none");
+    const int64_t off = ring->place(want);
+    std::memcpy(t.data_ptr(), ring->data + off, want);
+    ring->pos += want;
+    ring->consumed->store(ring->pos, std::memory_order_release);
+  } else if (nbytes) {
+    c.read(t.data_ptr(), want, "frame payload");
+  }
+  return {t, lay, stp};
+}
+
+// Header into h (HEADER + 8 * ndim bytes), payload into the ring when it goes there;
+// -> the iovecs a socket write must send (t must stay alive until then).
+std::vector<iovec> stage_frame(Ring* ring, const at::Tensor& t, int64_t layer, int64_t step,
+                               int timeout_ms, uint8_t* h) {
+  const int64_t nbytes = t.numel() * t.element_size();
+  std::memcpy(h, "LMNA", 4);
+  std::memcpy(h + 4, &VERSION, 2);
+  h[6] = uint8_t(t.dim());
+  h[7] = uint8_t(code_of(t.scalar_type()));
+  const int32_t lay = int32_t(layer);
+  const uint64_t nb = uint64_t(nbytes);
+  std::memcpy(h + 8, &lay, 4); std::memcpy(h + 12, &step, 8); std::memcpy(h + 20, &nb, 8);
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    const int64_t d = t.size(i);
+    std::memcpy(h + HEADER + 8 * i, &d, 8);
+  }
+  std::vector<iovec> iov{{h, size_t(HEADER + 8 * t.dim())}};
+  if (ring && nbytes >= ring->min_bytes && nbytes <= ring->cap / 2) {
+    const int64_t off = ring->place(nbytes);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int spins = 0; ring->pos + nbytes - ring->consumed->load(std::memory_order_acquire) >
+                        ring->cap; ++spins) {  // the reader is a full ring behind
+      if (spins < 100) sched_yield(); else std::this_thread::sleep_for(std::chrono::microseconds(100));
+      if (timeout_ms >= 0 && std::chrono::steady_clock::now() - t0 >
+                                 std::chrono::milliseconds(timeout_ms))
+        throw Timeout("shared-memory ring: the peer read nothing in time");
+    }
+    std::memcpy(ring->data + off, t.data_ptr(), nbytes);
+    ring->pos += nbytes;
+    h[6] |= IN_RING;
+  } else if (nbytes) {
+    iov.push_back({t.data_ptr(), size_t(nbytes)});
+  }
+  return iov;
+}
+
+void send_frame(Conn& c, Ring* ring, const at::Tensor& t, int64_t layer, int64_t step,
+                int timeout_ms) {
+  uint8_t h[HEADER + 8 * MAX_NDIM];
+  c.write(stage_frame(ring, t, layer, step, timeout_ms, h));
+}
+
+Ring make_ring(const c10::optional<at::Tensor>& data, const c10::optional<at::Tensor>& ctrl,
+               int64_t pos, int64_t min_bytes) {
+  Ring r;
+  if (!data.has_value()) return r;
+  r.data = data->data_ptr<uint8_t>();
+  r.consumed = reinterpret_cast<std::atomic<int64_t>*>(ctrl->data_ptr<int64_t>());
+  r.cap = data->numel();
+  r.pos = pos;
+  r.min_bytes = min_bytes;
+  return r;
+}
+
+}  // namespace
+
+// One step's layers for one micro-batch: per layer read q|k|v (one frame, or three when
+// the KV rows differ from the query rows), write k/v at new_slots, attend, send o|lse.
+// -> (status, message, ring_in pos, ring_out pos): status 0 done, 1 bad frame
+// (FrameError), 2 timeout (PeerTimeout), 3 other error.
+std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
+    int64_t fd, std::string pending, int64_t timeout_ms, int64_t step,
+    std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools, at::Tensor new_slots,
+    at::Tensor cu_q, at::Tensor q_pos, at::Tensor slots, at::Tensor cu_k, at::Tensor k_pos0,
+    std::vector<double> scales, std::vector<int64_t> windows, std::vector<double> softcaps,
+    std::vector<c10::optional<at::Tensor>> sinks,
+    c10::optional<at::Tensor> ring_in, c10::optional<at::Tensor> ring_in_ctrl, int64_t in_pos,
+    c10::optional<at::Tensor> ring_out, c10::optional<at::Tensor> ring_out_ctrl,
+    int64_t out_pos, int64_t ring_min_bytes) {
+  pybind11::gil_scoped_release nogil;
+  Conn c{int(fd), int(timeout_ms), std::move(pending)};
+  Ring rin = make_ring(ring_in, ring_in_ctrl, in_pos, ring_min_bytes);
+  Ring rout = make_ring(ring_out, ring_out_ctrl, out_pos, ring_min_bytes);
+  Ring* pin = ring_in.has_value() ? &rin : nullptr;
+  Ring* pout = ring_out.has_value() ? &rout : nullptr;
+  const int64_t n = cu_q.size(0) ? q_pos.size(0) : 0, m = new_slots.size(0);
+  const at::Tensor idx = new_slots.to(at::kLong);
+  try {
+    for (size_t layer = 0; layer < k_pools.size(); ++layer) {
+      const at::Tensor& kp = k_pools[layer];
+      const at::Tensor& vp = v_pools[layer];
+      const int64_t hkv = kp.size(1), d = kp.size(2), dv = vp.size(2);
+      const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(layer);
+      at::Tensor x = recv_frame(c, pin, layer, step).t, q, k, v;
+      if (x.dim() == 2) {  // one q|k|v frame
+        if (n != m || x.size(0) != n)
+          throw FrameErr(where + ": a q|k|v frame of " + std::to_string(x.size(0)) +
+                         " rows, expected " + std::to_string(n) + " query and " +
+                         std::to_string(m) + " KV rows (one frame needs them equal)");
+        const int64_t f = x.size(1), hq_d = f - hkv * (d + dv);
+        if (hq_d <= 0 || hq_d % d || (hq_d / d) % hkv)
+          throw FrameErr(where + " q|k|v frame: row width " + std::to_string(f) +
+                         " is not Hq*D + Hkv*(D+Dv) with D=" + std::to_string(d) + ", Hkv=" +
+                         std::to_string(hkv) + ", Dv=" + std::to_string(dv) +
+                         " and Hq a multiple of Hkv");
+        q = x.narrow(1, 0, hq_d).unflatten(1, {hq_d / d, d});
+        k = x.narrow(1, hq_d, hkv * d).unflatten(1, {hkv, d});
+        v = x.narrow(1, hq_d + hkv * d, hkv * dv).unflatten(1, {hkv, dv});
+      } else {
+        q = x;
+        k = recv_frame(c, pin, layer, step).t;
+        v = recv_frame(c, pin, layer, step).t;
+        if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || q.size(0) != n ||
+            k.size(0) != m || v.size(0) != m)
+          throw FrameErr(where + ": q/k/v rows " + std::to_string(q.size(0)) + "/" +
+                         std::to_string(k.size(0)) + "/" + std::to_string(v.size(0)) +
+                         ", expected " + std::to_string(n) + "/" + std::to_string(m) + "/" +
+                         std::to_string(m));
+        if (k.size(1) != hkv || k.size(2) != d || v.size(1) != hkv || v.size(2) != dv)
+          throw FrameErr(where + ": k/v shapes " + shape_str(k.sizes().vec()) + "/" +
+                         shape_str(v.sizes().vec()) + " do not fit the pool's [Hkv, D] = [" +
+                         std::to_string(hkv) + ", " + std::to_string(d) + "]");
+        if (q.size(2) != d || q.size(1) % hkv)
+          throw FrameErr(where + ": q shape " + shape_str(q.sizes().vec()) +
+                         " does not fit head_dim " + std::to_string(d) + " and " +
+                         std::to_string(hkv) + " kv heads");
+      }
+      if (!at::isFloatingType(q.scalar_type()) || !at::isFloatingType(k.scalar_type()) ||
+          !at::isFloatingType(v.scalar_type()))
+        throw FrameErr(where + ": q/k/v must be floating point");
+      if (m) {
+        kp.index_copy_(0, idx, k.scalar_type() == kp.scalar_type() ? k : k.to(kp.scalar_type()));
+        vp.index_copy_(0, idx, v.scalar_type() == vp.scalar_type() ? v : v.to(vp.scalar_type()));
+      }
+      const at::Tensor qf = q.to(at::kFloat).contiguous();
+      auto ol = slot_attention(qf, kp, vp, cu_q, q_pos, slots, cu_k, k_pos0, scales[layer],
+                               windows[layer], softcaps[layer], sinks[layer]);
+      at::Tensor out = at::cat({ol[0], ol[1].unsqueeze(-1)}, -1);
+      if (q.scalar_type() != at::kFloat) out = out.to(q.scalar_type());
+      send_frame(c, pout, out, int64_t(layer), step, int(timeout_ms));
+    }
+  } catch (const FrameErr& e) {
+    return {1, e.what(), rin.pos, rout.pos};
+  } catch (const Timeout& e) {
+    return {2, e.what(), rin.pos, rout.pos};
+  } catch (const std::exception& e) {
+    return {3, e.what(), rin.pos, rout.pos};
+  }
+  return {0, "", rin.pos, rout.pos};
+}
+
+namespace {
+struct Ends {  // the compute end's channels, one per memory worker
+  std::vector<Conn> conns;
+  std::vector<Ring> rings;
+  Ends(const std::vector<int64_t>& fds, const std::vector<int64_t>& timeouts,
+       const std::vector<c10::optional<at::Tensor>>& data,
+       const std::vector<c10::optional<at::Tensor>>& ctrl, const std::vector<int64_t>& pos,
+       int64_t min_bytes) {
+    for (size_t w = 0; w < fds.size(); ++w) {
+      conns.push_back(Conn{int(fds[w]), int(timeouts[w]), std::string()});
+      rings.push_back(make_ring(data[w], ctrl[w], pos[w], min_bytes));
+    }
+  }
+  Ring* ring(size_t w) { return rings[w].data ? &rings[w] : nullptr; }
+  std::vector<int64_t> positions() const {
+    std::vector<int64_t> p;
+    for (const auto& r : rings) p.push_back(r.pos);
+    return p;
+  }
+};
+}  // namespace
+
+// One layer's q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, Dv] (any strides): rows
+// starts[w]..ends[w] go to worker w as one q|k|v frame [n_w, Hq*D + Hkv*(D+Dv)]. Every
+// frame is built (and ring payloads written) before the first socket write, then the
+// writes go out back to back (`SocketLink.submit` says why).
+// -> (status as serve_step's, message, ring positions).
+std::tuple<int64_t, std::string, std::vector<int64_t>> submit_qkv(
+    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
+    std::vector<c10::optional<at::Tensor>> ring_data,
+    std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
+    int64_t ring_min_bytes, at::Tensor q, at::Tensor k, at::Tensor v,
+    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step) {
+  pybind11::gil_scoped_release nogil;
+  Ends e(fds, timeouts, ring_data, ring_ctrl, ring_pos, ring_min_bytes);
+  try {
+    const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1),
+                  dv = v.size(2), a = hq * d, b = a + hkv * d;
+    at::Tensor x = at::empty({n, b + hkv * dv}, q.options());  // rows q | k | v
+    x.narrow(1, 0, a).view({n, hq, d}).copy_(q);
+    x.narrow(1, a, hkv * d).view({n, hkv, d}).copy_(k);
+    x.narrow(1, b, hkv * dv).view({n, hkv, dv}).copy_(v);
+    // stage: headers and ring payloads; then the socket writes, back to back
+    std::vector<std::vector<uint8_t>> heads(fds.size());
+    std::vector<std::vector<iovec>> iovs(fds.size());
+    for (size_t w = 0; w < fds.size(); ++w) {
+      const int64_t rows = ends[w] - starts[w];
+      if (rows <= 0) continue;
+      const at::Tensor part = x.narrow(0, starts[w], rows);
+      heads[w].resize(HEADER + 16);
+      iovs[w] = stage_frame(e.ring(w), part, layer, step, int(timeouts[w]), heads[w].data());
+    }
+    for (size_t w = 0; w < fds.size(); ++w)
+      if (!iovs[w].empty()) e.conns[w].write(iovs[w]);
+  } catch (const FrameErr& ex) {
+    return {1, ex.what(), e.positions()};
+  } catch (const Timeout& ex) {
+    return {2, ex.what(), e.positions()};
+  } catch (const std::exception& ex) {
+    return {3, ex.what(), e.positions()};
+  }
+  return {0, "", e.positions()};
+}
+
+// Each worker w's output frame [n_w, Hq, Dv + 1] for rows starts[w]..ends[w] -> o
+// [N, Hq, Dv] (like), read worker by worker; shapes, layer and step checked first.
+// -> (status, message, ring positions, o).
+std::tuple<int64_t, std::string, std::vector<int64_t>, at::Tensor> collect_o(
+    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
+    std::vector<c10::optional<at::Tensor>> ring_data,
+    std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
+    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
+    at::Tensor o) {
+  pybind11::gil_scoped_release nogil;
+  Ends e(fds, timeouts, ring_data, ring_ctrl, ring_pos, 0);
+  try {
+    const int64_t hq = o.size(1), dv = o.size(2);
+    for (size_t w = 0; w < fds.size(); ++w) {
+      const int64_t rows = ends[w] - starts[w];
+      if (rows <= 0) continue;
+      const std::vector<int64_t> want{rows, hq, dv + 1};
+      at::Tensor f = recv_frame(e.conns[w], e.ring(w), layer, step, &want).t;
+      o.narrow(0, starts[w], rows).copy_(f.narrow(2, 0, dv));
+    }
+  } catch (const FrameErr& ex) {
+    return {1, ex.what(), e.positions(), o};
+  } catch (const Timeout& ex) {
+    return {2, ex.what(), e.positions(), o};
+  } catch (const std::exception& ex) {
+    return {3, ex.what(), e.positions(), o};
+  }
+  return {0, "", e.positions(), o};
+}
