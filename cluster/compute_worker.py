@@ -120,8 +120,10 @@ class ComputeWorker:
                          self.wide_rows)
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
+        t = time.perf_counter()
         result = self.compute.run(plan, SocketLink(self.channels, self.fused))
         result.timings["threads"] = n
+        result.timings["worker_s"] = time.perf_counter() - t  # the step inside the actor
         return result
 
     def probe_exchange(self, tokens, repeat: int, layouts=("slices",)) -> dict:

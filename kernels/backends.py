@@ -144,7 +144,7 @@ class CpuBackend(AttentionBackend):
         o, lse = self._ext.slot_attention(
             qf, k_pool, v_pool, batch.cu_q, batch.q_pos, batch.slots, batch.cu_k,
             batch.k_pos0, float(params.scale), int(params.sliding_window),
-            float(params.softcap), params.sinks_tensor("cpu"))
+            float(params.softcap), params.sinks_tensor("cpu"), q.dtype == torch.bfloat16)
         return (o if q.dtype == torch.float32 else o.to(q.dtype)), lse
 
 

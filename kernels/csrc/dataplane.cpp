@@ -35,7 +35,7 @@ std::vector<at::Tensor> slot_attention(at::Tensor q, at::Tensor k_pool, at::Tens
                                        at::Tensor cu_q, at::Tensor q_pos, at::Tensor slots,
                                        at::Tensor cu_k, at::Tensor k_pos0, double scale,
                                        int64_t window, double softcap,
-                                       c10::optional<at::Tensor> sinks);
+                                       c10::optional<at::Tensor> sinks, bool q_bf16);
 
 namespace {
 
@@ -316,7 +316,8 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
       }
       const at::Tensor qf = q.to(at::kFloat).contiguous();
       auto ol = slot_attention(qf, kp, vp, cu_q, q_pos, slots, cu_k, k_pos0, scales[layer],
-                               windows[layer], softcaps[layer], sinks[layer]);
+                               windows[layer], softcaps[layer], sinks[layer],
+                               q.scalar_type() == at::kBFloat16);
       at::Tensor out = at::cat({ol[0], ol[1].unsqueeze(-1)}, -1);
       if (q.scalar_type() != at::kFloat) out = out.to(q.scalar_type());
       send_frame(c, pout, out, int64_t(layer), step, int(timeout_ms));

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -186,8 +187,98 @@ inline void pv_group(float* acc, int64_t Dv, const float* p, const T* const* v, 
       for (int u = 0; u < 4; ++u) _mm256_storeu_ps(acc + g * Dv + c0 + 8 * u, a[g][u]);
   }
 }
+// AVX-512: value passes of 64 columns (one per row group at Dv = 64, not two), and for
+// bf16 pools with bf16-exact queries the scores as bf16 pair dot products (vdpbf16ps:
+// the same products as the fp32 path, exact in fp32, summed in another order).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int PV_COLS = 64;
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <typename T, int RG>
+inline void pv_group16(float* acc, int64_t Dv, const float* p, const T* const* v,
+                       int64_t off, int64_t n, RowPrefetcher* pf, int64_t pf_step) {
+  for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+    __m512 a[RG][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) a[g][u] = _mm512_loadu_ps(acc + g * Dv + c0 + 16 * u);
+    for (int64_t j = 0; j < n; ++j) {
+      pf->step(pf_step);
+      const T* vj = v[j] + off + c0;
+      __m512 pb[RG];
+#pragma GCC unroll 4
+      for (int g = 0; g < RG; ++g) pb[g] = _mm512_set1_ps(p[g * BK + j]);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m512 vv = load16(vj + 16 * u);
+#pragma GCC unroll 4
+        for (int g = 0; g < RG; ++g) a[g][u] = _mm512_fmadd_ps(pb[g], vv, a[g][u]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + g * Dv + c0 + 16 * u, a[g][u]);
+  }
+}
+#else
+constexpr int PV_COLS = 32;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+constexpr bool kDpBf16 = true;
+inline __m256 fold(__m512 a) {  // 16 lanes -> 8 (pairwise sums)
+  return _mm256_add_ps(_mm512_castps512_ps256(a),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+// GQA: RG bf16 query rows (stride D) against 4 keys at a time; s rows stride BK, times mul.
+template <int RG>
+inline void scores_dp(const at::BFloat16* qb, int64_t D, const at::BFloat16* const* k,
+                      int64_t off, int64_t n, float mul, float* s) {
+  const __m128 m = _mm_set1_ps(mul);
+  for (int64_t j = 0; j < n; j += 4) {
+    __m512 acc[RG][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) acc[g][u] = _mm512_setzero_ps();
+    const at::BFloat16* kp[4] = {k[j] + off, k[j + 1] + off, k[j + 2] + off, k[j + 3] + off};
+    for (int64_t c = 0; c < D; c += 32) {
+      __m512bh qv[RG];
+#pragma GCC unroll 4
+      for (int g = 0; g < RG; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(qb + g * D + c);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp[u] + c);
+#pragma GCC unroll 4
+        for (int g = 0; g < RG; ++g) acc[g][u] = _mm512_dpbf16_ps(acc[g][u], qv[g], kv);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g)
+      _mm_storeu_ps(s + g * BK + j, _mm_mul_ps(m, hsum4(fold(acc[g][0]), fold(acc[g][1]),
+                                                       fold(acc[g][2]), fold(acc[g][3]))));
+  }
+}
+// Scores of one kv head's `rep` rows, bf16 queries (D % 32 == 0, n % 4 == 0).
+inline void head_scores_dp(const at::BFloat16* qb, int64_t D, int64_t rep,
+                           const at::BFloat16* const* k, int64_t off, int64_t n, float mul,
+                           float* s) {
+  int64_t g = 0;
+  for (; g + 3 <= rep; g += 3) scores_dp<3>(qb + g * D, D, k, off, n, mul, s + g * BK);
+  if (rep - g == 2) scores_dp<2>(qb + g * D, D, k, off, n, mul, s + g * BK);
+  if (rep - g == 1) scores_dp<1>(qb + g * D, D, k, off, n, mul, s + g * BK);
+}
+#else
+constexpr bool kDpBf16 = false;
+#endif
 #else
 constexpr bool kSimd = false;
+constexpr bool kDpBf16 = false;
+constexpr int PV_COLS = 32;
 #endif
 
 // s[j - j0] = q . k_j for j in [j0, j1) (j1 - j0 a multiple of 8 on the SIMD path).
@@ -251,6 +342,15 @@ inline void head_scores(const float* q, int64_t D, int64_t rep, const T* const* 
 template <typename T>
 inline void head_pv(float* acc, int64_t Dv, int64_t rep, const float* p, const T* const* v,
                     int64_t off, int64_t n, RowPrefetcher* pf, int64_t pf_step) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  if (Dv % 64 == 0) {
+    int64_t g = 0;
+    for (; g + 3 <= rep; g += 3) pv_group16<T, 3>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
+    if (rep - g == 2) pv_group16<T, 2>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
+    if (rep - g == 1) pv_group16<T, 1>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
+    return;
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (Dv % 32 == 0 && rep > 1) {
     int64_t g = 0;
@@ -286,6 +386,7 @@ struct Args {
   float* o; float* lse;
   int64_t Hq, Hkv, D, Dv, k_stride, v_stride;  // strides in elements, per slot
   float scale, softcap; int64_t window;
+  bool q_bf16;  // q's values are exact in bf16 (it came as bf16): bf16 pair dots may run
 };
 
 // One work item: request b, queries [n0, n1), all heads.
@@ -313,6 +414,10 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
   std::vector<float> m(rows, NEG_INF), l(rows, 0.f);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; ++d) qs[r * D + d] = a.q[(n0 * Hq + r) * D + d] * qmul;
+  // bf16 pools, bf16-exact q: scores as bf16 pair dots over the unscaled q, times qmul
+  const bool dp = kDpBf16 && std::is_same<T, at::BFloat16>::value && a.q_bf16 && D % 32 == 0;
+  std::vector<at::BFloat16> qb(dp ? rows * D : 0);
+  for (int64_t i = 0; i < int64_t(qb.size()); ++i) qb[i] = at::BFloat16(a.q[n0 * Hq * D + i]);
 
   const T* kr[BK];
   const T* vr[BK];
@@ -321,7 +426,7 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
   // V passes per block: one per (kv head, pv_group call, 32 columns); head_pv makes
   // rep / 3 calls of 3 rows plus one of 2 when 2 rows are left.
   const int64_t vpasses =
-      std::max<int64_t>(1, Hkv * (rep / 3 + (rep % 3 == 2)) * ((Dv + 31) / 32));
+      std::max<int64_t>(1, Hkv * (rep / 3 + (rep % 3 == 2)) * ((Dv + PV_COLS - 1) / PV_COLS));
   RowPrefetcher pfk, pfv;
   for (int64_t j0 = lo_all; j0 < hi_all; j0 += BK) {
     const int64_t j1 = std::min<int64_t>(j0 + BK, hi_all), nb = j1 - j0;
@@ -344,6 +449,15 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
         for (int64_t i = 0; i < nq; ++i) {
           const int64_t r = i * Hq + h * rep;
           pfk.step(kstep);
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same<T, at::BFloat16>::value) {
+            if (dp) {
+              head_scores_dp(&qb[r * D], D, rep, kr + jg, h * D, std::min<int64_t>(8, nb8 - jg),
+                             qmul, &s[r * BK + jg]);
+              continue;
+            }
+          }
+#endif
           head_scores<T>(&qs[r * D], D, rep, kr + jg, h * D, std::min<int64_t>(8, nb8 - jg),
                          &s[r * BK + jg]);
         }
@@ -428,7 +542,7 @@ std::vector<at::Tensor> slot_attention(at::Tensor q, at::Tensor k_pool, at::Tens
                                        at::Tensor cu_q, at::Tensor q_pos, at::Tensor slots,
                                        at::Tensor cu_k, at::Tensor k_pos0, double scale,
                                        int64_t window, double softcap,
-                                       c10::optional<at::Tensor> sinks) {
+                                       c10::optional<at::Tensor> sinks, bool q_bf16) {
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == at::kFloat, "q must be contiguous fp32");
   TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1 &&
               k_pool.stride(1) == k_pool.size(2) && v_pool.stride(1) == v_pool.size(2),
@@ -444,7 +558,7 @@ std::vector<at::Tensor> slot_attention(at::Tensor q, at::Tensor k_pool, at::Tens
          slots.data_ptr<int32_t>(), cu_k.data_ptr<int32_t>(), k_pos0.data_ptr<int32_t>(),
          sinks.has_value() ? sk.data_ptr<float>() : nullptr, o.data_ptr<float>(),
          lse.data_ptr<float>(), Hq, k_pool.size(1), k_pool.size(2), Dv,
-         k_pool.stride(0), v_pool.stride(0), float(scale), float(softcap), window};
+         k_pool.stride(0), v_pool.stride(0), float(scale), float(softcap), window, q_bf16};
   const int64_t B = cu_q.size(0) - 1;
   if (k_pool.scalar_type() == at::kFloat)
     run<float>(a, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), B);
@@ -525,9 +639,19 @@ std::tuple<int64_t, std::string, std::vector<int64_t>, at::Tensor> collect_o(
     std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
     at::Tensor o);
 
+// The SIMD paths this build compiled (the CPU it was built for): for reports and tests.
+std::vector<std::string> simd_paths() {
+  std::vector<std::string> p;
+  if (kSimd) p.push_back("avx2");
+  if (PV_COLS == 64) p.push_back("avx512");
+  if (kDpBf16) p.push_back("avx512bf16");
+  return p;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slot_attention", &slot_attention, "attention over a token-slot KV pool (CPU)");
   m.def("read_sum", &read_sum, "streaming read of a float tensor");
+  m.def("simd_paths", &simd_paths, "the SIMD paths compiled in");
   m.def("read_rows", &read_rows, "read the K/V rows of a slot list (bandwidth ceiling)");
   m.def("serve_step", &serve_step, "a memory worker's layers of one step (GIL released)");
   m.def("submit_qkv", &submit_qkv, "one layer's q|k|v rows to each memory worker");

@@ -225,3 +225,24 @@ def test_threads_do_not_change_results(cpu):
     finally:
         torch.set_num_threads(n)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+@pytest.mark.parametrize("rep", [1, 3, 8])
+@pytest.mark.parametrize("softcap,window", [(0.0, -1), (30.0, -1), (0.0, 700)])
+def test_bf16_queries_on_bf16_pools(cpu, rep, softcap, window):
+    """bf16 q over bf16 pools: on AVX512-BF16 builds the scores are bf16 pair dot
+    products (`simd_paths` has "avx512bf16"): the same exact products as fp32 math, summed
+    in another order, so lse stays within the fp32 bound and o within one bf16 ulp; GQA
+    groups of 3, 2 and 1 rows, scale folded in (no softcap) or not, a window."""
+    Hkv, S = 2, 7000
+    tables = scattered_tables([1, 5, 64, 333, 2048, 3000], S, seed=rep)
+    k, v = (t.to(torch.bfloat16) for t in pools(S, Hkv))
+    batch = SlotBatch.decode(tables)
+    q = queries(len(tables), Hkv * rep, dtype=torch.bfloat16)
+    p = AttentionParams(D ** -0.5, sliding_window=window, softcap=softcap)
+    o_ref, lse_ref = attend(q, k, v, batch, p, REF)
+    o, lse = attend(q, k, v, batch, p, cpu)
+    assert (lse - lse_ref).abs().max() <= 1e-5
+    ulp = o_ref.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7
+    assert ((o.float() - o_ref.float()).abs() <= ulp).all()
+    assert set(cpu._ext.simd_paths()) <= {"avx2", "avx512", "avx512bf16"}
