@@ -96,59 +96,94 @@ def _cast(g: torch.fx.Graph, x, dtype: torch.dtype):
     return g.call_function(_TO, (x,), {"dtype": dtype})
 
 
-def _pack_slice(s: Slice, packed: dict, batch_hint: int) -> tuple[Slice, int]:
-    """A copy of slice `s` with its packable linears rewritten; (slice, count).
+def _bias_of(node):
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
 
-    Where the math dtype differs from the weight's: linear(x, w, b) becomes
-    to(linear_pointwise(to(x, math), packed(w as math), b as math), w.dtype)."""
-    g = torch.fx.Graph()
-    g.output(g.graph_copy(s.module.graph, {}))
-    gm = torch.fx.GraphModule(s.module, g, class_name=type(s.module).__name__)
-    n = 0
-    for node in list(gm.graph.nodes):
+
+def _groups(gm: torch.fx.GraphModule) -> list[list]:
+    """Packable linears as groups: those reading the same input with weights of one
+    dtype, all with parameter biases or none (q/k/v, gate/up), become one group each
+    (fused: one GEMM over the concatenated weights); every other linear is alone."""
+    by_input: dict = {}
+    for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not _LINEAR:
             continue
         w = _weight_of(gm, node.args[1])
-        if w is None or w.dim() != 2 or w.device.type != "cpu":
+        if w is None or w.dim() != 2 or w.device.type != "cpu" or math_dtype(w.dtype)[0] is None:
             continue
-        math = math_dtype(w.dtype)[0]
-        if math is None:
-            continue
-        upcast = math != w.dtype
-        key = (w.data_ptr(), tuple(w.shape), w.dtype)
+        b = _bias_of(node)
+        kind = "none" if b is None else "param" if _weight_of(gm, b) is not None else node
+        by_input.setdefault((node.args[0], w.dtype, kind), []).append((node, w))
+    return list(by_input.values())
+
+
+def _pack_slice(s: Slice, packed: dict, batch_hint: int,
+                fuse: bool = True) -> tuple[Slice, int]:
+    """A copy of slice `s` with its packable linears rewritten; (slice, linears packed).
+
+    Where the math dtype differs from the weight's: linear(x, w, b) becomes
+    to(linear_pointwise(to(x, math), packed(w as math), b as math), w.dtype). Linears on
+    one input (`_groups`) become one linear_pointwise over the concatenated weights whose
+    output is sliced per original linear: each output column is the same dot product
+    (outputs bitwise equal to separate packed linears, measured on SmolLM2's q/k/v and
+    gate/up at 32 rows), with one call and one weight stream instead of several."""
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(s.module.graph, {}))
+    gm = torch.fx.GraphModule(s.module, g, class_name=type(s.module).__name__)
+    n = count = 0
+    groups = _groups(gm)
+    for group in groups if fuse else [[m] for grp in groups for m in grp]:
+        first, w0 = group[0]
+        math = math_dtype(w0.dtype)[0]
+        upcast = math != w0.dtype
+        ws = [w for _, w in group]
+        key = tuple((w.data_ptr(), tuple(w.shape), w.dtype) for w in ws)
         if key not in packed:  # a weight read by several slices is packed once
-            packed[key] = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(math),
-                                                                  batch_hint)
+            packed[key] = torch.ops.mkldnn._reorder_linear_weight(
+                torch.cat([w.detach().to(math) for w in ws]), batch_hint)
         gm.register_buffer(f"_lamina_packed_{n}", packed[key], persistent=False)
-        x = node.args[0]
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        with gm.graph.inserting_before(node):
+        x, bias = first.args[0], _bias_of(first)
+        with gm.graph.inserting_before(first):
             attr = gm.graph.get_attr(f"_lamina_packed_{n}")
             if upcast:
                 x = _cast(gm.graph, x, math)
+            if len(group) > 1 and bias is not None:  # parameter biases, concatenated
+                gm.register_buffer(f"_lamina_bias_{n}", torch.cat(
+                    [_weight_of(gm, _bias_of(nd)).detach().to(math) for nd, _ in group]),
+                    persistent=False)
+                bias = gm.graph.get_attr(f"_lamina_bias_{n}")
+            elif upcast and bias is not None:
                 b = _weight_of(gm, bias)
                 if b is not None:  # a parameter bias: one cast copy, kept like the weight
                     gm.register_buffer(f"_lamina_bias_{n}", b.detach().to(math),
                                        persistent=False)
                     bias = gm.graph.get_attr(f"_lamina_bias_{n}")
-                elif bias is not None:
+                else:
                     bias = _cast(gm.graph, bias, math)
-        node.target = torch.ops.mkldnn._linear_pointwise.default
-        node.args, node.kwargs = (x, attr, bias, "none", [], ""), {}
-        if upcast:
-            with gm.graph.inserting_after(node):
-                out = _cast(gm.graph, node, w.dtype)
-            node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
+            out = gm.graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
+                                         (x, attr, bias, "none", [], ""))
+            if upcast:
+                out = _cast(gm.graph, out, w0.dtype)
+            col = 0
+            for node, w in group:
+                y = out if len(group) == 1 else gm.graph.call_function(
+                    torch.ops.aten.slice.Tensor, (out, -1, col, col + w.shape[0]))
+                col += w.shape[0]
+                node.replace_all_uses_with(y)
+        for node, _ in group:
+            gm.graph.erase_node(node)
         n += 1
+        count += len(group)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    return replace(s, module=gm), n
+    return replace(s, module=gm), count
 
 
-def pack_dense(split, backend: str = "auto", batch_hint: int = 32):
+def pack_dense(split, backend: str = "auto", batch_hint: int = 32, fuse: bool = True):
     """Return (split with packed linears or `split` itself, DenseChoice).
 
-    `batch_hint` is the row count oneDNN tunes the blocked layout for (any count runs)."""
+    `batch_hint` is the row count oneDNN tunes the blocked layout for (any count runs);
+    `fuse=False` packs every linear alone (no shared calls for linears on one input)."""
     if not isinstance(batch_hint, int) or batch_hint < 1:
         raise ValueError(f"batch_hint must be a positive int, got {batch_hint!r}")
     first = next((p for s in split.slices for p in s.module.parameters()), None)
@@ -161,10 +196,10 @@ def pack_dense(split, backend: str = "auto", batch_hint: int = 32):
     packed: dict = {}
     slices, count = [], 0
     for s in split.slices:
-        ps, n = _pack_slice(s, packed, batch_hint)
+        ps, n = _pack_slice(s, packed, batch_hint, fuse)
         slices.append(ps)
         count += n
     if count == 0:
         return split, DenseChoice("eager", "no linear reads a packable weight")
     return replace(split, slices=slices), DenseChoice(
-        "onednn", f"{choice.reason}: {count} linears, {len(packed)} weights")
+        "onednn", f"{choice.reason}: {count} linears, {len(packed)} packed weights")
