@@ -307,6 +307,10 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
                          " does not fit head_dim " + std::to_string(d) + " and " +
                          std::to_string(hkv) + " kv heads");
       }
+      if (sinks[layer].has_value() && sinks[layer]->numel() != q.size(1))
+        throw FrameErr(where + ": " + std::to_string(q.size(1)) + " query heads, but layer " +
+                       std::to_string(layer) + " has " + std::to_string(sinks[layer]->numel()) +
+                       " sinks");
       if (!at::isFloatingType(q.scalar_type()) || !at::isFloatingType(k.scalar_type()) ||
           !at::isFloatingType(v.scalar_type()))
         throw FrameErr(where + ": q/k/v must be floating point");

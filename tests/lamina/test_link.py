@@ -190,9 +190,10 @@ def test_malformed_qkv_frame_fails_the_step_loudly(smol, smol_split, prompts):
 HKV, D, LAYERS = 2, 8, 2
 
 
-def tiny_server(fast, dtype=torch.float32):
+def tiny_server(fast, dtype=torch.float32, sinks=None):
     pool = KVPool(KVPoolConfig(LAYERS, 16, HKV, D, dtype=str(dtype).split(".")[1]))
-    params = [AttentionParams(0.3), AttentionParams(0.3, sliding_window=2, softcap=5.0)]
+    params = [AttentionParams(0.3, sinks=sinks),
+              AttentionParams(0.3, sliding_window=2, softcap=5.0, sinks=sinks)]
     a, b = socket.socketpair()
     srv = MemoryServer(MemorySide(pool), params, SocketChannel(b), "mw", fast=fast)
     t = threading.Thread(target=srv.serve, daemon=True)
@@ -271,6 +272,21 @@ def test_malformed_frames_end_the_server_with_a_clear_error(fast, raw, msg):
     t.join(timeout=30)
     assert srv.error and msg in srv.error, srv.error
     assert torch.equal(pool.layer(0)[0], before)  # nothing written from a bad frame
+    ch.close()
+
+
+@pytest.mark.parametrize("fast,msg", [(True, "4 query heads, but layer 0 has 6 sinks"),
+                                      (False, "6 sinks for 4 query heads")])
+def test_query_heads_must_match_the_sinks(fast, msg):
+    """A q|k|v frame of a valid width whose head count is not the model's (its sinks
+    say 6) is refused before the kernel reads a sink per head."""
+    srv, t, a, pool, _ = tiny_server(fast, sinks=(0.1,) * 6)
+    ch = SocketChannel(a)
+    send_meta(ch, 5, [[3, 9, 4], [7, 1]], [4, 1])
+    a.sendall(good_frame(width=4 * D + HKV * 2 * D))
+    a.shutdown(socket.SHUT_WR)
+    t.join(timeout=30)
+    assert srv.error and msg in srv.error, srv.error
     ch.close()
 
 
