@@ -5,6 +5,7 @@ frame fails the step loudly."""
 import re
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from lamina.kernels import AttentionParams, SlotBatch, reference_slot_attention
 from lamina.link import META, MemoryServer, SocketLink, fuse_qkv, split_qkv
 from lamina.messages import SeqWork, StepPlan
 from lamina.sampling import SamplingParams
-from lamina.wire import FrameError, ShmRing, SocketChannel, encode
+from lamina.wire import FrameError, PeerTimeout, ShmRing, SocketChannel, encode
 
 from .test_engine import run
 
@@ -29,17 +30,29 @@ def ring_pair(tmp, name, cap=16 << 20):
     return w, r
 
 
+def tcp_pair():
+    """A connected loopback TCP pair (what workers on other hosts use)."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        a = socket.create_connection(srv.getsockname())
+        b, _ = srv.accept()
+    for s in (a, b):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return a, b
+
+
 class LinkedExecutor(Executor):
     """ComputeSide in this thread, each memory side serving on a thread of its own.
     `fast`: which ends run their C++ per-layer path, "both", "memory", "compute" or
     "none" (the Python one); `rings`: a directory for shared-memory rings (big payloads
-    go through them, as between co-located processes)."""
+    go through them, as between co-located processes); `tcp`: loopback TCP, as between
+    hosts, instead of socket pairs."""
 
-    def __init__(self, split, pools, fused=True, link_cls=SocketLink, fast="both", rings=None):
+    def __init__(self, split, pools, fused=True, link_cls=SocketLink, fast="both", rings=None,
+                 tcp=False):
         self.compute = ComputeSide(split, len(pools))
         chans, self.servers, self.threads, self.rings = [], [], [], []
         for i, pool in enumerate(pools):
-            a, b = socket.socketpair()
+            a, b = tcp_pair() if tcp else socket.socketpair()
             ca, cb = {}, {}
             if rings is not None:
                 (ca["ring_out"], cb["ring_in"]), (cb["ring_out"], ca["ring_in"]) = (
@@ -62,9 +75,9 @@ class LinkedExecutor(Executor):
 
 
 def linked_engine(smol, split, slots, fused=True, link_cls=SocketLink, fast="both", rings=None,
-                  **kw):
+                  tcp=False, **kw):
     pools = [KVPool(KVPoolConfig.for_specs(split.attention_specs, slots)) for _ in range(2)]
-    ex = LinkedExecutor(split, pools, fused, link_cls, fast, rings)
+    ex = LinkedExecutor(split, pools, fused, link_cls, fast, rings, tcp)
     cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=2, **kw)
     return LLMEngine(cfg, ex, smol.tokenizer, smol.config), ex
 
@@ -143,6 +156,37 @@ def test_socket_link_kv_split_and_micro_batches(smol, smol_split, prompts, hf_gr
     python_steps = [s.steps - s.fast_steps for s in ex.servers]
     assert (max(python_steps) > 0) == (pipeline == "rotational"), python_steps
     ex.shutdown()
+
+
+def test_c_plus_plus_ends_over_tcp(smol, smol_split, prompts, hf_greedy):
+    """The C++ ends over loopback TCP (partial reads and writes of a real stream), a
+    600-token prefill among them: HF's greedy tokens."""
+    pick = [8, 1, 2, 10]
+    eng, ex = linked_engine(smol, smol_split, 3000, tcp=True)
+    got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=8, temperature=0))
+    assert got == [hf_greedy[i][:8] for i in pick]
+    assert all(s.error is None and s.fast_steps == s.steps > 0 for s in ex.servers)
+    ex.shutdown()
+
+
+def test_compute_end_times_out_on_a_silent_worker():
+    """The C++ collect waits at most the channel's timeout, then raises PeerTimeout."""
+    a, b = socket.socketpair()
+    ch = SocketChannel(a)
+    ch.set_timeout(0.3)
+    link = SocketLink([ch])
+    assert link._ext is not None
+    part = WorkerPart(torch.arange(2), torch.tensor([4, 1], dtype=torch.int32),
+                      SlotBatch.build([[3, 9, 4], [7, 1]], [1, 1]), span=(0, 2), whole=True)
+    link.begin(5, [[part]])
+    link.submit(0, 0, torch.randn(2, 6, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D),
+                [part])
+    t = time.perf_counter()
+    with pytest.raises(PeerTimeout, match="from the peer within 0.3 s"):
+        link.collect(0, 0, [part], (2, 6, D), torch.float32)
+    assert 0.25 < time.perf_counter() - t < 5
+    a.close()
+    b.close()
 
 
 def test_socket_link_through_shared_memory_rings(smol, smol_split, prompts, hf_greedy,
