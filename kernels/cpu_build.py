@@ -25,6 +25,7 @@ log = logging.getLogger("lamina.kernels")
 CSRC = Path(__file__).parent / "csrc"
 # the kernels, and the memory worker's per-layer loop that calls them (lamina.link)
 SOURCES = (CSRC / "slot_attention.cpp", CSRC / "dataplane.cpp")
+HEADERS = (CSRC / "lamina_ext.h",)  # hashed into the build key with the sources
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 _lock = threading.Lock()
@@ -42,7 +43,7 @@ def cache_root() -> Path:
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())

@@ -31,11 +31,7 @@
 #include <tuple>
 #include <vector>
 
-std::vector<at::Tensor> slot_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
-                                       at::Tensor cu_q, at::Tensor q_pos, at::Tensor slots,
-                                       at::Tensor cu_k, at::Tensor k_pos0, double scale,
-                                       int64_t window, double softcap,
-                                       c10::optional<at::Tensor> sinks, bool q_bf16);
+#include "lamina_ext.h"
 
 namespace {
 

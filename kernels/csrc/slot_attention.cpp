@@ -12,6 +12,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "lamina_ext.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -158,33 +160,46 @@ inline void scores_group(const float* q, int64_t D, const T* const* k, int64_t o
       _mm_storeu_ps(s + g * BK + j, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
   }
 }
-// GQA: RG rows (acc stride Dv, p stride BK) share each value load; 32 columns a pass.
-template <typename T, int RG>
+// Vector widths for the value passes: 8 floats (AVX2) or 16 (AVX-512).
+struct Avx2 {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T> static V loadT(const T* p) { return load8(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+};
+// GQA: RG rows (acc stride Dv, p stride BK) share each value load; 4 vectors of
+// columns a pass (32 with AVX2, 64 with AVX-512).
+template <typename A, typename T, int RG>
 inline void pv_group(float* acc, int64_t Dv, const float* p, const T* const* v, int64_t off,
                      int64_t n, RowPrefetcher* pf, int64_t pf_step) {
-  for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
-    __m256 a[RG][4];
+  using V = typename A::V;
+  constexpr int W = A::W;
+  for (int64_t c0 = 0; c0 < Dv; c0 += 4 * W) {
+    V a[RG][4];
 #pragma GCC unroll 4
     for (int g = 0; g < RG; ++g)
 #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) a[g][u] = _mm256_loadu_ps(acc + g * Dv + c0 + 8 * u);
+      for (int u = 0; u < 4; ++u) a[g][u] = A::load(acc + g * Dv + c0 + W * u);
     for (int64_t j = 0; j < n; ++j) {
       pf->step(pf_step);
       const T* vj = v[j] + off + c0;
-      __m256 pb[RG];
+      V pb[RG];
 #pragma GCC unroll 4
-      for (int g = 0; g < RG; ++g) pb[g] = _mm256_set1_ps(p[g * BK + j]);
+      for (int g = 0; g < RG; ++g) pb[g] = A::set1(p[g * BK + j]);
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
-        const __m256 vv = load8(vj + 8 * u);
+        const V vv = A::loadT(vj + W * u);
 #pragma GCC unroll 4
-        for (int g = 0; g < RG; ++g) a[g][u] = _mm256_fmadd_ps(pb[g], vv, a[g][u]);
+        for (int g = 0; g < RG; ++g) a[g][u] = A::fma(pb[g], vv, a[g][u]);
       }
     }
 #pragma GCC unroll 4
     for (int g = 0; g < RG; ++g)
 #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) _mm256_storeu_ps(acc + g * Dv + c0 + 8 * u, a[g][u]);
+      for (int u = 0; u < 4; ++u) A::store(acc + g * Dv + c0 + W * u, a[g][u]);
   }
 }
 // AVX-512: value passes of 64 columns (one per row group at Dv = 64, not two), and for
@@ -197,34 +212,15 @@ inline __m512 load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-template <typename T, int RG>
-inline void pv_group16(float* acc, int64_t Dv, const float* p, const T* const* v,
-                       int64_t off, int64_t n, RowPrefetcher* pf, int64_t pf_step) {
-  for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
-    __m512 a[RG][4];
-#pragma GCC unroll 4
-    for (int g = 0; g < RG; ++g)
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) a[g][u] = _mm512_loadu_ps(acc + g * Dv + c0 + 16 * u);
-    for (int64_t j = 0; j < n; ++j) {
-      pf->step(pf_step);
-      const T* vj = v[j] + off + c0;
-      __m512 pb[RG];
-#pragma GCC unroll 4
-      for (int g = 0; g < RG; ++g) pb[g] = _mm512_set1_ps(p[g * BK + j]);
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        const __m512 vv = load16(vj + 16 * u);
-#pragma GCC unroll 4
-        for (int g = 0; g < RG; ++g) a[g][u] = _mm512_fmadd_ps(pb[g], vv, a[g][u]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < RG; ++g)
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc + g * Dv + c0 + 16 * u, a[g][u]);
-  }
-}
+struct Avx512 {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename T> static V loadT(const T* p) { return load16(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+};
 #else
 constexpr int PV_COLS = 32;
 #endif
@@ -345,17 +341,17 @@ inline void head_pv(float* acc, int64_t Dv, int64_t rep, const float* p, const T
 #if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512BW__)
   if (Dv % 64 == 0) {
     int64_t g = 0;
-    for (; g + 3 <= rep; g += 3) pv_group16<T, 3>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
-    if (rep - g == 2) pv_group16<T, 2>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
-    if (rep - g == 1) pv_group16<T, 1>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
+    for (; g + 3 <= rep; g += 3) pv_group<Avx512, T, 3>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
+    if (rep - g == 2) pv_group<Avx512, T, 2>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
+    if (rep - g == 1) pv_group<Avx512, T, 1>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
     return;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (Dv % 32 == 0 && rep > 1) {
     int64_t g = 0;
-    for (; g + 3 <= rep; g += 3) pv_group<T, 3>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
-    if (rep - g == 2) pv_group<T, 2>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
+    for (; g + 3 <= rep; g += 3) pv_group<Avx2, T, 3>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
+    if (rep - g == 2) pv_group<Avx2, T, 2>(acc + g * Dv, Dv, p + g * BK, v, off, n, pf, pf_step);
     if (rep - g == 1) block_pv<T>(acc + g * Dv, p + g * BK, v, off, Dv, n);
     return;
   }
@@ -423,10 +419,10 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
   const T* vr[BK];
   const int64_t klines = (Hkv * D * int64_t(sizeof(T)) + 63) / 64;
   const int64_t vlines = (Hkv * Dv * int64_t(sizeof(T)) + 63) / 64;
-  // V passes per block: one per (kv head, pv_group call, 32 columns); head_pv makes
-  // rep / 3 calls of 3 rows plus one of 2 when 2 rows are left.
-  const int64_t vpasses =
-      std::max<int64_t>(1, Hkv * (rep / 3 + (rep % 3 == 2)) * ((Dv + PV_COLS - 1) / PV_COLS));
+  // V passes per block: one per (kv head, pv_group call, PV_COLS columns); head_pv
+  // makes rep / 3 calls of 3 rows, plus one for the 2 rows left (with AVX-512 for 1 too).
+  const int64_t calls = rep / 3 + (rep % 3 == 2 || (PV_COLS == 64 && rep % 3 == 1));
+  const int64_t vpasses = std::max<int64_t>(1, Hkv * calls * ((Dv + PV_COLS - 1) / PV_COLS));
   RowPrefetcher pfk, pfv;
   for (int64_t j0 = lo_all; j0 < hi_all; j0 += BK) {
     const int64_t j1 = std::min<int64_t>(j0 + BK, hi_all), nb = j1 - j0;
@@ -615,29 +611,6 @@ double read_rows(at::Tensor k, at::Tensor v, at::Tensor slots) {
     return t;
   }, std::plus<double>());
 }
-
-// dataplane.cpp: the data plane's per-layer fast paths (memory end, compute end).
-std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
-    int64_t fd, std::string pending, int64_t timeout_ms, int64_t step,
-    std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools, at::Tensor new_slots,
-    at::Tensor cu_q, at::Tensor q_pos, at::Tensor slots, at::Tensor cu_k, at::Tensor k_pos0,
-    std::vector<double> scales, std::vector<int64_t> windows, std::vector<double> softcaps,
-    std::vector<c10::optional<at::Tensor>> sinks,
-    c10::optional<at::Tensor> ring_in, c10::optional<at::Tensor> ring_in_ctrl, int64_t in_pos,
-    c10::optional<at::Tensor> ring_out, c10::optional<at::Tensor> ring_out_ctrl,
-    int64_t out_pos, int64_t ring_min_bytes);
-std::tuple<int64_t, std::string, std::vector<int64_t>> submit_qkv(
-    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
-    std::vector<c10::optional<at::Tensor>> ring_data,
-    std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
-    int64_t ring_min_bytes, at::Tensor q, at::Tensor k, at::Tensor v,
-    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step);
-std::tuple<int64_t, std::string, std::vector<int64_t>, at::Tensor> collect_o(
-    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
-    std::vector<c10::optional<at::Tensor>> ring_data,
-    std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
-    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
-    at::Tensor o);
 
 // The SIMD paths this build compiled (the CPU it was built for): for reports and tests.
 std::vector<std::string> simd_paths() {
