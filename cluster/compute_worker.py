@@ -23,6 +23,7 @@ from lamina.messages import StepPlan, StepResult
 from lamina.models import load
 from lamina.splitter import split_model
 from lamina.splitter.dense import pack_dense
+from lamina.splitter.memo import memo_positions
 from lamina.wire import ShmRing, SocketChannel
 
 
@@ -55,6 +56,7 @@ class ComputeWorker:
         self.loaded = load(model, dtype=dtype, with_tokenizer=False)
         split, self.dense = pack_dense(split_model(self.loaded.model), dense_backend,
                                        batch_hint)
+        split = memo_positions(split)[0]  # position tables once a step
         self.compute = ComputeSide(split, num_memory_workers)
         self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
         self.channels: list[SocketChannel] = []

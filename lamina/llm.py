@@ -20,6 +20,7 @@ class LLM:
                  num_memory_workers: int = 1, dtype: str = "float32", **engine_kw):
         from lamina.splitter import split_model
         from lamina.splitter.dense import DenseChoice, pack_dense
+        from lamina.splitter.memo import memo_positions
 
         from .executor import LocalExecutor, MemorySide
         from .kv_pool import KVPool, KVPoolConfig
@@ -39,6 +40,7 @@ class LLM:
             self.split, self.dense = pack_dense(split_model(self.loaded.model),
                                                 self.config.dense_backend,
                                                 self.config.max_batch)
+            self.split = memo_positions(self.split)[0]  # position tables once a step
             pool_cfg = KVPoolConfig.for_specs(self.split.attention_specs,
                                               self.config.num_kv_slots, self.config.kv_dtype,
                                               self.config.kv_device)
