@@ -1,5 +1,5 @@
 """Build (once) and load the C++/OpenMP CPU kernel in `csrc/slot_attention.cpp` (and the
-memory worker's per-layer loop in `csrc/dataplane.cpp`, which calls it).
+data plane's per-layer fast paths in `csrc/dataplane.cpp`, whose memory end calls it).
 
 Data in: the C++ sources beside this file. Data out: the loaded extension module, or a
 `KernelBuildError` saying why it could not be had. Builds go to
@@ -23,7 +23,7 @@ import torch
 log = logging.getLogger("lamina.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-# the kernels, and the memory worker's per-layer loop that calls them (lamina.link)
+# the kernels, and the data plane's per-layer fast paths (lamina.link)
 SOURCES = (CSRC / "slot_attention.cpp", CSRC / "dataplane.cpp")
 HEADERS = (CSRC / "lamina_ext.h",)  # hashed into the build key with the sources
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]

@@ -68,10 +68,21 @@ def dataplane_ext():
         return None
 
 
+def _ring_args(r) -> tuple:
+    """A ring (or None) as the C++ ends take it: (data, control word, cursor)."""
+    return (r.data, r.ctrl, r.pos) if r else (None, None, 0)
+
+
 def _rings(rings: list) -> tuple:
-    """C++ arguments for one direction of each channel's ring (None: no ring)."""
-    return ([r and r.data for r in rings], [r and r.ctrl for r in rings],
-            [r.pos if r else 0 for r in rings])
+    """C++ arguments for one direction of each channel's ring: three lists."""
+    return tuple(list(x) for x in zip(*map(_ring_args, rings)))
+
+
+def _advance(rings, positions) -> None:
+    """Take back the cursors a C++ end moved."""
+    for r, p in zip(rings, positions):
+        if r:
+            r.pos = p
 
 
 def _raise(status: int, msg: str) -> None:
@@ -91,6 +102,10 @@ class SocketLink(MemoryLink):
 
     def begin(self, step, parts):
         self.step = step
+        if self._ext:  # what the C++ ends need every layer, once a step
+            self._fds = [ch.sock.fileno() for ch in self.channels]
+            self._timeouts = [ch.timeout_ms() for ch in self.channels]
+            self._spans = [self._slices(p) for p in parts]
         for w, ch in enumerate(self.channels):
             live = [p[w] for p in parts if p[w].rows.numel()]
             if not live:
@@ -102,7 +117,8 @@ class SocketLink(MemoryLink):
                                                      b.cu_k, b.k_pos0)]
             ch.send_many(frames)
 
-    def _spans(self, parts):
+    @staticmethod
+    def _slices(parts):
         """(starts, ends) of each worker's rows when all are slices, else None."""
         if any(p.span is None and p.rows.numel() for p in parts):
             return None
@@ -110,18 +126,13 @@ class SocketLink(MemoryLink):
                 [p.span[1] if p.span else 0 for p in parts])
 
     def submit(self, layer, mb, q, k, v, parts):
-        spans = self._ext and q.dtype == k.dtype == v.dtype and self._spans(parts)
+        spans = self._ext and q.dtype == k.dtype == v.dtype and self._spans[mb]
         if spans:
-            chs = self.channels
-            rings = [ch.ring_out for ch in chs]
-            data, ctrl, pos = _rings(rings)
+            rings = [ch.ring_out for ch in self.channels]
             status, msg, pos = self._ext.submit_qkv(
-                [ch.sock.fileno() for ch in chs], [ch.timeout_ms() for ch in chs], data, ctrl,
-                pos, next((r.min_bytes for r in rings if r), 0), q, k, v, *spans, layer,
-                self.step)
-            for r, p in zip(rings, pos):
-                if r:
-                    r.pos = p
+                self._fds, self._timeouts, *_rings(rings),
+                next((r.min_bytes for r in rings if r), 0), q, k, v, *spans, layer, self.step)
+            _advance(rings, pos)
             if status:
                 _raise(status, msg)
             return
@@ -146,16 +157,13 @@ class SocketLink(MemoryLink):
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
         n, hq, dv = out_shape
         spans = (self._ext and not merge and not any(ch.buffered() for ch in self.channels)
-                 and self._spans(parts))
+                 and self._spans[mb])
         if spans:
-            chs = self.channels
-            rings = [ch.ring_in for ch in chs]
-            status, msg, pos, o = self._ext.collect_o(
-                [ch.sock.fileno() for ch in chs], [ch.timeout_ms() for ch in chs],
-                *_rings(rings), *spans, layer, self.step, torch.empty(n, hq, dv, dtype=dtype))
-            for r, p in zip(rings, pos):
-                if r:
-                    r.pos = p
+            rings = [ch.ring_in for ch in self.channels]
+            o = torch.empty(n, hq, dv, dtype=dtype)
+            status, msg, pos = self._ext.collect_o(self._fds, self._timeouts, *_rings(rings),
+                                                   *spans, layer, self.step, o)
+            _advance(rings, pos)
             if status:
                 _raise(status, msg)
             return o
@@ -257,17 +265,12 @@ class MemoryServer:
         fn, kps, vps, scales, windows, caps, sinks = self._fast
         ch, rin, rout = self.ch, self.ch.ring_in, self.ch.ring_out
         with self._lock:
-            status, msg, in_pos, out_pos = fn(
+            status, msg, *pos = fn(
                 ch.sock.fileno(), ch.take_pending(), ch.timeout_ms(), step, kps, vps,
                 new_slots, batch.cu_q, batch.q_pos, batch.slots, batch.cu_k, batch.k_pos0,
-                scales, windows, caps, sinks,
-                rin and rin.data, rin and rin.ctrl, rin.pos if rin else 0,
-                rout and rout.data, rout and rout.ctrl, rout.pos if rout else 0,
+                scales, windows, caps, sinks, *_ring_args(rin), *_ring_args(rout),
                 (rin or rout).min_bytes if (rin or rout) else 0)
-        if rin:
-            rin.pos = in_pos
-        if rout:
-            rout.pos = out_pos
+        _advance((rin, rout), pos)
         if status:
             _raise(status, msg)
         self.fast_steps += 1

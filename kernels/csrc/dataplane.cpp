@@ -29,6 +29,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "lamina_ext.h"
@@ -134,10 +135,8 @@ struct Conn {
   }
 };
 
-struct Frame { at::Tensor t; int64_t layer, step; };
-
-// Reads and checks one frame (as `SocketChannel.recv` + `wire.check`).
-Frame recv_frame(Conn& c, Ring* ring, int64_t layer, int64_t step,
+// Reads and checks one frame (as `SocketChannel.recv` + `wire.check`) -> its tensor.
+at::Tensor recv_frame(Conn& c, Ring* ring, int64_t layer, int64_t step,
                  const std::vector<int64_t>* expect_shape = nullptr) {
   uint8_t h[HEADER];
   c.read(h, HEADER, "frame header");
@@ -183,7 +182,7 @@ Frame recv_frame(Conn& c, Ring* ring, int64_t layer, int64_t step,
   } else if (nbytes) {
     c.read(t.data_ptr(), want, "frame payload");
   }
-  return {t, lay, stp};
+  return t;
 }
 
 // Header into h (HEADER + 8 * ndim bytes), payload into the ring when it goes there;
@@ -228,6 +227,22 @@ void send_frame(Conn& c, Ring* ring, const at::Tensor& t, int64_t layer, int64_t
   c.write(stage_frame(ring, t, layer, step, timeout_ms, h));
 }
 
+// Runs f; -> (0, "") or the error as (status, message): 1 bad frame (FrameError), 2 timeout
+// (PeerTimeout), 3 anything else.
+template <typename F>
+std::pair<int64_t, std::string> guarded(F&& f) {
+  try {
+    f();
+  } catch (const FrameErr& e) {
+    return {1, e.what()};
+  } catch (const Timeout& e) {
+    return {2, e.what()};
+  } catch (const std::exception& e) {
+    return {3, e.what()};
+  }
+  return {0, ""};
+}
+
 Ring make_ring(const c10::optional<at::Tensor>& data, const c10::optional<at::Tensor>& ctrl,
                int64_t pos, int64_t min_bytes) {
   Ring r;
@@ -263,13 +278,13 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
   Ring* pout = ring_out.has_value() ? &rout : nullptr;
   const int64_t n = cu_q.size(0) ? q_pos.size(0) : 0, m = new_slots.size(0);
   const at::Tensor idx = new_slots.to(at::kLong);
-  try {
+  auto [status, msg] = guarded([&] {
     for (size_t layer = 0; layer < k_pools.size(); ++layer) {
       const at::Tensor& kp = k_pools[layer];
       const at::Tensor& vp = v_pools[layer];
       const int64_t hkv = kp.size(1), d = kp.size(2), dv = vp.size(2);
       const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(layer);
-      at::Tensor x = recv_frame(c, pin, layer, step).t, q, k, v;
+      at::Tensor x = recv_frame(c, pin, layer, step), q, k, v;
       if (x.dim() == 2) {  // one q|k|v frame
         if (n != m || x.size(0) != n)
           throw FrameErr(where + ": a q|k|v frame of " + std::to_string(x.size(0)) +
@@ -286,8 +301,8 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
         v = x.narrow(1, hq_d + hkv * d, hkv * dv).unflatten(1, {hkv, dv});
       } else {
         q = x;
-        k = recv_frame(c, pin, layer, step).t;
-        v = recv_frame(c, pin, layer, step).t;
+        k = recv_frame(c, pin, layer, step);
+        v = recv_frame(c, pin, layer, step);
         if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || q.size(0) != n ||
             k.size(0) != m || v.size(0) != m)
           throw FrameErr(where + ": q/k/v rows " + std::to_string(q.size(0)) + "/" +
@@ -322,14 +337,8 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
       if (q.scalar_type() != at::kFloat) out = out.to(q.scalar_type());
       send_frame(c, pout, out, int64_t(layer), step, int(timeout_ms));
     }
-  } catch (const FrameErr& e) {
-    return {1, e.what(), rin.pos, rout.pos};
-  } catch (const Timeout& e) {
-    return {2, e.what(), rin.pos, rout.pos};
-  } catch (const std::exception& e) {
-    return {3, e.what(), rin.pos, rout.pos};
-  }
-  return {0, "", rin.pos, rout.pos};
+  });
+  return {status, msg, rin.pos, rout.pos};
 }
 
 namespace {
@@ -367,7 +376,7 @@ std::tuple<int64_t, std::string, std::vector<int64_t>> submit_qkv(
     std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step) {
   pybind11::gil_scoped_release nogil;
   Ends e(fds, timeouts, ring_data, ring_ctrl, ring_pos, ring_min_bytes);
-  try {
+  auto [status, msg] = guarded([&] {
     const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1),
                   dv = v.size(2), a = hq * d, b = a + hkv * d;
     at::Tensor x = at::empty({n, b + hkv * dv}, q.options());  // rows q | k | v
@@ -381,25 +390,19 @@ std::tuple<int64_t, std::string, std::vector<int64_t>> submit_qkv(
       const int64_t rows = ends[w] - starts[w];
       if (rows <= 0) continue;
       const at::Tensor part = x.narrow(0, starts[w], rows);
-      heads[w].resize(HEADER + 16);
+      heads[w].resize(HEADER + 8 * MAX_NDIM);
       iovs[w] = stage_frame(e.ring(w), part, layer, step, int(timeouts[w]), heads[w].data());
     }
     for (size_t w = 0; w < fds.size(); ++w)
       if (!iovs[w].empty()) e.conns[w].write(iovs[w]);
-  } catch (const FrameErr& ex) {
-    return {1, ex.what(), e.positions()};
-  } catch (const Timeout& ex) {
-    return {2, ex.what(), e.positions()};
-  } catch (const std::exception& ex) {
-    return {3, ex.what(), e.positions()};
-  }
-  return {0, "", e.positions()};
+  });
+  return {status, msg, e.positions()};
 }
 
-// Each worker w's output frame [n_w, Hq, Dv + 1] for rows starts[w]..ends[w] -> o
-// [N, Hq, Dv] (like), read worker by worker; shapes, layer and step checked first.
-// -> (status, message, ring positions, o).
-std::tuple<int64_t, std::string, std::vector<int64_t>, at::Tensor> collect_o(
+// Each worker w's output frame [n_w, Hq, Dv + 1] for rows starts[w]..ends[w] -> into o
+// [N, Hq, Dv], read worker by worker; shapes, layer and step checked first.
+// -> (status, message, ring positions).
+std::tuple<int64_t, std::string, std::vector<int64_t>> collect_o(
     std::vector<int64_t> fds, std::vector<int64_t> timeouts,
     std::vector<c10::optional<at::Tensor>> ring_data,
     std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
@@ -407,21 +410,15 @@ std::tuple<int64_t, std::string, std::vector<int64_t>, at::Tensor> collect_o(
     at::Tensor o) {
   pybind11::gil_scoped_release nogil;
   Ends e(fds, timeouts, ring_data, ring_ctrl, ring_pos, 0);
-  try {
+  auto [status, msg] = guarded([&] {
     const int64_t hq = o.size(1), dv = o.size(2);
     for (size_t w = 0; w < fds.size(); ++w) {
       const int64_t rows = ends[w] - starts[w];
       if (rows <= 0) continue;
       const std::vector<int64_t> want{rows, hq, dv + 1};
-      at::Tensor f = recv_frame(e.conns[w], e.ring(w), layer, step, &want).t;
+      at::Tensor f = recv_frame(e.conns[w], e.ring(w), layer, step, &want);
       o.narrow(0, starts[w], rows).copy_(f.narrow(2, 0, dv));
     }
-  } catch (const FrameErr& ex) {
-    return {1, ex.what(), e.positions(), o};
-  } catch (const Timeout& ex) {
-    return {2, ex.what(), e.positions(), o};
-  } catch (const std::exception& ex) {
-    return {3, ex.what(), e.positions(), o};
-  }
-  return {0, "", e.positions(), o};
+  });
+  return {status, msg, e.positions()};
 }

@@ -34,7 +34,7 @@ std::tuple<int64_t, std::string, std::vector<int64_t>> submit_qkv(
     std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step);
 
 // dataplane.cpp: the compute end's read of one layer's outputs into o.
-std::tuple<int64_t, std::string, std::vector<int64_t>, at::Tensor> collect_o(
+std::tuple<int64_t, std::string, std::vector<int64_t>> collect_o(
     std::vector<int64_t> fds, std::vector<int64_t> timeouts,
     std::vector<c10::optional<at::Tensor>> ring_data,
     std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,

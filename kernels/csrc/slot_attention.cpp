@@ -207,16 +207,15 @@ inline void pv_group(float* acc, int64_t Dv, const float* p, const T* const* v, 
 // the same products as the fp32 path, exact in fp32, summed in another order).
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int PV_COLS = 64;
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 struct Avx512 {
   using V = __m512;
   static constexpr int W = 16;
   static V load(const float* p) { return _mm512_loadu_ps(p); }
-  template <typename T> static V loadT(const T* p) { return load16(p); }
+  static V loadT(const float* p) { return load(p); }
+  static V loadT(const at::BFloat16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
