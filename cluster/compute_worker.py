@@ -21,9 +21,7 @@ from lamina.kv_pool import KVPoolConfig
 from lamina.link import SocketLink, dataplane_ext
 from lamina.messages import StepPlan, StepResult
 from lamina.models import load
-from lamina.splitter import split_model
-from lamina.splitter.dense import pack_dense
-from lamina.splitter.memo import memo_positions
+from lamina.prepare import prepare_split
 from lamina.wire import ShmRing, SocketChannel
 
 
@@ -48,16 +46,15 @@ def step_threads(num_tokens: int, micro_batches: int, threads: int, wide: int,
 class ComputeWorker:
     def __init__(self, model: str | None, dtype: str, num_memory_workers: int,
                  threads: int = 1, wide_threads: int | None = None,
-                 dense_backend: str = "auto", batch_hint: int = 32):
+                 dense_backend: str = "auto", batch_hint: int = 32, fuse: bool = True):
         # Steps use `threads`, or `wide_threads` where the memory workers sit idle during
         # the dense part (see `step_threads`).
         self.threads, self.wide_threads = threads, wide_threads or threads
         torch.set_num_threads(threads)
         self.loaded = load(model, dtype=dtype, with_tokenizer=False)
-        split, self.dense = pack_dense(split_model(self.loaded.model), dense_backend,
-                                       batch_hint)
-        split = memo_positions(split)[0]  # position tables once a step
-        self.compute = ComputeSide(split, num_memory_workers)
+        prep = prepare_split(self.loaded.model, dense_backend, batch_hint, fuse)
+        self.dense = prep.dense
+        self.compute = ComputeSide(prep.split, num_memory_workers)
         self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
         self.channels: list[SocketChannel] = []
         self.fused = True

@@ -71,7 +71,7 @@ class RayExecutor(Executor):
         pt = wide_threads or max(threads, local_cores)
         self._c_opts, self._m_opts = {**c_opts, **env}, {**m_opts, **env}
         self._compute_args = (model, dtype, m, threads, pt, config.dense_backend,
-                              config.max_batch)
+                              config.max_batch, config.fuse_pointwise)
         self.threads, self.wide_threads, self.config = threads, pt, config
         self.compute = ComputeWorker.options(**self._c_opts).remote(*self._compute_args)
         self.dense = ray.get(self.compute.dense_choice.remote())

@@ -1,5 +1,6 @@
-"""Build (once) and load the C++/OpenMP CPU kernel in `csrc/slot_attention.cpp` (and the
-data plane's per-layer fast paths in `csrc/dataplane.cpp`, whose memory end calls it).
+"""Build (once) and load the C++/OpenMP CPU kernel in `csrc/slot_attention.cpp` (with the
+data plane's per-layer fast paths in `csrc/dataplane.cpp`, whose memory end calls it, and
+the dense slices' fused pointwise ops in `csrc/pointwise.cpp`).
 
 Data in: the C++ sources beside this file. Data out: the loaded extension module, or a
 `KernelBuildError` saying why it could not be had. Builds go to
@@ -23,8 +24,8 @@ import torch
 log = logging.getLogger("lamina.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-# the kernels, and the data plane's per-layer fast paths (lamina.link)
-SOURCES = (CSRC / "slot_attention.cpp", CSRC / "dataplane.cpp")
+# the kernels, the data plane's per-layer fast paths (lamina.link), fused pointwise ops
+SOURCES = (CSRC / "slot_attention.cpp", CSRC / "dataplane.cpp", CSRC / "pointwise.cpp")
 HEADERS = (CSRC / "lamina_ext.h",)  # hashed into the build key with the sources
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 

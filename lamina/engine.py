@@ -49,6 +49,7 @@ class EngineConfig:
     max_recoveries: int = 3  # failed steps in a row the executor may recover from (0: none)
     worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
     dense_backend: str = "auto"  # compute side's linears: "auto" | "eager" | "onednn"
+    fuse_pointwise: bool = True  # RMSNorm / rotary / SiLU x up chains as one C++ op each
 
 
     def __post_init__(self):
@@ -75,6 +76,9 @@ class EngineConfig:
         if self.dense_backend not in DENSE_BACKENDS:
             raise ValueError(f"EngineConfig.dense_backend must be one of {DENSE_BACKENDS}, "
                              f"got {self.dense_backend!r}")
+        if not isinstance(self.fuse_pointwise, bool):
+            raise ValueError(f"EngineConfig.fuse_pointwise must be a bool, "
+                             f"got {self.fuse_pointwise!r}")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
                              f"got {self.pipeline!r}")

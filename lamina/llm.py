@@ -18,13 +18,12 @@ from .sampling import SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, executor: str = "local",
                  num_memory_workers: int = 1, dtype: str = "float32", **engine_kw):
-        from lamina.splitter import split_model
-        from lamina.splitter.dense import DenseChoice, pack_dense
-        from lamina.splitter.memo import memo_positions
+        from lamina.splitter.dense import DenseChoice
 
         from .executor import LocalExecutor, MemorySide
         from .kv_pool import KVPool, KVPoolConfig
         from .models import load
+        from .prepare import prepare_split
 
         if executor not in ("local", "ray"):
             raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
@@ -37,10 +36,9 @@ class LLM:
             self.dense = getattr(self.executor, "dense", None) or DenseChoice(
                 "unknown", f"the {executor!r} executor does not report it")
         else:
-            self.split, self.dense = pack_dense(split_model(self.loaded.model),
-                                                self.config.dense_backend,
-                                                self.config.max_batch)
-            self.split = memo_positions(self.split)[0]  # position tables once a step
+            prep = prepare_split(self.loaded.model, self.config.dense_backend,
+                                 self.config.max_batch, self.config.fuse_pointwise)
+            self.split, self.dense = prep.split, prep.dense
             pool_cfg = KVPoolConfig.for_specs(self.split.attention_specs,
                                               self.config.num_kv_slots, self.config.kv_dtype,
                                               self.config.kv_device)

@@ -40,3 +40,8 @@ std::tuple<int64_t, std::string, std::vector<int64_t>> collect_o(
     std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
     std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
     at::Tensor o);
+
+// pointwise.cpp: fused pointwise ops for the dense slices (lamina.splitter.fuse).
+at::Tensor fused_rms_norm(at::Tensor x, at::Tensor w, double eps);
+at::Tensor fused_rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor fused_silu_mul(at::Tensor gate, at::Tensor up);

@@ -1,0 +1,54 @@
+"""Fused pointwise ops for the dense slices, and the eager op chains they replace.
+
+Data in: tensors from the compute side's slice graphs (residual rows, rotary q/k, the MLP's
+gate/up). Data out: one tensor each. `lamina.splitter.fuse` rewrites each matched chain
+into one call of these; `pointwise_ops()` hands out the compiled ones (or None and why).
+
+The references are the chains exactly as HF's LLaMA-family modules run them eagerly, so
+tests compare the fused ops against them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .cpu_build import KernelBuildError, load_cpu_kernel
+
+log = logging.getLogger("lamina.kernels")
+
+
+@dataclass(frozen=True)
+class PointwiseOps:
+    rms_norm: Callable  # (x [..., D], weight [D], eps) -> [..., D]
+    rope: Callable  # (x [..., D], cos, sin broadcast to x) -> [..., D]
+    silu_mul: Callable  # (gate, up) -> silu(gate) * up
+
+
+def rms_norm_reference(x, weight, eps: float):
+    xf = x.to(torch.float32)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def rope_reference(x, cos, sin):
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
+
+
+def silu_mul_reference(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+REFERENCE = PointwiseOps(rms_norm_reference, rope_reference, silu_mul_reference)
+
+
+def pointwise_ops() -> tuple[PointwiseOps | None, str]:
+    """(the compiled fused ops, why) or (None, why not)."""
+    try:
+        ext = load_cpu_kernel()
+    except KernelBuildError as e:
+        return None, f"the CPU extension is not available ({e})"
+    return PointwiseOps(ext.rms_norm, ext.rope, ext.silu_mul), "compiled CPU pointwise ops"

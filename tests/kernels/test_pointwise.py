@@ -1,0 +1,92 @@
+"""The compiled fused pointwise ops against the eager op chains they replace
+(`lamina.kernels.pointwise`): values, layouts and bad input."""
+import pytest
+import torch
+
+from lamina.kernels.pointwise import REFERENCE, pointwise_ops
+
+OPS, WHY = pointwise_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason=f"no compiled ops: {WHY}")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _bf16_ulp(x):
+    return torch.exp2(torch.floor(torch.log2(x.abs().float().clamp_min(1e-30))) - 7)
+
+
+def _qk(dt, n, heads=9, d=64, seed=0):
+    """q as the slices make it: a slice of the fused q|k|v output, viewed, transposed."""
+    lin = torch.randn(1, n, heads * d + 2 * 3 * d, generator=_gen(seed)).to(dt)
+    q = lin[..., :heads * d].view(1, n, heads, d).transpose(1, 2)  # [1, H, N, D]
+    cos = torch.randn(1, n, d, generator=_gen(seed + 1)).to(dt)[:, None]  # [1, 1, N, D]
+    sin = torch.randn(1, n, d, generator=_gen(seed + 2)).to(dt)[:, None]
+    return q, cos, sin
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 32, 300])
+def test_rope_is_bitwise_the_eager_chain_with_its_layout(dt, n):
+    q, cos, sin = _qk(dt, n)
+    out, ref = OPS.rope(q, cos, sin), REFERENCE.rope(q, cos, sin)
+    assert torch.equal(out, ref)
+    assert out.stride() == ref.stride()  # [1, N, H, D] in memory, as eager lays it out
+    # partial rotary (a slice of the head dim), and a non-contiguous last dim
+    part = q[..., :32]
+    assert torch.equal(OPS.rope(part, cos[..., :32], sin[..., :32]),
+                       REFERENCE.rope(part, cos[..., :32], sin[..., :32]))
+    odd = q[..., ::2]  # last dim strided: copied first, same values
+    c2, s2 = cos[..., 1::2], sin[..., ::2]
+    assert torch.equal(OPS.rope(odd, c2, s2), REFERENCE.rope(odd, c2, s2))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_rms_norm_against_the_eager_chain(dt):
+    x = (torch.randn(3, 50, 576, generator=_gen(3)) * 30).to(dt)
+    w = torch.randn(576, generator=_gen(4)).to(dt)
+    out, ref = OPS.rms_norm(x, w, 1e-5), REFERENCE.rms_norm(x, w, 1e-5)
+    assert out.dtype == dt and out.shape == x.shape and out.stride() == ref.stride()
+    if dt == torch.float32:  # squares summed in another order: last-bit differences
+        assert torch.allclose(out, ref, rtol=2e-6, atol=1e-6)
+    else:  # the fp32 row scale may differ in its last bit: at most one bf16 step
+        assert ((out.float() - ref.float()).abs() <= _bf16_ulp(ref)).all()
+        assert (out == ref).float().mean() > 0.999
+    # a row whose length is not a multiple of 16 and a strided row set (q/k norms)
+    y = torch.randn(2, 7, 4, 33, generator=_gen(5)).to(dt)[:, ::2]
+    wy = torch.randn(33, generator=_gen(6)).to(dt)
+    assert torch.allclose(OPS.rms_norm(y, wy, 1e-6).float(),
+                          REFERENCE.rms_norm(y, wy, 1e-6).float(), rtol=1e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_silu_mul_against_the_eager_chain(dt):
+    gu = (torch.randn(1, 40, 2 * 1536, generator=_gen(7)) * 4).to(dt)
+    gate, up = gu[..., :1536], gu[..., 1536:]  # the fused gate|up output's halves
+    out, ref = OPS.silu_mul(gate, up), REFERENCE.silu_mul(gate, up)
+    assert out.stride() == ref.stride()
+    if dt == torch.float32:  # exp within 2 ulp of ATen's
+        assert torch.allclose(out, ref, rtol=1e-6, atol=1e-7)
+    else:
+        assert ((out.float() - ref.float()).abs() <= _bf16_ulp(ref)).all()
+        assert (out == ref).float().mean() > 0.999
+    big = torch.tensor([-200.0, -90.0, -20.0, 0.0, 20.0, 90.0, 200.0])  # saturates
+    assert torch.allclose(OPS.silu_mul(big, torch.ones(7)), REFERENCE.silu_mul(big, torch.ones(7)),
+                          rtol=1e-6, atol=1e-30)
+
+
+def test_bad_input_is_refused_by_name():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="rms_norm: weight must be \\[8\\]"):
+        OPS.rms_norm(x, torch.randn(7), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        OPS.rms_norm(x.double(), torch.randn(8).double(), 1e-5)
+    with pytest.raises(RuntimeError, match="rope: the rotated dim must be even"):
+        OPS.rope(torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match="rope: cos/sin must have x's dtype"):
+        OPS.rope(x, torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="silu_mul: gate and up must match"):
+        OPS.silu_mul(x, torch.randn(4, 9))
+    assert OPS.silu_mul(torch.empty(0, 8), torch.empty(0, 8)).shape == (0, 8)
