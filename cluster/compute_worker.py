@@ -2,19 +2,23 @@
 and exchanges each layer's q/k/v and attention output with the memory workers over the
 data plane (`lamina.wire` frames), not through Ray.
 
-Data in: a `StepPlan` per step (one Ray call). Data out: the `StepResult`. The
-per-layer protocol is `lamina.link` (`SocketLink`).
+Data in: a `StepPlan` per step over the control channel (`lamina.control`, served on a
+thread here; Ray only creates and supervises the actor). Data out: the `StepResult`.
+The per-layer protocol is `lamina.link` (`SocketLink`).
 """
 from __future__ import annotations
 
 import os
 import socket
 import statistics
+import tempfile
+import threading
 import time
 
 import ray
 import torch
 
+from lamina.control import serve_control
 from lamina.executor import ComputeSide, WorkerPart
 from lamina.kernels import SlotBatch
 from lamina.kv_pool import KVPoolConfig
@@ -58,6 +62,8 @@ class ComputeWorker:
         self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
         self.channels: list[SocketChannel] = []
         self.fused = True
+        self._lock = threading.Lock()  # one step at a time (control thread or Ray call)
+        self._control = None  # the listening socket of the control channel
         dataplane_ext()  # the C++ data plane (built or loaded now, not in the first step)
 
     def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu"):
@@ -114,7 +120,47 @@ class ComputeWorker:
                 pass
         self.channels = []
 
+    def serve_control(self, unix: bool) -> tuple:
+        """Open the step control channel (`lamina.control`) for one client, served on a
+        thread; a second call replaces the first. -> ("unix", path) or ("tcp", host,
+        port) for `lamina.cluster.executor.connect_control`."""
+        if self._control is not None:  # wake its accept, if still waiting
+            try:
+                self._control.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._control.close()
+        if unix:
+            path = os.path.join(tempfile.mkdtemp(prefix="lamina-"), "control.sock")
+            srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            srv.bind(path)
+            addr = ("unix", path)
+        else:
+            srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            srv.bind((ray.util.get_node_ip_address(), 0))
+            addr = ("tcp", *srv.getsockname())
+        srv.listen(1)
+        self._control = srv
+        threading.Thread(target=self._serve_control, args=(srv,), daemon=True).start()
+        return addr
+
+    def _serve_control(self, srv: socket.socket) -> None:
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return  # replaced before a client came
+        finally:
+            srv.close()
+        if conn.family == socket.AF_INET:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        serve_control(SocketChannel(conn), self.execute)
+
     def execute(self, plan: StepPlan):
+        with self._lock:
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan):
+        # torch's thread count is per calling thread (OpenMP): set it in this one
         n = step_threads(plan.num_tokens, plan.micro_batches, self.threads, self.wide_threads,
                          self.wide_rows)
         if torch.get_num_threads() != n:

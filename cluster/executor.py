@@ -1,6 +1,7 @@
 """RayExecutor: places one compute worker and N memory workers on a Ray cluster, wires
-their data plane, and forwards each `StepPlan` to the compute worker (one Ray call per
-step; per-layer tensors never go through Ray).
+their data plane, and sends each `StepPlan` to the compute worker over the control
+channel (`lamina.control`: a socket, not a Ray call; per-layer tensors never go through
+Ray either). Ray places, configures and supervises the workers.
 
 Data in: `StepPlan`s from the engine. Data out: `StepResult`s. A dead worker surfaces
 as an error naming it; `recover` then replaces the workers (the engine recomputes the
@@ -10,14 +11,17 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import statistics
 import time
 from dataclasses import replace
 
 import ray
 
+from lamina.control import ControlClient, StepError
 from lamina.executor import Executor
 from lamina.messages import StepPlan, StepResult
+from lamina.wire import SocketChannel
 
 from .compute_worker import ComputeWorker
 from .memory_worker import MemoryWorker
@@ -31,6 +35,18 @@ OMP_SPIN = 10_000  # libgomp spin rounds of an idle worker thread before it slee
 
 class WorkerFailure(RuntimeError):
     """A Ray worker died or its data plane broke; the step was not computed."""
+
+
+def connect_control(addr: tuple) -> ControlClient:
+    """The engine's end of a compute worker's control channel (`serve_control`)."""
+    kind, *where = addr
+    if kind == "unix":
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(where[0])
+    else:
+        s = socket.create_connection(tuple(where))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return ControlClient(SocketChannel(s))
 
 
 class RayExecutor(Executor):
@@ -95,6 +111,20 @@ class RayExecutor(Executor):
         addrs = ray.get([w.listen.remote(n == node) for w, n in zip(self.memory, nodes)])
         ray.get(self.compute.connect.remote(addrs, cfg.worker_timeout_s))
         self.addresses = addrs
+        self._open_control(node)
+
+    def _open_control(self, compute_node: str) -> None:
+        """A fresh control channel to the compute worker (Unix socket when the engine runs
+        on its node, else TCP)."""
+        self._close_control()
+        here = ray.get_runtime_context().get_node_id()
+        addr = ray.get(self.compute.serve_control.remote(here == compute_node))
+        self.control = connect_control(addr)
+
+    def _close_control(self) -> None:
+        if getattr(self, "control", None) is not None:
+            self.control.close()
+            self.control = None
 
     def set_worker_timeout(self, seconds: float | None) -> None:
         """How long the compute worker waits on a silent memory worker before the step
@@ -114,6 +144,7 @@ class RayExecutor(Executor):
             self.compute = ComputeWorker.options(**self._c_opts).remote(*self._compute_args)
         else:
             ray.get(self.compute.disconnect.remote(), timeout=RECOVER_TIMEOUT_S)
+        self._close_control()
         for w in self.memory:
             ray.kill(w)
         self._start_memory()
@@ -121,7 +152,10 @@ class RayExecutor(Executor):
 
     def execute(self, plan: StepPlan) -> StepResult:
         try:
-            return ray.get(self.compute.execute.remote(plan))
+            if self.control is None:
+                raise RuntimeError("no control channel to the compute worker (closed after "
+                                   "an earlier failure)")
+            return self.control.call(plan)
         except Exception as e:  # noqa: BLE001 - name the failing worker if one reported
             errors = []
             refs = [w.health.remote() for w in self.memory]  # asked all at once: one wait
@@ -137,6 +171,8 @@ class RayExecutor(Executor):
                         errors.append(h["error"])
                 except Exception as he:  # noqa: BLE001
                     errors.append(f"memory worker {i} unreachable: {type(he).__name__}")
+            if not isinstance(e, StepError):  # the stream may be mid-message: drop it
+                self._close_control()
             raise WorkerFailure(f"step {plan.step} failed: {type(e).__name__}: {e}"
                                 + ("; " + "; ".join(errors) if errors else "")) from e
 
@@ -154,5 +190,6 @@ class RayExecutor(Executor):
         return {**ex, "call_s": call}
 
     def shutdown(self) -> None:
+        self._close_control()
         for a in [self.compute, *self.memory]:
             ray.kill(a)

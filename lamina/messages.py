@@ -1,4 +1,5 @@
 """The per-step messages between the engine and an executor; nothing else crosses.
+Typed throughout: `lamina.control` sends them as msgpack decoded by these types.
 
 Data in: `StepPlan` from the scheduler (which sequences, which tokens at which positions,
 which KV slots, how to sample). Data out: `StepResult` from the executor: the token ids
@@ -70,13 +71,20 @@ class StepPlan:
         return sum(len(s.token_ids) for s in self.seqs)
 
 
+# (logprob, top ids, top logprobs) of one drawn token
+TokenLogprobs = tuple[float, tuple[int, ...], tuple[float, ...]]
+# a prompt's tokens 1..: (logprob of each, top ids per token, top logprobs per token)
+PromptLogprobs = tuple[tuple[float, ...], tuple[tuple[int, ...], ...],
+                       tuple[tuple[float, ...], ...]]
+
+
 @dataclass(frozen=True)
 class StepResult:
     step: int
     seq_ids: tuple[int, ...]  # sampling sequences, in plan order
     token_ids: tuple[tuple[int, ...], ...]  # per sequence, one token per seed
-    timings: dict | None = None  # seconds: dense, attention, sample, ...
+    timings: dict[str, int | float] | None = None  # seconds: dense, attention, sample, ...
     # per sequence: None, or per drawn token (logprob, top ids, top logprobs)
-    logprobs: tuple | None = None
+    logprobs: tuple[tuple[TokenLogprobs, ...] | None, ...] | None = None
     # per sequence: None, or for its prompt tokens 1.. (logprobs, top ids, top logprobs)
-    prompt_logprobs: tuple | None = None
+    prompt_logprobs: tuple[PromptLogprobs | None, ...] | None = None

@@ -139,6 +139,27 @@ def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_gr
     assert llm.generate([prompts[2]], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy[2]
 
 
+def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_greedy):
+    """The compute worker killed mid-decode: its control channel closes, the step fails
+    naming it, a new compute worker (and fresh memory workers) take over, and the
+    requests still end with HF's greedy tokens."""
+    eng, pick = llm.engine, [2, 7]
+    before = len(eng.recoveries)
+    ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
+    for _ in range(3):
+        eng.step()
+    old = llm.executor.compute._actor_id
+    ray.kill(llm.executor.compute)
+    out = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] = o
+    assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
+    assert len(eng.recoveries) == before + 1 and "WorkerFailure" in eng.recoveries[-1]
+    assert "compute worker hung up" in eng.recoveries[-1]
+    assert llm.executor.compute._actor_id != old
+
+
 def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
     """A memory worker that stops answering (SIGSTOP: alive, silent) fails the step after
     the worker timeout instead of blocking forever; it is then replaced like a dead one."""
