@@ -66,8 +66,12 @@ class ComputeWorker:
         self._control = None  # the listening socket of the control channel
         dataplane_ext()  # the C++ data plane (built or loaded now, not in the first step)
 
-    def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu"):
-        """What each memory worker needs: its pool shape and per-layer attention params."""
+    def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu",
+                    local_prefill: bool = True):
+        """What each memory worker needs: its pool shape and per-layer attention params.
+        `local_prefill`: fresh prompts attend here, on a scratch pool of `kv_dtype` (paper
+        5.6); the memory workers only store their KV."""
+        self.compute.local_kv_dtype = kv_dtype if local_prefill else None
         specs = self.compute.split.attention_specs
         return (KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device),
                 self.compute.params)

@@ -99,9 +99,8 @@ class RayExecutor(Executor):
         cfg = self.config
         self.memory = [MemoryWorker.options(**self._m_opts).remote(i, self.threads)
                        for i in range(cfg.num_memory_workers)]
-        pool_cfg, params = ray.get(self.compute.memory_spec.remote(cfg.num_kv_slots,
-                                                                  cfg.kv_dtype,
-                                                                  self._pool_device))
+        pool_cfg, params = ray.get(self.compute.memory_spec.remote(
+            cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, cfg.local_prefill))
         self.params = list(params)  # per-layer AttentionParams
         self.memory_info = ray.get([w.setup.remote(pool_cfg, params) for w in self.memory])
         node = ray.get(self.compute.node_id.remote())

@@ -50,6 +50,9 @@ class EngineConfig:
     worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
     dense_backend: str = "auto"  # compute side's linears: "auto" | "eager" | "onednn"
     fuse_pointwise: bool = True  # RMSNorm / rotary / SiLU x up chains as one C++ op each
+    # Ray executor: fresh prompts attend on the compute worker, which ships only their
+    # KV to the memory workers (paper 5.6); False: the memory workers attend them too
+    local_prefill: bool = True
 
 
     def __post_init__(self):
@@ -76,6 +79,9 @@ class EngineConfig:
         if self.dense_backend not in DENSE_BACKENDS:
             raise ValueError(f"EngineConfig.dense_backend must be one of {DENSE_BACKENDS}, "
                              f"got {self.dense_backend!r}")
+        if not isinstance(self.local_prefill, bool):
+            raise ValueError(f"EngineConfig.local_prefill must be a bool, "
+                             f"got {self.local_prefill!r}")
         if not isinstance(self.fuse_pointwise, bool):
             raise ValueError(f"EngineConfig.fuse_pointwise must be a bool, "
                              f"got {self.fuse_pointwise!r}")

@@ -13,7 +13,9 @@ sequences' slots, and the outputs are put back in row order. With
 `plan.micro_batches = 2` the step runs as two sub-batches in a staggered pipeline (paper
 5.1, the n = 2 case on one replica): slice i of one overlaps the other's attention.
 The last slice (last layer's o_proj and MLP, final norm, lm_head) runs on the sampled
-rows only: in a prefill, the other prompt tokens' outputs are never needed.
+rows only: in a prefill, the other prompt tokens' outputs are never needed. With
+`ComputeSide.local_kv_dtype` set (the Ray compute worker; paper 5.6), fresh prompts
+attend here over a scratch pool and their workers only store their k/v.
 `LocalExecutor` holds its memory sides in this process; `lamina.cluster` runs the same
 `ComputeSide` in a Ray actor that talks to memory-worker processes over the data plane.
 """
@@ -30,7 +32,7 @@ from lamina.kernels import (AttentionInputError, AttentionParams, SlotBatch, mer
                             prefill_attention, select_backend, validate_batch)
 from lamina.splitter.split import SplitModel
 
-from .kv_pool import KVPool
+from .kv_pool import KVPool, KVPoolConfig
 from .messages import StepPlan, StepResult
 from .sampling import prompt_logprobs, row_logprobs, sample_rows
 
@@ -93,6 +95,11 @@ class WorkerPart:
         if self.kv_rows is None:
             self.kv_rows = self.rows
 
+    @property
+    def active(self) -> bool:
+        """It has queries to attend or k/v to store this step."""
+        return bool(self.rows.numel() or self.kv_rows.numel())
+
     def take(self, q, k, v):
         """Its share of a layer's packed q [N, Hq, D] and k/v [N, Hkv, D]."""
         if self.whole:
@@ -110,14 +117,21 @@ class WorkerPart:
         return x.index_select(0, self.rows)
 
 
-def pack(plan: StepPlan, num_workers: int):
+def pack(plan: StepPlan, num_workers: int, local: bool = False, local_base: int = 0):
     """-> input_ids [1, N], position_ids [1, N], logit rows, [WorkerPart per worker],
     merge (True when some query row attends on several workers: KV split), sample (the
     index in logit rows of each sampled row), prompt ((seq index, first logit row, count)
-    for each sequence whose prompt logprobs are wanted: a full prefill asking for them)."""
+    for each sequence whose prompt logprobs are wanted: a full prefill asking for them),
+    and the compute side's own part (or None).
+
+    `local` (paper 5.6): a sequence whose whole context is in this step (start_pos 0, KV
+    on one worker) attends on the compute side, over a scratch pool's slots
+    `local_base`, `local_base` + 1, ...; its worker only stores its k/v (kv rows, no
+    query rows)."""
     ids, pos, rows, merge, sample, prompt = [], [], [], False, [], []
     # per worker: query rows, kv rows, new slots, tables, q positions, k_pos0
     per = [([], [], [], [], [], []) for _ in range(num_workers)]
+    mine = ([], [], [], [], [], [])  # the same for the compute side's own part
     for s in plan.seqs:
         seg = s.placement
         if any(not 0 <= w < num_workers for w, _ in seg):
@@ -132,6 +146,14 @@ def pack(plan: StepPlan, num_workers: int):
         if s.sample:
             sample.append(len(rows))
             rows.append(r0 + n - 1)
+        if local and p0 == 0 and len(seg) == 1:
+            p, at = per[seg[0][0]], local_base + len(mine[2])
+            p[1].extend(range(r0, r0 + n))  # the worker stores the k/v, attends nothing
+            p[2].extend(s.slots)
+            for x, add in zip(mine, (range(r0, r0 + n), range(r0, r0 + n),
+                                     range(at, at + n), [range(at, at + n)], [range(n)], [0])):
+                x.extend(add)
+            continue
         merge |= len(seg) > 1 and seg[-1][1] < p0 + n  # some query sees several ranges
         ends = [a for _, a in seg[1:]] + [len(s.slots)]
         for (w, a), b in zip(seg, ends):
@@ -147,7 +169,7 @@ def pack(plan: StepPlan, num_workers: int):
             p[4].append(range(q0, p0 + n))
             p[5].append(a)
     parts = []
-    for qr, kr, ns, tables, qpos, k0 in per:
+    for qr, kr, ns, tables, qpos, k0 in [*per, mine]:
         batch = SlotBatch.build(tables, [len(x) for x in qpos], k0, q_pos=qpos)
         # rows ascend, so they are a slice iff they span exactly len(qr) rows
         span = (qr[0], qr[-1] + 1) if qr and qr == kr and qr[-1] - qr[0] + 1 == len(qr) else None
@@ -155,7 +177,9 @@ def pack(plan: StepPlan, num_workers: int):
                                 torch.tensor(ns, dtype=torch.int32), batch,
                                 torch.tensor(kr, dtype=torch.int64), span,
                                 span == (0, len(ids))))
-    return torch.tensor([ids]), torch.tensor([pos]), rows, parts, merge, sample, prompt
+    own = parts.pop()
+    return (torch.tensor([ids]), torch.tensor([pos]), rows, parts, merge, sample, prompt,
+            own if own.rows.numel() else None)
 
 
 def by_worker(seqs: tuple) -> tuple:
@@ -266,27 +290,45 @@ def combine(parts: list[WorkerPart], outs: list, out_shape, dtype, merge: bool):
 class ComputeSide:
     """Runs the slices over one or more micro-batches; the memory side is a `MemoryLink`."""
 
-    def __init__(self, split: SplitModel, num_workers: int):
+    def __init__(self, split: SplitModel, num_workers: int, local_kv_dtype: str | None = None):
         self.split, self.num_workers = split, num_workers
         self.params = [attention_params(s) for s in split.attention_specs]
         self.group_rows = True  # pack rows grouped by worker (False: plan order, to compare)
+        # Set: prompts whose whole context is in the step attend here (paper 5.6), over a
+        # scratch pool of this KV dtype (the memory workers' own, so the same rounding);
+        # the memory workers only store their k/v.
+        self.local_kv_dtype = local_kv_dtype
+        self._scratch: MemorySide | None = None
+
+    def _local_side(self, tokens: int) -> MemorySide:
+        """The scratch pool's memory side, grown to hold `tokens` slots."""
+        if self._scratch is None or self._scratch.pool.config.num_slots < tokens:
+            cfg = KVPoolConfig.for_specs(self.split.attention_specs, max(tokens, 256),
+                                         self.local_kv_dtype)
+            self._scratch = MemorySide(KVPool(cfg))
+        return self._scratch
 
     @torch.no_grad()
     def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
         groups = [by_worker(g) if self.group_rows else g
                   for g in split_micro(plan.seqs, plan.micro_batches)]
-        mbs = [pack(StepPlan(plan.step, g), self.num_workers) for g in groups]
+        local, mbs, base = self.local_kv_dtype is not None, [], 0
+        for g in groups:  # micro-batches' local tokens take disjoint scratch slots
+            mbs.append(pack(StepPlan(plan.step, g), self.num_workers, local, base))
+            base += 0 if mbs[-1][7] is None else mbs[-1][7].new_slots.numel()
         if any(m[4] for m in mbs) and any(p.sinks is not None for p in self.params):
             raise ValueError("a sequence's KV is split over memory workers, but this model's "
                              "attention has sinks: run with split_kv=False")
+        mine = self._local_side(base) if base else None
         link.begin(plan.step, [m[3] for m in mbs])
-        t_dense = t_submit = t_wait = 0.0
-        outs = [None] * len(mbs)
+        t_dense = t_submit = t_wait = t_local = 0.0
+        outs, own = [None] * len(mbs), [None] * len(mbs)
         n_layers = len(self.params)
         # Layer i of micro-batch j: wait for its layer i-1 attention, run slice i, submit.
-        # The memory side attends micro-batch j while this thread runs j+1's slice.
+        # The memory side attends micro-batch j while this thread runs j+1's slice (and
+        # this step's own prompts' attention).
         for i in range(n_layers + 1):
-            for j, (ids, pos, rows, parts, merge, _, _) in enumerate(mbs):
+            for j, (ids, pos, rows, parts, merge, _, _, lp) in enumerate(mbs):
                 if i == 0:
                     args = (ids, pos)
                 else:
@@ -294,6 +336,8 @@ class ComputeSide:
                     t = time.perf_counter()
                     o = link.collect(i - 1, j, parts, (q.shape[2], q.shape[1], v.shape[-1]),
                                      q.dtype, merge)
+                    if lp is not None:  # the prompts attended here
+                        o.index_copy_(0, lp.rows, own[j].to(o.dtype))
                     t_wait += time.perf_counter() - t
                     args = (pos, o[None], *ctx)  # attn_out [1, N, Hq, Dv]
                     if i == n_layers:
@@ -308,9 +352,14 @@ class ComputeSide:
                     q, k, v = outs[j][0], outs[j][1], outs[j][2]
                     t = time.perf_counter()
                     # [1, H, N, D] -> [N, H, D]
-                    link.submit(i, j, q[0].transpose(0, 1), k[0].transpose(0, 1),
-                                v[0].transpose(0, 1), parts)
+                    qkv = (q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))
+                    link.submit(i, j, *qkv, parts)
                     t_submit += time.perf_counter() - t
+                    if lp is not None:  # while the memory workers attend theirs
+                        t = time.perf_counter()
+                        own[j] = mine.attend(i, self.params[i], *lp.take(*qkv), lp.new_slots,
+                                             lp.batch)[0]
+                        t_local += time.perf_counter() - t
         t = time.perf_counter()
         works, tokens, lps, plps = [s for g in groups for s in g if s.sample], [], None, None
         if works:
@@ -345,8 +394,8 @@ class ComputeSide:
             plps = plps if plps is None else tuple(plps[i] for i in order)
         return StepResult(plan.step, tuple(s.seq_id for s in works), tuple(tokens),
                           {"dense_s": t_dense, "submit_s": t_submit, "wait_s": t_wait,
-                           "attention_s": t_submit + t_wait, "sample_s": t_sample,
-                           "micro_batches": len(mbs)}, lps, plps)
+                           "attention_s": t_submit + t_wait + t_local, "local_s": t_local,
+                           "sample_s": t_sample, "micro_batches": len(mbs)}, lps, plps)
 
 
 def _select_rows(args: tuple, rows: list[int]) -> tuple:
@@ -370,14 +419,14 @@ class _LocalLink(MemoryLink):
     def begin(self, step, parts):
         for mb in parts:
             for mem, p in zip(self.memory, mb):
-                if p.rows.numel():
+                if p.active:
                     mem.check(p.new_slots, p.batch)
 
     def submit(self, layer, mb, q, k, v, parts):
         self.ready[layer, mb] = [
             mem.attend(layer, self.params[layer], *p.take(q, k, v), p.new_slots, p.batch,
                        checked=True)
-            if p.rows.numel() else None
+            if p.active else None
             for mem, p in zip(self.memory, parts)]
 
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):

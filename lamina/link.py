@@ -107,7 +107,7 @@ class SocketLink(MemoryLink):
             self._timeouts = [ch.timeout_ms() for ch in self.channels]
             self._spans = [self._slices(p) for p in parts]
         for w, ch in enumerate(self.channels):
-            live = [p[w] for p in parts if p[w].rows.numel()]
+            live = [p[w] for p in parts if p[w].active]
             if not live:
                 continue
             frames = [(torch.tensor([len(live)], dtype=torch.int32), META, step)]
@@ -120,7 +120,7 @@ class SocketLink(MemoryLink):
     @staticmethod
     def _slices(parts):
         """(starts, ends) of each worker's rows when all are slices, else None."""
-        if any(p.span is None and p.rows.numel() for p in parts):
+        if any(p.span is None and p.active for p in parts):
             return None
         return ([p.span[0] if p.span else 0 for p in parts],
                 [p.span[1] if p.span else 0 for p in parts])
@@ -141,7 +141,7 @@ class SocketLink(MemoryLink):
         # worker's gather then waited ~1 ms), so nothing else may sit between them.
         staged, qkv = [], None
         for ch, p in zip(self.channels, parts):  # every worker first: they run in parallel
-            if not p.rows.numel():
+            if not p.active:
                 continue
             if (self.fused and p.kv_rows.numel() == p.rows.numel()
                     and q.dtype == k.dtype == v.dtype):
@@ -169,7 +169,7 @@ class SocketLink(MemoryLink):
             return o
         outs = []
         for ch, p in zip(self.channels, parts):
-            if not p.rows.numel():
+            if not p.active:
                 outs.append(None)
                 continue
             ol = ch.recv(expect_layer=layer, expect_step=self.step,

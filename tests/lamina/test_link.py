@@ -48,8 +48,9 @@ class LinkedExecutor(Executor):
     hosts, instead of socket pairs."""
 
     def __init__(self, split, pools, fused=True, link_cls=SocketLink, fast="both", rings=None,
-                 tcp=False):
-        self.compute = ComputeSide(split, len(pools))
+                 tcp=False, local_prefill=False):
+        self.compute = ComputeSide(split, len(pools),
+                                   pools[0].config.dtype if local_prefill else None)
         chans, self.servers, self.threads, self.rings = [], [], [], []
         for i, pool in enumerate(pools):
             a, b = tcp_pair() if tcp else socket.socketpair()
@@ -75,9 +76,9 @@ class LinkedExecutor(Executor):
 
 
 def linked_engine(smol, split, slots, fused=True, link_cls=SocketLink, fast="both", rings=None,
-                  tcp=False, **kw):
+                  tcp=False, local_prefill=False, **kw):
     pools = [KVPool(KVPoolConfig.for_specs(split.attention_specs, slots)) for _ in range(2)]
-    ex = LinkedExecutor(split, pools, fused, link_cls, fast, rings, tcp)
+    ex = LinkedExecutor(split, pools, fused, link_cls, fast, rings, tcp, local_prefill)
     cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=2, **kw)
     return LLMEngine(cfg, ex, smol.tokenizer, smol.config), ex
 
@@ -122,6 +123,54 @@ def test_rows_grouped_by_worker_are_slices():
     assert parts[0].span is None and parts[1].span is None
     assert parts[0].rows.tolist() == [0, 1, 2, 10, 11, 12] and parts[0].kv_rows.tolist() == [
         0, 1, 2, 10, 11]
+
+
+def test_local_prefill_parts():
+    """Paper 5.6: a sequence whose whole context is in the step (start_pos 0, KV on one
+    worker) attends on the compute side over scratch slots from `local_base`; its worker
+    gets its k/v rows and slots but no query rows. Decode rows and KV-split prompts
+    attend on the workers as before."""
+    dec = SeqWork(0, (7,), 3, (40, 41, 42, 43), worker=0)
+    fresh = SeqWork(1, (1, 2, 3), 0, (9, 8, 5), worker=1)
+    other = SeqWork(2, (4, 5), 0, (30, 31), worker=0)
+    split = SeqWork(3, (6, 6, 6), 0, (1, 2, 0), worker=0, segments=((0, 0), (1, 2)))
+    plan = StepPlan(0, by_worker((dec, fresh, other, split)))  # order: dec, other, fresh, split
+    *_, parts, merge, _, _, own = pack(plan, 2, local=True, local_base=10)
+    w0, w1 = parts
+    assert w0.rows.tolist() == [0, 6, 7, 8] and w0.kv_rows.tolist() == [0, 1, 2, 6, 7]
+    assert w0.new_slots.tolist() == [43, 30, 31, 1, 2] and w0.span is None
+    assert w0.batch.cu_q.tolist() == [0, 1, 4] and w0.batch.slots.tolist() == [40, 41, 42, 43,
+                                                                               1, 2]
+    assert w1.rows.tolist() == [8] and w1.kv_rows.tolist() == [3, 4, 5, 8]
+    assert w1.new_slots.tolist() == [9, 8, 5, 0] and merge
+    assert own.rows.tolist() == own.kv_rows.tolist() == [1, 2, 3, 4, 5]
+    assert own.new_slots.tolist() == [10, 11, 12, 13, 14]
+    assert own.batch.cu_q.tolist() == [0, 2, 5] and own.batch.slots.tolist() == [10, 11, 12,
+                                                                                 13, 14]
+    assert own.batch.q_pos.tolist() == [0, 1, 0, 1, 2] and own.batch.k_pos0.tolist() == [0, 0]
+    assert pack(StepPlan(0, (dec,)), 2, local=True)[7] is None  # nothing fresh: no own part
+    # a worker left with k/v to store only is still active (it gets frames)
+    w = pack(StepPlan(0, (fresh,)), 2, local=True)[3][1]
+    assert w.active and not w.rows.numel() and w.kv_rows.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("fast,pipeline", [("both", "none"), ("none", "none"),
+                                           ("both", "rotational")])
+def test_local_prefill_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy, fast,
+                                              pipeline):
+    """Prompts attend on the compute side and only their KV goes to the workers (the C++
+    memory end and the Python one, one micro-batch or two, a KV-split prompt among
+    them): HF's greedy tokens, and every later decode step reads the KV the workers
+    stored."""
+    pick = [8, 0, 3, 9, 10]
+    eng, ex = linked_engine(smol, smol_split, 500, fast=fast, local_prefill=True,
+                            pipeline=pipeline)
+    got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=12, temperature=0))
+    assert got == [hf_greedy[i][:12] for i in pick]
+    assert all(s.error is None for s in ex.servers)
+    assert ex.compute._scratch is not None  # some prompts attended here
+    assert max(t.get("local_s", 0) for t in eng.step_timings) > 0
+    ex.shutdown()
 
 
 @pytest.mark.parametrize("fused,fast", [(True, "both"), (False, "both"), (True, "none"),
