@@ -119,6 +119,7 @@ class RayExecutor(Executor):
         here = ray.get_runtime_context().get_node_id()
         addr = ray.get(self.compute.serve_control.remote(here == compute_node))
         self.control = connect_control(addr)
+        self.control.channel.set_timeout(self.config.step_timeout_s)
 
     def _close_control(self) -> None:
         if getattr(self, "control", None) is not None:

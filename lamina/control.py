@@ -21,7 +21,7 @@ import msgspec
 import torch
 
 from .messages import StepPlan, StepResult
-from .wire import FrameError, SocketChannel
+from .wire import FrameError, PeerTimeout, SocketChannel
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +76,16 @@ class ControlClient:
         self.channel = channel
 
     def call(self, plan: StepPlan) -> StepResult:
-        self.channel.send(encode(plan), PLAN, plan.step)
         try:
+            self.channel.send(encode(plan), PLAN, plan.step)
             kind, _, t = _recv(self.channel, plan.step)
-        except FrameError as e:
-            if "peer closed" in str(e):
-                raise ConnectionError(f"the compute worker hung up during step {plan.step} "
-                                      f"({e})") from None
-            raise
+        except PeerTimeout:
+            raise  # alive but silent
+        except (OSError, FrameError) as e:  # closed or reset: the worker is gone
+            if isinstance(e, FrameError) and "peer closed" not in str(e):
+                raise
+            raise ConnectionError(f"the compute worker hung up during step {plan.step} "
+                                  f"({type(e).__name__}: {e})") from None
         _expect(kind, (RESULT, ERROR))
         msg = decode(kind, t)
         if kind == ERROR:

@@ -48,6 +48,9 @@ class EngineConfig:
     split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
     max_recoveries: int = 3  # failed steps in a row the executor may recover from (0: none)
     worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
+    # Ray executor: the compute worker answering no step for this long is hung (it is
+    # then replaced); None waits forever. Longer than any step may take.
+    step_timeout_s: float | None = 600.0
     dense_backend: str = "auto"  # compute side's linears: "auto" | "eager" | "onednn"
     fuse_pointwise: bool = True  # RMSNorm / rotary / SiLU x up chains as one C++ op each
     # Ray executor: fresh prompts attend on the compute worker, which ships only their
@@ -67,11 +70,12 @@ class EngineConfig:
                 or self.max_recoveries < 0):
             raise ValueError(f"EngineConfig.max_recoveries must be an int >= 0, "
                              f"got {self.max_recoveries!r}")
-        t = self.worker_timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
-                              or not t > 0 or t == float("inf")):
-            raise ValueError(f"EngineConfig.worker_timeout_s must be a positive number of "
-                             f"seconds or None, got {t!r}")
+        for name in ("worker_timeout_s", "step_timeout_s"):
+            t = getattr(self, name)
+            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                                  or not t > 0 or t == float("inf")):
+                raise ValueError(f"EngineConfig.{name} must be a positive number of "
+                                 f"seconds or None, got {t!r}")
         if not isinstance(self.kv_device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?",
                                                                    self.kv_device):
             raise ValueError(f"EngineConfig.kv_device must be 'cpu' or 'cuda[:i]', "

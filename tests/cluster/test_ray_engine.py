@@ -160,6 +160,34 @@ def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_g
     assert llm.executor.compute._actor_id != old
 
 
+def test_hung_compute_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
+    """A compute worker that stops answering (SIGSTOP) fails the step after the step
+    timeout; the engine replaces it and the requests still end with HF's tokens."""
+    eng, pick = llm.engine, [4, 11]
+    ex = llm.executor
+    ex.control.channel.set_timeout(3.0)  # EngineConfig.step_timeout_s for this one step
+    before = len(eng.recoveries)
+    ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
+    eng.step()
+    pid = ray.get(ex.compute.__ray_call__.remote(lambda _: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        out = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] = o
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
+    assert len(eng.recoveries) == before + 1
+    assert "PeerTimeout" in eng.recoveries[-1] and "within 3 s" in eng.recoveries[-1]
+    assert ray.get(ex.compute.__ray_call__.remote(lambda _: os.getpid())) != pid
+    assert ex.control.channel.sock.gettimeout() == eng.config.step_timeout_s  # reopened
+
+
 def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
     """A memory worker that stops answering (SIGSTOP: alive, silent) fails the step after
     the worker timeout instead of blocking forever; it is then replaced like a dead one."""

@@ -123,3 +123,8 @@ def test_client_rejects_a_result_for_another_step():
         client.call(_plan(4))
     client.close()
     b.close()
+    a, b = socket.socketpair()
+    b.close()  # gone before the plan is sent: the send itself fails
+    with pytest.raises(ConnectionError, match="hung up during step 5 .BrokenPipeError"):
+        ControlClient(SocketChannel(a)).call(_plan(5))
+    a.close()

@@ -125,11 +125,13 @@ def test_max_recoveries_validated(bad):
         EngineConfig(max_recoveries=bad)
 
 
+@pytest.mark.parametrize("name", ["worker_timeout_s", "step_timeout_s"])
 @pytest.mark.parametrize("bad", [0, -2.0, float("nan"), float("inf"), True, "60"])
-def test_worker_timeout_validated(bad):
-    with pytest.raises(ValueError, match="worker_timeout_s"):
-        EngineConfig(worker_timeout_s=bad)
-    assert EngineConfig(worker_timeout_s=None).worker_timeout_s is None
+def test_timeouts_validated(bad, name):
+    with pytest.raises(ValueError, match=f"EngineConfig.{name} must be a positive number"):
+        EngineConfig(**{name: bad})
+    assert getattr(EngineConfig(**{name: None}), name) is None
+    assert getattr(EngineConfig(**{name: 2}), name) == 2
 
 
 def test_engine_loop_keeps_serving_through_a_recovery(smol, smol_split, prompts, hf_greedy):
