@@ -160,6 +160,23 @@ def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_g
     assert llm.executor.compute._actor_id != old
 
 
+def run_with_stopped(eng, pid: int) -> dict:
+    """SIGSTOP a worker process (alive, silent), run the engine to the end, SIGCONT it
+    (if its replacement did not kill it). -> {request id: output}."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        out = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] = o
+        return out
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def test_hung_compute_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
     """A compute worker that stops answering (SIGSTOP) fails the step after the step
     timeout; the engine replaces it and the requests still end with HF's tokens."""
@@ -170,17 +187,7 @@ def test_hung_compute_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
     eng.step()
     pid = ray.get(ex.compute.__ray_call__.remote(lambda _: os.getpid()))
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        out = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                out[o.request_id] = o
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+    out = run_with_stopped(eng, pid)
     assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
     assert len(eng.recoveries) == before + 1
     assert "PeerTimeout" in eng.recoveries[-1] and "within 3 s" in eng.recoveries[-1]
@@ -197,17 +204,7 @@ def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
     eng.step()
     hung = llm.executor.memory_info[0]["pid"]
-    os.kill(hung, signal.SIGSTOP)
-    try:
-        out = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                out[o.request_id] = o
-    finally:
-        try:
-            os.kill(hung, signal.SIGCONT)  # if the replacement did not kill it
-        except ProcessLookupError:
-            pass
+    out = run_with_stopped(eng, hung)
     assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
     assert len(eng.recoveries) == before + 1
     assert "PeerTimeout" in eng.recoveries[-1] and "within 3 s" in eng.recoveries[-1]
