@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import socket
 import statistics
-import tempfile
 import threading
 import time
 
@@ -26,7 +25,7 @@ from lamina.link import SocketLink, dataplane_ext
 from lamina.messages import StepPlan, StepResult
 from lamina.models import load
 from lamina.prepare import prepare_split
-from lamina.wire import ShmRing, SocketChannel
+from lamina.wire import ShmRing, SocketChannel, connect_stream, listen_stream, nodelay
 
 
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
@@ -94,13 +93,9 @@ class ComputeWorker:
                     c2m, m2c, cap = addr[1:]
                     rings = {"ring_out": ShmRing(c2m, cap, create=False),
                              "ring_in": ShmRing(m2c, cap, create=False)}
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.connect(addr[0])
-                self.channels.append(SocketChannel(s, **rings))
+                self.channels.append(SocketChannel(connect_stream(kind, addr[0]), **rings))
             else:
-                s = socket.create_connection(tuple(addr))
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.channels.append(SocketChannel(s))
+                self.channels.append(SocketChannel(connect_stream(kind, addr)))
         self.set_timeout(timeout_s)
         return os.getpid()
 
@@ -134,16 +129,7 @@ class ComputeWorker:
             except OSError:
                 pass
             self._control.close()
-        if unix:
-            path = os.path.join(tempfile.mkdtemp(prefix="lamina-"), "control.sock")
-            srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            srv.bind(path)
-            addr = ("unix", path)
-        else:
-            srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            srv.bind((ray.util.get_node_ip_address(), 0))
-            addr = ("tcp", *srv.getsockname())
-        srv.listen(1)
+        srv, addr = listen_stream(unix, ray.util.get_node_ip_address(), "control")
         self._control = srv
         threading.Thread(target=self._serve_control, args=(srv,), daemon=True).start()
         return addr
@@ -155,9 +141,7 @@ class ComputeWorker:
             return  # replaced before a client came
         finally:
             srv.close()
-        if conn.family == socket.AF_INET:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        serve_control(SocketChannel(conn), self.execute)
+        serve_control(SocketChannel(nodelay(conn)), self.execute)
 
     def execute(self, plan: StepPlan):
         with self._lock:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import statistics
 import time
 from dataclasses import replace
@@ -21,7 +20,7 @@ import ray
 from lamina.control import ControlClient, StepError
 from lamina.executor import Executor
 from lamina.messages import StepPlan, StepResult
-from lamina.wire import SocketChannel
+from lamina.wire import SocketChannel, connect_stream
 
 from .compute_worker import ComputeWorker
 from .memory_worker import MemoryWorker
@@ -40,13 +39,8 @@ class WorkerFailure(RuntimeError):
 def connect_control(addr: tuple) -> ControlClient:
     """The engine's end of a compute worker's control channel (`serve_control`)."""
     kind, *where = addr
-    if kind == "unix":
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(where[0])
-    else:
-        s = socket.create_connection(tuple(where))
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return ControlClient(SocketChannel(s))
+    return ControlClient(SocketChannel(connect_stream(kind, where[0] if kind == "unix"
+                                                      else where)))
 
 
 class RayExecutor(Executor):

@@ -10,8 +10,6 @@ Ray only creates, configures and supervises it (setup / listen / health calls).
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
 import threading
 
 import ray
@@ -20,7 +18,7 @@ import torch
 from lamina.executor import MemorySide
 from lamina.kv_pool import KVPool
 from lamina.link import MemoryServer
-from lamina.wire import ShmRing, SocketChannel
+from lamina.wire import ShmRing, SocketChannel, listen_stream, nodelay
 
 RING_BYTES = 64 << 20  # per direction; larger payloads go inline on the socket
 
@@ -46,21 +44,13 @@ class MemoryWorker:
         """Open the data-plane endpoint; serve one compute worker on a thread. Co-located
         (unix): payloads go through two shared-memory rings, the socket is the doorbell."""
         self._rings = None
-        if unix:
-            path = os.path.join(tempfile.mkdtemp(prefix="lamina-"), f"mem{self.index}.sock")
-            self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._srv.bind(path)
-            addr = ("unix", path)
-            if shm_enabled():
-                base = f"/dev/shm/lamina-{os.getpid()}-{self.index}"
-                self._rings = (ShmRing(base + "-c2m", RING_BYTES, create=True),
-                               ShmRing(base + "-m2c", RING_BYTES, create=True))
-                addr = ("unix", path, base + "-c2m", base + "-m2c", RING_BYTES)
-        else:
-            self._srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self._srv.bind((ray.util.get_node_ip_address(), 0))
-            addr = ("tcp", *self._srv.getsockname())
-        self._srv.listen(1)
+        self._srv, addr = listen_stream(unix, ray.util.get_node_ip_address(),
+                                        f"mem{self.index}")
+        if unix and shm_enabled():
+            base = f"/dev/shm/lamina-{os.getpid()}-{self.index}"
+            self._rings = (ShmRing(base + "-c2m", RING_BYTES, create=True),
+                           ShmRing(base + "-m2c", RING_BYTES, create=True))
+            addr = (*addr, base + "-c2m", base + "-m2c", RING_BYTES)
         threading.Thread(target=self._serve, daemon=True).start()
         return addr
 
@@ -69,9 +59,7 @@ class MemoryWorker:
         return {"error": s and s.error, "steps": s.steps if s else 0}
 
     def _serve(self):
-        conn, _ = self._srv.accept()
-        if conn.family == socket.AF_INET:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = nodelay(self._srv.accept()[0])
         if self._rings:  # the compute worker mapped them before connecting
             c2m, m2c = self._rings
             for r in self._rings:

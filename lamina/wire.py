@@ -17,8 +17,10 @@ same `Channel` interface.
 """
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import tempfile
 import time
 from abc import ABC, abstractmethod
 
@@ -366,3 +368,36 @@ class SocketChannel(Channel):
         for r in (self.ring_out, self.ring_in):
             if r is not None:
                 r.close()
+
+
+def listen_stream(unix: bool, host: str, name: str) -> tuple[socket.socket, tuple]:
+    """A listening stream socket for one peer -> (socket, ("unix", path) or ("tcp",
+    host, port)): a Unix socket in a fresh temp dir when co-located, else TCP on `host`."""
+    if unix:
+        path = os.path.join(tempfile.mkdtemp(prefix="lamina-"), f"{name}.sock")
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        addr = ("unix", path)
+    else:
+        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.bind((host, 0))
+        addr = ("tcp", *srv.getsockname())
+    srv.listen(1)
+    return srv, addr
+
+
+def nodelay(conn: socket.socket) -> socket.socket:
+    """TCP sockets send small frames at once (no Nagle delay); Unix ones as they are."""
+    if conn.family == socket.AF_INET:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def connect_stream(kind: str, where) -> socket.socket:
+    """The client end of `listen_stream`'s address: kind "unix" (where = path) or "tcp"
+    (where = (host, port))."""
+    if kind == "unix":
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(where)
+        return s
+    return nodelay(socket.create_connection(tuple(where)))
