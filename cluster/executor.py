@@ -29,7 +29,7 @@ from .memory_worker import MemoryWorker
 log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
 HEALTH_TIMEOUT_S = 10  # after a failed step: how long the memory workers get to report
-OMP_SPIN = 10_000  # libgomp spin rounds of an idle worker thread before it sleeps
+OMP_SPIN = 3_000  # libgomp spin rounds of an idle worker thread before it sleeps
 
 
 class WorkerFailure(RuntimeError):
@@ -68,12 +68,14 @@ class RayExecutor(Executor):
                                  f"workers on a GPU of its own, but the Ray cluster has "
                                  f"{int(have.get('GPU', 0))} GPU(s)")
             m_opts["num_gpus"] = 1
-        # Idle OpenMP threads spin only briefly (10^4 rounds of libgomp's wait loop), then
-        # sleep: long enough to carry the compute worker's threads from one linear to
-        # the next, short enough that they give the cores to the memory workers while
-        # those attend. Measured (B=32 bf16 decode, runs taking turns): 0.95-1.06x the
-        # tok/s of sleeping at once (OMP_WAIT_POLICY=PASSIVE), median pair 1.05x: a small
-        # gain at best, never a clear loss (README, end-to-end section).
+        # Idle OpenMP threads spin only briefly (3000 rounds of libgomp's wait loop, some
+        # tens of us), then sleep: long enough to carry the compute worker's threads
+        # from one linear to the next, short enough that a memory worker woken for a
+        # layer's attention finds that core free (at 10^4 rounds it waited a median
+        # ~110 us for it). With the memory workers' SCHED_BATCH (`memory_worker`),
+        # B=32 bf16 decode steps took 59.0-63.0 ms against 62.1-65.2 ms at 10^4
+        # without it (README, end-to-end section); OMP_WAIT_POLICY=PASSIVE (no spin)
+        # slows the dense part itself (45 against 41 ms a step).
         env = {"runtime_env": {"env_vars": {"GOMP_SPINCOUNT": str(OMP_SPIN)}}}
         # Steps whose dense part runs while the memory workers are idle may take every
         # core of a local (single-node) cluster (`compute_worker.step_threads`).

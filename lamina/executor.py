@@ -259,6 +259,12 @@ class MemoryLink(ABC):
     def collect(self, layer: int, mb: int, parts: list[WorkerPart], out_shape, dtype,
                 merge: bool = False) -> torch.Tensor: ...
 
+    def exchange(self, layer: int, mb: int, q, k, v, parts: list[WorkerPart], out_shape,
+                 dtype, merge: bool = False):
+        """`submit` and `collect` at once, for a step with nothing to run between them:
+        -> (o, seconds spent sending), or None where this link has no such path."""
+        return None
+
 
 def combine(parts: list[WorkerPart], outs: list, out_shape, dtype, merge: bool):
     """Workers' (o [n_w, Hq, Dv], lse [n_w, Hq]) -> o [N, Hq, Dv] in packed row order.
@@ -322,8 +328,12 @@ class ComputeSide:
         mine = self._local_side(base) if base else None
         link.begin(plan.step, [m[3] for m in mbs])
         t_dense = t_submit = t_wait = t_local = 0.0
-        outs, own = [None] * len(mbs), [None] * len(mbs)
+        exchanges = 0  # layers sent and collected in one `exchange` call
+        outs, own, ready = [None] * len(mbs), [None] * len(mbs), [None] * len(mbs)
         n_layers = len(self.params)
+        # One micro-batch with no prompts attending here: nothing runs between a layer's
+        # submit and collect, so the link may do both in one call (`exchange`).
+        at_once = len(mbs) == 1 and mbs[0][7] is None
         # Layer i of micro-batch j: wait for its layer i-1 attention, run slice i, submit.
         # The memory side attends micro-batch j while this thread runs j+1's slice (and
         # this step's own prompts' attention).
@@ -333,12 +343,15 @@ class ComputeSide:
                     args = (ids, pos)
                 else:
                     q, v, ctx = outs[j][0], outs[j][2], outs[j][3:]
-                    t = time.perf_counter()
-                    o = link.collect(i - 1, j, parts, (q.shape[2], q.shape[1], v.shape[-1]),
-                                     q.dtype, merge)
-                    if lp is not None:  # the prompts attended here
-                        o.index_copy_(0, lp.rows, own[j].to(o.dtype))
-                    t_wait += time.perf_counter() - t
+                    if ready[j] is not None:
+                        o, ready[j] = ready[j], None
+                    else:
+                        t = time.perf_counter()
+                        o = link.collect(i - 1, j, parts,
+                                         (q.shape[2], q.shape[1], v.shape[-1]), q.dtype, merge)
+                        if lp is not None:  # the prompts attended here
+                            o.index_copy_(0, lp.rows, own[j].to(o.dtype))
+                        t_wait += time.perf_counter() - t
                     args = (pos, o[None], *ctx)  # attn_out [1, N, Hq, Dv]
                     if i == n_layers:
                         if not rows:
@@ -353,6 +366,14 @@ class ComputeSide:
                     t = time.perf_counter()
                     # [1, H, N, D] -> [N, H, D]
                     qkv = (q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))
+                    if at_once and (r := link.exchange(
+                            i, j, *qkv, parts, (q.shape[2], q.shape[1], v.shape[-1]),
+                            q.dtype, merge)) is not None:
+                        ready[j], sent = r
+                        exchanges += 1
+                        t_submit += sent
+                        t_wait += time.perf_counter() - t - sent
+                        continue
                     link.submit(i, j, *qkv, parts)
                     t_submit += time.perf_counter() - t
                     if lp is not None:  # while the memory workers attend theirs
@@ -395,7 +416,8 @@ class ComputeSide:
         return StepResult(plan.step, tuple(s.seq_id for s in works), tuple(tokens),
                           {"dense_s": t_dense, "submit_s": t_submit, "wait_s": t_wait,
                            "attention_s": t_submit + t_wait + t_local, "local_s": t_local,
-                           "sample_s": t_sample, "micro_batches": len(mbs)}, lps, plps)
+                           "sample_s": t_sample, "micro_batches": len(mbs),
+                           "exchanges": exchanges}, lps, plps)
 
 
 def _select_rows(args: tuple, rows: list[int]) -> tuple:

@@ -93,12 +93,13 @@ class SocketLink(MemoryLink):
     """The compute end: frames to and from one channel per memory worker. `fused=False`
     sends q/k/v as three frames even where one would do (both are valid protocol).
     When every worker's rows are a slice (`WorkerPart.span`, no KV split) a layer's
-    frames go out and come back through C++ (`submit_qkv`, `collect_o`), unless
-    `fast=False`."""
+    frames go out and come back through C++ (`submit_qkv`, `collect_o`, or both in one
+    call, `exchange_qkv`), unless `fast=False`."""
 
     def __init__(self, channels: list[SocketChannel], fused: bool = True, fast: bool = True):
         self.channels, self.fused = channels, fused
         self._ext = dataplane_ext() if fast and fused else None
+        self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
 
     def begin(self, step, parts):
         self.step = step
@@ -153,6 +154,27 @@ class SocketLink(MemoryLink):
             staged.append((ch, ch.stage([(t, layer, self.step) for t in ts])))
         for ch, views in staged:
             ch.flush(views)
+
+    def exchange(self, layer, mb, q, k, v, parts, out_shape, dtype, merge=False):
+        """`submit` then `collect` as one C++ call where both would take the C++ path;
+        -> (o, seconds spent sending), or None (then the caller submits and collects)."""
+        spans = (self._ext and not merge and q.dtype == k.dtype == v.dtype
+                 and not any(ch.buffered() for ch in self.channels) and self._spans[mb])
+        if not spans:
+            return None
+        outs = [ch.ring_out for ch in self.channels]
+        ins = [ch.ring_in for ch in self.channels]
+        (od, oc, op), (id_, ic, ip) = _rings(outs), _rings(ins)
+        o = torch.empty(*out_shape, dtype=dtype)
+        status, msg, pos, sent_s = self._ext.exchange_qkv(
+            self._fds, self._timeouts, od, oc, id_, ic, op + ip,
+            next((r.min_bytes for r in outs if r), 0), q, k, v, *spans, layer, self.step, o)
+        _advance(outs, pos[:len(outs)])
+        _advance(ins, pos[len(outs):])
+        if status:
+            _raise(status, msg)
+        self.exchanges += 1
+        return o, sent_s
 
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
         n, hq, dv = out_shape

@@ -29,6 +29,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -255,6 +256,44 @@ Ring make_ring(const c10::optional<at::Tensor>& data, const c10::optional<at::Te
   return r;
 }
 
+// pool[idx[i]] = rows[i]: one memcpy a row where the pool's rows and the new ones share
+// a dtype and each row is contiguous (the q|k|v frame's views are); else index_copy_.
+// idx was checked against the pool at the step's start.
+void store_rows(const at::Tensor& pool, const at::Tensor& idx, const at::Tensor& rows) {
+  const int64_t row = pool.stride(0), w = rows.size(1) * rows.size(2);
+  if (rows.scalar_type() != pool.scalar_type() || rows.stride(2) != 1 ||
+      rows.stride(1) != rows.size(2) || pool.stride(1) != pool.size(2) || w != row) {
+    pool.index_copy_(0, idx, rows.to(pool.scalar_type()));
+    return;
+  }
+  const int64_t es = rows.element_size(), n = rows.size(0), rs = rows.stride(0) * es;
+  const int64_t* id = idx.data_ptr<int64_t>();
+  auto* dst = static_cast<char*>(pool.data_ptr());
+  const auto* src = static_cast<const char*>(rows.data_ptr());
+  for (int64_t i = 0; i < n; ++i) std::memcpy(dst + id[i] * row * es, src + i * rs, w * es);
+}
+
+// o [n, Hq, Dv] and lse [n, Hq] (fp32) -> one [n, Hq, Dv + 1] tensor of `dt` (each row's
+// lse as its last column), converted as Tensor.to does (round to nearest even).
+at::Tensor o_lse(const at::Tensor& o, const at::Tensor& lse, at::ScalarType dt) {
+  const int64_t n = o.size(0), hq = o.size(1), dv = o.size(2);
+  at::Tensor out = at::empty({n, hq, dv + 1}, o.options().dtype(dt));
+  const float* po = o.data_ptr<float>();
+  const float* pl = lse.data_ptr<float>();
+  auto fill = [&](auto* dst) {
+    using T = std::remove_pointer_t<decltype(dst)>;
+    for (int64_t r = 0; r < n * hq; ++r) {
+      for (int64_t d = 0; d < dv; ++d) dst[r * (dv + 1) + d] = T(po[r * dv + d]);
+      dst[r * (dv + 1) + dv] = T(pl[r]);
+    }
+  };
+  if (dt == at::kFloat) fill(out.data_ptr<float>());
+  else if (dt == at::kBFloat16) fill(out.data_ptr<at::BFloat16>());
+  else if (dt == at::kHalf) fill(out.data_ptr<at::Half>());
+  else throw FrameErr(std::string("cannot send attention output as ") + dtype_name(dt));
+  return out;
+}
+
 }  // namespace
 
 // One step's layers for one micro-batch: per layer read q|k|v (one frame, or three when
@@ -326,16 +365,15 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
           !at::isFloatingType(v.scalar_type()))
         throw FrameErr(where + ": q/k/v must be floating point");
       if (m) {
-        kp.index_copy_(0, idx, k.scalar_type() == kp.scalar_type() ? k : k.to(kp.scalar_type()));
-        vp.index_copy_(0, idx, v.scalar_type() == vp.scalar_type() ? v : v.to(vp.scalar_type()));
+        store_rows(kp, idx, k);
+        store_rows(vp, idx, v);
       }
       const at::Tensor qf = q.to(at::kFloat).contiguous();
       auto ol = slot_attention(qf, kp, vp, cu_q, q_pos, slots, cu_k, k_pos0, scales[layer],
                                windows[layer], softcaps[layer], sinks[layer],
                                q.scalar_type() == at::kBFloat16);
-      at::Tensor out = at::cat({ol[0], ol[1].unsqueeze(-1)}, -1);
-      if (q.scalar_type() != at::kFloat) out = out.to(q.scalar_type());
-      send_frame(c, pout, out, int64_t(layer), step, int(timeout_ms));
+      send_frame(c, pout, o_lse(ol[0], ol[1], q.scalar_type()), int64_t(layer), step,
+                 int(timeout_ms));
     }
   });
   return {status, msg, rin.pos, rout.pos};
@@ -361,13 +399,50 @@ struct Ends {  // the compute end's channels, one per memory worker
     return p;
   }
 };
-}  // namespace
-
 // One layer's q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, Dv] (any strides): rows
 // starts[w]..ends[w] go to worker w as one q|k|v frame [n_w, Hq*D + Hkv*(D+Dv)]. Every
 // frame is built (and ring payloads written) before the first socket write, then the
 // writes go out back to back (`SocketLink.submit` says why).
-// -> (status as serve_step's, message, ring positions).
+void send_qkv(Ends& e, const std::vector<int64_t>& timeouts, const at::Tensor& q,
+              const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& starts,
+              const std::vector<int64_t>& ends, int64_t layer, int64_t step) {
+  const size_t nw = e.conns.size();
+  const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1),
+                dv = v.size(2), a = hq * d, b = a + hkv * d;
+  at::Tensor x = at::empty({n, b + hkv * dv}, q.options());  // rows q | k | v
+  x.narrow(1, 0, a).view({n, hq, d}).copy_(q);
+  x.narrow(1, a, hkv * d).view({n, hkv, d}).copy_(k);
+  x.narrow(1, b, hkv * dv).view({n, hkv, dv}).copy_(v);
+  // stage: headers and ring payloads; then the socket writes, back to back
+  std::vector<std::vector<uint8_t>> heads(nw);
+  std::vector<std::vector<iovec>> iovs(nw);
+  for (size_t w = 0; w < nw; ++w) {
+    const int64_t rows = ends[w] - starts[w];
+    if (rows <= 0) continue;
+    const at::Tensor part = x.narrow(0, starts[w], rows);
+    heads[w].resize(HEADER + 8 * MAX_NDIM);
+    iovs[w] = stage_frame(e.ring(w), part, layer, step, int(timeouts[w]), heads[w].data());
+  }
+  for (size_t w = 0; w < nw; ++w)
+    if (!iovs[w].empty()) e.conns[w].write(iovs[w]);
+}
+
+// Each worker w's output frame [n_w, Hq, Dv + 1] for rows starts[w]..ends[w] -> into o
+// [N, Hq, Dv], read worker by worker; shapes, layer and step checked first.
+void recv_o(Ends& e, const std::vector<int64_t>& starts, const std::vector<int64_t>& ends,
+            int64_t layer, int64_t step, at::Tensor& o) {
+  const int64_t hq = o.size(1), dv = o.size(2);
+  for (size_t w = 0; w < e.conns.size(); ++w) {
+    const int64_t rows = ends[w] - starts[w];
+    if (rows <= 0) continue;
+    const std::vector<int64_t> want{rows, hq, dv + 1};
+    at::Tensor f = recv_frame(e.conns[w], e.ring(w), layer, step, &want);
+    o.narrow(0, starts[w], rows).copy_(f.narrow(2, 0, dv));
+  }
+}
+}  // namespace
+
+// `send_qkv` alone. -> (status as serve_step's, message, ring positions).
 std::tuple<int64_t, std::string, std::vector<int64_t>> submit_qkv(
     std::vector<int64_t> fds, std::vector<int64_t> timeouts,
     std::vector<c10::optional<at::Tensor>> ring_data,
@@ -376,32 +451,11 @@ std::tuple<int64_t, std::string, std::vector<int64_t>> submit_qkv(
     std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step) {
   pybind11::gil_scoped_release nogil;
   Ends e(fds, timeouts, ring_data, ring_ctrl, ring_pos, ring_min_bytes);
-  auto [status, msg] = guarded([&] {
-    const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1),
-                  dv = v.size(2), a = hq * d, b = a + hkv * d;
-    at::Tensor x = at::empty({n, b + hkv * dv}, q.options());  // rows q | k | v
-    x.narrow(1, 0, a).view({n, hq, d}).copy_(q);
-    x.narrow(1, a, hkv * d).view({n, hkv, d}).copy_(k);
-    x.narrow(1, b, hkv * dv).view({n, hkv, dv}).copy_(v);
-    // stage: headers and ring payloads; then the socket writes, back to back
-    std::vector<std::vector<uint8_t>> heads(fds.size());
-    std::vector<std::vector<iovec>> iovs(fds.size());
-    for (size_t w = 0; w < fds.size(); ++w) {
-      const int64_t rows = ends[w] - starts[w];
-      if (rows <= 0) continue;
-      const at::Tensor part = x.narrow(0, starts[w], rows);
-      heads[w].resize(HEADER + 8 * MAX_NDIM);
-      iovs[w] = stage_frame(e.ring(w), part, layer, step, int(timeouts[w]), heads[w].data());
-    }
-    for (size_t w = 0; w < fds.size(); ++w)
-      if (!iovs[w].empty()) e.conns[w].write(iovs[w]);
-  });
+  auto [status, msg] = guarded([&] { send_qkv(e, timeouts, q, k, v, starts, ends, layer, step); });
   return {status, msg, e.positions()};
 }
 
-// Each worker w's output frame [n_w, Hq, Dv + 1] for rows starts[w]..ends[w] -> into o
-// [N, Hq, Dv], read worker by worker; shapes, layer and step checked first.
-// -> (status, message, ring positions).
+// `recv_o` alone. -> (status, message, ring positions).
 std::tuple<int64_t, std::string, std::vector<int64_t>> collect_o(
     std::vector<int64_t> fds, std::vector<int64_t> timeouts,
     std::vector<c10::optional<at::Tensor>> ring_data,
@@ -410,15 +464,39 @@ std::tuple<int64_t, std::string, std::vector<int64_t>> collect_o(
     at::Tensor o) {
   pybind11::gil_scoped_release nogil;
   Ends e(fds, timeouts, ring_data, ring_ctrl, ring_pos, 0);
-  auto [status, msg] = guarded([&] {
-    const int64_t hq = o.size(1), dv = o.size(2);
-    for (size_t w = 0; w < fds.size(); ++w) {
-      const int64_t rows = ends[w] - starts[w];
-      if (rows <= 0) continue;
-      const std::vector<int64_t> want{rows, hq, dv + 1};
-      at::Tensor f = recv_frame(e.conns[w], e.ring(w), layer, step, &want);
-      o.narrow(0, starts[w], rows).copy_(f.narrow(2, 0, dv));
-    }
-  });
+  auto [status, msg] = guarded([&] { recv_o(e, starts, ends, layer, step, o); });
   return {status, msg, e.positions()};
+}
+
+// Both in one call: the q/k/v out, then straight into the wait for the outputs (no
+// return to Python between, so this thread leaves the core to the memory workers at
+// once). ring_pos: the outgoing rings' cursors, then the incoming ones'.
+// -> (status, message, ring positions in the same order, seconds spent sending).
+std::tuple<int64_t, std::string, std::vector<int64_t>, double> exchange_qkv(
+    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
+    std::vector<c10::optional<at::Tensor>> out_data,
+    std::vector<c10::optional<at::Tensor>> out_ctrl,
+    std::vector<c10::optional<at::Tensor>> in_data,
+    std::vector<c10::optional<at::Tensor>> in_ctrl, std::vector<int64_t> ring_pos,
+    int64_t ring_min_bytes, at::Tensor q, at::Tensor k, at::Tensor v,
+    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
+    at::Tensor o) {
+  pybind11::gil_scoped_release nogil;
+  const size_t nw = fds.size();
+  if (ring_pos.size() != 2 * nw)
+    throw std::invalid_argument("exchange_qkv: ring_pos needs two cursors per worker");
+  Ends out(fds, timeouts, out_data, out_ctrl,
+           std::vector<int64_t>(ring_pos.begin(), ring_pos.begin() + nw), ring_min_bytes);
+  Ends in(fds, timeouts, in_data, in_ctrl,
+          std::vector<int64_t>(ring_pos.begin() + nw, ring_pos.end()), 0);
+  double sent_s = 0;
+  auto [status, msg] = guarded([&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    send_qkv(out, timeouts, q, k, v, starts, ends, layer, step);
+    sent_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    recv_o(in, starts, ends, layer, step, o);
+  });
+  std::vector<int64_t> pos = out.positions();
+  for (int64_t p : in.positions()) pos.push_back(p);
+  return {status, msg, pos, sent_s};
 }

@@ -41,6 +41,17 @@ std::tuple<int64_t, std::string, std::vector<int64_t>> collect_o(
     std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
     at::Tensor o);
 
+// dataplane.cpp: submit_qkv then collect_o in one call (no return to Python between).
+std::tuple<int64_t, std::string, std::vector<int64_t>, double> exchange_qkv(
+    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
+    std::vector<c10::optional<at::Tensor>> out_data,
+    std::vector<c10::optional<at::Tensor>> out_ctrl,
+    std::vector<c10::optional<at::Tensor>> in_data,
+    std::vector<c10::optional<at::Tensor>> in_ctrl, std::vector<int64_t> ring_pos,
+    int64_t ring_min_bytes, at::Tensor q, at::Tensor k, at::Tensor v,
+    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
+    at::Tensor o);
+
 // pointwise.cpp: fused pointwise ops for the dense slices (lamina.splitter.fuse).
 at::Tensor fused_rms_norm(at::Tensor x, at::Tensor w, double eps);
 at::Tensor fused_rope(at::Tensor x, at::Tensor cos, at::Tensor sin);

@@ -628,6 +628,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("serve_step", &serve_step, "a memory worker's layers of one step (GIL released)");
   m.def("submit_qkv", &submit_qkv, "one layer's q|k|v rows to each memory worker");
   m.def("collect_o", &collect_o, "one layer's attention outputs from each memory worker");
+  m.def("exchange_qkv", &exchange_qkv, "submit_qkv then collect_o, GIL released throughout");
   m.def("rms_norm", &fused_rms_norm, "weight * to(x32 * rsqrt(mean(x32^2) + eps), x.dtype)");
   m.def("rope", &fused_rope, "x * cos + rotate_half(x) * sin, rounded as eager");
   m.def("silu_mul", &fused_silu_mul, "silu(gate) * up, rounded as eager");

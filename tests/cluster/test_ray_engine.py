@@ -46,6 +46,12 @@ def test_ray_greedy_identical_to_hf(llm, prompts, hf_greedy):
     assert len(info) == 2 and info[0]["pid"] != info[1]["pid"]
     assert [a[0] for a in llm.executor.addresses] == ["unix", "unix"]
     assert all(len(a) == 5 for a in llm.executor.addresses)  # payloads via shm rings
+    # the memory workers' data-plane threads run under SCHED_BATCH (no wake-up preemption)
+    health = ray.get([w.health.remote() for w in llm.executor.memory])
+    assert [h["sched_batch"] for h in health] == [True, True]
+    # decode steps sent and collected each layer in one C++ call (`exchange_qkv`)
+    assert llm.engine.step_timings and all(
+        s["exchanges"] == 30 for s in llm.engine.step_timings if s["tokens"] == len(prompts))
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")

@@ -189,6 +189,8 @@ def test_socket_link_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy
     on = fast in ("both", "memory")
     assert [s.fast_steps == s.steps for s in ex.servers] == [on, on]
     assert (ex.link._ext is not None) == (fused and fast in ("both", "compute"))
+    # one-micro-batch steps send and collect each layer in one C++ call where it can
+    assert (ex.link.exchanges > 0) == (fused and fast in ("both", "compute"))
     ex.shutdown()
 
 
@@ -234,6 +236,11 @@ def test_compute_end_times_out_on_a_silent_worker():
     with pytest.raises(PeerTimeout, match="from the peer within 0.3 s"):
         link.collect(0, 0, [part], (2, 6, D), torch.float32)
     assert 0.25 < time.perf_counter() - t < 5
+    t = time.perf_counter()  # the same wait inside `exchange`
+    with pytest.raises(PeerTimeout, match="from the peer within 0.3 s"):
+        link.exchange(1, 0, torch.randn(2, 6, D), torch.randn(2, HKV, D),
+                      torch.randn(2, HKV, D), [part], (2, 6, D), torch.float32)
+    assert 0.25 < time.perf_counter() - t < 5
     a.close()
     b.close()
 
@@ -255,6 +262,9 @@ class ShortLink(SocketLink):
     """Sends every q|k|v frame one column short, from step `bad_step` on."""
 
     bad_step = 1
+
+    def exchange(self, *args, **kw):
+        return None  # every layer through `submit` below, never the one-call C++ path
 
     def submit(self, layer, mb, q, k, v, parts):
         if self.step < self.bad_step:
@@ -412,4 +422,46 @@ def test_compute_end_rejects_malformed_outputs(fast, reply, msg):
         peer.send(*reply())
     with pytest.raises(FrameError, match=re.escape(msg)):
         link.collect(0, 0, [part], (2, 6, D), torch.float32)
+    a.close()
+
+
+@pytest.mark.parametrize("reply,msg", [
+    (lambda o: (o, 0, 5), None),
+    (lambda o: (torch.zeros(3, 6, D + 1), 0, 5), "shape (3, 6, 9), expected (2, 6, 9)"),
+    (lambda o: (o, 0, 4), "step 4, expected 5"),
+    (lambda o: None, "frame header truncated: peer closed after 0 of 28 bytes"),
+])
+def test_exchange_sends_and_collects_in_one_call(reply, msg):
+    """`exchange` (submit and collect as one C++ call): the peer gets the q|k|v frame as
+    `submit` sends it, the output comes back into o, and a bad reply is named as
+    `collect` names it."""
+    a, b = socket.socketpair()
+    link, peer = SocketLink([SocketChannel(a)]), SocketChannel(b)
+    batch = SlotBatch.build([[3, 9, 4], [7, 1]], [1, 1])
+    part = WorkerPart(torch.arange(2), torch.tensor([4, 1], dtype=torch.int32), batch,
+                      span=(0, 2), whole=True)
+    link.begin(5, [[part]])
+    q, k, v = torch.randn(2, 6, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
+    ol = torch.randn(2, 6, D + 1)
+    seen = []
+
+    def serve():
+        for _ in range(7):  # the metadata frames
+            peer.recv(expect_layer=META, expect_step=5)
+        seen.append(peer.recv(expect_layer=0, expect_step=5)[0])
+        if reply(ol) is None:
+            peer.close()
+        else:
+            peer.send(*reply(ol))
+
+    th = threading.Thread(target=serve)
+    th.start()
+    if msg is None:
+        o, sent_s = link.exchange(0, 0, q, k, v, [part], (2, 6, D), torch.float32)
+        assert torch.equal(o, ol[..., :D]) and sent_s >= 0
+    else:
+        with pytest.raises(FrameError, match=re.escape(msg)):
+            link.exchange(0, 0, q, k, v, [part], (2, 6, D), torch.float32)
+    th.join(timeout=30)
+    assert torch.equal(seen[0], fuse_qkv(q, k, v))  # the q|k|v frame as sent
     a.close()
