@@ -5,8 +5,9 @@
 // payloads from a shared-memory ring; the step's checked slot metadata; the pool's
 // per-layer K/V. Data out: per layer one frame [n, Hq, Dv + 1] (attention output |
 // log-sum-exp) on the same socket (or its payload in the outgoing ring).
-// Compute end (`submit_qkv`, `collect_o`): one layer's q|k|v rows out to each worker,
-// the outputs back into one [N, Hq, Dv] tensor.
+// Compute end (`submit_qkv`, `collect_o`, or both in one call, `exchange_qkv`): one
+// layer's q|k|v rows packed straight into each worker's frame, the outputs back into
+// one [N, Hq, Dv] tensor. Payloads in a ring are read in place, not copied out first.
 // The frame format and protocol are `lamina.wire` / `lamina.link`; this file is their
 // fast path (one micro-batch a step on the memory end; workers' rows as slices on the
 // compute end) and stays byte-compatible: the tests run Python and C++ ends against
@@ -136,9 +137,16 @@ struct Conn {
   }
 };
 
-// Reads and checks one frame (as `SocketChannel.recv` + `wire.check`) -> its tensor.
-at::Tensor recv_frame(Conn& c, Ring* ring, int64_t layer, int64_t step,
-                 const std::vector<int64_t>* expect_shape = nullptr) {
+// One frame's checked header (as `SocketChannel.recv` + `wire.check`).
+struct Head {
+  std::vector<int64_t> shape;
+  at::ScalarType dt;
+  int64_t nbytes;
+  bool in_ring;
+};
+
+Head recv_head(Conn& c, int64_t layer, int64_t step,
+               const std::vector<int64_t>* expect_shape = nullptr) {
   uint8_t h[HEADER];
   c.read(h, HEADER, "frame header");
   if (std::memcmp(h, "LMNA", 4) != 0)
@@ -147,75 +155,103 @@ at::Tensor recv_frame(Conn& c, Ring* ring, int64_t layer, int64_t step,
   uint16_t ver; std::memcpy(&ver, h + 4, 2);
   if (ver != VERSION)
     throw FrameErr("frame: version " + std::to_string(ver) + ", this side speaks 1");
-  const bool in_ring = h[6] & IN_RING;
+  Head r;
+  r.in_ring = h[6] & IN_RING;
   const int ndim = h[6] & ~IN_RING;
-  at::ScalarType dt;
-  if (!type_of(h[7], &dt)) throw FrameErr("frame: unknown dtype code " + std::to_string(h[7]));
+  if (!type_of(h[7], &r.dt)) throw FrameErr("frame: unknown dtype code " + std::to_string(h[7]));
   if (ndim > MAX_NDIM)
     throw FrameErr("frame: " + std::to_string(ndim) + " dims (max 8)");
   int32_t lay; int64_t stp; uint64_t nbytes;
   std::memcpy(&lay, h + 8, 4); std::memcpy(&stp, h + 12, 8); std::memcpy(&nbytes, h + 20, 8);
-  std::vector<int64_t> shape(ndim);
-  c.read(shape.data(), 8 * ndim, "frame shape");
+  r.shape.resize(ndim);
+  c.read(r.shape.data(), 8 * ndim, "frame shape");
   int64_t n = 1;
-  for (int64_t d : shape) {
-    if (d < 0) throw FrameErr("frame: negative dimension in shape " + shape_str(shape));
+  for (int64_t d : r.shape) {
+    if (d < 0) throw FrameErr("frame: negative dimension in shape " + shape_str(r.shape));
     n *= d;
   }
-  const int64_t want = n * int64_t(c10::elementSize(dt));
-  if (uint64_t(want) != nbytes)
-    throw FrameErr("frame: shape " + shape_str(shape) + " of " + dtype_name(dt) + " needs " +
-                   std::to_string(want) + " bytes, header says " + std::to_string(nbytes));
+  r.nbytes = n * int64_t(c10::elementSize(r.dt));
+  if (uint64_t(r.nbytes) != nbytes)
+    throw FrameErr("frame: shape " + shape_str(r.shape) + " of " + dtype_name(r.dt) +
+                   " needs " + std::to_string(r.nbytes) + " bytes, header says " +
+                   std::to_string(nbytes));
   if (lay != layer)
     throw FrameErr("frame: layer " + std::to_string(lay) + ", expected " + std::to_string(layer));
   if (stp != step)
     throw FrameErr("frame: step " + std::to_string(stp) + ", expected " + std::to_string(step));
-  if (expect_shape && shape != *expect_shape)
-    throw FrameErr("frame: shape " + shape_str(shape) + ", expected " + shape_str(*expect_shape));
-  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dt));
-  if (nbytes && in_ring) {
-    if (!ring) throw FrameErr("frame says its payload is in a shared-memory ring; this "
-                              "channel has none");
-    const int64_t off = ring->place(want);
-    std::memcpy(t.data_ptr(), ring->data + off, want);
-    ring->pos += want;
-    ring->consumed->store(ring->pos, std::memory_order_release);
-  } else if (nbytes) {
-    c.read(t.data_ptr(), want, "frame payload");
+  if (expect_shape && r.shape != *expect_shape)
+    throw FrameErr("frame: shape " + shape_str(r.shape) + ", expected " +
+                   shape_str(*expect_shape));
+  return r;
+}
+
+// The payload of a frame whose header was read: where it sits in the ring (the caller
+// reads it, then calls `release`), or nullptr when it is on the socket.
+const uint8_t* ring_payload(const Head& h, Ring* ring) {
+  if (!h.nbytes || !h.in_ring) return nullptr;
+  if (!ring) throw FrameErr("frame says its payload is in a shared-memory ring; this "
+                            "channel has none");
+  return ring->data + ring->place(h.nbytes);
+}
+void release(const Head& h, Ring* ring) {  // the ring payload was read: the writer may reuse it
+  ring->pos += h.nbytes;
+  ring->consumed->store(ring->pos, std::memory_order_release);
+}
+
+// Reads and checks one frame -> its tensor.
+at::Tensor recv_frame(Conn& c, Ring* ring, int64_t layer, int64_t step,
+                      const std::vector<int64_t>* expect_shape = nullptr) {
+  const Head h = recv_head(c, layer, step, expect_shape);
+  at::Tensor t = at::empty(h.shape, at::TensorOptions().dtype(h.dt));
+  if (const uint8_t* src = ring_payload(h, ring)) {
+    std::memcpy(t.data_ptr(), src, h.nbytes);
+    release(h, ring);
+  } else if (h.nbytes) {
+    c.read(t.data_ptr(), h.nbytes, "frame payload");
   }
   return t;
 }
 
-// Header into h (HEADER + 8 * ndim bytes), payload into the ring when it goes there;
-// -> the iovecs a socket write must send (t must stay alive until then).
-std::vector<iovec> stage_frame(Ring* ring, const at::Tensor& t, int64_t layer, int64_t step,
-                               int timeout_ms, uint8_t* h) {
-  const int64_t nbytes = t.numel() * t.element_size();
+// Header into h (HEADER + 8 * ndim bytes) for a payload of `shape` and `dt`, whose size
+// goes to nbytes. -> the ring offset the payload must be written at (the caller writes
+// it, then adds nbytes to ring->pos), or -1: it goes on the socket after the header.
+int64_t stage_head(Ring* ring, const std::vector<int64_t>& shape, at::ScalarType dt,
+                   int64_t layer, int64_t step, int timeout_ms, uint8_t* h, int64_t& nbytes) {
+  nbytes = int64_t(c10::elementSize(dt));
+  for (int64_t d : shape) nbytes *= d;
   std::memcpy(h, "LMNA", 4);
   std::memcpy(h + 4, &VERSION, 2);
-  h[6] = uint8_t(t.dim());
-  h[7] = uint8_t(code_of(t.scalar_type()));
+  h[6] = uint8_t(shape.size());
+  h[7] = uint8_t(code_of(dt));
   const int32_t lay = int32_t(layer);
   const uint64_t nb = uint64_t(nbytes);
   std::memcpy(h + 8, &lay, 4); std::memcpy(h + 12, &step, 8); std::memcpy(h + 20, &nb, 8);
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    const int64_t d = t.size(i);
-    std::memcpy(h + HEADER + 8 * i, &d, 8);
+  for (size_t i = 0; i < shape.size(); ++i) std::memcpy(h + HEADER + 8 * i, &shape[i], 8);
+  if (!ring || nbytes < ring->min_bytes || nbytes > ring->cap / 2 || !nbytes) return -1;
+  const int64_t off = ring->place(nbytes);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int spins = 0; ring->pos + nbytes - ring->consumed->load(std::memory_order_acquire) >
+                      ring->cap; ++spins) {  // the reader is a full ring behind
+    if (spins < 100) sched_yield(); else std::this_thread::sleep_for(std::chrono::microseconds(100));
+    if (timeout_ms >= 0 && std::chrono::steady_clock::now() - t0 >
+                               std::chrono::milliseconds(timeout_ms))
+      throw Timeout("shared-memory ring: the peer read nothing in time");
   }
+  h[6] |= IN_RING;
+  return off;
+}
+
+// Header into h, payload of the contiguous t into the ring when it goes there;
+// -> the iovecs a socket write must send (t must stay alive until then).
+std::vector<iovec> stage_frame(Ring* ring, const at::Tensor& t, int64_t layer, int64_t step,
+                               int timeout_ms, uint8_t* h) {
+  int64_t nbytes = 0;
+  const int64_t off = stage_head(ring, t.sizes().vec(), t.scalar_type(), layer, step,
+                                 timeout_ms, h, nbytes);
   std::vector<iovec> iov{{h, size_t(HEADER + 8 * t.dim())}};
-  if (ring && nbytes >= ring->min_bytes && nbytes <= ring->cap / 2) {
-    const int64_t off = ring->place(nbytes);
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int spins = 0; ring->pos + nbytes - ring->consumed->load(std::memory_order_acquire) >
-                        ring->cap; ++spins) {  // the reader is a full ring behind
-      if (spins < 100) sched_yield(); else std::this_thread::sleep_for(std::chrono::microseconds(100));
-      if (timeout_ms >= 0 && std::chrono::steady_clock::now() - t0 >
-                                 std::chrono::milliseconds(timeout_ms))
-        throw Timeout("shared-memory ring: the peer read nothing in time");
-    }
+  if (off >= 0) {
     std::memcpy(ring->data + off, t.data_ptr(), nbytes);
     ring->pos += nbytes;
-    h[6] |= IN_RING;
   } else if (nbytes) {
     iov.push_back({t.data_ptr(), size_t(nbytes)});
   }
@@ -323,7 +359,22 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
       const at::Tensor& vp = v_pools[layer];
       const int64_t hkv = kp.size(1), d = kp.size(2), dv = vp.size(2);
       const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(layer);
-      at::Tensor x = recv_frame(c, pin, layer, step), q, k, v;
+      // a q|k|v frame in the ring is read in place, and released once attended
+      const Head hx = recv_head(c, layer, step);
+      const uint8_t* in_ring = hx.shape.size() == 2 ? ring_payload(hx, pin) : nullptr;
+      at::Tensor x, q, k, v;
+      if (in_ring) {
+        x = at::from_blob(const_cast<uint8_t*>(in_ring), hx.shape,
+                          at::TensorOptions().dtype(hx.dt));
+      } else {
+        x = at::empty(hx.shape, at::TensorOptions().dtype(hx.dt));
+        if (const uint8_t* p = ring_payload(hx, pin)) {
+          std::memcpy(x.data_ptr(), p, hx.nbytes);
+          release(hx, pin);
+        } else if (hx.nbytes) {
+          c.read(x.data_ptr(), hx.nbytes, "frame payload");
+        }
+      }
       if (x.dim() == 2) {  // one q|k|v frame
         if (n != m || x.size(0) != n)
           throw FrameErr(where + ": a q|k|v frame of " + std::to_string(x.size(0)) +
@@ -372,8 +423,12 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
       auto ol = slot_attention(qf, kp, vp, cu_q, q_pos, slots, cu_k, k_pos0, scales[layer],
                                windows[layer], softcaps[layer], sinks[layer],
                                q.scalar_type() == at::kBFloat16);
-      send_frame(c, pout, o_lse(ol[0], ol[1], q.scalar_type()), int64_t(layer), step,
-                 int(timeout_ms));
+      const at::ScalarType qt = q.scalar_type();
+      if (in_ring) {
+        q = k = v = x = at::Tensor();
+        release(hx, pin);
+      }
+      send_frame(c, pout, o_lse(ol[0], ol[1], qt), int64_t(layer), step, int(timeout_ms));
     }
   });
   return {status, msg, rin.pos, rout.pos};
@@ -407,21 +462,51 @@ void send_qkv(Ends& e, const std::vector<int64_t>& timeouts, const at::Tensor& q
               const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& starts,
               const std::vector<int64_t>& ends, int64_t layer, int64_t step) {
   const size_t nw = e.conns.size();
-  const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1),
-                dv = v.size(2), a = hq * d, b = a + hkv * d;
-  at::Tensor x = at::empty({n, b + hkv * dv}, q.options());  // rows q | k | v
-  x.narrow(1, 0, a).view({n, hq, d}).copy_(q);
-  x.narrow(1, a, hkv * d).view({n, hkv, d}).copy_(k);
-  x.narrow(1, b, hkv * dv).view({n, hkv, dv}).copy_(v);
-  // stage: headers and ring payloads; then the socket writes, back to back
-  std::vector<std::vector<uint8_t>> heads(nw);
+  const int64_t hq = q.size(1), d = q.size(2), hkv = k.size(1), dv = v.size(2),
+                es = q.element_size(), f = hq * d + hkv * (d + dv);
+  // Each (row, head) of q, k, v is a contiguous run of D (Dv) elements in the slices'
+  // layout ([1, H, N, D] seen as [N, H, D]): rows are packed from those runs straight
+  // into the frame's payload, with no [N, F] copy first.
+  at::Tensor src[3] = {q, k, v};
+  for (at::Tensor& t : src) {
+    if (t.scalar_type() != q.scalar_type())
+      throw std::invalid_argument("send_qkv: q, k and v must share one dtype");
+    if (t.stride(2) != 1) t = t.contiguous();
+  }
+  const int64_t heads[3] = {hq, hkv, hkv}, width[3] = {d, d, dv};
+  auto pack = [&](uint8_t* dst, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint8_t* out = dst + (r - r0) * f * es;
+      for (int j = 0; j < 3; ++j) {
+        const auto* base = static_cast<const uint8_t*>(src[j].data_ptr());
+        const int64_t s0 = src[j].stride(0) * es, s1 = src[j].stride(1) * es,
+                      run = width[j] * es;
+        for (int64_t hh = 0; hh < heads[j]; ++hh, out += run)
+          std::memcpy(out, base + r * s0 + hh * s1, run);
+      }
+    }
+  };
+  // stage: headers and payloads; then the socket writes, back to back
+  std::vector<std::vector<uint8_t>> head(nw);
   std::vector<std::vector<iovec>> iovs(nw);
+  std::vector<at::Tensor> hold(nw);  // socket payloads, alive until written
   for (size_t w = 0; w < nw; ++w) {
     const int64_t rows = ends[w] - starts[w];
     if (rows <= 0) continue;
-    const at::Tensor part = x.narrow(0, starts[w], rows);
-    heads[w].resize(HEADER + 8 * MAX_NDIM);
-    iovs[w] = stage_frame(e.ring(w), part, layer, step, int(timeouts[w]), heads[w].data());
+    head[w].resize(HEADER + 8 * MAX_NDIM);
+    Ring* ring = e.ring(w);
+    int64_t nbytes = 0;
+    const int64_t off = stage_head(ring, {rows, f}, q.scalar_type(), layer, step,
+                                   int(timeouts[w]), head[w].data(), nbytes);
+    iovs[w] = {{head[w].data(), size_t(HEADER + 16)}};
+    if (off >= 0) {
+      pack(ring->data + off, starts[w], ends[w]);
+      ring->pos += nbytes;
+    } else if (nbytes) {
+      hold[w] = at::empty({rows, f}, q.options());
+      pack(static_cast<uint8_t*>(hold[w].data_ptr()), starts[w], ends[w]);
+      iovs[w].push_back({hold[w].data_ptr(), size_t(nbytes)});
+    }
   }
   for (size_t w = 0; w < nw; ++w)
     if (!iovs[w].empty()) e.conns[w].write(iovs[w]);
@@ -432,12 +517,35 @@ void send_qkv(Ends& e, const std::vector<int64_t>& timeouts, const at::Tensor& q
 void recv_o(Ends& e, const std::vector<int64_t>& starts, const std::vector<int64_t>& ends,
             int64_t layer, int64_t step, at::Tensor& o) {
   const int64_t hq = o.size(1), dv = o.size(2);
+  std::vector<uint8_t> scratch;
   for (size_t w = 0; w < e.conns.size(); ++w) {
     const int64_t rows = ends[w] - starts[w];
     if (rows <= 0) continue;
     const std::vector<int64_t> want{rows, hq, dv + 1};
-    at::Tensor f = recv_frame(e.conns[w], e.ring(w), layer, step, &want);
-    o.narrow(0, starts[w], rows).copy_(f.narrow(2, 0, dv));
+    const Head h = recv_head(e.conns[w], layer, step, &want);
+    if (h.dt != o.scalar_type() || !o.is_contiguous()) {
+      at::Tensor f = at::empty(h.shape, at::TensorOptions().dtype(h.dt));
+      if (const uint8_t* p = ring_payload(h, e.ring(w))) {
+        std::memcpy(f.data_ptr(), p, h.nbytes);
+        release(h, e.ring(w));
+      } else if (h.nbytes) {
+        e.conns[w].read(f.data_ptr(), h.nbytes, "frame payload");
+      }
+      o.narrow(0, starts[w], rows).copy_(f.narrow(2, 0, dv));
+      continue;
+    }
+    // the payload in place in the ring, or read off the socket into scratch; then each
+    // [Dv] run (the lse column left out) into its o row
+    const uint8_t* src = ring_payload(h, e.ring(w));
+    if (!src && h.nbytes) {
+      scratch.resize(h.nbytes);
+      e.conns[w].read(scratch.data(), h.nbytes, "frame payload");
+      src = scratch.data();
+    }
+    const int64_t es = o.element_size(), run = dv * es;
+    auto* dst = static_cast<uint8_t*>(o.data_ptr()) + starts[w] * hq * run;
+    for (int64_t r = 0; r < rows * hq; ++r) std::memcpy(dst + r * run, src + r * (run + es), run);
+    if (h.in_ring && h.nbytes) release(h, e.ring(w));
   }
 }
 }  // namespace
