@@ -198,18 +198,28 @@ void release(const Head& h, Ring* ring) {  // the ring payload was read: the wri
   ring->consumed->store(ring->pos, std::memory_order_release);
 }
 
+// The payload of a frame whose header was read, copied to dst (nbytes) from the ring
+// (which it then releases) or the socket.
+void read_payload(Conn& c, Ring* ring, const Head& h, void* dst) {
+  if (const uint8_t* src = ring_payload(h, ring)) {
+    std::memcpy(dst, src, h.nbytes);
+    release(h, ring);
+  } else if (h.nbytes) {
+    c.read(dst, h.nbytes, "frame payload");
+  }
+}
+
+// The same into a new tensor of the frame's shape and dtype.
+at::Tensor payload_tensor(Conn& c, Ring* ring, const Head& h) {
+  at::Tensor t = at::empty(h.shape, at::TensorOptions().dtype(h.dt));
+  read_payload(c, ring, h, t.data_ptr());
+  return t;
+}
+
 // Reads and checks one frame -> its tensor.
 at::Tensor recv_frame(Conn& c, Ring* ring, int64_t layer, int64_t step,
                       const std::vector<int64_t>* expect_shape = nullptr) {
-  const Head h = recv_head(c, layer, step, expect_shape);
-  at::Tensor t = at::empty(h.shape, at::TensorOptions().dtype(h.dt));
-  if (const uint8_t* src = ring_payload(h, ring)) {
-    std::memcpy(t.data_ptr(), src, h.nbytes);
-    release(h, ring);
-  } else if (h.nbytes) {
-    c.read(t.data_ptr(), h.nbytes, "frame payload");
-  }
-  return t;
+  return payload_tensor(c, ring, recv_head(c, layer, step, expect_shape));
 }
 
 // Header into h (HEADER + 8 * ndim bytes) for a payload of `shape` and `dt`, whose size
@@ -362,19 +372,10 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
       // a q|k|v frame in the ring is read in place, and released once attended
       const Head hx = recv_head(c, layer, step);
       const uint8_t* in_ring = hx.shape.size() == 2 ? ring_payload(hx, pin) : nullptr;
-      at::Tensor x, q, k, v;
-      if (in_ring) {
-        x = at::from_blob(const_cast<uint8_t*>(in_ring), hx.shape,
-                          at::TensorOptions().dtype(hx.dt));
-      } else {
-        x = at::empty(hx.shape, at::TensorOptions().dtype(hx.dt));
-        if (const uint8_t* p = ring_payload(hx, pin)) {
-          std::memcpy(x.data_ptr(), p, hx.nbytes);
-          release(hx, pin);
-        } else if (hx.nbytes) {
-          c.read(x.data_ptr(), hx.nbytes, "frame payload");
-        }
-      }
+      at::Tensor x = in_ring ? at::from_blob(const_cast<uint8_t*>(in_ring), hx.shape,
+                                             at::TensorOptions().dtype(hx.dt))
+                             : payload_tensor(c, pin, hx),
+                 q, k, v;
       if (x.dim() == 2) {  // one q|k|v frame
         if (n != m || x.size(0) != n)
           throw FrameErr(where + ": a q|k|v frame of " + std::to_string(x.size(0)) +
@@ -423,12 +424,9 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
       auto ol = slot_attention(qf, kp, vp, cu_q, q_pos, slots, cu_k, k_pos0, scales[layer],
                                windows[layer], softcaps[layer], sinks[layer],
                                q.scalar_type() == at::kBFloat16);
-      const at::ScalarType qt = q.scalar_type();
-      if (in_ring) {
-        q = k = v = x = at::Tensor();
-        release(hx, pin);
-      }
-      send_frame(c, pout, o_lse(ol[0], ol[1], qt), int64_t(layer), step, int(timeout_ms));
+      if (in_ring) release(hx, pin);  // attended: the writer may reuse it
+      send_frame(c, pout, o_lse(ol[0], ol[1], q.scalar_type()), int64_t(layer), step,
+                 int(timeout_ms));
     }
   });
   return {status, msg, rin.pos, rout.pos};
@@ -498,7 +496,7 @@ void send_qkv(Ends& e, const std::vector<int64_t>& timeouts, const at::Tensor& q
     int64_t nbytes = 0;
     const int64_t off = stage_head(ring, {rows, f}, q.scalar_type(), layer, step,
                                    int(timeouts[w]), head[w].data(), nbytes);
-    iovs[w] = {{head[w].data(), size_t(HEADER + 16)}};
+    iovs[w] = {{head[w].data(), size_t(HEADER + 8 * 2)}};  // a 2-d frame
     if (off >= 0) {
       pack(ring->data + off, starts[w], ends[w]);
       ring->pos += nbytes;
@@ -523,29 +521,24 @@ void recv_o(Ends& e, const std::vector<int64_t>& starts, const std::vector<int64
     if (rows <= 0) continue;
     const std::vector<int64_t> want{rows, hq, dv + 1};
     const Head h = recv_head(e.conns[w], layer, step, &want);
-    if (h.dt != o.scalar_type() || !o.is_contiguous()) {
-      at::Tensor f = at::empty(h.shape, at::TensorOptions().dtype(h.dt));
-      if (const uint8_t* p = ring_payload(h, e.ring(w))) {
-        std::memcpy(f.data_ptr(), p, h.nbytes);
-        release(h, e.ring(w));
-      } else if (h.nbytes) {
-        e.conns[w].read(f.data_ptr(), h.nbytes, "frame payload");
-      }
+    if (h.dt != o.scalar_type() || !o.is_contiguous()) {  // converted by copy_
+      const at::Tensor f = payload_tensor(e.conns[w], e.ring(w), h);
       o.narrow(0, starts[w], rows).copy_(f.narrow(2, 0, dv));
       continue;
     }
     // the payload in place in the ring, or read off the socket into scratch; then each
     // [Dv] run (the lse column left out) into its o row
-    const uint8_t* src = ring_payload(h, e.ring(w));
-    if (!src && h.nbytes) {
+    const uint8_t* ringed = ring_payload(h, e.ring(w));
+    const uint8_t* src = ringed;
+    if (!src) {
       scratch.resize(h.nbytes);
-      e.conns[w].read(scratch.data(), h.nbytes, "frame payload");
+      read_payload(e.conns[w], nullptr, h, scratch.data());
       src = scratch.data();
     }
     const int64_t es = o.element_size(), run = dv * es;
     auto* dst = static_cast<uint8_t*>(o.data_ptr()) + starts[w] * hq * run;
     for (int64_t r = 0; r < rows * hq; ++r) std::memcpy(dst + r * run, src + r * (run + es), run);
-    if (h.in_ring && h.nbytes) release(h, e.ring(w));
+    if (ringed) release(h, e.ring(w));
   }
 }
 }  // namespace
