@@ -4,8 +4,8 @@ benchmarks/overlap_probe.py [--repeat N]`.
 A synthetic stand-in for the decode kernel at B=32 L=2048 on SmolLM2's shape: per token it
 reads the K and V rows (768 B each) at the benchmark's scattered slots, then runs `work`
 rounds of 12 independent FMAs (12 rounds = 144 FMAs, the kernel's minimum for 9 q heads x
-64 dims, QK plus PV), with and without a software prefetch a few tokens ahead. Also the
-same with the rows in cache. Whatever the kernel does, it cannot beat the best of these
+64 dims, QK plus PV), with and without a software prefetch a few tokens ahead, into L1
+(T0) or L2 (T1). Also the same with the rows in cache. Whatever the kernel does, it cannot beat the best of these
 rows, so this bounds the fraction of read bandwidth an fp32 kernel can reach here.
 Writes JSON and Markdown (benchmarks/results/overlap_probe.*)."""
 from __future__ import annotations
@@ -21,8 +21,12 @@ SRC = r"""
 #include <torch/extension.h>
 #include <immintrin.h>
 // Per token: load its K and V rows, then `work` rounds of 12 independent FMA chains that
-// depend on the loaded data; optionally prefetch the rows `pf` tokens ahead.
-double probe(at::Tensor k, at::Tensor v, at::Tensor slots, int64_t work, int64_t pf) {
+// depend on the loaded data; optionally prefetch the rows `pf` tokens ahead, into L2 if l2.
+template <int HINT>
+inline void pf_row(const char* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, (_mm_hint)HINT);
+}
+double probe(at::Tensor k, at::Tensor v, at::Tensor slots, int64_t work, int64_t pf, bool l2) {
   const float* K = k.data_ptr<float>(); const float* V = v.data_ptr<float>();
   const int32_t* s = slots.data_ptr<int32_t>(); const int64_t n = slots.numel(), rs = k.stride(0);
   __m256 acc[12]; for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(0.001f * i);
@@ -31,7 +35,8 @@ double probe(at::Tensor k, at::Tensor v, at::Tensor slots, int64_t work, int64_t
     if (pf > 0 && j + pf < n) {
       const char* pk = (const char*)(K + int64_t(s[j + pf]) * rs);
       const char* pv = (const char*)(V + int64_t(s[j + pf]) * rs);
-      for (int o = 0; o < rs * 4; o += 64) { _mm_prefetch(pk + o, _MM_HINT_T0); _mm_prefetch(pv + o, _MM_HINT_T0); }
+      if (l2) { pf_row<_MM_HINT_T1>(pk, rs * 4); pf_row<_MM_HINT_T1>(pv, rs * 4); }
+      else { pf_row<_MM_HINT_T0>(pk, rs * 4); pf_row<_MM_HINT_T0>(pv, rs * 4); }
     }
     const float* kr = K + int64_t(s[j]) * rs; const float* vr = V + int64_t(s[j]) * rs;
     for (int64_t c = 0; c < rs; c += 8)
@@ -67,22 +72,24 @@ def main(argv=None) -> int:
     hot = (torch.arange(B * L, dtype=torch.int32) % 256).contiguous()  # rows stay in cache
     x = torch.ones(512 * 2 ** 18)
     read = load_cpu_kernel().read_sum
-    cases = [(w, pf) for w in (0, 12) for pf in (0, 2, 4, 8)]
+    cases = [(w, pf, l2) for w in (0, 12) for pf in (0, 2, 4, 8, 16)
+             for l2 in ((False, True) if pf else (False,))]
     fns = {"read": lambda: read(x)}
-    for w, pf in cases:
-        fns[(w, pf, "dram")] = lambda w=w, pf=pf: ext.probe(kp, vp, slots, w, pf)
-        fns[(w, pf, "cache")] = lambda w=w, pf=pf: ext.probe(kp, vp, hot, w, pf)
+    for w, pf, l2 in cases:
+        fns[(w, pf, l2, "dram")] = lambda w=w, pf=pf, l2=l2: ext.probe(kp, vp, slots, w, pf, l2)
+        fns[(w, pf, l2, "cache")] = lambda w=w, pf=pf, l2=l2: ext.probe(kp, vp, hot, w, pf, l2)
     t = _interleaved_medians(fns, args.repeat)
     read_gbs = x.nbytes / t["read"] / 1e9
     n, row_bytes = B * L, 2 * HKV * D * 4
-    rows, table = [], [["FMAs/token", "prefetch ahead", "ns/token (DRAM)", "ns/token (cache)",
-                        "GB/s", "% of read BW"]]
-    for w, pf in cases:
-        ns, nc = t[(w, pf, "dram")] * 1e9 / n, t[(w, pf, "cache")] * 1e9 / n
+    rows, table = [], [["FMAs/token", "prefetch ahead", "into", "ns/token (DRAM)",
+                        "ns/token (cache)", "GB/s", "% of read BW"]]
+    for w, pf, l2 in cases:
+        ns, nc = t[(w, pf, l2, "dram")] * 1e9 / n, t[(w, pf, l2, "cache")] * 1e9 / n
         gbs = row_bytes / ns
-        rows.append({"fmas": 12 * w, "prefetch": pf, "ns_dram": ns, "ns_cache": nc,
-                     "GBps": gbs, "frac_of_read": gbs / read_gbs})
-        table.append([str(12 * w), str(pf), f"{ns:.1f}", f"{nc:.1f}", f"{gbs:.1f}",
+        into = ("L2" if l2 else "L1") if pf else "-"
+        rows.append({"fmas": 12 * w, "prefetch": pf, "into": into, "ns_dram": ns,
+                     "ns_cache": nc, "GBps": gbs, "frac_of_read": gbs / read_gbs})
+        table.append([str(12 * w), str(pf), into, f"{ns:.1f}", f"{nc:.1f}", f"{gbs:.1f}",
                       f"{gbs / read_gbs:.0%}"])
     best = max((r for r in rows if r["fmas"] == 144), key=lambda r: r["GBps"])
     res = {"B": B, "L": L, "read_GBps": read_gbs, "rows": rows, "best_with_144_fmas": best}
