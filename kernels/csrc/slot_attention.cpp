@@ -62,10 +62,10 @@ inline float exp_neg(float x) {
 // current block's score and value passes. Scattered slots defeat the hardware
 // prefetcher, so without this each row's first misses stall the FMAs; all at once (one
 // burst per block) measured no gain, nor did a burst per row, nor slicing rows across
-// passes. Into L2 (T1), not L1: on the Zen 4 EPYC here T1 took 25-35% off the decode
-// kernel from DRAM against T0 (the L1's few miss buffers throttle T0 prefetches), and
-// on an AVX2 VM before it measured the same as T0. It costs ~15 ns/token when the KV is
-// already in cache.
+// passes. Into L2 (T1), not L1: on the Zen 4 EPYC here T1 took 13-36% off the decode
+// kernel from DRAM against T0 in paired runs (likely the L1's few miss buffers
+// throttling T0 prefetches); on an AVX2 VM before, it measured the same as T0. It costs
+// ~15 ns/token when the KV is already in cache.
 struct RowPrefetcher {
   const char* rows[BK];
   int64_t n = 0, lines = 0, r = 0, l = 0;
