@@ -126,8 +126,17 @@ class SocketLink(MemoryLink):
         return ([p.span[0] if p.span else 0 for p in parts],
                 [p.span[1] if p.span else 0 for p in parts])
 
+    def _send_spans(self, mb, q, k, v):
+        """(starts, ends) when a layer's q/k/v go out through C++, else falsy."""
+        return self._ext and q.dtype == k.dtype == v.dtype and self._spans[mb]
+
+    def _recv_spans(self, mb, merge):
+        """(starts, ends) when a layer's outputs come back through C++, else falsy."""
+        return (self._ext and not merge and not any(ch.buffered() for ch in self.channels)
+                and self._spans[mb])
+
     def submit(self, layer, mb, q, k, v, parts):
-        spans = self._ext and q.dtype == k.dtype == v.dtype and self._spans[mb]
+        spans = self._send_spans(mb, q, k, v)
         if spans:
             rings = [ch.ring_out for ch in self.channels]
             status, msg, pos = self._ext.submit_qkv(
@@ -158,8 +167,7 @@ class SocketLink(MemoryLink):
     def exchange(self, layer, mb, q, k, v, parts, out_shape, dtype, merge=False):
         """`submit` then `collect` as one C++ call where both would take the C++ path;
         -> (o, seconds spent sending), or None (then the caller submits and collects)."""
-        spans = (self._ext and not merge and q.dtype == k.dtype == v.dtype
-                 and not any(ch.buffered() for ch in self.channels) and self._spans[mb])
+        spans = self._send_spans(mb, q, k, v) and self._recv_spans(mb, merge)
         if not spans:
             return None
         outs = [ch.ring_out for ch in self.channels]
@@ -178,8 +186,7 @@ class SocketLink(MemoryLink):
 
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
         n, hq, dv = out_shape
-        spans = (self._ext and not merge and not any(ch.buffered() for ch in self.channels)
-                 and self._spans[mb])
+        spans = self._recv_spans(mb, merge)
         if spans:
             rings = [ch.ring_in for ch in self.channels]
             o = torch.empty(n, hq, dv, dtype=dtype)
