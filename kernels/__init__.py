@@ -21,11 +21,12 @@ from .backends import (AttentionBackend, AttentionInputError, BackendUnavailable
                        validate, validate_batch)
 from .cpu_build import KernelBuildError, build_seconds, load_cpu_kernel
 from .merge import merge_attention
+from .pointwise import argmax_rows
 from .reference import reference_slot_attention
 from .slots import AttentionParams, SlotBatch
 
 __all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "BackendUnavailable",
-           "CpuBackend", "KernelBuildError", "ReferenceBackend", "SlotBatch", "attend",
+           "CpuBackend", "KernelBuildError", "ReferenceBackend", "SlotBatch", "argmax_rows", "attend",
            "build_seconds", "decode_attention", "load_cpu_kernel", "merge_attention",
            "prefill_attention", "reference_slot_attention", "select_backend",
            "TritonBackend", "validate", "validate_batch", "write_kv"]

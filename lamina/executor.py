@@ -392,7 +392,8 @@ class ComputeSide:
                     sample += [at + r for r in m[5]]
                     prompt += [(k + i, at + r0, n) for i, r0, n in m[6]]
                     at, k = at + len(m[2]), k + len(m[5])
-            all_ = torch.cat(all_).float()
+            # the model's dtype (sample_rows casts what it must); one part: no copy
+            all_ = all_[0] if len(all_) == 1 else torch.cat(all_)
             logits = all_ if len(sample) == len(all_) else all_[sample]  # [S, V]
             tokens = sample_rows(logits, [s.params for s in works], [s.seeds for s in works],
                                  [s.next_pos for s in works],

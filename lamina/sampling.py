@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lamina.kernels import argmax_rows
+
 
 MAX_LOGPROBS = 20
 PROMPT_CHUNK = 256  # prompt rows per log-softmax
@@ -167,15 +169,17 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 seeds: list[tuple[int, ...]], positions: list[int],
                 histories: list[tuple[tuple[int, ...], int] | None] | None = None
                 ) -> list[tuple[int, ...]]:
-    """logits: [R, V]. Row r draws len(seeds[r]) tokens (n > 1 forks draw several from
-    one prompt), each with its own seed, at `positions[r]`. histories[r]: (tokens so far,
-    prompt length) for a row with penalties. -> per row, its tokens."""
-    greedy = torch.argmax(logits, dim=-1).tolist()
+    """logits: [R, V] (the model's dtype: greedy rows read them as they are; a row
+    that is penalized or drawn from works in fp32, as HF's logits processors do). Row r
+    draws len(seeds[r]) tokens (n > 1 forks draw several from one prompt), each with its
+    own seed, at `positions[r]`. histories[r]: (tokens so far, prompt length) for a row
+    with penalties. -> per row, its tokens."""
+    greedy = argmax_rows(logits).tolist()
     out = []
     for r, (p, ss) in enumerate(zip(params, seeds)):
-        row = logits[r]
+        row = logits[r]  # [V]; cast to fp32 below only where it is needed
         if p.penalized or p.logit_bias:
-            row = apply_penalties(row, p, *(histories[r] if p.penalized else ((), 0)))
+            row = apply_penalties(row.float(), p, *(histories[r] if p.penalized else ((), 0)))
             greedy[r] = int(torch.argmax(row))
         if p.greedy:
             out.append((greedy[r],) * len(ss))

@@ -56,3 +56,5 @@ std::tuple<int64_t, std::string, std::vector<int64_t>, double> exchange_qkv(
 at::Tensor fused_rms_norm(at::Tensor x, at::Tensor w, double eps);
 at::Tensor fused_rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor fused_silu_mul(at::Tensor gate, at::Tensor up);
+// pointwise.cpp: greedy sampling's row argmax (torch.argmax's first-max and NaN rules).
+at::Tensor argmax_rows(at::Tensor x);

@@ -1,4 +1,5 @@
-// Fused pointwise ops for the compute side's dense slices (lamina.splitter.fuse).
+// Fused pointwise ops for the compute side's dense slices (lamina.splitter.fuse), and
+// the greedy sampler's row argmax (lamina.sampling, via lamina.kernels.argmax_rows).
 //
 // Data in: tensors of the slices' graphs (fp32 or bf16, any strides; rows whose last dim
 // is not contiguous are copied first; cos/sin broadcast against x). Data out: one new tensor each, laid out like
@@ -21,7 +22,11 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -205,6 +210,58 @@ void silu_mul_rows(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   });
 }
 
+// Greedy sampling's argmax over one row of V logits: the first index of the maximum,
+// a NaN counting as the maximum (torch.argmax's rule), -1 for V == 0. Vector lanes keep
+// their own first maximum (strictly greater replaces); the lowest index among the lanes
+// holding the overall maximum is then the first one.
+template <class K>
+int64_t argmax_row(const typename K::T* x, int64_t V) {
+  int64_t i = 0, best_i = -1;
+  float best = 0.f;
+  bool nan = false;
+#if defined(__AVX512F__)
+  if (V >= 32) {
+    auto load = [&](int64_t j) {
+      if constexpr (std::is_same_v<K, BF16>)  // bf16 -> fp32: the bits moved up 16
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j))), 16));
+      else
+        return _mm512_loadu_ps(reinterpret_cast<const float*>(x + j));
+    };
+    __m512 mv = load(0);
+    __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i cur = iv;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 un = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= V; i += 16) {
+      const __m512 v = load(i);
+      cur = _mm512_add_epi32(cur, step);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);
+      un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      mv = _mm512_mask_mov_ps(mv, gt, v);
+      iv = _mm512_mask_mov_epi32(iv, gt, cur);
+    }
+    nan = un != 0;
+    alignas(64) float lv[16];
+    alignas(64) int32_t li[16];
+    _mm512_store_ps(lv, mv);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(li), iv);
+    best = lv[0], best_i = li[0];
+    for (int l = 1; l < 16; ++l)
+      if (lv[l] > best || (lv[l] == best && li[l] < best_i)) best = lv[l], best_i = li[l];
+  }
+#endif
+  for (; i < V; ++i) {  // the tail (or the whole row without AVX-512)
+    const float v = K::ld(x[i]);
+    nan |= v != v;
+    if (best_i < 0 || v > best) best = v, best_i = i;
+  }
+  if (nan)  // rare: the first NaN is the answer
+    for (i = 0; i < V; ++i)
+      if (K::ld(x[i]) != K::ld(x[i])) return i;
+  return best_i;
+}
+
 bool is_bf16(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op,
               ": float32 or bfloat16 tensors only, got ", t.scalar_type());
@@ -252,5 +309,26 @@ at::Tensor fused_silu_mul(at::Tensor gate, at::Tensor up) {
   if (gate.numel() == 0) return out;
   if (bf16) silu_mul_rows<BF16>(gate, up, out);
   else silu_mul_rows<F32>(gate, up, out);
+  return out;
+}
+
+at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2, "argmax_rows: x must be [rows, vocab], got ", x.sizes());
+  x = rows_of(x, "argmax_rows", "x");
+  const bool bf16 = is_bf16(x, "argmax_rows");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0 || R == 0, "argmax_rows: empty rows have no argmax");
+  TORCH_CHECK(V < (int64_t{1} << 31), "argmax_rows: rows of at most 2^31 - 1 elements");
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const char* base = static_cast<const char*>(x.data_ptr());
+  const int64_t row_bytes = x.stride(0) * x.element_size();
+  at::parallel_for(0, R, std::max<int64_t>(1, GRAIN / V), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const void* row = base + r * row_bytes;
+      op[r] = bf16 ? argmax_row<BF16>(static_cast<const uint16_t*>(row), V)
+                   : argmax_row<F32>(static_cast<const float*>(row), V);
+    }
+  });
   return out;
 }

@@ -655,4 +655,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &fused_rms_norm, "weight * to(x32 * rsqrt(mean(x32^2) + eps), x.dtype)");
   m.def("rope", &fused_rope, "x * cos + rotate_half(x) * sin, rounded as eager");
   m.def("silu_mul", &fused_silu_mul, "silu(gate) * up, rounded as eager");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (NaN counts as max)");
 }

@@ -90,3 +90,49 @@ def test_bad_input_is_refused_by_name():
     with pytest.raises(RuntimeError, match="silu_mul: gate and up must match"):
         OPS.silu_mul(x, torch.randn(4, 9))
     assert OPS.silu_mul(torch.empty(0, 8), torch.empty(0, 8)).shape == (0, 8)
+
+
+def _argmax_ref(x):
+    return torch.argmax(x.float(), dim=-1)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("V", [1, 5, 16, 31, 32, 33, 100, 49152])
+def test_argmax_rows_is_torch_argmax(dt, V):
+    from lamina.kernels import argmax_rows, load_cpu_kernel
+    ext = load_cpu_kernel()
+    g = _gen(V)
+    x = torch.randn(7, V, generator=g).to(dt)
+    assert torch.equal(ext.argmax_rows(x), _argmax_ref(x))
+    # many ties (small integers): the first maximum wins, in every lane and the tail
+    ties = torch.randint(-3, 4, (9, V), generator=g).to(dt)
+    assert torch.equal(ext.argmax_rows(ties), _argmax_ref(ties))
+    # a row of -inf, a row of -0.0 / 0.0, the maximum last, a NaN (the first NaN wins)
+    special = torch.randn(5, V, generator=g).to(dt)
+    special[0] = float("-inf")
+    special[1] = torch.where(torch.arange(V) % 2 == 0, -0.0, 0.0).to(dt)
+    special[2, -1] = 1e4
+    special[3, V // 2] = float("nan")
+    special[3, -1] = float("nan")
+    special[4, 0] = float("inf")
+    special[4, -1] = float("inf")
+    assert torch.equal(ext.argmax_rows(special), _argmax_ref(special))
+    # strided rows (a slice of a wider buffer) and a non-contiguous last dim
+    wide = torch.randn(4, V + 40, generator=g).to(dt)
+    assert torch.equal(ext.argmax_rows(wide[:, 3:V + 3]), _argmax_ref(wide[:, 3:V + 3]))
+    assert torch.equal(ext.argmax_rows(wide.t()[:V].t()), _argmax_ref(wide.t()[:V].t()))
+    assert torch.equal(argmax_rows(x), _argmax_ref(x))  # the public entry takes this path
+
+
+def test_argmax_rows_bad_input_and_fallback():
+    from lamina.kernels import argmax_rows, load_cpu_kernel
+    ext = load_cpu_kernel()
+    with pytest.raises(RuntimeError, match=r"argmax_rows: x must be \[rows, vocab\]"):
+        ext.argmax_rows(torch.zeros(2, 3, 4))
+    with pytest.raises(RuntimeError, match="argmax_rows: float32 or bfloat16"):
+        ext.argmax_rows(torch.zeros(2, 3, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="empty rows"):
+        ext.argmax_rows(torch.zeros(2, 0))
+    assert ext.argmax_rows(torch.zeros(0, 5)).shape == (0,)
+    half = torch.randn(3, 50, generator=_gen(1)).half()  # other dtypes: torch's argmax
+    assert torch.equal(argmax_rows(half), _argmax_ref(half))

@@ -80,6 +80,26 @@ def test_stateless_draws_per_seed_and_position():
     assert np.all(freq[ref == 0] == 0) and np.abs(freq - ref).max() < 0.03
 
 
+def test_bf16_logits_draw_what_their_fp32_copy_draws():
+    """The compute side hands sample_rows the model's bf16 logits: greedy rows take the
+    compiled argmax over them, drawn and penalized rows work in fp32 (as HF's logits
+    processors do), so every row draws what the fp32 copy draws."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 49152, generator=g) * 4).to(torch.bfloat16)
+    logits[1, 100] = logits[1, 7] = logits[1].max() + 1  # a tie: the first index wins
+    greedy = SamplingParams(temperature=0)
+    params = [greedy, greedy, SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+              SamplingParams(temperature=0, repetition_penalty=1.3),
+              SamplingParams(temperature=1.0, frequency_penalty=0.5, logit_bias=((3, 5.0),)),
+              greedy]
+    seeds, pos = [(1,), (2,), (3, 4), (5,), (6,), (7, 8)], [10, 11, 12, 13, 14, 15]
+    hist = [None, None, None, ((7, 9, 100, 7), 2), ((1, 2, 3, 3), 1), None]
+    got = sample_rows(logits, params, seeds, pos, hist)
+    assert got == sample_rows(logits.float(), params, seeds, pos, hist)
+    assert got[1] == (7,) and got[0] == (int(logits[0].float().argmax()),)
+    assert got[5] == (int(logits[5].float().argmax()),) * 2
+
+
 @pytest.mark.parametrize("kw,field", [
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
     ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
