@@ -26,8 +26,8 @@ from .reference import reference_slot_attention
 from .slots import AttentionParams, SlotBatch
 
 __all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "BackendUnavailable",
-           "CpuBackend", "KernelBuildError", "ReferenceBackend", "SlotBatch", "argmax_rows", "attend",
-           "build_seconds", "decode_attention", "load_cpu_kernel", "merge_attention",
+           "CpuBackend", "KernelBuildError", "ReferenceBackend", "SlotBatch", "argmax_rows",
+           "attend", "build_seconds", "decode_attention", "load_cpu_kernel", "merge_attention",
            "prefill_attention", "reference_slot_attention", "select_backend",
            "TritonBackend", "validate", "validate_batch", "write_kv"]
 

@@ -374,8 +374,8 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
       const uint8_t* in_ring = hx.shape.size() == 2 ? ring_payload(hx, pin) : nullptr;
       at::Tensor x = in_ring ? at::from_blob(const_cast<uint8_t*>(in_ring), hx.shape,
                                              at::TensorOptions().dtype(hx.dt))
-                             : payload_tensor(c, pin, hx),
-                 q, k, v;
+                             : payload_tensor(c, pin, hx);
+      at::Tensor q, k, v;
       if (x.dim() == 2) {  // one q|k|v frame
         if (n != m || x.size(0) != n)
           throw FrameErr(where + ": a q|k|v frame of " + std::to_string(x.size(0)) +
@@ -529,12 +529,11 @@ void recv_o(Ends& e, const std::vector<int64_t>& starts, const std::vector<int64
     // the payload in place in the ring, or read off the socket into scratch; then each
     // [Dv] run (the lse column left out) into its o row
     const uint8_t* ringed = ring_payload(h, e.ring(w));
-    const uint8_t* src = ringed;
-    if (!src) {
+    if (!ringed) {
       scratch.resize(h.nbytes);
       read_payload(e.conns[w], nullptr, h, scratch.data());
-      src = scratch.data();
     }
+    const uint8_t* src = ringed ? ringed : scratch.data();
     const int64_t es = o.element_size(), run = dv * es;
     auto* dst = static_cast<uint8_t*>(o.data_ptr()) + starts[w] * hq * run;
     for (int64_t r = 0; r < rows * hq; ++r) std::memcpy(dst + r * run, src + r * (run + es), run);

@@ -387,10 +387,9 @@ struct Args {
   bool q_bf16;  // q's values are exact in bf16 (it came as bf16): bf16 pair dots may run
 };
 
-// One work item: request b, queries [n0, n1), all heads.
+// One work item: request b, queries [n0, n1), all heads. next_slots / next_n: the next
+// work item's keys (its first block is prefetched during this item's last one), or 0 keys.
 template <typename T>
-// next_slots / next_n: the next work item's keys (its first block is prefetched during
-// this item's last one), or nullptr / 0.
 void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, int64_t n1,
                  const int32_t* next_slots, int64_t next_n) {
   const int64_t Hq = a.Hq, Hkv = a.Hkv, D = a.D, Dv = a.Dv;
@@ -545,9 +544,10 @@ void run(const Args& a, const T* K, const T* V, int64_t B) {
   at::parallel_for(0, int64_t(item_b.size()), 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = item_b[w], n0 = item_n0[w];
-      const int64_t b2 = w + 1 < w1 ? item_b[w + 1] : b;  // this thread's next item
+      const bool more = w + 1 < w1;  // this thread has a next item
+      const int64_t b2 = more ? item_b[w + 1] : b;
       attend_tile<T>(a, K, V, b, n0, std::min<int64_t>(n0 + QT, a.cu_q[b + 1]),
-                     a.slots + a.cu_k[b2], w + 1 < w1 ? a.cu_k[b2 + 1] - a.cu_k[b2] : 0);
+                     a.slots + a.cu_k[b2], more ? a.cu_k[b2 + 1] - a.cu_k[b2] : 0);
     }
   });
 }
