@@ -58,6 +58,7 @@ class ComputeWorker:
         prep = prepare_split(self.loaded.model, dense_backend, batch_hint, fuse)
         self.dense = prep.dense
         self.compute = ComputeSide(prep.split, num_memory_workers)
+        self.compute.vocab_size = int(self.loaded.config.vocab_size)
         self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
         self.channels: list[SocketChannel] = []
         self.fused = True
@@ -66,11 +67,12 @@ class ComputeWorker:
         dataplane_ext()  # the C++ data plane (built or loaded now, not in the first step)
 
     def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu",
-                    local_prefill: bool = True):
+                    local_prefill: bool = True, faults=None):
         """What each memory worker needs: its pool shape and per-layer attention params.
         `local_prefill`: fresh prompts attend here, on a scratch pool of `kv_dtype` (paper
-        5.6); the memory workers only store their KV."""
+        5.6); the memory workers only store their KV. `faults`: a test FaultPlan."""
         self.compute.local_kv_dtype = kv_dtype if local_prefill else None
+        self.compute.pool_slots, self.compute.faults = num_slots, faults
         specs = self.compute.split.attention_specs
         return (KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device),
                 self.compute.params)

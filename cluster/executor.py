@@ -18,6 +18,7 @@ from dataclasses import replace
 import ray
 
 from lamina.control import ControlClient, StepError
+from lamina.errors import SequenceFault
 from lamina.executor import Executor
 from lamina.messages import StepPlan, StepResult
 from lamina.wire import SocketChannel, connect_stream
@@ -96,9 +97,10 @@ class RayExecutor(Executor):
         self.memory = [MemoryWorker.options(**self._m_opts).remote(i, self.threads)
                        for i in range(cfg.num_memory_workers)]
         pool_cfg, params = ray.get(self.compute.memory_spec.remote(
-            cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, cfg.local_prefill))
+            cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, cfg.local_prefill, cfg.faults))
         self.params = list(params)  # per-layer AttentionParams
-        self.memory_info = ray.get([w.setup.remote(pool_cfg, params) for w in self.memory])
+        self.memory_info = ray.get([w.setup.remote(pool_cfg, params, cfg.faults)
+                                    for w in self.memory])
         node = ray.get(self.compute.node_id.remote())
         # Memory workers on the compute worker's node use Unix sockets, the rest TCP.
         nodes = ray.get([w.__ray_call__.remote(lambda s: ray.get_runtime_context().get_node_id())
@@ -147,30 +149,50 @@ class RayExecutor(Executor):
         return True
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """A failed step raises `SequenceFault` when the compute worker or a memory worker
+        blamed particular sequences (clean: the compute worker refused them before any
+        frame went out, or after every output came back), else `WorkerFailure` naming
+        what each worker reported."""
         try:
             if self.control is None:
                 raise RuntimeError("no control channel to the compute worker (closed after "
                                    "an earlier failure)")
             return self.control.call(plan)
+        except SequenceFault as e:
+            if e.clean:
+                raise  # nothing else broke: the engine re-runs the step without them
+            self._health_errors()
+            raise
         except Exception as e:  # noqa: BLE001 - name the failing worker if one reported
-            errors = []
-            refs = [w.health.remote() for w in self.memory]  # asked all at once: one wait
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
-            for i, r in enumerate(refs):
-                if r not in ready:
-                    errors.append(f"memory worker {i} unreachable: no health answer in "
-                                  f"{HEALTH_TIMEOUT_S} s")
-                    continue
-                try:
-                    h = ray.get(r)
-                    if h["error"]:
-                        errors.append(h["error"])
-                except Exception as he:  # noqa: BLE001
-                    errors.append(f"memory worker {i} unreachable: {type(he).__name__}")
+            errors, bad = self._health_errors()
             if not isinstance(e, StepError):  # the stream may be mid-message: drop it
                 self._close_control()
-            raise WorkerFailure(f"step {plan.step} failed: {type(e).__name__}: {e}"
-                                + ("; " + "; ".join(errors) if errors else "")) from e
+            what = (f"step {plan.step} failed: {type(e).__name__}: {e}"
+                    + ("; " + "; ".join(errors) if errors else ""))
+            if bad:  # a memory worker refused these sequences and closed its channel
+                raise SequenceFault(bad, what, clean=False) from e
+            raise WorkerFailure(what) from e
+
+    def _health_errors(self) -> tuple[list[str], list[int]]:
+        """After a failed step: what each memory worker reports (asked all at once, one
+        bounded wait) -> (error texts, the sequences they blamed)."""
+        errors, bad = [], []
+        refs = [w.health.remote() for w in self.memory]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
+        for i, r in enumerate(refs):
+            if r not in ready:
+                errors.append(f"memory worker {i} unreachable: no health answer in "
+                              f"{HEALTH_TIMEOUT_S} s")
+                continue
+            try:
+                h = ray.get(r)
+            except Exception as he:  # noqa: BLE001
+                errors.append(f"memory worker {i} unreachable: {type(he).__name__}")
+                continue
+            if h["error"]:
+                errors.append(h["error"])
+            bad += h.get("bad_seqs", [])
+        return errors, bad
 
     def probe(self, tokens, repeat: int = 20) -> dict:
         ex = ray.get(self.compute.probe_exchange.remote(list(tokens), repeat))  # exchange, submit

@@ -48,8 +48,8 @@ class MemoryWorker:
         self.index = index
         self.memory = self.params = self._srv = self.server = None
 
-    def setup(self, pool_config, params) -> dict:
-        self.memory = MemorySide(KVPool(pool_config))
+    def setup(self, pool_config, params, faults=None) -> dict:
+        self.memory = MemorySide(KVPool(pool_config), faults=faults)
         self.params = list(params)
         return {"backend": self.memory.backend.name, "reason": self.memory.backend.reason,
                 "pool_bytes": pool_config.nbytes, "pid": os.getpid()}
@@ -71,6 +71,7 @@ class MemoryWorker:
     def health(self) -> dict:
         s = self.server
         return {"error": s and s.error, "steps": s.steps if s else 0,
+                "bad_seqs": list(s.bad_seqs) if s else [],
                 "sched_batch": getattr(self, "sched_batch", False)}
 
     def _serve(self):

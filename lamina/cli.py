@@ -105,13 +105,17 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     """OpenAI-compatible HTTP server over the engine."""
     from lamina import LLM
-    from lamina.server import serve
+    from lamina.server import ServerConfig, serve
 
-    llm = _llm(LLM, args, max_batch=args.max_batch)
+    key = args.api_key or os.environ.get("LAMINA_API_KEY") or None
+    config = ServerConfig(api_key=key, max_waiting=args.max_waiting or None,
+                          max_body_bytes=args.max_body_bytes)
+    llm = _llm(LLM, args, max_batch=args.max_batch, clamp_max_tokens=args.clamp_max_tokens)
     print(f"serving {llm.loaded.source} on http://{args.host}:{args.port} "
-          f"({args.executor} executor, {args.memory_workers} memory worker(s))", flush=True)
+          f"({args.executor} executor, {args.memory_workers} memory worker(s); API key "
+          f"{'required' if key else 'off'})", flush=True)
     try:
-        serve(llm, args.host, args.port)
+        serve(llm, args.host, args.port, args.served_model_name, config)
     finally:
         llm.shutdown()
     return 0
@@ -253,6 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-batch", type=int, default=64)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (or LAMINA_API_KEY)")
+    v.add_argument("--max-waiting", type=int, default=1024,
+                   help="queued requests before 429 Retry-After (0: no bound)")
+    v.add_argument("--max-body-bytes", type=int, default=2 << 20,
+                   help="largest request body (413 past it)")
+    v.add_argument("--clamp-max-tokens", action="store_true",
+                   help="lower max_tokens to what fits the context (default: 400)")
+    v.add_argument("--served-model-name", default=None,
+                   help="the model name clients must send (default: the model's source)")
     v.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="run a benchmark")
     b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "ops", "sim",

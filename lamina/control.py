@@ -10,16 +10,20 @@ Each message is one `lamina.wire` frame (magic, version, checked header): dtype 
 "layer" the message kind (`PLAN`, `RESULT`, `ERROR`), step the plan's step, payload the
 message as msgpack through msgspec with the message's type, so decoding builds the
 frozen dataclasses and runs their `__post_init__` checks (a malformed plan is rejected
-by name before anything runs). No pickle.
+by name before anything runs). No pickle. An ERROR payload is the exception's text; a
+`SequenceFault` (a step failed by particular sequences) is sent as
+"SequenceFault(seqs=[3, 5], clean=True): why", so the client raises it again.
 """
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 
 import msgspec
 import torch
 
+from .errors import SequenceFault
 from .messages import StepPlan, StepResult
 from .wire import FrameError, PeerTimeout, SocketChannel
 
@@ -32,8 +36,27 @@ _ENC = msgspec.msgpack.Encoder()
 _DEC = {PLAN: msgspec.msgpack.Decoder(StepPlan), RESULT: msgspec.msgpack.Decoder(StepResult)}
 
 
+_FAULT = re.compile(r"SequenceFault\(seqs=\[([0-9, ]*)\], clean=(True|False)\): (.*)", re.S)
+
+
 class StepError(RuntimeError):
     """The compute worker's step raised; the message names its exception."""
+
+
+def error_text(e: BaseException) -> str:
+    """The ERROR payload for a step's exception (a SequenceFault keeps its fields)."""
+    if isinstance(e, SequenceFault):
+        return f"SequenceFault(seqs={list(e.seq_ids)}, clean={e.clean}): {e}"
+    return f"{type(e).__name__}: {e}"
+
+
+def step_error(text: str) -> Exception:
+    """An ERROR payload -> the exception the client raises."""
+    m = _FAULT.fullmatch(text)
+    if m is None:
+        return StepError(text)
+    ids = [int(x) for x in m.group(1).split(",") if x.strip()]
+    return SequenceFault(ids, m.group(3), clean=m.group(2) == "True")
 
 
 def encode(msg) -> torch.Tensor:
@@ -89,7 +112,7 @@ class ControlClient:
         _expect(kind, (RESULT, ERROR))
         msg = decode(kind, t)
         if kind == ERROR:
-            raise StepError(msg)
+            raise step_error(msg)
         return msg
 
     def close(self) -> None:
@@ -115,7 +138,7 @@ def serve_control(channel: SocketChannel, execute: Callable[[StepPlan], StepResu
                 _expect(kind, (PLAN,))  # the frame was whole: the stream goes on
                 result = execute(decode(kind, t))
             except Exception as e:  # noqa: BLE001 - the client gets it by name
-                channel.send(encode(f"{type(e).__name__}: {e}"), ERROR, step)
+                channel.send(encode(error_text(e)), ERROR, step)
                 continue
             channel.send(encode(result), RESULT, step)
     except OSError as e:  # the client went away mid-answer

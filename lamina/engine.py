@@ -7,7 +7,10 @@ Data out: `RequestOutput`s when requests finish, and for streamed requests a par
 request (a client went away) and frees its KV. A failed step (a dead worker) is
 recovered when the executor can replace its workers: the running sequences are recomputed
 and nothing is lost (up to `EngineConfig.max_recoveries` failed steps in a row);
-otherwise the error propagates.
+otherwise the error propagates. A step that fails because of particular sequences (a
+`SequenceFault` naming them) fails only their requests: each ends with finish reason
+"error" and `RequestOutput.error` saying why, its KV is freed, and the step runs again
+for the others (after `recover` when the fault left the workers mid-step).
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field, replace
 from lamina.splitter.dense import DENSE_BACKENDS
 
 from .detok import IncrementalDetokenizer
+from .errors import SequenceFault
+from .faults import FaultPlan
 from .kv_allocator import KVAllocator, KVAllocatorConfig
 from .sampling import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, Sequence
@@ -32,7 +37,8 @@ log = logging.getLogger(__name__)
 # "rotational" is the paper's staggered pipelining (5.1) with n = 2 batches on one
 # compute replica: there rotational and fixed coincide and no context migrates.
 PIPELINES = ("none", "rotational")
-STEP_HISTORY = 100_000  # step timings kept (a long-running server must not grow forever)
+STEP_HISTORY = 4096  # step timings kept (a long-running server must not grow forever)
+ERROR_HISTORY = 100  # recovered step errors kept (their count is `num_recoveries`)
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,10 @@ class EngineConfig:
     # Ray executor: fresh prompts attend on the compute worker, which ships only their
     # KV to the memory workers (paper 5.6); False: the memory workers attend them too
     local_prefill: bool = True
-
+    # A request whose prompt + max_tokens exceeds the model's context: False (default,
+    # as vLLM) refuses it naming both numbers; True lowers its max_tokens to what fits.
+    clamp_max_tokens: bool = False
+    faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
 
     def __post_init__(self):
         if not isinstance(self.num_kv_slots, int) or self.num_kv_slots <= 0:
@@ -89,6 +98,12 @@ class EngineConfig:
         if not isinstance(self.fuse_pointwise, bool):
             raise ValueError(f"EngineConfig.fuse_pointwise must be a bool, "
                              f"got {self.fuse_pointwise!r}")
+        if not isinstance(self.clamp_max_tokens, bool):
+            raise ValueError(f"EngineConfig.clamp_max_tokens must be a bool, "
+                             f"got {self.clamp_max_tokens!r}")
+        if self.faults is not None and not isinstance(self.faults, FaultPlan):
+            raise ValueError(f"EngineConfig.faults must be a FaultPlan or None, "
+                             f"got {type(self.faults).__name__}")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
                              f"got {self.pipeline!r}")
@@ -107,7 +122,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None while running
     logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs
 
     @property
@@ -126,6 +141,7 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then each
     # token's logprob given the ones before it (and the top alternatives there)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # set when the request failed (finish reason "error")
 
     @property
     def text(self) -> str:
@@ -175,33 +191,34 @@ class LLMEngine:
         self._by_seq: dict[int, tuple[_Request, int]] = {}
         self._reqs: dict[int, _Request] = {}
         self.step_timings: deque[dict] = deque(maxlen=STEP_HISTORY)  # the latest steps
-        self.recoveries: list[str] = []  # the errors of failed steps recovered from
+        # the errors of the latest failed steps recovered from, and how many in all
+        self.recoveries: deque[str] = deque(maxlen=ERROR_HISTORY)
+        self.num_recoveries = 0
+        self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
 
     # -- requests --
     def validate(self, prompt, params) -> list[int]:
+        """Every check a request must pass before it is queued, against the loaded model
+        (vocabulary, context) and the engine's limits -> its prompt token ids. Raises
+        ValueError / TypeError naming the problem; nothing is changed."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("empty prompt")
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        else:
-            ids = list(prompt)
-            if not ids:
-                raise ValueError("empty prompt")
-            if not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise ValueError("prompt token ids must be non-negative ints")
-        if not ids:
-            raise ValueError("prompt tokenizes to nothing")
+        ids = self._prompt_ids(prompt)
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
                              f"{self.max_len}")
-        if params.logit_bias and max(t for t, _ in params.logit_bias) >= self.vocab_size:
-            raise ValueError(f"logit_bias names token {max(t for t, _ in params.logit_bias)}; "
-                             f"the vocabulary has {self.vocab_size}")
+        if (len(ids) + params.max_tokens > self.max_len
+                and not self.config.clamp_max_tokens):
+            raise ValueError(f"max_tokens {params.max_tokens} + the prompt's {len(ids)} "
+                             f"tokens = {len(ids) + params.max_tokens} exceed the model's "
+                             f"context of {self.max_len} tokens; ask for at most "
+                             f"{self.max_len - len(ids)} tokens")
+        for name, toks in (("logit_bias", [t for t, _ in params.logit_bias]),
+                           ("stop_token_ids", params.stop_token_ids)):
+            if toks and max(toks) >= self.vocab_size:
+                raise ValueError(f"{name} names token {max(toks)}; the vocabulary has "
+                                 f"{self.vocab_size}")
         if params.n > self.config.max_batch:
             raise ValueError(f"n={params.n} parallel samples exceed max_batch "
                              f"{self.config.max_batch}")
@@ -211,9 +228,36 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pools hold {cap}")
         return ids
 
+    def _prompt_ids(self, prompt) -> list[int]:
+        """A text prompt's token ids, or token ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+                raise TypeError(f"a prompt is text or a list of token ids, got "
+                                f"{type(prompt).__name__}")
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("empty prompt")
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                       for t in ids):
+                raise ValueError("prompt token ids must be non-negative ints")
+            if max(ids) >= self.vocab_size:
+                raise ValueError(f"prompt token id {max(ids)} is outside the vocabulary "
+                                 f"of {self.vocab_size} tokens")
+        if not ids:
+            raise ValueError("prompt tokenizes to nothing")
+        return ids
+
     def add_request(self, prompt, params: SamplingParams, stream: bool = False) -> int:
         """`stream`: `step` also returns this request's progress each step it draws."""
         ids = self.validate(prompt, params)
+        if len(ids) + params.max_tokens > self.max_len:  # clamp_max_tokens (validated)
+            params = replace(params, max_tokens=self.max_len - len(ids))
         rid = next(self._rid)
         seed = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
         req = _Request(rid, prompt if isinstance(prompt, str) else None, ids, params, [],
@@ -252,15 +296,29 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if self.config.pipeline == "rotational" and len(plan.seqs) > 1:
             plan = replace(plan, micro_batches=2)
-        try:
-            result = self.executor.execute(plan)
-        except Exception as e:
-            if not self._recover(plan, e):
-                raise
+        failed: list[RequestOutput] = []  # requests a SequenceFault failed this step
+        while True:
+            try:
+                result = self.executor.execute(plan)
+                break
+            except SequenceFault as e:
+                if not any(s.seq_id in e.seq_ids for s in plan.seqs):
+                    raise RuntimeError(f"step {plan.step}: a fault blamed sequences "
+                                       f"{list(e.seq_ids)}, none of them in the step") from e
+                failed += self._fail(e, plan.step)
+                if not e.clean and not self._recover(plan, e):
+                    raise
+                plan = replace(plan, seqs=tuple(s for s in plan.seqs
+                                                if s.seq_id in self._by_seq))
+                if e.clean and plan.seqs:
+                    continue  # the workers kept their state: run the rest of the step
+            except Exception as e:
+                if not self._recover(plan, e):
+                    raise
             self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
                                       "step_s": time.perf_counter() - t0, "failed": True,
                                       "drawn": 0})
-            return []  # nothing drawn; the lost KV is recomputed from the next step on
+            return failed  # nothing drawn; any lost KV is recomputed from the next step on
         self._failed_in_row = 0
         if (result.step != plan.step or len(result.seq_ids) != len(result.token_ids)
                 or any(s not in self._by_seq for s in result.seq_ids)):
@@ -305,7 +363,25 @@ class LLMEngine:
                     continue
             if req.stream:
                 progressed[req.rid] = req
-        return done + [self._output(req, now, final=False) for req in progressed.values()]
+        return failed + done + [self._output(req, now, final=False)
+                                for req in progressed.values()]
+
+    def _fail(self, fault: SequenceFault, step: int) -> list[RequestOutput]:
+        """Fail the requests owning the faulty sequences alone: every sample of each is
+        dropped from the scheduler (its KV freed) and ends with finish reason "error"."""
+        reqs = {self._by_seq[s][0].rid: self._by_seq[s][0] for s in fault.seq_ids
+                if s in self._by_seq}
+        outs = []
+        for req in reqs.values():
+            for seq in req.seqs:
+                self.scheduler.abort(seq)
+                if seq.finish_reason == "abort":
+                    seq.finish_reason = "error"
+            msg = f"request {req.rid} failed in step {step}: {fault}"
+            log.error("%s; the other requests go on", msg)
+            outs.append(self._output(req, time.perf_counter(), error=msg))
+        self.num_failed_requests += len(outs)
+        return outs
 
     def _recover(self, plan, error: BaseException) -> bool:
         """A failed step (a dead worker, a broken data plane): if the executor can bring
@@ -331,6 +407,7 @@ class LLMEngine:
         if any(leaked):
             raise RuntimeError(f"KV slots still held after recovery: {leaked}")
         self.recoveries.append(what)
+        self.num_recoveries += 1
         log.warning("%s; workers recovered (%d in a row, at most %d), %d sequences will "
                     "be recomputed", what, self._failed_in_row, self.config.max_recoveries, n)
         return True
@@ -363,7 +440,8 @@ class LLMEngine:
                     if text.endswith(s[:k])), default=0)
         return text[:len(text) - hold]
 
-    def _output(self, req: _Request, now: float, final: bool = True) -> RequestOutput:
+    def _output(self, req: _Request, now: float, final: bool = True,
+                error: str | None = None) -> RequestOutput:
         outs = [CompletionOutput(i, self._text(seq, req, i), list(seq.output),
                                  seq.finish_reason,
                                  list(seq.logprobs) if seq.params.logprobs is not None
@@ -382,4 +460,4 @@ class LLMEngine:
             del self._by_seq[s.seq_id]
         del self._reqs[req.rid]
         return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, metrics,
-                             prompt_logprobs=plp)
+                             prompt_logprobs=plp, error=error)

@@ -32,8 +32,9 @@ from lamina.kernels import (AttentionInputError, AttentionParams, SlotBatch, mer
                             prefill_attention, select_backend, validate_batch)
 from lamina.splitter.split import SplitModel
 
+from .errors import SequenceFault
 from .kv_pool import KVPool, KVPoolConfig
-from .messages import StepPlan, StepResult
+from .messages import SeqWork, StepPlan, StepResult
 from .sampling import prompt_logprobs, row_logprobs, sample_rows
 
 
@@ -90,6 +91,7 @@ class WorkerPart:
     # (a, b): rows and kv_rows are both exactly a..b-1 (a slice, no gather); None: not
     span: tuple[int, int] | None = None
     whole: bool = False  # span covers every packed row
+    seq_ids: tuple[int, ...] = ()  # the sequence of each batch entry (to name it in errors)
 
     def __post_init__(self):
         if self.kv_rows is None:
@@ -129,9 +131,9 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False, local_base: int 
     `local_base`, `local_base` + 1, ...; its worker only stores its k/v (kv rows, no
     query rows)."""
     ids, pos, rows, merge, sample, prompt = [], [], [], False, [], []
-    # per worker: query rows, kv rows, new slots, tables, q positions, k_pos0
-    per = [([], [], [], [], [], []) for _ in range(num_workers)]
-    mine = ([], [], [], [], [], [])  # the same for the compute side's own part
+    # per worker: query rows, kv rows, new slots, tables, q positions, k_pos0, seq ids
+    per = [([], [], [], [], [], [], []) for _ in range(num_workers)]
+    mine = ([], [], [], [], [], [], [])  # the same for the compute side's own part
     for s in plan.seqs:
         seg = s.placement
         if any(not 0 <= w < num_workers for w, _ in seg):
@@ -150,8 +152,8 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False, local_base: int 
             p, at = per[seg[0][0]], local_base + len(mine[2])
             p[1].extend(range(r0, r0 + n))  # the worker stores the k/v, attends nothing
             p[2].extend(s.slots)
-            for x, add in zip(mine, (range(r0, r0 + n), range(r0, r0 + n),
-                                     range(at, at + n), [range(at, at + n)], [range(n)], [0])):
+            for x, add in zip(mine, (range(r0, r0 + n), range(r0, r0 + n), range(at, at + n),
+                                     [range(at, at + n)], [range(n)], [0], [s.seq_id])):
                 x.extend(add)
             continue
         merge |= len(seg) > 1 and seg[-1][1] < p0 + n  # some query sees several ranges
@@ -168,15 +170,16 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False, local_base: int 
             p[3].append(s.slots[a:b])
             p[4].append(range(q0, p0 + n))
             p[5].append(a)
+            p[6].append(s.seq_id)
     parts = []
-    for qr, kr, ns, tables, qpos, k0 in [*per, mine]:
+    for qr, kr, ns, tables, qpos, k0, sids in [*per, mine]:
         batch = SlotBatch.build(tables, [len(x) for x in qpos], k0, q_pos=qpos)
         # rows ascend, so they are a slice iff they span exactly len(qr) rows
         span = (qr[0], qr[-1] + 1) if qr and qr == kr and qr[-1] - qr[0] + 1 == len(qr) else None
         parts.append(WorkerPart(torch.tensor(qr, dtype=torch.int64),
                                 torch.tensor(ns, dtype=torch.int32), batch,
                                 torch.tensor(kr, dtype=torch.int64), span,
-                                span == (0, len(ids))))
+                                span == (0, len(ids)), tuple(sids)))
     own = parts.pop()
     return (torch.tensor([ids]), torch.tensor([pos]), rows, parts, merge, sample, prompt,
             own if own.rows.numel() else None)
@@ -209,21 +212,38 @@ class MemorySide:
     a GPU while q/k/v arrive in host memory (the data plane carries host tensors): they
     go to the pool's device and the outputs come back."""
 
-    def __init__(self, pool: KVPool, backend=None):
+    def __init__(self, pool: KVPool, backend=None, faults=None):
         self.pool = pool
         self.device = pool.k.device
         self.backend = backend or select_backend(device=self.device)
+        self.faults = faults  # a lamina.faults.FaultPlan (tests) or None
         self._step = (None, None, None, None)  # new_slots, batch -> their checked forms
 
-    def check(self, new_slots, batch) -> None:
+    def check(self, new_slots, batch, seq_ids: tuple[int, ...] = ()) -> None:
         """Once per step: the batch's index scans and the new slots' range (per layer,
         `attend(..., checked=True)` then runs only the cheap shape checks). The write
-        index (int64) and the batch are put on the pool's device once here."""
+        index (int64) and the batch are put on the pool's device once here. `seq_ids`:
+        each batch entry's sequence; a bad entry raises `SequenceFault` naming it."""
         n = self.pool.config.num_slots
-        validate_batch(batch, n)
+        try:
+            validate_batch(batch, n)
+        except AttentionInputError as e:
+            bad = bad_entries(batch, n)
+            if not bad or len(seq_ids) != batch.num_requests:
+                raise
+            raise SequenceFault([seq_ids[b] for b in bad], f"bad KV metadata: {e}") from None
         if new_slots.numel() and (int(new_slots.min()) < 0 or int(new_slots.max()) >= n):
             raise AttentionInputError(f"new slot ids out of range [0, {n}): min "
                                       f"{int(new_slots.min())}, max {int(new_slots.max())}")
+        if self.faults is not None and self.faults.memory_pos is not None:
+            cu = batch.cu_q.tolist()
+            bad = [b for b in range(batch.num_requests)
+                   if self.faults.check_memory(batch.q_pos[cu[b]:cu[b + 1]].tolist())]
+            if bad:
+                what = f"injected memory fault at position {self.faults.memory_pos}"
+                if len(seq_ids) != len(cu) - 1:
+                    raise AttentionInputError(f"{what} (batch entries {bad})")
+                raise SequenceFault([seq_ids[b] for b in bad], what)
         self._step = (new_slots, new_slots.long().to(self.device), batch,
                       batch if batch.slots.device == self.device else batch.to(self.device))
 
@@ -242,6 +262,23 @@ class MemorySide:
         o, lse = prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
                                    checked)
         return (o, lse) if home == self.device else (o.to(home), lse.to(home))
+
+
+def bad_entries(batch: SlotBatch, num_slots: int) -> list[int]:
+    """The batch entries whose own slots or query positions are out of range (the
+    per-entry scan behind a failed `validate_batch`); [] when the fault is not any one
+    entry's (offsets, dtypes)."""
+    cu_q, cu_k = batch.cu_q.tolist(), batch.cu_k.tolist()
+    if (len(cu_q) != len(cu_k) or cu_q[-1] != batch.num_queries
+            or cu_k[-1] != batch.num_keys):
+        return []
+    bad = []
+    for b in range(len(cu_q) - 1):
+        sl, qp = batch.slots[cu_k[b]:cu_k[b + 1]], batch.q_pos[cu_q[b]:cu_q[b + 1]]
+        if ((sl.numel() and (int(sl.min()) < 0 or int(sl.max()) >= num_slots))
+                or (qp.numel() and int(qp.min()) < 0)):
+            bad.append(b)
+    return bad
 
 
 class MemoryLink(ABC):
@@ -305,6 +342,36 @@ class ComputeSide:
         # the memory workers only store their k/v.
         self.local_kv_dtype = local_kv_dtype
         self._scratch: MemorySide | None = None
+        # What a sequence's new data is checked against before anything runs (None: not
+        # known here); a bad sequence fails alone (`SequenceFault`), not the step.
+        self.vocab_size: int | None = None
+        self.pool_slots: int | None = None  # each memory worker's pool
+        self.faults = None  # a lamina.faults.FaultPlan (tests) or None
+
+    def check(self, plan: StepPlan) -> None:
+        """Each sequence's new tokens and new slots, before any worker sees the step:
+        -> SequenceFault(clean) naming every bad one. Only new data is scanned (earlier
+        slots passed this when they were new), so a decode step costs O(batch)."""
+        bad, why = [], []
+        for s in plan.seqs:
+            try:
+                self._check_seq(s)
+            except Exception as e:  # noqa: BLE001 - any failure here is this sequence's
+                bad.append(s.seq_id)
+                why.append(f"seq {s.seq_id}: {type(e).__name__}: {e}")
+        if bad:
+            raise SequenceFault(bad, "; ".join(why))
+
+    def _check_seq(self, s: SeqWork) -> None:
+        toks, new = s.token_ids, s.slots[s.start_pos:]
+        if self.vocab_size is not None and (min(toks) < 0 or max(toks) >= self.vocab_size):
+            raise ValueError(f"token ids {min(toks)}..{max(toks)} outside the vocabulary "
+                             f"of {self.vocab_size}")
+        if self.pool_slots is not None and (min(new) < 0 or max(new) >= self.pool_slots):
+            raise ValueError(f"KV slots {min(new)}..{max(new)} outside the pool's "
+                             f"{self.pool_slots}")
+        if self.faults is not None:
+            self.faults.check_sequence(s.seq_id, toks)
 
     def _local_side(self, tokens: int) -> MemorySide:
         """The scratch pool's memory side, grown to hold `tokens` slots."""
@@ -316,6 +383,7 @@ class ComputeSide:
 
     @torch.no_grad()
     def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
+        self.check(plan)
         groups = [by_worker(g) if self.group_rows else g
                   for g in split_micro(plan.seqs, plan.micro_batches)]
         local, mbs, base = self.local_kv_dtype is not None, [], 0
@@ -358,6 +426,8 @@ class ComputeSide:
                             outs[j] = None  # nothing to sample in this micro-batch
                             continue
                         args = _select_rows(args, rows)
+                if self.faults is not None:
+                    self.faults.check_layer(i, ids[0].tolist())
                 t = time.perf_counter()
                 outs[j] = self.split.slices[i](*args)
                 t_dense += time.perf_counter() - t
@@ -395,11 +465,7 @@ class ComputeSide:
             # the model's dtype (sample_rows casts what it must); one part: no copy
             all_ = all_[0] if len(all_) == 1 else torch.cat(all_)
             logits = all_ if len(sample) == len(all_) else all_[sample]  # [S, V]
-            tokens = sample_rows(logits, [s.params for s in works], [s.seeds for s in works],
-                                 [s.next_pos for s in works],
-                                 [(s.history, s.prompt_len) for s in works])
-            if any(s.params.logprobs is not None for s in works):
-                lps = tuple(row_logprobs(logits, [s.params for s in works], tokens))
+            tokens, lps = _draw(logits, works)
             if prompt:
                 plps = [None] * len(works)
                 for i, r0, n in prompt:
@@ -419,6 +485,32 @@ class ComputeSide:
                            "attention_s": t_submit + t_wait + t_local, "local_s": t_local,
                            "sample_s": t_sample, "micro_batches": len(mbs),
                            "exchanges": exchanges}, lps, plps)
+
+
+def _draw(logits: torch.Tensor, works: list[SeqWork]):
+    """logits [S, V] -> (tokens per row, logprobs per row or None). A failure is put on
+    the rows that fail alone (`SequenceFault`, clean: every worker finished the step)."""
+    def run(rows, ws):
+        toks = sample_rows(rows, [s.params for s in ws], [s.seeds for s in ws],
+                           [s.next_pos for s in ws], [(s.history, s.prompt_len) for s in ws])
+        lps = None
+        if any(s.params.logprobs is not None for s in ws):
+            lps = tuple(row_logprobs(rows, [s.params for s in ws], toks))
+        return toks, lps
+
+    try:
+        return run(logits, works)
+    except Exception as e:  # noqa: BLE001 - find the rows it belongs to
+        bad, why = [], f"{type(e).__name__}: {e}"
+        for r, s in enumerate(works):
+            try:
+                run(logits[r:r + 1], [s])
+            except Exception as e1:  # noqa: BLE001
+                bad.append(s.seq_id)
+                why = f"{type(e1).__name__}: {e1}"
+        if not bad:
+            raise
+        raise SequenceFault(bad, f"sampling failed: {why}") from e
 
 
 def _select_rows(args: tuple, rows: list[int]) -> tuple:
@@ -443,7 +535,7 @@ class _LocalLink(MemoryLink):
         for mb in parts:
             for mem, p in zip(self.memory, mb):
                 if p.active:
-                    mem.check(p.new_slots, p.batch)
+                    mem.check(p.new_slots, p.batch, p.seq_ids)
 
     def submit(self, layer, mb, q, k, v, parts):
         self.ready[layer, mb] = [
@@ -457,9 +549,14 @@ class _LocalLink(MemoryLink):
 
 
 class LocalExecutor(Executor):
-    def __init__(self, split: SplitModel, memory: MemorySide | list[MemorySide]):
+    def __init__(self, split: SplitModel, memory: MemorySide | list[MemorySide],
+                 vocab_size: int | None = None, faults=None):
         self.memory = memory if isinstance(memory, list) else [memory]
         self.compute = ComputeSide(split, len(self.memory))
+        self.compute.vocab_size, self.compute.faults = vocab_size, faults
+        self.compute.pool_slots = min(m.pool.config.num_slots for m in self.memory)
+        for m in self.memory:
+            m.faults = faults
         self.params = self.compute.params
         self.link = _LocalLink(self.memory, self.params)
 

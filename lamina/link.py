@@ -6,8 +6,10 @@ one channel per memory worker, and the attention outputs read back, put in row o
 Memory end (`MemoryServer`): data in is those frames; it writes k/v into its
 `MemorySide`'s pool, attends, and sends the outputs back. Ray never carries any of it.
 
-Per step, each worker with rows gets: META frames (layer -1): the micro-batch count,
-then per micro-batch new_slots, cu_q, q_pos, slots, cu_k, k_pos0 (int32). Then per layer
+Per step, each worker with rows gets: META frames (layer -1): the micro-batch count
+(followed, optionally, by the sequence id of every batch entry of every micro-batch, so
+the memory end can name a bad sequence: -1 where unknown), then per micro-batch
+new_slots, cu_q, q_pos, slots, cu_k, k_pos0 (int32). Then per layer
 and micro-batch, in the same order on both ends:
 - one frame qkv [n, Hq*D + Hkv*D + Hkv*Dv] (each row: q | k | v) when the worker stores
   the k/v of exactly its query rows (n == m: every request placed on one worker), else
@@ -28,6 +30,7 @@ import torch
 
 from lamina.kernels import KernelBuildError, SlotBatch, load_cpu_kernel
 
+from .errors import SequenceFault
 from .executor import MemoryLink, MemorySide, combine
 from .wire import FrameError, PeerTimeout, SocketChannel
 
@@ -111,7 +114,10 @@ class SocketLink(MemoryLink):
             live = [p[w] for p in parts if p[w].active]
             if not live:
                 continue
-            frames = [(torch.tensor([len(live)], dtype=torch.int32), META, step)]
+            ids = [i if 0 <= i < 2 ** 31 else -1 for p in live for i in p.seq_ids]
+            if len(ids) != sum(p.batch.num_requests for p in live):
+                ids = []  # parts built without sequence ids (probes)
+            frames = [(torch.tensor([len(live), *ids], dtype=torch.int32), META, step)]
             for p in live:
                 b = p.batch
                 frames += [(t, META, step) for t in (p.new_slots, b.cu_q, b.q_pos, b.slots,
@@ -218,6 +224,7 @@ class MemoryServer:
         cfg = memory.pool.config
         self.kv_shape = (cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim)
         self.steps, self.fast_steps, self.error = 0, 0, None
+        self.bad_seqs: tuple[int, ...] = ()  # the sequences a failed step was blamed on
         # Steps of one micro-batch run their layers in C++ (`serve_step`, GIL released)
         # when the compiled CPU kernel serves a host pool; else (GPU pools, the
         # reference backend, `fast=False`) this file's Python loop does.
@@ -244,6 +251,8 @@ class MemoryServer:
         except FrameError as e:
             if "header truncated: peer closed after 0" not in str(e):  # not a clean close
                 self.error = f"{self.name}: {e}"
+        except SequenceFault as e:  # the channel closes; the engine fails these alone
+            self.bad_seqs, self.error = e.seq_ids, f"{self.name}: {e}"
         except Exception:  # noqa: BLE001 - reported through `error`; the channel closes
             self.error = f"{self.name}: {traceback.format_exc()}"
         finally:
@@ -261,17 +270,21 @@ class MemoryServer:
 
     def step(self) -> None:
         ch = self.ch
-        count, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32,
-                                 expect_shape=(1,))
-        if not 1 <= int(count[0]) <= MAX_MICRO_BATCHES:
-            raise FrameError(f"step {step}: {int(count[0])} micro-batches")
-        mbs = []
-        for _ in range(int(count[0])):
+        head, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32)
+        if head.dim() != 1 or not head.numel() or not 1 <= int(head[0]) <= MAX_MICRO_BATCHES:
+            raise FrameError(f"step {step}: bad micro-batch count frame {head.tolist()[:4]}")
+        ids, mbs = head[1:].tolist(), []
+        for _ in range(int(head[0])):
             new_slots, *fields = [ch.recv(expect_layer=META, expect_step=step,
                                           expect_dtype=torch.int32)[0] for _ in range(6)]
             batch = SlotBatch(*fields)
+            mine, ids = ids[:batch.num_requests], ids[batch.num_requests:]
             try:  # index scans once per step; per layer only shapes are checked
-                self.memory.check(new_slots, batch)
+                self.memory.check(new_slots, batch, tuple(mine))
+            except SequenceFault as e:
+                if -1 in e.seq_ids or not mine:
+                    raise FrameError(f"step {step}: bad slot metadata: {e}") from None
+                raise
             except ValueError as e:
                 raise FrameError(f"step {step}: bad slot metadata: {e}") from None
             mbs.append((new_slots, batch))

@@ -42,8 +42,9 @@ class LLM:
             pool_cfg = KVPoolConfig.for_specs(self.split.attention_specs,
                                               self.config.num_kv_slots, self.config.kv_dtype,
                                               self.config.kv_device)
-            self.executor = LocalExecutor(self.split, [MemorySide(KVPool(pool_cfg))
-                                                       for _ in range(num_memory_workers)])
+            self.executor = LocalExecutor(
+                self.split, [MemorySide(KVPool(pool_cfg)) for _ in range(num_memory_workers)],
+                vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults)
         if self.config.split_kv and any(p.sinks is not None for p in self.executor.params):
             # sinks enter one partial's denominator only; KV split is not offered for them
             self.config = replace(self.config, split_kv=False)

@@ -33,6 +33,8 @@ class EngineMetrics:
         self.running = Gauge("lamina_sequences_running", "Sequences holding KV",
                              registry=r)
         self.waiting = Gauge("lamina_sequences_waiting", "Sequences queued", registry=r)
+        self.rejected = Counter("lamina_requests_rejected", "Requests refused before "
+                                "queueing", ["reason"], registry=r)
         self.kv_used = Gauge("lamina_kv_slots_used", "Token slots in use",
                              ["memory_worker"], registry=r)
         self.ttft = Histogram("lamina_time_to_first_token_seconds", "Arrival to first "
@@ -44,9 +46,9 @@ class EngineMetrics:
         """After each engine step: `drawn` tokens were sampled in it."""
         self.steps.inc()
         self.generation_tokens.inc(drawn)
-        if len(engine.recoveries) > self._recovered:
-            self.recoveries.inc(len(engine.recoveries) - self._recovered)
-            self._recovered = len(engine.recoveries)
+        if engine.num_recoveries > self._recovered:
+            self.recoveries.inc(engine.num_recoveries - self._recovered)
+            self._recovered = engine.num_recoveries
         sched = engine.scheduler
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
@@ -56,7 +58,7 @@ class EngineMetrics:
     def request(self, out, aborted: bool = False) -> None:
         """A request left the engine (finished, or aborted)."""
         reasons = {c.finish_reason for c in out.outputs}
-        self.requests.labels("abort" if aborted else
+        self.requests.labels("abort" if aborted else "error" if out.error else
                              "stop" if reasons == {"stop"} else "length").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.preemptions.inc(out.metrics.get("preemptions", 0))

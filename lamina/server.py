@@ -6,28 +6,77 @@ repetition_penalty and prompt_logprobs). Data out: completion JSON with text, to
 logprobs, finish reasons and usage; with `stream: true`, server-sent events of text
 deltas, then `data: [DONE]`; Prometheus metrics on /metrics. Requests go to one
 `EngineLoop`, so concurrent HTTP requests batch together in the engine. A client that
-disconnects (streaming or not) has its request aborted and its KV freed. Bad input
-answers 400 naming the field; a failed engine answers 503 (or an error event
-mid-stream); other requests keep being served.
+disconnects (streaming or not) has its request aborted and its KV freed.
+
+Errors, all in OpenAI's shape ({"error": {"message", "type", "param", "code"}}): bad
+input 400 naming the field (limits from `ServerConfig`); a missing or wrong API key 401;
+an unknown model 404; a body over `max_body_bytes` 413; a full waiting queue 429 with
+Retry-After; a request the engine failed alone 500 (the others go on); a stopped engine
+503 (or an error event mid-stream).
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .errors import EngineDead, EngineOverloaded, RequestFailed
 from .sampling import SamplingParams
-from .serving import EngineDead, EngineLoop
+from .serving import EngineLoop
 from .server_stream import (chat_logprobs, completion_logprobs, sse_events,
                             vllm_prompt_logprobs)
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks its client
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front's limits; past each a request answers 400 (413 for the body)."""
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/*
+    max_body_bytes: int = 2 << 20
+    max_prompts: int = 64  # prompts in one /v1/completions request
+    max_n: int = 16
+    max_stop: int = 16  # stop strings
+    max_stop_chars: int = 256  # per stop string
+    max_logit_bias: int = 300  # entries (OpenAI's bound)
+    max_waiting: int | None = 1024  # queued requests before 429 (None: no bound)
+    retry_after_s: int = 1  # the 429's Retry-After
+
+    def __post_init__(self):
+        for name in ("max_body_bytes", "max_prompts", "max_n", "max_stop", "max_stop_chars",
+                     "max_logit_bias", "retry_after_s"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {v!r}")
+        if self.max_waiting is not None and (not isinstance(self.max_waiting, int)
+                                             or self.max_waiting < 1):
+            raise ValueError(f"ServerConfig.max_waiting must be an int >= 1 or None, "
+                             f"got {self.max_waiting!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str)
+                                         or not self.api_key):
+            raise ValueError("ServerConfig.api_key must be a non-empty string or None")
+
+    def check(self, body: "_Sampling", prompts: int) -> None:
+        """The per-request limits -> ValueError naming the field."""
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        for name, got, most in (("prompt", prompts, self.max_prompts),
+                                ("n", body.n, self.max_n),
+                                ("stop", len(stops), self.max_stop),
+                                ("logit_bias", len(body.logit_bias or {}),
+                                 self.max_logit_bias)):
+            if got > most:
+                raise ValueError(f"{name}: {got} given, this server allows at most {most}")
+        if any(len(x) > self.max_stop_chars for x in stops):
+            raise ValueError(f"stop: strings of at most {self.max_stop_chars} characters")
 
 
 class StreamOptions(BaseModel):
@@ -114,20 +163,74 @@ class ChatRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param}},
-                        status_code=status)
+_KINDS = {400: "invalid_request_error", 401: "invalid_request_error",
+          404: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error"}
 
 
-def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict | None = None) -> JSONResponse:
+    kind = _KINDS.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": code}}, status_code=status, headers=headers)
+
+
+class _Guard:
+    """ASGI middleware in front of the app: the API key on /v1/* (401) and the body's
+    size, counted as it arrives, so a large or endless body is cut off (413) without
+    being buffered whole."""
+
+    def __init__(self, app, config: ServerConfig):
+        self.app, self.config = app, config
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cfg = self.config
+        if cfg.api_key is not None and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {cfg.api_key}".encode()):
+                return await _error(401, "Incorrect or missing API key: send "
+                                    "'Authorization: Bearer <key>'",
+                                    code="invalid_api_key")(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        too_big = _error(413, f"request body over {cfg.max_body_bytes} bytes",
+                         code="request_too_large")
+        if length is not None and (not length.isdigit() or int(length) > cfg.max_body_bytes):
+            return await too_big(scope, receive, send)
+        seen = 0
+
+        async def counted():  # FastAPI answers the HTTPException in OpenAI's shape
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > cfg.max_body_bytes:
+                raise HTTPException(413, f"request body over {cfg.max_body_bytes} bytes")
+            return msg
+
+        await self.app(scope, counted, send)
+
+
+def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
+              config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    if config.max_waiting is not None and loop.max_waiting is None:
+        loop.max_waiting = config.max_waiting
     app = FastAPI(title="Lamina", description="attention-offloaded LLM inference")
+    app.add_middleware(_Guard, config=config)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", loc or None)
+        path = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = ".".join(path)
+        # param: the request's top-level field (as OpenAI names it); the message says where
+        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+                      path[0] if path else None)
 
     @app.get("/health")
     async def health():
@@ -151,10 +254,15 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
         """Run the prompts -> their final outputs; with `chunk` (streaming), a response
         of server-sent events made by `chunk` (see `sse_events`) instead. A client that
         disconnects before its answer has its requests aborted (KV freed at once)."""
+        if body.model is not None and body.model != model_name:
+            return _error(404, f"The model `{body.model}` does not exist; this server "
+                          f"serves `{model_name}`", "model", "model_not_found")
         try:
+            config.check(body, len(prompts))
             params = body.params()
         except ValueError as e:
-            return _error(400, str(e), str(e).split(" ")[0].removeprefix("SamplingParams."))
+            field_ = str(e).split(" ")[0].removeprefix("SamplingParams.").rstrip(":")
+            return _error(400, str(e), field_)
         updates: asyncio.Queue | None = asyncio.Queue() if chunk else None
         aloop = asyncio.get_running_loop()
 
@@ -162,11 +270,16 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
             return lambda out: aloop.call_soon_threadsafe(updates.put_nowait, (i, out))
 
         try:  # validate every prompt before any is queued
+            prompts = _checked(prompts, loop, params)
+            loop.check_capacity(len(prompts))
             futs = [loop.submit(p, params, validated=True,
                                 on_update=listener(i) if chunk else None)
-                    for i, p in enumerate(_checked(prompts, loop, params))]
+                    for i, p in enumerate(prompts)]
         except (ValueError, TypeError) as e:
-            return _error(400, str(e), "prompt")
+            return _error(400, str(e), _param(str(e)))
+        except EngineOverloaded as e:
+            return _error(429, str(e), code="server_busy",
+                          headers={"Retry-After": str(config.retry_after_s)})
         except EngineDead as e:
             return _error(503, str(e))
         if chunk:
@@ -183,6 +296,10 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
                     waiter.add_done_callback(lambda w: w.exception())  # nobody reads it
                     return _error(499, "client disconnected; request aborted")
             return list(waiter.result())
+        except RequestFailed as e:  # this request alone; the engine goes on
+            for f in futs:
+                loop.abort(f)
+            return _error(500, str(e), code="request_failed")
         except Exception as e:  # noqa: BLE001 - the engine failed these requests
             return _error(503, f"generation failed: {type(e).__name__}: {e}")
 
@@ -265,6 +382,14 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None) -> FastAPI:
     return app
 
 
+def _param(message: str) -> str:
+    """The request field a validation message is about (for the error's `param`)."""
+    for name in ("max_tokens", "logit_bias", "stop_token_ids", "n="):
+        if name in message:
+            return name.rstrip("=")
+    return "prompt"
+
+
 def _checked(prompts: list, loop: EngineLoop, params: SamplingParams) -> list:
     if not prompts:
         raise ValueError("prompt: empty list")
@@ -277,14 +402,14 @@ def _checked(prompts: list, loop: EngineLoop, params: SamplingParams) -> list:
 
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          **uvicorn_kw: Any) -> None:
+          config: ServerConfig | None = None, **uvicorn_kw: Any) -> None:
     """Serve an `LLM` until interrupted."""
     import uvicorn
 
     from .metrics import EngineMetrics
 
     loop = EngineLoop(llm.engine, EngineMetrics())
-    app = build_app(loop, model_name or llm.loaded.source, llm.loaded.tokenizer)
+    app = build_app(loop, model_name or llm.loaded.source, llm.loaded.tokenizer, config)
     try:
         uvicorn.run(app, host=host, port=port, **uvicorn_kw)
     finally:

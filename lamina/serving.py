@@ -7,9 +7,12 @@ the caller's thread (bad input raises there, nothing is queued). Data out: a
 with `on_update`, also each step's partial output (streaming), called from the loop
 thread. `abort(future)` stops a request (its client went away) and frees its KV; the
 future then resolves with finish reason "abort". Only the loop thread touches the
-engine. A failed step the engine recovers from (workers replaced, KV recomputed) is
-invisible here; one it cannot recover from fails every request in flight with that
-error, loudly, and the loop stops taking new work.
+engine. A request the engine failed alone (`RequestOutput.error`) resolves its future
+with `RequestFailed`; the others go on. A failed step the engine recovers from (workers
+replaced, KV recomputed) is invisible here; one it cannot recover from fails every
+request in flight with that error, loudly, and the loop stops taking new work
+(`EngineDead`). With `max_waiting`, `submit` refuses a request (`EngineOverloaded`) while
+that many are queued and not yet running.
 """
 from __future__ import annotations
 
@@ -20,25 +23,29 @@ from concurrent.futures import Future
 from typing import Callable
 
 from .engine import LLMEngine, RequestOutput
+from .errors import EngineDead, EngineOverloaded, RequestFailed
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-
-class EngineDead(RuntimeError):
-    """The engine loop stopped after a failed step; new requests are refused."""
+__all__ = ["EngineDead", "EngineLoop", "EngineOverloaded", "RequestFailed"]
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics=None):
-        """`metrics`: an `EngineMetrics` this loop keeps up to date (or None)."""
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: LLMEngine, metrics=None, max_waiting: int | None = None):
+        """`metrics`: an `EngineMetrics` this loop keeps up to date (or None).
+        `max_waiting`: requests queued (submitted, not yet running) before `submit`
+        refuses more; None: no bound."""
+        if max_waiting is not None and (not isinstance(max_waiting, int)
+                                        or isinstance(max_waiting, bool) or max_waiting < 1):
+            raise ValueError(f"max_waiting must be an int >= 1 or None, got {max_waiting!r}")
+        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
         # ("add", prompt, params, future, on_update) | ("abort", future)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._futures: dict[int, Future] = {}
         self._rids: dict[Future, int] = {}
         self._updates: dict[int, Callable] = {}
-        self.stats = {"finished": 0, "aborted": 0}
+        self.stats = {"finished": 0, "aborted": 0, "failed": 0, "rejected": 0}
         self._wake = threading.Event()
         self._stop = False
         self.error: BaseException | None = None
@@ -47,18 +54,35 @@ class EngineLoop:
 
     def submit(self, prompt, params: SamplingParams, validated: bool = False,
                on_update: Callable[[RequestOutput], None] | None = None) -> Future:
-        """`validated`: the caller already ran `engine.validate` on this prompt.
-        `on_update`: called (in the loop thread) with each step's partial output."""
+        """`validated`: the caller already ran `engine.validate` on this prompt and
+        `check_capacity` for it. `on_update`: called (in the loop thread) with each
+        step's partial output."""
         if self.error is not None:
             raise EngineDead(f"engine stopped after a failed step: {self.error}")
         if not validated:
             self.engine.validate(prompt, params)  # raises ValueError / TypeError here
+            self.check_capacity()
         fut: Future = Future()
         self._inbox.put(("add", prompt, params, fut, on_update))
         self._wake.set()
         if self.error is not None or not self._thread.is_alive():
             self._drain(EngineDead(f"engine stopped: {self.error}"))  # lost the race
         return fut
+
+    def waiting(self) -> int:
+        """Requests submitted and not yet running (read from any thread: approximate)."""
+        return self._inbox.qsize() + len(self.engine.scheduler.waiting)
+
+    def check_capacity(self, extra: int = 1) -> None:
+        """Raise `EngineOverloaded` if `extra` more requests would pass `max_waiting`."""
+        if self.max_waiting is None:
+            return
+        n = self.waiting()
+        if n + extra > self.max_waiting:
+            self.stats["rejected"] += 1
+            if self.metrics is not None:
+                self.metrics.rejected.labels("overloaded").inc()
+            raise EngineOverloaded(n, self.max_waiting)
 
     def abort(self, fut: Future) -> None:
         """Stop the request behind `fut` if it still runs; safe from any thread."""
@@ -111,7 +135,11 @@ class EngineLoop:
         fut = self._futures.pop(out.request_id)
         self._rids.pop(fut, None)
         self._updates.pop(out.request_id, None)
-        fut.set_result(out)
+        if out.error is not None:
+            self.stats["failed"] += 1
+            fut.set_exception(RequestFailed(out.request_id, out.error))
+        else:
+            fut.set_result(out)
 
     def _run(self) -> None:
         while not self._stop:

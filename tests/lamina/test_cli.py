@@ -106,7 +106,7 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
             pass
 
     monkeypatch.setattr(lamina, "LLM", FakeLLM)
-    monkeypatch.setattr(lamina.server, "serve", lambda llm, host, port: None)
+    monkeypatch.setattr(lamina.server, "serve", lambda llm, host, port, *a, **kw: None)
     assert main(["generate", "--dtype", "bfloat16", "hi"]) == 0
     assert main(["serve", "--dtype", "bfloat16"]) == 0
     assert main(["generate", "hi"]) == 0

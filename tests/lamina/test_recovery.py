@@ -116,7 +116,7 @@ def test_recovery_used_up_or_refused_raises_the_step_error(smol, smol_split, pro
     eng.add_request(prompts[1], GREEDY)
     with pytest.raises(WorkerGone):
         eng.step()
-    assert eng.recoveries == []
+    assert not eng.recoveries
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])

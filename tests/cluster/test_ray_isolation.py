@@ -1,0 +1,94 @@
+"""One bad request fails alone on the Ray executor (1 compute worker, 2 memory workers):
+a fault in the compute worker's handling of one sequence comes back over the control
+channel naming it (the step re-runs without it, no worker replaced); a fault in a memory
+worker's handling of one sequence closes that worker's channel, its health names the
+sequence, the engine fails that request, replaces the workers and recomputes the rest.
+Every other request keeps HF's greedy tokens; every KV slot comes back. Through the
+Python API and through HTTP (the openai client)."""
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import ray
+
+from lamina import LLM, SamplingParams
+from lamina.faults import FaultPlan
+from lamina.metrics import EngineMetrics
+from lamina.serving import EngineLoop
+
+from ..lamina.test_isolation import unused_token
+from ..lamina.test_server_limits import KEY, _KeyServer
+
+NEW = 12
+GOOD = SamplingParams(max_tokens=NEW, temperature=0)
+MEM_POS = 700  # a decode query of the 695-token poison prompt; no good request gets there
+SLOTS = 3000
+
+
+@pytest.fixture(scope="module")
+def setup(prompts, hf_greedy):
+    tok = unused_token(prompts, hf_greedy)
+    llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=SLOTS, max_step_tokens=2048,
+              faults=FaultPlan(compute_token=tok, memory_pos=MEM_POS))
+    yield llm, tok
+    llm.shutdown()
+    ray.shutdown()
+
+
+def drain(eng, outs):
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+
+
+def test_compute_and_memory_faults_fail_alone(setup, prompts, hf_greedy):
+    llm, tok = setup
+    eng = llm.engine
+    ids = [eng.add_request(p, GOOD) for p in prompts[:8]]
+    outs = {}
+    for _ in range(2):
+        outs.update({o.request_id: o for o in eng.step()})
+    recovered = eng.num_recoveries
+    bad_c = eng.add_request([7, tok, 8], GOOD)
+    bad_m = eng.add_request((prompts[8] * 2)[:MEM_POS - 5], GOOD)
+    ids += [eng.add_request(p, GOOD) for p in prompts[8:]]
+    drain(eng, outs)
+    assert [outs[i].token_ids for i in ids] == [r[:NEW] for r in hf_greedy]
+    assert all(outs[i].error is None for i in ids)
+    assert outs[bad_c].finish_reason == "error"
+    assert f"injected compute fault on token {tok}" in outs[bad_c].error
+    assert outs[bad_m].finish_reason == "error"
+    assert f"injected memory fault at position {MEM_POS}" in outs[bad_m].error
+    assert "memory worker" in outs[bad_m].error
+    assert eng.num_recoveries == recovered + 1  # only the memory fault replaced workers
+    assert all(a.num_free() == SLOTS for a in eng.allocs)
+    health = ray.get([w.health.remote() for w in llm.executor.memory])
+    assert all(h["error"] is None for h in health)  # the replacements are clean
+
+
+def test_poison_over_http_on_ray(setup, smol, prompts, hf_greedy):
+    llm, tok = setup
+    loop = EngineLoop(llm.engine, EngineMetrics())
+    srv = _KeyServer(loop, smol.tokenizer, None)
+    try:
+        cl = srv.client()
+
+        def good(i):
+            return cl.completions.create(model="smollm2", prompt=prompts[i], max_tokens=NEW,
+                                         temperature=0).choices[0].model_extra["token_ids"]
+
+        with ThreadPoolExecutor(9) as pool:
+            futs = [pool.submit(good, i) for i in range(0, 16, 2)]
+            bad = pool.submit(cl.completions.create, model="smollm2", max_tokens=NEW,
+                              prompt=[tok, 5])
+            with pytest.raises(openai.InternalServerError, match="injected compute fault"):
+                bad.result(300)
+            assert [f.result(300) for f in futs] == [hf_greedy[i][:NEW] for i in range(0, 16, 2)]
+        deadline = time.time() + 30
+        while llm.engine.has_unfinished() and time.time() < deadline:
+            time.sleep(0.05)
+        assert loop.alive and all(a.num_free() == SLOTS for a in llm.engine.allocs)
+        assert good(0) == hf_greedy[0][:NEW]
+    finally:
+        srv.stop()
+        loop.shutdown()

@@ -1,0 +1,169 @@
+"""One bad request fails alone (local executor, SmolLM2): for each way a request can
+fail inside a step (bad token data past validation, an exception in the compute side's
+handling of one sequence, in the sampler, in a memory side's), that request ends with
+finish reason "error" and a message naming the problem, every other request gives HF's
+greedy tokens, and the allocators' free counts return to their start. The Ray path is
+in tests/cluster/test_ray_isolation.py, HTTP in test_server_limits.py."""
+import pytest
+
+import lamina.executor as executor_mod
+from lamina.engine import EngineConfig, LLMEngine
+from lamina.errors import RequestFailed, SequenceFault
+from lamina.executor import LocalExecutor, MemorySide
+from lamina.faults import FaultPlan
+from lamina.kv_pool import KVPool, KVPoolConfig
+from lamina.sampling import SamplingParams
+from lamina.serving import EngineLoop
+
+NEW = 12  # tokens drawn per good request (HF's reference has 64)
+GOOD = SamplingParams(max_tokens=NEW, temperature=0)
+SLOTS = 3000
+MEM_POS = 700  # past every good request's last position (600 + 12)
+
+
+def engine(smol, split, faults=None, workers=2):
+    cfg = EngineConfig(num_kv_slots=SLOTS, num_memory_workers=workers, max_step_tokens=2048,
+                       faults=faults)
+    mems = [MemorySide(KVPool(KVPoolConfig.for_specs(split.attention_specs, SLOTS)))
+            for _ in range(workers)]
+    ex = LocalExecutor(split, mems, vocab_size=smol.config.vocab_size, faults=faults)
+    return LLMEngine(cfg, ex, smol.tokenizer, smol.config)
+
+
+def unused_token(prompts, hf_greedy) -> int:
+    """A token id no good request feeds (prompt or drawn)."""
+    seen = {t for p in prompts for t in p} | {t for r in hf_greedy for t in r}
+    return max(set(range(1000, 2000)) - seen)
+
+
+def poison_run(eng, prompts, add_poison):
+    """8 good requests, a few steps, the poison one, 8 more good ones; -> (outputs by
+    request id, good ids in prompt order, poison id)."""
+    free0 = [a.num_free() for a in eng.allocs]
+    ids = [eng.add_request(p, GOOD) for p in prompts[:8]]
+    outs = {}
+    for _ in range(2):
+        outs.update({o.request_id: o for o in eng.step()})
+    bad = add_poison(eng)
+    ids += [eng.add_request(p, GOOD) for p in prompts[8:]]
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert [a.num_free() for a in eng.allocs] == free0  # every slot back
+    assert all(a.stats().shared == 0 for a in eng.allocs)
+    assert not eng.scheduler.running and not eng.scheduler.waiting
+    return outs, ids, bad
+
+
+def check(outs, ids, bad, hf_greedy, words):
+    assert [outs[i].token_ids for i in ids] == [r[:NEW] for r in hf_greedy]
+    assert all(outs[i].error is None for i in ids)
+    b = outs[bad]
+    assert b.finish_reason == "error" and b.error is not None
+    assert f"request {bad} failed" in b.error and words in b.error, b.error
+
+
+def test_bad_token_past_validation_fails_alone(smol, smol_split, prompts, hf_greedy):
+    eng = engine(smol, smol_split)
+    vocab = smol.config.vocab_size
+
+    def poison(e):  # the test hook: skip the boundary check for this one request
+        real = e.validate
+        e.validate = lambda p, params: list(p)
+        try:
+            return e.add_request([5, 6, vocab + 7], GOOD)
+        finally:
+            e.validate = real
+
+    outs, ids, bad = poison_run(eng, prompts, poison)
+    check(outs, ids, bad, hf_greedy, f"outside the vocabulary of {vocab}")
+    assert eng.num_failed_requests == 1 and not eng.recoveries
+
+
+def test_compute_fault_on_one_sequence_fails_alone(smol, smol_split, prompts, hf_greedy):
+    tok = unused_token(prompts, hf_greedy)
+    eng = engine(smol, smol_split, FaultPlan(compute_token=tok))
+    outs, ids, bad = poison_run(eng, prompts,
+                                lambda e: e.add_request([1, 2, tok, 3], GOOD))
+    check(outs, ids, bad, hf_greedy, f"injected compute fault on token {tok}")
+
+
+def test_memory_fault_on_one_sequence_fails_alone(smol, smol_split, prompts, hf_greedy):
+    eng = engine(smol, smol_split, FaultPlan(memory_pos=MEM_POS))
+    long = (prompts[8] * 2)[:MEM_POS + 20]  # a query at MEM_POS in its prefill
+    outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(long, GOOD))
+    check(outs, ids, bad, hf_greedy, f"injected memory fault at position {MEM_POS}")
+
+
+def test_sampler_exception_is_put_on_its_row(smol, smol_split, prompts, hf_greedy,
+                                             monkeypatch):
+    """The sampler raises for one row with nothing naming it: the compute side retries
+    row by row and blames that sequence only."""
+    real = executor_mod.sample_rows
+
+    def flaky(logits, params, seeds, *a):
+        if any(s == (666,) for s in seeds):
+            raise FloatingPointError("bad row")
+        return real(logits, params, seeds, *a)
+
+    monkeypatch.setattr(executor_mod, "sample_rows", flaky)
+    eng = engine(smol, smol_split)
+    poison = SamplingParams(max_tokens=4, temperature=0.7, seed=666)
+    outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(prompts[3], poison))
+    check(outs, ids, bad, hf_greedy, "sampling failed: FloatingPointError: bad row")
+
+
+def test_parallel_samples_of_a_failed_request_all_end(smol, smol_split, prompts, hf_greedy):
+    """n=3: the poison request's forks share its KV; all three end with "error" and
+    every reference is freed."""
+    tok = unused_token(prompts, hf_greedy)
+    eng = engine(smol, smol_split, FaultPlan(compute_token=tok), workers=1)
+    p = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=3)
+    outs, ids, bad = poison_run(eng, prompts,
+                                lambda e: e.add_request(prompts[2] + [tok], p))
+    check(outs, ids, bad, hf_greedy, "injected compute fault")
+    assert [c.finish_reason for c in outs[bad].outputs] == ["error"] * 3
+
+
+def test_engine_loop_raises_request_failed_and_serves_on(smol, smol_split, prompts,
+                                                        hf_greedy):
+    """Through the threaded loop (what the HTTP server uses): 16 good requests in
+    flight around a poison one; its future raises RequestFailed, the loop stays alive."""
+    tok = unused_token(prompts, hf_greedy)
+    loop = EngineLoop(engine(smol, smol_split, FaultPlan(compute_token=tok)))
+    try:
+        futs = [loop.submit(p, GOOD) for p in prompts[:8]]
+        bad = loop.submit([tok, 9, 9], GOOD)
+        futs += [loop.submit(p, GOOD) for p in prompts[8:]]
+        with pytest.raises(RequestFailed, match="injected compute fault"):
+            bad.result(300)
+        assert [f.result(300).token_ids for f in futs] == [r[:NEW] for r in hf_greedy]
+        assert loop.alive and loop.stats["failed"] == 1
+        after = loop.submit(prompts[0], GOOD).result(300)  # and after it
+        assert after.token_ids == hf_greedy[0][:NEW]
+        assert all(a.num_free() == SLOTS for a in loop.engine.allocs)
+    finally:
+        loop.shutdown()
+
+
+def test_a_fault_naming_no_sequence_of_the_step_is_an_engine_error(smol, smol_split,
+                                                                  prompts):
+    """An executor that blames sequences outside the step is a bug: loud, not a loop."""
+    eng = engine(smol, smol_split)
+
+    def bogus(plan):
+        raise SequenceFault([10 ** 6], "nobody")
+
+    eng.executor.execute = bogus
+    eng.add_request(prompts[0], GOOD)
+    with pytest.raises(RuntimeError, match="none of them in the step"):
+        eng.step()
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"compute_token": -1}, "compute_token"),
+    ({"memory_pos": 1.5}, "memory_pos"),
+    ({"compute_layer": 2}, "needs compute_token"),
+])
+def test_fault_plan_validated(kw, words):
+    with pytest.raises(ValueError, match=words):
+        FaultPlan(**kw)

@@ -1,0 +1,326 @@
+"""The HTTP front under hostile input and load, driven by the official `openai` client and
+raw sockets (local executor, SmolLM2, uvicorn on loopback): the API key (401), a bad-input
+corpus (each case its status, OpenAI's error shape, and a good request right after), a
+poison request failing alone (500) among 16 concurrent good ones with HF's tokens, the
+bounded queue (429 + Retry-After, nothing lost), and 100 aborted in-flight requests
+returning every KV slot."""
+import http.client
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from lamina.engine import EngineConfig, LLMEngine
+from lamina.executor import LocalExecutor, MemorySide
+from lamina.faults import FaultPlan
+from lamina.kv_pool import KVPool, KVPoolConfig
+from lamina.metrics import EngineMetrics
+from lamina.server import ServerConfig, build_app
+from lamina.serving import EngineLoop
+
+from .test_isolation import unused_token
+from .test_server import _Server
+
+KEY = "sk-lamina-test"
+SLOTS = 6000
+NEW = 8
+
+
+def _loop(smol, split, faults=None, max_waiting=None, max_batch=64):
+    cfg = EngineConfig(num_kv_slots=SLOTS, max_batch=max_batch, faults=faults)
+    mem = MemorySide(KVPool(KVPoolConfig.for_specs(split.attention_specs, SLOTS)))
+    ex = LocalExecutor(split, [mem], vocab_size=smol.config.vocab_size, faults=faults)
+    eng = LLMEngine(cfg, ex, smol.tokenizer, smol.config)
+    return EngineLoop(eng, EngineMetrics(), max_waiting=max_waiting)
+
+
+class _KeyServer(_Server):
+    def __init__(self, loop, tokenizer, config):
+        import threading
+
+        import uvicorn
+        app = build_app(loop, "smollm2", tokenizer, config)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = loop
+
+    def raw(self, method, path, body: bytes | None = None, headers=None):
+        """-> (status, headers, parsed JSON or raw bytes)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        h.update(headers or {})
+        c.request(method, path, body, {k: v for k, v in h.items() if v is not None})
+        r = c.getresponse()
+        data = r.read()
+        c.close()
+        try:
+            return r.status, dict(r.getheaders()), json.loads(data)
+        except ValueError:
+            return r.status, dict(r.getheaders()), data
+
+    def client(self, key=KEY, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def poison_token(prompts, hf_greedy):
+    return unused_token(prompts, hf_greedy)
+
+
+@pytest.fixture(scope="module")
+def srv(smol, smol_split, poison_token):
+    loop = _loop(smol, smol_split, FaultPlan(compute_token=poison_token))
+    cfg = ServerConfig(api_key=KEY, max_body_bytes=64 << 10, max_prompts=8, max_n=4,
+                       max_stop=4, max_stop_chars=32, max_logit_bias=8)
+    s = _KeyServer(loop, smol.tokenizer, cfg)
+    yield s
+    s.stop()
+    loop.shutdown()
+
+
+def _good(srv, prompts, hf_greedy):
+    """A normal request right after a bad one: served, HF's tokens."""
+    r = srv.client().completions.create(model="smollm2", prompt=prompts[0], max_tokens=NEW,
+                                        temperature=0)
+    assert r.choices[0].model_extra["token_ids"] == hf_greedy[0][:NEW]
+
+
+def test_api_key_required_on_v1_only(srv, prompts, hf_greedy):
+    with pytest.raises(openai.AuthenticationError) as e:
+        srv.client(key="wrong").completions.create(model="smollm2", prompt="hi", max_tokens=2)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    status, _, body = srv.raw("GET", "/v1/models", headers={"Authorization": None})
+    assert status == 401 and body["error"]["type"] == "invalid_request_error"
+    assert srv.raw("GET", "/health", headers={"Authorization": None})[0] == 200
+    assert [m.id for m in srv.client().models.list()] == ["smollm2"]
+    _good(srv, prompts, hf_greedy)
+
+
+def _body(**kw):
+    return json.dumps({"model": "smollm2", "prompt": "Hello", "max_tokens": 2, **kw}).encode()
+
+
+VOCAB = 49152
+BAD_HTTP = [  # (id, path, raw body, status, error param or None, words in the message)
+    ("invalid json", "/v1/completions", b'{"prompt": "hi",', 400, None, "JSON"),
+    ("not an object", "/v1/completions", b'[1, 2]', 400, None, ""),
+    ("invalid utf-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, ""),
+    ("empty body", "/v1/completions", b"", 400, None, ""),
+    ("prompt wrong type", "/v1/completions", _body(prompt=3), 400, "prompt", ""),
+    ("prompt mixed list", "/v1/completions", _body(prompt=[1, "a"]), 400, "prompt", ""),
+    ("prompt empty list", "/v1/completions", _body(prompt=[]), 400, "prompt", "empty"),
+    ("negative token", "/v1/completions", _body(prompt=[1, -5]), 400, "prompt",
+     "non-negative"),
+    ("token past vocab", "/v1/completions", _body(prompt=[1, VOCAB + 3]), 400, "prompt",
+     f"vocabulary of {VOCAB}"),
+    ("float token", "/v1/completions", _body(prompt=[1, 2.5]), 400, "prompt", ""),
+    ("too many prompts", "/v1/completions", _body(prompt=["a"] * 9), 400, "prompt",
+     "at most 8"),
+    ("max_tokens past context", "/v1/completions", _body(max_tokens=9000), 400, "max_tokens",
+     "context of 8192"),
+    ("max_tokens absurd", "/v1/completions", _body(max_tokens=10 ** 30), 400, "max_tokens",
+     ""),
+    ("max_tokens float", "/v1/completions", _body(max_tokens=2.5), 400, "max_tokens", ""),
+    ("temperature inf", "/v1/completions", _body().replace(b'"max_tokens": 2',
+                                                           b'"temperature": Infinity'),
+     400, "temperature", ""),
+    ("temperature NaN", "/v1/completions", _body().replace(b'"max_tokens": 2',
+                                                           b'"temperature": NaN'),
+     400, "temperature", ""),
+    ("top_p 0", "/v1/completions", _body(top_p=0), 400, "top_p", "(0, 1]"),
+    ("n over limit", "/v1/completions", _body(n=5), 400, "n", "at most 4"),
+    ("n zero", "/v1/completions", _body(n=0), 400, "n", ">= 1"),
+    ("too many stops", "/v1/completions", _body(stop=["a", "b", "c", "d", "e"]), 400, "stop",
+     "at most 4"),
+    ("stop too long", "/v1/completions", _body(stop="x" * 33), 400, "stop", "32 characters"),
+    ("stop empty", "/v1/completions", _body(stop=[""]), 400, "stop", "non-empty"),
+    ("logprobs 21", "/v1/completions", _body(logprobs=21), 400, "logprobs", "[0, 20]"),
+    ("logit_bias key", "/v1/completions", _body(logit_bias={"x": 1}), 400, "logit_bias",
+     "token ids"),
+    ("logit_bias value", "/v1/completions", _body(logit_bias={"5": 500}), 400, "logit_bias",
+     "[-100, 100]"),
+    ("logit_bias past vocab", "/v1/completions", _body(logit_bias={str(VOCAB): 1}), 400,
+     "logit_bias", f"vocabulary has {VOCAB}"),
+    ("logit_bias too many", "/v1/completions",
+     _body(logit_bias={str(i): 1 for i in range(9)}), 400, "logit_bias", "at most 8"),
+    ("stop_token_ids past vocab", "/v1/completions", _body(stop_token_ids=[VOCAB]), 400,
+     "stop_token_ids", "vocabulary"),
+    ("unknown field", "/v1/completions", _body(frobnicate=1), 400, "frobnicate",
+     "Extra inputs"),
+    ("unknown model", "/v1/completions", _body(model="gpt-9"), 404, "model",
+     "`gpt-9` does not exist"),
+    ("chat no messages", "/v1/chat/completions",
+     json.dumps({"model": "smollm2", "messages": []}).encode(), 400, "messages", ""),
+    ("chat bad role type", "/v1/chat/completions",
+     json.dumps({"messages": [{"role": 1, "content": "x"}]}).encode(), 400, None, ""),
+    ("chat top_logprobs alone", "/v1/chat/completions",
+     json.dumps({"messages": [{"role": "user", "content": "x"}],
+                 "top_logprobs": 2}).encode(), 400, None, "needs logprobs"),
+    ("chat unknown model", "/v1/chat/completions",
+     json.dumps({"model": "x", "messages": [{"role": "user", "content": "x"}]}).encode(),
+     404, "model", "does not exist"),
+    ("body over limit", "/v1/completions", _body(prompt="word " * 20000), 413, None,
+     "over 65536 bytes"),
+    ("unknown route", "/v1/engines", b"{}", 404, None, ""),
+]
+
+
+@pytest.mark.parametrize("case", BAD_HTTP, ids=[c[0] for c in BAD_HTTP])
+def test_bad_http_input(srv, prompts, hf_greedy, case):
+    _, path, body, status, param, words = case
+    got, _, out = srv.raw("POST", path, body)
+    assert got == status, out
+    err = out["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert param is None or err["param"] == param, err
+    assert words in err["message"], err
+    _good(srv, prompts, hf_greedy)
+
+
+def test_chunked_body_over_limit_is_413(srv, prompts, hf_greedy):
+    """No Content-Length: the body is counted as it arrives and cut off."""
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    c.putrequest("POST", "/v1/completions")
+    for k, v in (("Authorization", f"Bearer {KEY}"), ("Content-Type", "application/json"),
+                 ("Transfer-Encoding", "chunked")):
+        c.putheader(k, v)
+    c.endheaders()
+    chunk = b"x" * 16384
+    try:
+        for _ in range(8):
+            c.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        c.send(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server may close before the rest arrives
+    r = c.getresponse()
+    assert r.status == 413 and b"over 65536 bytes" in r.read()
+    c.close()
+    _good(srv, prompts, hf_greedy)
+
+
+def test_openai_client_completions_chat_stream_logprobs(srv, smol, prompts, hf_greedy):
+    cl = srv.client()
+    r = cl.completions.create(model="smollm2", prompt=prompts[4], max_tokens=NEW,
+                              temperature=0, logprobs=2)
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == hf_greedy[4][:NEW]
+    assert len(c.logprobs.tokens) == NEW and all(len(t) == 2 for t in c.logprobs.top_logprobs)
+    assert r.usage.completion_tokens == NEW and r.usage.prompt_tokens == len(prompts[4])
+    text = "".join(ch.choices[0].text for ch in cl.completions.create(
+        model="smollm2", prompt=prompts[4], max_tokens=NEW, temperature=0, stream=True))
+    assert text == c.text
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    chat = cl.chat.completions.create(model="smollm2", messages=msgs, max_tokens=NEW,
+                                      temperature=0, logprobs=True, top_logprobs=3)
+    m = chat.choices[0]
+    assert m.message.role == "assistant" and len(m.logprobs.content) == len(
+        m.model_extra["token_ids"])
+    assert all(len(t.top_logprobs) == 3 for t in m.logprobs.content)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in cl.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=NEW, temperature=0, stream=True))
+    assert streamed == m.message.content
+
+
+def test_poison_request_fails_alone_over_http(srv, prompts, hf_greedy, poison_token):
+    """16 concurrent good requests through the openai client around a request the
+    compute side fails: it gets a 500 naming the fault; they get HF's tokens."""
+    cl = srv.client()
+    eng = srv.loop.engine
+    free0 = eng.alloc.num_free()
+
+    def good(i):
+        return cl.completions.create(model="smollm2", prompt=prompts[i], max_tokens=NEW,
+                                     temperature=0).choices[0].model_extra["token_ids"]
+
+    with ThreadPoolExecutor(17) as pool:
+        futs = [pool.submit(good, i) for i in range(8)]
+        time.sleep(0.5)
+        bad = pool.submit(cl.completions.create, model="smollm2", max_tokens=NEW,
+                          prompt=[3, poison_token, 4])
+        futs += [pool.submit(good, i) for i in range(8, 16)]
+        with pytest.raises(openai.InternalServerError) as e:
+            bad.result(300)
+        assert e.value.status_code == 500
+        assert e.value.body["code"] == "request_failed"
+        assert "injected compute fault" in e.value.body["message"]
+        assert [f.result(300) for f in futs] == [r[:NEW] for r in hf_greedy]
+    assert srv.raw("GET", "/health")[0] == 200 and srv.loop.alive
+    deadline = time.time() + 30
+    while eng.has_unfinished() and time.time() < deadline:
+        time.sleep(0.05)
+    assert eng.alloc.num_free() == free0 == SLOTS
+    _good(srv, prompts, hf_greedy)
+
+
+def test_queue_bound_answers_429_and_loses_nothing(smol, smol_split, prompts, hf_greedy):
+    """max_batch 2 and at most 3 waiting: of 24 concurrent requests some are refused with
+    429 + Retry-After (the client's typed RateLimitError), every other one succeeds with
+    HF's tokens, and the engine's queue never holds more than the bound."""
+    loop = _loop(smol, smol_split, max_waiting=3, max_batch=2)
+    s = _KeyServer(loop, smol.tokenizer, ServerConfig(api_key=KEY, max_waiting=3))
+    try:
+        cl = s.client()
+
+        def one(i):
+            try:
+                r = cl.completions.create(model="smollm2", prompt=prompts[i % 4],
+                                          max_tokens=NEW, temperature=0)
+                return i, r.choices[0].model_extra["token_ids"]
+            except openai.RateLimitError as e:
+                assert e.response.headers["retry-after"] == "1"
+                assert e.body["code"] == "server_busy" and "limit 3" in e.body["message"]
+                return i, 429
+
+        with ThreadPoolExecutor(24) as pool:
+            res = list(pool.map(one, range(24)))
+        ok = [(i, t) for i, t in res if t != 429]
+        assert len(ok) + sum(t == 429 for _, t in res) == 24  # nothing lost
+        assert 0 < len(ok) < 24 and all(t == hf_greedy[i % 4][:NEW] for i, t in ok)
+        assert loop.stats["rejected"] == 24 - len(ok)
+        assert loop.engine.alloc.num_free() == SLOTS
+    finally:
+        s.stop()
+        loop.shutdown()
+
+
+def test_hundred_aborts_free_every_slot(srv, prompts):
+    """50 streams closed by their client after the first token, and 50 requests aborted
+    through `EngineLoop.abort` while running or waiting: every KV slot comes back."""
+    loop, eng = srv.loop, srv.loop.engine
+    before = loop.stats["aborted"]
+    body = json.dumps({"model": "smollm2", "prompt": prompts[1], "max_tokens": 2000,
+                       "ignore_eos": True, "temperature": 0, "stream": True}).encode()
+
+    def stream_and_drop(_):
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=120) as sk:
+            sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                       + KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            got = b""
+            while b"data: {" not in got:
+                got += sk.recv(4096)
+
+    with ThreadPoolExecutor(25) as pool:
+        list(pool.map(stream_and_drop, range(50)))
+    from lamina.sampling import SamplingParams
+    p = SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0)
+    futs = [loop.submit(prompts[i % 16], p) for i in range(50)]
+    time.sleep(1.0)  # some running, some waiting (max_batch 64 with the streams' leftovers)
+    for f in futs:
+        loop.abort(f)
+    assert all(f.result(120).finish_reason == "abort" for f in futs)
+    deadline = time.time() + 120
+    while (loop.stats["aborted"] < before + 100 or eng.has_unfinished()) \
+            and time.time() < deadline:
+        time.sleep(0.1)
+    assert loop.stats["aborted"] == before + 100
+    assert not eng.has_unfinished() and eng.alloc.num_free() == SLOTS
