@@ -149,6 +149,13 @@ def cmd_bench(args) -> int:
                             repeat=args.repeat or (1 if args.quick else 3),
                             vllm_python=args.vllm_python, dense_backend=args.dense_backend)
         return 0
+    if args.name == "load":
+        from lamina import bench_load
+
+        bench_load.bench_load(requests=40 if args.quick else args.requests,
+                              concurrency=8 if args.quick else args.concurrency,
+                              phases=tuple(args.phases), out_dir=args.out)
+        return 0
     if args.name == "fragmentation":
         bench_memory.bench_fragmentation(num_requests=40 if args.quick else 400, out_dir=args.out)
         return 0
@@ -269,11 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model name clients must send (default: the model's source)")
     v.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="run a benchmark")
-    b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "ops", "sim",
-                                    "sim-scale"])
+    b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "load", "ops",
+                                    "sim", "sim-scale"])
     b.add_argument("--model", default=None, help="split: model to split")
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
+    b.add_argument("--requests", type=int, default=1000, help="load: requests per phase")
+    b.add_argument("--concurrency", type=int, default=32, help="load: concurrent clients")
+    b.add_argument("--phases", nargs="+", default=["load", "queue", "faults"],
+                   choices=["load", "queue", "faults"], help="load: which phases")
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="attention: cpu (compiled kernel) or cuda (Triton kernels)")

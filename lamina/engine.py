@@ -194,6 +194,7 @@ class LLMEngine:
         # the errors of the latest failed steps recovered from, and how many in all
         self.recoveries: deque[str] = deque(maxlen=ERROR_HISTORY)
         self.num_recoveries = 0
+        self.last_recovery_s: float | None = None  # how long the latest recover took
         self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
 
@@ -395,6 +396,7 @@ class LLMEngine:
             log.error("%s; %d failed steps in a row (max_recoveries=%d)", what,
                       self._failed_in_row, self.config.max_recoveries)
             return False
+        t = time.perf_counter()
         try:
             ok = self.executor.recover(error)
         except Exception as e:  # noqa: BLE001 - the original error is what gets raised
@@ -408,8 +410,10 @@ class LLMEngine:
             raise RuntimeError(f"KV slots still held after recovery: {leaked}")
         self.recoveries.append(what)
         self.num_recoveries += 1
-        log.warning("%s; workers recovered (%d in a row, at most %d), %d sequences will "
-                    "be recomputed", what, self._failed_in_row, self.config.max_recoveries, n)
+        self.last_recovery_s = time.perf_counter() - t
+        log.warning("%s; workers recovered in %.1f s (%d in a row, at most %d), %d sequences "
+                    "will be recomputed", what, self.last_recovery_s, self._failed_in_row,
+                    self.config.max_recoveries, n)
         return True
 
     def _finish_reason(self, seq: Sequence, req: _Request, i: int) -> str | None:

@@ -30,6 +30,8 @@ class EngineMetrics:
         self.recoveries = Counter("lamina_recoveries", "Failed steps recovered (workers "
                                   "replaced, running sequences recomputed)", registry=r)
         self._recovered = 0
+        self.recovery_s = Gauge("lamina_last_recovery_seconds", "How long the latest "
+                                "recovery took (workers replaced)", registry=r)
         self.running = Gauge("lamina_sequences_running", "Sequences holding KV",
                              registry=r)
         self.waiting = Gauge("lamina_sequences_waiting", "Sequences queued", registry=r)
@@ -49,6 +51,7 @@ class EngineMetrics:
         if engine.num_recoveries > self._recovered:
             self.recoveries.inc(engine.num_recoveries - self._recovered)
             self._recovered = engine.num_recoveries
+            self.recovery_s.set(engine.last_recovery_s or 0.0)
         sched = engine.scheduler
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))

@@ -21,10 +21,10 @@ SLOTS = 3000
 MEM_POS = 700  # past every good request's last position (600 + 12)
 
 
-def engine(smol, split, faults=None, workers=2):
-    cfg = EngineConfig(num_kv_slots=SLOTS, num_memory_workers=workers, max_step_tokens=2048,
+def engine(smol, split, faults=None, workers=2, slots=SLOTS):
+    cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=workers, max_step_tokens=2048,
                        faults=faults)
-    mems = [MemorySide(KVPool(KVPoolConfig.for_specs(split.attention_specs, SLOTS)))
+    mems = [MemorySide(KVPool(KVPoolConfig.for_specs(split.attention_specs, slots)))
             for _ in range(workers)]
     ex = LocalExecutor(split, mems, vocab_size=smol.config.vocab_size, faults=faults)
     return LLMEngine(cfg, ex, smol.tokenizer, smol.config)
@@ -157,6 +157,25 @@ def test_a_fault_naming_no_sequence_of_the_step_is_an_engine_error(smol, smol_sp
     eng.add_request(prompts[0], GOOD)
     with pytest.raises(RuntimeError, match="none of them in the step"):
         eng.step()
+
+
+def test_abort_running_waiting_and_preempted_frees_every_slot(smol, smol_split, prompts):
+    """A 260-slot pool and three 100-token prompts: the third waits, and growth preempts
+    the second; aborting each (preempted, waiting, running) returns every slot."""
+    eng = engine(smol, smol_split, workers=1, slots=260)
+    p = SamplingParams(max_tokens=100, ignore_eos=True, temperature=0)
+    rids = [eng.add_request(prompts[4][:100], p) for _ in range(3)]
+    seqs = [eng._reqs[r].seqs[0] for r in rids]
+    for _ in range(40):
+        eng.step()
+        if seqs[1].num_preemptions:
+            break
+    assert seqs[1].num_preemptions == 1 and seqs[1].status == "waiting"
+    assert seqs[2].status == "waiting" and seqs[0].status == "running"
+    outs = [eng.abort(r) for r in (rids[1], rids[2], rids[0])]
+    assert [o.finish_reason for o in outs] == ["abort"] * 3
+    assert eng.alloc.num_free() == 260 and not eng.has_unfinished()
+    assert eng.abort(rids[0]) is None  # gone: a second abort is a no-op
 
 
 @pytest.mark.parametrize("kw,words", [

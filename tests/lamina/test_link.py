@@ -465,3 +465,34 @@ def test_exchange_sends_and_collects_in_one_call(reply, msg):
     th.join(timeout=30)
     assert torch.equal(seen[0], fuse_qkv(q, k, v))  # the q|k|v frame as sent
     a.close()
+
+
+def send_meta_ids(ch, step, tables, new_slots, head):
+    """`send_meta` with a hand-made first frame (micro-batch count, then sequence ids)."""
+    batch = SlotBatch.build(tables, [1] * len(tables))
+    frames = [(torch.tensor(head, dtype=torch.int32), META, step),
+              (torch.tensor(new_slots, dtype=torch.int32), META, step)]
+    frames += [(t, META, step) for t in (batch.cu_q, batch.q_pos, batch.slots, batch.cu_k,
+                                         batch.k_pos0)]
+    ch.send_many(frames)
+
+
+@pytest.mark.parametrize("head,tables,bad,msg", [
+    ([1, 11, 12], [[3, 9, 4], [7, 99]], (12,), "slot ids out of range [0, 16)"),  # named
+    ([1, 11, -1], [[3, 9, 4], [7, 99]], (), "bad slot metadata"),  # an unknown id: no name
+    ([1], [[3, 9, 4], [7, 99]], (), "bad slot metadata"),  # no ids sent (older peers)
+    ([0], [[3, 9, 4]], (), "bad micro-batch count frame [0]"),
+    ([65], [[3, 9, 4]], (), "bad micro-batch count frame [65]"),
+])
+def test_bad_slot_metadata_names_its_sequence(head, tables, bad, msg):
+    """The step's first frame carries each batch entry's sequence id: a bad entry is
+    reported by id (`bad_seqs`, read by the Ray executor through `health`), so the engine
+    fails that request alone; without ids the fault is the channel's."""
+    srv, t, a, pool, _ = tiny_server(True)
+    ch = SocketChannel(a)
+    send_meta_ids(ch, 5, tables, [4, 1], head)
+    a.shutdown(socket.SHUT_WR)
+    t.join(timeout=30)
+    assert srv.error and msg in srv.error, srv.error
+    assert srv.bad_seqs == bad
+    ch.close()
