@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import ray
 
+from lamina import ONEDNN_CACHE
 from lamina.control import ControlClient, StepError
 from lamina.errors import SequenceFault
 from lamina.executor import Executor
@@ -77,7 +78,11 @@ class RayExecutor(Executor):
         # B=32 bf16 decode steps took 59.0-63.0 ms against 62.1-65.2 ms at 10^4
         # without it (README, end-to-end section); OMP_WAIT_POLICY=PASSIVE (no spin)
         # slows the dense part itself (45 against 41 ms a step).
-        env = {"runtime_env": {"env_vars": {"GOMP_SPINCOUNT": str(OMP_SPIN)}}}
+        env = {"runtime_env": {"env_vars": {
+            "GOMP_SPINCOUNT": str(OMP_SPIN),
+            # bounded per-shape oneDNN caches (see lamina/__init__.py)
+            **{v: os.environ.get(v, ONEDNN_CACHE)
+               for v in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}}}}
         # Steps whose dense part runs while the memory workers are idle may take every
         # core of a local (single-node) cluster (`compute_worker.step_threads`).
         local_cores = int(have.get("CPU", 1)) if "lamina_compute" not in have else threads

@@ -31,16 +31,17 @@ def _engine(smol, smol_split, **kw):
 
 
 class _Server:
-    def __init__(self, loop, tokenizer):
-        app = build_app(loop, "smollm2", tokenizer)
+    def __init__(self, loop, tokenizer, config=None):
+        app = build_app(loop, "smollm2", tokenizer, config)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
                                                     log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
             time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = loop
 
     def post(self, path, body):
         req = urllib.request.Request(self.url + path, json.dumps(body).encode(),

@@ -18,7 +18,7 @@ from lamina.executor import LocalExecutor, MemorySide
 from lamina.faults import FaultPlan
 from lamina.kv_pool import KVPool, KVPoolConfig
 from lamina.metrics import EngineMetrics
-from lamina.server import ServerConfig, build_app
+from lamina.server import ServerConfig
 from lamina.serving import EngineLoop
 
 from .test_isolation import unused_token
@@ -38,20 +38,7 @@ def _loop(smol, split, faults=None, max_waiting=None, max_batch=64):
 
 
 class _KeyServer(_Server):
-    def __init__(self, loop, tokenizer, config):
-        import threading
-
-        import uvicorn
-        app = build_app(loop, "smollm2", tokenizer, config)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.loop = loop
+    """The test server with a `ServerConfig`, raw HTTP and an openai client."""
 
     def raw(self, method, path, body: bytes | None = None, headers=None):
         """-> (status, headers, parsed JSON or raw bytes)."""
