@@ -27,8 +27,7 @@ def test_bench_split_writes_json_and_markdown(tmp_path, capsys):
     res = json.loads((res_dir / "split.json").read_text())
     assert res["slices"] == 4 and res["repeat"] == 1
     assert res["split_total_s_median"] > 0 and res["baseline_trace_s_median"] > 0
-    assert abs(res["ratio_split_over_trace"] - res["split_total_s_median"]
-               / res["baseline_trace_s_median"]) < 1e-9
+    assert res["split_total_s_median"] >= res["split_cut_s_median"] > 0  # a part of it
     md = (res_dir / "split.md").read_text()
     assert "ratio split / trace" in md
     assert "wrote" in capsys.readouterr().out

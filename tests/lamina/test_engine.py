@@ -167,9 +167,20 @@ def test_split_micro_contiguous_and_balanced():
         EngineConfig(pipeline="zigzag")
 
 
-def test_memory_side_checks_slot_metadata_once_per_step():
+def test_memory_side_checks_slot_metadata_once_per_step(smol, smol_split, prompts,
+                                                        monkeypatch):
     from lamina.kernels import AttentionInputError, AttentionParams, SlotBatch
     import torch
+
+    import lamina.executor as ex
+    calls = []
+    real = ex.validate_batch
+    monkeypatch.setattr(ex, "validate_batch", lambda b, n: calls.append(n) or real(b, n))
+    eng = engine(smol, smol_split, num_kv_slots=1000)
+    eng.add_request(prompts[2], SamplingParams(max_tokens=3, temperature=0))
+    for _ in range(3):
+        eng.step()
+    assert calls == [1000] * 3  # one scan a step, not one a layer (30 layers)
 
     mem = MemorySide(KVPool(KVPoolConfig(1, 8, 1, 4)))
     batch = SlotBatch.build([[0, 1, 2]], [1])
