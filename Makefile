@@ -1,10 +1,11 @@
-# Lamina: `make run` sets up from nothing and runs the main job; `make test` runs the suite.
+# Lamina: `make run` sets up from nothing and runs the main job; `make test` runs the suite;
+# `make lint` checks style (ruff, configured in pyproject.toml).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test demo bench-split bench-e2e vllm-venv serve clean
+.PHONY: setup run test lint demo bench-split bench-e2e vllm-venv serve clean
 
 setup: $(STAMP)
 
@@ -23,6 +24,9 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 demo: setup
 	$(VENV)/bin/lamina split

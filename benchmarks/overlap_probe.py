@@ -5,8 +5,9 @@ A synthetic stand-in for the decode kernel at B=32 L=2048 on SmolLM2's shape: pe
 reads the K and V rows (768 B each) at the benchmark's scattered slots, then runs `work`
 rounds of 12 independent FMAs (12 rounds = 144 FMAs, the kernel's minimum for 9 q heads x
 64 dims, QK plus PV), with and without a software prefetch a few tokens ahead, into L1
-(T0) or L2 (T1). Also the same with the rows in cache. Whatever the kernel does, it cannot beat the best of these
-rows, so this bounds the fraction of read bandwidth an fp32 kernel can reach here.
+(T0) or L2 (T1). Also the same with the rows in cache. Whatever the kernel does, it cannot
+beat the best of these rows, so this bounds the fraction of read bandwidth an fp32 kernel
+can reach here.
 Writes JSON and Markdown (benchmarks/results/overlap_probe.*)."""
 from __future__ import annotations
 

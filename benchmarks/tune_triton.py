@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from lamina.bench_gpu import D, HKV, HQ, _graph_ms
+from lamina.bench_gpu import HKV, HQ, D, _graph_ms
 from lamina.kernels import AttentionParams, SlotBatch, TritonBackend, validate
 from lamina.workload import scattered_tables
 
@@ -29,7 +29,7 @@ def main(cases):
                 tri = TritonBackend(splits=sp, block_n=bn, num_warps=nw, num_stages=ns)
                 try:
                     t = _graph_ms(lambda: tri.attend(q, kp, vp, batch, p), 50)
-                except Exception as e:  # e.g. out of shared memory
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                     print(f"  skip bn={bn} nw={nw} ns={ns}: {type(e).__name__}")
                     continue
                 res.append((t, bn, nw, ns, sp))

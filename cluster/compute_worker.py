@@ -27,7 +27,6 @@ from lamina.models import load
 from lamina.prepare import prepare_split
 from lamina.wire import ShmRing, SocketChannel, connect_stream, listen_stream, nodelay
 
-
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
 # Fewer rows than this: a second thread does not pay. MKL's sgemm (eager) barely scales
 # past one thread on skinny shapes; oneDNN's packed kernels do, from one row on.

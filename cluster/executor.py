@@ -27,7 +27,6 @@ from lamina.wire import SocketChannel, connect_stream
 from .compute_worker import ComputeWorker
 from .memory_worker import MemoryWorker
 
-
 log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
 HEALTH_TIMEOUT_S = 10  # after a failed step: how long the memory workers get to report
@@ -168,7 +167,7 @@ class RayExecutor(Executor):
                 raise  # nothing else broke: the engine re-runs the step without them
             self._health_errors()
             raise
-        except Exception as e:  # noqa: BLE001 - name the failing worker if one reported
+        except Exception as e:  # name the failing worker if one reported
             errors, bad = self._health_errors()
             if not isinstance(e, StepError):  # the stream may be mid-message: drop it
                 self._close_control()

@@ -16,9 +16,17 @@ from __future__ import annotations
 
 import torch
 
-from .backends import (AttentionBackend, AttentionInputError, BackendUnavailable,
-                       CpuBackend, ReferenceBackend, TritonBackend, select_backend,
-                       validate, validate_batch)
+from .backends import (
+    AttentionBackend,
+    AttentionInputError,
+    BackendUnavailable,
+    CpuBackend,
+    ReferenceBackend,
+    TritonBackend,
+    select_backend,
+    validate,
+    validate_batch,
+)
 from .cpu_build import KernelBuildError, build_seconds, load_cpu_kernel
 from .merge import merge_attention
 from .pointwise import argmax_rows

@@ -20,7 +20,6 @@ Phases:
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -55,7 +54,7 @@ class Server:
         cmd = [sys.executable, "-m", "lamina.cli", "serve", "--executor", "ray",
                "--memory-workers", "2", "--port", str(port), "--served-model-name", "smol",
                *extra]
-        self.log = open(f"/tmp/lamina-load-{port}.log", "w")  # noqa: SIM115 - closed in stop
+        self.log = open(f"/tmp/lamina-load-{port}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.time() + timeout_s

@@ -66,8 +66,14 @@ def bench_attention(threads: int = 1, repeat: int = 7, batches=(8, 32, 128),
     runs made in the same machine state; each figure is the median of `repeat`. The
     fraction of read bandwidth uses the larger of the read measured beside the case and
     the one measured up front (the stricter baseline)."""
-    from lamina.kernels import (AttentionParams, SlotBatch, attend, build_seconds,
-                                load_cpu_kernel, select_backend)
+    from lamina.kernels import (
+        AttentionParams,
+        SlotBatch,
+        attend,
+        build_seconds,
+        load_cpu_kernel,
+        select_backend,
+    )
     from lamina.kv_pool import host_zeros
     from lamina.workload import scattered_tables
 

@@ -232,7 +232,8 @@ def _llm(LLM, args, **kw):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lamina", description="Lamina: attention-offloaded LLM inference")
+    p = argparse.ArgumentParser(prog="lamina",
+                                description="Lamina: attention-offloaded LLM inference")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("split", help="split a model at its attention operators and print the cuts")

@@ -13,8 +13,8 @@ import html
 import json
 from pathlib import Path
 
-from .cost import load_catalog, model_shape
 from .cost import device as get_device
+from .cost import load_catalog, model_shape
 from .cost_model import Efficiency, best, min_interconnect_curve, min_tp
 
 _EST = {"type": "object", "required": ["compute", "tp", "memory", "memory_devices", "pipeline",

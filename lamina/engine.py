@@ -15,9 +15,9 @@ for the others (after `recover` when the fault left the workers mid-step).
 from __future__ import annotations
 
 import itertools
-import re
 import logging
 import random
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace

@@ -28,8 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.kernels import (AttentionInputError, AttentionParams, SlotBatch, merge_attention,
-                            prefill_attention, select_backend, validate_batch)
+from lamina.kernels import (
+    AttentionInputError,
+    AttentionParams,
+    SlotBatch,
+    merge_attention,
+    prefill_attention,
+    select_backend,
+    validate_batch,
+)
 from lamina.splitter.split import SplitModel
 
 from .errors import SequenceFault
@@ -500,7 +507,7 @@ def _draw(logits: torch.Tensor, works: list[SeqWork]):
 
     try:
         return run(logits, works)
-    except Exception as e:  # noqa: BLE001 - find the rows it belongs to
+    except Exception as e:  # find the rows it belongs to
         bad, why = [], f"{type(e).__name__}: {e}"
         for r, s in enumerate(works):
             try:

@@ -55,7 +55,8 @@ class KVPoolConfig:
         try:
             torch.device(self.device)
         except RuntimeError as e:
-            raise ValueError(f"KVPoolConfig.device {self.device!r} is not a device: {e}")
+            raise ValueError(f"KVPoolConfig.device {self.device!r} is not a device: "
+                             f"{e}") from None
         if not isinstance(self.huge_pages, bool):
             raise ValueError(f"KVPoolConfig.huge_pages must be a bool, got {self.huge_pages!r}")
 

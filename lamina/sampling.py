@@ -21,7 +21,6 @@ import torch
 
 from lamina.kernels import argmax_rows
 
-
 MAX_LOGPROBS = 20
 PROMPT_CHUNK = 256  # prompt rows per log-softmax
 

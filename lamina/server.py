@@ -31,9 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import EngineDead, EngineOverloaded, RequestFailed
 from .sampling import SamplingParams
+from .server_stream import chat_logprobs, completion_logprobs, sse_events, vllm_prompt_logprobs
 from .serving import EngineLoop
-from .server_stream import (chat_logprobs, completion_logprobs, sse_events,
-                            vllm_prompt_logprobs)
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks its client
 

@@ -170,7 +170,7 @@ class EngineLoop:
                     continue
                 try:
                     self._updates[out.request_id](out)
-                except Exception:  # noqa: BLE001 - a broken listener must not stop serving
+                except Exception:  # a broken listener must not stop serving
                     log.exception("on_update for request %d failed", out.request_id)
         gone = EngineDead("engine loop shut down")
         for fut in self._futures.values():

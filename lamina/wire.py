@@ -9,11 +9,11 @@ validation. No pickle: a frame is
 
 all little-endian. Bit 7 of the ndim byte (`IN_RING`) says the payload is not on the
 stream but in the sender's shared-memory ring (`ShmRing`): co-located workers send
-only headers over the Unix socket (the doorbell) and the bytes through shared memory. `decode` checks every field (and the layer, step and shape the
-receiver expects) and raises `FrameError` naming what is wrong; nothing malformed
-reaches the math. `SocketChannel` carries frames over a connected stream socket
-(TCP between hosts, a Unix socket when co-located); an RDMA channel implements the
-same `Channel` interface.
+only headers over the Unix socket (the doorbell) and the bytes through shared memory.
+`decode` checks every field (and the layer, step and shape the receiver expects) and
+raises `FrameError` naming what is wrong; nothing malformed reaches the math.
+`SocketChannel` carries frames over a connected stream socket (TCP between hosts, a Unix
+socket when co-located); an RDMA channel implements the same `Channel` interface.
 """
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def simulate_occupancy(requests: list[tuple[int, int]], max_batch: int, page_siz
                 alloc.append((rid, s))
             st[2] += 1
         live = pages = 0
-        for rid, (p, o, g) in running.items():
+        for p, _, g in running.values():
             live += p + n_samples * g
             full, part = divmod(p, page_size)
             pages += full  # shared prompt pages

@@ -138,7 +138,7 @@ def trace(model: torch.nn.Module) -> Traced:
             ep = export(_LogitsWrapper(model), (ids, pos), dynamic_shapes=dyn, strict=False)
         except UnsupportedAttentionError:
             raise
-        except Exception as e:  # noqa: BLE001 - re-raised with the model named
+        except Exception as e:  # re-raised with the model named
             raise SplitError(f"tracing model '{name}' with torch.export failed: "
                              f"{type(e).__name__}: {e}") from e
     gm = ep.module()

@@ -18,7 +18,7 @@ from lamina.metrics import EngineMetrics
 from lamina.serving import EngineLoop
 
 from ..lamina.test_isolation import unused_token
-from ..lamina.test_server_limits import KEY, _KeyServer
+from ..lamina.test_server_limits import _KeyServer
 
 NEW = 12
 GOOD = SamplingParams(max_tokens=NEW, temperature=0)

@@ -5,9 +5,19 @@ import pytest
 import torch
 
 import lamina.kernels.backends as backends
-from lamina.kernels import (AttentionBackend, AttentionInputError, AttentionParams,
-                            BackendUnavailable, KernelBuildError, ReferenceBackend, SlotBatch,
-                            attend, decode_attention, select_backend, write_kv)
+from lamina.kernels import (
+    AttentionBackend,
+    AttentionInputError,
+    AttentionParams,
+    BackendUnavailable,
+    KernelBuildError,
+    ReferenceBackend,
+    SlotBatch,
+    attend,
+    decode_attention,
+    select_backend,
+    write_kv,
+)
 
 
 class Spy(AttentionBackend):
@@ -51,7 +61,8 @@ BAD = {
     "int64 slots": (lambda q, k, v, b, p: (q, k, v, with_batch(slots=b.slots.long()), p),
                     "batch.slots must be a 1-D int32"),
     "query count": (lambda q, k, v, b, p: (q[:1], k, v, b, p), "q has 1 rows"),
-    "cu_k": (lambda q, k, v, b, p: (q, k, v, with_batch(cu_k=torch.tensor([0, 5, 4], dtype=torch.int32)), p),
+    "cu_k": (lambda q, k, v, b, p: (q, k, v, with_batch(cu_k=torch.tensor([0, 5, 4],
+                                                                         dtype=torch.int32)), p),
              "cu_k must rise"),
     "sinks": (lambda q, k, v, b, p: (q, k, v, b, AttentionParams(0.3, sinks=(1.0,))), "sinks for"),
     "params type": (lambda q, k, v, b, p: (q, k, v, b, {"scale": 1}), "params must be"),

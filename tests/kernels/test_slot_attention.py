@@ -4,8 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.kernels import (AttentionParams, ReferenceBackend, SlotBatch, attend,
-                            merge_attention, prefill_attention, write_kv)
+from lamina.kernels import (
+    AttentionParams,
+    ReferenceBackend,
+    SlotBatch,
+    attend,
+    merge_attention,
+    prefill_attention,
+    write_kv,
+)
 from lamina.splitter.attention_op import reference_attention
 from lamina.workload import scattered_tables
 
@@ -203,9 +210,11 @@ def test_merge_handles_empty_partials():
 def test_query_with_no_visible_key_gives_zero_and_neg_inf_lse(cpu):
     # Keys start at position 10 but the query sits at 5: nothing is causal-visible.
     k, v = pools(20, 1)
-    batch = SlotBatch(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+    batch = SlotBatch(torch.tensor([0, 1], dtype=torch.int32),
+                      torch.tensor([5], dtype=torch.int32),
                       torch.tensor([1, 2, 3], dtype=torch.int32),
-                      torch.tensor([0, 3], dtype=torch.int32), torch.tensor([10], dtype=torch.int32))
+                      torch.tensor([0, 3], dtype=torch.int32),
+                      torch.tensor([10], dtype=torch.int32))
     for backend in (REF, cpu):
         o, lse = attend(queries(1, 2), k, v, batch, AttentionParams(0.1), backend)
         assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()

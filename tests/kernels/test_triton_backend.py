@@ -8,9 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.kernels import (AttentionParams, BackendUnavailable, ReferenceBackend, SlotBatch,
-                            TritonBackend, attend, merge_attention, prefill_attention,
-                            select_backend)
+from lamina.kernels import (
+    AttentionParams,
+    BackendUnavailable,
+    ReferenceBackend,
+    SlotBatch,
+    TritonBackend,
+    attend,
+    merge_attention,
+    prefill_attention,
+    select_backend,
+)
 from lamina.workload import scattered_tables
 
 from .test_slot_attention import GQA, D, decode_case, params_for, pools, queries

@@ -7,11 +7,20 @@ import threading
 import pytest
 import torch
 
-from lamina.control import (ERROR, PLAN, RESULT, ControlClient, StepError, decode, encode,
-                            serve_control)
+from lamina.control import (
+    ERROR,
+    PLAN,
+    RESULT,
+    ControlClient,
+    StepError,
+    decode,
+    encode,
+    serve_control,
+)
 from lamina.messages import SeqWork, StepPlan, StepResult
 from lamina.sampling import SamplingParams
-from lamina.wire import FrameError, SocketChannel, encode as encode_frame
+from lamina.wire import FrameError, SocketChannel
+from lamina.wire import encode as encode_frame
 
 
 def _plan(step=3):

@@ -1,8 +1,15 @@
 """Cost model, first part: paper Table 1 and Table 3 reproduced; catalog validation."""
 import pytest
 
-from lamina.cost import (MODELS, CatalogError, default_mfu, device, load_catalog, model_shape,
-                         round_half_up)
+from lamina.cost import (
+    MODELS,
+    CatalogError,
+    default_mfu,
+    device,
+    load_catalog,
+    model_shape,
+    round_half_up,
+)
 
 TABLE1 = {  # paper Table 1: $/GB, $/(GB/s)
     "a100-80g": (219, 9.04), "h100": (456, 10.90), "rtx3090": (67, 1.71),

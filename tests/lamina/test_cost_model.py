@@ -6,8 +6,16 @@ import math
 import pytest
 
 from lamina.cost import MODELS, default_mfu, load_catalog
-from lamina.cost_model import (Cell, Efficiency, alpha_device, best, estimate, fraction_grid,
-                               max_batch, net_bytes_per_token)
+from lamina.cost_model import (
+    Cell,
+    Efficiency,
+    alpha_device,
+    best,
+    estimate,
+    fraction_grid,
+    max_batch,
+    net_bytes_per_token,
+)
 
 CAT = load_catalog()
 A100, RTX = CAT["a100-80g"], CAT["rtx3090"]

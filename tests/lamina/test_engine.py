@@ -169,10 +169,10 @@ def test_split_micro_contiguous_and_balanced():
 
 def test_memory_side_checks_slot_metadata_once_per_step(smol, smol_split, prompts,
                                                         monkeypatch):
-    from lamina.kernels import AttentionInputError, AttentionParams, SlotBatch
     import torch
 
     import lamina.executor as ex
+    from lamina.kernels import AttentionInputError, AttentionParams, SlotBatch
     calls = []
     real = ex.validate_batch
     monkeypatch.setattr(ex, "validate_batch", lambda b, n: calls.append(n) or real(b, n))

@@ -12,8 +12,8 @@ import torch
 
 from lamina.engine import EngineConfig, LLMEngine
 from lamina.executor import ComputeSide, Executor, MemorySide, WorkerPart, by_worker, pack
-from lamina.kv_pool import KVPool, KVPoolConfig
 from lamina.kernels import AttentionParams, SlotBatch, reference_slot_attention
+from lamina.kv_pool import KVPool, KVPoolConfig
 from lamina.link import META, MemoryServer, SocketLink, fuse_qkv, split_qkv
 from lamina.messages import SeqWork, StepPlan
 from lamina.sampling import SamplingParams

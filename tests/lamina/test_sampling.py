@@ -3,8 +3,16 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.sampling import (SamplingParams, apply_penalties, draw_seed, prompt_logprobs,
-                             row_logprobs, sample, sample_rows, sampling_probs)
+from lamina.sampling import (
+    SamplingParams,
+    apply_penalties,
+    draw_seed,
+    prompt_logprobs,
+    row_logprobs,
+    sample,
+    sample_rows,
+    sampling_probs,
+)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.4, -1.0, 3.0, 0.0, -0.2])
 

@@ -34,7 +34,8 @@ def test_admission_decode_preemption_and_recompute_exact():
     s.finish(a, "length")
     # b comes back and recomputes prompt + its generated token.
     plan = s.schedule()
-    assert plan.seqs == (SeqWork(1, (20, 21, 22, 23, 24), 0, (0, 1, 2, 7, 3), params=P),)  # LIFO reuse
+    # LIFO reuse
+    assert plan.seqs == (SeqWork(1, (20, 21, 22, 23, 24), 0, (0, 1, 2, 7, 3), params=P),)
 
 
 def test_fifo_no_overtaking_and_batch_and_budget_limits():

@@ -2,8 +2,14 @@
 period, KV admission, Poisson arrivals, and measured-cost interpolation."""
 import pytest
 
-from lamina.simulator import (MeasuredCosts, Request, SimConfig, poisson_workload, simulate,
-                              step_time)
+from lamina.simulator import (
+    MeasuredCosts,
+    Request,
+    SimConfig,
+    poisson_workload,
+    simulate,
+    step_time,
+)
 from lamina.workload import sharegpt_like
 
 

@@ -57,7 +57,8 @@ def test_slices_individually_invokable(arch):
     attn = torch.randn(1, 5, spec.num_q_heads, spec.v_head_dim)
     mid = sm.slices[1](pos, attn, *out[3:])
     assert len(mid) == 3 + len(sm.partition.context[1])
-    model_ptrs = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
+    model_ptrs = ({p.data_ptr() for p in model.parameters()}
+                  | {b.data_ptr() for b in model.buffers()})
     for s in sm.slices:
         for p in s.module.parameters():
             assert p.data_ptr() in model_ptrs

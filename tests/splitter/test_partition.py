@@ -24,8 +24,10 @@ def make(edges, sizes, attention, free=()):
 def test_tensor_read_by_many_is_paid_once():
     # h feeds q (-> attention) and three readers after the attention
     edges = [("ids", "h"), ("h", "q"), ("q", "A"), ("A", "o")] + \
-            [(x, f"c{j}") for j in range(3) for x in ("h", "o")] + [(f"c{j}", "out") for j in range(3)]
-    p = decide_partition(make(edges, {"ids": 1, "h": 10, "q": 1, "o": 1, "c0": 1, "c1": 1, "c2": 1}, ["A"]))
+            [(x, f"c{j}") for j in range(3) for x in ("h", "o")] + \
+            [(f"c{j}", "out") for j in range(3)]
+    sizes = {"ids": 1, "h": 10, "q": 1, "o": 1, "c0": 1, "c1": 1, "c2": 1}
+    p = decide_partition(make(edges, sizes, ["A"]))
     assert p.context == (("h",),)
     assert p.context_capacity == (10,)
     assert p.assign == {"ids": 0, "h": 0, "q": 0, "o": 1, "c0": 1, "c1": 1, "c2": 1, "out": 1}

@@ -24,7 +24,8 @@ def test_slice_count_and_context(smol_split, smol):
 
 def test_attention_specs(smol_split):
     for i, s in enumerate(smol_split.attention_specs):
-        assert (s.index, s.num_q_heads, s.num_kv_heads, s.head_dim, s.v_head_dim) == (i, 9, 3, 64, 64)
+        assert (s.index, s.num_q_heads, s.num_kv_heads, s.head_dim,
+                s.v_head_dim) == (i, 9, 3, 64, 64)
         assert s.gqa_ratio == 3
         assert s.scale == 64 ** -0.5
         assert s.sliding_window is None and s.softcap is None and s.sinks is None
