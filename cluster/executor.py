@@ -162,11 +162,8 @@ class RayExecutor(Executor):
                 raise RuntimeError("no control channel to the compute worker (closed after "
                                    "an earlier failure)")
             return self.control.call(plan)
-        except SequenceFault as e:
-            if e.clean:
-                raise  # nothing else broke: the engine re-runs the step without them
-            self._health_errors()
-            raise
+        except SequenceFault:
+            raise  # the compute worker refused them; nothing else broke
         except Exception as e:  # name the failing worker if one reported
             errors, bad = self._health_errors()
             if not isinstance(e, StepError):  # the stream may be mid-message: drop it

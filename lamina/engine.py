@@ -375,9 +375,7 @@ class LLMEngine:
         outs = []
         for req in reqs.values():
             for seq in req.seqs:
-                self.scheduler.abort(seq)
-                if seq.finish_reason == "abort":
-                    seq.finish_reason = "error"
+                self.scheduler.abort(seq, "error")
             msg = f"request {req.rid} failed in step {step}: {fault}"
             log.error("%s; the other requests go on", msg)
             outs.append(self._output(req, time.perf_counter(), error=msg))

@@ -235,10 +235,8 @@ class MemorySide:
         try:
             validate_batch(batch, n)
         except AttentionInputError as e:
-            bad = bad_entries(batch, n)
-            if not bad or len(seq_ids) != batch.num_requests:
-                raise
-            raise SequenceFault([seq_ids[b] for b in bad], f"bad KV metadata: {e}") from None
+            _blame(bad_entries(batch, n), batch, seq_ids, f"bad KV metadata: {e}")
+            raise
         if new_slots.numel() and (int(new_slots.min()) < 0 or int(new_slots.max()) >= n):
             raise AttentionInputError(f"new slot ids out of range [0, {n}): min "
                                       f"{int(new_slots.min())}, max {int(new_slots.max())}")
@@ -246,11 +244,10 @@ class MemorySide:
             cu = batch.cu_q.tolist()
             bad = [b for b in range(batch.num_requests)
                    if self.faults.check_memory(batch.q_pos[cu[b]:cu[b + 1]].tolist())]
+            what = f"injected memory fault at position {self.faults.memory_pos}"
+            _blame(bad, batch, seq_ids, what)
             if bad:
-                what = f"injected memory fault at position {self.faults.memory_pos}"
-                if len(seq_ids) != len(cu) - 1:
-                    raise AttentionInputError(f"{what} (batch entries {bad})")
-                raise SequenceFault([seq_ids[b] for b in bad], what)
+                raise AttentionInputError(f"{what} (batch entries {bad})")
         self._step = (new_slots, new_slots.long().to(self.device), batch,
                       batch if batch.slots.device == self.device else batch.to(self.device))
 
@@ -269,6 +266,13 @@ class MemorySide:
         o, lse = prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
                                    checked)
         return (o, lse) if home == self.device else (o.to(home), lse.to(home))
+
+
+def _blame(bad: list[int], batch: SlotBatch, seq_ids: tuple[int, ...], what: str) -> None:
+    """Raise `SequenceFault` for batch entries `bad` when every entry's sequence is known
+    (`seq_ids`, one per entry); else return and let the caller raise its own error."""
+    if bad and len(seq_ids) == batch.num_requests:
+        raise SequenceFault([seq_ids[b] for b in bad], what)
 
 
 def bad_entries(batch: SlotBatch, num_slots: int) -> list[int]:
@@ -378,7 +382,7 @@ class ComputeSide:
             raise ValueError(f"KV slots {min(new)}..{max(new)} outside the pool's "
                              f"{self.pool_slots}")
         if self.faults is not None:
-            self.faults.check_sequence(s.seq_id, toks)
+            self.faults.check_sequence(toks)
 
     def _local_side(self, tokens: int) -> MemorySide:
         """The scratch pool's memory side, grown to hold `tokens` slots."""

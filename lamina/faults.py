@@ -33,7 +33,7 @@ class FaultPlan:
         if self.compute_layer is not None and self.compute_token is None:
             raise ValueError("FaultPlan.compute_layer needs compute_token (which steps)")
 
-    def check_sequence(self, seq_id: int, token_ids) -> None:
+    def check_sequence(self, token_ids) -> None:
         if (self.compute_token is not None and self.compute_layer is None
                 and self.compute_token in token_ids):
             raise InjectedFault(f"injected compute fault on token {self.compute_token}")

@@ -235,12 +235,12 @@ class Scheduler:
         self._release(seq)
         self.running.remove(seq)
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """Drop an unfinished seq wherever it is (running, waiting, or a fork not yet
-        forked off) and free its KV."""
+        forked off) and free its KV; it finishes with `reason`."""
         if seq.status == "running":
-            self.finish(seq, "abort")
+            self.finish(seq, reason)
         elif seq.status == "waiting":
             if seq in self.waiting:
                 self.waiting.remove(seq)
-            seq.status, seq.finish_reason, seq.forks = "finished", "abort", []
+            seq.status, seq.finish_reason, seq.forks = "finished", reason, []

@@ -185,14 +185,14 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        cfg = self.config
+        cfg, headers = self.config, dict(scope["headers"])
         if cfg.api_key is not None and scope["path"].startswith("/v1"):
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            auth = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(auth.encode(), f"Bearer {cfg.api_key}".encode()):
                 return await _error(401, "Incorrect or missing API key: send "
                                     "'Authorization: Bearer <key>'",
                                     code="invalid_api_key")(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
+        length = headers.get(b"content-length")
         too_big = _error(413, f"request body over {cfg.max_body_bytes} bytes",
                          code="request_too_large")
         if length is not None and (not length.isdigit() or int(length) > cfg.max_body_bytes):
