@@ -2,7 +2,7 @@
 (same as `lamina bench attention`; `lamina --threads 2 bench attention` for 2 threads)."""
 import sys
 
-from lamina.cli import main
+from lamina.entrypoints.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "attention", *sys.argv[1:]]))

@@ -1,7 +1,8 @@
 """The data plane's per-layer exchange, C++ ends against Python ends, without Ray:
 `python benchmarks/bench_dataplane.py [--repeat 5] [--batch 32] [--context 1 256]`.
 
-Two memory-server processes (`lamina.link.MemoryServer`, forked, one torch thread each)
+Two memory-server processes (`lamina.dataplane.protocol.MemoryServer`, forked, one torch
+thread each)
 hold SmolLM2-shaped pools (30 layers, 3 KV heads, head_dim 64); this process is the
 compute end (`SocketLink`). Per layer it spins `--gap-ms` (a stand-in for the dense
 slice, so the workers sleep between layers as in a real step), then sends the layer's
@@ -28,10 +29,10 @@ LAYERS, HQ, HKV, D, WORKERS = 30, 9, 3, 64, 2
 
 
 def serve(sock, pool_cfg, params, fast: bool) -> None:
-    from lamina.executor import MemorySide
-    from lamina.kv_pool import KVPool
-    from lamina.link import MemoryServer
-    from lamina.wire import SocketChannel
+    from lamina.dataplane.protocol import MemoryServer
+    from lamina.dataplane.transport import SocketChannel
+    from lamina.memory.memory_side import MemorySide
+    from lamina.memory.pool import KVPool
 
     torch.set_num_threads(1)
     MemoryServer(MemorySide(KVPool(pool_cfg)), params, SocketChannel(sock), fast=fast).serve()
@@ -39,11 +40,11 @@ def serve(sock, pool_cfg, params, fast: bool) -> None:
 
 def one_round(fast: bool, batch: int, ctx: int, dtype: str, steps: int, gap_s: float):
     """Median seconds of one layer's exchange over `steps` steps (after 2 warm-up)."""
-    from lamina.executor import WorkerPart
+    from lamina.compute.packing import WorkerPart
+    from lamina.dataplane.protocol import SocketLink
+    from lamina.dataplane.transport import SocketChannel
     from lamina.kernels import AttentionParams, SlotBatch
-    from lamina.kv_pool import KVPoolConfig
-    from lamina.link import SocketLink
-    from lamina.wire import SocketChannel
+    from lamina.memory.pool import KVPoolConfig
 
     per = batch // WORKERS
     cfg = KVPoolConfig(LAYERS, per * (ctx + 1) + 8, HKV, D, dtype=dtype)
@@ -104,8 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gap-ms", type=float, default=2.0)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
-    from lamina.bench import _write
-    from lamina.link import dataplane_ext
+    from lamina.bench.common import _write
+    from lamina.dataplane.protocol import dataplane_ext
 
     if dataplane_ext() is None:
         print("the compiled data plane is unavailable (see lamina.kernels.load_cpu_kernel)")

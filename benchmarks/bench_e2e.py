@@ -2,7 +2,7 @@
 (same as `lamina bench e2e`)."""
 import sys
 
-from lamina.cli import main
+from lamina.entrypoints.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "e2e", *sys.argv[1:]]))

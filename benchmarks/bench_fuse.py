@@ -21,8 +21,8 @@ PROMPT = 128
 
 def one_batch(B: int, rounds: int, steps: int, dtype: str) -> dict:
     from lamina import LLM, SamplingParams
-    from lamina.bench_e2e import _prompts
-    from lamina.prepare import prepare_split
+    from lamina.bench.e2e import _prompts
+    from lamina.model.prepare import prepare_split
 
     llm = LLM(None, dtype=dtype, kv_dtype=dtype, max_step_tokens=B * PROMPT,
               num_kv_slots=B * (PROMPT + rounds * 2 * steps + 16) + 64)
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
-    from lamina.bench import _write
+    from lamina.bench.common import _write
 
     torch.set_num_threads(2)
     rows = []

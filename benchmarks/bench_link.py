@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from lamina import LLM, SamplingParams
-from lamina.bench import _write
-from lamina.bench_e2e import _prompts
+from lamina.bench.common import _write
+from lamina.bench.e2e import _prompts
 
 LAYOUTS = ("gathered", "slices")
 KEYS = ("step_s", "dense_s", "attention_s")

@@ -2,7 +2,7 @@
 (same as `lamina bench sim-scale`)."""
 import sys
 
-from lamina.cli import main
+from lamina.entrypoints.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "sim-scale", *sys.argv[1:]]))

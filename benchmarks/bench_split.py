@@ -2,7 +2,7 @@
 (same as `lamina bench split`)."""
 import sys
 
-from lamina.cli import main
+from lamina.entrypoints.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "split", *sys.argv[1:]]))

@@ -56,11 +56,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
-    from lamina.bench import _write
-    from lamina.bench_memory import HKV, D, _interleaved_medians
+    from lamina.bench.common import _write
+    from lamina.bench.memory import HKV, D, _interleaved_medians
+    from lamina.costmodel.workload import scattered_tables
     from lamina.kernels import SlotBatch, load_cpu_kernel
-    from lamina.kv_pool import host_zeros
-    from lamina.workload import scattered_tables
+    from lamina.memory.pool import host_zeros
 
     torch.set_num_threads(1)
     ext = cpp_extension.load_inline("lamina_overlap_probe", SRC, functions=["probe"],

@@ -1,14 +1,14 @@
 """Sweep the Triton decode kernel's launch settings (BLOCK_N, warps, stages, splits) on
 one GPU, for SmolLM2's shape: `python benchmarks/tune_triton.py [B L ...]`.
-Device times from CUDA-graph replays (lamina.bench_gpu), KV flushed from L2 each run."""
+Device times from CUDA-graph replays (lamina.bench.gpu), KV flushed from L2 each run."""
 import itertools
 import sys
 
 import torch
 
-from lamina.bench_gpu import HKV, HQ, D, _graph_ms
+from lamina.bench.gpu import HKV, HQ, D, _graph_ms
+from lamina.costmodel.workload import scattered_tables
 from lamina.kernels import AttentionParams, SlotBatch, TritonBackend, validate
-from lamina.workload import scattered_tables
 
 
 def main(cases):

@@ -1,10 +1,10 @@
 """Compute worker: a Ray actor holding the model slices; it runs every step's dense part
 and exchanges each layer's q/k/v and attention output with the memory workers over the
-data plane (`lamina.wire` frames), not through Ray.
+data plane (`lamina.dataplane.transport` frames), not through Ray.
 
-Data in: a `StepPlan` per step over the control channel (`lamina.control`, served on a
+Data in: a `StepPlan` per step over the control channel (`lamina.dataplane.control`, served on a
 thread here; Ray only creates and supervises the actor). Data out: the `StepResult`.
-The per-layer protocol is `lamina.link` (`SocketLink`).
+The per-layer protocol is `lamina.dataplane.protocol` (`SocketLink`).
 """
 from __future__ import annotations
 
@@ -17,15 +17,22 @@ import time
 import ray
 import torch
 
-from lamina.control import serve_control
-from lamina.executor import ComputeSide, WorkerPart
+from lamina.compute.compute_side import ComputeSide
+from lamina.compute.packing import WorkerPart
+from lamina.dataplane.control import serve_control
+from lamina.dataplane.protocol import SocketLink, dataplane_ext
+from lamina.dataplane.transport import (
+    ShmRing,
+    SocketChannel,
+    connect_stream,
+    listen_stream,
+    nodelay,
+)
+from lamina.engine.messages import StepPlan, StepResult
 from lamina.kernels import SlotBatch
-from lamina.kv_pool import KVPoolConfig
-from lamina.link import SocketLink, dataplane_ext
-from lamina.messages import StepPlan, StepResult
-from lamina.models import load
-from lamina.prepare import prepare_split
-from lamina.wire import ShmRing, SocketChannel, connect_stream, listen_stream, nodelay
+from lamina.memory.pool import KVPoolConfig
+from lamina.model.loader import load
+from lamina.model.prepare import prepare_split
 
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
 # Fewer rows than this: a second thread does not pay. MKL's sgemm (eager) barely scales
@@ -121,7 +128,7 @@ class ComputeWorker:
         self.channels = []
 
     def serve_control(self, unix: bool) -> tuple:
-        """Open the step control channel (`lamina.control`) for one client, served on a
+        """Open the step control channel (`lamina.dataplane.control`) for one client, served on a
         thread; a second call replaces the first. -> ("unix", path) or ("tcp", host,
         port) for `lamina.cluster.executor.connect_control`."""
         if self._control is not None:  # wake its accept, if still waiting

@@ -1,6 +1,6 @@
 """RayExecutor: places one compute worker and N memory workers on a Ray cluster, wires
 their data plane, and sends each `StepPlan` to the compute worker over the control
-channel (`lamina.control`: a socket, not a Ray call; per-layer tensors never go through
+channel (`lamina.dataplane.control`: a socket, not a Ray call; per-layer tensors never go through
 Ray either). Ray places, configures and supervises the workers.
 
 Data in: `StepPlan`s from the engine. Data out: `StepResult`s. A dead worker surfaces
@@ -18,11 +18,11 @@ from dataclasses import replace
 import ray
 
 from lamina import ONEDNN_CACHE
-from lamina.control import ControlClient, StepError
+from lamina.dataplane.control import ControlClient, StepError
+from lamina.dataplane.transport import SocketChannel, connect_stream
+from lamina.engine.messages import StepPlan, StepResult
 from lamina.errors import SequenceFault
-from lamina.executor import Executor
-from lamina.messages import StepPlan, StepResult
-from lamina.wire import SocketChannel, connect_stream
+from lamina.executor.base import Executor
 
 from .compute_worker import ComputeWorker
 from .memory_worker import MemoryWorker

@@ -2,7 +2,7 @@
 requests placed on it.
 
 Data in: the compute worker's frames over the data plane: per step the slot metadata,
-per layer and micro-batch q/k/v (the protocol is `lamina.link`; its `MemoryServer`
+per layer and micro-batch q/k/v (the protocol is `lamina.dataplane.protocol`; its `MemoryServer`
 runs here, on a thread). Data out: per layer and micro-batch the attention output with
 each row's log-sum-exp (so a sequence split over workers merges exactly).
 Ray only creates, configures and supervises it (setup / listen / health calls).
@@ -15,10 +15,10 @@ import threading
 import ray
 import torch
 
-from lamina.executor import MemorySide
-from lamina.kv_pool import KVPool
-from lamina.link import MemoryServer
-from lamina.wire import ShmRing, SocketChannel, listen_stream, nodelay
+from lamina.dataplane.protocol import MemoryServer
+from lamina.dataplane.transport import ShmRing, SocketChannel, listen_stream, nodelay
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool
 
 RING_BYTES = 64 << 20  # per direction; larger payloads go inline on the socket
 

@@ -24,7 +24,8 @@ import torch
 log = logging.getLogger("lamina.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-# the kernels, the data plane's per-layer fast paths (lamina.link), fused pointwise ops
+# the kernels, the data plane's per-layer fast paths (lamina.dataplane.protocol), fused
+# pointwise ops
 SOURCES = (CSRC / "slot_attention.cpp", CSRC / "dataplane.cpp", CSRC / "pointwise.cpp")
 HEADERS = (CSRC / "lamina_ext.h",)  # hashed into the build key with the sources
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]

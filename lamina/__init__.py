@@ -1,6 +1,6 @@
 """Lamina: LLM inference with attention offloaded to memory workers.
 
-`from lamina import LLM, SamplingParams` (imported lazily, so `lamina.kv_allocator` and
+`from lamina import LLM, SamplingParams` (imported lazily, so `lamina.memory.allocator` and
 friends stay light).
 """
 import os
@@ -20,9 +20,9 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name):
     if name == "LLM":
-        from .llm import LLM
+        from lamina.entrypoints.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from .sampling import SamplingParams
+        from lamina.sampling.params import SamplingParams
         return SamplingParams
     raise AttributeError(f"module 'lamina' has no attribute {name!r}")

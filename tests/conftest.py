@@ -14,7 +14,7 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 @pytest.fixture(scope="session")
 def smol():
-    from lamina.models import load
+    from lamina.model.loader import load
 
     return load()
 

@@ -59,7 +59,7 @@ def test_gpu_pool_on_a_cluster_without_gpus_is_a_clear_error(llm):
     """kv_device='cuda' gives each memory worker a GPU of its own; a cluster with fewer
     GPUs is refused before any worker starts (Ray would otherwise wait forever)."""
     from lamina.cluster.executor import RayExecutor
-    from lamina.engine import EngineConfig
+    from lamina.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="the Ray cluster has 0 GPU"):
         RayExecutor(None, "float32", EngineConfig(num_memory_workers=2, kv_device="cuda"))

@@ -13,9 +13,9 @@ import pytest
 import ray
 
 from lamina import LLM, SamplingParams
+from lamina.entrypoints.engine_loop import EngineLoop
+from lamina.entrypoints.metrics import EngineMetrics
 from lamina.faults import FaultPlan
-from lamina.metrics import EngineMetrics
-from lamina.serving import EngineLoop
 
 from ..lamina.test_isolation import unused_token
 from ..lamina.test_server_limits import _KeyServer

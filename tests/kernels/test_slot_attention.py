@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from lamina.costmodel.workload import scattered_tables
 from lamina.kernels import (
     AttentionParams,
     ReferenceBackend,
@@ -14,7 +15,6 @@ from lamina.kernels import (
     write_kv,
 )
 from lamina.splitter.attention_op import reference_attention
-from lamina.workload import scattered_tables
 
 REF = ReferenceBackend()
 D = 64

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from lamina.costmodel.workload import scattered_tables
 from lamina.kernels import (
     AttentionParams,
     BackendUnavailable,
@@ -19,7 +20,6 @@ from lamina.kernels import (
     prefill_attention,
     select_backend,
 )
-from lamina.workload import scattered_tables
 
 from .test_slot_attention import GQA, D, decode_case, params_for, pools, queries
 

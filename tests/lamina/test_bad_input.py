@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from lamina.engine import EngineConfig
+from lamina.engine.config import EngineConfig
+from lamina.entrypoints.api_server import ServerConfig
+from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.errors import EngineOverloaded
 from lamina.faults import FaultPlan
-from lamina.sampling import SamplingParams
-from lamina.server import ServerConfig
-from lamina.serving import EngineLoop
+from lamina.sampling.params import SamplingParams
 
 from .test_isolation import SLOTS, engine
 
@@ -65,7 +65,7 @@ def test_bad_request_raises_and_changes_nothing(eng, prompts, hf_greedy, prompt,
 
 
 def test_clamp_max_tokens_lowers_instead(smol, smol_split):
-    from lamina.engine import LLMEngine
+    from lamina.engine.engine import LLMEngine
 
     e = engine(smol, smol_split, workers=1)
     e = LLMEngine(EngineConfig(num_kv_slots=SLOTS, clamp_max_tokens=True), e.executor,

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from lamina.cli import main
+from lamina.entrypoints.cli import main
 from tests.tiny_models import tiny_model
 
 
@@ -75,7 +75,7 @@ def test_generate_stop_and_penalty_flags(capsys):
 
 
 def test_dense_backend_choices_follow_the_library():
-    from lamina.cli import build_parser
+    from lamina.entrypoints.cli import build_parser
     from lamina.splitter.dense import DENSE_BACKENDS
 
     sub = next(a for a in build_parser()._actions if a.choices and "generate" in a.choices)
@@ -87,7 +87,7 @@ def test_dense_backend_choices_follow_the_library():
 def test_dtype_flag_reaches_llm(monkeypatch, capsys):
     """--dtype sets the model's and the KV pool's dtype (generate and serve)."""
     import lamina
-    import lamina.server
+    import lamina.entrypoints.api_server
 
     seen = []
 
@@ -105,7 +105,8 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
             pass
 
     monkeypatch.setattr(lamina, "LLM", FakeLLM)
-    monkeypatch.setattr(lamina.server, "serve", lambda llm, host, port, *a, **kw: None)
+    monkeypatch.setattr(lamina.entrypoints.api_server, "serve",
+                        lambda llm, host, port, *a, **kw: None)
     assert main(["generate", "--dtype", "bfloat16", "hi"]) == 0
     assert main(["serve", "--dtype", "bfloat16"]) == 0
     assert main(["generate", "hi"]) == 0

@@ -1,4 +1,4 @@
-"""The step control channel (lamina.control): plans and results round-trip exactly as the
+"""The step control channel (lamina.dataplane.control): plans and results round-trip exactly as the
 typed dataclasses, a step's error comes back by name and the loop keeps serving, and
 malformed messages are rejected by name before anything executes."""
 import socket
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from lamina.control import (
+from lamina.dataplane.control import (
     ERROR,
     PLAN,
     RESULT,
@@ -17,10 +17,10 @@ from lamina.control import (
     encode,
     serve_control,
 )
-from lamina.messages import SeqWork, StepPlan, StepResult
-from lamina.sampling import SamplingParams
-from lamina.wire import FrameError, SocketChannel
-from lamina.wire import encode as encode_frame
+from lamina.dataplane.transport import FrameError, SocketChannel
+from lamina.dataplane.transport import encode as encode_frame
+from lamina.engine.messages import SeqWork, StepPlan, StepResult
+from lamina.sampling.params import SamplingParams
 
 
 def _plan(step=3):

@@ -1,7 +1,7 @@
 """Cost model, first part: paper Table 1 and Table 3 reproduced; catalog validation."""
 import pytest
 
-from lamina.cost import (
+from lamina.costmodel.catalog import (
     MODELS,
     CatalogError,
     default_mfu,

@@ -5,8 +5,7 @@ import math
 
 import pytest
 
-from lamina.cost import MODELS, default_mfu, load_catalog
-from lamina.cost_model import (
+from lamina.costmodel.analytic import (
     Cell,
     Efficiency,
     alpha_device,
@@ -16,6 +15,7 @@ from lamina.cost_model import (
     max_batch,
     net_bytes_per_token,
 )
+from lamina.costmodel.catalog import MODELS, default_mfu, load_catalog
 
 CAT = load_catalog()
 A100, RTX = CAT["a100-80g"], CAT["rtx3090"]

@@ -6,8 +6,8 @@ import re
 import jsonschema
 import pytest
 
-from lamina.cli import main
-from lamina.cost_report import REPORT_SCHEMA, build_report
+from lamina.costmodel.report import REPORT_SCHEMA, build_report
+from lamina.entrypoints.cli import main
 
 ARGS = ["cost-report", "--model", "llama-13b", "--compute", "a100-80g", "--memory", "rtx3090",
         "--context", "512", "4096", "--max-ratio", "8", "--sim-requests", "60"]

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from lamina.detok import IncrementalDetokenizer
+from lamina.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Hello, world! The café serves crème brûlée.",
          "数学是研究数量、结构以及空间等概念的一门学科。",

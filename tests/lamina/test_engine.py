@@ -3,10 +3,12 @@ tokens identical to HF `generate`, preemption, seeded sampling, bad input."""
 import pytest
 import torch
 
-from lamina.engine import EngineConfig, LLMEngine
-from lamina.executor import LocalExecutor, MemorySide
-from lamina.kv_pool import KVPool, KVPoolConfig
-from lamina.sampling import SamplingParams
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.executor.local import LocalExecutor
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0)
 
@@ -152,8 +154,8 @@ def test_kv_split_over_workers_merges_exactly(smol, smol_split, prompts, hf_gree
 
 
 def test_split_micro_contiguous_and_balanced():
-    from lamina.executor import split_micro
-    from lamina.messages import SeqWork
+    from lamina.compute.packing import split_micro
+    from lamina.engine.messages import SeqWork
 
     def seq(i, n):
         return SeqWork(i, (1,) * n, 0, tuple(range(n)))
@@ -171,7 +173,7 @@ def test_memory_side_checks_slot_metadata_once_per_step(smol, smol_split, prompt
                                                         monkeypatch):
     import torch
 
-    import lamina.executor as ex
+    import lamina.memory.memory_side as ex
     from lamina.kernels import AttentionInputError, AttentionParams, SlotBatch
     calls = []
     real = ex.validate_batch

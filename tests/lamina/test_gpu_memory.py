@@ -6,10 +6,12 @@ is a clear error."""
 import pytest
 import torch
 
-from lamina.engine import EngineConfig, LLMEngine
-from lamina.executor import LocalExecutor, MemorySide
-from lamina.kv_pool import KVPool, KVPoolConfig
-from lamina.sampling import SamplingParams
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.executor.local import LocalExecutor
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.sampling.params import SamplingParams
 from tests.tiny_models import tiny_model
 
 CUDA = torch.cuda.is_available()

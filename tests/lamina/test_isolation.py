@@ -6,14 +6,16 @@ greedy tokens, and the allocators' free counts return to their start. The Ray pa
 in tests/cluster/test_ray_isolation.py, HTTP in test_server_limits.py."""
 import pytest
 
-import lamina.executor as executor_mod
-from lamina.engine import EngineConfig, LLMEngine
+import lamina.compute.compute_side as executor_mod
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.errors import RequestFailed, SequenceFault
-from lamina.executor import LocalExecutor, MemorySide
+from lamina.executor.local import LocalExecutor
 from lamina.faults import FaultPlan
-from lamina.kv_pool import KVPool, KVPoolConfig
-from lamina.sampling import SamplingParams
-from lamina.serving import EngineLoop
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.sampling.params import SamplingParams
 
 NEW = 12  # tokens drawn per good request (HF's reference has 64)
 GOOD = SamplingParams(max_tokens=NEW, temperature=0)

@@ -4,7 +4,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lamina.kv_allocator import CopySlot, KVAllocator, KVAllocatorConfig, KVPoolExhausted
+from lamina.memory.allocator import CopySlot, KVAllocator, KVAllocatorConfig, KVPoolExhausted
 
 
 def alloc(n=8, **kw):

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from lamina.kv_allocator import CopySlot, KVAllocator, KVAllocatorConfig
-from lamina.kv_pool import KVPool, KVPoolConfig
+from lamina.memory.allocator import CopySlot, KVAllocator, KVAllocatorConfig
+from lamina.memory.pool import KVPool, KVPoolConfig
 
 
 def test_layout_and_sizes():
@@ -95,7 +95,7 @@ def test_host_pool_on_huge_pages_and_zeroed():
 
 
 def test_host_zeros_small_and_bf16():
-    from lamina.kv_pool import host_zeros
+    from lamina.memory.pool import host_zeros
     t = host_zeros((4, 3), torch.bfloat16)  # under 2 MiB: an ordinary tensor
     assert t.dtype == torch.bfloat16 and t.shape == (4, 3) and not t.any()
     big = host_zeros((1 << 20, 2), torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The data-plane protocol (`lamina.link`) end to end without Ray: the compute side's
+"""The data-plane protocol (`lamina.dataplane.protocol`) end to end without Ray: the compute side's
 `SocketLink` and `MemoryServer` threads over socket pairs, on SmolLM2; greedy tokens
 equal HF's with one q|k/v frame or three, with KV split over workers, and a malformed
 frame fails the step loudly."""
@@ -10,14 +10,18 @@ import time
 import pytest
 import torch
 
-from lamina.engine import EngineConfig, LLMEngine
-from lamina.executor import ComputeSide, Executor, MemorySide, WorkerPart, by_worker, pack
+from lamina.compute.compute_side import ComputeSide
+from lamina.compute.packing import WorkerPart, by_worker, pack
+from lamina.dataplane.protocol import META, MemoryServer, SocketLink, fuse_qkv, split_qkv
+from lamina.dataplane.transport import FrameError, PeerTimeout, ShmRing, SocketChannel, encode
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.engine.messages import SeqWork, StepPlan
+from lamina.executor.base import Executor
 from lamina.kernels import AttentionParams, SlotBatch, reference_slot_attention
-from lamina.kv_pool import KVPool, KVPoolConfig
-from lamina.link import META, MemoryServer, SocketLink, fuse_qkv, split_qkv
-from lamina.messages import SeqWork, StepPlan
-from lamina.sampling import SamplingParams
-from lamina.wire import FrameError, PeerTimeout, ShmRing, SocketChannel, encode
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.sampling.params import SamplingParams
 
 from .test_engine import run
 

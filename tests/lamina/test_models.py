@@ -1,8 +1,8 @@
-"""lamina.models.load: default GGUF model, the converted-folder cache, HF folders, errors."""
+"""lamina.model.loader.load: default GGUF model, the converted-folder cache, HF folders, errors."""
 import pytest
 import torch
 
-from lamina.models import ModelLoadError, load, resolve
+from lamina.model.loader import ModelLoadError, load, resolve
 from tests.tiny_models import tiny_model
 
 

@@ -7,10 +7,12 @@ import logging
 
 import pytest
 
-from lamina.engine import EngineConfig, LLMEngine
-from lamina.executor import LocalExecutor, MemorySide
-from lamina.kv_pool import KVPool, KVPoolConfig
-from lamina.sampling import SamplingParams
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.executor.local import LocalExecutor
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.sampling.params import SamplingParams
 
 from .test_engine import GREEDY
 
@@ -68,7 +70,7 @@ def test_failed_steps_are_recovered_with_hf_tokens(smol, smol_split, prompts, hf
     # call 1 is the admission (prefill) step, call 20 is mid-decode with 4 running
     eng = flaky_engine(smol, smol_split, fail_on={1, 20})
     ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
-    with caplog.at_level(logging.WARNING, logger="lamina.engine"):
+    with caplog.at_level(logging.WARNING, logger="lamina.engine.engine"):
         outs = drain(eng, ids)
     assert [o.token_ids for o in outs] == [hf_greedy[i] for i in PICK]
     assert eng.executor.recovered == 2 and len(eng.recoveries) == 2
@@ -138,8 +140,8 @@ def test_engine_loop_keeps_serving_through_a_recovery(smol, smol_split, prompts,
     """The serving loop: a step fails mid-flight, every future still resolves with HF's
     tokens, the loop stays alive, and the metrics count the recovery once and no token
     twice."""
-    from lamina.metrics import EngineMetrics
-    from lamina.serving import EngineLoop
+    from lamina.entrypoints.engine_loop import EngineLoop
+    from lamina.entrypoints.metrics import EngineMetrics
 
     eng = flaky_engine(smol, smol_split, fail_on={3})
     metrics = EngineMetrics()

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from lamina.sampling import (
-    SamplingParams,
+from lamina.sampling.params import SamplingParams
+from lamina.sampling.sampler import (
     apply_penalties,
     draw_seed,
     prompt_logprobs,

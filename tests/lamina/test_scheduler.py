@@ -1,10 +1,10 @@
 """Scheduler: exact plans, slot ids, admission order, preemption and recompute."""
 import pytest
 
-from lamina.kv_allocator import KVAllocator, KVAllocatorConfig
-from lamina.messages import SeqWork
-from lamina.sampling import SamplingParams
-from lamina.scheduler import Scheduler, SchedulerConfig, Sequence
+from lamina.engine.messages import SeqWork
+from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
+from lamina.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=8)
 

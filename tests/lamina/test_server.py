@@ -15,12 +15,14 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from lamina.engine import EngineConfig, LLMEngine
-from lamina.executor import LocalExecutor, MemorySide
-from lamina.kv_pool import KVPool, KVPoolConfig
-from lamina.metrics import EngineMetrics
-from lamina.server import build_app
-from lamina.serving import EngineLoop
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.entrypoints.api_server import build_app
+from lamina.entrypoints.engine_loop import EngineLoop
+from lamina.entrypoints.metrics import EngineMetrics
+from lamina.executor.local import LocalExecutor
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
 
 
 def _engine(smol, smol_split, **kw):

@@ -13,13 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from lamina.engine import EngineConfig, LLMEngine
-from lamina.executor import LocalExecutor, MemorySide
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.entrypoints.api_server import ServerConfig
+from lamina.entrypoints.engine_loop import EngineLoop
+from lamina.entrypoints.metrics import EngineMetrics
+from lamina.executor.local import LocalExecutor
 from lamina.faults import FaultPlan
-from lamina.kv_pool import KVPool, KVPoolConfig
-from lamina.metrics import EngineMetrics
-from lamina.server import ServerConfig
-from lamina.serving import EngineLoop
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
 
 from .test_isolation import unused_token
 from .test_server import _Server
@@ -298,7 +300,7 @@ def test_hundred_aborts_free_every_slot(srv, prompts):
 
     with ThreadPoolExecutor(25) as pool:
         list(pool.map(stream_and_drop, range(50)))
-    from lamina.sampling import SamplingParams
+    from lamina.sampling.params import SamplingParams
     p = SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0)
     futs = [loop.submit(prompts[i % 16], p) for i in range(50)]
     time.sleep(1.0)  # some running, some waiting (max_batch 64 with the streams' leftovers)

@@ -2,7 +2,7 @@
 period, KV admission, Poisson arrivals, and measured-cost interpolation."""
 import pytest
 
-from lamina.simulator import (
+from lamina.costmodel.simulator import (
     MeasuredCosts,
     Request,
     SimConfig,
@@ -10,7 +10,7 @@ from lamina.simulator import (
     simulate,
     step_time,
 )
-from lamina.workload import sharegpt_like
+from lamina.costmodel.workload import sharegpt_like
 
 
 class FlatCosts:

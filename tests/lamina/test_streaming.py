@@ -3,7 +3,7 @@ outputs, and abort (exact allocator state after it), on SmolLM2 with the local e
 import pytest
 import torch
 
-from lamina.sampling import SamplingParams
+from lamina.sampling.params import SamplingParams
 
 from .test_engine import GREEDY, engine, run
 

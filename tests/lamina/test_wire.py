@@ -5,7 +5,7 @@ import struct
 import pytest
 import torch
 
-from lamina.wire import HEADER, FrameError, SocketChannel, decode, encode
+from lamina.dataplane.transport import HEADER, FrameError, SocketChannel, decode, encode
 
 
 def frame(t, layer=3, step=7):
@@ -114,7 +114,7 @@ def test_send_many_survives_partial_writes():
 
 
 def _ring_pair(tmp_path, cap):
-    from lamina.wire import ShmRing
+    from lamina.dataplane.transport import ShmRing
 
     a, b = socket.socketpair()
     out_w = ShmRing(str(tmp_path / "ab"), cap, create=True, min_bytes=0)
@@ -163,7 +163,7 @@ def test_silent_peer_times_out(tmp_path):
     write it never makes room for each raise PeerTimeout after the channel's timeout."""
     import time
 
-    from lamina.wire import PeerTimeout
+    from lamina.dataplane.transport import PeerTimeout
 
     a, b = socket.socketpair()
     tx = SocketChannel(a)

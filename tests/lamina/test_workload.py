@@ -2,8 +2,13 @@
 import json
 import statistics
 
-from lamina.cli import main
-from lamina.workload import OccupancySample, scattered_tables, sharegpt_like, simulate_occupancy
+from lamina.costmodel.workload import (
+    OccupancySample,
+    scattered_tables,
+    sharegpt_like,
+    simulate_occupancy,
+)
+from lamina.entrypoints.cli import main
 
 
 def test_sharegpt_like_is_deterministic_and_in_range():

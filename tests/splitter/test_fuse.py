@@ -78,7 +78,7 @@ def test_smollm2_bf16_fused_slice_on_a_decode_batch():
     """A bf16 layer slice at 32 rows, fused vs plain packed: every chain but the norms'
     sums and silu's exp rounds as eager does, so outputs agree but for rare last-bit
     (one bf16 step) differences."""
-    from lamina.models import load
+    from lamina.model.loader import load
 
     model = load(dtype=torch.bfloat16, with_tokenizer=False).model
     plain, _ = pack_dense(split_model(model), "auto", 32)

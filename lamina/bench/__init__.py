@@ -1,0 +1,2 @@
+"""The `lamina bench` drivers. Nothing in the runtime imports this package.
+"""

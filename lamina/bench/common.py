@@ -1,0 +1,72 @@
+"""Benchmarks reachable as `lamina bench NAME` (scripts in benchmarks/ call these).
+
+Each runs the baseline and ours in one process, repeats, reports medians and the
+ratio, and writes JSON plus a Markdown table under the output folder.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _write(out_dir: Path, name: str, result: dict, table: list[list[str]]) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jp, mp = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    jp.write_text(json.dumps(result, indent=2))
+    md = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
+    md += ["| " + " | ".join(r) + " |" for r in table[1:]]
+    mp.write_text(f"# {name}\n\n" + "\n".join(md) + "\n")
+    return jp, mp
+
+
+def bench_split(model_path: str | None = None, repeat: int = 3,
+                out_dir: str | Path = "benchmarks/results") -> dict:
+    """Time splitting (trace + cuts + slices) against the bare torch.export trace."""
+    from lamina.model.loader import load
+    from lamina.splitter import split_model, trace
+
+    t0 = time.perf_counter()
+    lm = load(model_path, with_tokenizer=False)
+    load_s = time.perf_counter() - t0
+    trace_only, split_total, parts = [], [], []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        trace(lm.model)  # baseline: what any export-based splitter pays
+        trace_only.append(time.perf_counter() - t)
+        sm = split_model(lm.model)
+        split_total.append(sm.timings["total_s"])
+        parts.append(sm.timings)
+    med = statistics.median
+    res = {
+        "model": lm.source, "model_type": sm.model_name, "slices": sm.num_slices,
+        "threads": torch.get_num_threads(), "repeat": repeat, "machine": platform.machine(),
+        "load_s": load_s,
+        "baseline_trace_s_median": med(trace_only),
+        "split_total_s_median": med(split_total),
+        "split_trace_s_median": med(p["trace_s"] for p in parts),
+        "split_cut_s_median": med(p["cut_s"] for p in parts),
+        "split_build_s_median": med(p["build_s"] for p in parts),
+        "ratio_split_over_trace": med(split_total) / med(trace_only),
+        "target_s": 10.0,
+        "all_split_s": split_total, "all_trace_s": trace_only,
+    }
+    table = [["what", "median s", "all runs s"],
+             ["baseline: torch.export trace only", f"{res['baseline_trace_s_median']:.2f}",
+              ", ".join(f"{x:.2f}" for x in trace_only)],
+             ["ours: split (trace + cuts + slices)", f"{res['split_total_s_median']:.2f}",
+              ", ".join(f"{x:.2f}" for x in split_total)],
+             ["  of which min cuts", f"{res['split_cut_s_median']:.3f}", ""],
+             ["  of which slice building", f"{res['split_build_s_median']:.3f}", ""],
+             ["ratio split / trace", f"{res['ratio_split_over_trace']:.3f}", ""],
+             ["target (split)", "10.00", ""]]
+    jp, mp = _write(Path(out_dir), "split", res, table)
+    print("\n".join(" | ".join(r) for r in table))
+    print(f"split {res['split_total_s_median']:.2f}s median of {repeat} "
+          f"({'within' if res['split_total_s_median'] <= 10 else 'OVER'} the 10 s target); "
+          f"ratio to bare trace {res['ratio_split_over_trace']:.3f}; wrote {jp} and {mp}")
+    return res

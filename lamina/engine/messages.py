@@ -1,0 +1,90 @@
+"""The per-step messages between the engine and an executor; nothing else crosses.
+Typed throughout: `lamina.dataplane.control` sends them as msgpack decoded by these types.
+
+Data in: `StepPlan` from the scheduler (which sequences, which tokens at which positions,
+which KV slots, how to sample). Data out: `StepResult` from the executor: the token ids
+drawn on the compute worker (logits never leave it), with their logprobs where asked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lamina.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+@dataclass(frozen=True)
+class SeqWork:
+    seq_id: int
+    token_ids: tuple[int, ...]  # tokens fed this step
+    start_pos: int  # position of token_ids[0]
+    slots: tuple[int, ...]  # KV slot of every position 0 .. start_pos + len(token_ids) - 1
+    sample: bool = True  # draw after the last fed token
+    worker: int = 0  # memory worker holding this sequence's KV (slots are its local ids)
+    params: SamplingParams = GREEDY
+    seeds: tuple[int, ...] = (0,)  # one draw per seed (> 1: the n forks of a prompt)
+    # KV split over workers: (worker, first position) per contiguous range, in order; the
+    # slots of range i are local ids on its worker. Empty: all on `worker`.
+    segments: tuple[tuple[int, int], ...] = ()
+    # penalties only (params.penalized): every token so far, prompt first, and how many
+    # of them are the prompt (the compute side keeps no per-sequence state)
+    history: tuple[int, ...] = ()
+    prompt_len: int = 0
+
+    def __post_init__(self):
+        if len(self.slots) != self.start_pos + len(self.token_ids) or not self.token_ids:
+            raise ValueError(f"seq {self.seq_id}: {len(self.slots)} slots for positions "
+                             f"0..{self.start_pos + len(self.token_ids) - 1}")
+        if self.sample and not self.seeds:
+            raise ValueError(f"seq {self.seq_id}: sampling needs at least one seed")
+        seg = self.placement
+        starts, workers = [a for _, a in seg], [w for w, _ in seg]
+        if (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))
+                or starts[-1] >= len(self.slots) or len(set(workers)) != len(workers)):
+            raise ValueError(f"seq {self.seq_id}: bad KV segments {seg} for "
+                             f"{len(self.slots)} positions")
+
+    @property
+    def placement(self) -> tuple[tuple[int, int], ...]:
+        """(worker, first position) of each KV range."""
+        return self.segments or ((self.worker, 0),)
+
+    @property
+    def next_pos(self) -> int:
+        """Position of the token this step draws."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    seqs: tuple[SeqWork, ...]
+    micro_batches: int = 1  # > 1: staggered pipelining over that many sub-batches
+
+    def __post_init__(self):
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"StepPlan.micro_batches must be an int >= 1, "
+                             f"got {self.micro_batches!r}")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+# (logprob, top ids, top logprobs) of one drawn token
+TokenLogprobs = tuple[float, tuple[int, ...], tuple[float, ...]]
+# a prompt's tokens 1..: (logprob of each, top ids per token, top logprobs per token)
+PromptLogprobs = tuple[tuple[float, ...], tuple[tuple[int, ...], ...],
+                       tuple[tuple[float, ...], ...]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    seq_ids: tuple[int, ...]  # sampling sequences, in plan order
+    token_ids: tuple[tuple[int, ...], ...]  # per sequence, one token per seed
+    timings: dict[str, int | float] | None = None  # seconds: dense, attention, sample, ...
+    # per sequence: None, or per drawn token (logprob, top ids, top logprobs)
+    logprobs: tuple[tuple[TokenLogprobs, ...] | None, ...] | None = None
+    # per sequence: None, or for its prompt tokens 1.. (logprobs, top ids, top logprobs)
+    prompt_logprobs: tuple[PromptLogprobs | None, ...] | None = None

@@ -1,0 +1,246 @@
+"""Continuous-batching scheduler: plain Python over sequence ids and KV slot ids.
+
+Data in: sequences added by the engine, sampled tokens after each step.
+Data out: a `StepPlan` per step (via `schedule`), KV slots from one `KVAllocator` per
+memory worker. Requests are partitioned across memory workers (paper 5.2, request-level):
+a sequence is placed at admission on the worker with the most free slots, which keeps
+KV bytes balanced.
+
+Each step every running sequence decodes one token (one new slot). Waiting sequences
+are admitted in policy order (FIFO by default) while the batch has room and
+`can_allocate` says their KV fits; an admitted sequence feeds all its tokens (prompt,
+plus any tokens it generated before a preemption). When a running sequence cannot get
+its next slot, the newest running sequences are preempted: their slots are freed and
+they wait at the front of the queue, to be recomputed later. Nothing is dropped.
+
+Parallel sampling (n > 1): only the first sequence of a request is queued; its n - 1
+siblings ride along as `forks`. The prompt is prefilled once, n tokens are drawn from
+its last position, and `fork` then gives each sibling the parent's KV slots by
+reference count (`KVAllocator.fork`); from there each appends its own slots.
+
+KV split (paper 5.2): with `split_kv`, a sequence whose worker is full spills its next
+slots onto another worker instead of being preempted, and a prompt larger than any one
+worker's free slots is spread over several. A sequence holds at most one contiguous
+position range per worker (`Sequence.segments`); the executor sends its queries to each
+and merges the partial attentions exactly by log-sum-exp.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lamina.engine.messages import SeqWork, StepPlan
+from lamina.memory.allocator import KVAllocator
+from lamina.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int = 64  # running sequences
+    max_step_tokens: int = 4096  # tokens fed per step (prefill budget)
+    split_kv: bool = True  # a sequence's KV may span memory workers
+
+    def __post_init__(self):
+        for f in ("max_batch", "max_step_tokens"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"SchedulerConfig.{f} must be a positive int, got {v!r}")
+        if not isinstance(self.split_kv, bool):
+            raise ValueError(f"SchedulerConfig.split_kv must be a bool, got {self.split_kv!r}")
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    status: str = "waiting"  # waiting | running | finished
+    segments: list[tuple[int, int]] = field(default_factory=list)  # (worker, first pos)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    seed: int = 0  # this sequence's sampling seed (draws are keyed by seed and position)
+    forks: list["Sequence"] = field(default_factory=list)  # siblings not yet forked off
+    logprobs: list = field(default_factory=list)  # per output token, if asked for
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def worker(self) -> int:
+        """The memory worker its next token's KV goes to (-1 while not running)."""
+        return self.segments[-1][0] if self.segments else -1
+
+    @property
+    def workers(self) -> list[int]:
+        return [w for w, _ in self.segments]
+
+
+def fifo(waiting: deque) -> list:
+    return list(waiting)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocators: KVAllocator | list[KVAllocator],
+                 policy: Callable[[deque], list] = fifo):
+        self.allocs = allocators if isinstance(allocators, list) else [allocators]
+        self.config, self.policy = config, policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: newest last
+        self.step = 0
+
+    @property
+    def alloc(self) -> KVAllocator:
+        """The allocator, when there is one memory worker."""
+        if len(self.allocs) != 1:
+            raise AttributeError("several memory workers: use .allocs")
+        return self.allocs[0]
+
+    def add(self, seq: Sequence) -> None:
+        cap = (sum if self.config.split_kv else max)(a.config.num_slots for a in self.allocs)
+        if len(seq.tokens) > cap:
+            raise ValueError(f"sequence {seq.seq_id} needs {len(seq.tokens)} KV slots; the "
+                             f"memory workers hold {cap} in all")
+        self.waiting.append(seq)
+
+    def _place(self, n: int) -> list[tuple[int, int]] | None:
+        """[(worker, slots)] for n new slots: the worker with the most free slots if it
+        can hold them all, else (split_kv) the fewest most-free workers; None if not."""
+        order = sorted(range(len(self.allocs)), key=lambda w: (-self.allocs[w].num_free(), w))
+        if self.allocs[order[0]].can_allocate(n):
+            return [(order[0], n)]
+        if not self.config.split_kv:
+            return None
+        plan, left = [], n
+        for w in order:
+            take = min(left, self.allocs[w].num_free())
+            if take:
+                plan.append((w, take))
+                left -= take
+            if not left:
+                return plan
+        return None
+
+    def _spill(self, seq: Sequence) -> int | None:
+        """A worker this sequence has no range on that can take one more slot."""
+        if not self.config.split_kv:
+            return None
+        free = [w for w in range(len(self.allocs))
+                if w not in seq.workers and self.allocs[w].can_allocate(1)]
+        return max(free, key=lambda w: (self.allocs[w].num_free(), -w)) if free else None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, seq: Sequence) -> None:
+        for w in seq.workers:
+            self.allocs[w].free(seq.seq_id)
+        seq.segments = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        self.running.remove(seq)
+        seq.status, seq.num_preemptions = "waiting", seq.num_preemptions + 1
+        self.waiting.appendleft(seq)
+
+    def preempt_all(self) -> int:
+        """Every running sequence back to the waiting queue, in admission order ahead of
+        the ones already waiting, its KV freed (the memory workers lost it). Returns how
+        many."""
+        victims = list(self.running)
+        for seq in reversed(victims):  # newest first, so the oldest ends up in front
+            self._preempt(seq)
+        return len(victims)
+
+    def _grow(self, seq: Sequence) -> bool:
+        """One more slot for seq's next position; False if seq itself was preempted."""
+        w = seq.worker
+        while not self.allocs[w].can_allocate(1):
+            spill = self._spill(seq)
+            if spill is not None:
+                self.allocs[spill].allocate(seq.seq_id, 1)
+                seq.segments.append((spill, len(seq.tokens) - 1))
+                return True
+            victim = [s for s in self.running if w in s.workers][-1]  # newest on w
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.allocs[w].append(seq.seq_id)
+        return True
+
+    def _work(self, seq: Sequence, tokens: tuple, start: int, seeds: tuple) -> SeqWork:
+        tables = [self.allocs[w].slots(seq.seq_id) for w in seq.workers]
+        slots = tables[0] if len(tables) == 1 else list(itertools.chain(*tables))
+        segs = tuple(seq.segments) if len(seq.segments) > 1 else ()
+        hist = {}
+        if seq.params.penalized:  # the tokens the draw is penalized by
+            hist = {"history": tuple(seq.tokens), "prompt_len": len(seq.prompt)}
+        return SeqWork(seq.seq_id, tokens, start, tuple(slots), worker=seq.segments[0][0],
+                       params=seq.params, seeds=seeds, segments=segs, **hist)
+
+    def schedule(self) -> StepPlan:
+        work: list[SeqWork] = []
+        # 1. Decode: one new slot per running sequence, oldest first; a full worker
+        #    spills to another (split_kv) or preempts its newest sequences.
+        for seq in list(self.running):
+            if seq.status != "running":
+                continue  # preempted while making room for an older one
+            if self._grow(seq):
+                work.append(self._work(seq, (seq.tokens[-1],), len(seq.tokens) - 1,
+                                       (seq.seed,)))
+        # 2. Admit waiting sequences in policy order while they fit.
+        budget = self.config.max_step_tokens - len(work)
+        for seq in self.policy(self.waiting):
+            n, k = len(seq.tokens), len(seq.forks)
+            place = self._place(n + k)  # room for each fork's first own slot too
+            if len(self.running) + 1 + k > self.config.max_batch or n > budget or not place:
+                break  # keep order: no overtaking
+            self.waiting.remove(seq)
+            pos = 0
+            for w, take in place:
+                take = min(take, n - pos)
+                if take:
+                    self.allocs[w].allocate(seq.seq_id, take)
+                    seq.segments.append((w, pos))
+                    pos += take
+            seq.status = "running"
+            self.running.append(seq)
+            budget -= n
+            work.append(self._work(seq, tuple(seq.tokens), 0,
+                                   (seq.seed, *(f.seed for f in seq.forks))))
+        if not work and self.waiting:
+            seq = self.waiting[0]
+            raise RuntimeError(f"sequence {seq.seq_id} ({len(seq.tokens)} tokens) cannot be "
+                               f"scheduled: step token budget {self.config.max_step_tokens}, "
+                               f"{[a.num_free() for a in self.allocs]} free KV slots")
+        plan = StepPlan(self.step, tuple(work))
+        self.step += 1
+        return plan
+
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """After the parent's prefill: its pending forks share its KV slots and run."""
+        kids, parent.forks = parent.forks, []
+        for kid in kids:
+            for w in parent.workers:
+                self.allocs[w].fork(parent.seq_id, kid.seq_id)
+            kid.status, kid.segments = "running", list(parent.segments)
+            self.running.append(kid)
+        return kids
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = "finished", reason
+        self._release(seq)
+        self.running.remove(seq)
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """Drop an unfinished seq wherever it is (running, waiting, or a fork not yet
+        forked off) and free its KV; it finishes with `reason`."""
+        if seq.status == "running":
+            self.finish(seq, reason)
+        elif seq.status == "waiting":
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            seq.status, seq.finish_reason, seq.forks = "finished", reason, []

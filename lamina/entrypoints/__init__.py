@@ -1,0 +1,3 @@
+"""How users reach the engine: `LLM` (Python), the `lamina` CLI, the OpenAI-compatible HTTP
+server and its engine loop, Prometheus metrics.
+"""

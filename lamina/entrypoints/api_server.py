@@ -1,0 +1,420 @@
+"""OpenAI-compatible HTTP server (FastAPI on uvicorn): `lamina serve`.
+
+Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fields,
+echo, penalties and logit_bias included, plus top_k, seed, stop_token_ids, ignore_eos,
+repetition_penalty and prompt_logprobs). Data out: completion JSON with text, token ids,
+logprobs, finish reasons and usage; with `stream: true`, server-sent events of text
+deltas, then `data: [DONE]`; Prometheus metrics on /metrics. Requests go to one
+`EngineLoop`, so concurrent HTTP requests batch together in the engine. A client that
+disconnects (streaming or not) has its request aborted and its KV freed.
+
+Errors, all in OpenAI's shape ({"error": {"message", "type", "param", "code"}}): bad
+input 400 naming the field (limits from `ServerConfig`); a missing or wrong API key 401;
+an unknown model 404; a body over `max_body_bytes` 413; a full waiting queue 429 with
+Retry-After; a request the engine failed alone 500 (the others go on); a stopped engine
+503 (or an error event mid-stream).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lamina.entrypoints.api_stream import (
+    chat_logprobs,
+    completion_logprobs,
+    sse_events,
+    vllm_prompt_logprobs,
+)
+from lamina.entrypoints.engine_loop import EngineLoop
+from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
+from lamina.sampling.params import SamplingParams
+
+DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks its client
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front's limits; past each a request answers 400 (413 for the body)."""
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/*
+    max_body_bytes: int = 2 << 20
+    max_prompts: int = 64  # prompts in one /v1/completions request
+    max_n: int = 16
+    max_stop: int = 16  # stop strings
+    max_stop_chars: int = 256  # per stop string
+    max_logit_bias: int = 300  # entries (OpenAI's bound)
+    max_waiting: int | None = 1024  # queued requests before 429 (None: no bound)
+    retry_after_s: int = 1  # the 429's Retry-After
+
+    def __post_init__(self):
+        for name in ("max_body_bytes", "max_prompts", "max_n", "max_stop", "max_stop_chars",
+                     "max_logit_bias", "retry_after_s"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {v!r}")
+        if self.max_waiting is not None and (not isinstance(self.max_waiting, int)
+                                             or self.max_waiting < 1):
+            raise ValueError(f"ServerConfig.max_waiting must be an int >= 1 or None, "
+                             f"got {self.max_waiting!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str)
+                                         or not self.api_key):
+            raise ValueError("ServerConfig.api_key must be a non-empty string or None")
+
+    def check(self, body: "_Sampling", prompts: int) -> None:
+        """The per-request limits -> ValueError naming the field."""
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        for name, got, most in (("prompt", prompts, self.max_prompts),
+                                ("n", body.n, self.max_n),
+                                ("stop", len(stops), self.max_stop),
+                                ("logit_bias", len(body.logit_bias or {}),
+                                 self.max_logit_bias)):
+            if got > most:
+                raise ValueError(f"{name}: {got} given, this server allows at most {most}")
+        if any(len(x) > self.max_stop_chars for x in stops):
+            raise ValueError(f"stop: strings of at most {self.max_stop_chars} characters")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def num_logprobs(self) -> int | None:
+        return None
+
+    def num_prompt_logprobs(self) -> int | None:
+        return None
+
+    def _logit_bias(self) -> dict:
+        try:
+            return {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise ValueError("SamplingParams.logit_bias keys must be token ids, got "
+                             f"{list(self.logit_bias)!r}") from None
+
+    def params(self) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, n=self.n, seed=self.seed,
+                              stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids),
+                              ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+                              presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty,
+                              logit_bias=self._logit_bias(),
+                              prompt_logprobs=self.num_prompt_logprobs())
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # the drawn token's logprob and this many top ones
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top ones
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream")
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+_KINDS = {400: "invalid_request_error", 401: "invalid_request_error",
+          404: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error"}
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict | None = None) -> JSONResponse:
+    kind = _KINDS.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": code}}, status_code=status, headers=headers)
+
+
+class _Guard:
+    """ASGI middleware in front of the app: the API key on /v1/* (401) and the body's
+    size, counted as it arrives, so a large or endless body is cut off (413) without
+    being buffered whole."""
+
+    def __init__(self, app, config: ServerConfig):
+        self.app, self.config = app, config
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cfg, headers = self.config, dict(scope["headers"])
+        if cfg.api_key is not None and scope["path"].startswith("/v1"):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {cfg.api_key}".encode()):
+                return await _error(401, "Incorrect or missing API key: send "
+                                    "'Authorization: Bearer <key>'",
+                                    code="invalid_api_key")(scope, receive, send)
+        length = headers.get(b"content-length")
+        too_big = _error(413, f"request body over {cfg.max_body_bytes} bytes",
+                         code="request_too_large")
+        if length is not None and (not length.isdigit() or int(length) > cfg.max_body_bytes):
+            return await too_big(scope, receive, send)
+        seen = 0
+
+        async def counted():  # FastAPI answers the HTTPException in OpenAI's shape
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > cfg.max_body_bytes:
+                raise HTTPException(413, f"request body over {cfg.max_body_bytes} bytes")
+            return msg
+
+        await self.app(scope, counted, send)
+
+
+def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
+              config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    if config.max_waiting is not None and loop.max_waiting is None:
+        loop.max_waiting = config.max_waiting
+    app = FastAPI(title="Lamina", description="attention-offloaded LLM inference")
+    app.add_middleware(_Guard, config=config)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        path = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = ".".join(path)
+        # param: the request's top-level field (as OpenAI names it); the message says where
+        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+                      path[0] if path else None)
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return _error(503, f"engine stopped: {loop.error}")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if loop.metrics is None:
+            return _error(404, "this server keeps no metrics")
+        return Response(loop.metrics.render(), media_type=loop.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "owned_by": "lamina"}]}
+
+    async def _run(prompts: list, body: _Sampling, request: Request,
+                   chunk=None) -> list | JSONResponse:
+        """Run the prompts -> their final outputs; with `chunk` (streaming), a response
+        of server-sent events made by `chunk` (see `sse_events`) instead. A client that
+        disconnects before its answer has its requests aborted (KV freed at once)."""
+        if body.model is not None and body.model != model_name:
+            return _error(404, f"The model `{body.model}` does not exist; this server "
+                          f"serves `{model_name}`", "model", "model_not_found")
+        try:
+            config.check(body, len(prompts))
+            params = body.params()
+        except ValueError as e:
+            field_ = str(e).split(" ")[0].removeprefix("SamplingParams.").rstrip(":")
+            return _error(400, str(e), field_)
+        updates: asyncio.Queue | None = asyncio.Queue() if chunk else None
+        aloop = asyncio.get_running_loop()
+
+        def listener(i):
+            return lambda out: aloop.call_soon_threadsafe(updates.put_nowait, (i, out))
+
+        try:  # validate every prompt before any is queued
+            prompts = _checked(prompts, loop, params)
+            loop.check_capacity(len(prompts))
+            futs = [loop.submit(p, params, validated=True,
+                                on_update=listener(i) if chunk else None)
+                    for i, p in enumerate(prompts)]
+        except (ValueError, TypeError) as e:
+            return _error(400, str(e), _param(str(e)))
+        except EngineOverloaded as e:
+            return _error(429, str(e), code="server_busy",
+                          headers={"Retry-After": str(config.retry_after_s)})
+        except EngineDead as e:
+            return _error(503, str(e))
+        if chunk:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                sse_events(loop, futs, updates, chunk, _usage if include_usage else None),
+                media_type="text/event-stream")
+        waiter = asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
+        try:
+            while not (await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    for f in futs:
+                        loop.abort(f)
+                    waiter.add_done_callback(lambda w: w.exception())  # nobody reads it
+                    return _error(499, "client disconnected; request aborted")
+            return list(waiter.result())
+        except RequestFailed as e:  # this request alone; the engine goes on
+            for f in futs:
+                loop.abort(f)
+            return _error(500, str(e), code="request_failed")
+        except Exception as e:  # noqa: BLE001 - the engine failed these requests
+            return _error(503, f"generation failed: {type(e).__name__}: {e}")
+
+    def _usage(outs) -> dict:
+        p = sum(len(o.prompt_token_ids) for o in outs)
+        c = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def _decode(ids) -> list[str]:
+        return [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in ids]
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": model_name}
+
+        ends: dict[tuple[int, int], int] = {}  # streamed: text offset after the last token
+
+        def choice(i, c, text, lps, start=0, out=None):
+            lp, ids = None, c.token_ids[start:]
+            echo = out is not None and body.echo
+            if echo:  # the prompt first (its first token has no logprob)
+                prompt_text = out.prompt if out.prompt is not None else \
+                    "".join(_decode(out.prompt_token_ids))
+                text, ids = prompt_text + text, out.prompt_token_ids + ids
+            if lps is not None:
+                plps = (out.prompt_logprobs or []) if echo else []
+                lp = completion_logprobs(plps + list(lps), _decode, ends.get((i, c.index), 0),
+                                         ids=ids if echo else None)
+                if lp["tokens"]:
+                    ends[i, c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            ch = {"index": i * body.n + c.index, "text": text, "token_ids": ids,
+                  "finish_reason": c.finish_reason, "logprobs": lp}
+            if out is not None and body.prompt_logprobs is not None:
+                ch["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, _decode)
+            return ch
+
+        if body.stream:
+            return await _run(list(prompts), body, request, lambda i, c, text, lps, start: {
+                **head, "choices": [choice(i, c, text, lps, start)]})
+        outs = await _run(list(prompts), body, request)
+        if isinstance(outs, JSONResponse):
+            return outs
+        choices = [choice(i, c, c.text, c.logprobs, out=o) for i, o in enumerate(outs)
+                   for c in o.outputs]
+        return {**head, "choices": choices, "usage": _usage(outs)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            return _error(400, "this model has no chat template", "messages")
+        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
+                                               tokenize=False, add_generation_prompt=True)
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def lp_json(lps):
+            return chat_logprobs(lps, _decode) if lps is not None else None
+
+        if body.stream:
+            def chunk(i, c, text, lps, start):
+                delta = {"content": text} if start else {"role": "assistant", "content": text}
+                return {"id": rid, "object": "chat.completion.chunk", "created": now,
+                        "model": model_name, "choices": [{
+                            "index": c.index, "delta": delta, "token_ids": c.token_ids[start:],
+                            "logprobs": lp_json(lps), "finish_reason": c.finish_reason}]}
+            return await _run([prompt], body, request, chunk)
+        outs = await _run([prompt], body, request)
+        if isinstance(outs, JSONResponse):
+            return outs
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "token_ids": c.token_ids, "logprobs": lp_json(c.logprobs),
+                    "finish_reason": c.finish_reason}
+                   for c in outs[0].outputs]
+        return {"id": rid, "object": "chat.completion", "created": now,
+                "model": model_name, "choices": choices, "usage": _usage(outs)}
+
+    return app
+
+
+def _param(message: str) -> str:
+    """The request field a validation message is about (for the error's `param`)."""
+    for name in ("max_tokens", "logit_bias", "stop_token_ids", "n="):
+        if name in message:
+            return name.rstrip("=")
+    return "prompt"
+
+
+def _checked(prompts: list, loop: EngineLoop, params: SamplingParams) -> list:
+    if not prompts:
+        raise ValueError("prompt: empty list")
+    for i, p in enumerate(prompts):
+        try:
+            loop.engine.validate(p, params)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+    return prompts
+
+
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+          config: ServerConfig | None = None, **uvicorn_kw: Any) -> None:
+    """Serve an `LLM` until interrupted."""
+    import uvicorn
+
+    from lamina.entrypoints.metrics import EngineMetrics
+
+    loop = EngineLoop(llm.engine, EngineMetrics())
+    app = build_app(loop, model_name or llm.loaded.source, llm.loaded.tokenizer, config)
+    try:
+        uvicorn.run(app, host=host, port=port, **uvicorn_kw)
+    finally:
+        loop.shutdown()

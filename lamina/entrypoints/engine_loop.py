@@ -1,0 +1,191 @@
+"""`EngineLoop`: runs an `LLMEngine` in one background thread for concurrent callers
+(the HTTP server, or any multi-threaded client).
+
+Data in: `submit(prompt, params)` from any thread; the request is validated at once in
+the caller's thread (bad input raises there, nothing is queued). Data out: a
+`concurrent.futures.Future` resolved with the `RequestOutput` when the request finishes;
+with `on_update`, also each step's partial output (streaming), called from the loop
+thread. `abort(future)` stops a request (its client went away) and frees its KV; the
+future then resolves with finish reason "abort". Only the loop thread touches the
+engine. A request the engine failed alone (`RequestOutput.error`) resolves its future
+with `RequestFailed`; the others go on. A failed step the engine recovers from (workers
+replaced, KV recomputed) is invisible here; one it cannot recover from fails every
+request in flight with that error, loudly, and the loop stops taking new work
+(`EngineDead`). With `max_waiting`, `submit` refuses a request (`EngineOverloaded`) while
+that many are queued and not yet running.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable
+
+from lamina.engine.engine import LLMEngine
+from lamina.engine.outputs import RequestOutput
+from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
+from lamina.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineDead", "EngineLoop", "EngineOverloaded", "RequestFailed"]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, metrics=None, max_waiting: int | None = None):
+        """`metrics`: an `EngineMetrics` this loop keeps up to date (or None).
+        `max_waiting`: requests queued (submitted, not yet running) before `submit`
+        refuses more; None: no bound."""
+        if max_waiting is not None and (not isinstance(max_waiting, int)
+                                        or isinstance(max_waiting, bool) or max_waiting < 1):
+            raise ValueError(f"max_waiting must be an int >= 1 or None, got {max_waiting!r}")
+        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        # ("add", prompt, params, future, on_update) | ("abort", future)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._futures: dict[int, Future] = {}
+        self._rids: dict[Future, int] = {}
+        self._updates: dict[int, Callable] = {}
+        self.stats = {"finished": 0, "aborted": 0, "failed": 0, "rejected": 0}
+        self._wake = threading.Event()
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="lamina-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt, params: SamplingParams, validated: bool = False,
+               on_update: Callable[[RequestOutput], None] | None = None) -> Future:
+        """`validated`: the caller already ran `engine.validate` on this prompt and
+        `check_capacity` for it. `on_update`: called (in the loop thread) with each
+        step's partial output."""
+        if self.error is not None:
+            raise EngineDead(f"engine stopped after a failed step: {self.error}")
+        if not validated:
+            self.engine.validate(prompt, params)  # raises ValueError / TypeError here
+            self.check_capacity()
+        fut: Future = Future()
+        self._inbox.put(("add", prompt, params, fut, on_update))
+        self._wake.set()
+        if self.error is not None or not self._thread.is_alive():
+            self._drain(EngineDead(f"engine stopped: {self.error}"))  # lost the race
+        return fut
+
+    def waiting(self) -> int:
+        """Requests submitted and not yet running (read from any thread: approximate)."""
+        return self._inbox.qsize() + len(self.engine.scheduler.waiting)
+
+    def check_capacity(self, extra: int = 1) -> None:
+        """Raise `EngineOverloaded` if `extra` more requests would pass `max_waiting`."""
+        if self.max_waiting is None:
+            return
+        n = self.waiting()
+        if n + extra > self.max_waiting:
+            self.stats["rejected"] += 1
+            if self.metrics is not None:
+                self.metrics.rejected.labels("overloaded").inc()
+            raise EngineOverloaded(n, self.max_waiting)
+
+    def abort(self, fut: Future) -> None:
+        """Stop the request behind `fut` if it still runs; safe from any thread."""
+        if not fut.done():
+            self._inbox.put(("abort", fut))
+            self._wake.set()
+
+    def generate(self, prompt, params: SamplingParams, timeout: float | None = None
+                 ) -> RequestOutput:
+        return self.submit(prompt, params).result(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- the loop thread --
+    def _admit(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "abort":
+                rid = self._rids.get(msg[1])
+                out = self.engine.abort(rid) if rid is not None else None
+                if out is not None:
+                    self.stats["aborted"] += 1
+                    if self.metrics is not None:
+                        self.metrics.request(out, aborted=True)
+                    self._resolve(out)
+                continue
+            _, prompt, params, fut, on_update = msg
+            if not fut.set_running_or_notify_cancel():
+                continue  # the caller gave up before it was scheduled
+            try:
+                rid = self.engine.add_request(prompt, params, stream=on_update is not None)
+            except Exception as e:  # noqa: BLE001 - validated already; report, keep going
+                fut.set_exception(e)
+                continue
+            self._futures[rid], self._rids[fut] = fut, rid
+            if on_update is not None:
+                self._updates[rid] = on_update
+
+    def _resolve(self, out: RequestOutput) -> None:
+        fut = self._futures.pop(out.request_id)
+        self._rids.pop(fut, None)
+        self._updates.pop(out.request_id, None)
+        if out.error is not None:
+            self.stats["failed"] += 1
+            fut.set_exception(RequestFailed(out.request_id, out.error))
+        else:
+            fut.set_result(out)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._admit()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - fail every waiter loudly, then stop
+                self.error = e
+                for fut in self._futures.values():
+                    fut.set_exception(e)
+                self._futures.clear()
+                self._rids.clear()
+                self._updates.clear()
+                self._drain(e)
+                return
+            if self.metrics is not None:
+                self.metrics.step(self.engine, self.engine.step_timings[-1]["drawn"])
+            for out in outs:
+                if out.finished:
+                    self.stats["finished"] += 1
+                    if self.metrics is not None:
+                        self.metrics.request(out)
+                    self._resolve(out)
+                    continue
+                try:
+                    self._updates[out.request_id](out)
+                except Exception:  # a broken listener must not stop serving
+                    log.exception("on_update for request %d failed", out.request_id)
+        gone = EngineDead("engine loop shut down")
+        for fut in self._futures.values():
+            fut.set_exception(gone)
+        self._futures.clear()
+        self._rids.clear()
+        self._updates.clear()
+        self._drain(gone)
+
+    def _drain(self, e: BaseException) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add" and msg[3].set_running_or_notify_cancel():
+                msg[3].set_exception(e)

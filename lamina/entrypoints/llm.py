@@ -1,0 +1,96 @@
+"""`LLM`: the public, vLLM-style entry point.
+
+Data in: a model path (None = the embedded SmolLM2), prompts or chat messages, and
+`SamplingParams`. Data out: `RequestOutput`s in prompt order. `executor="local"` runs
+the compute and memory sides in this process; `executor="ray"` (lamina.cluster) puts
+them in Ray workers.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.engine.outputs import RequestOutput
+from lamina.executor.base import plugin_executor
+from lamina.sampling.params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, executor: str = "local",
+                 num_memory_workers: int = 1, dtype: str = "float32", **engine_kw):
+        from lamina.executor.local import LocalExecutor
+        from lamina.memory.memory_side import MemorySide
+        from lamina.memory.pool import KVPool, KVPoolConfig
+        from lamina.model.loader import load
+        from lamina.model.prepare import prepare_split
+        from lamina.splitter.dense import DenseChoice
+
+        if executor not in ("local", "ray"):
+            raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
+        self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
+        self.loaded = load(model, dtype=dtype)
+        if executor != "local":
+            self.split = None
+            self.executor = plugin_executor(executor)(model, dtype, self.config)
+            # the compute worker's DenseChoice
+            self.dense = getattr(self.executor, "dense", None) or DenseChoice(
+                "unknown", f"the {executor!r} executor does not report it")
+        else:
+            prep = prepare_split(self.loaded.model, self.config.dense_backend,
+                                 self.config.max_batch, self.config.fuse_pointwise)
+            self.split, self.dense = prep.split, prep.dense
+            pool_cfg = KVPoolConfig.for_specs(self.split.attention_specs,
+                                              self.config.num_kv_slots, self.config.kv_dtype,
+                                              self.config.kv_device)
+            self.executor = LocalExecutor(
+                self.split, [MemorySide(KVPool(pool_cfg)) for _ in range(num_memory_workers)],
+                vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults)
+        if self.config.split_kv and any(p.sinks is not None for p in self.executor.params):
+            # sinks enter one partial's denominator only; KV split is not offered for them
+            self.config = replace(self.config, split_kv=False)
+        self.engine = LLMEngine(self.config, self.executor, self.loaded.tokenizer,
+                                self.loaded.config)
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        for i, (p, sp) in enumerate(zip(prompts, plist)):  # all checked before any runs
+            try:
+                self.engine.validate(p, sp)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        order = {self.engine.add_request(p, sp): i for i, p, sp in
+                 zip(range(len(prompts)), prompts, plist)}
+        results: list = [None] * len(prompts)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if not out.finished:
+                    continue
+                results[order[out.request_id]] = out
+                if bar:
+                    bar.update(1)
+        if bar:
+            bar.close()
+        return results
+
+    def chat(self, messages, params: SamplingParams | None = None, **kw) -> list[RequestOutput]:
+        """messages: one conversation (list of {role, content}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.loaded.tokenizer
+        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                   for c in convs]
+        return self.generate(prompts, params, **kw)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

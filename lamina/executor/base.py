@@ -1,0 +1,66 @@
+"""Executors run a `StepPlan` through the model slices and the memory side.
+
+Data in: `StepPlan` (tokens, positions, per-worker slot tables) from the engine.
+Data out: `StepResult` (the tokens drawn for the sampling sequences; the sampler runs
+here, on the compute side, so only token ids go back to the engine).
+
+All sequences' new tokens are packed into one [1, N] row: every op outside attention is
+per token, so the slices need no padding, and prefill and decode mix freely in one step.
+For each attention layer the packed q/k/v rows are split by memory worker (requests are
+partitioned across workers; rows are packed grouped by worker, so each worker's share is
+one slice), each worker writes its rows' k/v into its pool and attends over its
+sequences' slots, and the outputs are put back in row order. With
+`plan.micro_batches = 2` the step runs as two sub-batches in a staggered pipeline (paper
+5.1, the n = 2 case on one replica): slice i of one overlaps the other's attention.
+The last slice (last layer's o_proj and MLP, final norm, lm_head) runs on the sampled
+rows only: in a prefill, the other prompt tokens' outputs are never needed. With
+`ComputeSide.local_kv_dtype` set (the Ray compute worker; paper 5.6), fresh prompts
+attend here over a scratch pool and their workers only store their k/v.
+`LocalExecutor` holds its memory sides in this process; `lamina.cluster` runs the same
+`ComputeSide` in a Ray actor that talks to memory-worker processes over the data plane.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+
+from lamina.engine.messages import StepPlan, StepResult
+
+
+class Executor(ABC):
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def probe(self, tokens, repeat: int = 20) -> dict:
+        """Per-op costs of this executor's own plumbing, for simulator calibration:
+        {"exchange_s": {n: one layer's q/k/v out and o back for n tokens}, "submit_s": {n:
+        the sending part alone}, "call_s": {n: the per-step call returning n tokens}}.
+        Empty when there is nothing to add (in-process). Only call it while no request is
+        running."""
+        return {}
+
+    def recover(self, error: BaseException) -> bool:
+        """After `execute` raised `error`: bring the workers back (replacing dead ones) so
+        steps can run again. True if it did; every memory worker's KV is then empty, and
+        the engine recomputes what it held. False (the default): not recoverable."""
+        return False
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+# Executors that live in other packages, found by name at run time (so lamina/ never
+# imports them statically; only lamina.cluster imports ray).
+PLUGINS = {"ray": "lamina.cluster.executor:RayExecutor"}
+
+
+def plugin_executor(name: str):
+    if name not in PLUGINS:
+        raise ValueError(f"unknown executor {name!r}; choose 'local' or one of {sorted(PLUGINS)}")
+    mod, cls = PLUGINS[name].split(":")
+    try:
+        return getattr(importlib.import_module(mod), cls)
+    except ImportError as e:
+        raise ImportError(f"executor {name!r} needs {e.name}: {e}") from e
+
+

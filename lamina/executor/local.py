@@ -1,0 +1,53 @@
+"""`LocalExecutor`: the compute side and its memory sides in this one process.
+
+Data in: `StepPlan`. Data out: `StepResult`. Attention runs inside `submit` (no
+overlap); the same `ComputeSide` runs in `lamina.cluster`'s Ray compute worker, where the
+memory link is the data plane instead.
+"""
+from __future__ import annotations
+
+from lamina.compute.compute_side import ComputeSide
+from lamina.compute.memory_link import MemoryLink, combine
+from lamina.engine.messages import StepPlan, StepResult
+from lamina.executor.base import Executor
+from lamina.memory.memory_side import MemorySide
+from lamina.splitter.split import SplitModel
+
+
+class _LocalLink(MemoryLink):
+    """Memory sides in this process: attention runs inside `submit` (no overlap)."""
+
+    def __init__(self, memory: list[MemorySide], params):
+        self.memory, self.params, self.ready = memory, params, {}
+
+    def begin(self, step, parts):
+        for mb in parts:
+            for mem, p in zip(self.memory, mb):
+                if p.active:
+                    mem.check(p.new_slots, p.batch, p.seq_ids)
+
+    def submit(self, layer, mb, q, k, v, parts):
+        self.ready[layer, mb] = [
+            mem.attend(layer, self.params[layer], *p.take(q, k, v), p.new_slots, p.batch,
+                       checked=True)
+            if p.active else None
+            for mem, p in zip(self.memory, parts)]
+
+    def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
+        return combine(parts, self.ready.pop((layer, mb)), out_shape, dtype, merge)
+
+
+class LocalExecutor(Executor):
+    def __init__(self, split: SplitModel, memory: MemorySide | list[MemorySide],
+                 vocab_size: int | None = None, faults=None):
+        self.memory = memory if isinstance(memory, list) else [memory]
+        self.compute = ComputeSide(split, len(self.memory))
+        self.compute.vocab_size, self.compute.faults = vocab_size, faults
+        self.compute.pool_slots = min(m.pool.config.num_slots for m in self.memory)
+        for m in self.memory:
+            m.faults = faults
+        self.params = self.compute.params
+        self.link = _LocalLink(self.memory, self.params)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.compute.run(plan, self.link)

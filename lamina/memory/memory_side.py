@@ -1,0 +1,103 @@
+"""A memory worker's step: its KV pool and attention backend (`MemorySide`).
+
+Data in: per step, the new slots and the `SlotBatch` of this worker's sequences
+(checked once, `check`); per layer, q [n, Hq, D] and k/v [m, Hkv, D].
+Data out: (o [n, Hq, Dv], lse [n, Hq] fp32) per layer; k/v written at the new slots.
+A bad batch entry raises `SequenceFault` naming its sequence, so it fails alone.
+Used in-process by `LocalExecutor` and by the memory worker's `MemoryServer`.
+"""
+from __future__ import annotations
+
+from lamina.errors import SequenceFault
+from lamina.kernels import (
+    AttentionInputError,
+    AttentionParams,
+    SlotBatch,
+    prefill_attention,
+    select_backend,
+    validate_batch,
+)
+from lamina.memory.pool import KVPool
+
+
+def attention_params(spec) -> AttentionParams:
+    return AttentionParams(spec.scale, spec.sliding_window or -1, spec.softcap or 0.0,
+                           spec.sinks)
+
+
+class MemorySide:
+    """One memory worker's state: a KV pool and an attention backend. The pool may sit on
+    a GPU while q/k/v arrive in host memory (the data plane carries host tensors): they
+    go to the pool's device and the outputs come back."""
+
+    def __init__(self, pool: KVPool, backend=None, faults=None):
+        self.pool = pool
+        self.device = pool.k.device
+        self.backend = backend or select_backend(device=self.device)
+        self.faults = faults  # a lamina.faults.FaultPlan (tests) or None
+        self._step = (None, None, None, None)  # new_slots, batch -> their checked forms
+
+    def check(self, new_slots, batch, seq_ids: tuple[int, ...] = ()) -> None:
+        """Once per step: the batch's index scans and the new slots' range (per layer,
+        `attend(..., checked=True)` then runs only the cheap shape checks). The write
+        index (int64) and the batch are put on the pool's device once here. `seq_ids`:
+        each batch entry's sequence; a bad entry raises `SequenceFault` naming it."""
+        n = self.pool.config.num_slots
+        try:
+            validate_batch(batch, n)
+        except AttentionInputError as e:
+            _blame(bad_entries(batch, n), batch, seq_ids, f"bad KV metadata: {e}")
+            raise
+        if new_slots.numel() and (int(new_slots.min()) < 0 or int(new_slots.max()) >= n):
+            raise AttentionInputError(f"new slot ids out of range [0, {n}): min "
+                                      f"{int(new_slots.min())}, max {int(new_slots.max())}")
+        if self.faults is not None and self.faults.memory_pos is not None:
+            cu = batch.cu_q.tolist()
+            bad = [b for b in range(batch.num_requests)
+                   if self.faults.check_memory(batch.q_pos[cu[b]:cu[b + 1]].tolist())]
+            what = f"injected memory fault at position {self.faults.memory_pos}"
+            _blame(bad, batch, seq_ids, what)
+            if bad:
+                raise AttentionInputError(f"{what} (batch entries {bad})")
+        self._step = (new_slots, new_slots.long().to(self.device), batch,
+                      batch if batch.slots.device == self.device else batch.to(self.device))
+
+    def attend(self, layer: int, params: AttentionParams, q, k, v, new_slots, batch,
+               checked: bool = False):
+        """q [n, Hq, D], k/v [m, Hkv, D] -> (o [n, Hq, Dv], lse [n, Hq] fp32) on q's device;
+        writes k/v at new_slots [m] first."""
+        kp, vp = self.pool.layer(layer)
+        if checked and self._step[0] is new_slots and self._step[2] is batch:
+            new_slots, batch = self._step[1], self._step[3]  # the same objects every layer
+        elif batch.slots.device != self.device:
+            new_slots, batch = new_slots.to(self.device), batch.to(self.device)
+        home = q.device
+        if home != self.device:
+            q, k, v = (t.to(self.device, non_blocking=True) for t in (q, k, v))
+        o, lse = prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
+                                   checked)
+        return (o, lse) if home == self.device else (o.to(home), lse.to(home))
+
+
+def _blame(bad: list[int], batch: SlotBatch, seq_ids: tuple[int, ...], what: str) -> None:
+    """Raise `SequenceFault` for batch entries `bad` when every entry's sequence is known
+    (`seq_ids`, one per entry); else return and let the caller raise its own error."""
+    if bad and len(seq_ids) == batch.num_requests:
+        raise SequenceFault([seq_ids[b] for b in bad], what)
+
+
+def bad_entries(batch: SlotBatch, num_slots: int) -> list[int]:
+    """The batch entries whose own slots or query positions are out of range (the
+    per-entry scan behind a failed `validate_batch`); [] when the fault is not any one
+    entry's (offsets, dtypes)."""
+    cu_q, cu_k = batch.cu_q.tolist(), batch.cu_k.tolist()
+    if (len(cu_q) != len(cu_k) or cu_q[-1] != batch.num_queries
+            or cu_k[-1] != batch.num_keys):
+        return []
+    bad = []
+    for b in range(len(cu_q) - 1):
+        sl, qp = batch.slots[cu_k[b]:cu_k[b + 1]], batch.q_pos[cu_q[b]:cu_q[b + 1]]
+        if ((sl.numel() and (int(sl.min()) < 0 or int(sl.max()) >= num_slots))
+                or (qp.numel() and int(qp.min()) < 0)):
+            bad.append(b)
+    return bad

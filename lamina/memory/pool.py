@@ -1,0 +1,146 @@
+"""KV pool tensors of one memory worker: K and V for every layer, indexed by slot id.
+
+Data in: slot ids from `KVAllocator`, the new k/v of a step from the compute side, and
+`CopySlot` orders (copy-on-write). Data out: the per-layer pool views that
+`lamina.kernels` attention reads in place.
+
+Layout: k [num_layers, num_slots, Hkv, D] and v [num_layers, num_slots, Hkv, Dv], each
+allocated once. A slot's row for one layer is contiguous (Hkv*D elements), which is what
+the kernels read per key; keeping layers outermost makes each layer's pool one dense
+[num_slots, Hkv, D] tensor, so a layer's attention never strides over other layers.
+
+Host pools sit on transparent huge pages where the kernel allows them (`huge_pages`):
+a decode step reads rows at scattered slots, so with 4 KiB pages nearly every key's K
+and V rows take a TLB miss; 2 MiB pages remove most of them.
+"""
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from lamina.kernels import write_kv
+from lamina.memory.allocator import CopySlot
+
+POOL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class KVPoolConfig:
+    num_layers: int
+    num_slots: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None  # defaults to head_dim
+    dtype: str = "float32"  # float32 | bfloat16
+    device: str = "cpu"
+    huge_pages: bool = True  # host pools: ask for transparent huge pages (madvise)
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_slots", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"KVPoolConfig.{name} must be a positive int, got {v!r}")
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        elif not isinstance(self.v_head_dim, int) or self.v_head_dim <= 0:
+            raise ValueError(f"KVPoolConfig.v_head_dim must be a positive int, "
+                             f"got {self.v_head_dim!r}")
+        if self.dtype not in POOL_DTYPES:
+            raise ValueError(f"KVPoolConfig.dtype must be one of {sorted(POOL_DTYPES)}, "
+                             f"got {self.dtype!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"KVPoolConfig.device {self.device!r} is not a device: "
+                             f"{e}") from None
+        if not isinstance(self.huge_pages, bool):
+            raise ValueError(f"KVPoolConfig.huge_pages must be a bool, got {self.huge_pages!r}")
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """K+V bytes one token takes across all layers."""
+        el = torch.finfo(POOL_DTYPES[self.dtype]).bits // 8
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim) * el
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_slot * self.num_slots
+
+    @staticmethod
+    def for_specs(specs: Sequence, num_slots: int, dtype: str = "float32",
+                  device: str = "cpu") -> "KVPoolConfig":
+        """From the splitter's `AttentionSpec`s (all layers must share one KV shape)."""
+        shapes = {(s.num_kv_heads, s.head_dim, s.v_head_dim) for s in specs}
+        if len(shapes) != 1:
+            raise ValueError(f"layers disagree on KV shape (Hkv, D, Dv): {sorted(shapes)}; "
+                             "one pool per shape is not supported yet")
+        hkv, d, dv = shapes.pop()
+        return KVPoolConfig(len(specs), num_slots, hkv, d, dv, dtype, device)
+
+
+class KVPool:
+    def __init__(self, config: KVPoolConfig):
+        self.config = c = config
+        dt = POOL_DTYPES[c.dtype]
+        if torch.device(c.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"KV pool device {c.device!r}: torch sees no CUDA GPU here "
+                             f"(torch {torch.__version__}, cuda {torch.version.cuda})")
+        # k: [L, S, Hkv, D], v: [L, S, Hkv, Dv]; zeros so every page is touched up front.
+        kshape = (c.num_layers, c.num_slots, c.num_kv_heads, c.head_dim)
+        vshape = (c.num_layers, c.num_slots, c.num_kv_heads, c.v_head_dim)
+        if torch.device(c.device).type == "cpu":
+            self.k = host_zeros(kshape, dt, c.huge_pages)
+            self.v = host_zeros(vshape, dt, c.huge_pages)
+        else:
+            self.k = torch.zeros(kshape, dtype=dt, device=c.device)
+            self.v = torch.zeros(vshape, dtype=dt, device=c.device)
+        self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # views, made once
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views k [S, Hkv, D], v [S, Hkv, Dv] of layer i (no copy)."""
+        if not 0 <= i < self.config.num_layers:
+            raise IndexError(f"layer {i} out of range [0, {self.config.num_layers})")
+        return self._layers[i]
+
+    def write(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a step's new k [N, Hkv, D] / v [N, Hkv, Dv] of layer i at `slots` [N]."""
+        write_kv(*self.layer(i), slots, k, v)
+
+    def copy(self, orders: Sequence[CopySlot]) -> None:
+        """Apply copy-on-write orders: every layer's KV of src -> dst, one op per tensor."""
+        if not orders:
+            return
+        src = torch.tensor([o.src for o in orders], dtype=torch.int64, device=self.k.device)
+        dst = torch.tensor([o.dst for o in orders], dtype=torch.int64, device=self.k.device)
+        S = self.config.num_slots
+        if int(torch.cat([src, dst]).min()) < 0 or int(torch.cat([src, dst]).max()) >= S:
+            raise IndexError(f"copy order slot out of range [0, {S})")
+        self.k.index_copy_(1, dst, self.k.index_select(1, src))
+        self.v.index_copy_(1, dst, self.v.index_select(1, src))
+
+
+HUGE_PAGE = 2 << 20
+
+
+def host_zeros(shape: Sequence[int], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
+    """A zeroed host tensor; with `huge_pages`, on a private anonymous mapping advised
+    MADV_HUGEPAGE and aligned to 2 MiB, so Linux backs it with transparent huge pages
+    when its THP mode is `always` or `madvise` (elsewhere: ordinary pages, same tensor).
+    The tensor keeps the mapping alive (torch.frombuffer holds a reference)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if not huge_pages or advise is None or nbytes < HUGE_PAGE:
+        return torch.zeros(tuple(shape), dtype=dtype)
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(advise)  # before the first touch, so the faults take huge pages
+    raw = torch.frombuffer(m, dtype=torch.uint8)
+    off = -raw.data_ptr() % HUGE_PAGE
+    t = raw[off:off + nbytes].view(dtype).view(tuple(shape))
+    t.zero_()
+    return t

@@ -1,0 +1,101 @@
+"""Sampling parameters and the sampler.
+
+Data in: one row of next-token logits per sequence (fp32 [R, V]) from the last slice,
+on the compute worker, with each sequence's `SamplingParams` and seeds. Data out: token
+ids (only these go back to the engine). Greedy rows (temperature 0) take the argmax; the
+rest apply temperature, then top-k, then top-p (nucleus), then draw.
+
+Logprobs, where asked for, are of the model's own distribution (log-softmax of the
+logits, before temperature, top-k and top-p), as vLLM reports them.
+
+Draws are stateless: the generator of a draw is seeded from (sequence seed, position of
+the token drawn), so a sequence recomputed after preemption, or moved to another
+compute worker, draws exactly the tokens it would have drawn.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0  # (0, 1]; 1 = off
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # per drawn token: its logprob and this many top ones
+    prompt_logprobs: int | None = None  # per prompt token (after the first): the same
+    # OpenAI's: subtract presence * [t drawn before] + frequency * (times t was drawn)
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # HF's (> 0): prompt and drawn tokens' logits / it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, added to logit)
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            bad("max_tokens", "must be a positive int")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+            bad("temperature", "must be a finite number >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 (off), 0 (off) or a positive int")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("seed", "must be a non-negative int or None")
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an int >= 1")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative ints")
+        for name in ("presence_penalty", "frequency_penalty"):
+            x = getattr(self, name)
+            if (isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x)
+                    or not -2 <= x <= 2):
+                bad(name, "must be a number in [-2, 2]")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
+            bad("repetition_penalty", "must be a finite number > 0")
+        lb = self.logit_bias
+        lb = tuple(sorted(lb.items())) if isinstance(lb, dict) else tuple(map(tuple, lb))
+        object.__setattr__(self, "logit_bias", lb)
+        if any(len(e) != 2 or isinstance(e[0], bool) or not isinstance(e[0], int) or e[0] < 0
+               or isinstance(e[1], bool) or not isinstance(e[1], (int, float))
+               or not -100 <= e[1] <= 100 for e in lb):
+            bad("logit_bias", "must map token ids (ints >= 0) to numbers in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool)
+                                   or not 0 <= lp <= MAX_LOGPROBS):
+                bad(name, f"must be None or an int in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Draws depend on the tokens before (the compute side needs the history)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1)
+
+
+
+
