@@ -1,5 +1,6 @@
 # Lamina: `make run` sets up from nothing and runs the main job; `make test` runs the suite;
-# `make lint` checks style (ruff, configured in pyproject.toml).
+# `make lint` checks style (ruff) and the step path's types (mypy), both configured in
+# pyproject.toml.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -27,6 +28,7 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 demo: setup
 	$(VENV)/bin/lamina split

@@ -8,7 +8,7 @@ compute end (`SocketLink`). Per layer it spins `--gap-ms` (a stand-in for the de
 slice, so the workers sleep between layers as in a real step), then sends the layer's
 q|k|v for B decode rows (half per worker) and waits for the outputs. Timed: that
 exchange, median over the steps of a round. Rounds alternate the two paths, fresh
-servers each: "python" (both ends' Python per-layer code, `fast=False`) and "c++"
+servers each: "python" (both ends' Python per-layer code, `native=False`) and "c++"
 (`serve_step` on the memory end, `submit_qkv` / `collect_o` on the compute end). The
 context length sets the kernel's share (1: almost none, the exchange is pure overhead).
 Writes JSON and Markdown (benchmarks/results/dataplane.*).
@@ -35,7 +35,7 @@ def serve(sock, pool_cfg, params, fast: bool) -> None:
     from lamina.memory.pool import KVPool
 
     torch.set_num_threads(1)
-    MemoryServer(MemorySide(KVPool(pool_cfg)), params, SocketChannel(sock), fast=fast).serve()
+    MemoryServer(MemorySide(KVPool(pool_cfg)), params, SocketChannel(sock), native=fast).serve()
 
 
 def one_round(fast: bool, batch: int, ctx: int, dtype: str, steps: int, gap_s: float):
@@ -64,7 +64,7 @@ def one_round(fast: bool, batch: int, ctx: int, dtype: str, steps: int, gap_s: f
         b.close()
         chans.append(SocketChannel(a))
         pids.append(pid)
-    link = SocketLink(chans, fused=True, fast=fast)
+    link = SocketLink(chans, native=fast)
     parts = []
     for w in range(WORKERS):  # request i of worker w owns slots i*(ctx+1) .. +ctx
         tables = [list(range(i * (ctx + 1), (i + 1) * (ctx + 1))) for i in range(per)]
@@ -106,9 +106,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     from lamina.bench.common import _write
-    from lamina.dataplane.protocol import dataplane_ext
+    from lamina.dataplane.paths import native_ext
 
-    if dataplane_ext() is None:
+    if native_ext() is None:
         print("the compiled data plane is unavailable (see lamina.kernels.load_cpu_kernel)")
         return 1
     torch.set_num_threads(1)

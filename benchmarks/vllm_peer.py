@@ -3,7 +3,8 @@
 
 Data in: an HF model folder and a JSON file of prompt token ids per batch size (from
 `lamina bench e2e --vllm-python ...`). Data out: one JSON line on stdout,
-{"B": tok/s, ..., "startup_s": s} for greedy decode with ignore_eos.
+{"B": tok/s, ..., "startup_s": s} for greedy decode with ignore_eos. vLLM runs in
+its default (compiled) mode unless `--enforce-eager`.
 """
 import argparse
 import json
@@ -17,12 +18,15 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="eager mode (default: vLLM's own default, compiled graphs)")
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 
     prompts = {int(b): p for b, p in json.load(open(args.prompts)).items()}
     t = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, enforce_eager=True, max_model_len=1024,
+    llm = LLM(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager,
+              max_model_len=1024,
               max_num_seqs=max(prompts), seed=0)
     out = {"startup_s": time.perf_counter() - t}
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import os
 import socket
-import statistics
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
 import torch
 
 from lamina.compute.compute_side import ComputeSide
-from lamina.compute.packing import WorkerPart
 from lamina.dataplane.control import serve_control
-from lamina.dataplane.protocol import SocketLink, dataplane_ext
+from lamina.dataplane.paths import native_ext
+from lamina.dataplane.probe import probe_exchange
+from lamina.dataplane.protocol import SocketLink
 from lamina.dataplane.transport import (
     ShmRing,
     SocketChannel,
@@ -29,7 +30,6 @@ from lamina.dataplane.transport import (
     nodelay,
 )
 from lamina.engine.messages import StepPlan, StepResult
-from lamina.kernels import SlotBatch
 from lamina.memory.pool import KVPoolConfig
 from lamina.model.loader import load
 from lamina.model.prepare import prepare_split
@@ -51,26 +51,37 @@ def step_threads(num_tokens: int, micro_batches: int, threads: int, wide: int,
     return threads
 
 
+@dataclass(frozen=True)
+class ComputeWorkerSpec:
+    """What a compute worker is started with (kept to start its replacement)."""
+
+    model: str | None  # None: the default model
+    dtype: str
+    num_memory_workers: int
+    threads: int = 1
+    wide_threads: int | None = None  # steps whose memory workers sit idle (step_threads)
+    dense_backend: str = "auto"
+    batch_hint: int = 32  # the batch the dense backend prepacks for
+    fuse: bool = True  # fused pointwise chains
+
+
 @ray.remote
 class ComputeWorker:
-    def __init__(self, model: str | None, dtype: str, num_memory_workers: int,
-                 threads: int = 1, wide_threads: int | None = None,
-                 dense_backend: str = "auto", batch_hint: int = 32, fuse: bool = True):
+    def __init__(self, spec: ComputeWorkerSpec):
         # Steps use `threads`, or `wide_threads` where the memory workers sit idle during
         # the dense part (see `step_threads`).
-        self.threads, self.wide_threads = threads, wide_threads or threads
-        torch.set_num_threads(threads)
-        self.loaded = load(model, dtype=dtype, with_tokenizer=False)
-        prep = prepare_split(self.loaded.model, dense_backend, batch_hint, fuse)
+        self.threads, self.wide_threads = spec.threads, spec.wide_threads or spec.threads
+        torch.set_num_threads(spec.threads)
+        self.loaded = load(spec.model, dtype=spec.dtype, with_tokenizer=False)
+        prep = prepare_split(self.loaded.model, spec.dense_backend, spec.batch_hint, spec.fuse)
         self.dense = prep.dense
-        self.compute = ComputeSide(prep.split, num_memory_workers)
+        self.compute = ComputeSide(prep.split, spec.num_memory_workers)
         self.compute.vocab_size = int(self.loaded.config.vocab_size)
         self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
         self.channels: list[SocketChannel] = []
-        self.fused = True
         self._lock = threading.Lock()  # one step at a time (control thread or Ray call)
         self._control = None  # the listening socket of the control channel
-        dataplane_ext()  # the C++ data plane (built or loaded now, not in the first step)
+        native_ext()  # the C++ data plane (built or loaded now, not in the first step)
 
     def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu",
                     local_prefill: bool = True, faults=None):
@@ -106,14 +117,6 @@ class ComputeWorker:
                 self.channels.append(SocketChannel(connect_stream(kind, addr)))
         self.set_timeout(timeout_s)
         return os.getpid()
-
-    def set_layout(self, layout: str) -> None:
-        """How steps send q/k/v: "slices" (the default: rows grouped by worker, one
-        q|k|v frame each) or "gathered" (plan order, rows gathered per worker, three
-        frames: the earlier protocol, kept for paired benchmarks)."""
-        if layout not in ("slices", "gathered"):
-            raise ValueError(f"unknown layout {layout!r}: slices or gathered")
-        self.fused = self.compute.group_rows = layout == "slices"
 
     def set_timeout(self, seconds: float | None) -> None:
         for ch in self.channels:
@@ -162,62 +165,16 @@ class ComputeWorker:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         t = time.perf_counter()
-        result = self.compute.run(plan, SocketLink(self.channels, self.fused))
+        result = self.compute.run(plan, SocketLink(self.channels))
         result.timings["threads"] = n
         result.timings["worker_s"] = time.perf_counter() - t  # the step inside the actor
         return result
 
-    def probe_exchange(self, tokens, repeat: int, layouts=("slices",)) -> dict:
-        """Seconds per layer for n tokens' q/k/v to the memory workers and o back, and for
-        the submit alone, through the real link and memory-worker loop. Each token attends
-        to its own slot only (so the kernel's share is tiny), slots 0..n-1 of an idle pool.
-        Layouts, timed in turn within each repeat: "slices" (how steps run: each worker's
-        rows one slice, one q|k|v frame) and "gathered" (rows dealt round-robin, gathered
-        per worker, three frames: the protocol before the slices). One layout: flat
-        results; several: {layout: results}."""
-        spec = self.compute.split.attention_specs[0]
-        hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
-        w, layers = len(self.channels), len(self.compute.params)
-        res = {lay: {"exchange_s": {}, "submit_s": {}} for lay in layouts}
-        for n in tokens:
-            setups = {}
-            for lay in layouts:
-                if lay == "slices":
-                    per = [list(range(i * n // w, (i + 1) * n // w)) for i in range(w)]
-                elif lay == "gathered":
-                    per = [list(range(i, n, w)) for i in range(w)]
-                else:
-                    raise ValueError(f"unknown layout {lay!r}: slices or gathered")
-                parts = []
-                for r in per:
-                    span = (r[0], r[-1] + 1) if r and lay == "slices" else None
-                    parts.append(WorkerPart(
-                        torch.tensor(r, dtype=torch.int64), torch.arange(len(r), dtype=torch.int32),
-                        SlotBatch.build([[j] for j in range(len(r))], [1] * len(r)),
-                        span=span, whole=span == (0, n)))
-                setups[lay] = (SocketLink(self.channels, fused=lay == "slices"), parts)
-            # strided as the slices give them: [1, H, N, D] -> [N, H, D]
-            q, k, v = (torch.randn(1, h, n, e)[0].transpose(0, 1)
-                       for h, e in ((hq, d), (hkv, d), (hkv, dv)))
-            times = {lay: ([], []) for lay in layouts}
-            for rep in range(repeat):
-                for lay, (link, parts) in setups.items():
-                    link.begin(-2 - rep, [parts])
-                    t = time.perf_counter()
-                    for layer in range(layers):  # as steps run: in one call where it can
-                        t1 = time.perf_counter()
-                        r = link.exchange(layer, 0, q, k, v, parts, (n, hq, dv), q.dtype)
-                        if r is None:
-                            link.submit(layer, 0, q, k, v, parts)
-                            times[lay][1].append(time.perf_counter() - t1)
-                            link.collect(layer, 0, parts, (n, hq, dv), q.dtype)
-                        else:
-                            times[lay][1].append(r[1])
-                    times[lay][0].append((time.perf_counter() - t) / layers)
-            for lay, (ex, sub) in times.items():
-                res[lay]["exchange_s"][n] = statistics.median(ex)
-                res[lay]["submit_s"][n] = statistics.median(sub)
-        return res[layouts[0]] if len(layouts) == 1 else res
+    def probe_exchange(self, tokens, repeat: int) -> dict:
+        """Seconds per layer for n tokens' q/k/v out and o back through the real link
+        and memory-worker loop (`lamina.dataplane.probe`)."""
+        return probe_exchange(SocketLink(self.channels), self.compute.split.attention_specs[0],
+                              len(self.compute.params), tokens, repeat)
 
     def tokens(self, rows: int):
         """A step result's payload for `rows` sampled sequences (for call-cost probes)."""

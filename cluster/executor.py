@@ -24,7 +24,7 @@ from lamina.engine.messages import StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.executor.base import Executor
 
-from .compute_worker import ComputeWorker
+from .compute_worker import ComputeWorker, ComputeWorkerSpec
 from .memory_worker import MemoryWorker
 
 log = logging.getLogger(__name__)
@@ -87,10 +87,11 @@ class RayExecutor(Executor):
         local_cores = int(have.get("CPU", 1)) if "lamina_compute" not in have else threads
         pt = wide_threads or max(threads, local_cores)
         self._c_opts, self._m_opts = {**c_opts, **env}, {**m_opts, **env}
-        self._compute_args = (model, dtype, m, threads, pt, config.dense_backend,
-                              config.max_batch, config.fuse_pointwise)
+        self._compute_spec = ComputeWorkerSpec(model, dtype, m, threads, pt,
+                                               config.dense_backend, config.max_batch,
+                                               config.fuse_pointwise)
         self.threads, self.wide_threads, self.config = threads, pt, config
-        self.compute = ComputeWorker.options(**self._c_opts).remote(*self._compute_args)
+        self.compute = ComputeWorker.options(**self._c_opts).remote(self._compute_spec)
         self.dense = ray.get(self.compute.dense_choice.remote())
         self.memory = []
         self._start_memory()
@@ -143,7 +144,7 @@ class RayExecutor(Executor):
         except Exception as e:  # noqa: BLE001 - dead or hung: start another
             log.warning("compute worker lost (%s: %s); starting a new one", type(e).__name__, e)
             ray.kill(self.compute)
-            self.compute = ComputeWorker.options(**self._c_opts).remote(*self._compute_args)
+            self.compute = ComputeWorker.options(**self._c_opts).remote(self._compute_spec)
         else:
             ray.get(self.compute.disconnect.remote(), timeout=RECOVER_TIMEOUT_S)
         self._close_control()

@@ -346,27 +346,21 @@ at::Tensor o_lse(const at::Tensor& o, const at::Tensor& lse, at::ScalarType dt) 
 // the KV rows differ from the query rows), write k/v at new_slots, attend, send o|lse.
 // -> (status, message, ring_in pos, ring_out pos): status 0 done, 1 bad frame
 // (FrameError), 2 timeout (PeerTimeout), 3 other error.
-std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
-    int64_t fd, std::string pending, int64_t timeout_ms, int64_t step,
-    std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools, at::Tensor new_slots,
-    at::Tensor cu_q, at::Tensor q_pos, at::Tensor slots, at::Tensor cu_k, at::Tensor k_pos0,
-    std::vector<double> scales, std::vector<int64_t> windows, std::vector<double> softcaps,
-    std::vector<c10::optional<at::Tensor>> sinks,
-    c10::optional<at::Tensor> ring_in, c10::optional<at::Tensor> ring_in_ctrl, int64_t in_pos,
-    c10::optional<at::Tensor> ring_out, c10::optional<at::Tensor> ring_out_ctrl,
-    int64_t out_pos, int64_t ring_min_bytes) {
+CallStatus serve_step(const MemoryLayers& layers, ServeStep& s) {
   pybind11::gil_scoped_release nogil;
-  Conn c{int(fd), int(timeout_ms), std::move(pending)};
-  Ring rin = make_ring(ring_in, ring_in_ctrl, in_pos, ring_min_bytes);
-  Ring rout = make_ring(ring_out, ring_out_ctrl, out_pos, ring_min_bytes);
-  Ring* pin = ring_in.has_value() ? &rin : nullptr;
-  Ring* pout = ring_out.has_value() ? &rout : nullptr;
-  const int64_t n = cu_q.size(0) ? q_pos.size(0) : 0, m = new_slots.size(0);
-  const at::Tensor idx = new_slots.to(at::kLong);
+  const int64_t step = s.step, timeout_ms = s.timeout_ms;
+  Conn c{int(s.fd), int(timeout_ms), std::move(s.pending)};
+  Ring rin = make_ring(s.ring_in.data, s.ring_in.ctrl, s.ring_in.pos, s.ring_min_bytes);
+  Ring rout = make_ring(s.ring_out.data, s.ring_out.ctrl, s.ring_out.pos, s.ring_min_bytes);
+  Ring* pin = s.ring_in.data.has_value() ? &rin : nullptr;
+  Ring* pout = s.ring_out.data.has_value() ? &rout : nullptr;
+  const int64_t n = s.cu_q.size(0) ? s.q_pos.size(0) : 0, m = s.new_slots.size(0);
+  const at::Tensor idx = s.new_slots.to(at::kLong);
+  const auto& sinks = layers.sinks;
   auto [status, msg] = guarded([&] {
-    for (size_t layer = 0; layer < k_pools.size(); ++layer) {
-      const at::Tensor& kp = k_pools[layer];
-      const at::Tensor& vp = v_pools[layer];
+    for (size_t layer = 0; layer < layers.k_pools.size(); ++layer) {
+      const at::Tensor& kp = layers.k_pools[layer];
+      const at::Tensor& vp = layers.v_pools[layer];
       const int64_t hkv = kp.size(1), d = kp.size(2), dv = vp.size(2);
       const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(layer);
       // a q|k|v frame in the ring is read in place, and released once attended
@@ -421,29 +415,34 @@ std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
         store_rows(vp, idx, v);
       }
       const at::Tensor qf = q.to(at::kFloat).contiguous();
-      auto ol = slot_attention(qf, kp, vp, cu_q, q_pos, slots, cu_k, k_pos0, scales[layer],
-                               windows[layer], softcaps[layer], sinks[layer],
+      auto ol = slot_attention(qf, kp, vp, s.cu_q, s.q_pos, s.slots, s.cu_k, s.k_pos0,
+                               layers.scales[layer], layers.windows[layer],
+                               layers.softcaps[layer], sinks[layer],
                                q.scalar_type() == at::kBFloat16);
       if (in_ring) release(hx, pin);  // attended: the writer may reuse it
       send_frame(c, pout, o_lse(ol[0], ol[1], q.scalar_type()), int64_t(layer), step,
                  int(timeout_ms));
     }
   });
-  return {status, msg, rin.pos, rout.pos};
+  s.ring_in.pos = rin.pos;
+  s.ring_out.pos = rout.pos;
+  return {status, msg, 0.0};
 }
 
 namespace {
 struct Ends {  // the compute end's channels, one per memory worker
   std::vector<Conn> conns;
   std::vector<Ring> rings;
-  Ends(const std::vector<int64_t>& fds, const std::vector<int64_t>& timeouts,
-       const std::vector<c10::optional<at::Tensor>>& data,
-       const std::vector<c10::optional<at::Tensor>>& ctrl, const std::vector<int64_t>& pos,
-       int64_t min_bytes) {
-    for (size_t w = 0; w < fds.size(); ++w) {
-      conns.push_back(Conn{int(fds[w]), int(timeouts[w]), std::string()});
-      rings.push_back(make_ring(data[w], ctrl[w], pos[w], min_bytes));
+  Ends(const Peers& p, const std::vector<RingArgs>& dir, int64_t min_bytes) {
+    if (p.timeouts_ms.size() != p.fds.size() || dir.size() != p.fds.size())
+      throw std::invalid_argument("Peers: one timeout and one ring entry per worker");
+    for (size_t w = 0; w < p.fds.size(); ++w) {
+      conns.push_back(Conn{int(p.fds[w]), int(p.timeouts_ms[w]), std::string()});
+      rings.push_back(make_ring(dir[w].data, dir[w].ctrl, dir[w].pos, min_bytes));
     }
+  }
+  void store(std::vector<RingArgs>& dir) const {  // the cursors back to the caller
+    for (size_t w = 0; w < rings.size(); ++w) dir[w].pos = rings[w].pos;
   }
   Ring* ring(size_t w) { return rings[w].data ? &rings[w] : nullptr; }
   std::vector<int64_t> positions() const {
@@ -542,61 +541,45 @@ void recv_o(Ends& e, const std::vector<int64_t>& starts, const std::vector<int64
 }
 }  // namespace
 
-// `send_qkv` alone. -> (status as serve_step's, message, ring positions).
-std::tuple<int64_t, std::string, std::vector<int64_t>> submit_qkv(
-    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
-    std::vector<c10::optional<at::Tensor>> ring_data,
-    std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
-    int64_t ring_min_bytes, at::Tensor q, at::Tensor k, at::Tensor v,
-    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step) {
+// `send_qkv` alone.
+CallStatus submit_qkv(Peers& peers, const LayerRows& rows, at::Tensor q, at::Tensor k,
+                      at::Tensor v) {
   pybind11::gil_scoped_release nogil;
-  Ends e(fds, timeouts, ring_data, ring_ctrl, ring_pos, ring_min_bytes);
-  auto [status, msg] = guarded([&] { send_qkv(e, timeouts, q, k, v, starts, ends, layer, step); });
-  return {status, msg, e.positions()};
+  Ends e(peers, peers.ring_out, peers.ring_min_bytes);
+  auto [status, msg] = guarded([&] {
+    send_qkv(e, peers.timeouts_ms, q, k, v, rows.starts, rows.ends, rows.layer, rows.step);
+  });
+  e.store(peers.ring_out);
+  return {status, msg, 0.0};
 }
 
-// `recv_o` alone. -> (status, message, ring positions).
-std::tuple<int64_t, std::string, std::vector<int64_t>> collect_o(
-    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
-    std::vector<c10::optional<at::Tensor>> ring_data,
-    std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
-    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
-    at::Tensor o) {
+// `recv_o` alone.
+CallStatus collect_o(Peers& peers, const LayerRows& rows, at::Tensor o) {
   pybind11::gil_scoped_release nogil;
-  Ends e(fds, timeouts, ring_data, ring_ctrl, ring_pos, 0);
-  auto [status, msg] = guarded([&] { recv_o(e, starts, ends, layer, step, o); });
-  return {status, msg, e.positions()};
+  Ends e(peers, peers.ring_in, 0);
+  auto [status, msg] = guarded([&] {
+    recv_o(e, rows.starts, rows.ends, rows.layer, rows.step, o);
+  });
+  e.store(peers.ring_in);
+  return {status, msg, 0.0};
 }
 
 // Both in one call: the q/k/v out, then straight into the wait for the outputs (no
 // return to Python between, so this thread leaves the core to the memory workers at
-// once). ring_pos: the outgoing rings' cursors, then the incoming ones'.
-// -> (status, message, ring positions in the same order, seconds spent sending).
-std::tuple<int64_t, std::string, std::vector<int64_t>, double> exchange_qkv(
-    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
-    std::vector<c10::optional<at::Tensor>> out_data,
-    std::vector<c10::optional<at::Tensor>> out_ctrl,
-    std::vector<c10::optional<at::Tensor>> in_data,
-    std::vector<c10::optional<at::Tensor>> in_ctrl, std::vector<int64_t> ring_pos,
-    int64_t ring_min_bytes, at::Tensor q, at::Tensor k, at::Tensor v,
-    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
-    at::Tensor o) {
+// once).
+CallStatus exchange_qkv(Peers& peers, const LayerRows& rows, at::Tensor q, at::Tensor k,
+                        at::Tensor v, at::Tensor o) {
   pybind11::gil_scoped_release nogil;
-  const size_t nw = fds.size();
-  if (ring_pos.size() != 2 * nw)
-    throw std::invalid_argument("exchange_qkv: ring_pos needs two cursors per worker");
-  Ends out(fds, timeouts, out_data, out_ctrl,
-           std::vector<int64_t>(ring_pos.begin(), ring_pos.begin() + nw), ring_min_bytes);
-  Ends in(fds, timeouts, in_data, in_ctrl,
-          std::vector<int64_t>(ring_pos.begin() + nw, ring_pos.end()), 0);
+  Ends out(peers, peers.ring_out, peers.ring_min_bytes);
+  Ends in(peers, peers.ring_in, 0);
   double sent_s = 0;
   auto [status, msg] = guarded([&] {
     const auto t0 = std::chrono::steady_clock::now();
-    send_qkv(out, timeouts, q, k, v, starts, ends, layer, step);
+    send_qkv(out, peers.timeouts_ms, q, k, v, rows.starts, rows.ends, rows.layer, rows.step);
     sent_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    recv_o(in, starts, ends, layer, step, o);
+    recv_o(in, rows.starts, rows.ends, rows.layer, rows.step, o);
   });
-  std::vector<int64_t> pos = out.positions();
-  for (int64_t p : in.positions()) pos.push_back(p);
-  return {status, msg, pos, sent_s};
+  out.store(peers.ring_out);
+  in.store(peers.ring_in);
+  return {status, msg, sent_s};
 }

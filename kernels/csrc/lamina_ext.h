@@ -1,5 +1,6 @@
-// The extension's functions that one source file defines and another calls or binds:
-// the kernel (slot_attention.cpp) and the data plane's fast paths (dataplane.cpp).
+// The extension's functions and argument structs, defined in one source file and called
+// from another or bound in bindings.cpp: the kernel (slot_attention.cpp), the data
+// plane's C++ ends (dataplane.cpp) and the pointwise ops (pointwise.cpp).
 #pragma once
 #include <torch/extension.h>
 
@@ -14,43 +15,69 @@ std::vector<at::Tensor> slot_attention(at::Tensor q, at::Tensor k_pool, at::Tens
                                        int64_t window, double softcap,
                                        c10::optional<at::Tensor> sinks, bool q_bf16);
 
-// dataplane.cpp: a memory worker's layers of one step.
-std::tuple<int64_t, std::string, int64_t, int64_t> serve_step(
-    int64_t fd, std::string pending, int64_t timeout_ms, int64_t step,
-    std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools, at::Tensor new_slots,
-    at::Tensor cu_q, at::Tensor q_pos, at::Tensor slots, at::Tensor cu_k, at::Tensor k_pos0,
-    std::vector<double> scales, std::vector<int64_t> windows, std::vector<double> softcaps,
-    std::vector<c10::optional<at::Tensor>> sinks,
-    c10::optional<at::Tensor> ring_in, c10::optional<at::Tensor> ring_in_ctrl, int64_t in_pos,
-    c10::optional<at::Tensor> ring_out, c10::optional<at::Tensor> ring_out_ctrl,
-    int64_t out_pos, int64_t ring_min_bytes);
+// One direction of a channel's shared-memory ring; absent (no data) when the channel
+// has none. `pos` is the cursor, moved by the call and handed back.
+struct RingArgs {
+  c10::optional<at::Tensor> data;  // uint8 [capacity]: the mapped ring
+  c10::optional<at::Tensor> ctrl;  // int64 [n]: its control words
+  int64_t pos = 0;
+};
 
-// dataplane.cpp: the compute end's send of one layer's q|k|v slices.
-std::tuple<int64_t, std::string, std::vector<int64_t>> submit_qkv(
-    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
-    std::vector<c10::optional<at::Tensor>> ring_data,
-    std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
-    int64_t ring_min_bytes, at::Tensor q, at::Tensor k, at::Tensor v,
-    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step);
+// What a memory worker's steps share, set once when it starts serving: per layer, its
+// pool and attention parameters.
+struct MemoryLayers {
+  std::vector<at::Tensor> k_pools, v_pools;  // [slots, Hkv, D] / [slots, Hkv, Dv]
+  std::vector<double> scales;
+  std::vector<int64_t> windows;  // -1: none
+  std::vector<double> softcaps;  // 0: none
+  std::vector<c10::optional<at::Tensor>> sinks;  // fp32 [Hq] or none
+};
 
-// dataplane.cpp: the compute end's read of one layer's outputs into o.
-std::tuple<int64_t, std::string, std::vector<int64_t>> collect_o(
-    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
-    std::vector<c10::optional<at::Tensor>> ring_data,
-    std::vector<c10::optional<at::Tensor>> ring_ctrl, std::vector<int64_t> ring_pos,
-    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
-    at::Tensor o);
+// One step of one micro-batch on a memory worker: its connection, the step's slot
+// metadata (the `SlotBatch` and the new k/v slots) and the rings.
+struct ServeStep {
+  int64_t fd = -1;
+  std::string pending;  // bytes the Python channel already read past the metadata
+  int64_t timeout_ms = -1;  // -1: wait forever
+  int64_t step = 0;
+  at::Tensor new_slots, cu_q, q_pos, slots, cu_k, k_pos0;  // int32, checked per step
+  RingArgs ring_in, ring_out;
+  int64_t ring_min_bytes = 0;  // payloads this big or more go through a ring
+};
 
-// dataplane.cpp: submit_qkv then collect_o in one call (no return to Python between).
-std::tuple<int64_t, std::string, std::vector<int64_t>, double> exchange_qkv(
-    std::vector<int64_t> fds, std::vector<int64_t> timeouts,
-    std::vector<c10::optional<at::Tensor>> out_data,
-    std::vector<c10::optional<at::Tensor>> out_ctrl,
-    std::vector<c10::optional<at::Tensor>> in_data,
-    std::vector<c10::optional<at::Tensor>> in_ctrl, std::vector<int64_t> ring_pos,
-    int64_t ring_min_bytes, at::Tensor q, at::Tensor k, at::Tensor v,
-    std::vector<int64_t> starts, std::vector<int64_t> ends, int64_t layer, int64_t step,
-    at::Tensor o);
+// What a data-plane call reports: status 0 done, 1 bad frame (FrameError), 2 timeout
+// (PeerTimeout), 3 other error; the message says which; sent_s: exchange_qkv's time
+// spent sending. Ring cursors are written back into the arguments' RingArgs.
+struct CallStatus {
+  int64_t status = 0;
+  std::string message;
+  double sent_s = 0;
+};
+
+// dataplane.cpp: a memory worker's layers of one step (s.ring_in/ring_out.pos moved).
+CallStatus serve_step(const MemoryLayers& layers, ServeStep& s);
+
+// The compute end's channels, one entry per memory worker, set once a step.
+struct Peers {
+  std::vector<int64_t> fds;
+  std::vector<int64_t> timeouts_ms;  // -1: wait forever
+  std::vector<RingArgs> ring_out, ring_in;  // to / from each worker (no data: none)
+  int64_t ring_min_bytes = 0;
+};
+
+// Which packed rows go to each worker (starts[w]..ends[w]) for one layer of one step.
+struct LayerRows {
+  std::vector<int64_t> starts, ends;
+  int64_t layer = 0, step = 0;
+};
+
+// dataplane.cpp: the compute end's send of one layer's q|k|v slices, its read of the
+// outputs into o [N, Hq, Dv], and both in one call (no return to Python between).
+CallStatus submit_qkv(Peers& peers, const LayerRows& rows, at::Tensor q, at::Tensor k,
+                      at::Tensor v);
+CallStatus collect_o(Peers& peers, const LayerRows& rows, at::Tensor o);
+CallStatus exchange_qkv(Peers& peers, const LayerRows& rows, at::Tensor q, at::Tensor k,
+                        at::Tensor v, at::Tensor o);
 
 // pointwise.cpp: fused pointwise ops for the dense slices (lamina.splitter.fuse).
 at::Tensor fused_rms_norm(at::Tensor x, at::Tensor w, double eps);
@@ -58,3 +85,8 @@ at::Tensor fused_rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor fused_silu_mul(at::Tensor gate, at::Tensor up);
 // pointwise.cpp: greedy sampling's row argmax (torch.argmax's first-max and NaN rules).
 at::Tensor argmax_rows(at::Tensor x);
+
+// slot_attention.cpp: bandwidth probes and the SIMD paths compiled in.
+double read_sum(at::Tensor x);
+double read_rows(at::Tensor k, at::Tensor v, at::Tensor slots);
+std::vector<std::string> simd_paths();

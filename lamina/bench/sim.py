@@ -61,11 +61,6 @@ def measure_ops(model=None, tokens=TOKENS, repeat: int = 5, executor=None) -> di
     """Per-op seconds for `MeasuredCosts` (1 thread). With an `executor` that has
     plumbing of its own (Ray), its `probe` adds the real per-layer exchange with the
     memory workers and the per-step call; sampling is timed here."""
-    from lamina.costmodel.workload import scattered_tables
-    from lamina.dataplane.transport import SocketChannel
-    from lamina.kernels import SlotBatch
-    from lamina.memory.memory_side import MemorySide, attention_params
-    from lamina.memory.pool import KVPool, KVPoolConfig
     from lamina.model.loader import load
     from lamina.splitter import split_model
 
@@ -73,20 +68,42 @@ def measure_ops(model=None, tokens=TOKENS, repeat: int = 5, executor=None) -> di
     lm = load(model, with_tokenizer=False)
     sm = split_model(lm.model)
     spec, L = sm.attention_specs[0], len(sm.attention_specs)
-    hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
+    dense, head = _dense_costs(sm, tokens, repeat)
+    attn = _attention_costs(sm, repeat)
+    net = _net_costs(spec, repeat)
+    extra = executor.probe(tokens, repeat * 4) if executor is not None else {}
+    return {**extra, "sample_s": _sample_costs(sm, tokens, repeat),
+            "params": float(sum(p.numel() for p in lm.model.parameters())),
+            "layers": L, "threads": 1, "dense_layer_s": dense, "head_s": head,
+            **attn, **net}
+
+
+def _dense_costs(sm, tokens, repeat: int) -> tuple[dict, dict]:
+    """{n: a middle layer's slice s}, {n: the first and last slices' extra s}."""
+    spec, L = sm.attention_specs[0], len(sm.attention_specs)
     dense, head = {}, {}
     with torch.no_grad():
         for n in tokens:
             ids, pos = torch.randint(0, 1000, (1, n)), torch.arange(n)[None]
             first = sm.slices[0](ids, pos)
-            o = torch.randn(1, n, hq, dv)
+            o = torch.randn(1, n, spec.num_q_heads, spec.v_head_dim)
             mid = _median_s(lambda: sm.slices[1](pos, o, *first[3:]), repeat)
             t0 = _median_s(lambda: sm.slices[0](ids, pos), repeat)
             tl = _median_s(lambda: sm.slices[L](pos, o, *first[3:]), repeat)
             dense[n], head[n] = mid, max(0.0, t0 + tl - mid)
-    # attention: decode over scattered slots, fit a0 + a_key * keys
-    pool_cfg = KVPoolConfig.for_specs(sm.attention_specs[:1], 40000)
-    mem = MemorySide(KVPool(pool_cfg))
+    return dense, head
+
+
+def _attention_costs(sm, repeat: int) -> dict:
+    """Decode attention over scattered slots, fitted as a0 + a_key * keys."""
+    from lamina.costmodel.workload import scattered_tables
+    from lamina.kernels import SlotBatch
+    from lamina.memory.memory_side import MemorySide, attention_params
+    from lamina.memory.pool import KVPool, KVPoolConfig
+
+    spec = sm.attention_specs[0]
+    hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
+    mem = MemorySide(KVPool(KVPoolConfig.for_specs(sm.attention_specs[:1], 40000)))
     torch.manual_seed(0)
     mem.pool.k.normal_()
     mem.pool.v.normal_()
@@ -100,7 +117,15 @@ def measure_ops(model=None, tokens=TOKENS, repeat: int = 5, executor=None) -> di
         xs.append(B * ctx)
         ys.append(_median_s(lambda: mem.attend(0, params, q, k, v, new, batch), repeat * 4))
     a0, ak = _fit_line(xs, ys)
-    # data plane: q/k/v out, o back, over a Unix socket to another process
+    return {"attention_s0": a0, "attention_s_per_key": ak,
+            "attention_points": [[x, y] for x, y in zip(xs, ys)]}
+
+
+def _net_costs(spec, repeat: int) -> dict:
+    """q/k/v out and o back over a Unix socket to another process, fitted per byte."""
+    from lamina.dataplane.transport import SocketChannel
+
+    hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     p = mp.get_context("fork").Process(target=_echo, args=(b, hq, dv), daemon=True)
     p.start()
@@ -120,11 +145,18 @@ def measure_ops(model=None, tokens=TOKENS, repeat: int = 5, executor=None) -> di
     ch.close()
     p.join(5)
     n0, nb = _fit_line(nx, ny)
-    extra = executor.probe(tokens, repeat * 4) if executor is not None else {}
+    return {"net_s0": n0, "net_s_per_byte": nb, "net_bytes_per_token_layer": per_tok,
+            "net_points": [[x, y] for x, y in zip(nx, ny)]}
+
+
+def _sample_costs(sm, tokens, repeat: int) -> dict:
+    """{n: seconds to sample n greedy rows}."""
     from lamina.sampling.params import SamplingParams
     from lamina.sampling.sampler import sample
 
-    vocab = sm.slices[L](torch.arange(1)[None], torch.randn(1, 1, hq, dv),
+    spec, L = sm.attention_specs[0], len(sm.attention_specs)
+    vocab = sm.slices[L](torch.arange(1)[None], torch.randn(1, 1, spec.num_q_heads,
+                                                            spec.v_head_dim),
                          *sm.slices[0](torch.zeros(1, 1, dtype=torch.long),
                                        torch.arange(1)[None])[3:])[0].shape[-1]
     greedy = SamplingParams(temperature=0)
@@ -132,13 +164,7 @@ def measure_ops(model=None, tokens=TOKENS, repeat: int = 5, executor=None) -> di
     for n in tokens:
         logits, gens = torch.randn(n, vocab), [torch.Generator() for _ in range(n)]
         samp[n] = _median_s(lambda: sample(logits, [greedy] * n, gens), repeat)
-    return {**extra, "sample_s": samp,
-            "params": float(sum(p.numel() for p in lm.model.parameters())),
-            "layers": L, "threads": 1, "dense_layer_s": dense, "head_s": head,
-            "attention_s0": a0, "attention_s_per_key": ak,
-            "attention_points": [[x, y] for x, y in zip(xs, ys)],
-            "net_s0": n0, "net_s_per_byte": nb, "net_bytes_per_token_layer": per_tok,
-            "net_points": [[x, y] for x, y in zip(nx, ny)]}
+    return samp
 
 
 def bench_ops(model=None, out_dir: str | Path = "benchmarks/results") -> dict:

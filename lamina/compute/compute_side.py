@@ -17,11 +17,13 @@ workers only store their k/v.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from lamina.compute.memory_link import MemoryLink
-from lamina.compute.packing import by_worker, pack, split_micro
+from lamina.compute.packing import PackedBatch, PromptRows, by_worker, pack, split_micro
 from lamina.engine.messages import SeqWork, StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.memory.memory_side import MemorySide, attention_params
@@ -36,7 +38,6 @@ class ComputeSide:
     def __init__(self, split: SplitModel, num_workers: int, local_kv_dtype: str | None = None):
         self.split, self.num_workers = split, num_workers
         self.params = [attention_params(s) for s in split.attention_specs]
-        self.group_rows = True  # pack rows grouped by worker (False: plan order, to compare)
         # Set: prompts whose whole context is in the step attend here (paper 5.6), over a
         # scratch pool of this KV dtype (the memory workers' own, so the same rounding);
         # the memory workers only store their k/v.
@@ -75,6 +76,8 @@ class ComputeSide:
 
     def _local_side(self, tokens: int) -> MemorySide:
         """The scratch pool's memory side, grown to hold `tokens` slots."""
+        if self.local_kv_dtype is None:
+            raise RuntimeError("local prefill is off (local_kv_dtype None): no scratch pool")
         if self._scratch is None or self._scratch.pool.config.num_slots < tokens:
             cfg = KVPoolConfig.for_specs(self.split.attention_specs, max(tokens, 256),
                                          self.local_kv_dtype)
@@ -83,108 +86,186 @@ class ComputeSide:
 
     @torch.no_grad()
     def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
+        """One step: check, pack, the slices layer by layer with attention on the memory
+        side in between, then sampling."""
         self.check(plan)
-        groups = [by_worker(g) if self.group_rows else g
-                  for g in split_micro(plan.seqs, plan.micro_batches)]
-        local, mbs, base = self.local_kv_dtype is not None, [], 0
-        for g in groups:  # micro-batches' local tokens take disjoint scratch slots
-            mbs.append(pack(StepPlan(plan.step, g), self.num_workers, local, base))
-            base += 0 if mbs[-1][7] is None else mbs[-1][7].new_slots.numel()
-        if any(m[4] for m in mbs) and any(p.sinks is not None for p in self.params):
-            raise ValueError("a sequence's KV is split over memory workers, but this model's "
-                             "attention has sinks: run with split_kv=False")
-        mine = self._local_side(base) if base else None
-        link.begin(plan.step, [m[3] for m in mbs])
-        t_dense = t_submit = t_wait = t_local = 0.0
-        exchanges = 0  # layers sent and collected in one `exchange` call
-        outs, own, ready = [None] * len(mbs), [None] * len(mbs), [None] * len(mbs)
-        n_layers = len(self.params)
+        groups, mbs = self._pack(plan)
+        local_slots = sum(m.packed.local_slots for m in mbs)
+        scratch = self._local_side(local_slots) if local_slots else None
+        link.begin(plan.step, [m.packed.parts for m in mbs])
+        timers = StepTimers()
         # One micro-batch with no prompts attending here: nothing runs between a layer's
         # submit and collect, so the link may do both in one call (`exchange`).
-        at_once = len(mbs) == 1 and mbs[0][7] is None
-        # Layer i of micro-batch j: wait for its layer i-1 attention, run slice i, submit.
-        # The memory side attends micro-batch j while this thread runs j+1's slice (and
-        # this step's own prompts' attention).
-        for i in range(n_layers + 1):
-            for j, (ids, pos, rows, parts, merge, _, _, lp) in enumerate(mbs):
-                if i == 0:
-                    args = (ids, pos)
-                else:
-                    q, v, ctx = outs[j][0], outs[j][2], outs[j][3:]
-                    if ready[j] is not None:
-                        o, ready[j] = ready[j], None
-                    else:
-                        t = time.perf_counter()
-                        o = link.collect(i - 1, j, parts,
-                                         (q.shape[2], q.shape[1], v.shape[-1]), q.dtype, merge)
-                        if lp is not None:  # the prompts attended here
-                            o.index_copy_(0, lp.rows, own[j].to(o.dtype))
-                        t_wait += time.perf_counter() - t
-                    args = (pos, o[None], *ctx)  # attn_out [1, N, Hq, Dv]
-                    if i == n_layers:
-                        if not rows:
-                            outs[j] = None  # nothing to sample in this micro-batch
-                            continue
-                        args = _select_rows(args, rows)
-                if self.faults is not None:
-                    self.faults.check_layer(i, ids[0].tolist())
-                t = time.perf_counter()
-                outs[j] = self.split.slices[i](*args)
-                t_dense += time.perf_counter() - t
-                if i < n_layers:
-                    q, k, v = outs[j][0], outs[j][1], outs[j][2]
-                    t = time.perf_counter()
-                    # [1, H, N, D] -> [N, H, D]
-                    qkv = (q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))
-                    if at_once and (r := link.exchange(
-                            i, j, *qkv, parts, (q.shape[2], q.shape[1], v.shape[-1]),
-                            q.dtype, merge)) is not None:
-                        ready[j], sent = r
-                        exchanges += 1
-                        t_submit += sent
-                        t_wait += time.perf_counter() - t - sent
-                        continue
-                    link.submit(i, j, *qkv, parts)
-                    t_submit += time.perf_counter() - t
-                    if lp is not None:  # while the memory workers attend theirs
-                        t = time.perf_counter()
-                        own[j] = mine.attend(i, self.params[i], *lp.take(*qkv), lp.new_slots,
-                                             lp.batch)[0]
-                        t_local += time.perf_counter() - t
+        at_once = len(mbs) == 1 and mbs[0].packed.local is None
+        # Slice i of micro-batch j: wait for its layer i-1 attention, run the slice,
+        # submit. The memory side attends micro-batch j while this thread runs j+1's
+        # slice (and this step's own prompts' attention).
+        shared = _Layer(link, scratch, at_once, timers)
+        for i in range(len(self.params) + 1):
+            for j, mb in enumerate(mbs):
+                self._slice(i, j, mb, shared)
         t = time.perf_counter()
-        works, tokens, lps, plps = [s for g in groups for s in g if s.sample], [], None, None
-        if works:
-            # all: [R, V] logit rows (picked here if the last slice ran on every token)
-            all_, sample, prompt, at, k = [], [], [], 0, 0
-            for out, m in zip(outs, mbs):
-                if out is not None:
-                    all_.append(out[0][0] if out[0].shape[1] == len(m[2]) else out[0][0, m[2]])
-                    sample += [at + r for r in m[5]]
-                    prompt += [(k + i, at + r0, n) for i, r0, n in m[6]]
-                    at, k = at + len(m[2]), k + len(m[5])
-            # the model's dtype (sample_rows casts what it must); one part: no copy
-            all_ = all_[0] if len(all_) == 1 else torch.cat(all_)
-            logits = all_ if len(sample) == len(all_) else all_[sample]  # [S, V]
-            tokens, lps = _draw(logits, works)
-            if prompt:
-                plps = [None] * len(works)
-                for i, r0, n in prompt:
-                    s = works[i]
-                    plps[i] = prompt_logprobs(all_[r0:r0 + n], list(s.token_ids[1:n + 1]),
-                                              s.params.prompt_logprobs)
-                plps = tuple(plps)
-        t_sample = time.perf_counter() - t
-        if works:  # back to plan order (rows were grouped by worker)
-            rank = {s.seq_id: i for i, s in enumerate(s for s in plan.seqs if s.sample)}
-            order = sorted(range(len(works)), key=lambda i: rank[works[i].seq_id])
-            works, tokens = [works[i] for i in order], [tokens[i] for i in order]
-            lps = lps if lps is None else tuple(lps[i] for i in order)
-            plps = plps if plps is None else tuple(plps[i] for i in order)
-        return StepResult(plan.step, tuple(s.seq_id for s in works), tuple(tokens),
-                          {"dense_s": t_dense, "submit_s": t_submit, "wait_s": t_wait,
-                           "attention_s": t_submit + t_wait + t_local, "local_s": t_local,
-                           "sample_s": t_sample, "micro_batches": len(mbs),
-                           "exchanges": exchanges}, lps, plps)
+        works = [s for g in groups for s in g if s.sample]
+        tokens, lps, plps = self._sample(works, mbs) if works else ([], None, None)
+        timers.sample_s = time.perf_counter() - t
+        return _in_plan_order(plan, works, tokens, lps, plps, timers.report(len(mbs)))
+
+    def _pack(self, plan: StepPlan) -> tuple[list[tuple], list[_MicroBatch]]:
+        """The plan cut into micro-batches, each packed (rows grouped by worker)."""
+        groups = [by_worker(g) for g in split_micro(plan.seqs, plan.micro_batches)]
+        local, mbs, base = self.local_kv_dtype is not None, [], 0
+        for g in groups:  # micro-batches' local tokens take disjoint scratch slots
+            mbs.append(_MicroBatch(pack(StepPlan(plan.step, g), self.num_workers, local,
+                                        base)))
+            base += mbs[-1].packed.local_slots
+        if any(m.packed.merge for m in mbs) and any(p.sinks is not None for p in self.params):
+            raise ValueError("a sequence's KV is split over memory workers, but this model's "
+                             "attention has sinks: run with split_kv=False")
+        return groups, mbs
+
+    def _slice(self, i: int, j: int, mb: _MicroBatch, step: _Layer) -> None:
+        """Slice i of micro-batch j: its input (layer i-1's attention output, collected),
+        the slice, and its q/k/v handed to the memory side."""
+        n_layers, p = len(self.params), mb.packed
+        if i == 0:
+            args = (p.input_ids, p.positions)
+        else:
+            o = self._collect(i - 1, j, mb, step)
+            args = (p.positions, o[None], *mb.out[3:])  # attn_out [1, N, Hq, Dv]
+            if i == n_layers:
+                if not p.logit_rows:
+                    mb.out = ()  # nothing to sample in this micro-batch
+                    return
+                args = _select_rows(args, p.logit_rows)
+        if self.faults is not None:
+            self.faults.check_layer(i, p.input_ids[0].tolist())
+        t = time.perf_counter()
+        mb.out = self.split.slices[i](*args)
+        step.timers.dense_s += time.perf_counter() - t
+        if i < n_layers:
+            self._submit(i, j, mb, step)
+
+    def _collect(self, layer: int, j: int, mb: _MicroBatch, step: _Layer) -> torch.Tensor:
+        """Micro-batch j's attention output of `layer`: o [N, Hq, Dv], packed row order."""
+        if mb.ready is not None:  # `exchange` already brought it
+            o, mb.ready = mb.ready, None
+            return o
+        t = time.perf_counter()
+        o = step.link.collect(layer, j, mb.packed.parts, mb.attn_shape(), mb.out[0].dtype,
+                              mb.packed.merge)
+        if mb.packed.local is not None and mb.own is not None:  # prompts attended here
+            o.index_copy_(0, mb.packed.local.rows, mb.own.to(o.dtype))
+        step.timers.wait_s += time.perf_counter() - t
+        return o
+
+    def _submit(self, layer: int, j: int, mb: _MicroBatch, step: _Layer) -> None:
+        """Hand micro-batch j's q/k/v of `layer` to the memory side (and attend its local
+        prompts here meanwhile); one call for both ways when `step.at_once`."""
+        q, k, v = mb.out[0], mb.out[1], mb.out[2]
+        p, timers = mb.packed, step.timers
+        t = time.perf_counter()
+        qkv = (q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))
+        # [1, H, N, D] -> [N, H, D]
+        if step.at_once:
+            r = step.link.exchange(layer, j, *qkv, p.parts, mb.attn_shape(), q.dtype, p.merge)
+            if r is not None:
+                mb.ready, sent = r
+                timers.exchanges += 1
+                timers.submit_s += sent
+                timers.wait_s += time.perf_counter() - t - sent
+                return
+        step.link.submit(layer, j, *qkv, p.parts)
+        timers.submit_s += time.perf_counter() - t
+        if p.local is not None and step.scratch is not None:  # while the workers attend
+            t = time.perf_counter()
+            mb.own = step.scratch.attend(layer, self.params[layer], *p.local.take(*qkv),
+                                         p.local.new_slots, p.local.batch)[0]
+            timers.local_s += time.perf_counter() - t
+
+    def _sample(self, works: list[SeqWork], mbs: list[_MicroBatch]):
+        """-> (tokens, logprobs or None, prompt logprobs or None), one per sequence of
+        `works` (the sampled sequences, in pack order)."""
+        rows, sample, prompt, at, k = [], [], [], 0, 0
+        for mb in mbs:
+            if not mb.out:
+                continue
+            p, logits = mb.packed, mb.out[0]  # [1, R or N, V]
+            # picked here if the last slice ran on every token
+            rows.append(logits[0] if logits.shape[1] == len(p.logit_rows)
+                        else logits[0, list(p.logit_rows)])
+            sample += [at + r for r in p.sample]
+            prompt += [PromptRows(k + x.sample, at + x.row, x.count) for x in p.prompt]
+            at, k = at + len(p.logit_rows), k + len(p.sample)
+        # the model's dtype (sample_rows casts what it must); one part: no copy
+        all_ = rows[0] if len(rows) == 1 else torch.cat(rows)  # [R, V]
+        tokens, lps = _draw(all_ if len(sample) == len(all_) else all_[sample], works)
+        if not prompt:
+            return tokens, lps, None
+        plps: list[tuple | None] = [None] * len(works)
+        for x in prompt:
+            s = works[x.sample]
+            top = s.params.prompt_logprobs
+            assert top is not None  # packed as a prompt row only when asked for
+            plps[x.sample] = prompt_logprobs(all_[x.row:x.row + x.count],
+                                             list(s.token_ids[1:x.count + 1]), top)
+        return tokens, lps, tuple(plps)
+
+
+@dataclass
+class StepTimers:
+    """Where a step's time went, in seconds (`StepResult.timings`)."""
+
+    dense_s: float = 0.0  # the slices
+    submit_s: float = 0.0  # handing q/k/v to the memory side
+    wait_s: float = 0.0  # waiting for its outputs
+    local_s: float = 0.0  # local prompts' attention on this side
+    sample_s: float = 0.0
+    exchanges: int = 0  # layers sent and collected in one `exchange` call
+
+    def report(self, micro_batches: int) -> dict:
+        return {"dense_s": self.dense_s, "submit_s": self.submit_s, "wait_s": self.wait_s,
+                "attention_s": self.submit_s + self.wait_s + self.local_s,
+                "local_s": self.local_s, "sample_s": self.sample_s,
+                "micro_batches": micro_batches, "exchanges": self.exchanges}
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch's state through a step's layers."""
+
+    packed: PackedBatch
+    out: tuple = ()  # the last slice's outputs: (q, k, v, *context) or (logits,); ()
+    own: torch.Tensor | None = None  # its local part's o of the layer in flight
+    ready: torch.Tensor | None = None  # o of the layer in flight, brought by `exchange`
+
+    def attn_shape(self) -> tuple[int, int, int]:
+        """(N, Hq, Dv) of the layer in flight's attention output."""
+        q, v = self.out[0], self.out[2]  # [1, Hq, N, D], [1, Hkv, N, Dv]
+        return (q.shape[2], q.shape[1], v.shape[-1])
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """What every slice of a step shares."""
+
+    link: MemoryLink
+    scratch: MemorySide | None  # the local prompts' pool (None: none this step)
+    at_once: bool  # `exchange` may submit and collect in one call
+    timers: StepTimers
+
+
+def _in_plan_order(plan: StepPlan, works: list[SeqWork], tokens: list, lps, plps,
+                   timings: dict) -> StepResult:
+    """The step's result with its sequences back in plan order (rows were grouped by
+    worker)."""
+    if works:
+        rank = {s.seq_id: i for i, s in enumerate(s for s in plan.seqs if s.sample)}
+        order = sorted(range(len(works)), key=lambda i: rank[works[i].seq_id])
+        works, tokens = [works[i] for i in order], [tokens[i] for i in order]
+        lps = lps if lps is None else tuple(lps[i] for i in order)
+        plps = plps if plps is None else tuple(plps[i] for i in order)
+    return StepResult(plan.step, tuple(s.seq_id for s in works), tuple(tokens), timings,
+                      lps, plps)
 
 
 def _draw(logits: torch.Tensor, works: list[SeqWork]):
@@ -213,7 +294,7 @@ def _draw(logits: torch.Tensor, works: list[SeqWork]):
         raise SequenceFault(bad, f"sampling failed: {why}") from e
 
 
-def _select_rows(args: tuple, rows: list[int]) -> tuple:
+def _select_rows(args: tuple, rows: Sequence[int]) -> tuple:
     """The last slice's inputs at the sampled rows only. Every op outside attention is
     per token, so each input is [1, N, ...] over the packed tokens."""
     n = args[0].shape[1]

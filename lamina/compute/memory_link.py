@@ -12,6 +12,7 @@ The compute side depends only on this interface, never on the data plane.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -26,24 +27,24 @@ class MemoryLink(ABC):
     micro-batch's layer q/k/v over and returns at once; `collect` waits for its output.
     Between the two the compute side runs the other micro-batches (staggered pipelining)."""
 
-    def begin(self, step: int, parts: list[list[WorkerPart]]) -> None:  # noqa: B027
+    def begin(self, step: int, parts: Sequence[Sequence[WorkerPart]]) -> None:  # noqa: B027
         pass
 
     @abstractmethod
-    def submit(self, layer: int, mb: int, q, k, v, parts: list[WorkerPart]) -> None: ...
+    def submit(self, layer: int, mb: int, q, k, v, parts: Sequence[WorkerPart]) -> None: ...
 
     @abstractmethod
-    def collect(self, layer: int, mb: int, parts: list[WorkerPart], out_shape, dtype,
+    def collect(self, layer: int, mb: int, parts: Sequence[WorkerPart], out_shape, dtype,
                 merge: bool = False) -> torch.Tensor: ...
 
-    def exchange(self, layer: int, mb: int, q, k, v, parts: list[WorkerPart], out_shape,
+    def exchange(self, layer: int, mb: int, q, k, v, parts: Sequence[WorkerPart], out_shape,
                  dtype, merge: bool = False):
         """`submit` and `collect` at once, for a step with nothing to run between them:
         -> (o, seconds spent sending), or None where this link has no such path."""
         return None
 
 
-def combine(parts: list[WorkerPart], outs: list, out_shape, dtype, merge: bool):
+def combine(parts: Sequence[WorkerPart], outs: list, out_shape, dtype, merge: bool):
     """Workers' (o [n_w, Hq, Dv], lse [n_w, Hq]) -> o [N, Hq, Dv] in packed row order.
     `merge`: some rows attended on several workers (KV split); their partials are merged
     exactly by log-sum-exp. Rows are unique within one worker's part."""

@@ -11,14 +11,12 @@ without a gather. `split_micro` cuts a plan into micro-batches for staggered pip
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from lamina.engine.messages import StepPlan
-from lamina.kernels import (
-    SlotBatch,
-)
+from lamina.kernels import SlotBatch
 
 
 @dataclass
@@ -28,7 +26,8 @@ class WorkerPart:
     rows: torch.Tensor  # [n] int64: its query rows in the packed token order
     new_slots: torch.Tensor  # [m] int32: where the k/v of `kv_rows` go in its pool
     batch: SlotBatch  # its sequences' slot tables and query positions
-    kv_rows: torch.Tensor | None = None  # [m] int64: rows whose k/v it stores (None: rows)
+    # [m] int64: rows whose k/v it stores; None on creation: the query rows (set so)
+    kv_rows: torch.Tensor = None  # type: ignore[assignment]
     # (a, b): rows and kv_rows are both exactly a..b-1 (a slice, no gather); None: not
     span: tuple[int, int] | None = None
     whole: bool = False  # span covers every packed row
@@ -43,7 +42,7 @@ class WorkerPart:
         """It has queries to attend or k/v to store this step."""
         return bool(self.rows.numel() or self.kv_rows.numel())
 
-    def take(self, q, k, v):
+    def take(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Its share of a layer's packed q [N, Hq, D] and k/v [N, Hkv, D]."""
         if self.whole:
             return q, k, v
@@ -60,21 +59,82 @@ class WorkerPart:
         return x.index_select(0, self.rows)
 
 
-def pack(plan: StepPlan, num_workers: int, local: bool = False, local_base: int = 0):
-    """-> input_ids [1, N], position_ids [1, N], logit rows, [WorkerPart per worker],
-    merge (True when some query row attends on several workers: KV split), sample (the
-    index in logit rows of each sampled row), prompt ((seq index, first logit row, count)
-    for each sequence whose prompt logprobs are wanted: a full prefill asking for them),
-    and the compute side's own part (or None).
+@dataclass(frozen=True)
+class PromptRows:
+    """A sequence whose prompt logprobs are wanted (a full prefill asking for them)."""
+
+    sample: int  # its index among the batch's sampled sequences
+    row: int  # its first row among the batch's logit rows
+    count: int  # its prompt rows after the first token
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One micro-batch packed for the slices: what `pack` returns."""
+
+    input_ids: torch.Tensor  # [1, N] int64: every sequence's new tokens, in pack order
+    positions: torch.Tensor  # [1, N] int64: their absolute positions
+    logit_rows: tuple[int, ...]  # packed rows whose logits are needed (the last slice's)
+    parts: tuple[WorkerPart, ...]  # one per memory worker
+    merge: bool  # some query row attends on several workers (KV split): LSE merge
+    sample: tuple[int, ...]  # index in logit_rows of each sampled sequence's row
+    prompt: tuple[PromptRows, ...]  # sequences whose prompt logprobs are wanted
+    local: WorkerPart | None  # the compute side's own part (local prefill), or None
+
+    @property
+    def local_slots(self) -> int:
+        """Scratch-pool slots its local part takes."""
+        return 0 if self.local is None else self.local.new_slots.numel()
+
+
+@dataclass
+class _PartRows:
+    """A worker's share while it is being packed (lists grow per sequence)."""
+
+    q_rows: list = field(default_factory=list)  # packed rows it attends
+    kv_rows: list = field(default_factory=list)  # packed rows whose k/v it stores
+    new_slots: list = field(default_factory=list)  # pool slots of those k/v
+    tables: list = field(default_factory=list)  # per entry: its slot range's slots
+    q_pos: list = field(default_factory=list)  # per entry: its queries' positions
+    k_pos0: list = field(default_factory=list)  # per entry: position of its first key
+    seq_ids: list = field(default_factory=list)  # per entry: its sequence
+
+    def add(self, q_rows, kv_rows, new_slots, table, q_pos, k_pos0: int, seq_id: int):
+        self.q_rows.extend(q_rows)
+        self.kv_rows.extend(kv_rows)
+        self.new_slots.extend(new_slots)
+        self.tables.append(table)
+        self.q_pos.append(q_pos)
+        self.k_pos0.append(k_pos0)
+        self.seq_ids.append(seq_id)
+
+    def build(self, num_rows: int) -> WorkerPart:
+        batch = SlotBatch.build(self.tables, [len(x) for x in self.q_pos], self.k_pos0,
+                                q_pos=self.q_pos)
+        qr, kr = self.q_rows, self.kv_rows
+        # rows ascend, so they are a slice iff they span exactly len(qr) rows
+        span = (qr[0], qr[-1] + 1) if qr and qr == kr and qr[-1] - qr[0] + 1 == len(qr) else None
+        return WorkerPart(torch.tensor(qr, dtype=torch.int64),
+                          torch.tensor(self.new_slots, dtype=torch.int32), batch,
+                          torch.tensor(kr, dtype=torch.int64), span, span == (0, num_rows),
+                          tuple(self.seq_ids))
+
+
+def pack(plan: StepPlan, num_workers: int, local: bool = False,
+         local_base: int = 0) -> PackedBatch:
+    """The plan's sequences packed in plan order; see `PackedBatch`.
 
     `local` (paper 5.6): a sequence whose whole context is in this step (start_pos 0, KV
     on one worker) attends on the compute side, over a scratch pool's slots
     `local_base`, `local_base` + 1, ...; its worker only stores its k/v (kv rows, no
     query rows)."""
-    ids, pos, rows, merge, sample, prompt = [], [], [], False, [], []
-    # per worker: query rows, kv rows, new slots, tables, q positions, k_pos0, seq ids
-    per = [([], [], [], [], [], [], []) for _ in range(num_workers)]
-    mine = ([], [], [], [], [], [], [])  # the same for the compute side's own part
+    ids: list[int] = []
+    pos: list[int] = []
+    rows: list[int] = []  # logit rows
+    sample: list[int] = []
+    prompt: list[PromptRows] = []
+    per = [_PartRows() for _ in range(num_workers)]
+    mine, merge = _PartRows(), False  # the compute side's own part
     for s in plan.seqs:
         seg = s.placement
         if any(not 0 <= w < num_workers for w, _ in seg):
@@ -84,46 +144,39 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False, local_base: int 
         ids += s.token_ids
         pos += range(p0, p0 + n)
         if s.sample and s.params.prompt_logprobs is not None and p0 == 0 and n > 1:
-            prompt.append((len(sample), len(rows), n - 1))
+            prompt.append(PromptRows(len(sample), len(rows), n - 1))
             rows += range(r0, r0 + n - 1)
         if s.sample:
             sample.append(len(rows))
             rows.append(r0 + n - 1)
         if local and p0 == 0 and len(seg) == 1:
-            p, at = per[seg[0][0]], local_base + len(mine[2])
-            p[1].extend(range(r0, r0 + n))  # the worker stores the k/v, attends nothing
-            p[2].extend(s.slots)
-            for x, add in zip(mine, (range(r0, r0 + n), range(r0, r0 + n), range(at, at + n),
-                                     [range(at, at + n)], [range(n)], [0], [s.seq_id])):
-                x.extend(add)
+            at = local_base + len(mine.new_slots)
+            per[seg[0][0]].kv_rows.extend(range(r0, r0 + n))  # stores the k/v, attends none
+            per[seg[0][0]].new_slots.extend(s.slots)
+            mine.add(range(r0, r0 + n), range(r0, r0 + n), range(at, at + n), range(at, at + n),
+                     range(n), 0, s.seq_id)
             continue
         merge |= len(seg) > 1 and seg[-1][1] < p0 + n  # some query sees several ranges
-        ends = [a for _, a in seg[1:]] + [len(s.slots)]
-        for (w, a), b in zip(seg, ends):
-            q0 = max(a, p0)  # queries at positions >= a see keys in this range
-            if q0 >= p0 + n:
-                continue
-            p = per[w]
-            p[0].extend(range(r0 + q0 - p0, r0 + n))
-            kv0, kv1 = max(a, p0), min(b, p0 + n)  # new positions stored here
-            p[1].extend(range(r0 + kv0 - p0, r0 + kv1 - p0))
-            p[2].extend(s.slots[kv0:kv1])
-            p[3].append(s.slots[a:b])
-            p[4].append(range(q0, p0 + n))
-            p[5].append(a)
-            p[6].append(s.seq_id)
-    parts = []
-    for qr, kr, ns, tables, qpos, k0, sids in [*per, mine]:
-        batch = SlotBatch.build(tables, [len(x) for x in qpos], k0, q_pos=qpos)
-        # rows ascend, so they are a slice iff they span exactly len(qr) rows
-        span = (qr[0], qr[-1] + 1) if qr and qr == kr and qr[-1] - qr[0] + 1 == len(qr) else None
-        parts.append(WorkerPart(torch.tensor(qr, dtype=torch.int64),
-                                torch.tensor(ns, dtype=torch.int32), batch,
-                                torch.tensor(kr, dtype=torch.int64), span,
-                                span == (0, len(ids)), tuple(sids)))
-    own = parts.pop()
-    return (torch.tensor([ids]), torch.tensor([pos]), rows, parts, merge, sample, prompt,
-            own if own.rows.numel() else None)
+        _place(s, r0, per)
+    own = mine.build(len(ids))
+    return PackedBatch(torch.tensor([ids]), torch.tensor([pos]), tuple(rows),
+                       tuple(p.build(len(ids)) for p in per), merge, tuple(sample),
+                       tuple(prompt), own if own.rows.numel() else None)
+
+
+def _place(s, r0: int, per: list[_PartRows]) -> None:
+    """Sequence `s` (its rows from r0) onto the workers holding its slot ranges: each
+    worker attends the queries that see keys in its range and stores the new k/v that
+    fall in it."""
+    n, p0, seg = len(s.token_ids), s.start_pos, s.placement
+    ends = [a for _, a in seg[1:]] + [len(s.slots)]
+    for (w, a), b in zip(seg, ends):
+        q0 = max(a, p0)  # queries at positions >= a see keys in this range
+        if q0 >= p0 + n:
+            continue
+        kv0, kv1 = max(a, p0), min(b, p0 + n)  # new positions stored here
+        per[w].add(range(r0 + q0 - p0, r0 + n), range(r0 + kv0 - p0, r0 + kv1 - p0),
+                   s.slots[kv0:kv1], s.slots[a:b], range(q0, p0 + n), a, s.seq_id)
 
 
 def by_worker(seqs: tuple) -> tuple:
@@ -136,7 +189,9 @@ def split_micro(seqs: tuple, n: int) -> list[tuple]:
     """Cut the plan's sequences into <= n contiguous groups of about equal token counts
     (contiguous, so the sampled rows stay in plan order)."""
     total = sum(len(s.token_ids) for s in seqs)
-    groups, cur, acc = [], [], 0
+    groups: list[tuple] = []
+    cur: list = []
+    acc = 0
     for s in seqs:
         cur.append(s)
         acc += len(s.token_ids)

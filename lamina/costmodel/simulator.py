@@ -265,54 +265,70 @@ def _halves(decode_keys, prefill, prefill_dev):
 
 
 def simulate(costs, cfg: SimConfig, requests: list[Request]) -> SimResult:
-    reps = [_Replica(kv_used=[0] * cfg.memory_per_replica,
-                     memory_busy=[0.0] * cfg.memory_per_replica) for _ in range(cfg.replicas)]
-    events = [(r.arrival_s, 0, i) for i, r in enumerate(requests)]  # (time, kind, index)
-    heapq.heapify(events)
-    ttft, tpot = [], []
-    out_tokens = steps = 0
-    decode_tok = decode_time = 0.0
-    load = [0] * cfg.replicas  # outstanding requests per replica
-    now = 0.0
-    while events:
-        now, kind, idx = heapq.heappop(events)
-        if kind == 0:  # arrival: join the least-loaded replica
-            r = min(range(cfg.replicas), key=lambda i: load[i])
-            load[r] += 1
-            reps[r].waiting.append(idx)
-            if reps[r].busy_until <= now:
-                heapq.heappush(events, (now, 1, r))
-            continue
-        rep = reps[idx]
-        if rep.busy_until > now:
-            continue  # a step is in flight; its end event restarts the loop
-        # end of the previous step: advance its requests
-        finished = []
+    """Run the requests through `cfg.replicas` replicas, step by step (discrete events:
+    arrivals and step ends)."""
+    return _Sim(costs, cfg, requests).run()
+
+
+class _Sim:
+    """The simulation's state: replicas, the event heap and what is measured."""
+
+    def __init__(self, costs, cfg: SimConfig, requests: list[Request]):
+        self.costs, self.cfg, self.requests = costs, cfg, requests
+        self.reps = [_Replica(kv_used=[0] * cfg.memory_per_replica,
+                              memory_busy=[0.0] * cfg.memory_per_replica)
+                     for _ in range(cfg.replicas)]
+        self.events = [(r.arrival_s, 0, i) for i, r in enumerate(requests)]  # (t, kind, i)
+        heapq.heapify(self.events)
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.out_tokens = self.steps = 0
+        self.decode_tok = self.decode_time = 0.0
+        self.load = [0] * cfg.replicas  # outstanding requests per replica
+
+    def run(self) -> SimResult:
+        now = 0.0
+        while self.events:
+            now, kind, idx = heapq.heappop(self.events)
+            if kind == 0:  # arrival: join the least-loaded replica
+                r = min(range(self.cfg.replicas), key=lambda i: self.load[i])
+                self.load[r] += 1
+                self.reps[r].waiting.append(idx)
+                if self.reps[r].busy_until <= now:
+                    heapq.heappush(self.events, (now, 1, r))
+            elif self.reps[idx].busy_until <= now:  # else a step is in flight
+                self._end_step(idx, now)
+                self._next_step(idx, now)
+        return self._result(now)
+
+    def _end_step(self, idx: int, now: float) -> None:
+        """The previous step of replica `idx` ended: advance its requests."""
+        rep, finished = self.reps[idx], []
         for run in rep.running:
             if run.in_step:
                 run.in_step = False
                 run.done += 1
-                out_tokens += 1
+                self.out_tokens += 1
                 if run.done == 1:
                     run.first_s = now
-                    ttft.append(now - requests[run.req].arrival_s)
+                    self.ttft.append(now - self.requests[run.req].arrival_s)
                 if run.done >= run.output:
                     finished.append(run)
         for run in finished:
             rep.running.remove(run)
             rep.kv_used[run.device] -= run.prompt + run.output
-            load[idx] -= 1
+            self.load[idx] -= 1
             if run.output > 1:
-                tpot.append((now - run.first_s) / (run.output - 1))
-        # plan the next step
-        decode = [[] for _ in range(cfg.memory_per_replica)]
-        for run in rep.running:
-            decode[run.device].append(run.prompt + run.done)
-            run.in_step = True
+                self.tpot.append((now - run.first_s) / (run.output - 1))
+
+    def _admit(self, rep: _Replica) -> tuple[list[int], list[int]]:
+        """Admit waiting requests while batch, token budget and KV allow: -> their
+        prompt lengths and memory devices."""
+        cfg = self.cfg
         budget = cfg.max_step_tokens - len(rep.running)
         prefill, pdev = [], []
         while rep.waiting and len(rep.running) < cfg.max_batch:
-            q = requests[rep.waiting[0]]
+            q = self.requests[rep.waiting[0]]
             need = q.prompt + q.output
             w = min(range(cfg.memory_per_replica), key=lambda i: rep.kv_used[i])
             if q.prompt > budget or rep.kv_used[w] + need > cfg.kv_tokens_per_device:
@@ -328,26 +344,43 @@ def simulate(costs, cfg: SimConfig, requests: list[Request]) -> SimResult:
             prefill.append(q.prompt)
             pdev.append(w)
             budget -= q.prompt
+        return prefill, pdev
+
+    def _next_step(self, idx: int, now: float) -> None:
+        """Plan and time replica `idx`'s next step (decode of the running requests plus
+        the prefill of those admitted now)."""
+        rep = self.reps[idx]
+        decode: list[list[int]] = [[] for _ in range(self.cfg.memory_per_replica)]
+        for run in rep.running:
+            decode[run.device].append(run.prompt + run.done)
+            run.in_step = True
+        prefill, pdev = self._admit(rep)
         if not rep.running:
-            continue
-        t, dense, attn = step_time(costs, cfg, prefill, decode, pdev, len(rep.running))
-        steps += 1
+            return
+        t, dense, attn = step_time(self.costs, self.cfg, prefill, decode, pdev,
+                                   len(rep.running))
+        self.steps += 1
         rep.compute_busy += dense
         for w, a in enumerate(attn):
             rep.memory_busy[w] += a
         if not prefill:
-            decode_tok += len(rep.running)
-            decode_time += t
+            self.decode_tok += len(rep.running)
+            self.decode_time += t
         rep.busy_until = now + t
-        heapq.heappush(events, (now + t, 1, idx))
-    span = max(now, 1e-12)
-    n_mem = cfg.replicas * cfg.memory_per_replica
-    return SimResult(
-        requests=len(requests), makespan_s=span, output_tokens=out_tokens,
-        throughput_tok_s=out_tokens / span,
-        decode_tok_s=decode_tok / decode_time * cfg.replicas if decode_time else math.nan,
-        ttft_s=_pct(ttft), tpot_s=_pct(tpot),
-        compute_util=sum(r.compute_busy for r in reps) / (span * cfg.replicas),
-        memory_util=sum(sum(r.memory_busy) for r in reps) / (span * n_mem), steps=steps,
-        compute_util_by_replica=tuple(r.compute_busy / span for r in reps),
-        memory_util_by_device=tuple(b / span for r in reps for b in r.memory_busy))
+        heapq.heappush(self.events, (now + t, 1, idx))
+
+    def _result(self, now: float) -> SimResult:
+        cfg, reps = self.cfg, self.reps
+        span = max(now, 1e-12)
+        n_mem = cfg.replicas * cfg.memory_per_replica
+        return SimResult(
+            requests=len(self.requests), makespan_s=span, output_tokens=self.out_tokens,
+            throughput_tok_s=self.out_tokens / span,
+            decode_tok_s=(self.decode_tok / self.decode_time * cfg.replicas
+                          if self.decode_time else math.nan),
+            ttft_s=_pct(self.ttft), tpot_s=_pct(self.tpot),
+            compute_util=sum(r.compute_busy for r in reps) / (span * cfg.replicas),
+            memory_util=sum(sum(r.memory_busy) for r in reps) / (span * n_mem),
+            steps=self.steps,
+            compute_util_by_replica=tuple(r.compute_busy / span for r in reps),
+            memory_util_by_device=tuple(b / span for r in reps for b in r.memory_busy))

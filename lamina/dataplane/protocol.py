@@ -29,9 +29,10 @@ import traceback
 import torch
 
 from lamina.compute.memory_link import MemoryLink, combine
+from lamina.dataplane.paths import ComputePaths, memory_native, worker_spans
 from lamina.dataplane.transport import FrameError, PeerTimeout, SocketChannel
 from lamina.errors import SequenceFault
-from lamina.kernels import KernelBuildError, SlotBatch, load_cpu_kernel
+from lamina.kernels import SlotBatch
 from lamina.memory.memory_side import MemorySide
 
 META = -1  # layer tag of the per-step metadata frames
@@ -62,30 +63,42 @@ def split_qkv(x: torch.Tensor, hkv: int, d: int, dv: int, what: str = "q|k|v fra
             x[:, b:].unflatten(1, (hkv, dv)))
 
 
-def dataplane_ext():
-    """The compiled module with the data plane's C++ fast paths, or None (then the
-    Python ends run; they speak the same protocol)."""
-    try:
-        return load_cpu_kernel()
-    except KernelBuildError:
-        return None
+def _ring_struct(ext, r):
+    """A ring (or None) as the native ends' `RingArgs`."""
+    a = ext.RingArgs()
+    if r:
+        a.data, a.ctrl, a.pos = r.data, r.ctrl, r.pos
+    return a
 
 
-def _ring_args(r) -> tuple:
-    """A ring (or None) as the C++ ends take it: (data, control word, cursor)."""
-    return (r.data, r.ctrl, r.pos) if r else (None, None, 0)
+def _peers(ext, channels: list[SocketChannel]):
+    """The native compute end's `Peers` for these channels (set once a step)."""
+    p = ext.Peers()
+    p.fds = [ch.sock.fileno() for ch in channels]
+    p.timeouts_ms = [ch.timeout_ms() for ch in channels]
+    p.ring_out = [_ring_struct(ext, ch.ring_out) for ch in channels]
+    p.ring_in = [_ring_struct(ext, ch.ring_in) for ch in channels]
+    p.ring_min_bytes = next((ch.ring_out.min_bytes for ch in channels if ch.ring_out), 0)
+    return p
 
 
-def _rings(rings: list) -> tuple:
-    """C++ arguments for one direction of each channel's ring: three lists."""
-    return tuple(list(x) for x in zip(*map(_ring_args, rings)))
-
-
-def _advance(rings, positions) -> None:
-    """Take back the cursors a C++ end moved."""
-    for r, p in zip(rings, positions):
-        if r:
-            r.pos = p
+def _native_call(fn, peers, channels: list[SocketChannel], *args):
+    """A native compute-end call with the rings' cursors handed in and taken back (the
+    Python end may have moved them in between); a failure raises as the Python end
+    would."""
+    outs, ins = peers.ring_out, peers.ring_in  # views of the C++ entries
+    for ch, o, i in zip(channels, outs, ins):
+        o.pos = ch.ring_out.pos if ch.ring_out else 0
+        i.pos = ch.ring_in.pos if ch.ring_in else 0
+    r = fn(peers, *args)
+    for ch, o, i in zip(channels, outs, ins):
+        if ch.ring_out:
+            ch.ring_out.pos = o.pos
+        if ch.ring_in:
+            ch.ring_in.pos = i.pos
+    if r.status:
+        _raise(r.status, r.message)
+    return r
 
 
 def _raise(status: int, msg: str) -> None:
@@ -93,23 +106,23 @@ def _raise(status: int, msg: str) -> None:
 
 
 class SocketLink(MemoryLink):
-    """The compute end: frames to and from one channel per memory worker. `fused=False`
-    sends q/k/v as three frames even where one would do (both are valid protocol).
-    When every worker's rows are a slice (`WorkerPart.span`, no KV split) a layer's
-    frames go out and come back through C++ (`submit_qkv`, `collect_o`, or both in one
-    call, `exchange_qkv`), unless `fast=False`."""
+    """The compute end: frames to and from one channel per memory worker. Which path
+    each layer takes (C++ or Python, one frame or three) is `lamina.dataplane.paths`'
+    choice; `native` and `one_frame` only allow or forbid paths."""
 
-    def __init__(self, channels: list[SocketChannel], fused: bool = True, fast: bool = True):
-        self.channels, self.fused = channels, fused
-        self._ext = dataplane_ext() if fast and fused else None
+    def __init__(self, channels: list[SocketChannel], one_frame: bool = True,
+                 native: bool = True):
+        self.channels = channels
+        self.paths = ComputePaths.choose(native, one_frame)
+        self._ext = self.paths.ext
         self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
 
     def begin(self, step, parts):
         self.step = step
         if self._ext:  # what the C++ ends need every layer, once a step
-            self._fds = [ch.sock.fileno() for ch in self.channels]
-            self._timeouts = [ch.timeout_ms() for ch in self.channels]
-            self._spans = [self._slices(p) for p in parts]
+            self._peers = _peers(self._ext, self.channels)
+            self._spans = [worker_spans(p) for p in parts]
+            self._rows = [self._layer_rows(sp, step) for sp in self._spans]
         for w, ch in enumerate(self.channels):
             live = [p[w] for p in parts if p[w].active]
             if not live:
@@ -124,33 +137,31 @@ class SocketLink(MemoryLink):
                                                      b.cu_k, b.k_pos0)]
             ch.send_many(frames)
 
-    @staticmethod
-    def _slices(parts):
-        """(starts, ends) of each worker's rows when all are slices, else None."""
-        if any(p.span is None and p.active for p in parts):
+    def _layer_rows(self, spans, step: int):
+        """The native `LayerRows` of a micro-batch whose workers' rows are slices."""
+        if spans is None:
             return None
-        return ([p.span[0] if p.span else 0 for p in parts],
-                [p.span[1] if p.span else 0 for p in parts])
+        r = self._ext.LayerRows()
+        r.starts, r.ends = spans
+        r.step = step
+        return r
 
     def _send_spans(self, mb, q, k, v):
-        """(starts, ends) when a layer's q/k/v go out through C++, else falsy."""
-        return self._ext and q.dtype == k.dtype == v.dtype and self._spans[mb]
+        """(starts, ends) when a layer's q/k/v go out through C++, else None."""
+        spans = self._spans[mb] if self._ext else None
+        return spans if self.paths.send_native(spans, q, k, v) else None
 
     def _recv_spans(self, mb, merge):
-        """(starts, ends) when a layer's outputs come back through C++, else falsy."""
-        return (self._ext and not merge and not any(ch.buffered() for ch in self.channels)
-                and self._spans[mb])
+        """(starts, ends) when a layer's outputs come back through C++, else None."""
+        spans = self._spans[mb] if self._ext else None
+        buffered = any(ch.buffered() for ch in self.channels)
+        return spans if self.paths.recv_native(spans, merge, buffered) else None
 
     def submit(self, layer, mb, q, k, v, parts):
-        spans = self._send_spans(mb, q, k, v)
-        if spans:
-            rings = [ch.ring_out for ch in self.channels]
-            status, msg, pos = self._ext.submit_qkv(
-                self._fds, self._timeouts, *_rings(rings),
-                next((r.min_bytes for r in rings if r), 0), q, k, v, *spans, layer, self.step)
-            _advance(rings, pos)
-            if status:
-                _raise(status, msg)
+        if self._send_spans(mb, q, k, v):
+            rows = self._rows[mb]
+            rows.layer = layer
+            _native_call(self._ext.submit_qkv, self._peers, self.channels, rows, q, k, v)
             return
         # Every worker's frames are staged before any is woken, then the wake-ups go out
         # back to back: a woken worker can take this process's core (measured: the next
@@ -159,8 +170,7 @@ class SocketLink(MemoryLink):
         for ch, p in zip(self.channels, parts):  # every worker first: they run in parallel
             if not p.active:
                 continue
-            if (self.fused and p.kv_rows.numel() == p.rows.numel()
-                    and q.dtype == k.dtype == v.dtype):
+            if self.paths.send_one_frame(p, q, k, v):
                 if qkv is None:
                     qkv = fuse_qkv(q, k, v)  # [N, F]
                 ts = (p.take_rows(qkv),)
@@ -173,34 +183,22 @@ class SocketLink(MemoryLink):
     def exchange(self, layer, mb, q, k, v, parts, out_shape, dtype, merge=False):
         """`submit` then `collect` as one C++ call where both would take the C++ path;
         -> (o, seconds spent sending), or None (then the caller submits and collects)."""
-        spans = self._send_spans(mb, q, k, v) and self._recv_spans(mb, merge)
-        if not spans:
+        if not (self._send_spans(mb, q, k, v) and self._recv_spans(mb, merge)):
             return None
-        outs = [ch.ring_out for ch in self.channels]
-        ins = [ch.ring_in for ch in self.channels]
-        (od, oc, op), (id_, ic, ip) = _rings(outs), _rings(ins)
+        rows = self._rows[mb]
+        rows.layer = layer
         o = torch.empty(*out_shape, dtype=dtype)
-        status, msg, pos, sent_s = self._ext.exchange_qkv(
-            self._fds, self._timeouts, od, oc, id_, ic, op + ip,
-            next((r.min_bytes for r in outs if r), 0), q, k, v, *spans, layer, self.step, o)
-        _advance(outs, pos[:len(outs)])
-        _advance(ins, pos[len(outs):])
-        if status:
-            _raise(status, msg)
+        r = _native_call(self._ext.exchange_qkv, self._peers, self.channels, rows, q, k, v, o)
         self.exchanges += 1
-        return o, sent_s
+        return o, r.sent_s
 
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
         n, hq, dv = out_shape
-        spans = self._recv_spans(mb, merge)
-        if spans:
-            rings = [ch.ring_in for ch in self.channels]
+        if self._recv_spans(mb, merge):
+            rows = self._rows[mb]
+            rows.layer = layer
             o = torch.empty(n, hq, dv, dtype=dtype)
-            status, msg, pos = self._ext.collect_o(self._fds, self._timeouts, *_rings(rings),
-                                                   *spans, layer, self.step, o)
-            _advance(rings, pos)
-            if status:
-                _raise(status, msg)
+            _native_call(self._ext.collect_o, self._peers, self.channels, rows, o)
             return o
         outs = []
         for ch, p in zip(self.channels, parts):
@@ -219,24 +217,24 @@ class MemoryServer:
     sees the channel close and fails its step); `steps` counts completed steps."""
 
     def __init__(self, memory: MemorySide, params: list, ch: SocketChannel,
-                 name: str = "memory worker", fast: bool = True):
+                 name: str = "memory worker", native: bool = True):
         self.memory, self.params, self.ch, self.name = memory, list(params), ch, name
         cfg = memory.pool.config
         self.kv_shape = (cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim)
-        self.steps, self.fast_steps, self.error = 0, 0, None
+        self.steps, self.native_steps, self.error = 0, 0, None
         self.bad_seqs: tuple[int, ...] = ()  # the sequences a failed step was blamed on
         # Steps of one micro-batch run their layers in C++ (`serve_step`, GIL released)
-        # when the compiled CPU kernel serves a host pool; else (GPU pools, the
-        # reference backend, `fast=False`) this file's Python loop does.
-        ext = getattr(memory.backend, "_ext", None)
-        self._fast = None
-        if fast and memory.backend.name == "cpu" and hasattr(ext, "serve_step"):
+        # where `paths.memory_native` allows; else this file's Python loop does.
+        self._native = memory_native(memory, native)
+        if self._native is not None:
+            self._layers = self._native.MemoryLayers()
             pools = [memory.pool.layer(i) for i in range(len(self.params))]
-            self._fast = (ext.serve_step, [k for k, _ in pools], [v for _, v in pools],
-                          [p.scale for p in self.params],
-                          [p.sliding_window for p in self.params],
-                          [p.softcap for p in self.params],
-                          [p.sinks_tensor("cpu") for p in self.params])
+            self._layers.k_pools = [k for k, _ in pools]
+            self._layers.v_pools = [v for _, v in pools]
+            self._layers.scales = [p.scale for p in self.params]
+            self._layers.windows = [p.sliding_window for p in self.params]
+            self._layers.softcaps = [p.softcap for p in self.params]
+            self._layers.sinks = [p.sinks_tensor("cpu") for p in self.params]
         # With micro-batches, outputs go out on their own thread so this one keeps
         # reading: the compute side sends the next one's q/k/v before it reads this
         # one's output. With one, the output goes out at once (no hand-off).
@@ -288,8 +286,8 @@ class MemoryServer:
             except ValueError as e:
                 raise FrameError(f"step {step}: bad slot metadata: {e}") from None
             mbs.append((new_slots, batch))
-        if self._fast and len(mbs) == 1:
-            return self._serve_fast(step, *mbs[0])
+        if self._native is not None and len(mbs) == 1:
+            return self._serve_native(step, *mbs[0])
         for layer, params in enumerate(self.params):
             for new_slots, batch in mbs:
                 q, k, v = self._recv_qkv(layer, step, batch.num_queries, new_slots.numel())
@@ -302,20 +300,25 @@ class MemoryServer:
                 else:
                     self._out.put(frame)
 
-    def _serve_fast(self, step: int, new_slots, batch) -> None:
+    def _serve_native(self, step: int, new_slots, batch) -> None:
         """The layers of a one-micro-batch step in C++: the same frames and checks."""
-        fn, kps, vps, scales, windows, caps, sinks = self._fast
         ch, rin, rout = self.ch, self.ch.ring_in, self.ch.ring_out
+        s = self._native.ServeStep()
+        s.fd, s.timeout_ms, s.step = ch.sock.fileno(), ch.timeout_ms(), step
+        s.new_slots, s.cu_q, s.q_pos = new_slots, batch.cu_q, batch.q_pos
+        s.slots, s.cu_k, s.k_pos0 = batch.slots, batch.cu_k, batch.k_pos0
+        s.ring_in, s.ring_out = _ring_struct(self._native, rin), _ring_struct(self._native, rout)
+        s.ring_min_bytes = (rin or rout).min_bytes if (rin or rout) else 0
         with self._lock:
-            status, msg, *pos = fn(
-                ch.sock.fileno(), ch.take_pending(), ch.timeout_ms(), step, kps, vps,
-                new_slots, batch.cu_q, batch.q_pos, batch.slots, batch.cu_k, batch.k_pos0,
-                scales, windows, caps, sinks, *_ring_args(rin), *_ring_args(rout),
-                (rin or rout).min_bytes if (rin or rout) else 0)
-        _advance((rin, rout), pos)
-        if status:
-            _raise(status, msg)
-        self.fast_steps += 1
+            s.pending = ch.take_pending()
+            r = self._native.serve_step(self._layers, s)
+        if rin:
+            rin.pos = s.ring_in.pos
+        if rout:
+            rout.pos = s.ring_out.pos
+        if r.status:
+            _raise(r.status, r.message)
+        self.native_steps += 1
 
     def _recv_qkv(self, layer: int, step: int, n: int, m: int):
         """One layer's q [n, Hq, D], k/v [m, Hkv, D|Dv] for one micro-batch."""

@@ -23,6 +23,7 @@ import struct
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -73,8 +74,19 @@ def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview(flat.numpy()).cast("B", (nbytes,))
 
 
-def parse_header(buf: bytes, what: str = "frame"):
-    """-> (ndim, dtype, layer, step, nbytes) after checking magic/version/dtype/ndim."""
+@dataclass(frozen=True)
+class FrameHeader:
+    """A frame's fixed header, checked (magic, version, dtype code, ndim)."""
+
+    ndim: int  # may carry the IN_RING flag
+    dtype: torch.dtype
+    layer: int
+    step: int
+    nbytes: int  # payload bytes
+
+
+def parse_header(buf: bytes, what: str = "frame") -> FrameHeader:
+    """The header at the start of `buf`, after checking magic/version/dtype/ndim."""
     if len(buf) < HEADER.size:
         raise FrameError(f"{what} truncated: {len(buf)} of {HEADER.size} header bytes")
     magic, ver, ndim, code, layer, step, nbytes = HEADER.unpack_from(buf)
@@ -86,11 +98,14 @@ def parse_header(buf: bytes, what: str = "frame"):
         raise FrameError(f"{what}: unknown dtype code {code}")
     if ndim & ~IN_RING > MAX_NDIM:
         raise FrameError(f"{what}: {ndim & ~IN_RING} dims (max {MAX_NDIM})")
-    return ndim, DTYPES[code], layer, step, nbytes
+    return FrameHeader(ndim, DTYPES[code], layer, step, nbytes)
 
 
-def check(shape, dtype, layer, step, nbytes, expect_layer=None, expect_step=None,
-          expect_shape=None, expect_dtype=None, what="frame"):
+def check(shape, h: FrameHeader, expect_layer=None, expect_step=None, expect_shape=None,
+          expect_dtype=None, what="frame"):
+    """The frame's shape and header against its payload size and what the reader
+    expects; a mismatch is a `FrameError` naming it."""
+    dtype, layer, step, nbytes = h.dtype, h.layer, h.step, h.nbytes
     if any(d < 0 for d in shape):
         raise FrameError(f"{what}: negative dimension in shape {tuple(shape)}")
     n = 1
@@ -111,14 +126,15 @@ def check(shape, dtype, layer, step, nbytes, expect_layer=None, expect_step=None
 
 def decode(buf: bytes, **expect) -> tuple[torch.Tensor, int, int]:
     """A whole frame in memory -> (tensor, layer, step)."""
-    ndim, dtype, layer, step, nbytes = parse_header(buf)
+    h = parse_header(buf)
+    ndim, dtype, layer, step, nbytes = h.ndim, h.dtype, h.layer, h.step, h.nbytes
     if ndim & IN_RING:
         raise FrameError("frame says its payload is in a shared-memory ring; none here")
     off = HEADER.size + 8 * ndim
     if len(buf) < off:
         raise FrameError(f"frame truncated in its shape: {len(buf)} of {off} bytes")
     shape = struct.unpack_from(f"<{ndim}q", buf, HEADER.size)
-    check(shape, dtype, layer, step, nbytes, **expect)
+    check(shape, h, **expect)
     if len(buf) != off + nbytes:
         raise FrameError(f"frame has {len(buf) - off} payload bytes, header says {nbytes}"
                          + (" (truncated)" if len(buf) < off + nbytes else ""))
@@ -346,22 +362,21 @@ class SocketChannel(Channel):
 
     def recv(self, **expect):
         self._fill(HEADER.size, "frame header")
-        ndim, dtype, layer, step, nbytes = parse_header(
-            self._rview[self._lo:self._lo + HEADER.size])
-        in_ring, ndim = bool(ndim & IN_RING), ndim & ~IN_RING
+        h = parse_header(self._rview[self._lo:self._lo + HEADER.size])
+        in_ring, ndim, nbytes = bool(h.ndim & IN_RING), h.ndim & ~IN_RING, h.nbytes
         if in_ring and self.ring_in is None:
             raise FrameError("frame says its payload is in a shared-memory ring; this "
                              "channel has none")
         self._fill(HEADER.size + 8 * ndim, "frame shape")
         shape = struct.unpack_from(f"<{ndim}q", self._rbuf, self._lo + HEADER.size)
         self._lo += HEADER.size + 8 * ndim
-        check(shape, dtype, layer, step, nbytes, **expect)
-        out = torch.empty(shape, dtype=dtype)
+        check(shape, h, **expect)
+        out = torch.empty(shape, dtype=h.dtype)
         if nbytes and in_ring:
             self.ring_in.read_into(out)
         elif nbytes:
             self._read_into(byte_view(out, nbytes), "frame payload")
-        return out, layer, step
+        return out, h.layer, h.step
 
     def close(self):
         self.sock.close()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from lamina.engine.config import EngineConfig
 from lamina.engine.detokenizer import IncrementalDetokenizer
+from lamina.engine.messages import StepPlan, StepResult
 from lamina.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from lamina.errors import SequenceFault
@@ -49,6 +50,14 @@ class _Request:
     detok: list[IncrementalDetokenizer | None] = field(default_factory=list)  # per sample
     prompt_logprobs: list[TokenLogprob | None] | None = None  # from its (first) prefill
     stream: bool = False
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """One token a step drew for one sequence."""
+    seq: Sequence
+    token: int
+    logprob: tuple | None  # (logprob, top ids, top logprobs) with SamplingParams.logprobs
 
 
 class LLMEngine:
@@ -173,15 +182,36 @@ class LLMEngine:
 
     # -- the step loop --
     def step(self) -> list[RequestOutput]:
+        """Schedule, execute (failing faulty requests alone, recovering dead workers),
+        then apply the drawn tokens: -> the outputs of requests that finished, failed or
+        (streamed) progressed."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if self.config.pipeline == "rotational" and len(plan.seqs) > 1:
             plan = replace(plan, micro_batches=2)
         failed: list[RequestOutput] = []  # requests a SequenceFault failed this step
+        result = self._execute(plan, failed)
+        if result is None:
+            self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
+                                      "step_s": time.perf_counter() - t0, "failed": True,
+                                      "drawn": 0})
+            return failed  # nothing drawn; any lost KV is recomputed from the next step on
+        self._failed_in_row = 0
+        self._check_result(plan, result)
+        now = time.perf_counter()
+        self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
+                                  "step_s": now - t0, **(result.timings or {})})
+        drawn = self._drawn(result)
+        self.step_timings[-1]["drawn"] = len(drawn)
+        return failed + self._apply(drawn, now)
+
+    def _execute(self, plan: StepPlan, failed: list[RequestOutput]) -> StepResult | None:
+        """The executor's result for `plan`, or None when the step failed and the workers
+        were recovered. A `SequenceFault` fails its requests alone (into `failed`) and
+        the rest of the step runs again; any other error is recovered or raised."""
         while True:
             try:
-                result = self.executor.execute(plan)
-                break
+                return self.executor.execute(plan)
             except SequenceFault as e:
                 if not any(s.seq_id in e.seq_ids for s in plan.seqs):
                     raise RuntimeError(f"step {plan.step}: a fault blamed sequences "
@@ -193,26 +223,26 @@ class LLMEngine:
                                                 if s.seq_id in self._by_seq))
                 if e.clean and plan.seqs:
                     continue  # the workers kept their state: run the rest of the step
+                return None
             except Exception as e:
                 if not self._recover(plan, e):
                     raise
-            self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
-                                      "step_s": time.perf_counter() - t0, "failed": True,
-                                      "drawn": 0})
-            return failed  # nothing drawn; any lost KV is recomputed from the next step on
-        self._failed_in_row = 0
+                return None
+
+    def _check_result(self, plan: StepPlan, result: StepResult) -> None:
         if (result.step != plan.step or len(result.seq_ids) != len(result.token_ids)
                 or any(s not in self._by_seq for s in result.seq_ids)):
             raise RuntimeError(f"executor answered step {result.step} with "
                                f"{len(result.seq_ids)} ids / {len(result.token_ids)} token "
                                f"rows for plan step {plan.step}")
-        now = time.perf_counter()
-        self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
-                                  "step_s": now - t0, **(result.timings or {})})
-        lps = result.logprobs or (None,) * len(result.seq_ids)
-        drawn = []  # (sequence, token, logprob entry or None)
-        plps = result.prompt_logprobs or (None,) * len(result.seq_ids)
-        for sid, toks, lp, plp in zip(result.seq_ids, result.token_ids, lps, plps):
+
+    def _drawn(self, result: StepResult) -> list[_Draw]:
+        """Each drawn token with its sequence (a fork's siblings get theirs here) and its
+        logprob entry; prompt logprobs are stored on their request."""
+        none = (None,) * len(result.seq_ids)
+        drawn: list[_Draw] = []
+        for sid, toks, lp, plp in zip(result.seq_ids, result.token_ids,
+                                      result.logprobs or none, result.prompt_logprobs or none):
             req, i = self._by_seq[sid]
             seq = req.seqs[i]
             if plp is not None and req.prompt_logprobs is None:  # a recompute repeats it
@@ -224,17 +254,26 @@ class LLMEngine:
             if len(toks) != 1 + len(kids) or (lp is not None and len(lp) != len(toks)):
                 raise RuntimeError(f"executor drew {len(toks)} tokens for seq {sid}, "
                                    f"expected {1 + len(kids)}")
-            drawn += zip([seq, *kids], toks, lp or (None,) * len(toks))
-        self.step_timings[-1]["drawn"] = len(drawn)
-        done, progressed = [], {}
-        for seq, tok, lp in drawn:
+            drawn += [_Draw(s, t, x) for s, t, x in zip([seq, *kids], toks,
+                                                        lp or (None,) * len(toks))]
+        return drawn
+
+    def _apply(self, drawn: list[_Draw], now: float) -> list[RequestOutput]:
+        """Append the drawn tokens; -> outputs of finished requests, then of streamed
+        requests that progressed."""
+        done: list[RequestOutput] = []
+        progressed: dict[int, _Request] = {}
+        for d in drawn:
+            seq = d.seq
             req, i = self._by_seq[seq.seq_id]
             req.first_token = req.first_token or now
-            seq.output.append(tok)
-            if req.detok[i] is not None and (req.stream or seq.params.stop):
-                req.detok[i].update(seq.output)  # else: one decode when it finishes
-            if lp is not None:
-                seq.logprobs.append(TokenLogprob(tok, lp[0], tuple(zip(lp[1], lp[2]))))
+            seq.output.append(d.token)
+            detok = req.detok[i]
+            if detok is not None and (req.stream or seq.params.stop):
+                detok.update(seq.output)  # else: one decode when it finishes
+            if d.logprob is not None:
+                lp = d.logprob
+                seq.logprobs.append(TokenLogprob(d.token, lp[0], tuple(zip(lp[1], lp[2]))))
             reason = self._finish_reason(seq, req, i)
             if reason:
                 self.scheduler.finish(seq, reason)
@@ -244,8 +283,7 @@ class LLMEngine:
                     continue
             if req.stream:
                 progressed[req.rid] = req
-        return failed + done + [self._output(req, now, final=False)
-                                for req in progressed.values()]
+        return done + [self._output(req, now, final=False) for req in progressed.values()]
 
     def _fail(self, fault: SequenceFault, step: int) -> list[RequestOutput]:
         """Fail the requests owning the faulty sequences alone: every sample of each is

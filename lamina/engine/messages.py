@@ -1,9 +1,32 @@
 """The per-step messages between the engine and an executor; nothing else crosses.
-Typed throughout: `lamina.dataplane.control` sends them as msgpack decoded by these types.
 
-Data in: `StepPlan` from the scheduler (which sequences, which tokens at which positions,
-which KV slots, how to sample). Data out: `StepResult` from the executor: the token ids
-drawn on the compute worker (logits never leave it), with their logprobs where asked.
+The data path of one step, and the file that owns each stage:
+
+  StepPlan                    engine/scheduler.py   which sequences, tokens, positions,
+     |                                              KV slots, sampling (this file)
+     |  control frame         dataplane/control.py  one msgpack frame to the compute worker
+     v                                              (Ray executor; in-process: a call)
+  packed batch (PackedBatch)  compute/packing.py    all new tokens as one [1, N] row
+     |
+  per-worker parts            compute/packing.py    WorkerPart: each memory worker's rows,
+     |                                              new slots and SlotBatch
+     v  per layer:
+  q|k|v frames  ----------->  dataplane/protocol.py  SocketLink (compute end) -> MemoryServer
+                                                     (memory end); which path: paths.py
+  attention                   memory/memory_side.py  write k/v into the pool, attend
+                              kernels/               (C++ on CPU pools, Triton on GPU pools)
+  o|lse frames  <-----------  dataplane/protocol.py  outputs back, merged by LSE where a
+     |                                               sequence's KV is split
+     v  after the last layer:
+  sampled tokens              compute/compute_side.py + sampling/sampler.py
+     |
+  StepResult                  this file             token ids (and logprobs) in plan order
+     |  control frame         dataplane/control.py
+     v
+  RequestOutput               engine/engine.py      appended, detokenized, finished
+
+Typed throughout: `lamina.dataplane.control` sends the plan and the result as msgpack
+decoded by these types, so a malformed message is refused by name.
 """
 from __future__ import annotations
 

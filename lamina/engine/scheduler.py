@@ -175,11 +175,11 @@ class Scheduler:
         tables = [self.allocs[w].slots(seq.seq_id) for w in seq.workers]
         slots = tables[0] if len(tables) == 1 else list(itertools.chain(*tables))
         segs = tuple(seq.segments) if len(seq.segments) > 1 else ()
-        hist = {}
-        if seq.params.penalized:  # the tokens the draw is penalized by
-            hist = {"history": tuple(seq.tokens), "prompt_len": len(seq.prompt)}
+        penalized = seq.params.penalized  # then the draw needs every token so far
         return SeqWork(seq.seq_id, tokens, start, tuple(slots), worker=seq.segments[0][0],
-                       params=seq.params, seeds=seeds, segments=segs, **hist)
+                       params=seq.params, seeds=seeds, segments=segs,
+                       history=tuple(seq.tokens) if penalized else (),
+                       prompt_len=len(seq.prompt) if penalized else 0)
 
     def schedule(self) -> StepPlan:
         work: list[SeqWork] = []

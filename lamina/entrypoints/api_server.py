@@ -217,173 +217,213 @@ class _Guard:
 
 def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
               config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app: OpenAI's routes over one engine loop, behind `_Guard`."""
     config = config or ServerConfig()
     if config.max_waiting is not None and loop.max_waiting is None:
         loop.max_waiting = config.max_waiting
     app = FastAPI(title="Lamina", description="attention-offloaded LLM inference")
     app.add_middleware(_Guard, config=config)
+    app.exception_handler(StarletteHTTPException)(_http_error)
+    app.exception_handler(RequestValidationError)(_bad_body)
+    api = _Api(loop, model_name, tokenizer, config)
+    app.get("/health")(api.health)
+    app.get("/metrics")(api.metrics)
+    app.get("/v1/models")(api.models)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat)
+    return app
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_body(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        path = [str(x) for x in first.get("loc", ()) if x != "body"]
-        loc = ".".join(path)
-        # param: the request's top-level field (as OpenAI names it); the message says where
-        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
-                      path[0] if path else None)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    return _error(exc.status_code, str(exc.detail))
 
-    @app.get("/health")
-    async def health():
-        if not loop.alive:
-            return _error(503, f"engine stopped: {loop.error}")
+
+async def _bad_body(request: Request, exc: RequestValidationError):
+    first = exc.errors()[0] if exc.errors() else {}
+    path = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = ".".join(path)
+    # param: the request's top-level field (as OpenAI names it); the message says where
+    return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}",
+                  path[0] if path else None)
+
+
+class _Api:
+    """The routes' handlers over one engine loop and model."""
+
+    def __init__(self, loop: EngineLoop, model_name: str, tokenizer, config: ServerConfig):
+        self.loop, self.model_name = loop, model_name
+        self.tokenizer, self.config = tokenizer, config
+
+    async def health(self):
+        if not self.loop.alive:
+            return _error(503, f"engine stopped: {self.loop.error}")
         return {"status": "ok"}
 
-    @app.get("/metrics")
-    async def metrics():
-        if loop.metrics is None:
+    async def metrics(self):
+        m = self.loop.metrics
+        if m is None:
             return _error(404, "this server keeps no metrics")
-        return Response(loop.metrics.render(), media_type=loop.metrics.content_type)
+        return Response(m.render(), media_type=m.content_type)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
                                             "owned_by": "lamina"}]}
 
-    async def _run(prompts: list, body: _Sampling, request: Request,
-                   chunk=None) -> list | JSONResponse:
-        """Run the prompts -> their final outputs; with `chunk` (streaming), a response
-        of server-sent events made by `chunk` (see `sse_events`) instead. A client that
-        disconnects before its answer has its requests aborted (KV freed at once)."""
-        if body.model is not None and body.model != model_name:
+    def _params(self, body: _Sampling, n: int) -> SamplingParams | JSONResponse:
+        """The request's sampling parameters, or the error answering it."""
+        if body.model is not None and body.model != self.model_name:
             return _error(404, f"The model `{body.model}` does not exist; this server "
-                          f"serves `{model_name}`", "model", "model_not_found")
+                          f"serves `{self.model_name}`", "model", "model_not_found")
         try:
-            config.check(body, len(prompts))
-            params = body.params()
+            self.config.check(body, n)
+            return body.params()
         except ValueError as e:
             field_ = str(e).split(" ")[0].removeprefix("SamplingParams.").rstrip(":")
             return _error(400, str(e), field_)
-        updates: asyncio.Queue | None = asyncio.Queue() if chunk else None
+
+    def _submit(self, prompts: list, params: SamplingParams, updates) -> list | JSONResponse:
+        """Queue every prompt (each validated before any is queued) -> their futures,
+        or the error answering the request. `updates`: a queue for streamed progress."""
         aloop = asyncio.get_running_loop()
 
         def listener(i):
             return lambda out: aloop.call_soon_threadsafe(updates.put_nowait, (i, out))
 
-        try:  # validate every prompt before any is queued
-            prompts = _checked(prompts, loop, params)
-            loop.check_capacity(len(prompts))
-            futs = [loop.submit(p, params, validated=True,
-                                on_update=listener(i) if chunk else None)
+        try:
+            prompts = _checked(prompts, self.loop, params)
+            self.loop.check_capacity(len(prompts))
+            return [self.loop.submit(p, params, validated=True,
+                                     on_update=listener(i) if updates is not None else None)
                     for i, p in enumerate(prompts)]
         except (ValueError, TypeError) as e:
             return _error(400, str(e), _param(str(e)))
         except EngineOverloaded as e:
             return _error(429, str(e), code="server_busy",
-                          headers={"Retry-After": str(config.retry_after_s)})
+                          headers={"Retry-After": str(self.config.retry_after_s)})
         except EngineDead as e:
             return _error(503, str(e))
+
+    async def _run(self, prompts: list, body: _Sampling, request: Request,
+                   chunk=None) -> list | JSONResponse:
+        """Run the prompts -> their final outputs; with `chunk` (streaming), a response
+        of server-sent events made by `chunk` (see `sse_events`) instead."""
+        params = self._params(body, len(prompts))
+        if isinstance(params, JSONResponse):
+            return params
+        updates: asyncio.Queue | None = asyncio.Queue() if chunk else None
+        futs = self._submit(prompts, params, updates)
+        if isinstance(futs, JSONResponse):
+            return futs
         if chunk:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                sse_events(loop, futs, updates, chunk, _usage if include_usage else None),
+                sse_events(self.loop, futs, updates, chunk, _usage if include_usage else None),
                 media_type="text/event-stream")
+        return await self._wait(futs, request)
+
+    async def _wait(self, futs: list, request: Request) -> list | JSONResponse:
+        """The requests' final outputs. A client that disconnects first has its requests
+        aborted (KV freed at once)."""
         waiter = asyncio.gather(*(asyncio.wrap_future(f) for f in futs))
         try:
             while not (await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S))[0]:
                 if await request.is_disconnected():
                     for f in futs:
-                        loop.abort(f)
+                        self.loop.abort(f)
                     waiter.add_done_callback(lambda w: w.exception())  # nobody reads it
                     return _error(499, "client disconnected; request aborted")
             return list(waiter.result())
         except RequestFailed as e:  # this request alone; the engine goes on
             for f in futs:
-                loop.abort(f)
+                self.loop.abort(f)
             return _error(500, str(e), code="request_failed")
         except Exception as e:  # noqa: BLE001 - the engine failed these requests
             return _error(503, f"generation failed: {type(e).__name__}: {e}")
 
-    def _usage(outs) -> dict:
-        p = sum(len(o.prompt_token_ids) for o in outs)
-        c = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    def _decode(self, ids) -> list[str]:
+        tok = self.tokenizer
+        return [tok.decode([t]) if tok is not None else str(t) for t in ids]
 
-    def _decode(ids) -> list[str]:
-        return [tokenizer.decode([t]) if tokenizer is not None else str(t) for t in ids]
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(self, body: CompletionRequest, request: Request):
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": model_name}
-
-        ends: dict[tuple[int, int], int] = {}  # streamed: text offset after the last token
-
-        def choice(i, c, text, lps, start=0, out=None):
-            lp, ids = None, c.token_ids[start:]
-            echo = out is not None and body.echo
-            if echo:  # the prompt first (its first token has no logprob)
-                prompt_text = out.prompt if out.prompt is not None else \
-                    "".join(_decode(out.prompt_token_ids))
-                text, ids = prompt_text + text, out.prompt_token_ids + ids
-            if lps is not None:
-                plps = (out.prompt_logprobs or []) if echo else []
-                lp = completion_logprobs(plps + list(lps), _decode, ends.get((i, c.index), 0),
-                                         ids=ids if echo else None)
-                if lp["tokens"]:
-                    ends[i, c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            ch = {"index": i * body.n + c.index, "text": text, "token_ids": ids,
-                  "finish_reason": c.finish_reason, "logprobs": lp}
-            if out is not None and body.prompt_logprobs is not None:
-                ch["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, _decode)
-            return ch
-
+                "created": int(time.time()), "model": self.model_name}
+        choice = _CompletionChoices(body, self._decode)
         if body.stream:
-            return await _run(list(prompts), body, request, lambda i, c, text, lps, start: {
-                **head, "choices": [choice(i, c, text, lps, start)]})
-        outs = await _run(list(prompts), body, request)
+            return await self._run(list(prompts), body, request,
+                                   lambda i, c, text, lps, start: {
+                                       **head, "choices": [choice(i, c, text, lps, start)]})
+        outs = await self._run(list(prompts), body, request)
         if isinstance(outs, JSONResponse):
             return outs
         choices = [choice(i, c, c.text, c.logprobs, out=o) for i, o in enumerate(outs)
                    for c in o.outputs]
         return {**head, "choices": choices, "usage": _usage(outs)}
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+    async def chat(self, body: ChatRequest, request: Request):
+        tok = self.tokenizer
+        if tok is None or getattr(tok, "chat_template", None) is None:
             return _error(400, "this model has no chat template", "messages")
-        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
-                                               tokenize=False, add_generation_prompt=True)
+        prompt = tok.apply_chat_template([m.model_dump() for m in body.messages],
+                                         tokenize=False, add_generation_prompt=True)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "created": now, "model": self.model_name}
 
         def lp_json(lps):
-            return chat_logprobs(lps, _decode) if lps is not None else None
+            return chat_logprobs(lps, self._decode) if lps is not None else None
 
         if body.stream:
             def chunk(i, c, text, lps, start):
                 delta = {"content": text} if start else {"role": "assistant", "content": text}
-                return {"id": rid, "object": "chat.completion.chunk", "created": now,
-                        "model": model_name, "choices": [{
-                            "index": c.index, "delta": delta, "token_ids": c.token_ids[start:],
-                            "logprobs": lp_json(lps), "finish_reason": c.finish_reason}]}
-            return await _run([prompt], body, request, chunk)
-        outs = await _run([prompt], body, request)
+                return {**head, "object": "chat.completion.chunk", "choices": [{
+                    "index": c.index, "delta": delta, "token_ids": c.token_ids[start:],
+                    "logprobs": lp_json(lps), "finish_reason": c.finish_reason}]}
+            return await self._run([prompt], body, request, chunk)
+        outs = await self._run([prompt], body, request)
         if isinstance(outs, JSONResponse):
             return outs
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "token_ids": c.token_ids, "logprobs": lp_json(c.logprobs),
                     "finish_reason": c.finish_reason}
                    for c in outs[0].outputs]
-        return {"id": rid, "object": "chat.completion", "created": now,
-                "model": model_name, "choices": choices, "usage": _usage(outs)}
+        return {**head, "object": "chat.completion", "choices": choices,
+                "usage": _usage(outs)}
 
-    return app
+
+class _CompletionChoices:
+    """Builds a completion's choices; streamed ones continue their logprobs' text
+    offsets from the last token sent."""
+
+    def __init__(self, body: CompletionRequest, decode):
+        self.body, self.decode = body, decode
+        self.ends: dict[tuple[int, int], int] = {}  # text offset after the last token
+
+    def __call__(self, i, c, text, lps, start=0, out=None) -> dict:
+        body, lp, ids = self.body, None, c.token_ids[start:]
+        echo = out is not None and body.echo
+        if echo:  # the prompt first (its first token has no logprob)
+            prompt_text = out.prompt if out.prompt is not None else \
+                "".join(self.decode(out.prompt_token_ids))
+            text, ids = prompt_text + text, out.prompt_token_ids + ids
+        if lps is not None:
+            plps = (out.prompt_logprobs or []) if echo else []
+            lp = completion_logprobs(plps + list(lps), self.decode,
+                                     self.ends.get((i, c.index), 0), ids=ids if echo else None)
+            if lp["tokens"]:
+                self.ends[i, c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        ch = {"index": i * body.n + c.index, "text": text, "token_ids": ids,
+              "finish_reason": c.finish_reason, "logprobs": lp}
+        if out is not None and body.prompt_logprobs is not None:
+            ch["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, self.decode)
+        return ch
+
+
+def _usage(outs) -> dict:
+    p = sum(len(o.prompt_token_ids) for o in outs)
+    c = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 def _param(message: str) -> str:

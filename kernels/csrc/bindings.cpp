@@ -1,0 +1,89 @@
+// The extension's Python bindings, and nothing else: the functions live in
+// slot_attention.cpp (the kernel, bandwidth probes), dataplane.cpp (the data plane's C++
+// ends) and pointwise.cpp (fused pointwise ops, row argmax); lamina_ext.h declares them.
+#include <torch/extension.h>
+
+#include "lamina_ext.h"
+
+namespace py = pybind11;
+
+namespace {
+
+void bind_attention(py::module& m) {
+  m.def("slot_attention", &slot_attention, "attention over a token-slot KV pool (CPU)");
+  m.def("read_sum", &read_sum, "streaming read of a float tensor");
+  m.def("simd_paths", &simd_paths, "the SIMD paths compiled in");
+  m.def("read_rows", &read_rows, "read the K/V rows of a slot list (bandwidth ceiling)");
+}
+
+void bind_dataplane(py::module& m) {
+  py::class_<RingArgs>(m, "RingArgs", "one direction of a channel's shared-memory ring")
+      .def(py::init<>())
+      .def_readwrite("data", &RingArgs::data)
+      .def_readwrite("ctrl", &RingArgs::ctrl)
+      .def_readwrite("pos", &RingArgs::pos);
+  py::class_<MemoryLayers>(m, "MemoryLayers", "a memory worker's pools and layer parameters")
+      .def(py::init<>())
+      .def_readwrite("k_pools", &MemoryLayers::k_pools)
+      .def_readwrite("v_pools", &MemoryLayers::v_pools)
+      .def_readwrite("scales", &MemoryLayers::scales)
+      .def_readwrite("windows", &MemoryLayers::windows)
+      .def_readwrite("softcaps", &MemoryLayers::softcaps)
+      .def_readwrite("sinks", &MemoryLayers::sinks);
+  py::class_<ServeStep>(m, "ServeStep", "one micro-batch step's inputs on a memory worker")
+      .def(py::init<>())
+      .def_readwrite("fd", &ServeStep::fd)
+      .def_readwrite("pending", &ServeStep::pending)
+      .def_readwrite("timeout_ms", &ServeStep::timeout_ms)
+      .def_readwrite("step", &ServeStep::step)
+      .def_readwrite("new_slots", &ServeStep::new_slots)
+      .def_readwrite("cu_q", &ServeStep::cu_q)
+      .def_readwrite("q_pos", &ServeStep::q_pos)
+      .def_readwrite("slots", &ServeStep::slots)
+      .def_readwrite("cu_k", &ServeStep::cu_k)
+      .def_readwrite("k_pos0", &ServeStep::k_pos0)
+      .def_readwrite("ring_in", &ServeStep::ring_in)
+      .def_readwrite("ring_out", &ServeStep::ring_out)
+      .def_readwrite("ring_min_bytes", &ServeStep::ring_min_bytes);
+  py::class_<CallStatus>(m, "CallStatus", "what a data-plane call reports")
+      .def_readonly("status", &CallStatus::status)
+      .def_readonly("message", &CallStatus::message)
+      .def_readonly("sent_s", &CallStatus::sent_s);
+  py::class_<Peers>(m, "Peers", "the compute end's channels, one entry per memory worker")
+      .def(py::init<>())
+      .def_readwrite("fds", &Peers::fds)
+      .def_readwrite("timeouts_ms", &Peers::timeouts_ms)
+      .def_readwrite("ring_out", &Peers::ring_out)
+      .def_readwrite("ring_in", &Peers::ring_in)
+      .def_readwrite("ring_min_bytes", &Peers::ring_min_bytes);
+  py::class_<LayerRows>(m, "LayerRows", "each worker's packed rows for one layer")
+      .def(py::init<>())
+      .def_readwrite("starts", &LayerRows::starts)
+      .def_readwrite("ends", &LayerRows::ends)
+      .def_readwrite("layer", &LayerRows::layer)
+      .def_readwrite("step", &LayerRows::step);
+  m.def("serve_step", &serve_step, "a memory worker's layers of one step (GIL released)",
+        py::arg("layers"), py::arg("step"));
+  m.def("submit_qkv", &submit_qkv, "one layer's q|k|v rows to each memory worker",
+        py::arg("peers"), py::arg("rows"), py::arg("q"), py::arg("k"), py::arg("v"));
+  m.def("collect_o", &collect_o, "one layer's attention outputs from each memory worker",
+        py::arg("peers"), py::arg("rows"), py::arg("o"));
+  m.def("exchange_qkv", &exchange_qkv, "submit_qkv then collect_o, GIL released throughout",
+        py::arg("peers"), py::arg("rows"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("o"));
+}
+
+void bind_pointwise(py::module& m) {
+  m.def("rms_norm", &fused_rms_norm, "weight * to(x32 * rsqrt(mean(x32^2) + eps), x.dtype)");
+  m.def("rope", &fused_rope, "x * cos + rotate_half(x) * sin, rounded as eager");
+  m.def("silu_mul", &fused_silu_mul, "silu(gate) * up, rounded as eager");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (NaN counts as max)");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_attention(m);
+  bind_dataplane(m);
+  bind_pointwise(m);
+}

@@ -1,0 +1,76 @@
+"""Which data-plane path carries a layer's frames: decided here and nowhere else.
+
+Both ends speak one protocol (`protocol.py`); the choices are who does the per-layer
+work and how many frames a worker's q/k/v take:
+
+- **native** (C++) or Python end. The C++ ends (`kernels/csrc/dataplane.cpp`, GIL
+  released) run where the compiled CPU extension loads and the caller allows them
+  (`native=True`, the default). The compute end's native path needs every active
+  worker's rows to be one slice of the packed rows (`WorkerPart.span`: no KV split) and
+  q, k, v of one dtype; its receive also needs no LSE merge and no bytes already read
+  into a channel's buffer. The memory end's native path serves one-micro-batch steps on
+  a host pool with the compiled kernel. Anything else takes the Python end, which
+  speaks the same bytes.
+- **one frame or three**. A worker whose query rows are exactly the rows whose k/v it
+  stores gets one q|k|v frame a layer; a worker holding only part of a sequence's KV
+  (KV split) gets q, k and v as three frames. `one_frame=False` always sends three
+  (both are valid protocol; the tests cover both).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lamina.kernels import KernelBuildError, load_cpu_kernel
+
+
+def native_ext():
+    """The compiled module with the data plane's C++ ends, or None (Python ends)."""
+    try:
+        return load_cpu_kernel()
+    except KernelBuildError:
+        return None
+
+
+Spans = tuple[list[int], list[int]]  # each worker's rows as [starts], [ends]
+
+
+def worker_spans(parts) -> Spans | None:
+    """(starts, ends) of each worker's rows when every active one is a slice, else None
+    (then the native compute end cannot send them)."""
+    if any(p.span is None and p.active for p in parts):
+        return None
+    return ([p.span[0] if p.span else 0 for p in parts],
+            [p.span[1] if p.span else 0 for p in parts])
+
+
+@dataclass(frozen=True)
+class ComputePaths:
+    """The compute end's choices for one channel set (`SocketLink`)."""
+
+    ext: object | None  # the native module, or None: the Python end only
+    one_frame: bool = True  # q|k|v as one frame where a worker's rows allow it
+
+    @classmethod
+    def choose(cls, native: bool = True, one_frame: bool = True) -> ComputePaths:
+        # the native send builds one q|k|v frame per worker: three-frame runs stay in Python
+        return cls(native_ext() if native and one_frame else None, one_frame)
+
+    def send_native(self, spans: Spans | None, q, k, v) -> bool:
+        return bool(self.ext and spans and q.dtype == k.dtype == v.dtype)
+
+    def recv_native(self, spans: Spans | None, merge: bool, buffered: bool) -> bool:
+        return bool(self.ext and spans and not merge and not buffered)
+
+    def send_one_frame(self, part, q, k, v) -> bool:
+        """The Python end's frame count for one worker: True for one q|k|v frame."""
+        return (self.one_frame and part.kv_rows.numel() == part.rows.numel()
+                and q.dtype == k.dtype == v.dtype)
+
+
+def memory_native(memory, native: bool = True):
+    """The memory end's native `serve_step`, or None (the Python loop serves): only the
+    compiled CPU kernel on a host pool runs it."""
+    ext = getattr(memory.backend, "_ext", None)
+    if native and memory.backend.name == "cpu" and hasattr(ext, "serve_step"):
+        return ext
+    return None
