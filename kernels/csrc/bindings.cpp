@@ -16,52 +16,36 @@ void bind_attention(py::module& m) {
   m.def("read_rows", &read_rows, "read the K/V rows of a slot list (bandwidth ceiling)");
 }
 
+// A struct's field as a read-write attribute of the same name.
+#define LAMINA_FIELD(T, f) .def_readwrite(#f, &T::f)
+
 void bind_dataplane(py::module& m) {
   py::class_<RingArgs>(m, "RingArgs", "one direction of a channel's shared-memory ring")
-      .def(py::init<>())
-      .def_readwrite("data", &RingArgs::data)
-      .def_readwrite("ctrl", &RingArgs::ctrl)
-      .def_readwrite("pos", &RingArgs::pos);
+      .def(py::init<>()) LAMINA_FIELD(RingArgs, data) LAMINA_FIELD(RingArgs, ctrl)
+      LAMINA_FIELD(RingArgs, pos);
   py::class_<MemoryLayers>(m, "MemoryLayers", "a memory worker's pools and layer parameters")
-      .def(py::init<>())
-      .def_readwrite("k_pools", &MemoryLayers::k_pools)
-      .def_readwrite("v_pools", &MemoryLayers::v_pools)
-      .def_readwrite("scales", &MemoryLayers::scales)
-      .def_readwrite("windows", &MemoryLayers::windows)
-      .def_readwrite("softcaps", &MemoryLayers::softcaps)
-      .def_readwrite("sinks", &MemoryLayers::sinks);
+      .def(py::init<>()) LAMINA_FIELD(MemoryLayers, k_pools) LAMINA_FIELD(MemoryLayers, v_pools)
+      LAMINA_FIELD(MemoryLayers, scales) LAMINA_FIELD(MemoryLayers, windows)
+      LAMINA_FIELD(MemoryLayers, softcaps) LAMINA_FIELD(MemoryLayers, sinks);
   py::class_<ServeStep>(m, "ServeStep", "one micro-batch step's inputs on a memory worker")
-      .def(py::init<>())
-      .def_readwrite("fd", &ServeStep::fd)
-      .def_readwrite("pending", &ServeStep::pending)
-      .def_readwrite("timeout_ms", &ServeStep::timeout_ms)
-      .def_readwrite("step", &ServeStep::step)
-      .def_readwrite("new_slots", &ServeStep::new_slots)
-      .def_readwrite("cu_q", &ServeStep::cu_q)
-      .def_readwrite("q_pos", &ServeStep::q_pos)
-      .def_readwrite("slots", &ServeStep::slots)
-      .def_readwrite("cu_k", &ServeStep::cu_k)
-      .def_readwrite("k_pos0", &ServeStep::k_pos0)
-      .def_readwrite("ring_in", &ServeStep::ring_in)
-      .def_readwrite("ring_out", &ServeStep::ring_out)
-      .def_readwrite("ring_min_bytes", &ServeStep::ring_min_bytes);
+      .def(py::init<>()) LAMINA_FIELD(ServeStep, fd) LAMINA_FIELD(ServeStep, pending)
+      LAMINA_FIELD(ServeStep, timeout_ms) LAMINA_FIELD(ServeStep, step)
+      LAMINA_FIELD(ServeStep, new_slots) LAMINA_FIELD(ServeStep, cu_q)
+      LAMINA_FIELD(ServeStep, q_pos) LAMINA_FIELD(ServeStep, slots)
+      LAMINA_FIELD(ServeStep, cu_k) LAMINA_FIELD(ServeStep, k_pos0)
+      LAMINA_FIELD(ServeStep, ring_in) LAMINA_FIELD(ServeStep, ring_out)
+      LAMINA_FIELD(ServeStep, ring_min_bytes);
   py::class_<CallStatus>(m, "CallStatus", "what a data-plane call reports")
       .def_readonly("status", &CallStatus::status)
       .def_readonly("message", &CallStatus::message)
       .def_readonly("sent_s", &CallStatus::sent_s);
   py::class_<Peers>(m, "Peers", "the compute end's channels, one entry per memory worker")
-      .def(py::init<>())
-      .def_readwrite("fds", &Peers::fds)
-      .def_readwrite("timeouts_ms", &Peers::timeouts_ms)
-      .def_readwrite("ring_out", &Peers::ring_out)
-      .def_readwrite("ring_in", &Peers::ring_in)
-      .def_readwrite("ring_min_bytes", &Peers::ring_min_bytes);
+      .def(py::init<>()) LAMINA_FIELD(Peers, fds) LAMINA_FIELD(Peers, timeouts_ms)
+      LAMINA_FIELD(Peers, ring_out) LAMINA_FIELD(Peers, ring_in)
+      LAMINA_FIELD(Peers, ring_min_bytes);
   py::class_<LayerRows>(m, "LayerRows", "each worker's packed rows for one layer")
-      .def(py::init<>())
-      .def_readwrite("starts", &LayerRows::starts)
-      .def_readwrite("ends", &LayerRows::ends)
-      .def_readwrite("layer", &LayerRows::layer)
-      .def_readwrite("step", &LayerRows::step);
+      .def(py::init<>()) LAMINA_FIELD(LayerRows, starts) LAMINA_FIELD(LayerRows, ends)
+      LAMINA_FIELD(LayerRows, layer) LAMINA_FIELD(LayerRows, step);
   m.def("serve_step", &serve_step, "a memory worker's layers of one step (GIL released)",
         py::arg("layers"), py::arg("step"));
   m.def("submit_qkv", &submit_qkv, "one layer's q|k|v rows to each memory worker",
