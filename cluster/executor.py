@@ -44,13 +44,46 @@ def connect_control(addr: tuple) -> ControlClient:
                                                       else where)))
 
 
+def connect_ray(address: str | None = None) -> str:
+    """Join the Ray cluster at `address` (or $RAY_ADDRESS; "auto": the one this node
+    belongs to), or with neither start a fresh local instance. Never Ray's implicit
+    reuse of the last cluster started here: a crashed one leaves its address behind and
+    a new driver would fail to join it with a message that says nothing of that.
+    -> what happened, as logged."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        what = f"joined the Ray cluster at {address} ({ray.get_runtime_context().gcs_address})"
+    else:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                 num_cpus=max(2, os.cpu_count() or 2))
+        what = (f"started a local Ray instance ({ray.get_runtime_context().gcs_address}); "
+                "set RAY_ADDRESS to join a cluster")
+    log.info("%s", what)
+    return what
+
+
+def check_fits(have: dict, asks: dict[str, tuple[dict, int]]) -> None:
+    """Refuse, before any actor starts, workers the cluster's total resources can never
+    hold (Ray would wait for them forever). `asks`: {what: (actor options, count)}."""
+    need: dict[str, float] = {}
+    for opts, n in asks.values():
+        for key, v in {"CPU": opts.get("num_cpus", 0), "GPU": opts.get("num_gpus", 0),
+                       **opts.get("resources", {})}.items():
+            need[key] = need.get(key, 0.0) + v * n
+    short = [f"{k}: needs {v:g}, the cluster has {have.get(k, 0):g}"
+             for k, v in need.items() if v and have.get(k, 0) + 1e-9 < v]
+    if short:
+        counts = ", ".join(f"{n} {what}" for what, (_, n) in asks.items())
+        raise ValueError(f"the Ray cluster cannot hold {counts}: " + "; ".join(short)
+                         + " (its total resources; see `ray status`)")
+
+
 class RayExecutor(Executor):
     def __init__(self, model, dtype, config, threads: int = 1, address: str | None = None,
                  wide_threads: int | None = None):
         if not ray.is_initialized():
-            address = address or os.environ.get("RAY_ADDRESS")
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     **({} if address else {"num_cpus": max(2, os.cpu_count() or 2)}))
+            connect_ray(address)
         m = config.num_memory_workers
         # Fractional CPUs so 1 compute + 2 memory workers fit a 2-core node; on a cluster
         # whose nodes advertise lamina_compute / lamina_memory (ray_config.yaml), use them.
@@ -69,13 +102,14 @@ class RayExecutor(Executor):
                                  f"workers on a GPU of its own, but the Ray cluster has "
                                  f"{int(have.get('GPU', 0))} GPU(s)")
             m_opts["num_gpus"] = 1
+        check_fits(have, {"compute worker": (c_opts, 1), "memory workers": (m_opts, m)})
         # Idle OpenMP threads spin only briefly (3000 rounds of libgomp's wait loop, some
         # tens of us), then sleep: long enough to carry the compute worker's threads
         # from one linear to the next, short enough that a memory worker woken for a
         # layer's attention finds that core free (at 10^4 rounds it waited a median
         # ~110 us for it). With the memory workers' SCHED_BATCH (`memory_worker`),
         # B=32 bf16 decode steps took 59.0-63.0 ms against 62.1-65.2 ms at 10^4
-        # without it (README, end-to-end section); OMP_WAIT_POLICY=PASSIVE (no spin)
+        # without it (benchmarks/RESULTS.md); OMP_WAIT_POLICY=PASSIVE (no spin)
         # slows the dense part itself (45 against 41 ms a step).
         env = {"runtime_env": {"env_vars": {
             "GOMP_SPINCOUNT": str(OMP_SPIN),

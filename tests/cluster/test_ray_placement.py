@@ -1,0 +1,56 @@
+"""A deployment the cluster can never hold is refused at once, naming the resource,
+instead of waiting for it forever."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lamina.cluster.executor import check_fits
+
+SCRIPT = """
+import time, ray
+ray.init(num_cpus=4, resources={"lamina_compute": 1, "lamina_memory": 2},
+         include_dashboard=False)
+from lamina import LLM
+t = time.perf_counter()
+try:
+    LLM(executor="ray", num_memory_workers=3)
+except ValueError as e:
+    print("REFUSED", round(time.perf_counter() - t, 1), e)
+ray.shutdown()
+"""
+
+
+def test_more_memory_workers_than_lamina_memory_is_refused_at_once():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next((x for x in r.stdout.splitlines() if x.startswith("REFUSED")), None)
+    assert line is not None, r.stdout[-1000:]
+    assert "lamina_memory: needs 3, the cluster has 2" in line and "ray status" in line
+    assert "3 memory workers" in line
+    assert float(line.split()[1]) < 30  # refused before any worker starts
+    assert time.perf_counter() - t < 240
+
+
+@pytest.mark.parametrize("have, ok", [
+    ({"CPU": 2.0}, True),  # 1 + 2 workers at 0.5 CPU each
+    ({"CPU": 1.0}, False),
+    ({"CPU": 8.0, "lamina_memory": 1.0}, False),
+])
+def test_check_fits_counts_every_resource(have, ok):
+    asks = {"compute worker": ({"num_cpus": 0.5}, 1),
+            "memory workers": ({"num_cpus": 0.5, "resources": {"lamina_memory": 1}}
+                               if "lamina_memory" in have else {"num_cpus": 0.5}, 2)}
+    if ok:
+        check_fits(have, asks)
+    else:
+        with pytest.raises(ValueError, match="cannot hold 1 compute worker, 2 memory workers"):
+            check_fits(have, asks)
