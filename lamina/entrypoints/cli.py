@@ -105,20 +105,41 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     """OpenAI-compatible HTTP server over the engine."""
     from lamina import LLM
-    from lamina.entrypoints.api_server import ServerConfig, serve
+    from lamina.entrypoints.api_server import serve
 
-    key = args.api_key or os.environ.get("LAMINA_API_KEY") or None
-    config = ServerConfig(api_key=key, max_waiting=args.max_waiting or None,
-                          max_body_bytes=args.max_body_bytes)
+    config = _server_config(args)
     llm = _llm(LLM, args, max_batch=args.max_batch, clamp_max_tokens=args.clamp_max_tokens)
     print(f"serving {llm.loaded.source} on http://{args.host}:{args.port} "
-          f"({args.executor} executor, {args.memory_workers} memory worker(s); API key "
-          f"{'required' if key else 'off'})", flush=True)
+          f"({type(llm.executor).__name__}, {llm.config.num_memory_workers} memory "
+          f"worker(s); API key {'required' if config.api_key else 'off'})", flush=True)
     try:
         serve(llm, args.host, args.port, args.served_model_name, config)
     finally:
         llm.shutdown()
     return 0
+
+
+def _server_config(args):
+    """The server's limits: from the flags, or from `--config`'s server section (the API
+    key may still come from --api-key or $LAMINA_API_KEY, to keep it out of files)."""
+    from dataclasses import replace
+
+    from lamina.entrypoints.api_server import ServerConfig
+
+    key = args.api_key or os.environ.get("LAMINA_API_KEY") or None
+    if args.config is None:
+        return ServerConfig(api_key=key, max_waiting=args.max_waiting or None,
+                            max_body_bytes=args.max_body_bytes)
+    from lamina.entrypoints.deploy_config import LaminaConfig
+
+    defaults = build_parser().parse_args(["serve"])
+    given = [f"--{k.replace('_', '-')}" for k in ("max_waiting", "max_body_bytes")
+             if getattr(args, k) != getattr(defaults, k)]
+    if given:
+        raise ValueError(f"--config {args.config} sets the server: drop {', '.join(given)} "
+                         f"(or put them in its server section)")
+    server = LaminaConfig.from_yaml(args.config).server
+    return replace(server, api_key=key) if key else server
 
 
 def cmd_bench(args) -> int:
@@ -213,6 +234,9 @@ def _dense_backend_arg(p, help: str) -> None:
 
 def _engine_args(p, executor: str, memory_workers: int) -> None:
     """The engine options `generate` and `serve` share (read back by `_llm`)."""
+    p.add_argument("--config", default=None,
+                   help="a LaminaConfig YAML file (model, engine, cluster, server sections); "
+                        "then give no engine flags")
     p.add_argument("--model", default=None)
     p.add_argument("--executor", default=executor, choices=["local", "ray"])
     p.add_argument("--memory-workers", type=int, default=memory_workers)
@@ -226,10 +250,24 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
 
 
 def _llm(LLM, args, **kw):
-    """`LLM` built from the `_engine_args` options."""
-    return LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
-               kv_device=args.kv_device, dense_backend=args.dense_backend, dtype=args.dtype,
-               kv_dtype=args.dtype, **kw)
+    """`LLM` built from the `_engine_args` options, or from `--config` (where a flag
+    that also sets the engine is refused rather than one of the two silently losing)."""
+    if args.config is None:
+        return LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
+                   kv_device=args.kv_device, dense_backend=args.dense_backend,
+                   dtype=args.dtype, kv_dtype=args.dtype, **kw)
+    from lamina.entrypoints.deploy_config import LaminaConfig
+
+    cfg = LaminaConfig.from_yaml(args.config)
+    defaults = build_parser().parse_args([args.cmd, *(["x"] if args.cmd == "generate" else [])])
+    given = [f"--{k.replace('_', '-')}" for k in ("model", "executor", "memory_workers",
+                                                  "kv_device", "dense_backend", "dtype",
+                                                  *kw)
+             if getattr(args, k) != getattr(defaults, k)]
+    if given:
+        raise ValueError(f"--config {args.config} sets the engine: drop {', '.join(given)} "
+                         f"(or put them in the file)")
+    return LLM.from_config(cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:

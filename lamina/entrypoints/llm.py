@@ -7,8 +7,8 @@ them in Ray workers.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Sequence
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, Sequence
 
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
@@ -16,10 +16,14 @@ from lamina.engine.outputs import RequestOutput
 from lamina.executor.base import plugin_executor
 from lamina.sampling.params import SamplingParams
 
+if TYPE_CHECKING:
+    from lamina.entrypoints.deploy_config import LaminaConfig
+
 
 class LLM:
     def __init__(self, model: str | None = None, executor: str = "local",
-                 num_memory_workers: int = 1, dtype: str = "float32", **engine_kw):
+                 num_memory_workers: int = 1, dtype: str = "float32",
+                 address: str | None = None, **engine_kw):
         from lamina.executor.local import LocalExecutor
         from lamina.memory.memory_side import MemorySide
         from lamina.memory.pool import KVPool, KVPoolConfig
@@ -29,11 +33,14 @@ class LLM:
 
         if executor not in ("local", "ray"):
             raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
+        if address is not None and executor == "local":
+            raise ValueError("address names a Ray cluster: it needs executor='ray'")
         self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
         self.loaded = load(model, dtype=dtype)
         if executor != "local":
             self.split = None
-            self.executor = plugin_executor(executor)(model, dtype, self.config)
+            self.executor = plugin_executor(executor)(model, dtype, self.config,
+                                                      address=address)
             # the compute worker's DenseChoice
             self.dense = getattr(self.executor, "dense", None) or DenseChoice(
                 "unknown", f"the {executor!r} executor does not report it")
@@ -52,6 +59,15 @@ class LLM:
             self.config = replace(self.config, split_kv=False)
         self.engine = LLMEngine(self.config, self.executor, self.loaded.tokenizer,
                                 self.loaded.config)
+
+    @classmethod
+    def from_config(cls, config: LaminaConfig) -> LLM:
+        """An `LLM` as a `LaminaConfig` (e.g. `LaminaConfig.from_yaml(path)`) describes."""
+        e = config.engine
+        kw = {f.name: getattr(e, f.name) for f in fields(e) if f.name != "num_memory_workers"}
+        return cls(config.model.path, executor=config.cluster.executor,
+                   num_memory_workers=e.num_memory_workers, dtype=config.model.dtype,
+                   address=config.cluster.address, **kw)
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

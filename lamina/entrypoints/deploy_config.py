@@ -1,0 +1,128 @@
+"""`LaminaConfig`: one deployment's settings, one frozen section per concern, from YAML.
+
+Data in: a YAML file (or a dict) with the sections `model`, `engine`, `cluster` and
+`server`, every one optional:
+
+    model:   {path: null, dtype: bfloat16}         # null: the embedded SmolLM2
+    engine:  {num_memory_workers: 2, num_kv_slots: 16384, max_batch: 64}
+    cluster: {executor: ray, address: auto}
+    server:  {max_waiting: 1024}
+
+Data out: a validated `LaminaConfig` (`ModelConfig`, `EngineConfig`, `ClusterConfig`,
+`ServerConfig`). An unknown section or key, a value of the wrong type, a bad value and a
+model path that does not exist are refused with a `ValueError` naming the key, before
+anything starts. `LLM.from_config` and `lamina generate|serve --config FILE` read it.
+"""
+from __future__ import annotations
+
+import os
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from lamina.engine.config import EngineConfig
+from lamina.entrypoints.api_server import ServerConfig
+
+DTYPES = ("float32", "bfloat16")
+EXECUTORS = ("local", "ray")
+NOT_IN_FILES = {"faults"}  # EngineConfig's test hook is not a deployment setting
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # HF folder or .gguf file; None: the embedded SmolLM2
+    dtype: str = "float32"  # weights and KV pools: float32 | bfloat16
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.path is not None and not Path(os.path.expanduser(self.path)).exists():
+            raise ValueError(f"model.path {self.path!r} does not exist")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    executor: str = "local"  # "local": one process; "ray": Ray workers
+    address: str | None = None  # Ray cluster ("auto", "host:port"); None: $RAY_ADDRESS or new
+
+    def __post_init__(self):
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"cluster.executor must be one of {EXECUTORS}, "
+                             f"got {self.executor!r}")
+        if self.address is not None and self.executor != "ray":
+            raise ValueError("cluster.address is for executor 'ray'")
+
+
+@dataclass(frozen=True)
+class LaminaConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> LaminaConfig:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"config {path}: {e}") from None
+        return cls.from_dict(data or {}, str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> LaminaConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: a mapping of sections expected, "
+                             f"got {type(data).__name__}")
+        sections = {f.name: f for f in fields(cls)}
+        for name in data:
+            if name not in sections:
+                raise ValueError(f"{source}: unknown section {name!r}; "
+                                 f"known: {', '.join(sections)}")
+        built = {}
+        for name, f in sections.items():
+            section_cls = f.default_factory  # type: ignore[misc]
+            built[name] = _section(section_cls, name, data.get(name) or {}, source)
+        return cls(**built)
+
+
+def _section(section_cls, name: str, values, source: str):
+    """One section's dataclass from its mapping: keys and types checked here, values by
+    the section's own validation."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{source}: section {name!r} must be a mapping")
+    hints = typing.get_type_hints(section_cls)
+    known = [f.name for f in fields(section_cls) if f.name not in NOT_IN_FILES]
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(f"{source}: unknown key '{name}.{key}'; known: {', '.join(known)}")
+        if not _is(value, hints[key]):
+            raise ValueError(f"{source}: '{name}.{key}' must be {_name(hints[key])}, "
+                             f"got {value!r}")
+    try:
+        return section_cls(**values)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def _is(value, hint) -> bool:
+    """`value` fits the annotation (int, float, bool, str, None and their unions)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _name(hint) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_name(h) for h in typing.get_args(hint))
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
