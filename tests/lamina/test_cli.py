@@ -94,6 +94,8 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
     class FakeLLM:
         dense = type("D", (), {"backend": "onednn", "reason": "fake"})()
         loaded = type("L", (), {"source": "fake"})()
+        config = type("C", (), {"num_memory_workers": 1})()
+        executor = None
 
         def __init__(self, model, **kw):
             seen.append(kw)
