@@ -132,9 +132,7 @@ def _server_config(args):
                             max_body_bytes=args.max_body_bytes)
     from lamina.entrypoints.deploy_config import LaminaConfig
 
-    defaults = build_parser().parse_args(["serve"])
-    given = [f"--{k.replace('_', '-')}" for k in ("max_waiting", "max_body_bytes")
-             if getattr(args, k) != getattr(defaults, k)]
+    given = _flags_given(args, ("max_waiting", "max_body_bytes"))
     if given:
         raise ValueError(f"--config {args.config} sets the server: drop {', '.join(given)} "
                          f"(or put them in its server section)")
@@ -249,6 +247,12 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
                         "GEMM: linears on float32 oneDNN copies, see --dense-backend)")
 
 
+def _flags_given(args, dests) -> list[str]:
+    """The flags among `dests` whose value differs from the command's default."""
+    sub = build_parser().commands[args.cmd]  # type: ignore[attr-defined]
+    return [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d) != sub.get_default(d)]
+
+
 def _llm(LLM, args, **kw):
     """`LLM` built from the `_engine_args` options, or from `--config` (where a flag
     that also sets the engine is refused rather than one of the two silently losing)."""
@@ -259,11 +263,8 @@ def _llm(LLM, args, **kw):
     from lamina.entrypoints.deploy_config import LaminaConfig
 
     cfg = LaminaConfig.from_yaml(args.config)
-    defaults = build_parser().parse_args([args.cmd, *(["x"] if args.cmd == "generate" else [])])
-    given = [f"--{k.replace('_', '-')}" for k in ("model", "executor", "memory_workers",
-                                                  "kv_device", "dense_backend", "dtype",
-                                                  *kw)
-             if getattr(args, k) != getattr(defaults, k)]
+    given = _flags_given(args, ("model", "executor", "memory_workers", "kv_device",
+                                "dense_backend", "dtype", *kw))
     if given:
         raise ValueError(f"--config {args.config} sets the engine: drop {', '.join(given)} "
                          f"(or put them in the file)")
@@ -287,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _bench_parser(sub)
     _cost_report_parser(sub)
+    p.commands = sub.choices  # type: ignore[attr-defined]  # name -> its parser
     return p
 
 

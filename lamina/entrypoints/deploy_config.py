@@ -76,16 +76,13 @@ class LaminaConfig:
         if not isinstance(data, dict):
             raise ValueError(f"{source}: a mapping of sections expected, "
                              f"got {type(data).__name__}")
-        sections = {f.name: f for f in fields(cls)}
+        sections = typing.get_type_hints(cls)  # section name -> its dataclass
         for name in data:
             if name not in sections:
                 raise ValueError(f"{source}: unknown section {name!r}; "
                                  f"known: {', '.join(sections)}")
-        built = {}
-        for name, f in sections.items():
-            section_cls = f.default_factory  # type: ignore[misc]
-            built[name] = _section(section_cls, name, data.get(name) or {}, source)
-        return cls(**built)
+        return cls(**{name: _section(section_cls, name, data.get(name) or {}, source)
+                      for name, section_cls in sections.items()})
 
 
 def _section(section_cls, name: str, values, source: str):
