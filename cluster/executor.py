@@ -26,6 +26,7 @@ from lamina.executor.base import Executor
 
 from .compute_worker import ComputeWorker, ComputeWorkerSpec
 from .memory_worker import MemoryWorker
+from .placement import place
 
 log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
@@ -81,7 +82,7 @@ def check_fits(have: dict, asks: dict[str, tuple[dict, int]]) -> None:
 
 class RayExecutor(Executor):
     def __init__(self, model, dtype, config, threads: int = 1, address: str | None = None,
-                 wide_threads: int | None = None):
+                 wide_threads: int | None = None, name: str = "lamina"):
         if not ray.is_initialized():
             connect_ray(address)
         m = config.num_memory_workers
@@ -125,16 +126,22 @@ class RayExecutor(Executor):
                                                config.dense_backend, config.max_batch,
                                                config.fuse_pointwise)
         self.threads, self.wide_threads, self.config = threads, pt, config
-        self.compute = ComputeWorker.options(**self._c_opts).remote(self._compute_spec)
+        # every worker's resources reserved at once, or a clear error in bounded time
+        self.placement = place(c_opts, m_opts, m, config.placement_timeout_s, name)
+        self.compute = self._new_compute()
         self.dense = ray.get(self.compute.dense_choice.remote())
         self.memory = []
         self._start_memory()
 
+    def _new_compute(self):
+        return ComputeWorker.options(**self._c_opts, **self.placement.compute()).remote(
+            self._compute_spec)
+
     def _start_memory(self) -> None:
         """Fresh memory workers (empty pools), wired to the compute worker."""
         cfg = self.config
-        self.memory = [MemoryWorker.options(**self._m_opts).remote(i, self.threads)
-                       for i in range(cfg.num_memory_workers)]
+        self.memory = [MemoryWorker.options(**self._m_opts, **self.placement.memory(i))
+                       .remote(i, self.threads) for i in range(cfg.num_memory_workers)]
         pool_cfg, params = ray.get(self.compute.memory_spec.remote(
             cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, cfg.local_prefill, cfg.faults))
         self.params = list(params)  # per-layer AttentionParams
@@ -146,7 +153,11 @@ class RayExecutor(Executor):
                          for w in self.memory])
         addrs = ray.get([w.listen.remote(n == node) for w, n in zip(self.memory, nodes)])
         ray.get(self.compute.connect.remote(addrs, cfg.worker_timeout_s))
-        self.addresses = addrs
+        self.addresses, self.nodes = addrs, {"compute": node, "memory": nodes}
+        self.transports = [transport(a) for a in addrs]
+        for i, (n, t) in enumerate(zip(nodes, self.transports)):
+            log.info("compute worker (node %s) <-> memory worker %d (node %s): %s",
+                     node[:8], i, n[:8], t)
         self._open_control(node)
 
     def _open_control(self, compute_node: str) -> None:
@@ -178,7 +189,7 @@ class RayExecutor(Executor):
         except Exception as e:  # noqa: BLE001 - dead or hung: start another
             log.warning("compute worker lost (%s: %s); starting a new one", type(e).__name__, e)
             ray.kill(self.compute)
-            self.compute = ComputeWorker.options(**self._c_opts).remote(self._compute_spec)
+            self.compute = self._new_compute()
         else:
             ray.get(self.compute.disconnect.remote(), timeout=RECOVER_TIMEOUT_S)
         self._close_control()
@@ -247,3 +258,11 @@ class RayExecutor(Executor):
         self._close_control()
         for a in [self.compute, *self.memory]:
             ray.kill(a)
+        self.placement.remove()
+
+
+def transport(address: tuple) -> str:
+    """How the compute worker reaches a memory worker at `address` (`MemoryWorker.listen`)."""
+    if address[0] == "unix":
+        return "unix socket + shared memory" if len(address) == 5 else "unix socket"
+    return f"tcp {address[1]}:{address[2]}"

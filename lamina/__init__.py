@@ -1,8 +1,10 @@
 """Lamina: LLM inference with attention offloaded to memory workers.
 
 `from lamina import LLM, SamplingParams` (imported lazily, so `lamina.memory.allocator` and
-friends stay light).
+friends stay light); `lamina.connect()` returns a client of the cluster's running Lamina
+service (lamina.cluster.client, found by name: only lamina.cluster imports ray).
 """
+import importlib
 import os
 
 # oneDNN keeps state per input shape (torch's ideep LRU cache and oneDNN's primitive
@@ -15,7 +17,14 @@ for _var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
     os.environ.setdefault(_var, ONEDNN_CACHE)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "connect"]
+
+
+def connect(address=None, service="lamina"):
+    """A client of the Lamina service `service` (`lamina up`) on the Ray cluster at
+    `address` ($RAY_ADDRESS, else the cluster this node belongs to): `submit`,
+    `generate`, `abort`, `status`. See lamina.cluster.client."""
+    return importlib.import_module("lamina.cluster.client").connect(address, service)
 
 
 def __getattr__(name):

@@ -36,6 +36,9 @@ class EngineConfig:
     # Ray executor: the compute worker answering no step for this long is hung (it is
     # then replaced); None waits forever. Longer than any step may take.
     step_timeout_s: float | None = 600.0
+    # Ray executor: how long the workers' placement group may wait for its resources
+    # (busy with other deployments) before the deployment fails naming what is missing
+    placement_timeout_s: float = 30.0
     dense_backend: str = "auto"  # compute side's linears: "auto" | "eager" | "onednn"
     fuse_pointwise: bool = True  # RMSNorm / rotary / SiLU x up chains as one C++ op each
     # Ray executor: fresh prompts attend on the compute worker, which ships only their
@@ -64,6 +67,10 @@ class EngineConfig:
                                   or not t > 0 or t == float("inf")):
                 raise ValueError(f"EngineConfig.{name} must be a positive number of "
                                  f"seconds or None, got {t!r}")
+        t = self.placement_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"EngineConfig.placement_timeout_s must be a positive number of "
+                             f"seconds, got {t!r}")
         if not isinstance(self.kv_device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?",
                                                                    self.kv_device):
             raise ValueError(f"EngineConfig.kv_device must be 'cpu' or 'cuda[:i]', "

@@ -448,12 +448,19 @@ def _checked(prompts: list, loop: EngineLoop, params: SamplingParams) -> list:
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           config: ServerConfig | None = None, **uvicorn_kw: Any) -> None:
     """Serve an `LLM` until interrupted."""
-    import uvicorn
-
     from lamina.entrypoints.metrics import EngineMetrics
 
-    loop = EngineLoop(llm.engine, EngineMetrics())
-    app = build_app(loop, model_name or llm.loaded.source, llm.loaded.tokenizer, config)
+    serve_loop(EngineLoop(llm.engine, EngineMetrics()), model_name or llm.loaded.source,
+               llm.loaded.tokenizer, host, port, config, **uvicorn_kw)
+
+
+def serve_loop(loop, model_name: str, tokenizer, host: str = "127.0.0.1", port: int = 8000,
+               config: ServerConfig | None = None, **uvicorn_kw: Any) -> None:
+    """Serve an engine loop (`EngineLoop`, or a service's `ServiceLoop`) until
+    interrupted."""
+    import uvicorn
+
+    app = build_app(loop, model_name, tokenizer, config)
     try:
         uvicorn.run(app, host=host, port=port, **uvicorn_kw)
     finally:

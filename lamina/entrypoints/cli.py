@@ -1,7 +1,10 @@
-"""The `lamina` command line: generate, split, demo, bench NAME, cost-report."""
+"""The `lamina` command line: generate, serve, split, demo, bench NAME, cost-report, and
+the cluster commands up, status, down, batch (lamina.cluster.cli, found by name: only
+lamina.cluster imports ray)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -102,12 +105,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
+CLUSTER_CLI = "lamina.cluster.cli"
+
+
 def cmd_serve(args) -> int:
-    """OpenAI-compatible HTTP server over the engine."""
+    """OpenAI-compatible HTTP server over the engine (or, with --service, over the
+    cluster's running Lamina service)."""
     from lamina import LLM
     from lamina.entrypoints.api_server import serve
 
     config = _server_config(args)
+    if args.service is not None:
+        given = _flags_given(args, ("config", "model", "executor", "memory_workers",
+                                    "kv_device", "dense_backend", "dtype", "max_batch",
+                                    "clamp_max_tokens"))
+        if given:
+            raise ValueError(f"--service serves the running service's engine: drop "
+                             f"{', '.join(given)}")
+        args.name = args.service
+        return importlib.import_module(CLUSTER_CLI).serve_service(args, config)
     llm = _llm(LLM, args, max_batch=args.max_batch, clamp_max_tokens=args.clamp_max_tokens)
     print(f"serving {llm.loaded.source} on http://{args.host}:{args.port} "
           f"({type(llm.executor).__name__}, {llm.config.num_memory_workers} memory "
@@ -288,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _bench_parser(sub)
     _cost_report_parser(sub)
+    importlib.import_module(CLUSTER_CLI).add_parsers(sub)
     p.commands = sub.choices  # type: ignore[attr-defined]  # name -> its parser
     return p
 
@@ -327,6 +344,12 @@ def _serve_parser(sub) -> None:
                    help="largest request body (413 past it)")
     v.add_argument("--clamp-max-tokens", action="store_true",
                    help="lower max_tokens to what fits the context (default: 400)")
+    v.add_argument("--service", default=None, metavar="NAME",
+                   help="front the running Lamina service NAME (`lamina up`) instead of "
+                        "starting an engine")
+    v.add_argument("--address", default=None,
+                   help="with --service: the Ray cluster (default: $RAY_ADDRESS, else "
+                        "this node's)")
     v.add_argument("--served-model-name", default=None,
                    help="the model name clients must send (default: the model's source)")
     v.set_defaults(fn=cmd_serve)

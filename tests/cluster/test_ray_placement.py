@@ -1,5 +1,6 @@
-"""A deployment the cluster can never hold is refused at once, naming the resource,
-instead of waiting for it forever."""
+"""A deployment the cluster can never hold is refused at once, naming the resource; one
+whose resources other deployments hold fails after the placement timeout, naming what
+is missing; neither waits forever."""
 from __future__ import annotations
 
 import os
@@ -38,6 +39,39 @@ def test_more_memory_workers_than_lamina_memory_is_refused_at_once():
     assert "3 memory workers" in line
     assert float(line.split()[1]) < 30  # refused before any worker starts
     assert time.perf_counter() - t < 240
+
+
+BUSY = """
+import time, ray
+from ray.util.placement_group import placement_group
+ray.init(num_cpus=4, resources={"lamina_compute": 1, "lamina_memory": 2},
+         include_dashboard=False)
+other = placement_group([{"lamina_memory": 1}])  # another deployment holds one
+assert other.wait(30)
+from lamina import LLM
+from lamina.cluster.placement import PlacementTimeout
+t = time.perf_counter()
+try:
+    LLM(executor="ray", num_memory_workers=2, placement_timeout_s=4)
+except PlacementTimeout as e:
+    print("TIMEOUT", round(time.perf_counter() - t, 1), e)
+print("GROUPS", sorted(g["state"] for g in ray.util.placement_group_table().values()))
+ray.shutdown()
+"""
+
+
+def test_busy_resources_fail_after_the_placement_timeout_naming_them():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    r = subprocess.run([sys.executable, "-c", BUSY], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next((x for x in r.stdout.splitlines() if x.startswith("TIMEOUT")), None)
+    assert line is not None, r.stdout[-1000:] + r.stderr[-2000:]
+    assert "lamina_memory: needs 2, 1 free" in line and "ray status" in line, line
+    assert 4 <= float(line.split()[1]) < 15  # the timeout, not forever
+    # the failed deployment's group is removed; the other deployment's stays
+    assert "GROUPS ['CREATED', 'REMOVED']" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("have, ok", [

@@ -107,6 +107,8 @@ def test_bad_sampling_params(kw, words):
     (lambda: EngineConfig(max_recoveries=-1), "max_recoveries"),
     (lambda: EngineConfig(step_timeout_s=math.inf), "step_timeout_s"),
     (lambda: EngineConfig(worker_timeout_s=0), "worker_timeout_s"),
+    (lambda: EngineConfig(placement_timeout_s=None), "placement_timeout_s"),
+    (lambda: EngineConfig(placement_timeout_s=-5), "placement_timeout_s"),
     (lambda: EngineConfig(kv_device="tpu"), "kv_device"),
     (lambda: EngineConfig(pipeline="zigzag"), "pipeline"),
     (lambda: EngineConfig(clamp_max_tokens="yes"), "clamp_max_tokens"),

@@ -1,0 +1,193 @@
+"""The cluster commands of `lamina`: `up`, `status`, `down`, `batch`, and `serve --service`.
+
+Data in: the command's flags (and a `LaminaConfig` YAML for `up`). Data out: the
+service started or stopped, its status printed, a batch's OUTPUT file. `lamina`'s
+parser finds this module by name (`lamina.entrypoints.cli`), and ray is imported only
+inside the commands, so `lamina --help` stays fast.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+SERVICE = "lamina"  # = service.SERVICE (not imported here: that would import ray)
+
+
+def add_parsers(sub) -> None:
+    u = sub.add_parser("up", help="start the Lamina service on the running Ray cluster")
+    u.add_argument("--config", default=None, help="a LaminaConfig YAML file")
+    u.add_argument("--timeout", type=float, default=600,
+                   help="seconds to wait for the model and workers to come up")
+    _where(u)
+    u.set_defaults(fn=cmd_up)
+    s = sub.add_parser("status", help="the Lamina service: workers, nodes, KV use, queue")
+    s.add_argument("--json", action="store_true", help="print the status as JSON")
+    _where(s)
+    s.set_defaults(fn=cmd_status)
+    d = sub.add_parser("down", help="stop the Lamina service and release its resources")
+    _where(d)
+    d.set_defaults(fn=cmd_down)
+    b = sub.add_parser("batch", help="run an OpenAI batch file (JSONL) through the service "
+                       "(or, with none running, a local engine); resumable")
+    b.add_argument("input", help="requests: one {custom_id, method, url, body} per line")
+    b.add_argument("output", help="answers, one per line; lines already here are skipped")
+    b.add_argument("--local", action="store_true",
+                   help="use a local engine even where a service runs")
+    b.add_argument("--config", default=None,
+                   help="a LaminaConfig YAML for the local engine")
+    b.add_argument("--no-progress", action="store_true")
+    _where(b)
+    b.set_defaults(fn=cmd_batch)
+
+
+def _where(p) -> None:
+    p.add_argument("--name", default=SERVICE, help="the service's name (default: lamina)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster address (default: $RAY_ADDRESS, else this node's)")
+
+
+def cmd_up(args) -> int:
+    from lamina.entrypoints.deploy_config import LaminaConfig
+
+    from .service import up
+
+    config = LaminaConfig.from_yaml(args.config) if args.config else LaminaConfig()
+    up(config, args.name, args.address or "auto", args.timeout)
+    print(f"Lamina service {args.name!r} is up", flush=True)
+    return _print_status(_client(args).status(), False)
+
+
+def cmd_status(args) -> int:
+    return _print_status(_client(args).status(), args.json)
+
+
+def cmd_down(args) -> int:
+    from .service import down
+
+    _client(args)  # joins the cluster; names a missing service
+    down(args.name)
+    print(f"Lamina service {args.name!r} stopped; its workers and placement group are "
+          "released")
+    return 0
+
+
+def _client(args):
+    from .client import connect
+    from .service import ServiceNotFound
+
+    try:
+        return connect(args.address, args.name)
+    except ServiceNotFound as e:
+        raise ValueError(str(e)) from None
+    except ConnectionError as e:
+        raise ValueError(f"no Ray cluster to join ({e}); start one with `ray up` "
+                         "or `ray start --head`") from None
+
+
+def _print_status(s: dict, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(s, indent=2))
+        return 0
+    state = "running" if s["alive"] else f"STOPPED: {s['error']}"
+    print(f"service {s['name']!r}: {state}, model {s['model']}, up {s['uptime_s']:.0f} s")
+    for w in s["workers"]:
+        print(f"  {w['role']:<10} node {w['node'][:12]}  {w['transport']}")
+    for k in s["kv"]:
+        used = k["total"] - k["free"]
+        print(f"  KV of memory worker {k['worker']}: {used}/{k['total']} slots used")
+    print(f"  queue: {s['waiting']} waiting, {s['running']} running; finished "
+          f"{s['finished']}, aborted {s['aborted']}, failed {s['failed']}, "
+          f"rejected {s['rejected']}")
+    return 0
+
+
+def cmd_batch(args) -> int:
+    from lamina.entrypoints.batch import read_input, run_batch
+
+    read_input(args.input)  # a malformed file is refused before any engine starts
+    app, stop = _batch_app(args)
+    try:
+        r = run_batch(app, args.input, args.output, progress=not args.no_progress)
+    finally:
+        stop()
+    print(f"{args.output}: {r.done} answered now ({r.failed} with an error status), "
+          f"{r.skipped} already there, {r.total} in {args.input}", file=sys.stderr)
+    return 0
+
+
+def _batch_app(args):
+    """The server app over the running service, else over a local engine -> (app, stop)."""
+    from lamina.entrypoints.api_server import build_app
+
+    client = None if args.local else _service_if_any(args)
+    if client is not None:
+        from .client import ServiceLoop
+
+        loop = ServiceLoop(client)
+        print(f"batch through the Lamina service {args.name!r}", file=sys.stderr)
+        return build_app(loop, client.model(), client.tokenizer()), loop.shutdown
+    from lamina.entrypoints.deploy_config import LaminaConfig
+    from lamina.entrypoints.engine_loop import EngineLoop
+    from lamina.entrypoints.llm import LLM
+
+    llm = LLM.from_config(LaminaConfig.from_yaml(args.config) if args.config
+                          else LaminaConfig())
+    loop = EngineLoop(llm.engine)
+    print("batch on a local engine (no Lamina service runs)", file=sys.stderr)
+
+    def stop():
+        loop.shutdown()
+        llm.shutdown()
+    return build_app(loop, llm.loaded.source, llm.loaded.tokenizer), stop
+
+
+def _service_if_any(args):
+    """A client of the service, or None where no cluster or no service runs."""
+    import os
+
+    from .client import connect
+    from .service import ServiceNotFound
+
+    address = args.address or os.environ.get("RAY_ADDRESS") or _this_nodes_cluster()
+    if address is None:
+        return None
+    try:
+        return connect(address, args.name)
+    except (ServiceNotFound, ConnectionError):
+        return None
+
+
+def _this_nodes_cluster() -> str | None:
+    """The address of the Ray cluster this node belongs to, if its GCS answers (a crashed
+    instance leaves its address file behind: that one is not joined)."""
+    import socket
+
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        address = canonicalize_bootstrap_address("auto")
+    except (ConnectionError, ValueError):
+        return None
+    if address is None:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except OSError:
+        return None
+    return address
+
+
+def serve_service(args, config) -> int:
+    """`lamina serve --service NAME`: the HTTP server over a running service."""
+    from lamina.entrypoints.api_server import serve_loop
+
+    from .client import ServiceLoop
+
+    client = _client(args)
+    model = client.model()
+    print(f"serving the Lamina service {args.name!r} ({model}) on "
+          f"http://{args.host}:{args.port}", flush=True)
+    serve_loop(ServiceLoop(client), args.served_model_name or model, client.tokenizer(),
+               args.host, args.port, config)
+    return 0

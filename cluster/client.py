@@ -1,0 +1,231 @@
+"""Job submission API: `lamina.connect()` from any driver on the cluster.
+
+Data in: prompts (text, token ids) and `SamplingParams`, sent to the running Lamina
+service (cluster/service.py). Data out: a `RequestHandle` per request: `.result()` the
+final `RequestOutput`; iterating it (`for` or `async for`) yields the request's
+snapshots as the engine makes progress (cumulative token ids and text, the last one
+final). `Client.generate` runs a batch with a progress bar, like `LLM.generate`.
+Errors arrive as the local API raises them: `ValueError` / `TypeError` for bad input
+(at `submit`, before anything runs), `RequestFailed` for a request the engine failed
+alone, `EngineDead` once the engine stopped.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import Future
+from typing import Callable, Sequence
+
+import ray
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from lamina.engine.outputs import RequestOutput
+from lamina.sampling.params import SamplingParams
+
+from .executor import connect_ray
+from .service import SERVICE, find
+
+
+def connect(address: str | None = None, service: str = SERVICE) -> Client:
+    """A client of the service `service` on the Ray cluster at `address` ($RAY_ADDRESS,
+    else the cluster this node belongs to)."""
+    if not ray.is_initialized():
+        connect_ray(address or "auto")
+    return Client(find(service), service)
+
+
+def _unwrapped(e: BaseException) -> BaseException:
+    """The service's own exception inside Ray's wrapper (RayTaskError)."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e
+
+
+class RequestHandle:
+    def __init__(self, service, key: str, prompt, params: SamplingParams):
+        self.key, self._service = key, service
+        self._gen = service.stream.remote(key, prompt, params)
+        self._last: RequestOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._last is not None and self._last.finished
+
+    def _take(self, ref) -> RequestOutput:
+        try:
+            self._last = ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            raise _unwrapped(e) from None
+        return self._last
+
+    def __iter__(self):
+        while not self.done:
+            try:
+                ref = next(self._gen)
+            except StopIteration:
+                return
+            yield self._take(ref)
+
+    async def __aiter__(self):
+        while not self.done:
+            try:
+                ref = await self._gen.__anext__()
+            except StopAsyncIteration:
+                return
+            try:
+                self._last = await ref
+            except ray.exceptions.RayTaskError as e:
+                raise _unwrapped(e) from None
+            yield self._last
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """The final output (waits for it; what iteration has not consumed is skipped)."""
+        while not self.done:
+            try:
+                ref = self._gen._next_sync(timeout) if timeout is not None else next(self._gen)
+            except StopIteration:
+                break
+            if ref.is_nil():
+                raise TimeoutError(f"request {self.key}: no output within {timeout} s")
+            self._take(ref)
+        assert self._last is not None
+        return self._last
+
+
+class Client:
+    def __init__(self, service, name: str):
+        self.service, self.name = service, name
+
+    def submit(self, prompt, params: SamplingParams | None = None) -> RequestHandle:
+        """Queue one request; bad input raises here, as in `LLM.generate`."""
+        params = params or SamplingParams()
+        try:
+            ray.get(self.service.validate.remote(prompt, params))
+        except ray.exceptions.RayTaskError as e:
+            raise _unwrapped(e) from None
+        return RequestHandle(self.service, uuid.uuid4().hex, prompt, params)
+
+    def abort(self, handle: RequestHandle) -> bool:
+        """Stop the request and free its KV; False if it had finished."""
+        return ray.get(self.service.abort.remote(handle.key))
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in prompt order; every prompt validated before any is queued."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            try:
+                ray.get(self.service.validate.remote(p, sp))
+            except ray.exceptions.RayTaskError as e:
+                cause = _unwrapped(e)
+                raise type(cause)(f"prompt {i}: {cause}") from None
+        handles = [RequestHandle(self.service, uuid.uuid4().hex, p, sp)
+                   for p, sp in zip(prompts, plist)]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(handles), desc="generate", unit="req")
+        outs = []
+        for h in handles:
+            outs.append(h.result())
+            if bar:
+                bar.update(1)
+        if bar:
+            bar.close()
+        return outs
+
+    def status(self) -> dict:
+        return ray.get(self.service.status.remote())
+
+    def tokenizer(self):
+        """The served model's tokenizer."""
+        return ray.get(self.service.tokenizer.remote())
+
+    def model(self) -> str:
+        """The model the service serves (its path or source name)."""
+        return self.status()["model"]
+
+
+class ServiceLoop:
+    """The `EngineLoop` interface the HTTP server and `lamina batch` run on, over a
+    service: `lamina serve --service` and batch jobs share the cluster's deployment.
+    Each request's stream is read on a thread of its own, which resolves its future."""
+
+    def __init__(self, client: Client):
+        self.client, self.max_waiting, self.error = client, None, None
+        self.engine = _RemoteEngine(client)
+        self.metrics = _RemoteMetrics(client)
+        self._handles: dict[Future, RequestHandle] = {}
+
+    @property
+    def alive(self) -> bool:
+        try:
+            s = self.client.status()
+        except Exception as e:  # noqa: BLE001 - the service is gone
+            self.error = f"{type(e).__name__}: {e}"
+            return False
+        self.error = s["error"]
+        return s["alive"]
+
+    def check_capacity(self, extra: int = 1) -> None:
+        try:
+            ray.get(self.client.service.check_capacity.remote(extra))
+        except ray.exceptions.RayTaskError as e:
+            raise _unwrapped(e) from None
+
+    def submit(self, prompt, params: SamplingParams, validated: bool = False,
+               on_update: Callable[[RequestOutput], None] | None = None) -> Future:
+        if not validated:
+            self.engine.validate(prompt, params)
+        handle = RequestHandle(self.client.service, uuid.uuid4().hex, prompt, params)
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        self._handles[fut] = handle
+        threading.Thread(target=self._follow, args=(handle, fut, on_update), daemon=True,
+                         name=f"lamina-request-{handle.key[:8]}").start()
+        return fut
+
+    def _follow(self, handle: RequestHandle, fut: Future, on_update) -> None:
+        try:
+            for out in handle:
+                if not out.finished and on_update is not None:
+                    on_update(out)
+            fut.set_result(handle.result())
+        except BaseException as e:  # noqa: BLE001 - the request's error, to its waiter
+            fut.set_exception(e)
+        finally:
+            self._handles.pop(fut, None)
+
+    def abort(self, fut: Future) -> None:
+        handle = self._handles.get(fut)
+        if handle is not None and not fut.done():
+            self.client.abort(handle)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for fut in list(self._handles):
+            self.abort(fut)
+
+
+class _RemoteEngine:
+    def __init__(self, client: Client):
+        self.client = client
+
+    def validate(self, prompt, params) -> None:
+        try:
+            ray.get(self.client.service.validate.remote(prompt, params))
+        except ray.exceptions.RayTaskError as e:
+            raise _unwrapped(e) from None
+
+
+class _RemoteMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, client: Client):
+        self.client = client
+
+    def render(self) -> bytes:
+        return ray.get(self.client.service.metrics_text.remote())

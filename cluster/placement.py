@@ -1,0 +1,92 @@
+"""Placement: one Ray placement group per deployment, reserved before any worker starts.
+
+Data in: the compute worker's and the memory workers' actor options (CPU, GPU, the
+`lamina_compute` / `lamina_memory` custom resources their nodes advertise) and the number
+of memory workers. Data out: a `Placement` whose bundles the workers are started in:
+bundle 0 the compute worker, bundle 1 + i memory worker i.
+
+The group's strategy is SPREAD: Ray puts the bundles on distinct nodes where it can (the
+memory workers over the memory nodes) and packs them where it cannot (several memory
+workers on one node, or everything on a one-node local cluster); the custom resources
+keep each kind on its own node type. A group Ray cannot place within the timeout (its
+resources held by other deployments, or split over nodes so that none holds a bundle)
+is removed again and `PlacementTimeout` names what was missing: never an endless wait.
+Workers replaced after a failure are started in the same bundles.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+
+class PlacementTimeout(TimeoutError):
+    """The cluster did not give the deployment's resources within the timeout."""
+
+
+def bundle(opts: dict) -> dict[str, float]:
+    """The resources an actor started with `opts` (`num_cpus`, `num_gpus`, `resources`)."""
+    res = {"CPU": opts.get("num_cpus", 0), "GPU": opts.get("num_gpus", 0),
+           **opts.get("resources", {})}
+    return {k: float(v) for k, v in res.items() if v}
+
+
+@dataclass(frozen=True)
+class Placement:
+    group: PlacementGroup
+    bundles: tuple  # per bundle its resources: compute worker, then the memory workers
+
+    def compute(self) -> dict:
+        """Actor options starting the compute worker in its bundle."""
+        return self._in(0)
+
+    def memory(self, i: int) -> dict:
+        """Actor options starting memory worker `i` in its bundle."""
+        return self._in(1 + i)
+
+    def _in(self, index: int) -> dict:
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=index)}
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
+
+
+def place(compute_opts: dict, memory_opts: dict, num_memory: int, timeout_s: float,
+          name: str = "") -> Placement:
+    """Reserve a compute bundle and `num_memory` memory bundles; wait at most `timeout_s`."""
+    bundles = (bundle(compute_opts),) + (bundle(memory_opts),) * num_memory
+    group = placement_group(list(bundles), strategy="SPREAD", name=name)
+    if not group.wait(timeout_s):
+        free = ray.available_resources()
+        remove_placement_group(group)
+        raise PlacementTimeout(shortfall(bundles, free, num_memory, timeout_s))
+    log.info("placement group %s: %d bundles %s", group.id.hex()[:12], len(bundles),
+             bundles)
+    return Placement(group, bundles)
+
+
+def shortfall(bundles: tuple, free: dict, num_memory: int, timeout_s: float) -> str:
+    """The message of a placement that timed out: each resource the bundles need more of
+    than the cluster has free now."""
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    short = [f"{k}: needs {v:g}, {free.get(k, 0):g} free" for k, v in need.items()
+             if free.get(k, 0) + 1e-9 < v]
+    what = (", ".join(short) if short else
+            "enough is free in total, but no node has room for one bundle "
+            f"({', '.join(str(b) for b in bundles)})")
+    return (f"could not place 1 compute worker and {num_memory} memory workers within "
+            f"{timeout_s:g} s: {what}; other deployments may hold them (see `ray status`; "
+            "raise placement_timeout_s to wait longer)")

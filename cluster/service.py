@@ -1,0 +1,169 @@
+"""The Lamina service: one named, detached Ray actor that owns an engine and its workers,
+so that every driver, Ray job and HTTP server on the cluster shares one deployment.
+
+Data in: a `LaminaConfig` (`lamina up --config FILE`); then requests from clients
+(`lamina.connect()`, cluster/client.py): `stream(key, prompt, params)` per request,
+`abort(key)`, `status()`. Data out: each request's progress as a Ray streaming generator
+of `RequestOutput` snapshots (cumulative, the last one final); a request the engine
+failed raises the local API's exception (`RequestFailed`, `EngineDead`, `ValueError` for
+bad input) at the client.
+
+Why a detached actor and not a Ray Serve deployment: the engine batches every request
+of the cluster in one loop (`EngineLoop`) and its workers hold KV state, so it is one
+stateful process, not a replicated stateless handler; Serve's router, autoscaler and
+HTTP proxy would add a hop and a second HTTP stack (ours is `lamina serve --service`).
+The workers are the actor's children: they and the deployment's placement group go with
+it (`lamina down`, or the actor dying).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import replace
+
+import ray
+
+from lamina.entrypoints.deploy_config import LaminaConfig
+from lamina.entrypoints.engine_loop import EngineLoop
+from lamina.entrypoints.llm import LLM
+from lamina.entrypoints.metrics import EngineMetrics
+
+from .executor import connect_ray
+
+log = logging.getLogger(__name__)
+NAMESPACE = "lamina"  # the services' Ray namespace: any driver finds them by name
+SERVICE = "lamina"  # the default service name
+START_TIMEOUT_S = 600  # model load + placement + workers
+
+
+class ServiceNotFound(LookupError):
+    """No Lamina service of that name runs on the cluster."""
+
+
+@ray.remote(num_cpus=0)  # the engine loop is light; the workers hold the cores
+class LaminaService:
+    def __init__(self, config: LaminaConfig, name: str):
+        cluster = replace(config.cluster, executor="ray", address=None)
+        self.config, self.name = replace(config, cluster=cluster), name
+        self.llm = LLM.from_config(self.config)
+        self.metrics = EngineMetrics()
+        self.loop = EngineLoop(self.llm.engine, self.metrics, config.server.max_waiting)
+        self.futures: dict[str, Future] = {}
+        self.started = time.time()
+
+    def ready(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def validate(self, prompt, params) -> None:
+        """Raise what `LLM.generate` would for this prompt (ValueError / TypeError)."""
+        self.llm.engine.validate(prompt, params)
+
+    async def stream(self, key: str, prompt, params):
+        """One request's progress: `RequestOutput` snapshots, the last one final. A
+        consumer that goes away (the generator closed) aborts the request."""
+        aloop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+
+        def put(item):
+            aloop.call_soon_threadsafe(updates.put_nowait, item)
+
+        fut = self.loop.submit(prompt, params, on_update=put)  # bad input raises here
+        self.futures[key] = fut
+        fut.add_done_callback(put)
+        try:
+            while True:
+                item = await updates.get()
+                if isinstance(item, Future):
+                    yield item.result()  # the final output, or the request's error
+                    return
+                yield item
+        finally:
+            self.futures.pop(key, None)
+            self.loop.abort(fut)  # no-op when it finished
+
+    def check_capacity(self, extra: int = 1) -> None:
+        """Raise `EngineOverloaded` if `extra` more requests would overfill the queue."""
+        self.loop.check_capacity(extra)
+
+    def abort(self, key: str) -> bool:
+        """Stop the request `key` and free its KV; False if it is not running."""
+        fut = self.futures.get(key)
+        if fut is None:
+            return False
+        self.loop.abort(fut)
+        return True
+
+    def status(self) -> dict:
+        """Workers and their nodes, KV use per memory worker, queue, counters."""
+        eng, ex = self.llm.engine, self.llm.executor
+        kv = [{"worker": i, "free": a.num_free(), "total": self.config.engine.num_kv_slots}
+              for i, a in enumerate(eng.allocs)]
+        workers = [{"role": "compute", "node": ex.nodes["compute"], "transport": "-"}]
+        workers += [{"role": f"memory {i}", "node": n, "transport": t}
+                    for i, (n, t) in enumerate(zip(ex.nodes["memory"], ex.transports))]
+        return {"name": self.name, "model": self.llm.loaded.source,
+                "alive": self.loop.alive, "error": None if self.loop.error is None
+                else f"{type(self.loop.error).__name__}: {self.loop.error}",
+                "uptime_s": round(time.time() - self.started, 1), "pid": os.getpid(),
+                "workers": workers, "kv": kv, "waiting": self.loop.waiting(),
+                "running": len(eng.scheduler.running), **self.loop.stats,
+                "placement_group": ex.placement.group.id.hex()}
+
+    def tokenizer(self):
+        """The model's tokenizer (clients decode and apply chat templates with it)."""
+        return self.llm.loaded.tokenizer
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def shutdown(self) -> None:
+        """Stop the engine loop, the workers and release the placement group."""
+        self.loop.shutdown()
+        self.llm.shutdown()
+
+
+def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
+       timeout_s: float = START_TIMEOUT_S):
+    """Start the service `name` on the running cluster at `address`; return its handle
+    once its workers are up. Refuses a second service of the same name."""
+    if not ray.is_initialized():
+        connect_ray(address)
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        raise RuntimeError(f"a Lamina service named {name!r} already runs; "
+                           f"`lamina down --name {name}` stops it")
+    actor = LaminaService.options(name=name, namespace=NAMESPACE, lifetime="detached",
+                                  max_concurrency=1000).remote(config, name)
+    try:
+        ray.get(actor.ready.remote(), timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - whatever stopped it: kill it, say why
+        ray.kill(actor)
+        cause = getattr(e, "cause", None) or e
+        raise RuntimeError(f"the Lamina service {name!r} failed to start: "
+                           f"{type(cause).__name__}: {cause}") from None
+    log.info("Lamina service %r is up", name)
+    return actor
+
+
+def find(name: str = SERVICE):
+    """The running service's actor handle (Ray must be initialized)."""
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        raise ServiceNotFound(f"no Lamina service named {name!r} runs on this Ray "
+                              "cluster; start one with `lamina up`") from None
+
+
+def down(name: str = SERVICE, timeout_s: float = 60) -> None:
+    """Stop the service: its engine, workers and placement group, then the actor."""
+    actor = find(name)
+    try:
+        ray.get(actor.shutdown.remote(), timeout=timeout_s)
+    finally:
+        ray.kill(actor, no_restart=True)

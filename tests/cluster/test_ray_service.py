@@ -1,0 +1,271 @@
+"""The deploy-once path on a 2-raylet cluster (head: `lamina_compute` and the dashboard;
+one memory node: `lamina_memory: 2`): `lamina up` starts the service, two drivers
+submit to it at once, `lamina.connect()` streams / aborts, Ray Jobs run
+examples/submit_job.py and `lamina batch` through it, `lamina serve --service` fronts it,
+`lamina down` leaves nothing behind (asserted through Ray's state API). Tests run in
+file order: each needs the service the earlier ones left running."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+import lamina
+from lamina import SamplingParams
+
+pytestmark = pytest.mark.multinode
+ROOT = Path(__file__).resolve().parents[2]
+LAMINA = [sys.executable, "-m", "lamina.entrypoints.cli"]
+PICK = [0, 1, 3, 5, 7, 9, 12, 14]  # 8 prompts of 5-600 tokens
+CONFIG = """
+engine: {num_memory_workers: 2, num_kv_slots: 4096, max_step_tokens: 1024}
+cluster: {executor: ray}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    dirs = [tempfile.mkdtemp(prefix="ls", dir="/tmp") for _ in range(3)]
+    port = free_port()  # a busy dashboard port fails silently: choose it
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"lamina_compute": 1}, "temp_dir": dirs[0],
+        "include_dashboard": True, "dashboard_port": port})
+    c.add_node(num_cpus=1, resources={"lamina_memory": 2}, temp_dir=dirs[1])
+    c.wait_for_nodes()
+    env = {**os.environ, "RAY_ADDRESS": c.address, "RAY_AUTH_MODE": "disabled"}
+    ray.init(address=c.address, log_to_driver=False)
+    try:
+        yield {"cluster": c, "env": env, "dashboard": f"http://127.0.0.1:{port}",
+               "tmp": Path(dirs[2])}
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def lamina_cmd(cluster, *args, timeout=300):
+    return subprocess.run([*LAMINA, *args], env=cluster["env"], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def alive_actors() -> list[str]:
+    from ray.util.state import list_actors
+
+    return sorted(a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")]))
+
+
+def test_up_refuses_a_bad_config_before_any_actor_starts(cluster):
+    bad = cluster["tmp"] / "bad.yaml"
+    bad.write_text("engine: {num_memory_workers: -1}\n")
+    r = lamina_cmd(cluster, "up", "--config", str(bad))
+    assert r.returncode == 2 and "num_memory_workers" in r.stderr, r.stderr[-2000:]
+    assert alive_actors() == []
+
+
+def test_up_places_the_workers_and_status_shows_them(cluster):
+    cfg = cluster["tmp"] / "lamina.yaml"
+    cfg.write_text(CONFIG)
+    r = lamina_cmd(cluster, "up", "--config", str(cfg), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Lamina service 'lamina' is up" in r.stdout and "memory 1" in r.stdout
+    again = lamina_cmd(cluster, "up", "--config", str(cfg))
+    assert again.returncode != 0 and "already runs" in again.stderr, again.stderr[-2000:]
+    s = json.loads(lamina_cmd(cluster, "status", "--json").stdout)
+    nodes = {n.node_id for n in cluster["cluster"].list_all_nodes()}
+    head = cluster["cluster"].head_node.node_id
+    assert s["alive"] and s["workers"][0]["node"] == head
+    mem = [w["node"] for w in s["workers"][1:]]
+    assert len(mem) == 2 and set(mem) == nodes - {head}  # both on the memory node
+    assert all(w["transport"].startswith("tcp ") for w in s["workers"][1:])
+    assert [k["free"] for k in s["kv"]] == [4096, 4096]
+
+
+DRIVER = """
+import json, sys
+import lamina
+from lamina import SamplingParams
+client = lamina.connect()
+prompts = json.loads(sys.argv[1])
+handles = [client.submit(p, SamplingParams(max_tokens=64, temperature=0)) for p in prompts]
+streamed = []
+for h in handles:
+    snaps = list(h)  # cumulative snapshots, the last one final
+    assert all(len(a.token_ids) <= len(b.token_ids) for a, b in zip(snaps, snaps[1:]))
+    assert len(snaps) > 1 and snaps[-1].finished
+    streamed.append(snaps[-1].token_ids)
+results = [h.result().token_ids for h in handles]
+assert streamed == results, "streamed tokens differ from result()"
+print("TOKENS", json.dumps(results))
+"""
+
+
+def test_two_drivers_at_once_get_hf_greedy(cluster, prompts, hf_greedy):
+    halves = [PICK[0::2], PICK[1::2]]
+    procs = [subprocess.Popen([sys.executable, "-c", DRIVER,
+                               json.dumps([prompts[i] for i in half])],
+                              env=cluster["env"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for half in halves]
+    for half, p in zip(halves, procs):
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        line = next(x for x in out.splitlines() if x.startswith("TOKENS"))
+        assert json.loads(line[len("TOKENS "):]) == [hf_greedy[i] for i in half]
+
+
+def test_errors_arrive_as_the_local_api_raises_them(cluster, prompts):
+    client = lamina.connect(cluster["cluster"].address)
+    with pytest.raises(ValueError, match="context is 8192") as e:
+        client.submit(prompts[-1] * 30, SamplingParams(max_tokens=8))
+    assert type(e.value) is ValueError  # not Ray's wrapper
+    with pytest.raises(ValueError, match="prompt 1"):
+        client.generate(["fine", prompts[-1] * 30], SamplingParams(max_tokens=8),
+                        use_tqdm=False)
+
+
+def test_abort_frees_the_requests_kv(cluster, prompts):
+    client = lamina.connect(cluster["cluster"].address)
+    start = [k["free"] for k in client.status()["kv"]]
+    h = client.submit(prompts[8], SamplingParams(max_tokens=400, ignore_eos=True))
+    seen = 0
+    for out in h:
+        seen += 1
+        if len(out.token_ids) >= 4:
+            assert client.abort(h)
+            break
+    final = h.result()
+    assert final.finish_reason == "abort" and len(final.token_ids) < 400
+    deadline = time.monotonic() + 10
+    while [k["free"] for k in client.status()["kv"]] != start:
+        assert time.monotonic() < deadline, client.status()["kv"]
+        time.sleep(0.1)
+    assert client.status()["aborted"] >= 1
+
+
+@pytest.fixture(scope="module")
+def local_greedy():
+    """`LLM.generate` in this process (local executor): the reference for job outputs."""
+    from lamina import LLM
+
+    llm = LLM(num_kv_slots=4096)
+
+    def run(prompts, max_tokens):
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0),
+                            use_tqdm=False)
+        return [o.token_ids for o in outs]
+    yield run
+    llm.shutdown()
+
+
+def wait_job(client, job_id: str, timeout: float = 300) -> str:
+    from ray.job_submission import JobStatus
+
+    deadline = time.monotonic() + timeout
+    while (status := client.get_job_status(job_id)) not in (
+            JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+        assert time.monotonic() < deadline, f"job {job_id} still {status}"
+        time.sleep(1)
+    return status
+
+
+def test_ray_job_runs_submit_job_through_the_service(cluster, local_greedy):
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(cluster["dashboard"])
+    out = cluster["tmp"] / "answers.jsonl"
+    job = client.submit_job(entrypoint=f"{sys.executable} {ROOT}/examples/submit_job.py "
+                                       f"--out {out} --max-tokens 24",
+                            runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["token_ids"] for r in rows] == local_greedy([r["prompt"] for r in rows], 24)
+    assert "answers written" in client.get_job_logs(job)
+
+
+def batch_input(path: Path, n: int) -> list[str]:
+    texts = [f"Item {i}: a short note about the number {i * 7}." for i in range(n)]
+    with open(path, "w") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"custom_id": f"req-{i}", "method": "POST",
+                                "url": "/v1/completions",
+                                "body": {"prompt": t, "max_tokens": 8 + 4 * (i % 5),
+                                         "temperature": 0}}) + "\n")
+    return texts
+
+
+def test_ray_job_runs_lamina_batch_through_the_service(cluster, local_greedy):
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(cluster["dashboard"])
+    src, out = cluster["tmp"] / "batch.jsonl", cluster["tmp"] / "batch.out.jsonl"
+    texts = batch_input(src, 10)
+    job = client.submit_job(entrypoint=f"{sys.executable} -m lamina.entrypoints.cli batch "
+                                       f"{src} {out} --no-progress",
+                            runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+    assert wait_job(client, job) == "SUCCEEDED", client.get_job_logs(job)[-3000:]
+    assert "through the Lamina service 'lamina'" in client.get_job_logs(job)
+    rows = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == sorted(f"req-{i}" for i in range(10))  # each once
+    for i, t in enumerate(texts):
+        body = rows[f"req-{i}"]["response"]["body"]
+        assert rows[f"req-{i}"]["response"]["status_code"] == 200
+        assert body["choices"][0]["token_ids"] == local_greedy([t], 8 + 4 * (i % 5))[0]
+
+
+def test_serve_service_fronts_the_running_service(cluster, prompts, hf_greedy):
+    from openai import OpenAI
+
+    port = free_port()
+    srv = subprocess.Popen([*LAMINA, "serve", "--service", "lamina", "--port", str(port)],
+                           env=cluster["env"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        oai = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                model = oai.models.list().data[0].id
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                assert srv.poll() is None and time.monotonic() < deadline, srv.stdout.read()
+                time.sleep(0.5)
+        r = oai.completions.create(model=model, prompt=prompts[3], max_tokens=64,
+                                   temperature=0)
+        assert r.choices[0].model_extra["token_ids"] == hf_greedy[3]
+    finally:
+        srv.terminate()
+        srv.wait(30)
+
+
+def test_down_leaves_no_actor_or_placement_group(cluster):
+    from ray.util.state import list_placement_groups
+
+    r = lamina_cmd(cluster, "down")
+    assert r.returncode == 0, r.stderr[-2000:]
+    deadline = time.monotonic() + 30
+    while alive_actors() or [g for g in list_placement_groups()
+                             if g.state not in ("REMOVED",)]:
+        assert time.monotonic() < deadline, (alive_actors(), list_placement_groups())
+        time.sleep(0.5)
+    gone = lamina_cmd(cluster, "status")
+    assert gone.returncode == 2 and "lamina up" in gone.stderr
