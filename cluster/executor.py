@@ -30,6 +30,7 @@ from .placement import place
 
 log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
+START_TIMEOUT_S = 120  # a worker's model load and setup, once its bundle is placed
 HEALTH_TIMEOUT_S = 10  # after a failed step: how long the memory workers get to report
 OMP_SPIN = 3_000  # libgomp spin rounds of an idle worker thread before it sleeps
 
@@ -129,7 +130,7 @@ class RayExecutor(Executor):
         # every worker's resources reserved at once, or a clear error in bounded time
         self.placement = place(c_opts, m_opts, m, config.placement_timeout_s, name)
         self.compute = self._new_compute()
-        self.dense = ray.get(self.compute.dense_choice.remote())
+        self.dense = self._get(self.compute.dense_choice.remote(), "the compute worker")
         self.memory = []
         self._start_memory()
 
@@ -142,23 +143,38 @@ class RayExecutor(Executor):
         cfg = self.config
         self.memory = [MemoryWorker.options(**self._m_opts, **self.placement.memory(i))
                        .remote(i, self.threads) for i in range(cfg.num_memory_workers)]
-        pool_cfg, params = ray.get(self.compute.memory_spec.remote(
-            cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, cfg.local_prefill, cfg.faults))
+        pool_cfg, params = self._get(self.compute.memory_spec.remote(
+            cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, cfg.local_prefill, cfg.faults),
+            "the compute worker")
         self.params = list(params)  # per-layer AttentionParams
-        self.memory_info = ray.get([w.setup.remote(pool_cfg, params, cfg.faults)
-                                    for w in self.memory])
-        node = ray.get(self.compute.node_id.remote())
+        self.memory_info = self._get([w.setup.remote(pool_cfg, params, cfg.faults)
+                                      for w in self.memory], "the memory workers")
+        node = self._get(self.compute.node_id.remote(), "the compute worker")
         # Memory workers on the compute worker's node use Unix sockets, the rest TCP.
-        nodes = ray.get([w.__ray_call__.remote(lambda s: ray.get_runtime_context().get_node_id())
-                         for w in self.memory])
-        addrs = ray.get([w.listen.remote(n == node) for w, n in zip(self.memory, nodes)])
-        ray.get(self.compute.connect.remote(addrs, cfg.worker_timeout_s))
+        nodes = self._get([w.__ray_call__.remote(
+            lambda s: ray.get_runtime_context().get_node_id()) for w in self.memory],
+            "the memory workers")
+        addrs = self._get([w.listen.remote(n == node) for w, n in zip(self.memory, nodes)],
+                          "the memory workers' data plane")
+        self._get(self.compute.connect.remote(addrs, cfg.worker_timeout_s),
+                  "the compute worker's data plane")
         self.addresses, self.nodes = addrs, {"compute": node, "memory": nodes}
         self.transports = [transport(a) for a in addrs]
         for i, (n, t) in enumerate(zip(nodes, self.transports)):
             log.info("compute worker (node %s) <-> memory worker %d (node %s): %s",
                      node[:8], i, n[:8], t)
         self._open_control(node)
+
+    def _get(self, refs, what: str):
+        """`ray.get`, bounded: a worker whose bundle sits on a node that is gone waits
+        until Ray declares the node dead and places the bundle elsewhere, or forever
+        where no node has room."""
+        wait = START_TIMEOUT_S + self.config.placement_timeout_s
+        try:
+            return ray.get(refs, timeout=wait)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerFailure(f"{what} did not start within {wait:g} s: the cluster has "
+                                "no room for them (see `ray status`)") from None
 
     def _open_control(self, compute_node: str) -> None:
         """A fresh control channel to the compute worker (Unix socket when the engine runs
