@@ -7,6 +7,7 @@ inside the commands, so `lamina --help` stays fast.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -46,13 +47,29 @@ def _where(p) -> None:
                    help="Ray cluster address (default: $RAY_ADDRESS, else this node's)")
 
 
+@contextlib.contextmanager
+def _said():
+    """The cluster's errors as `lamina: error: ...` (exit 2), not tracebacks."""
+    from .placement import PlacementTimeout
+    from .service import ServiceError, ServiceNotFound
+
+    try:
+        yield
+    except (ServiceError, ServiceNotFound, PlacementTimeout) as e:
+        raise ValueError(str(e)) from None
+    except ConnectionError as e:
+        raise ValueError(f"no Ray cluster to join ({e}); start one with `ray up` "
+                         "or `ray start --head`") from None
+
+
 def cmd_up(args) -> int:
     from lamina.entrypoints.deploy_config import LaminaConfig
 
     from .service import up
 
     config = LaminaConfig.from_yaml(args.config) if args.config else LaminaConfig()
-    up(config, args.name, args.address or "auto", args.timeout)
+    with _said():  # the config was checked above, before any actor starts
+        up(config, args.name, args.address or "auto", args.timeout)
     print(f"Lamina service {args.name!r} is up", flush=True)
     return _print_status(_client(args).status(), False)
 
@@ -65,7 +82,8 @@ def cmd_down(args) -> int:
     from .service import down
 
     _client(args)  # joins the cluster; names a missing service
-    down(args.name)
+    with _said():
+        down(args.name)
     print(f"Lamina service {args.name!r} stopped; its workers and placement group are "
           "released")
     return 0
@@ -73,15 +91,9 @@ def cmd_down(args) -> int:
 
 def _client(args):
     from .client import connect
-    from .service import ServiceNotFound
 
-    try:
+    with _said():
         return connect(args.address, args.name)
-    except ServiceNotFound as e:
-        raise ValueError(str(e)) from None
-    except ConnectionError as e:
-        raise ValueError(f"no Ray cluster to join ({e}); start one with `ray up` "
-                         "or `ray start --head`") from None
 
 
 def _print_status(s: dict, as_json: bool) -> int:

@@ -20,6 +20,7 @@ import ray
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from lamina.engine.outputs import RequestOutput
+from lamina.errors import EngineDead
 from lamina.sampling.params import SamplingParams
 
 from .executor import connect_ray
@@ -35,9 +36,15 @@ def connect(address: str | None = None, service: str = SERVICE) -> Client:
 
 
 def _unwrapped(e: BaseException) -> BaseException:
-    """The service's own exception inside Ray's wrapper (RayTaskError)."""
+    """The service's own exception inside Ray's wrapper (RayTaskError); the service gone
+    (RayActorError) is the local API's `EngineDead`."""
+    if isinstance(e, ray.exceptions.RayActorError):
+        return EngineDead(f"the Lamina service is gone: {type(e).__name__}: {e}")
     cause = getattr(e, "cause", None)
     return cause if isinstance(cause, BaseException) else e
+
+
+RAY_ERRORS = (ray.exceptions.RayTaskError, ray.exceptions.RayActorError)
 
 
 class RequestHandle:
@@ -53,7 +60,7 @@ class RequestHandle:
     def _take(self, ref) -> RequestOutput:
         try:
             self._last = ray.get(ref)
-        except ray.exceptions.RayTaskError as e:
+        except RAY_ERRORS as e:
             raise _unwrapped(e) from None
         return self._last
 
@@ -73,7 +80,7 @@ class RequestHandle:
                 return
             try:
                 self._last = await ref
-            except ray.exceptions.RayTaskError as e:
+            except RAY_ERRORS as e:
                 raise _unwrapped(e) from None
             yield self._last
 
@@ -100,7 +107,7 @@ class Client:
         params = params or SamplingParams()
         try:
             ray.get(self.service.validate.remote(prompt, params))
-        except ray.exceptions.RayTaskError as e:
+        except RAY_ERRORS as e:
             raise _unwrapped(e) from None
         return RequestHandle(self.service, uuid.uuid4().hex, prompt, params)
 
@@ -120,7 +127,7 @@ class Client:
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             try:
                 ray.get(self.service.validate.remote(p, sp))
-            except ray.exceptions.RayTaskError as e:
+            except RAY_ERRORS as e:
                 cause = _unwrapped(e)
                 raise type(cause)(f"prompt {i}: {cause}") from None
         handles = [RequestHandle(self.service, uuid.uuid4().hex, p, sp)
@@ -174,7 +181,7 @@ class ServiceLoop:
     def check_capacity(self, extra: int = 1) -> None:
         try:
             ray.get(self.client.service.check_capacity.remote(extra))
-        except ray.exceptions.RayTaskError as e:
+        except RAY_ERRORS as e:
             raise _unwrapped(e) from None
 
     def submit(self, prompt, params: SamplingParams, validated: bool = False,
@@ -217,7 +224,7 @@ class _RemoteEngine:
     def validate(self, prompt, params) -> None:
         try:
             ray.get(self.client.service.validate.remote(prompt, params))
-        except ray.exceptions.RayTaskError as e:
+        except RAY_ERRORS as e:
             raise _unwrapped(e) from None
 
 

@@ -43,6 +43,10 @@ class ServiceNotFound(LookupError):
     """No Lamina service of that name runs on the cluster."""
 
 
+class ServiceError(RuntimeError):
+    """The service could not be started (one of that name runs, or it failed)."""
+
+
 @ray.remote(num_cpus=0)  # the engine loop is light; the workers hold the cores
 class LaminaService:
     def __init__(self, config: LaminaConfig, name: str):
@@ -136,7 +140,7 @@ def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
     except ValueError:
         pass
     else:
-        raise RuntimeError(f"a Lamina service named {name!r} already runs; "
+        raise ServiceError(f"a Lamina service named {name!r} already runs; "
                            f"`lamina down --name {name}` stops it")
     actor = LaminaService.options(name=name, namespace=NAMESPACE, lifetime="detached",
                                   max_concurrency=1000).remote(config, name)
@@ -145,7 +149,7 @@ def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
     except Exception as e:  # noqa: BLE001 - whatever stopped it: kill it, say why
         ray.kill(actor)
         cause = getattr(e, "cause", None) or e
-        raise RuntimeError(f"the Lamina service {name!r} failed to start: "
+        raise ServiceError(f"the Lamina service {name!r} failed to start: "
                            f"{type(cause).__name__}: {cause}") from None
     log.info("Lamina service %r is up", name)
     return actor

@@ -9,6 +9,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every Ray cluster the tests start (in this process or in subprocesses, which inherit
+# it) runs without token auth: Ray reads the mode once per process, so one test's
+# cluster must not switch it for the next, and a stray ~/.ray/auth_token must not turn
+# it on for some processes and not others.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 

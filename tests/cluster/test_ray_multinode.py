@@ -1,12 +1,24 @@
-"""The engine on a multi-raylet Ray cluster on this host: a compute node (`lamina_compute`)
-and memory nodes (`lamina_memory`), each raylet in its own temp dir. Each worker lands on
-a node of its kind (asserted from Ray's node ids), the compute worker reaches memory
-workers on other nodes over TCP, and greedy output equals HF's."""
+"""The engine across nodes: a head with `lamina_compute` and two memory nodes with
+`lamina_memory`, each raylet with its own temp dir. Where this host can make network
+namespaces (root, iproute2), each memory node's raylet runs in a namespace of its own with
+its own IP on a veth link (an emulated host), so the data plane really crosses TCP
+between "hosts"; elsewhere the memory nodes are plain raylets on this host (said in the
+skip of the link test). Each worker lands on a node of its kind (asserted from Ray's node
+ids), the compute worker reaches the memory workers over TCP, greedy output equals HF's,
+and a memory node whose link goes down mid-generation is detected within the data-plane
+timeout and replaced, with HF-exact output. (One memory node holding both workers:
+tests/cluster/test_ray_service.py.)"""
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -16,55 +28,165 @@ from lamina import LLM, SamplingParams
 pytestmark = pytest.mark.multinode
 GREEDY = SamplingParams(max_tokens=64, temperature=0)
 PICK = [0, 1, 3, 5, 7, 9, 12, 14]  # 8 prompts of 5-600 tokens
+SUBNET = "10.213"  # 10.213.<n>.1 this host's end of link n, 10.213.<n>.2 the namespace's
+WORKER_TIMEOUT_S = 5.0
 
 
-def start_cluster(memory_nodes: list[int]):
-    """A head node with `lamina_compute` and one node per entry of `memory_nodes`
-    advertising that many `lamina_memory`. -> (cluster, {"compute": id, "memory": [ids]},
-    temp dirs)."""
+def sh(*cmd: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if r.returncode:
+        raise OSError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+
+class Namespaces:
+    """Network namespaces `n` = 1, 2, ... each joined to this host by a veth pair."""
+
+    def __init__(self, count: int):
+        tag = os.getpid() % 100000
+        self.names = [f"lmt{tag}n{n}" for n in range(1, count + 1)]
+        self.links = [f"lm{tag}v{n}" for n in range(1, count + 1)]  # this host's ends
+        try:
+            for n, (ns, link) in enumerate(zip(self.names, self.links), 1):
+                sh("ip", "netns", "add", ns)
+                sh("ip", "link", "add", link, "type", "veth", "peer", "name", link + "p")
+                sh("ip", "link", "set", link + "p", "netns", ns)
+                sh("ip", "addr", "add", f"{SUBNET}.{n}.1/24", "dev", link)
+                sh("ip", "link", "set", link, "up")
+                for cmd in (("ip", "addr", "add", f"{SUBNET}.{n}.2/24", "dev", link + "p"),
+                            ("ip", "link", "set", link + "p", "up"),
+                            ("ip", "link", "set", "lo", "up"),
+                            ("ip", "route", "add", "default", "via", f"{SUBNET}.{n}.1")):
+                    sh("ip", "netns", "exec", ns, *cmd)
+        except OSError:
+            self.remove()
+            raise
+
+    def ip(self, n: int) -> str:
+        return f"{SUBNET}.{n}.2"
+
+    def remove(self) -> None:
+        for ns, link in zip(self.names, self.links):
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def make_namespaces(count: int) -> tuple[Namespaces | None, str]:
+    """-> (the namespaces, "") or (None, why they cannot be made here)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return None, "network namespaces need root and iproute2's `ip`"
+    try:
+        return Namespaces(count), ""
+    except OSError as e:
+        return None, f"cannot make network namespaces here: {e}"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """-> {"nets": Namespaces or None, "why": why not namespaces, "ids": {node IP: node
+    id}, "host_ip", "llm": an LLM with 2 memory workers placed on the cluster}."""
     from ray.cluster_utils import Cluster
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # a stray ~/.ray/auth_token must not matter
-    dirs = [tempfile.mkdtemp(prefix="lm", dir="/tmp") for _ in range(1 + len(memory_nodes))]
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"lamina_compute": 1}, "temp_dir": dirs[0],
-        "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=1, resources={"lamina_memory": n}, temp_dir=d)
-             for n, d in zip(memory_nodes, dirs[1:])]
-    cluster.wait_for_nodes()
-    ids = {"compute": cluster.head_node.node_id, "memory": [n.node_id for n in nodes]}
-    return cluster, ids, dirs
-
-
-@pytest.fixture(scope="module", params=[[1, 1], [2]], ids=["2-memory-nodes", "1-memory-node"])
-def deployment(request):
     if ray.is_initialized():
         ray.shutdown()
-    cluster, ids, dirs = start_cluster(request.param)
+    host_ip = ray.util.get_node_ip_address()
+    nets, why = None, "this host has no address but loopback for namespaces to reach"
+    if not host_ip.startswith("127."):
+        nets, why = make_namespaces(2)
+    dirs = [tempfile.mkdtemp(prefix="ln", dir="/tmp") for _ in range(3)]
+    raylets: list[subprocess.Popen] = []
+    cluster = llm = None
     try:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "resources": {"lamina_compute": 1}, "temp_dir": dirs[0],
+            "include_dashboard": False, "node_ip_address": host_ip,
+            # an unreachable node is declared dead in seconds (its bundles placed again)
+            "_system_config": {"health_check_period_ms": 1000,
+                               "health_check_timeout_ms": 1000,
+                               "health_check_failure_threshold": 3}})
+        if nets is None:
+            for d in dirs[1:]:
+                cluster.add_node(num_cpus=1, resources={"lamina_memory": 2}, temp_dir=d)
+        else:
+            raylets = start_raylets(nets, cluster.address, dirs[1:])
         ray.init(address=cluster.address, log_to_driver=False)
+        deadline = time.monotonic() + 90
+        while sum(x["Alive"] for x in ray.nodes()) < 3:
+            assert time.monotonic() < deadline, [r.poll() for r in raylets]
+            time.sleep(0.5)
+        ids = {x["NodeID"]: x["NodeManagerAddress"] for x in ray.nodes() if x["Alive"]}
         llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096,
-                  max_step_tokens=1024)
-        yield llm, ids
-        llm.shutdown()
+                  max_step_tokens=1024, worker_timeout_s=WORKER_TIMEOUT_S)
+        yield {"nets": nets, "why": why, "ids": ids, "llm": llm,
+               "head": cluster.head_node.node_id}
     finally:
+        if llm is not None:
+            llm.shutdown()
         ray.shutdown()
-        cluster.shutdown()
+        for r in raylets:  # by process group: never a host-wide `ray stop`
+            try:
+                os.killpg(r.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            r.wait(30)
+        if cluster is not None:
+            cluster.shutdown()
+        if nets is not None:
+            nets.remove()
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def test_workers_on_their_nodes_over_tcp_greedy_equals_hf(deployment, prompts, hf_greedy):
-    llm, ids = deployment
+def start_raylets(nets: Namespaces, address: str, dirs: list[str]) -> list[subprocess.Popen]:
+    """One memory node's raylet in each namespace, at the namespace's IP."""
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    return [subprocess.Popen(
+        ["ip", "netns", "exec", ns, ray_cli, "start", "--block", f"--address={address}",
+         f"--node-ip-address={nets.ip(n)}", "--num-cpus=1",
+         '--resources={"lamina_memory": 2}', f"--temp-dir={d}", "--disable-usage-stats"],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for n, (ns, d) in enumerate(zip(nets.names, dirs), 1)]
+
+
+def test_workers_on_their_nodes_over_tcp_greedy_equals_hf(cluster, prompts, hf_greedy):
+    llm, ids, nets = cluster["llm"], cluster["ids"], cluster["nets"]
     ex = llm.executor
-    assert ex.nodes["compute"] == ids["compute"]
-    if len(ids["memory"]) == 2:  # SPREAD: one memory worker on each memory node
-        assert sorted(ex.nodes["memory"]) == sorted(ids["memory"])
-    else:  # both on the one memory node
-        assert ex.nodes["memory"] == ids["memory"] * 2
+    assert ex.nodes["compute"] == cluster["head"]
+    memory_nodes = sorted(set(ids) - {cluster["head"]})
+    assert sorted(ex.nodes["memory"]) == memory_nodes  # SPREAD: one on each
     assert all(t.startswith("tcp ") for t in ex.transports), ex.transports
+    if nets is not None:  # across the veth links, to each namespace's own IP
+        hosts = sorted(t.split()[1].rpartition(":")[0] for t in ex.transports)
+        assert hosts == [nets.ip(1), nets.ip(2)], ex.transports
     outs = llm.generate([prompts[i] for i in PICK], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [hf_greedy[i] for i in PICK]
     # the deployment's placement group holds exactly its bundles
     table = ray.util.placement_group_table(ex.placement.group)
     assert table["state"] == "CREATED" and len(table["bundles"]) == 3
+
+
+def test_a_memory_node_whose_link_goes_down_is_replaced(cluster, prompts, hf_greedy):
+    nets, ids, llm = cluster["nets"], cluster["ids"], cluster["llm"]
+    if nets is None:
+        pytest.skip(f"no emulated hosts: {cluster['why']}")
+    ex = llm.executor
+    lost = ex.nodes["memory"][1]  # cut the link of memory worker 1's node
+    link = nets.links[[nets.ip(1), nets.ip(2)].index(ids[lost])]
+    kept = next(i for i in ex.nodes["memory"] if i != lost)
+    steps = len(llm.engine.step_timings)
+
+    def cut_link():  # a few decode steps in
+        while len(llm.engine.step_timings) < steps + 6:
+            time.sleep(0.01)
+        sh("ip", "link", "set", link, "down")
+    cutter = threading.Thread(target=cut_link, daemon=True)
+    cutter.start()
+    outs = llm.generate([prompts[i] for i in PICK], GREEDY, use_tqdm=False)
+    cutter.join(5)
+    assert [o.token_ids for o in outs] == [hf_greedy[i] for i in PICK]
+    eng = llm.engine
+    assert eng.num_recoveries == 1, eng.recoveries
+    assert "memory worker 1" in eng.recoveries[0] and "PeerTimeout" in eng.recoveries[0]
+    assert f"within {WORKER_TIMEOUT_S:g} s" in eng.recoveries[0]
+    # both workers now on the node whose link is up, still over TCP to its IP
+    assert ex.nodes["memory"] == [kept, kept]
+    assert all(t.startswith(f"tcp {ids[kept]}:") for t in ex.transports), ex.transports

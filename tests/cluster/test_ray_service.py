@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +45,6 @@ def cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     dirs = [tempfile.mkdtemp(prefix="ls", dir="/tmp") for _ in range(3)]
     port = free_port()  # a busy dashboard port fails silently: choose it
     c = Cluster(initialize_head=True, head_node_args={
@@ -102,15 +102,19 @@ def test_up_places_the_workers_and_status_shows_them(cluster):
 
 
 DRIVER = """
-import json, sys
+import asyncio, json, sys
 import lamina
 from lamina import SamplingParams
 client = lamina.connect()
 prompts = json.loads(sys.argv[1])
 handles = [client.submit(p, SamplingParams(max_tokens=64, temperature=0)) for p in prompts]
+
+async def collect(h):
+    return [out async for out in h]
 streamed = []
-for h in handles:
-    snaps = list(h)  # cumulative snapshots, the last one final
+for i, h in enumerate(handles):
+    # cumulative snapshots, the last one final: `async for` on the first, `for` on the rest
+    snaps = asyncio.run(collect(h)) if i == 0 else list(h)
     assert all(len(a.token_ids) <= len(b.token_ids) for a, b in zip(snaps, snaps[1:]))
     assert len(snaps) > 1 and snaps[-1].finished
     streamed.append(snaps[-1].token_ids)
@@ -269,3 +273,28 @@ def test_down_leaves_no_actor_or_placement_group(cluster):
         time.sleep(0.5)
     gone = lamina_cmd(cluster, "status")
     assert gone.returncode == 2 and "lamina up" in gone.stderr
+
+
+def test_a_killed_service_fails_its_requests_as_engine_dead_and_leaves_nothing(cluster,
+                                                                                prompts):
+    """The service process dies mid-request (kill -9): the client's request raises the
+    local API's EngineDead; the workers and the placement group go with the service."""
+    from ray.util.state import list_placement_groups
+
+    from lamina.errors import EngineDead
+
+    cfg = cluster["tmp"] / "lamina.yaml"
+    r = lamina_cmd(cluster, "up", "--config", str(cfg), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    client = lamina.connect(cluster["cluster"].address)
+    h = client.submit(prompts[8], SamplingParams(max_tokens=400, ignore_eos=True))
+    next(iter(h))  # running
+    os.kill(client.status()["pid"], signal.SIGKILL)
+    with pytest.raises(EngineDead, match="the Lamina service is gone"):
+        h.result()
+    deadline = time.monotonic() + 60
+    while alive_actors() or [g for g in list_placement_groups() if g.state != "REMOVED"]:
+        assert time.monotonic() < deadline, (alive_actors(), list_placement_groups())
+        time.sleep(0.5)
+    with pytest.raises(EngineDead):
+        client.submit("hello")
