@@ -106,7 +106,8 @@ def _print_status(s: dict, as_json: bool) -> int:
         print(f"  {w['role']:<10} node {w['node'][:12]}  {w['transport']}")
     for k in s["kv"]:
         used = k["total"] - k["free"]
-        print(f"  KV of memory worker {k['worker']}: {used}/{k['total']} slots used")
+        print(f"  KV of memory worker {k['worker']}: {used}/{k['total']} slots used by "
+              f"requests, {k['cached']} cached prefix tokens")
     print(f"  queue: {s['waiting']} waiting, {s['running']} running; finished "
           f"{s['finished']}, aborted {s['aborted']}, failed {s['failed']}, "
           f"rejected {s['rejected']}")

@@ -13,6 +13,7 @@ import logging
 import os
 import statistics
 import time
+import uuid
 from dataclasses import replace
 
 import ray
@@ -83,7 +84,7 @@ def check_fits(have: dict, asks: dict[str, tuple[dict, int]]) -> None:
 
 class RayExecutor(Executor):
     def __init__(self, model, dtype, config, threads: int = 1, address: str | None = None,
-                 wide_threads: int | None = None, name: str = "lamina"):
+                 wide_threads: int | None = None, name: str | None = None):
         if not ray.is_initialized():
             connect_ray(address)
         m = config.num_memory_workers
@@ -128,7 +129,9 @@ class RayExecutor(Executor):
                                                config.fuse_pointwise)
         self.threads, self.wide_threads, self.config = threads, pt, config
         # every worker's resources reserved at once, or a clear error in bounded time
-        self.placement = place(c_opts, m_opts, m, config.placement_timeout_s, name)
+        # placement group names are unique per cluster: one deployment, one name
+        self.placement = place(c_opts, m_opts, m, config.placement_timeout_s,
+                               name or f"lamina-{uuid.uuid4().hex[:8]}")
         self.compute = self._new_compute()
         self.dense = self._get(self.compute.dense_choice.remote(), "the compute worker")
         self.memory = []

@@ -103,8 +103,10 @@ class LaminaService:
     def status(self) -> dict:
         """Workers and their nodes, KV use per memory worker, queue, counters."""
         eng, ex = self.llm.engine, self.llm.executor
-        kv = [{"worker": i, "free": a.num_free(), "total": self.config.engine.num_kv_slots}
-              for i, a in enumerate(eng.allocs)]
+        caches = eng.scheduler.caches or [None] * len(eng.allocs)
+        kv = [{"worker": i, "free": f, "cached": c.size if c is not None else 0,
+               "total": self.config.engine.num_kv_slots}
+              for i, (f, c) in enumerate(zip(eng.free_slots(), caches))]
         workers = [{"role": "compute", "node": ex.nodes["compute"], "transport": "-"}]
         workers += [{"role": f"memory {i}", "node": n, "transport": t}
                     for i, (n, t) in enumerate(zip(ex.nodes["memory"], ex.transports))]

@@ -207,6 +207,7 @@ def bench_sim(model=None, batches=(8, 32), prompt_len=128, new_tokens=128, repea
               max_step_tokens=max(batches) * prompt_len)
     rows = []
     try:
+        llm.engine.clear_prefix_cache()  # the probe writes into slots 0.. of the pools
         calib = measure_ops(model, executor=llm.executor)
         costs = MeasuredCosts(calib)
         for B in batches:

@@ -47,6 +47,10 @@ class EngineConfig:
     # A request whose prompt + max_tokens exceeds the model's context: False (default,
     # as vLLM) refuses it naming both numbers; True lowers its max_tokens to what fits.
     clamp_max_tokens: bool = False
+    # Automatic prefix caching: finished and prefilled sequences' KV stays in the pools
+    # (a radix tree per memory worker, engine/prefix_cache.py) for later requests with
+    # the same prefix, until the space is needed
+    prefix_caching: bool = True
     faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
 
     def __post_init__(self):
@@ -84,6 +88,9 @@ class EngineConfig:
         if not isinstance(self.fuse_pointwise, bool):
             raise ValueError(f"EngineConfig.fuse_pointwise must be a bool, "
                              f"got {self.fuse_pointwise!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"EngineConfig.prefix_caching must be a bool, "
+                             f"got {self.prefix_caching!r}")
         if not isinstance(self.clamp_max_tokens, bool):
             raise ValueError(f"EngineConfig.clamp_max_tokens must be a bool, "
                              f"got {self.clamp_max_tokens!r}")

@@ -73,7 +73,8 @@ class LLMEngine:
                        for _ in range(config.num_memory_workers)]
         self.alloc = self.allocs[0]
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens,
-                                                   config.split_kv), self.allocs)
+                                                   config.split_kv), self.allocs,
+                                   prefix_caching=config.prefix_caching)
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()
@@ -166,6 +167,19 @@ class LLMEngine:
         req.seqs[0].forks = req.seqs[1:]
         self.scheduler.add(req.seqs[0])
         return rid
+
+    def free_slots(self) -> list[int]:
+        """Per memory worker: KV slots free now or held only by the prefix cache (freed
+        the moment they are needed). With no request running, every slot is one of
+        these: anything less is a leak."""
+        caches = self.scheduler.caches
+        if caches is None:
+            return [a.num_free() for a in self.allocs]
+        return [a.num_free() + c.evictable() for a, c in zip(self.allocs, caches)]
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix (the KV no running request holds); -> slots freed."""
+        return self.scheduler.clear_cache()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -268,6 +282,8 @@ class LLMEngine:
             req, i = self._by_seq[seq.seq_id]
             req.first_token = req.first_token or now
             seq.output.append(d.token)
+            if len(seq.output) == 1:  # prefilled: its prompt's KV may serve others now
+                self.scheduler.cache(seq, len(seq.prompt))
             detok = req.detok[i]
             if detok is not None and (req.stream or seq.params.stop):
                 detok.update(seq.output)  # else: one decode when it finishes
@@ -321,6 +337,7 @@ class LLMEngine:
         if not ok:
             return False
         n = self.scheduler.preempt_all()
+        self.scheduler.clear_cache()  # the pools it indexed are gone
         leaked = [a.config.num_slots - a.num_free() for a in self.allocs]
         if any(leaked):
             raise RuntimeError(f"KV slots still held after recovery: {leaked}")
@@ -375,7 +392,8 @@ class LLMEngine:
         ttft = None if req.first_token is None else req.first_token - req.arrival
         metrics = {"ttft_s": ttft, "e2e_s": now - req.arrival,
                    "output_tokens": n_out,
-                   "preemptions": sum(s.num_preemptions for s in req.seqs)}
+                   "preemptions": sum(s.num_preemptions for s in req.seqs),
+                   "cached_tokens": req.seqs[0].cached}  # prompt tokens reused
         for s in req.seqs:
             del self._by_seq[s.seq_id]
         del self._reqs[req.rid]

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lamina.engine.messages import SeqWork, StepPlan
+from lamina.engine.prefix_cache import RadixCache
 from lamina.memory.allocator import KVAllocator
 from lamina.sampling.params import SamplingParams
 
@@ -64,6 +65,7 @@ class Sequence:
     seed: int = 0  # this sequence's sampling seed (draws are keyed by seed and position)
     forks: list["Sequence"] = field(default_factory=list)  # siblings not yet forked off
     logprobs: list = field(default_factory=list)  # per output token, if asked for
+    cached: int = 0  # prompt tokens its last admission reused from the prefix cache
 
     @property
     def tokens(self) -> list[int]:
@@ -85,9 +87,11 @@ def fifo(waiting: deque) -> list:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocators: KVAllocator | list[KVAllocator],
-                 policy: Callable[[deque], list] = fifo):
+                 policy: Callable[[deque], list] = fifo, prefix_caching: bool = False):
         self.allocs = allocators if isinstance(allocators, list) else [allocators]
         self.config, self.policy = config, policy
+        # one radix tree per memory worker (`prefix_cache`); None: no caching
+        self.caches = [RadixCache(a) for a in self.allocs] if prefix_caching else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: newest last
         self.step = 0
@@ -110,10 +114,14 @@ class Scheduler:
         """[(worker, slots)] for n new slots: the worker with the most free slots if it
         can hold them all, else (split_kv) the fewest most-free workers; None if not."""
         order = sorted(range(len(self.allocs)), key=lambda w: (-self.allocs[w].num_free(), w))
-        if self.allocs[order[0]].can_allocate(n):
-            return [(order[0], n)]
+        for w in order[:1] if self.caches is None else order:
+            if self._room(w, n):
+                return [(w, n)]
         if not self.config.split_kv:
             return None
+        if self.caches is not None and sum(a.num_free() for a in self.allocs) < n:
+            for c in self.caches:  # a prompt no one worker holds: the cache yields
+                c.evict(c.evictable())
         plan, left = [], n
         for w in order:
             take = min(left, self.allocs[w].num_free())
@@ -131,6 +139,55 @@ class Scheduler:
         free = [w for w in range(len(self.allocs))
                 if w not in seq.workers and self.allocs[w].can_allocate(1)]
         return max(free, key=lambda w: (self.allocs[w].num_free(), -w)) if free else None
+
+    def _room(self, w: int, n: int) -> bool:
+        """Whether worker w can take n more slots, evicting cached prefixes if need be
+        (a live sequence always wins over the cache)."""
+        a = self.allocs[w]
+        if (not a.can_allocate(n) and self.caches is not None
+                and a.num_free() + self.caches[w].evictable() >= n):
+            self.caches[w].evict(n - a.num_free())
+        return a.can_allocate(n)
+
+    def _hit(self, seq: Sequence, extra: int) -> tuple[int, list[int]]:
+        """(worker, cached slots) of seq's longest cached prefix on a worker that can
+        hold the rest (+ `extra` fork slots); ([], -1) if none. At least the last token is
+        fed, so the step draws from it."""
+        if self.caches is None or seq.params.prompt_logprobs is not None:
+            return -1, []  # prompt logprobs need every prompt position computed
+        n = len(seq.tokens)
+        hits = sorted(((c.match(seq.tokens, n - 1), w) for w, c in enumerate(self.caches)),
+                      key=lambda h: (-len(h[0]), h[1]))
+        most = max(a.num_free() for a in self.allocs)
+        for slots, w in hits:
+            # Keep the workers balanced: reuse on w only if w is left no fuller than the
+            # most-free worker would be holding the whole sequence (else recompute there)
+            if (slots and len(slots) >= most - self.allocs[w].num_free()
+                    and self._room_keeping(w, n - len(slots) + extra, slots)):
+                return w, slots
+        return -1, []
+
+    def _room_keeping(self, w: int, n: int, keep: list[int]) -> bool:
+        """`_room`, without evicting the slots about to be reused: they are held for the
+        check (refcount + 1), so eviction skips them."""
+        a = self.allocs[w]
+        a.retain(keep)
+        try:
+            return self._room(w, n)
+        finally:
+            a.release(keep)
+
+    def cache(self, seq: Sequence, upto: int) -> None:
+        """Cache seq's first `upto` positions (their KV is written): after its prefill,
+        and when it finishes. Only a sequence held by one worker."""
+        if self.caches is not None and len(seq.segments) == 1 and upto > 0:
+            w = seq.worker
+            self.caches[w].insert(seq.tokens[:upto], self.allocs[w].slots(seq.seq_id)[:upto])
+
+    def clear_cache(self) -> int:
+        """Drop every cached prefix (the memory workers lost their pools, or on request);
+        -> slots freed."""
+        return sum(c.clear() for c in self.caches or [])
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -158,7 +215,7 @@ class Scheduler:
     def _grow(self, seq: Sequence) -> bool:
         """One more slot for seq's next position; False if seq itself was preempted."""
         w = seq.worker
-        while not self.allocs[w].can_allocate(1):
+        while not self._room(w, 1):
             spill = self._spill(seq)
             if spill is not None:
                 self.allocs[spill].allocate(seq.seq_id, 1)
@@ -195,21 +252,23 @@ class Scheduler:
         budget = self.config.max_step_tokens - len(work)
         for seq in self.policy(self.waiting):
             n, k = len(seq.tokens), len(seq.forks)
-            place = self._place(n + k)  # room for each fork's first own slot too
-            if len(self.running) + 1 + k > self.config.max_batch or n > budget or not place:
+            if len(self.running) + 1 + k > self.config.max_batch:
                 break  # keep order: no overtaking
+            w, hit = self._hit(seq, k)
+            place = None if hit else self._place(n + k)  # room for each fork's first slot
+            if n - len(hit) > budget or not (hit or place):
+                break
             self.waiting.remove(seq)
-            pos = 0
-            for w, take in place:
-                take = min(take, n - pos)
-                if take:
-                    self.allocs[w].allocate(seq.seq_id, take)
-                    seq.segments.append((w, pos))
-                    pos += take
+            seq.cached = len(hit)
+            if hit:
+                self.allocs[w].adopt(seq.seq_id, hit, n - len(hit))
+                seq.segments.append((w, 0))
+            else:
+                self._allocate(seq, place or [])
             seq.status = "running"
             self.running.append(seq)
-            budget -= n
-            work.append(self._work(seq, tuple(seq.tokens), 0,
+            budget -= n - len(hit)
+            work.append(self._work(seq, tuple(seq.tokens[len(hit):]), len(hit),
                                    (seq.seed, *(f.seed for f in seq.forks))))
         if not work and self.waiting:
             seq = self.waiting[0]
@@ -219,6 +278,16 @@ class Scheduler:
         plan = StepPlan(self.step, tuple(work))
         self.step += 1
         return plan
+
+    def _allocate(self, seq: Sequence, place: list[tuple[int, int]]) -> None:
+        """Fresh slots for all of seq's tokens, over the workers `place` names."""
+        n, pos = len(seq.tokens), 0
+        for w, take in place:
+            take = min(take, n - pos)
+            if take:
+                self.allocs[w].allocate(seq.seq_id, take)
+                seq.segments.append((w, pos))
+                pos += take
 
     def fork(self, parent: Sequence) -> list[Sequence]:
         """After the parent's prefill: its pending forks share its KV slots and run."""
@@ -232,6 +301,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = "finished", reason
+        if reason != "error":  # every position but the last drawn token's has KV
+            self.cache(seq, len(seq.tokens) - 1)
         self._release(seq)
         self.running.remove(seq)
 

@@ -423,7 +423,9 @@ class _CompletionChoices:
 def _usage(outs) -> dict:
     p = sum(len(o.prompt_token_ids) for o in outs)
     c = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = sum(o.metrics.get("cached_tokens", 0) for o in outs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _param(message: str) -> str:

@@ -43,8 +43,11 @@ class EngineMetrics:
         self.waiting = Gauge("lamina_sequences_waiting", "Sequences queued", registry=r)
         self.rejected = Counter("lamina_requests_rejected", "Requests refused before "
                                 "queueing", ["reason"], registry=r)
-        self.kv_used = Gauge("lamina_kv_slots_used", "Token slots in use",
-                             ["memory_worker"], registry=r)
+        self.kv_used = Gauge("lamina_kv_slots_used", "Token slots in use (by requests "
+                             "and the prefix cache)", ["memory_worker"], registry=r)
+        self.kv_cached = Gauge("lamina_kv_slots_cached", "Token slots the prefix cache "
+                               "holds (some may be shared by running requests)",
+                               ["memory_worker"], registry=r)
         self.ttft = Histogram("lamina_time_to_first_token_seconds", "Arrival to first "
                               "token", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("lamina_request_latency_seconds", "Arrival to finish",
@@ -61,8 +64,10 @@ class EngineMetrics:
         sched = engine.scheduler
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
-        for w, alloc in enumerate(engine.allocs):
+        caches = sched.caches or [None] * len(engine.allocs)
+        for w, (alloc, cache) in enumerate(zip(engine.allocs, caches)):
             self.kv_used.labels(str(w)).set(alloc.config.num_slots - alloc.num_free())
+            self.kv_cached.labels(str(w)).set(cache.size if cache is not None else 0)
 
     def request(self, out, aborted: bool = False) -> None:
         """A request left the engine (finished, or aborted)."""

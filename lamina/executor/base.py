@@ -36,7 +36,8 @@ class Executor(ABC):
         {"exchange_s": {n: one layer's q/k/v out and o back for n tokens}, "submit_s": {n:
         the sending part alone}, "call_s": {n: the per-step call returning n tokens}}.
         Empty when there is nothing to add (in-process). Only call it while no request is
-        running."""
+        running, with the engine's prefix cache cleared (`LLMEngine.clear_prefix_cache`):
+        it writes into the first slots of the pools."""
         return {}
 
     def recover(self, error: BaseException) -> bool:

@@ -1,6 +1,7 @@
 """Token-granular slab KV allocator: plain Python over integer slot ids, no tensors.
 
-Data in: scheduler calls (allocate / append / fork / write / free) keyed by request id.
+Data in: scheduler calls (allocate / adopt / append / fork / write / free) keyed by
+request id; retain / release from the prefix cache, which holds slots outside requests.
 Data out: slot ids per request (its slot table), which the memory workers use to index
 their KV pool tensors, and `CopySlot` orders when copy-on-write needs a KV copy.
 
@@ -123,6 +124,39 @@ class KVAllocator:
         new = self._pop(n)
         table.extend(new)
         return new
+
+    def adopt(self, req, shared: list[int], n: int) -> list[int]:
+        """Create request `req` whose first positions reuse the live slots `shared` (a
+        cached prefix: refcounts +1) followed by `n` fresh slots; all or nothing."""
+        if req in self._tables:
+            raise ValueError(f"request {req!r} already has slots")
+        if any(self._ref[s] <= 0 for s in shared):
+            raise ValueError("adopt: every shared slot must be live")
+        new = self._pop(n)
+        for s in shared:
+            self._ref[s] += 1
+        self._tables[req] = list(shared) + new
+        return list(self._tables[req])
+
+    def retain(self, slots: list[int]) -> None:
+        """One more reference to each live slot (held outside any request: a cache)."""
+        if any(self._ref[s] <= 0 for s in slots):
+            raise ValueError("retain: every slot must be live")
+        for s in slots:
+            self._ref[s] += 1
+
+    def release(self, slots: list[int]) -> list[int]:
+        """Drop one reference to each slot (taken by `retain`); -> the slots that became
+        free, pushed last to first (so the first is reused first)."""
+        released = []
+        for s in reversed(slots):
+            if self._ref[s] <= 0:
+                raise ValueError(f"release: slot {s} is not live")
+            self._ref[s] -= 1
+            if self._ref[s] == 0:
+                self._free.append(s)
+                released.append(s)
+        return released
 
     def fork(self, parent, child) -> list[int]:
         """`child` shares every slot of `parent` (refcounts +1)."""

@@ -61,7 +61,7 @@ def test_compute_and_memory_faults_fail_alone(setup, prompts, hf_greedy):
     assert f"injected memory fault at position {MEM_POS}" in outs[bad_m].error
     assert "memory worker" in outs[bad_m].error
     assert eng.num_recoveries == recovered + 1  # only the memory fault replaced workers
-    assert all(a.num_free() == SLOTS for a in eng.allocs)
+    assert all(f == SLOTS for f in eng.free_slots())
     health = ray.get([w.health.remote() for w in llm.executor.memory])
     assert all(h["error"] is None for h in health)  # the replacements are clean
 
@@ -87,7 +87,7 @@ def test_poison_over_http_on_ray(setup, smol, prompts, hf_greedy):
         deadline = time.time() + 30
         while llm.engine.has_unfinished() and time.time() < deadline:
             time.sleep(0.05)
-        assert loop.alive and all(a.num_free() == SLOTS for a in llm.engine.allocs)
+        assert loop.alive and all(f == SLOTS for f in llm.engine.free_slots())
         assert good(0) == hf_greedy[0][:NEW]
     finally:
         srv.stop()

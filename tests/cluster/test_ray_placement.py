@@ -43,18 +43,20 @@ def test_more_memory_workers_than_lamina_memory_is_refused_at_once():
 
 BUSY = """
 import time, ray
-from ray.util.placement_group import placement_group
-ray.init(num_cpus=4, resources={"lamina_compute": 1, "lamina_memory": 2},
+ray.init(num_cpus=4, resources={"lamina_compute": 2, "lamina_memory": 2},
          include_dashboard=False)
-other = placement_group([{"lamina_memory": 1}])  # another deployment holds one
-assert other.wait(30)
-from lamina import LLM
+from lamina import LLM, SamplingParams
 from lamina.cluster.placement import PlacementTimeout
+other = LLM(executor="ray", num_memory_workers=1)  # another deployment holds one
 t = time.perf_counter()
 try:
     LLM(executor="ray", num_memory_workers=2, placement_timeout_s=4)
 except PlacementTimeout as e:
     print("TIMEOUT", round(time.perf_counter() - t, 1), e)
+second = LLM(executor="ray", num_memory_workers=1)  # fits beside the first
+print("TWO", [o.finish_reason for llm in (other, second)
+              for o in llm.generate(["Hi"], SamplingParams(max_tokens=4, ignore_eos=True),
+                                    use_tqdm=False)])
 print("GROUPS", sorted(g["state"] for g in ray.util.placement_group_table().values()))
 ray.shutdown()
 """
@@ -70,8 +72,9 @@ def test_busy_resources_fail_after_the_placement_timeout_naming_them():
     assert line is not None, r.stdout[-1000:] + r.stderr[-2000:]
     assert "lamina_memory: needs 2, 1 free" in line and "ray status" in line, line
     assert 4 <= float(line.split()[1]) < 15  # the timeout, not forever
-    # the failed deployment's group is removed; the other deployment's stays
-    assert "GROUPS ['CREATED', 'REMOVED']" in r.stdout, r.stdout
+    # the failed deployment's group is removed; the two others stay and both serve
+    assert "TWO ['length', 'length']" in r.stdout, r.stdout
+    assert "GROUPS ['CREATED', 'CREATED', 'REMOVED']" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("have, ok", [

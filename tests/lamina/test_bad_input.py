@@ -30,7 +30,7 @@ def _normal(eng, prompts, hf_greedy):
     while eng.has_unfinished():
         outs.update({o.request_id: o for o in eng.step()})
     assert outs[rid].token_ids == hf_greedy[0][:2]
-    assert eng.alloc.num_free() == SLOTS
+    assert eng.free_slots()[0] == SLOTS
 
 
 @pytest.mark.parametrize("prompt,params,exc,words", [

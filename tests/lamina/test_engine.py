@@ -51,7 +51,7 @@ def test_preemption_completes_with_same_tokens(smol, smol_split, prompts, hf_gre
     outs = run(eng, [prompts[i] for i in pick], GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy[i] for i in pick]
     assert sum(o.metrics["preemptions"] for o in outs) > 0
-    assert eng.alloc.num_free() == 400  # everything returned
+    assert eng.free_slots()[0] == 400  # everything returned
 
 
 def test_seeded_sampling_reproducible_and_n(smol, smol_split, prompts):
@@ -66,7 +66,7 @@ def test_seeded_sampling_reproducible_and_n(smol, smol_split, prompts):
     # n > 1 forks the KV: each prompt is prefilled once (first step feeds 5 + 12 + 40 tokens)
     assert eng.step_timings[0]["tokens"] == sum(len(q) for q in prompts[:3])
     assert eng.step_timings[0]["seqs"] == 3 and eng.step_timings[1]["seqs"] == 9
-    assert eng.alloc.num_free() == eng.config.num_kv_slots and eng.alloc.stats().shared == 0
+    assert eng.free_slots()[0] == eng.config.num_kv_slots and eng.alloc.stats().shared == 0
 
 
 def test_sampled_tokens_survive_preemption(smol, smol_split, prompts):
@@ -150,7 +150,7 @@ def test_kv_split_over_workers_merges_exactly(smol, smol_split, prompts, hf_gree
     assert (0, 1) in spans  # the long sequence did span both workers
     assert sum(o.metrics["preemptions"] for o in out.values()) == 0
     assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
-    assert [a.num_free() for a in eng.allocs] == [slots, slots]
+    assert eng.free_slots() == [slots, slots]
 
 
 def test_split_micro_contiguous_and_balanced():

@@ -72,4 +72,4 @@ def test_gpu_memory_workers_greedy_equals_hf(model_type):
             spans |= {len(s.segments) for s in eng.scheduler.running}
         assert [out[i].token_ids for i in ids] == want, dev
         assert (max(spans) > 1) == (not sinks)  # the KV split did happen
-        assert [a.num_free() for a in eng.allocs] == [slots, slots]
+        assert eng.free_slots() == [slots, slots]

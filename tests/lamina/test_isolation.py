@@ -23,9 +23,9 @@ SLOTS = 3000
 MEM_POS = 700  # past every good request's last position (600 + 12)
 
 
-def engine(smol, split, faults=None, workers=2, slots=SLOTS):
+def engine(smol, split, faults=None, workers=2, slots=SLOTS, caching=True):
     cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=workers, max_step_tokens=2048,
-                       faults=faults)
+                       faults=faults, prefix_caching=caching)
     mems = [MemorySide(KVPool(KVPoolConfig.for_specs(split.attention_specs, slots)))
             for _ in range(workers)]
     ex = LocalExecutor(split, mems, vocab_size=smol.config.vocab_size, faults=faults)
@@ -41,7 +41,7 @@ def unused_token(prompts, hf_greedy) -> int:
 def poison_run(eng, prompts, add_poison):
     """8 good requests, a few steps, the poison one, 8 more good ones; -> (outputs by
     request id, good ids in prompt order, poison id)."""
-    free0 = [a.num_free() for a in eng.allocs]
+    free0 = eng.free_slots()
     ids = [eng.add_request(p, GOOD) for p in prompts[:8]]
     outs = {}
     for _ in range(2):
@@ -50,7 +50,7 @@ def poison_run(eng, prompts, add_poison):
     ids += [eng.add_request(p, GOOD) for p in prompts[8:]]
     while eng.has_unfinished():
         outs.update({o.request_id: o for o in eng.step()})
-    assert [a.num_free() for a in eng.allocs] == free0  # every slot back
+    assert eng.free_slots() == free0  # every slot back
     assert all(a.stats().shared == 0 for a in eng.allocs)
     assert not eng.scheduler.running and not eng.scheduler.waiting
     return outs, ids, bad
@@ -142,7 +142,7 @@ def test_engine_loop_raises_request_failed_and_serves_on(smol, smol_split, promp
         assert loop.alive and loop.stats["failed"] == 1
         after = loop.submit(prompts[0], GOOD).result(300)  # and after it
         assert after.token_ids == hf_greedy[0][:NEW]
-        assert all(a.num_free() == SLOTS for a in loop.engine.allocs)
+        assert all(f == SLOTS for f in loop.engine.free_slots())
     finally:
         loop.shutdown()
 
@@ -163,8 +163,9 @@ def test_a_fault_naming_no_sequence_of_the_step_is_an_engine_error(smol, smol_sp
 
 def test_abort_running_waiting_and_preempted_frees_every_slot(smol, smol_split, prompts):
     """A 260-slot pool and three 100-token prompts: the third waits, and growth preempts
-    the second; aborting each (preempted, waiting, running) returns every slot."""
-    eng = engine(smol, smol_split, workers=1, slots=260)
+    the second; aborting each (preempted, waiting, running) returns every slot. (No
+    prefix cache: with it the preempted copy of the same prompt is re-admitted at once.)"""
+    eng = engine(smol, smol_split, workers=1, slots=260, caching=False)
     p = SamplingParams(max_tokens=100, ignore_eos=True, temperature=0)
     rids = [eng.add_request(prompts[4][:100], p) for _ in range(3)]
     seqs = [eng._reqs[r].seqs[0] for r in rids]
@@ -176,7 +177,7 @@ def test_abort_running_waiting_and_preempted_frees_every_slot(smol, smol_split, 
     assert seqs[2].status == "waiting" and seqs[0].status == "running"
     outs = [eng.abort(r) for r in (rids[1], rids[2], rids[0])]
     assert [o.finish_reason for o in outs] == ["abort"] * 3
-    assert eng.alloc.num_free() == 260 and not eng.has_unfinished()
+    assert eng.free_slots()[0] == 260 and not eng.has_unfinished()
     assert eng.abort(rids[0]) is None  # gone: a second abort is a no-op
 
 

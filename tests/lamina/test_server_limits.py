@@ -224,7 +224,7 @@ def test_poison_request_fails_alone_over_http(srv, prompts, hf_greedy, poison_to
     compute side fails: it gets a 500 naming the fault; they get HF's tokens."""
     cl = srv.client()
     eng = srv.loop.engine
-    free0 = eng.alloc.num_free()
+    free0 = eng.free_slots()[0]
 
     def good(i):
         return cl.completions.create(model="smollm2", prompt=prompts[i], max_tokens=NEW,
@@ -246,7 +246,7 @@ def test_poison_request_fails_alone_over_http(srv, prompts, hf_greedy, poison_to
     deadline = time.time() + 30
     while eng.has_unfinished() and time.time() < deadline:
         time.sleep(0.05)
-    assert eng.alloc.num_free() == free0 == SLOTS
+    assert eng.free_slots()[0] == free0 == SLOTS
     _good(srv, prompts, hf_greedy)
 
 
@@ -275,7 +275,7 @@ def test_queue_bound_answers_429_and_loses_nothing(smol, smol_split, prompts, hf
         assert len(ok) + sum(t == 429 for _, t in res) == 24  # nothing lost
         assert 0 < len(ok) < 24 and all(t == hf_greedy[i % 4][:NEW] for i, t in ok)
         assert loop.stats["rejected"] == 24 - len(ok)
-        assert loop.engine.alloc.num_free() == SLOTS
+        assert loop.engine.free_slots()[0] == SLOTS
     finally:
         s.stop()
         loop.shutdown()
@@ -312,4 +312,4 @@ def test_hundred_aborts_free_every_slot(srv, prompts):
             and time.time() < deadline:
         time.sleep(0.1)
     assert loop.stats["aborted"] == before + 100
-    assert not eng.has_unfinished() and eng.alloc.num_free() == SLOTS
+    assert not eng.has_unfinished() and eng.free_slots()[0] == SLOTS

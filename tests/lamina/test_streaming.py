@@ -62,12 +62,12 @@ def test_abort_frees_kv_and_others_keep_running(smol, smol_split, prompts, hf_gr
     for _ in range(3):
         assert eng.step() == []
     assert [s.status for s in eng._reqs[c].seqs] == ["waiting", "waiting"]
-    held = 2000 - eng.alloc.num_free()
+    held = 2000 - eng.free_slots()[0]
     out = eng.abort(a)
     assert out.finished and [x.finish_reason for x in out.outputs] == ["abort", "abort"]
     assert [len(x.token_ids) for x in out.outputs] == [3, 3]
     # a's 200 prompt slots (shared by its forks) and 2 x 2 own slots came back
-    assert eng.alloc.num_free() == 2000 - held + 200 + 4
+    assert eng.free_slots()[0] == 2000 - held + 200 + 4
     assert eng.abort(a) is None  # already gone
     out_c = eng.abort(c)  # aborted while waiting: nothing was allocated for it
     assert [x.finish_reason for x in out_c.outputs] == ["abort", "abort"]
@@ -76,7 +76,7 @@ def test_abort_frees_kv_and_others_keep_running(smol, smol_split, prompts, hf_gr
     while eng.has_unfinished():
         done += eng.step()
     assert [o.request_id for o in done] == [b] and done[0].token_ids == hf_greedy[2]
-    assert eng.alloc.num_free() == 2000 and eng.alloc.stats().shared == 0
+    assert eng.free_slots()[0] == 2000 and eng.alloc.stats().shared == 0
 
 
 @pytest.mark.parametrize("pipeline", ["none", "rotational"])
