@@ -20,6 +20,7 @@ import ray
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from lamina.engine.outputs import RequestOutput
+from lamina.entrypoints.llm import batch_of
 from lamina.errors import EngineDead
 from lamina.sampling.params import SamplingParams
 
@@ -118,12 +119,7 @@ class Client:
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in prompt order; every prompt validated before any is queued."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = params or SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        prompts, plist = batch_of(prompts, params)
         for i, (p, sp) in enumerate(zip(prompts, plist)):
             try:
                 ray.get(self.service.validate.remote(p, sp))

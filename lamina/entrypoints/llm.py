@@ -20,6 +20,18 @@ if TYPE_CHECKING:
     from lamina.entrypoints.deploy_config import LaminaConfig
 
 
+def batch_of(prompts, params) -> tuple[list, list[SamplingParams]]:
+    """`generate`'s arguments as (prompts, one SamplingParams each): one prompt (text or
+    token ids) or a list; one SamplingParams for all, one per prompt, or None."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    params = params or SamplingParams()
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(plist) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+    return list(prompts), plist
+
+
 class LLM:
     def __init__(self, model: str | None = None, executor: str = "local",
                  num_memory_workers: int = 1, dtype: str = "float32",
@@ -71,12 +83,7 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = params or SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        prompts, plist = batch_of(prompts, params)
         for i, (p, sp) in enumerate(zip(prompts, plist)):  # all checked before any runs
             try:
                 self.engine.validate(p, sp)

@@ -217,6 +217,7 @@ def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):
     """With recovery off (the last test here: it leaves the engine without workers)."""
     eng = llm.engine
     eng.config = replace(eng.config, max_recoveries=0)
+    eng.clear_prefix_cache()  # placement by free slots alone: one request on each worker
     eng.add_request(prompts[0], GREEDY)
     eng.add_request(prompts[1], GREEDY)
     eng.step()
