@@ -48,6 +48,14 @@ def _unwrapped(e: BaseException) -> BaseException:
 RAY_ERRORS = (ray.exceptions.RayTaskError, ray.exceptions.RayActorError)
 
 
+def _call(ref):
+    """`ray.get(ref)`, raising the service's own exception (see `_unwrapped`)."""
+    try:
+        return ray.get(ref)
+    except RAY_ERRORS as e:
+        raise _unwrapped(e) from None
+
+
 class RequestHandle:
     def __init__(self, service, key: str, prompt, params: SamplingParams):
         self.key, self._service = key, service
@@ -59,10 +67,7 @@ class RequestHandle:
         return self._last is not None and self._last.finished
 
     def _take(self, ref) -> RequestOutput:
-        try:
-            self._last = ray.get(ref)
-        except RAY_ERRORS as e:
-            raise _unwrapped(e) from None
+        self._last = _call(ref)
         return self._last
 
     def __iter__(self):
@@ -106,10 +111,7 @@ class Client:
     def submit(self, prompt, params: SamplingParams | None = None) -> RequestHandle:
         """Queue one request; bad input raises here, as in `LLM.generate`."""
         params = params or SamplingParams()
-        try:
-            ray.get(self.service.validate.remote(prompt, params))
-        except RAY_ERRORS as e:
-            raise _unwrapped(e) from None
+        _call(self.service.validate.remote(prompt, params))
         return RequestHandle(self.service, uuid.uuid4().hex, prompt, params)
 
     def abort(self, handle: RequestHandle) -> bool:
@@ -175,10 +177,7 @@ class ServiceLoop:
         return s["alive"]
 
     def check_capacity(self, extra: int = 1) -> None:
-        try:
-            ray.get(self.client.service.check_capacity.remote(extra))
-        except RAY_ERRORS as e:
-            raise _unwrapped(e) from None
+        _call(self.client.service.check_capacity.remote(extra))
 
     def submit(self, prompt, params: SamplingParams, validated: bool = False,
                on_update: Callable[[RequestOutput], None] | None = None) -> Future:
@@ -218,10 +217,7 @@ class _RemoteEngine:
         self.client = client
 
     def validate(self, prompt, params) -> None:
-        try:
-            ray.get(self.client.service.validate.remote(prompt, params))
-        except RAY_ERRORS as e:
-            raise _unwrapped(e) from None
+        _call(self.client.service.validate.remote(prompt, params))
 
 
 class _RemoteMetrics:

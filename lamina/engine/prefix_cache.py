@@ -108,7 +108,7 @@ class RadixCache:
             take = min(own, n - freed)
             if take == 0:
                 continue  # a running sequence uses it all: evicting frees nothing
-            gone = leaf.slots[len(leaf.slots) - take:]
+            gone, key = leaf.slots[len(leaf.slots) - take:], leaf.tokens[0]
             leaf.tokens, leaf.slots = leaf.tokens[:-take], leaf.slots[:-take]
             freed += len(self.alloc.release(gone))
             self.size -= take
@@ -116,7 +116,7 @@ class RadixCache:
             if not leaf.slots:
                 parent = leaf.parent
                 assert parent is not None
-                del parent.children[leaf.tokens[0] if leaf.tokens else _first(parent, leaf)]
+                del parent.children[key]
                 if parent is not self.root and not parent.children:
                     heapq.heappush(heap, (parent.tick, id(parent), parent))
         return freed
@@ -152,6 +152,3 @@ def _common(edge: list[int], tokens: list[int], pos: int, limit: int) -> int:
         k += 1
     return k
 
-
-def _first(parent: _Node, child: _Node) -> int:
-    return next(t for t, c in parent.children.items() if c is child)
