@@ -63,6 +63,11 @@ class ComputeWorkerSpec:
     dense_backend: str = "auto"
     batch_hint: int = 32  # the batch the dense backend prepacks for
     fuse: bool = True  # fused pointwise chains
+    # "cuda": the slices on this worker's GPU (Ray gives it one and sets
+    # CUDA_VISIBLE_DEVICES, so it is always "cuda" here); q/k/v go to the memory workers
+    # through pinned host buffers
+    compute_device: str = "cpu"
+    graph_tokens: int = 0  # decode steps replayed as CUDA graphs up to this size (0: none)
 
 
 @ray.remote
@@ -73,9 +78,11 @@ class ComputeWorker:
         self.threads, self.wide_threads = spec.threads, spec.wide_threads or spec.threads
         torch.set_num_threads(spec.threads)
         self.loaded = load(spec.model, dtype=spec.dtype, with_tokenizer=False)
-        prep = prepare_split(self.loaded.model, spec.dense_backend, spec.batch_hint, spec.fuse)
+        prep = prepare_split(self.loaded.model, spec.dense_backend, spec.batch_hint, spec.fuse,
+                             spec.compute_device)
         self.dense = prep.dense
-        self.compute = ComputeSide(prep.split, spec.num_memory_workers)
+        self.compute = ComputeSide(prep.split, spec.num_memory_workers,
+                                   device=spec.compute_device, graph_tokens=spec.graph_tokens)
         self.compute.vocab_size = int(self.loaded.config.vocab_size)
         self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
         self.channels: list[SocketChannel] = []

@@ -105,6 +105,9 @@ class RayExecutor(Executor):
                                  f"workers on a GPU of its own, but the Ray cluster has "
                                  f"{int(have.get('GPU', 0))} GPU(s)")
             m_opts["num_gpus"] = 1
+        compute_gpu = config.compute_device.startswith("cuda")
+        if compute_gpu:  # the slices on a GPU of the compute worker's own
+            c_opts["num_gpus"] = 1
         check_fits(have, {"compute worker": (c_opts, 1), "memory workers": (m_opts, m)})
         # Idle OpenMP threads spin only briefly (3000 rounds of libgomp's wait loop, some
         # tens of us), then sleep: long enough to carry the compute worker's threads
@@ -126,7 +129,9 @@ class RayExecutor(Executor):
         self._c_opts, self._m_opts = {**c_opts, **env}, {**m_opts, **env}
         self._compute_spec = ComputeWorkerSpec(model, dtype, m, threads, pt,
                                                config.dense_backend, config.max_batch,
-                                               config.fuse_pointwise)
+                                               config.fuse_pointwise,
+                                               "cuda" if compute_gpu else "cpu",
+                                               config.graph_tokens)
         self.threads, self.wide_threads, self.config = threads, pt, config
         # every worker's resources reserved at once, or a clear error in bounded time
         # placement group names are unique per cluster: one deployment, one name

@@ -13,6 +13,12 @@ of one overlaps the other's attention. The last slice (last layer's o_proj and M
 final norm, lm_head) runs on the sampled rows only. With `local_kv_dtype` set (the Ray
 compute worker; paper 5.6), fresh prompts attend here over a scratch pool and their
 workers only store their k/v.
+
+On a GPU (`device`): the slices run there; q/k/v reach memory workers that read host
+memory through pinned buffers on a copy stream and the outputs come back the same way
+(`compute/device.py`); memory workers on the same GPU take them as they are. Decode
+steps of up to `graph_tokens` tokens replay each slice as a CUDA graph
+(`compute/graphs.py`).
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lamina.compute.device import HostStaging, check_device
+from lamina.compute.graphs import SliceGraphs
 from lamina.compute.memory_link import MemoryLink
 from lamina.compute.packing import PackedBatch, PromptRows, by_worker, pack, split_micro
 from lamina.engine.messages import SeqWork, StepPlan, StepResult
@@ -35,8 +43,21 @@ from lamina.splitter.split import SplitModel
 class ComputeSide:
     """Runs the slices over one or more micro-batches; the memory side is a `MemoryLink`."""
 
-    def __init__(self, split: SplitModel, num_workers: int, local_kv_dtype: str | None = None):
+    def __init__(self, split: SplitModel, num_workers: int, local_kv_dtype: str | None = None,
+                 device: str = "cpu", graph_tokens: int = 0):
         self.split, self.num_workers = split, num_workers
+        # the slices' device (`move_split` put them there); host memory workers' q/k/v
+        # go through `staging` when it is a GPU
+        self.device = check_device(device)
+        self.staging = HostStaging(self.device) if self.device.type == "cuda" else None
+        # decode steps of <= graph_tokens tokens replay captured slices (0: never); on a
+        # CPU the same bookkeeping runs eagerly (tests)
+        self.graphs = (SliceGraphs(split.slices, self.device, graph_tokens,
+                                   emulate=self.device.type != "cuda")
+                       if graph_tokens else None)
+        # wait for the GPU after each slice so dense_s is its run time, not its launch
+        # (always so where q/k/v go to host memory: the copy waits for it anyway)
+        self.sync_timers = False
         self.params = [attention_params(s) for s in split.attention_specs]
         # Set: prompts whose whole context is in the step attend here (paper 5.6), over a
         # scratch pool of this KV dtype (the memory workers' own, so the same rounding);
@@ -80,7 +101,7 @@ class ComputeSide:
             raise RuntimeError("local prefill is off (local_kv_dtype None): no scratch pool")
         if self._scratch is None or self._scratch.pool.config.num_slots < tokens:
             cfg = KVPoolConfig.for_specs(self.split.attention_specs, max(tokens, 256),
-                                         self.local_kv_dtype)
+                                         self.local_kv_dtype, str(self.device))
             self._scratch = MemorySide(KVPool(cfg))
         return self._scratch
 
@@ -97,10 +118,13 @@ class ComputeSide:
         # One micro-batch with no prompts attending here: nothing runs between a layer's
         # submit and collect, so the link may do both in one call (`exchange`).
         at_once = len(mbs) == 1 and mbs[0].packed.local is None
+        self._place(mbs, at_once)
+        cuda = self.device.type == "cuda"
+        host = cuda and link.device.type == "cpu"
         # Slice i of micro-batch j: wait for its layer i-1 attention, run the slice,
         # submit. The memory side attends micro-batch j while this thread runs j+1's
         # slice (and this step's own prompts' attention).
-        shared = _Layer(link, scratch, at_once, timers)
+        shared = _Layer(link, scratch, at_once, timers, host, cuda and (host or self.sync_timers))
         for i in range(len(self.params) + 1):
             for j, mb in enumerate(mbs):
                 self._slice(i, j, mb, shared)
@@ -123,39 +147,72 @@ class ComputeSide:
                              "attention has sinks: run with split_kv=False")
         return groups, mbs
 
+    def _place(self, mbs: list[_MicroBatch], at_once: bool) -> None:
+        """Each micro-batch's ids/positions on the compute device; a one-micro-batch
+        decode step (every row sampled, none attending here) of a captured size runs
+        on the graphs."""
+        for mb in mbs:
+            p = mb.packed
+            mb.ids, mb.pos = p.input_ids, p.positions
+            if self.device.type != "cpu":
+                mb.ids = p.input_ids.to(self.device, non_blocking=True)
+                mb.pos = p.positions.to(self.device, non_blocking=True)
+            mb.graphed = (self.graphs is not None and at_once
+                          and len(p.logit_rows) == p.input_ids.shape[1]
+                          and self.graphs.begin(mb.ids, mb.pos))
+
     def _slice(self, i: int, j: int, mb: _MicroBatch, step: _Layer) -> None:
         """Slice i of micro-batch j: its input (layer i-1's attention output, collected),
         the slice, and its q/k/v handed to the memory side."""
         n_layers, p = len(self.params), mb.packed
-        if i == 0:
-            args = (p.input_ids, p.positions)
-        else:
-            o = self._collect(i - 1, j, mb, step)
-            args = (p.positions, o[None], *mb.out[3:])  # attn_out [1, N, Hq, Dv]
-            if i == n_layers:
-                if not p.logit_rows:
-                    mb.out = ()  # nothing to sample in this micro-batch
-                    return
-                args = _select_rows(args, p.logit_rows)
+        o = None if i == 0 else self._collect(i - 1, j, mb, step)  # [N, Hq, Dv]
+        if i == n_layers and not p.logit_rows:
+            mb.out = ()  # nothing to sample in this micro-batch
+            return
         if self.faults is not None:
             self.faults.check_layer(i, p.input_ids[0].tolist())
         t = time.perf_counter()
-        mb.out = self.split.slices[i](*args)
+        mb.out = self._run_slice(i, mb, o)
+        if step.sync:
+            torch.cuda.current_stream(self.device).synchronize()
         step.timers.dense_s += time.perf_counter() - t
         if i < n_layers:
             self._submit(i, j, mb, step)
+
+    def _run_slice(self, i: int, mb: _MicroBatch, o: torch.Tensor | None) -> tuple:
+        if mb.graphed:
+            assert self.graphs is not None
+            return self.graphs.run(i, o)
+        if i == 0:
+            return self.split.slices[0](mb.ids, mb.pos)
+        assert o is not None
+        args = (mb.pos, o[None], *mb.out[3:])  # attn_out [1, N, Hq, Dv]
+        if i == len(self.params):
+            args = _select_rows(args, mb.packed.logit_rows)
+        return self.split.slices[i](*args)
 
     def _collect(self, layer: int, j: int, mb: _MicroBatch, step: _Layer) -> torch.Tensor:
         """Micro-batch j's attention output of `layer`: o [N, Hq, Dv], packed row order."""
         if mb.ready is not None:  # `exchange` already brought it
             o, mb.ready = mb.ready, None
-            return o
+            return self._to_device(o, j, step)
         t = time.perf_counter()
         o = step.link.collect(layer, j, mb.packed.parts, mb.attn_shape(), mb.out[0].dtype,
                               mb.packed.merge)
-        if mb.packed.local is not None and mb.own is not None:  # prompts attended here
-            o.index_copy_(0, mb.packed.local.rows, mb.own.to(o.dtype))
         step.timers.wait_s += time.perf_counter() - t
+        o = self._to_device(o, j, step)
+        if mb.packed.local is not None and mb.own is not None:  # prompts attended here
+            o.index_copy_(0, mb.packed.local.rows.to(o.device), mb.own.to(o.dtype))
+        return o
+
+    def _to_device(self, o: torch.Tensor, j: int, step: _Layer) -> torch.Tensor:
+        """A host attention output onto the compute GPU (pinned, copy stream)."""
+        if not step.host:
+            return o
+        assert self.staging is not None
+        t = time.perf_counter()
+        o = self.staging.to_device(("o", j), o)
+        step.timers.transfer_s += time.perf_counter() - t
         return o
 
     def _submit(self, layer: int, j: int, mb: _MicroBatch, step: _Layer) -> None:
@@ -163,9 +220,16 @@ class ComputeSide:
         prompts here meanwhile); one call for both ways when `step.at_once`."""
         q, k, v = mb.out[0], mb.out[1], mb.out[2]
         p, timers = mb.packed, step.timers
-        t = time.perf_counter()
         qkv = (q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))
         # [1, H, N, D] -> [N, H, D]
+        dev_qkv = qkv
+        if step.host:  # to pinned host buffers, read by the link before the next layer
+            assert self.staging is not None
+            t = time.perf_counter()
+            hq, hk, hv = self.staging.to_host(("qkv", j), qkv)
+            qkv = (hq, hk, hv)
+            timers.transfer_s += time.perf_counter() - t
+        t = time.perf_counter()
         if step.at_once:
             r = step.link.exchange(layer, j, *qkv, p.parts, mb.attn_shape(), q.dtype, p.merge)
             if r is not None:
@@ -178,7 +242,7 @@ class ComputeSide:
         timers.submit_s += time.perf_counter() - t
         if p.local is not None and step.scratch is not None:  # while the workers attend
             t = time.perf_counter()
-            mb.own = step.scratch.attend(layer, self.params[layer], *p.local.take(*qkv),
+            mb.own = step.scratch.attend(layer, self.params[layer], *p.local.take(*dev_qkv),
                                          p.local.new_slots, p.local.batch)[0]
             timers.local_s += time.perf_counter() - t
 
@@ -219,13 +283,15 @@ class StepTimers:
     submit_s: float = 0.0  # handing q/k/v to the memory side
     wait_s: float = 0.0  # waiting for its outputs
     local_s: float = 0.0  # local prompts' attention on this side
+    transfer_s: float = 0.0  # GPU <-> pinned host copies of q/k/v and o
     sample_s: float = 0.0
     exchanges: int = 0  # layers sent and collected in one `exchange` call
 
     def report(self, micro_batches: int) -> dict:
         return {"dense_s": self.dense_s, "submit_s": self.submit_s, "wait_s": self.wait_s,
                 "attention_s": self.submit_s + self.wait_s + self.local_s,
-                "local_s": self.local_s, "sample_s": self.sample_s,
+                "local_s": self.local_s, "transfer_s": self.transfer_s,
+                "sample_s": self.sample_s,
                 "micro_batches": micro_batches, "exchanges": self.exchanges}
 
 
@@ -237,6 +303,9 @@ class _MicroBatch:
     out: tuple = ()  # the last slice's outputs: (q, k, v, *context) or (logits,); ()
     own: torch.Tensor | None = None  # its local part's o of the layer in flight
     ready: torch.Tensor | None = None  # o of the layer in flight, brought by `exchange`
+    ids: torch.Tensor | None = None  # packed.input_ids on the compute device
+    pos: torch.Tensor | None = None  # packed.positions on the compute device
+    graphed: bool = False  # its slices replay the graphs' current bucket
 
     def attn_shape(self) -> tuple[int, int, int]:
         """(N, Hq, Dv) of the layer in flight's attention output."""
@@ -252,6 +321,8 @@ class _Layer:
     scratch: MemorySide | None  # the local prompts' pool (None: none this step)
     at_once: bool  # `exchange` may submit and collect in one call
     timers: StepTimers
+    host: bool = False  # q/k/v and o cross between the GPU and host memory (staging)
+    sync: bool = False  # wait for the GPU after each slice
 
 
 def _in_plan_order(plan: StepPlan, works: list[SeqWork], tokens: list, lps, plps,
@@ -302,5 +373,5 @@ def _select_rows(args: tuple, rows: Sequence[int]) -> tuple:
         return args
     if any(a.dim() < 2 or a.shape[0] != 1 or a.shape[1] != n for a in args):
         return args  # not token-major: run it whole (still correct, just slower)
-    idx = torch.tensor(rows, dtype=torch.long)
+    idx = torch.tensor(rows, dtype=torch.long, device=args[0].device)
     return tuple(a.index_select(1, idx) for a in args)

@@ -27,6 +27,10 @@ class MemoryLink(ABC):
     micro-batch's layer q/k/v over and returns at once; `collect` waits for its output.
     Between the two the compute side runs the other micro-batches (staggered pipelining)."""
 
+    # where q/k/v must be for `submit`: a compute GPU sends host memory workers theirs
+    # through pinned buffers (`compute.device.HostStaging`)
+    device = torch.device("cpu")
+
     def begin(self, step: int, parts: Sequence[Sequence[WorkerPart]]) -> None:  # noqa: B027
         pass
 
@@ -49,23 +53,26 @@ def combine(parts: Sequence[WorkerPart], outs: list, out_shape, dtype, merge: bo
     `merge`: some rows attended on several workers (KV split); their partials are merged
     exactly by log-sum-exp. Rows are unique within one worker's part."""
     n, hq, dv = out_shape
+    # the workers' outputs' device (the compute GPU for GPU memory workers in-process)
+    dev = next((r[0].device for r in outs if r is not None), torch.device("cpu"))
     if not merge:
         for p, r in zip(parts, outs):
             if p.whole:  # one worker has every row: its output is the answer
                 return r[0] if r[0].dtype == dtype else r[0].to(dtype)
-        o = torch.empty(n, hq, dv, dtype=dtype)
+        o = torch.empty(n, hq, dv, dtype=dtype, device=dev)
         for p, r in zip(parts, outs):
             if r is not None and p.span:
                 o[p.span[0]:p.span[1]] = r[0]
             elif r is not None:
-                o.index_copy_(0, p.rows, r[0].to(dtype))
+                o.index_copy_(0, p.rows.to(dev), r[0].to(dtype))
         return o
     os, lses = [], []
     for p, r in zip(parts, outs):  # each worker's partial over all rows; absent: lse -inf
         if r is not None:
-            o = torch.zeros(n, hq, dv)
-            lse = torch.full((n, hq), float("-inf"))
-            o[p.rows], lse[p.rows] = r[0].float(), r[1]
+            o = torch.zeros(n, hq, dv, device=dev)
+            lse = torch.full((n, hq), float("-inf"), device=dev)
+            rows = p.rows.to(dev)
+            o[rows], lse[rows] = r[0].float(), r[1]
             os.append(o)
             lses.append(lse)
     return merge_attention(os, lses)[0].to(dtype)

@@ -49,14 +49,14 @@ class WorkerPart:
         if self.span:
             a, b = self.span
             return q[a:b], k[a:b], v[a:b]
-        return (q.index_select(0, self.rows), k.index_select(0, self.kv_rows),
-                v.index_select(0, self.kv_rows))
+        rows, kv_rows = self.rows.to(q.device), self.kv_rows.to(k.device)
+        return q.index_select(0, rows), k.index_select(0, kv_rows), v.index_select(0, kv_rows)
 
     def take_rows(self, x):
         """Its query rows of a packed [N, ...] tensor (a view when they are a slice)."""
         if self.span:
             return x if self.whole else x[self.span[0]:self.span[1]]
-        return x.index_select(0, self.rows)
+        return x.index_select(0, self.rows.to(x.device))
 
 
 @dataclass(frozen=True)

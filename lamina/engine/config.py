@@ -26,6 +26,12 @@ class EngineConfig:
     num_memory_workers: int = 1
     kv_dtype: str = "float32"
     kv_device: str = "cpu"  # memory workers' pool device: "cpu" (host DRAM) or "cuda[:i]"
+    # the slices', sampling's device: "cpu" or "cuda[:i]" (memory workers on the host
+    # get q/k/v through pinned buffers; on the same GPU, directly)
+    compute_device: str = "cpu"
+    # on a GPU compute device, decode steps of up to max_batch tokens replay each slice
+    # as a CUDA graph (compute/graphs.py); False: eager launches
+    cuda_graphs: bool = True
     max_batch: int = 64
     max_step_tokens: int = 4096
     seed: int = 0  # seeds requests that bring no seed of their own
@@ -53,6 +59,13 @@ class EngineConfig:
     prefix_caching: bool = True
     faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
 
+    @property
+    def graph_tokens(self) -> int:
+        """The largest decode step replayed as CUDA graphs (0: none): on a GPU compute
+        device with `cuda_graphs`, steps of up to `max_batch` tokens."""
+        cuda = self.compute_device.startswith("cuda")
+        return self.max_batch if self.cuda_graphs and cuda else 0
+
     def __post_init__(self):
         if not isinstance(self.num_kv_slots, int) or self.num_kv_slots <= 0:
             raise ValueError(f"EngineConfig.num_kv_slots must be a positive int, "
@@ -75,10 +88,14 @@ class EngineConfig:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ValueError(f"EngineConfig.placement_timeout_s must be a positive number of "
                              f"seconds, got {t!r}")
-        if not isinstance(self.kv_device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?",
-                                                                   self.kv_device):
-            raise ValueError(f"EngineConfig.kv_device must be 'cpu' or 'cuda[:i]', "
-                             f"got {self.kv_device!r}")
+        for name in ("kv_device", "compute_device"):
+            d = getattr(self, name)
+            if not isinstance(d, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+                raise ValueError(f"EngineConfig.{name} must be 'cpu' or 'cuda[:i]', "
+                                 f"got {d!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"EngineConfig.cuda_graphs must be a bool, "
+                             f"got {self.cuda_graphs!r}")
         if self.dense_backend not in DENSE_BACKENDS:
             raise ValueError(f"EngineConfig.dense_backend must be one of {DENSE_BACKENDS}, "
                              f"got {self.dense_backend!r}")

@@ -87,7 +87,8 @@ def cmd_generate(args) -> int:
                             frequency_penalty=args.frequency_penalty)
     llm = _llm(LLM, args)
     where = (f"{args.memory_workers} Ray memory worker process(es)" if args.executor == "ray"
-             else "in-process memory side") + f", KV on {args.kv_device}"
+             else "in-process memory side") + (f", KV on {args.kv_device}, dense part on "
+                                               f"{args.compute_device}")
     print(f"attention offloaded to {where}; dense part: {llm.dense.backend} "
           f"({llm.dense.reason})")
     t = time.perf_counter()
@@ -117,7 +118,8 @@ def cmd_serve(args) -> int:
     config = _server_config(args)
     if args.service is not None:
         given = _flags_given(args, ("config", "model", "executor", "memory_workers",
-                                    "kv_device", "dense_backend", "dtype", "max_batch",
+                                    "kv_device", "compute_device", "dense_backend",
+                                    "dtype", "max_batch",
                                     "clamp_max_tokens"))
         if given:
             raise ValueError(f"--service serves the running service's engine: drop "
@@ -174,6 +176,16 @@ def cmd_bench(args) -> int:
         sizes = dict(batches=(8,), lengths=(512,), bw_mib=64) if args.quick else {}
         bench_memory.bench_attention(threads=args.threads or 1, repeat=args.repeat or 7,
                                      out_dir=args.out, **sizes)
+        return 0
+    if args.name == "e2e" and args.device == "cuda":
+        from lamina.bench.e2e_gpu import bench_e2e_gpu
+
+        given = tuple(args.batch) != (1, 8, 32)
+        bench_e2e_gpu(args.model, batches=(1,) if args.quick else
+                      tuple(args.batch) if given else (1, 32, 256),
+                      new_tokens=8 if args.quick else 128, out_dir=args.out,
+                      dtype="bfloat16" if len(args.dtype) > 1 else args.dtype[0],
+                      repeat=args.repeat or (1 if args.quick else 3), threads=args.threads)
         return 0
     if args.name == "e2e":
         from lamina.bench import e2e as bench_e2e
@@ -256,6 +268,9 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
     p.add_argument("--memory-workers", type=int, default=memory_workers)
     p.add_argument("--kv-device", default="cpu",
                    help="memory workers' KV pool device: cpu (host DRAM) or cuda[:i] (Triton)")
+    p.add_argument("--compute-device", default="cpu",
+                   help="the dense slices' and sampling's device: cpu or cuda[:i] (decode "
+                        "steps as CUDA graphs)")
     _dense_backend_arg(p, "compute side's linears: oneDNN-prepacked weights (auto: on CPU) "
                        "or torch eager")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -274,13 +289,14 @@ def _llm(LLM, args, **kw):
     that also sets the engine is refused rather than one of the two silently losing)."""
     if args.config is None:
         return LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
-                   kv_device=args.kv_device, dense_backend=args.dense_backend,
+                   kv_device=args.kv_device, compute_device=args.compute_device,
+                   dense_backend=args.dense_backend,
                    dtype=args.dtype, kv_dtype=args.dtype, **kw)
     from lamina.entrypoints.deploy_config import LaminaConfig
 
     cfg = LaminaConfig.from_yaml(args.config)
     given = _flags_given(args, ("model", "executor", "memory_workers", "kv_device",
-                                "dense_backend", "dtype", *kw))
+                                "compute_device", "dense_backend", "dtype", *kw))
     if given:
         raise ValueError(f"--config {args.config} sets the engine: drop {', '.join(given)} "
                          f"(or put them in the file)")
@@ -369,7 +385,9 @@ def _bench_parser(sub) -> None:
                    choices=["load", "queue", "faults"], help="load: which phases")
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="attention: cpu (compiled kernel) or cuda (Triton kernels)")
+                   help="attention: cpu (compiled kernel) or cuda (Triton kernels); e2e: "
+                        "cuda runs the slices on the GPU (batches 1 32 256, bfloat16 unless "
+                        "given; KV on the GPU and in host DRAM)")
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="e2e: batch sizes")
     b.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
                    choices=["float32", "bfloat16"], help="e2e: dtypes")

@@ -57,15 +57,17 @@ class LLM:
             self.dense = getattr(self.executor, "dense", None) or DenseChoice(
                 "unknown", f"the {executor!r} executor does not report it")
         else:
-            prep = prepare_split(self.loaded.model, self.config.dense_backend,
-                                 self.config.max_batch, self.config.fuse_pointwise)
+            cfg = self.config
+            prep = prepare_split(self.loaded.model, cfg.dense_backend, cfg.max_batch,
+                                 cfg.fuse_pointwise, cfg.compute_device)
             self.split, self.dense = prep.split, prep.dense
             pool_cfg = KVPoolConfig.for_specs(self.split.attention_specs,
                                               self.config.num_kv_slots, self.config.kv_dtype,
                                               self.config.kv_device)
             self.executor = LocalExecutor(
                 self.split, [MemorySide(KVPool(pool_cfg)) for _ in range(num_memory_workers)],
-                vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults)
+                vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults,
+                device=cfg.compute_device, graph_tokens=cfg.graph_tokens)
         if self.config.split_kv and any(p.sinks is not None for p in self.executor.params):
             # sinks enter one partial's denominator only; KV split is not offered for them
             self.config = replace(self.config, split_kv=False)

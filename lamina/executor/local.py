@@ -6,6 +6,8 @@ memory link is the data plane instead.
 """
 from __future__ import annotations
 
+import torch
+
 from lamina.compute.compute_side import ComputeSide
 from lamina.compute.memory_link import MemoryLink, combine
 from lamina.engine.messages import StepPlan, StepResult
@@ -19,6 +21,9 @@ class _LocalLink(MemoryLink):
 
     def __init__(self, memory: list[MemorySide], params):
         self.memory, self.params = memory, params
+        devices = {m.device for m in memory}
+        # memory sides on one GPU take a GPU compute side's q/k/v as they are
+        self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         self.ready: dict[tuple[int, int], list] = {}
 
     def begin(self, step, parts):
@@ -40,9 +45,11 @@ class _LocalLink(MemoryLink):
 
 class LocalExecutor(Executor):
     def __init__(self, split: SplitModel, memory: MemorySide | list[MemorySide],
-                 vocab_size: int | None = None, faults=None):
+                 vocab_size: int | None = None, faults=None, device: str = "cpu",
+                 graph_tokens: int = 0):
         self.memory = memory if isinstance(memory, list) else [memory]
-        self.compute = ComputeSide(split, len(self.memory))
+        self.compute = ComputeSide(split, len(self.memory), device=device,
+                                   graph_tokens=graph_tokens)
         self.compute.vocab_size, self.compute.faults = vocab_size, faults
         self.compute.pool_slots = min(m.pool.config.num_slots for m in self.memory)
         for m in self.memory:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from lamina.compute.device import check_device, move_split
 from lamina.kernels.pointwise import pointwise_ops
 from lamina.splitter import split_model
-from lamina.splitter.dense import DenseChoice, pack_dense
+from lamina.splitter.dense import DenseChoice, pack_dense, select_dense_backend
 from lamina.splitter.fuse import fuse_pointwise
 from lamina.splitter.memo import memo_positions
 from lamina.splitter.split import SplitModel
@@ -32,15 +33,24 @@ class Prepared:
 
 
 def prepare_split(model: torch.nn.Module, dense_backend: str = "auto", batch_hint: int = 32,
-                  fuse: bool = True) -> Prepared:
-    split, dense = pack_dense(split_model(model), dense_backend, batch_hint)
+                  fuse: bool = True, device: str = "cpu") -> Prepared:
+    """Split on the CPU (where the model was loaded), then, for a GPU `device`, move
+    the model and the slices there: eager linears (cuBLAS), no CPU-fused chains."""
+    dev = check_device(device)
+    if dev.type == "cpu":
+        split, dense = pack_dense(split_model(model), dense_backend, batch_hint)
+    else:  # "auto" -> eager there; "onednn" is refused naming the device
+        dtype = next(model.parameters()).dtype
+        split, dense = split_model(model), select_dense_backend(dense_backend, dtype, dev)
     fused, why = {}, "fuse_pointwise=False"
     if fuse:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        ops, why = (None, f"the weights are on {device}") if device.type != "cpu" \
+        ops, why = (None, f"the slices run on {dev}") if dev.type != "cpu" \
             else pointwise_ops()
         if ops is not None:
             split, fused = fuse_pointwise(split, ops)
     log.info("pointwise chains fused: %s (%s)", fused or "none", why)
     split = memo_positions(split)[0]  # position tables once a step
+    if dev.type != "cpu":
+        model.to(dev)  # its buffers; the parameters are the slices' own, moved below
+        move_split(split, dev)
     return Prepared(split, dense, fused, why)

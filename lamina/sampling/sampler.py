@@ -99,6 +99,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     out = []
     for r, (p, ss) in enumerate(zip(params, seeds)):
         row = logits[r]  # [V]; cast to fp32 below only where it is needed
+        if not p.greedy or p.penalized or p.logit_bias:
+            row = row.cpu()  # drawn with a CPU generator: the same tokens on any device
         if p.penalized or p.logit_bias:
             row = apply_penalties(row.float(), p, *_history(histories, r, p))
             greedy[r] = int(torch.argmax(row))
