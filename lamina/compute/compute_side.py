@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,6 +55,7 @@ class ComputeSide:
         self.graphs = (SliceGraphs(split.slices, self.device, graph_tokens,
                                    emulate=self.device.type != "cuda")
                        if graph_tokens else None)
+        self.tables = SlotTables()  # each running sequence's KV slots (plans send diffs)
         # wait for the GPU after each slice so dense_s is its run time, not its launch
         # (always so where q/k/v go to host memory: the copy waits for it anyway)
         self.sync_timers = False
@@ -109,6 +110,7 @@ class ComputeSide:
     def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
         """One step: check, pack, the slices layer by layer with attention on the memory
         side in between, then sampling."""
+        plan = self.tables.apply(plan)
         self.check(plan)
         groups, mbs = self._pack(plan)
         local_slots = sum(m.packed.local_slots for m in mbs)
@@ -273,6 +275,44 @@ class ComputeSide:
             plps[x.sample] = prompt_logprobs(all_[x.row:x.row + x.count],
                                              list(s.token_ids[1:x.count + 1]), top)
         return tokens, lps, tuple(plps)
+
+
+class SlotTables:
+    """The compute side's copy of each running sequence's KV slot table, kept from step
+    to step so that plans carry only what changed (`SeqWork.slots_from`).
+
+    Applying a plan is idempotent (a step re-run after a clean `SequenceFault` applies
+    the same plan again): a sequence's table is cut at `slots_from` and extended."""
+
+    def __init__(self):
+        self._t: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def apply(self, plan: StepPlan) -> StepPlan:
+        """-> the plan with every sequence's whole table (slots_from 0)."""
+        for sid in plan.released:
+            self._t.pop(sid, None)
+        if all(s.slots_from == 0 for s in plan.seqs):
+            for s in plan.seqs:
+                self._t[s.seq_id] = list(s.slots)
+            return plan
+        return replace(plan, seqs=tuple(self._whole(s) for s in plan.seqs), released=())
+
+    def _whole(self, s: SeqWork) -> SeqWork:
+        if s.slots_from == 0:
+            self._t[s.seq_id] = list(s.slots)
+            return s
+        t = self._t.get(s.seq_id)
+        if t is None or len(t) < s.slots_from:
+            have = "none" if t is None else f"{len(t)} positions"
+            raise RuntimeError(f"seq {s.seq_id}: the plan sends its KV slots from position "
+                               f"{s.slots_from}, but the compute side holds {have} of its "
+                               f"table (engine and executor out of step)")
+        del t[s.slots_from:]
+        t.extend(s.slots)
+        return replace(s, slots=tuple(t), slots_from=0)
 
 
 @dataclass

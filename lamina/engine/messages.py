@@ -3,7 +3,9 @@
 The data path of one step, and the file that owns each stage:
 
   StepPlan                    engine/scheduler.py   which sequences, tokens, positions,
-     |                                              KV slots, sampling (this file)
+     |                                              KV slots (diffs: new ones only once a
+     |                                              table was sent), sampling (this file)
+  whole slot tables           compute/compute_side.py  SlotTables: kept per sequence
      |  control frame         dataplane/control.py  one msgpack frame to the compute worker
      v                                              (Ray executor; in-process: a call)
   packed batch (PackedBatch)  compute/packing.py    all new tokens as one [1, N] row
@@ -41,7 +43,12 @@ class SeqWork:
     seq_id: int
     token_ids: tuple[int, ...]  # tokens fed this step
     start_pos: int  # position of token_ids[0]
-    slots: tuple[int, ...]  # KV slot of every position 0 .. start_pos + len(token_ids) - 1
+    # KV slots of positions slots_from .. start_pos + len(token_ids) - 1. A plan carries
+    # only what the executor lacks: the whole table (slots_from 0) on a sequence's first
+    # step (admission, re-admission after preemption, a fork's first step), then just
+    # the new positions' slots (slots_from = start_pos), so a decode plan is O(batch).
+    # The compute side keeps each sequence's table (`compute_side.SlotTables`).
+    slots: tuple[int, ...]
     sample: bool = True  # draw after the last fed token
     worker: int = 0  # memory worker holding this sequence's KV (slots are its local ids)
     params: SamplingParams = GREEDY
@@ -53,19 +60,21 @@ class SeqWork:
     # of them are the prompt (the compute side keeps no per-sequence state)
     history: tuple[int, ...] = ()
     prompt_len: int = 0
+    slots_from: int = 0  # the position of slots[0]
 
     def __post_init__(self):
-        if len(self.slots) != self.start_pos + len(self.token_ids) or not self.token_ids:
-            raise ValueError(f"seq {self.seq_id}: {len(self.slots)} slots for positions "
-                             f"0..{self.start_pos + len(self.token_ids) - 1}")
+        end = self.start_pos + len(self.token_ids)
+        if (not 0 <= self.slots_from <= self.start_pos
+                or len(self.slots) != end - self.slots_from or not self.token_ids):
+            raise ValueError(f"seq {self.seq_id}: {len(self.slots)} slots from position "
+                             f"{self.slots_from} for positions 0..{end - 1}")
         if self.sample and not self.seeds:
             raise ValueError(f"seq {self.seq_id}: sampling needs at least one seed")
         seg = self.placement
         starts, workers = [a for _, a in seg], [w for w, _ in seg]
         if (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))
-                or starts[-1] >= len(self.slots) or len(set(workers)) != len(workers)):
-            raise ValueError(f"seq {self.seq_id}: bad KV segments {seg} for "
-                             f"{len(self.slots)} positions")
+                or starts[-1] >= end or len(set(workers)) != len(workers)):
+            raise ValueError(f"seq {self.seq_id}: bad KV segments {seg} for {end} positions")
 
     @property
     def placement(self) -> tuple[tuple[int, int], ...]:
@@ -83,6 +92,9 @@ class StepPlan:
     step: int
     seqs: tuple[SeqWork, ...]
     micro_batches: int = 1  # > 1: staggered pipelining over that many sub-batches
+    # sequences whose slot tables the compute side drops (finished, preempted, failed
+    # since the last plan): applied before `seqs`, idempotent
+    released: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:

@@ -66,10 +66,21 @@ class Sequence:
     forks: list["Sequence"] = field(default_factory=list)  # siblings not yet forked off
     logprobs: list = field(default_factory=list)  # per output token, if asked for
     cached: int = 0  # prompt tokens its last admission reused from the prefix cache
+    # positions whose KV slots the executor holds in its table of this sequence (0: it
+    # holds none: the next plan sends the whole table)
+    sent: int = 0
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)  # O(1): decode steps use it, not tokens
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
 
     @property
     def worker(self) -> int:
@@ -95,6 +106,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: newest last
         self.step = 0
+        # sequences the executor holds a slot table of that were released since the
+        # last plan (the next plan tells it to drop them)
+        self._released: list[int] = []
 
     @property
     def alloc(self) -> KVAllocator:
@@ -196,6 +210,9 @@ class Scheduler:
         for w in seq.workers:
             self.allocs[w].free(seq.seq_id)
         seq.segments = []
+        if seq.sent:
+            self._released.append(seq.seq_id)
+            seq.sent = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -219,7 +236,7 @@ class Scheduler:
             spill = self._spill(seq)
             if spill is not None:
                 self.allocs[spill].allocate(seq.seq_id, 1)
-                seq.segments.append((spill, len(seq.tokens) - 1))
+                seq.segments.append((spill, seq.num_tokens - 1))
                 return True
             victim = [s for s in self.running if w in s.workers][-1]  # newest on w
             self._preempt(victim)
@@ -229,14 +246,33 @@ class Scheduler:
         return True
 
     def _work(self, seq: Sequence, tokens: tuple, start: int, seeds: tuple) -> SeqWork:
-        tables = [self.allocs[w].slots(seq.seq_id) for w in seq.workers]
-        slots = tables[0] if len(tables) == 1 else list(itertools.chain(*tables))
+        """seq's work this step; its slots are the whole table if the executor holds
+        none of it, else only the positions it lacks (`SeqWork.slots`)."""
+        end = start + len(tokens)
+        if seq.sent:
+            slots = self._tail(seq, seq.sent, end)
+        else:
+            tables = [self.allocs[w].slots(seq.seq_id) for w in seq.workers]
+            slots = tables[0] if len(tables) == 1 else list(itertools.chain(*tables))
         segs = tuple(seq.segments) if len(seq.segments) > 1 else ()
         penalized = seq.params.penalized  # then the draw needs every token so far
-        return SeqWork(seq.seq_id, tokens, start, tuple(slots), worker=seq.segments[0][0],
+        work = SeqWork(seq.seq_id, tokens, start, tuple(slots), worker=seq.segments[0][0],
                        params=seq.params, seeds=seeds, segments=segs,
                        history=tuple(seq.tokens) if penalized else (),
-                       prompt_len=len(seq.prompt) if penalized else 0)
+                       prompt_len=len(seq.prompt) if penalized else 0, slots_from=seq.sent)
+        seq.sent = end
+        return work
+
+    def _tail(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The slots of positions start..end-1, the last positions of seq's table: from
+        its last segment(s) backwards, without copying the tables."""
+        out: list[int] = []
+        bounds = [a for _, a in seq.segments[1:]] + [end]
+        for (w, a), b in reversed(list(zip(seq.segments, bounds))):
+            if b <= start:
+                break
+            out = self.allocs[w].tail(seq.seq_id, b - max(a, start)) + out
+        return out
 
     def schedule(self) -> StepPlan:
         work: list[SeqWork] = []
@@ -246,7 +282,7 @@ class Scheduler:
             if seq.status != "running":
                 continue  # preempted while making room for an older one
             if self._grow(seq):
-                work.append(self._work(seq, (seq.tokens[-1],), len(seq.tokens) - 1,
+                work.append(self._work(seq, (seq.last_token,), seq.num_tokens - 1,
                                        (seq.seed,)))
         # 2. Admit waiting sequences in policy order while they fit.
         budget = self.config.max_step_tokens - len(work)
@@ -275,7 +311,8 @@ class Scheduler:
             raise RuntimeError(f"sequence {seq.seq_id} ({len(seq.tokens)} tokens) cannot be "
                                f"scheduled: step token budget {self.config.max_step_tokens}, "
                                f"{[a.num_free() for a in self.allocs]} free KV slots")
-        plan = StepPlan(self.step, tuple(work))
+        plan = StepPlan(self.step, tuple(work), released=tuple(self._released))
+        self._released.clear()
         self.step += 1
         return plan
 

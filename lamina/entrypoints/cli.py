@@ -197,6 +197,11 @@ def cmd_bench(args) -> int:
                             vllm_python=args.vllm_python, dense_backend=args.dense_backend,
                             vllm_modes=tuple(args.vllm_mode))
         return 0
+    if args.name == "plan":
+        from lamina.bench.plan import bench_plan
+
+        bench_plan(lengths=(128, 1024) if args.quick else (128, 8192), out_dir=args.out)
+        return 0
     if args.name == "load":
         from lamina.bench import load as bench_load
 
@@ -375,7 +380,7 @@ def _bench_parser(sub) -> None:
     """`lamina bench NAME`."""
     b = sub.add_parser("bench", help="run a benchmark")
     b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "load", "ops",
-                                    "sim", "sim-scale"])
+                                    "plan", "sim", "sim-scale"])
     b.add_argument("--model", default=None, help="split: model to split")
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")

@@ -89,6 +89,12 @@ class KVAllocator:
     def slots(self, req) -> list[int]:
         return list(self._table(req))
 
+    def tail(self, req, n: int) -> list[int]:
+        """The last n slots of req's table (a decode step's new ones: O(n), no copy of
+        the table)."""
+        table = self._table(req)
+        return table[len(table) - n:] if n else []
+
     def refcount(self, slot: int) -> int:
         return self._ref[slot]
 

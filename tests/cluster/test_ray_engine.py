@@ -63,6 +63,9 @@ def test_gpu_pool_on_a_cluster_without_gpus_is_a_clear_error(llm):
 
     with pytest.raises(ValueError, match="the Ray cluster has 0 GPU"):
         RayExecutor(None, "float32", EngineConfig(num_memory_workers=2, kv_device="cuda"))
+    # compute_device='cuda': the compute worker asks for a GPU of its own, refused alike
+    with pytest.raises(ValueError, match="1 compute worker.*GPU: needs 1, the cluster has 0"):
+        RayExecutor(None, "float32", EngineConfig(compute_device="cuda"))
 
 
 def test_ray_rotational_pipeline_identical(llm, prompts, hf_greedy):

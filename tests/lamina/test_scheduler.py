@@ -26,8 +26,8 @@ def test_admission_decode_preemption_and_recompute_exact():
     a.output.append(13)
     b.output.append(24)
     # a decodes into the last free slot; b then has none: b (newest) is preempted.
-    plan = s.schedule()
-    assert plan.seqs == (SeqWork(0, (13,), 3, (0, 1, 2, 7), params=P),)
+    plan = s.schedule()  # a decode step sends only the new position's slot
+    assert plan.seqs == (SeqWork(0, (13,), 3, (7,), params=P, slots_from=3),)
     assert b.status == "waiting" and b.num_preemptions == 1 and list(s.waiting) == [b]
     assert s.alloc.free_list() == [3, 4, 5, 6]  # b's slots back, first position first
     a.output.append(14)
@@ -84,7 +84,8 @@ def test_parallel_sampling_prefills_once_then_forks_the_kv():
     for q, tok in zip([parent, *kids], (10, 20, 30)):
         q.output.append(tok)
     plan = s.schedule()  # each appends its own slot after the shared prompt
-    assert plan.seqs == (SeqWork(0, (10,), 3, (0, 1, 2, 3), params=P, seeds=(5,)),
+    # the parent's table goes as a diff; each fork's first step sends its whole table
+    assert plan.seqs == (SeqWork(0, (10,), 3, (3,), params=P, seeds=(5,), slots_from=3),
                          SeqWork(1, (20,), 3, (0, 1, 2, 4), params=P, seeds=(6,)),
                          SeqWork(2, (30,), 3, (0, 1, 2, 5), params=P, seeds=(7,)))
     s.finish(parent, "length")
@@ -113,7 +114,8 @@ def test_kv_split_prefill_and_decode_spill_exact():
                                  params=P, segments=((0, 0), (1, 4))),)
     a.output.append(7)
     plan = s.schedule()  # decode appends on its last range's worker
-    assert plan.seqs[0].slots == (0, 1, 2, 3, 0, 1, 2) and a.worker == 1
+    assert plan.seqs[0].slots == (2,) and plan.seqs[0].slots_from == 6 and a.worker == 1
+    assert s.allocs[0].slots(0) + s.allocs[1].slots(0) == [0, 1, 2, 3, 0, 1, 2]
     b = Sequence(1, [9], P)
     s.add(b)
     a.output.append(8)
@@ -139,8 +141,9 @@ def test_decode_spills_to_another_worker_instead_of_preempting():
     plan = s.schedule()
     # a spills its 5th position onto worker 1's last slot (3) rather than being preempted;
     # b then finds w1 full and nowhere to spill: it is the newest on w1, so it yields
-    assert plan.seqs == (SeqWork(0, (9,), 4, (0, 1, 2, 3, 3), worker=0, params=P,
-                                 segments=((0, 0), (1, 4))),)
+    assert plan.seqs == (SeqWork(0, (9,), 4, (3,), worker=0, params=P,
+                                 segments=((0, 0), (1, 4)), slots_from=4),)
+    assert s.allocs[0].slots(0) == [0, 1, 2, 3]
     assert b.status == "waiting" and b.num_preemptions == 1 and a.num_preemptions == 0
     assert s.allocs[1].slots(0) == [3] and s.allocs[1].free_list() == [0, 1, 2]
 
