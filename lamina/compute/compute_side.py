@@ -284,7 +284,7 @@ class SlotTables:
     Applying a plan is idempotent (a step re-run after a clean `SequenceFault` applies
     the same plan again): a sequence's table is cut at `slots_from` and extended."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._t: dict[int, list[int]] = {}
 
     def __len__(self) -> int:

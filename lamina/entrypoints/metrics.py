@@ -48,6 +48,12 @@ class EngineMetrics:
         self.kv_cached = Gauge("lamina_kv_slots_cached", "Token slots the prefix cache "
                                "holds (some may be shared by running requests)",
                                ["memory_worker"], registry=r)
+        self.cache_hits = Counter("lamina_prefix_cache_hit_tokens", "Prompt tokens of "
+                                  "finished requests reused from the prefix cache (not "
+                                  "computed)", registry=r)
+        self.cache_evicted = Counter("lamina_prefix_cache_evicted_tokens", "Cached token "
+                                     "slots evicted to make room", registry=r)
+        self._evicted = 0
         self.ttft = Histogram("lamina_time_to_first_token_seconds", "Arrival to first "
                               "token", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("lamina_request_latency_seconds", "Arrival to finish",
@@ -65,6 +71,10 @@ class EngineMetrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         caches = sched.caches or [None] * len(engine.allocs)
+        evicted = sum(c.evicted for c in sched.caches or [])
+        if evicted > self._evicted:
+            self.cache_evicted.inc(evicted - self._evicted)
+        self._evicted = evicted
         for w, (alloc, cache) in enumerate(zip(engine.allocs, caches)):
             self.kv_used.labels(str(w)).set(alloc.config.num_slots - alloc.num_free())
             self.kv_cached.labels(str(w)).set(cache.size if cache is not None else 0)
@@ -75,6 +85,7 @@ class EngineMetrics:
         self.requests.labels("abort" if aborted else "error" if out.error else
                              "stop" if reasons == {"stop"} else "length").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.cache_hits.inc(out.metrics.get("cached_tokens", 0))
         self.preemptions.inc(out.metrics.get("preemptions", 0))
         if out.metrics.get("ttft_s") is not None:
             self.ttft.observe(out.metrics["ttft_s"])

@@ -61,6 +61,9 @@ def check(q, k, v, batch, p, backend, tol=1e-5):
 @GQA
 @pytest.mark.parametrize("pname", ["plain", "window", "softcap", "sinks"])
 def test_decode_matches_reference(tri_splits, Hq, Hkv, pname):
+    if DEV.type == "cpu" and Hq // Hkv != 3 and pname != "plain":
+        pytest.skip("Triton's interpreter (~4 s a case) runs every feature at GQA 3 and "
+                    "the other group sizes plain only; a GPU runs them all")
     tables, k, v = decode_case(Hq, Hkv)
     check(queries(len(tables), Hq), k, v, SlotBatch.decode(tables), params_for(pname, Hq),
           tri_splits)

@@ -53,7 +53,7 @@ def test_messages_round_trip_as_typed_dataclasses():
 
 @pytest.mark.parametrize("mutate, msg", [
     (lambda d: d.update(step="x"), "Expected `int`, got `str`"),
-    (lambda d: d["seqs"][0].update(slots=[1]), "seq 4: 1 slots for positions 0..2"),
+    (lambda d: d["seqs"][0].update(slots=[1]), "seq 4: 1 slots from position 0 for positions 0..2"),
     (lambda d: d["seqs"][0]["params"].update(top_p=0.0), "top_p"),
     (lambda d: d.update(micro_batches=0), "micro_batches must be an int >= 1"),
 ])

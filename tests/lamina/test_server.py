@@ -262,6 +262,14 @@ def test_metrics_count_tokens_and_requests(server, prompts, hf_greedy):
     assert after[("lamina_kv_slots_used", worker0)] == after[("lamina_kv_slots_cached",
                                                              worker0)]
     assert after[("lamina_sequences_running", ())] == 0
+    # the same prompts again: their prefixes come from the cache, and /metrics says so
+    status, again = server.post("/v1/completions", {"prompt": [prompts[0], prompts[1]],
+                                                    "max_tokens": 5, "temperature": 0,
+                                                    "ignore_eos": True})
+    before, after = after, _metrics(server)
+    hit = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert status == 200 and hit >= len(prompts[0]) + len(prompts[1]) - 2
+    assert delta("lamina_prefix_cache_hit_tokens_total") == hit
 
 
 @pytest.fixture
