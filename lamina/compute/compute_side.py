@@ -155,13 +155,14 @@ class ComputeSide:
         on the graphs."""
         for mb in mbs:
             p = mb.packed
-            mb.ids, mb.pos = p.input_ids, p.positions
-            if self.device.type != "cpu":
-                mb.ids = p.input_ids.to(self.device, non_blocking=True)
-                mb.pos = p.positions.to(self.device, non_blocking=True)
+            # a graphed step's ids go straight into its bucket's buffers (one copy)
             mb.graphed = (self.graphs is not None and at_once
                           and len(p.logit_rows) == p.input_ids.shape[1]
-                          and self.graphs.begin(mb.ids, mb.pos))
+                          and self.graphs.begin(p.input_ids, p.positions))
+            mb.ids, mb.pos = p.input_ids, p.positions
+            if self.device.type != "cpu" and not mb.graphed:
+                mb.ids = p.input_ids.to(self.device, non_blocking=True)
+                mb.pos = p.positions.to(self.device, non_blocking=True)
 
     def _slice(self, i: int, j: int, mb: _MicroBatch, step: _Layer) -> None:
         """Slice i of micro-batch j: its input (layer i-1's attention output, collected),

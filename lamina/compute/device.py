@@ -20,12 +20,14 @@ import re
 
 import torch
 
+from lamina.engine.config import DEVICE_NAME
+
 
 def check_device(name: str, what: str = "compute_device") -> torch.device:
     """'cpu' or 'cuda[:i]' -> torch.device, a GPU's with its index (tensors report
     'cuda:0', and torch.device('cuda') != torch.device('cuda:0')); a GPU that torch does
     not see is a clear error."""
-    if not isinstance(name, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+    if not isinstance(name, str) or not re.fullmatch(DEVICE_NAME, name):
         raise ValueError(f"{what} must be 'cpu' or 'cuda[:i]', got {name!r}")
     dev = torch.device(name)
     if dev.type == "cuda":

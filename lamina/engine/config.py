@@ -18,6 +18,8 @@ PIPELINES = ("none", "rotational")
 # The compute side's linears (`lamina.splitter.dense.DENSE_BACKENDS`, which the engine
 # does not import: it never loads the model code; a test keeps the two equal).
 DENSE_BACKENDS = ("auto", "eager", "onednn")
+# a device name EngineConfig takes (kv_device, compute_device)
+DEVICE_NAME = r"cpu|cuda(:\d+)?"
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class EngineConfig:
                              f"seconds, got {t!r}")
         for name in ("kv_device", "compute_device"):
             d = getattr(self, name)
-            if not isinstance(d, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+            if not isinstance(d, str) or not re.fullmatch(DEVICE_NAME, d):
                 raise ValueError(f"EngineConfig.{name} must be 'cpu' or 'cuda[:i]', "
                                  f"got {d!r}")
         if not isinstance(self.cuda_graphs, bool):
