@@ -124,3 +124,9 @@ def test_engine_dense_backends_match_the_splitter():
     from lamina.engine.config import DENSE_BACKENDS
     from lamina.splitter.dense import DENSE_BACKENDS as SPLITTER
     assert DENSE_BACKENDS == SPLITTER
+
+
+def test_engine_device_names_match_the_compute_side():
+    from lamina.compute.device import DEVICE_NAME as COMPUTE
+    from lamina.engine.config import DEVICE_NAME
+    assert DEVICE_NAME == COMPUTE

@@ -20,7 +20,9 @@ import re
 
 import torch
 
-from lamina.engine.config import DEVICE_NAME
+# = lamina.engine.config.DEVICE_NAME (the compute side does not import the engine's
+# config; tests/test_layout.py keeps the two equal)
+DEVICE_NAME = r"cpu|cuda(:\d+)?"
 
 
 def check_device(name: str, what: str = "compute_device") -> torch.device:
