@@ -34,6 +34,8 @@ def smol_split(smol):
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable "
         "type changed how knowledge spread across Europe. ") * 40
+# new tokens in the HF greedy reference (exactness tests generate as many)
+HF_NEW = 32
 LENGTHS = [5, 12, 40, 77, 128, 200, 300, 450, 600, 9, 25, 60, 90, 150, 250, 350]
 
 
@@ -46,14 +48,14 @@ def prompts(smol):
 
 @pytest.fixture(scope="session")
 def hf_greedy(smol, prompts):
-    """HF generate(do_sample=False), 64 new tokens, one prompt at a time (no padding)."""
+    """HF generate(do_sample=False), HF_NEW new tokens, one prompt at a time (no padding)."""
     eos = smol.tokenizer.eos_token_id
     refs = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
             refs.append(smol.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                            do_sample=False, max_new_tokens=64,
+                                            do_sample=False, max_new_tokens=HF_NEW,
                                             pad_token_id=eos)[0, len(p):].tolist())
     return refs
 

@@ -10,8 +10,9 @@ import ray
 
 from lamina import LLM, SamplingParams
 from lamina.cluster.executor import WorkerFailure
+from tests.conftest import HF_NEW
 
-GREEDY = SamplingParams(max_tokens=64, temperature=0)
+GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 
 
 @pytest.fixture(scope="module")

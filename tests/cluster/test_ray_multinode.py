@@ -24,9 +24,10 @@ import pytest
 import ray
 
 from lamina import LLM, SamplingParams
+from tests.conftest import HF_NEW
 
 pytestmark = pytest.mark.multinode
-GREEDY = SamplingParams(max_tokens=64, temperature=0)
+GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 PICK = [0, 1, 3, 5, 7, 9, 12, 14]  # 8 prompts of 5-600 tokens
 SUBNET = "10.213"  # 10.213.<n>.1 this host's end of link n, 10.213.<n>.2 the namespace's
 WORKER_TIMEOUT_S = 5.0

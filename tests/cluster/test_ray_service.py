@@ -22,6 +22,7 @@ import ray
 
 import lamina
 from lamina import SamplingParams
+from tests.conftest import HF_NEW
 
 pytestmark = pytest.mark.multinode
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,8 +107,8 @@ import asyncio, json, sys
 import lamina
 from lamina import SamplingParams
 client = lamina.connect()
-prompts = json.loads(sys.argv[1])
-handles = [client.submit(p, SamplingParams(max_tokens=64, temperature=0)) for p in prompts]
+prompts, new = json.loads(sys.argv[1]), int(sys.argv[2])
+handles = [client.submit(p, SamplingParams(max_tokens=new, temperature=0)) for p in prompts]
 
 async def collect(h):
     return [out async for out in h]
@@ -127,7 +128,7 @@ print("TOKENS", json.dumps(results))
 def test_two_drivers_at_once_get_hf_greedy(cluster, prompts, hf_greedy):
     halves = [PICK[0::2], PICK[1::2]]
     procs = [subprocess.Popen([sys.executable, "-c", DRIVER,
-                               json.dumps([prompts[i] for i in half])],
+                               json.dumps([prompts[i] for i in half]), str(HF_NEW)],
                               env=cluster["env"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for half in halves]
     for half, p in zip(halves, procs):
@@ -253,7 +254,7 @@ def test_serve_service_fronts_the_running_service(cluster, prompts, hf_greedy):
             except Exception:  # noqa: BLE001 - not up yet
                 assert srv.poll() is None and time.monotonic() < deadline, srv.stdout.read()
                 time.sleep(0.5)
-        r = oai.completions.create(model=model, prompt=prompts[3], max_tokens=64,
+        r = oai.completions.create(model=model, prompt=prompts[3], max_tokens=HF_NEW,
                                    temperature=0)
         assert r.choices[0].model_extra["token_ids"] == hf_greedy[3]
     finally:

@@ -9,8 +9,9 @@ from lamina.executor.local import LocalExecutor
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
+from tests.conftest import HF_NEW
 
-GREEDY = SamplingParams(max_tokens=64, temperature=0)
+GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 
 
 def engine(smol, smol_split, **kw):
@@ -46,7 +47,7 @@ def test_unknown_dense_backend_is_rejected():
 
 
 def test_preemption_completes_with_same_tokens(smol, smol_split, prompts, hf_greedy):
-    pick = [1, 3, 4, 10, 11, 12]  # 12..128-token prompts: 392 prompt + 384 new tokens
+    pick = [1, 3, 4, 10, 11, 12]  # 12..128-token prompts: 392 prompt + 192 new tokens
     eng = engine(smol, smol_split, num_kv_slots=400)
     outs = run(eng, [prompts[i] for i in pick], GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy[i] for i in pick]
@@ -72,7 +73,7 @@ def test_seeded_sampling_reproducible_and_n(smol, smol_split, prompts):
 def test_sampled_tokens_survive_preemption(smol, smol_split, prompts):
     """Draws are keyed by (seed, position): a recomputed sequence draws the same tokens."""
     pick = [1, 3, 4, 10, 11, 12]
-    p = SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    p = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
     big = run(engine(smol, smol_split), [prompts[i] for i in pick], p)
     small = run(engine(smol, smol_split, num_kv_slots=400), [prompts[i] for i in pick], p)
     assert sum(o.metrics["preemptions"] for o in small) > 0

@@ -17,7 +17,7 @@ from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
 
-NEW = 12  # tokens drawn per good request (HF's reference has 64)
+NEW = 12  # tokens drawn per good request (of HF's reference's HF_NEW)
 GOOD = SamplingParams(max_tokens=NEW, temperature=0)
 SLOTS = 3000
 MEM_POS = 700  # past every good request's last position (600 + 12)

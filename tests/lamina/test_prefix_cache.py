@@ -8,8 +8,9 @@ import pytest
 from lamina import LLM, SamplingParams
 from lamina.engine.prefix_cache import RadixCache
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
+from tests.conftest import HF_NEW
 
-GREEDY = SamplingParams(max_tokens=64, temperature=0)
+GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 
 
 def test_radix_tree_shares_splits_and_evicts_exact_slots():
@@ -98,9 +99,9 @@ def test_multi_turn_and_branches_equal_caching_off(cached_llm, smol):
 
 def test_n_preemption_and_kv_split_equal_caching_off(prompts):
     """A pool too small for all (preemptions), 2 workers with KV split, n = 3 samples."""
-    kw = dict(num_memory_workers=2, num_kv_slots=700, max_step_tokens=1024)
+    kw = dict(num_memory_workers=2, num_kv_slots=520, max_step_tokens=1024)
     batch = [prompts[i] for i in (4, 5, 6, 11, 12, 13)] * 2
-    params = [SamplingParams(max_tokens=48, temperature=0.8, seed=i, n=3 if i % 4 == 0
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, n=3 if i % 4 == 0
                              else 1) for i in range(len(batch))]
     outs = {}
     for caching in (False, True):
@@ -111,7 +112,7 @@ def test_n_preemption_and_kv_split_equal_caching_off(prompts):
             if caching:
                 assert sum(o.metrics["preemptions"] for o in res) > 0
                 assert any(o.metrics["cached_tokens"] for o in res)
-                assert free_after_clear(llm) == [700, 700]
+                assert free_after_clear(llm) == [520, 520]
         finally:
             llm.shutdown()
     assert outs[True] == outs[False]

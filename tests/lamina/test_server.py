@@ -23,6 +23,7 @@ from lamina.entrypoints.metrics import EngineMetrics
 from lamina.executor.local import LocalExecutor
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
+from tests.conftest import HF_NEW
 
 
 def _engine(smol, smol_split, **kw):
@@ -92,7 +93,7 @@ def server(smol, smol_split):
 
 def test_completions_match_hf_and_batch_concurrently(server, prompts, hf_greedy):
     pick = [0, 2, 4, 9]
-    bodies = [{"prompt": prompts[i], "max_tokens": 64, "temperature": 0} for i in pick]
+    bodies = [{"prompt": prompts[i], "max_tokens": HF_NEW, "temperature": 0} for i in pick]
     with ThreadPoolExecutor(4) as pool:  # concurrent HTTP requests share engine steps
         res = list(pool.map(lambda b: server.post("/v1/completions", b), bodies))
     for (status, body), i in zip(res, pick):
