@@ -127,6 +127,8 @@ class RayExecutor(Executor):
         local_cores = int(have.get("CPU", 1)) if "lamina_compute" not in have else threads
         pt = wide_threads or max(threads, local_cores)
         self._c_opts, self._m_opts = {**c_opts, **env}, {**m_opts, **env}
+        # recovery replaces a compute worker that does not answer a ping within this
+        self.ping_timeout_s: float = RECOVER_TIMEOUT_S
         self._compute_spec = ComputeWorkerSpec(model, dtype, m, threads, pt,
                                                config.dense_backend, config.max_batch,
                                                config.fuse_pointwise,
@@ -209,13 +211,13 @@ class RayExecutor(Executor):
         pool's contents can be trusted) and, if it died, the compute worker; the engine
         then recomputes the lost KV. False if the cluster cannot give new workers."""
         try:
-            ray.get(self.compute.node_id.remote(), timeout=RECOVER_TIMEOUT_S)
+            ray.get(self.compute.node_id.remote(), timeout=self.ping_timeout_s)
         except Exception as e:  # noqa: BLE001 - dead or hung: start another
             log.warning("compute worker lost (%s: %s); starting a new one", type(e).__name__, e)
             ray.kill(self.compute)
             self.compute = self._new_compute()
         else:
-            ray.get(self.compute.disconnect.remote(), timeout=RECOVER_TIMEOUT_S)
+            ray.get(self.compute.disconnect.remote(), timeout=self.ping_timeout_s)
         self._close_control()
         for w in self.memory:
             ray.kill(w)

@@ -110,12 +110,15 @@ class ComputeSide:
     def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
         """One step: check, pack, the slices layer by layer with attention on the memory
         side in between, then sampling."""
+        released = plan.released
+        # positions of each table its last plan had (the memory workers may hold them)
+        unchanged = {s.seq_id: s.slots_from for s in plan.seqs if s.slots_from}
         plan = self.tables.apply(plan)
         self.check(plan)
-        groups, mbs = self._pack(plan)
+        groups, mbs = self._pack(plan, unchanged)
         local_slots = sum(m.packed.local_slots for m in mbs)
         scratch = self._local_side(local_slots) if local_slots else None
-        link.begin(plan.step, [m.packed.parts for m in mbs])
+        link.begin(plan.step, [m.packed.parts for m in mbs], released)
         timers = StepTimers()
         # One micro-batch with no prompts attending here: nothing runs between a layer's
         # submit and collect, so the link may do both in one call (`exchange`).
@@ -136,13 +139,14 @@ class ComputeSide:
         timers.sample_s = time.perf_counter() - t
         return _in_plan_order(plan, works, tokens, lps, plps, timers.report(len(mbs)))
 
-    def _pack(self, plan: StepPlan) -> tuple[list[tuple], list[_MicroBatch]]:
+    def _pack(self, plan: StepPlan, unchanged: dict[int, int]
+              ) -> tuple[list[tuple], list[_MicroBatch]]:
         """The plan cut into micro-batches, each packed (rows grouped by worker)."""
         groups = [by_worker(g) for g in split_micro(plan.seqs, plan.micro_batches)]
         local, mbs, base = self.local_kv_dtype is not None, [], 0
         for g in groups:  # micro-batches' local tokens take disjoint scratch slots
             mbs.append(_MicroBatch(pack(StepPlan(plan.step, g), self.num_workers, local,
-                                        base)))
+                                        base, unchanged)))
             base += mbs[-1].packed.local_slots
         if any(m.packed.merge for m in mbs) and any(p.sinks is not None for p in self.params):
             raise ValueError("a sequence's KV is split over memory workers, but this model's "

@@ -31,8 +31,11 @@ class MemoryLink(ABC):
     # through pinned buffers (`compute.device.HostStaging`)
     device = torch.device("cpu")
 
-    def begin(self, step: int, parts: Sequence[Sequence[WorkerPart]]) -> None:  # noqa: B027
-        pass
+    def begin(self, step: int, parts: Sequence[Sequence[WorkerPart]],  # noqa: B027
+              released: Sequence[int] = ()) -> None:
+        """A step's metadata, once before its layers: each micro-batch's parts, and the
+        sequences dropped since the last step (`StepPlan.released`), whose slot tables
+        a memory end that keeps them may drop."""
 
     @abstractmethod
     def submit(self, layer: int, mb: int, q, k, v, parts: Sequence[WorkerPart]) -> None: ...

@@ -32,6 +32,9 @@ class WorkerPart:
     span: tuple[int, int] | None = None
     whole: bool = False  # span covers every packed row
     seq_ids: tuple[int, ...] = ()  # the sequence of each batch entry (to name it in errors)
+    # per batch entry: its range's leading slots unchanged since its sequence's last plan
+    # (the data plane then sends only the rest: `lamina.dataplane.tables`); () = none
+    unchanged: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.kv_rows is None:
@@ -98,8 +101,10 @@ class _PartRows:
     q_pos: list = field(default_factory=list)  # per entry: its queries' positions
     k_pos0: list = field(default_factory=list)  # per entry: position of its first key
     seq_ids: list = field(default_factory=list)  # per entry: its sequence
+    unchanged: list = field(default_factory=list)  # per entry: see WorkerPart.unchanged
 
-    def add(self, q_rows, kv_rows, new_slots, table, q_pos, k_pos0: int, seq_id: int):
+    def add(self, q_rows, kv_rows, new_slots, table, q_pos, k_pos0: int, seq_id: int,
+            unchanged: int = 0):
         self.q_rows.extend(q_rows)
         self.kv_rows.extend(kv_rows)
         self.new_slots.extend(new_slots)
@@ -107,6 +112,7 @@ class _PartRows:
         self.q_pos.append(q_pos)
         self.k_pos0.append(k_pos0)
         self.seq_ids.append(seq_id)
+        self.unchanged.append(unchanged)
 
     def build(self, num_rows: int) -> WorkerPart:
         batch = SlotBatch.build(self.tables, [len(x) for x in self.q_pos], self.k_pos0,
@@ -117,12 +123,14 @@ class _PartRows:
         return WorkerPart(torch.tensor(qr, dtype=torch.int64),
                           torch.tensor(self.new_slots, dtype=torch.int32), batch,
                           torch.tensor(kr, dtype=torch.int64), span, span == (0, num_rows),
-                          tuple(self.seq_ids))
+                          tuple(self.seq_ids), tuple(self.unchanged))
 
 
 def pack(plan: StepPlan, num_workers: int, local: bool = False,
-         local_base: int = 0) -> PackedBatch:
-    """The plan's sequences packed in plan order; see `PackedBatch`.
+         local_base: int = 0, unchanged: dict[int, int] | None = None) -> PackedBatch:
+    """The plan's sequences packed in plan order; see `PackedBatch`. `unchanged`: per
+    sequence, how many leading positions of its slot table its last plan already had
+    (the engine's `SeqWork.slots_from`; absent: 0).
 
     `local` (paper 5.6): a sequence whose whole context is in this step (start_pos 0, KV
     on one worker) attends on the compute side, over a scratch pool's slots
@@ -157,17 +165,17 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False,
                      range(n), 0, s.seq_id)
             continue
         merge |= len(seg) > 1 and seg[-1][1] < p0 + n  # some query sees several ranges
-        _place(s, r0, per)
+        _place(s, r0, per, unchanged.get(s.seq_id, 0) if unchanged else 0)
     own = mine.build(len(ids))
     return PackedBatch(torch.tensor([ids]), torch.tensor([pos]), tuple(rows),
                        tuple(p.build(len(ids)) for p in per), merge, tuple(sample),
                        tuple(prompt), own if own.rows.numel() else None)
 
 
-def _place(s, r0: int, per: list[_PartRows]) -> None:
+def _place(s, r0: int, per: list[_PartRows], unchanged: int = 0) -> None:
     """Sequence `s` (its rows from r0) onto the workers holding its slot ranges: each
     worker attends the queries that see keys in its range and stores the new k/v that
-    fall in it."""
+    fall in it. `unchanged`: its table's leading positions as in its last plan."""
     n, p0, seg = len(s.token_ids), s.start_pos, s.placement
     ends = [a for _, a in seg[1:]] + [len(s.slots)]
     for (w, a), b in zip(seg, ends):
@@ -176,7 +184,8 @@ def _place(s, r0: int, per: list[_PartRows]) -> None:
             continue
         kv0, kv1 = max(a, p0), min(b, p0 + n)  # new positions stored here
         per[w].add(range(r0 + q0 - p0, r0 + n), range(r0 + kv0 - p0, r0 + kv1 - p0),
-                   s.slots[kv0:kv1], s.slots[a:b], range(q0, p0 + n), a, s.seq_id)
+                   s.slots[kv0:kv1], s.slots[a:b], range(q0, p0 + n), a, s.seq_id,
+                   max(0, min(unchanged, b) - a))
 
 
 def by_worker(seqs: tuple) -> tuple:

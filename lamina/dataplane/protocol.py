@@ -8,9 +8,13 @@ Memory end (`MemoryServer`): data in is those frames; it writes k/v into its
 
 Per step, each worker with rows gets: META frames (layer -1): the micro-batch count
 (followed, optionally, by the sequence id of every batch entry of every micro-batch, so
-the memory end can name a bad sequence: -1 where unknown), then per micro-batch
-new_slots, cu_q, q_pos, slots, cu_k, k_pos0 (int32). Then per layer
-and micro-batch, in the same order on both ends:
+the memory end can name a bad sequence and hold its slot table: -1 where unknown), the
+sequences released since (their held tables dropped; a worker with no rows in a step
+gets only these, after a count of 0), then per micro-batch new_slots,
+cu_q, q_pos, keep, tail, cu_k, k_pos0 (int32): the batch's `SlotBatch` with its slots
+as a diff against the tables the memory end holds (`lamina.dataplane.tables`: per entry
+`keep` slots it has, then the `tail`), so a decode step's metadata is O(batch), not
+O(batch x context). Then per layer and micro-batch, in the same order on both ends:
 - one frame qkv [n, Hq*D + Hkv*D + Hkv*Dv] (each row: q | k | v) when the worker stores
   the k/v of exactly its query rows (n == m: every request placed on one worker), else
   three frames q [n, Hq, D], k [m, Hkv, D], v [m, Hkv, Dv] (m < n: some request's KV is
@@ -25,11 +29,14 @@ from __future__ import annotations
 import queue
 import threading
 import traceback
+import weakref
 
 import torch
 
 from lamina.compute.memory_link import MemoryLink, combine
+from lamina.compute.packing import WorkerPart
 from lamina.dataplane.paths import ComputePaths, memory_native, worker_spans
+from lamina.dataplane.tables import HeldTables, SentTables, TableError
 from lamina.dataplane.transport import FrameError, PeerTimeout, SocketChannel
 from lamina.errors import SequenceFault
 from lamina.kernels import SlotBatch
@@ -37,6 +44,16 @@ from lamina.memory.memory_side import MemorySide
 
 META = -1  # layer tag of the per-step metadata frames
 MAX_MICRO_BATCHES = 64
+# What each connection's memory end holds, kept with the connection: a `SocketLink`
+# lives one step (the Ray compute worker makes one per step); a new channel starts empty.
+_SENT: weakref.WeakKeyDictionary[SocketChannel, SentTables] = weakref.WeakKeyDictionary()
+
+
+def sent_tables(ch: SocketChannel) -> SentTables:
+    t = _SENT.get(ch)
+    if t is None:
+        t = _SENT[ch] = SentTables()
+    return t
 
 
 def fuse_qkv(q, k, v) -> torch.Tensor:
@@ -105,6 +122,24 @@ def _raise(status: int, msg: str) -> None:
     raise (FrameError, PeerTimeout, RuntimeError)[status - 1](msg)
 
 
+def step_meta(live: list[WorkerPart], held: SentTables) -> list[torch.Tensor]:
+    """One memory worker's META frames of a step (see the module docstring): its parts
+    in the step's micro-batches, slots as diffs against what `held` says it holds."""
+    ids = [i if 0 <= i < 2 ** 31 else -1 for p in live for i in p.seq_ids]
+    if len(ids) != sum(p.batch.num_requests for p in live):
+        ids = []  # parts built without sequence ids (probes)
+    frames = [torch.tensor([len(live), *ids], dtype=torch.int32),
+              torch.tensor(held.take_released(), dtype=torch.int32)]
+    at = 0
+    for p in live:
+        b, n = p.batch, p.batch.num_requests
+        keep, tail = held.diff(ids[at:at + n] if ids else (), b.slots, b.cu_k, b.k_pos0,
+                               p.unchanged)
+        at += n
+        frames += [p.new_slots, b.cu_q, b.q_pos, keep, tail, b.cu_k, b.k_pos0]
+    return frames
+
+
 class SocketLink(MemoryLink):
     """The compute end: frames to and from one channel per memory worker. Which path
     each layer takes (C++ or Python, one frame or three) is `lamina.dataplane.paths`'
@@ -117,25 +152,22 @@ class SocketLink(MemoryLink):
         self._ext = self.paths.ext
         self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
 
-    def begin(self, step, parts):
+    def begin(self, step, parts, released=()):
         self.step = step
         if self._ext:  # what the C++ ends need every layer, once a step
             self._peers = _peers(self._ext, self.channels)
             self._spans = [worker_spans(p) for p in parts]
             self._rows = [self._layer_rows(sp, step) for sp in self._spans]
         for w, ch in enumerate(self.channels):
+            held = sent_tables(ch)
+            held.release(released)
             live = [p[w] for p in parts if p[w].active]
-            if not live:
-                continue
-            ids = [i if 0 <= i < 2 ** 31 else -1 for p in live for i in p.seq_ids]
-            if len(ids) != sum(p.batch.num_requests for p in live):
-                ids = []  # parts built without sequence ids (probes)
-            frames = [(torch.tensor([len(live), *ids], dtype=torch.int32), META, step)]
-            for p in live:
-                b = p.batch
-                frames += [(t, META, step) for t in (p.new_slots, b.cu_q, b.q_pos, b.slots,
-                                                     b.cu_k, b.k_pos0)]
-            ch.send_many(frames)
+            if live:
+                ch.send_many([(t, META, step) for t in step_meta(live, held)])
+            elif held.pending:  # no rows this step: only what to drop (a count of 0)
+                ch.send_many([(torch.zeros(1, dtype=torch.int32), META, step),
+                              (torch.tensor(held.take_released(), dtype=torch.int32), META,
+                               step)])
 
     def _layer_rows(self, spans, step: int):
         """The native `LayerRows` of a micro-batch whose workers' rows are slices."""
@@ -222,6 +254,7 @@ class MemoryServer:
         cfg = memory.pool.config
         self.kv_shape = (cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim)
         self.steps, self.native_steps, self.error = 0, 0, None
+        self.tables = HeldTables()  # this connection's slot tables, kept across steps
         self.bad_seqs: tuple[int, ...] = ()  # the sequences a failed step was blamed on
         # Steps of one micro-batch run their layers in C++ (`serve_step`, GIL released)
         # where `paths.memory_native` allows; else this file's Python loop does.
@@ -244,8 +277,8 @@ class MemoryServer:
         threading.Thread(target=self._send_loop, daemon=True).start()
         try:
             while True:
-                self.step()
-                self.steps += 1
+                if self.step():
+                    self.steps += 1
         except FrameError as e:
             if "header truncated: peer closed after 0" not in str(e):  # not a clean close
                 self.error = f"{self.name}: {e}"
@@ -266,17 +299,30 @@ class MemoryServer:
         finally:
             self.ch.close()
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One step's frames; -> False for a release-only one (a micro-batch count of 0:
+        no rows this step, only sequences whose tables to drop)."""
         ch = self.ch
         head, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32)
-        if head.dim() != 1 or not head.numel() or not 1 <= int(head[0]) <= MAX_MICRO_BATCHES:
+        count = int(head[0]) if head.dim() == 1 and head.numel() else -1
+        if not 0 <= count <= MAX_MICRO_BATCHES or (count == 0 and head.numel() > 1):
             raise FrameError(f"step {step}: bad micro-batch count frame {head.tolist()[:4]}")
         ids, mbs = head[1:].tolist(), []
+        released = ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
+        self.tables.release(released.tolist())
+        if count == 0:
+            return False
         for _ in range(int(head[0])):
-            new_slots, *fields = [ch.recv(expect_layer=META, expect_step=step,
-                                          expect_dtype=torch.int32)[0] for _ in range(6)]
-            batch = SlotBatch(*fields)
-            mine, ids = ids[:batch.num_requests], ids[batch.num_requests:]
+            new_slots, cu_q, q_pos, keep, tail, cu_k, k_pos0 = [
+                ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
+                for _ in range(7)]
+            n = cu_k.numel() - 1
+            mine, ids = ids[:n], ids[n:]
+            try:
+                slots = self.tables.apply(mine, keep, tail, cu_k, k_pos0)
+            except TableError as e:
+                raise FrameError(f"step {step}: bad slot table diff: {e}") from None
+            batch = SlotBatch(cu_q, q_pos, slots, cu_k, k_pos0)
             try:  # index scans once per step; per layer only shapes are checked
                 self.memory.check(new_slots, batch, tuple(mine))
             except SequenceFault as e:
@@ -287,7 +333,8 @@ class MemoryServer:
                 raise FrameError(f"step {step}: bad slot metadata: {e}") from None
             mbs.append((new_slots, batch))
         if self._native is not None and len(mbs) == 1:
-            return self._serve_native(step, *mbs[0])
+            self._serve_native(step, *mbs[0])
+            return True
         for layer, params in enumerate(self.params):
             for new_slots, batch in mbs:
                 q, k, v = self._recv_qkv(layer, step, batch.num_queries, new_slots.numel())
@@ -299,6 +346,7 @@ class MemoryServer:
                         ch.send(*frame)
                 else:
                     self._out.put(frame)
+        return True
 
     def _serve_native(self, step: int, new_slots, batch) -> None:
         """The layers of a one-micro-batch step in C++: the same frames and checks."""

@@ -26,7 +26,7 @@ class _LocalLink(MemoryLink):
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         self.ready: dict[tuple[int, int], list] = {}
 
-    def begin(self, step, parts):
+    def begin(self, step, parts, released=()):  # in-process: whole SlotBatches
         for mb in parts:
             for mem, p in zip(self.memory, mb):
                 if p.active:

@@ -188,6 +188,7 @@ def test_hung_compute_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
     eng, pick = llm.engine, [4, 11]
     ex = llm.executor
     ex.control.channel.set_timeout(3.0)  # EngineConfig.step_timeout_s for this one step
+    ex.ping_timeout_s = 5.0  # then recovery's ping finds it hung (default 30 s)
     before = len(eng.recoveries)
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
     eng.step()

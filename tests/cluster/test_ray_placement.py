@@ -11,6 +11,7 @@ import time
 import pytest
 
 from lamina.cluster.executor import check_fits
+from tests.tiny_models import tiny_model
 
 SCRIPT = """
 import time, ray
@@ -42,30 +43,34 @@ def test_more_memory_workers_than_lamina_memory_is_refused_at_once():
 
 
 BUSY = """
-import time, ray
+import sys, time, ray
 ray.init(num_cpus=4, resources={"lamina_compute": 2, "lamina_memory": 2},
          include_dashboard=False)
 from lamina import LLM, SamplingParams
 from lamina.cluster.placement import PlacementTimeout
-other = LLM(executor="ray", num_memory_workers=1)  # another deployment holds one
+model = sys.argv[1]  # a tiny model: placement is the point, not the weights
+other = LLM(model, executor="ray", num_memory_workers=1)  # another deployment holds one
 t = time.perf_counter()
 try:
-    LLM(executor="ray", num_memory_workers=2, placement_timeout_s=4)
+    LLM(model, executor="ray", num_memory_workers=2, placement_timeout_s=4)
 except PlacementTimeout as e:
     print("TIMEOUT", round(time.perf_counter() - t, 1), e)
-second = LLM(executor="ray", num_memory_workers=1)  # fits beside the first
+second = LLM(model, executor="ray", num_memory_workers=1)  # fits beside the first
 print("TWO", [o.finish_reason for llm in (other, second)
-              for o in llm.generate(["Hi"], SamplingParams(max_tokens=4, ignore_eos=True),
+              for o in llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True),
                                     use_tqdm=False)])
 print("GROUPS", sorted(g["state"] for g in ray.util.placement_group_table().values()))
 ray.shutdown()
 """
 
 
-def test_busy_resources_fail_after_the_placement_timeout_naming_them():
+def test_busy_resources_fail_after_the_placement_timeout_naming_them(smol, tmp_path):
+    model = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(model, safe_serialization=True)
+    smol.tokenizer.save_pretrained(model)  # its first 96 ids decode
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "disabled"
-    r = subprocess.run([sys.executable, "-c", BUSY], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", BUSY, str(model)], env=env, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     line = next((x for x in r.stdout.splitlines() if x.startswith("TIMEOUT")), None)

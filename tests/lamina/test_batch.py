@@ -91,7 +91,7 @@ def test_a_killed_run_rerun_completes_only_the_missing_lines(llm, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     n = 12
     prompts = [f"Note {i}: the number {i * 7} is" for i in range(n)]
-    src.write_text("\n".join(line(f"r{i}", {"prompt": p, "max_tokens": 6 + 5 * i,
+    src.write_text("\n".join(line(f"r{i}", {"prompt": p, "max_tokens": 4 + 2 * i,
                                             "temperature": 0, "ignore_eos": True})
                              for i, p in enumerate(prompts)) + "\n")
     cmd = [sys.executable, "-m", "lamina.entrypoints.cli", "batch", "--local",
@@ -112,7 +112,7 @@ def test_a_killed_run_rerun_completes_only_the_missing_lines(llm, tmp_path):
            f"there, {n} in" in rerun.stderr
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(x["custom_id"] for x in rows) == sorted(f"r{i}" for i in range(n))
-    want = llm.generate(prompts, [SamplingParams(max_tokens=6 + 5 * i, temperature=0,
+    want = llm.generate(prompts, [SamplingParams(max_tokens=4 + 2 * i, temperature=0,
                                                  ignore_eos=True) for i in range(n)],
                         use_tqdm=False)  # one batch: the references in one run
     for x in rows:

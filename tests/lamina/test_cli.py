@@ -62,16 +62,37 @@ def test_generate_bad_params_exit_2_before_loading(capsys):
     assert "SamplingParams.repetition_penalty" in capsys.readouterr().err
 
 
-def test_generate_stop_and_penalty_flags(capsys):
-    """A stop string cuts the text; a repetition penalty changes the greedy path."""
-    args = ["generate", "--max-tokens", "24", "One, two, three, four,"]
-    assert main(args) == 0
-    plain = capsys.readouterr().out
-    assert main(args + ["--stop", " six"]) == 0
-    out = capsys.readouterr().out
-    assert "six" in plain and "six" not in out.split("\n", 2)[2] and "stop]" in out
-    assert main(args + ["--repetition-penalty", "1.5"]) == 0
-    assert capsys.readouterr().out.split("\n")[2] != plain.split("\n")[2]
+def test_generate_stop_and_penalty_flags(monkeypatch, capsys):
+    """The sampling flags reach the engine as one SamplingParams, and each answer's finish
+    reason is printed (what stop strings and penalties do to the tokens is the engine's,
+    tested against HF in test_engine.py)."""
+    import lamina
+
+    seen = []
+
+    class FakeLLM:
+        dense = type("D", (), {"backend": "onednn", "reason": "fake"})()
+
+        def __init__(self, model, **kw):
+            pass
+
+        def generate(self, prompts, params, use_tqdm=True):
+            seen.append(params)
+            out = type("O", (), {"text": " five,", "token_ids": [1, 2], "finish_reason": "stop"})
+            return [out() for _ in prompts]
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(lamina, "LLM", FakeLLM)
+    assert main(["generate", "--max-tokens", "24", "One, two,", "--stop", " six", "--stop",
+                 "\n", "--repetition-penalty", "1.5", "--presence-penalty", "0.5",
+                 "--frequency-penalty", "-0.25", "--seed", "3", "--temperature", "0.7"]) == 0
+    (p,) = seen
+    assert (p.max_tokens, p.stop, p.repetition_penalty, p.presence_penalty,
+            p.frequency_penalty, p.seed, p.temperature) == (24, (" six", "\n"), 1.5, 0.5,
+                                                            -0.25, 3, 0.7)
+    assert "> One, two,\nfive,\n[2 tokens, stop]" in capsys.readouterr().out
 
 
 def test_dense_backend_choices_follow_the_library():

@@ -212,6 +212,35 @@ def test_socket_link_kv_split_and_micro_batches(smol, smol_split, prompts, hf_gr
     ex.shutdown()
 
 
+def test_memory_ends_hold_each_running_sequences_table(smol, smol_split, prompts, hf_greedy):
+    """Each memory end keeps its sequences' slot tables across steps and is sent only new
+    slots: after every step its held ranges equal the allocators' tables of the running
+    sequences on that worker, through preemptions (small pools) and a KV split over both
+    workers; greedy tokens equal HF's; finished sequences' tables go with the next
+    step's metadata. Two micro-batches a step (the memory end's Python loop; every other
+    test here runs the tables through the C++ one too)."""
+    pick = [8, 1, 3, 4, 10, 11]  # the 600-token prompt spans both 400-slot pools
+    eng, ex = linked_engine(smol, smol_split, 400, pipeline="rotational")
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    ids = [eng.add_request(prompts[i], greedy) for i in pick]
+    out, split = {}, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] = o
+        for w, srv in enumerate(ex.servers):
+            for seq in eng.scheduler.running:
+                assert srv.tables.slots(seq.seq_id) == {
+                    a: eng.allocs[w].slots(seq.seq_id) for ww, a in seq.segments if ww == w}
+        split += any(len(q.segments) > 1 for q in eng.scheduler.running)
+    assert [out[i].token_ids for i in ids] == [hf_greedy[i][:16] for i in pick]
+    assert sum(o.metrics["preemptions"] for o in out.values()) > 0 and split
+    assert all(s.error is None for s in ex.servers)
+    run(eng, [prompts[0]], SamplingParams(max_tokens=2, temperature=0))
+    # the worker that served it holds its table only; the other was sent what to drop
+    assert sorted(len(s.tables) for s in ex.servers) == [0, 1]
+    ex.shutdown()
+
+
 def test_c_plus_plus_ends_over_tcp(smol, smol_split, prompts, hf_greedy):
     """The C++ ends over loopback TCP (partial reads and writes of a real stream), a
     600-token prefill among them: HF's greedy tokens."""
@@ -307,12 +336,21 @@ def tiny_server(native, dtype=torch.float32, sinks=None):
     return srv, t, a, pool, params
 
 
-def send_meta(ch, step, tables, new_slots):
+def meta_frames(step, tables, new_slots, head=(1,), released=(), keep=None):
+    """A step's metadata frames by hand: head (micro-batch count, then sequence ids), the
+    released sequences, then one micro-batch's new slots and batch with its slots as
+    `keep` counts (default none kept) and the tail."""
     batch = SlotBatch.build(tables, [1] * len(tables))
-    frames = [(torch.tensor([1], dtype=torch.int32), META, step),
-              (torch.tensor(new_slots, dtype=torch.int32), META, step)]
-    frames += [(t, META, step) for t in (batch.cu_q, batch.q_pos, batch.slots, batch.cu_k,
-                                         batch.k_pos0)]
+    keep = [0] * len(tables) if keep is None else keep
+    tail = [x for t, k in zip(tables, keep) for x in t[k:]]
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return batch, [(t, META, step) for t in (
+        i32(list(head)), i32(list(released)), i32(new_slots), batch.cu_q, batch.q_pos,
+        i32(keep), i32(tail), batch.cu_k, batch.k_pos0)]
+
+
+def send_meta(ch, step, tables, new_slots):
+    batch, frames = meta_frames(step, tables, new_slots)
     ch.send_many(frames)
     return batch
 
@@ -415,7 +453,7 @@ def test_compute_end_rejects_malformed_outputs(native, reply, msg):
     link.begin(5, [[part]])
     q, k, v = torch.randn(2, 6, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
     link.submit(0, 0, q, k, v, [part])
-    for _ in range(7):  # the metadata frames
+    for _ in range(9):  # the metadata frames
         peer.recv(expect_layer=META, expect_step=5)
     x = peer.recv(expect_layer=0, expect_step=5)[0]
     assert torch.equal(x, fuse_qkv(q, k, v))  # the q|k|v frame as sent
@@ -449,7 +487,7 @@ def test_exchange_sends_and_collects_in_one_call(reply, msg):
     seen = []
 
     def serve():
-        for _ in range(7):  # the metadata frames
+        for _ in range(9):  # the metadata frames
             peer.recv(expect_layer=META, expect_step=5)
         seen.append(peer.recv(expect_layer=0, expect_step=5)[0])
         if reply(ol) is None:
@@ -472,19 +510,14 @@ def test_exchange_sends_and_collects_in_one_call(reply, msg):
 
 def send_meta_ids(ch, step, tables, new_slots, head):
     """`send_meta` with a hand-made first frame (micro-batch count, then sequence ids)."""
-    batch = SlotBatch.build(tables, [1] * len(tables))
-    frames = [(torch.tensor(head, dtype=torch.int32), META, step),
-              (torch.tensor(new_slots, dtype=torch.int32), META, step)]
-    frames += [(t, META, step) for t in (batch.cu_q, batch.q_pos, batch.slots, batch.cu_k,
-                                         batch.k_pos0)]
-    ch.send_many(frames)
+    ch.send_many(meta_frames(step, tables, new_slots, head)[1])
 
 
 @pytest.mark.parametrize("head,tables,bad,msg", [
     ([1, 11, 12], [[3, 9, 4], [7, 99]], (12,), "slot ids out of range [0, 16)"),  # named
     ([1, 11, -1], [[3, 9, 4], [7, 99]], (), "bad slot metadata"),  # an unknown id: no name
     ([1], [[3, 9, 4], [7, 99]], (), "bad slot metadata"),  # no ids sent (older peers)
-    ([0], [[3, 9, 4]], (), "bad micro-batch count frame [0]"),
+    ([0, 11], [[3, 9, 4]], (), "bad micro-batch count frame [0, 11]"),  # 0: no ids
     ([65], [[3, 9, 4]], (), "bad micro-batch count frame [65]"),
 ])
 def test_bad_slot_metadata_names_its_sequence(head, tables, bad, msg):

@@ -3,11 +3,15 @@ and the compute side's `SlotTables` rebuild every sequence's whole table exactly
 (checked against the allocators' own tables) through preemption, KV split over
 workers, forks (n > 1), finishes and a re-applied plan."""
 import random
+from dataclasses import replace
 
 import msgspec
 import pytest
+import torch
 
 from lamina.compute.compute_side import SlotTables
+from lamina.compute.packing import pack
+from lamina.dataplane.tables import HeldTables, SentTables, TableError
 from lamina.engine.messages import SeqWork, StepPlan
 from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
@@ -42,16 +46,14 @@ def _whole_table(s: Scheduler, seq: Sequence) -> list[int]:
     return [x for w in seq.workers for x in s.allocs[w].slots(seq.seq_id)]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_slot_tables_rebuild_every_whole_table_exactly(seed):
+def _random_run(seed: int):
     """Random prompts, n = 1 or 2, small pools on 2 workers (KV split and preemption
-    happen), random finishes; each plan goes through SlotTables (every other one twice,
-    as a step re-run after a clean fault): each sequence's rebuilt table equals the
-    allocators' table, and the tables of gone sequences are dropped."""
+    happen), random finishes: yields (scheduler, plan, live sequences by id) per step;
+    the step's tokens are drawn after each yield."""
     rng = random.Random(seed)
     allocs = [KVAllocator(KVAllocatorConfig(40)) for _ in range(2)]
     s = Scheduler(SchedulerConfig(6, 64, True), allocs)
-    tables, live, seen = SlotTables(), {}, {"split": 0, "preempted": 0, "diffs": 0}
+    live = {}
     for i in range(14):
         n = 2 if i % 5 == 0 else 1
         seq = Sequence(i, [rng.randrange(5, 90) for _ in range(rng.randrange(2, 30))],
@@ -59,19 +61,11 @@ def test_slot_tables_rebuild_every_whole_table_exactly(seed):
         seq.forks = [Sequence(100 + i, list(seq.prompt), seq.params)] if n == 2 else []
         s.add(seq)
         live[i] = seq
-    for step in range(400):
+    for _ in range(400):
         if not s.has_work():
             break
         plan = s.schedule()
-        whole = tables.apply(plan)
-        if step % 2:
-            whole = tables.apply(plan)  # idempotent
-        seen["diffs"] += sum(w.slots_from > 0 for w in plan.seqs)
-        for w, full in zip(plan.seqs, whole.seqs):
-            seq = live[w.seq_id]
-            assert full.slots_from == 0 and list(full.slots) == _whole_table(s, seq)
-            seen["split"] += len(seq.segments) > 1
-        seen["preempted"] = sum(q.num_preemptions for q in live.values())
+        yield s, plan, live
         for w in plan.seqs:
             seq = live[w.seq_id]
             if seq.status != "running":
@@ -84,9 +78,108 @@ def test_slot_tables_rebuild_every_whole_table_exactly(seed):
                 if q.status == "running" and len(q.output) >= q.params.max_tokens:
                     s.finish(q, "length")
     assert not s.has_work()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_slot_tables_rebuild_every_whole_table_exactly(seed):
+    """Each plan of a random run goes through SlotTables (every other one twice, as a
+    step re-run after a clean fault): each sequence's rebuilt table equals the
+    allocators' table, and the tables of gone sequences are dropped."""
+    tables, seen = SlotTables(), {"split": 0, "preempted": 0, "diffs": 0}
+    for step, (s, plan, live) in enumerate(_random_run(seed)):
+        whole = tables.apply(plan)
+        if step % 2:
+            whole = tables.apply(plan)  # idempotent
+        seen["diffs"] += sum(w.slots_from > 0 for w in plan.seqs)
+        for w, full in zip(plan.seqs, whole.seqs):
+            seq = live[w.seq_id]
+            assert full.slots_from == 0 and list(full.slots) == _whole_table(s, seq)
+            seen["split"] += len(seq.segments) > 1
+        seen["preempted"] = sum(q.num_preemptions for q in live.values())
     assert seen["split"] and seen["preempted"] and seen["diffs"], seen
     tables.apply(StepPlan(10**6, (), released=tuple(s._released)))
     assert len(tables) == 0  # every finished sequence's table was dropped
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_memory_ends_hold_the_allocators_tables(seed):
+    """The data plane's held tables (`lamina.dataplane.tables`), both ends of two
+    connections, through a random run (KV split, preemption, forks, finishes): every
+    part's slots the memory end rebuilds equal the part's own, each held range equals
+    the allocator's table of that sequence on that worker, most steps send only new
+    slots, and a replaced connection (both ends new) starts over whole."""
+    sent, held = [SentTables(), SentTables()], [HeldTables(), HeldTables()]
+    tables, stats = SlotTables(), {"sent": 0, "whole": 0, "replaced": 0}
+    for step, (s, plan, live) in enumerate(_random_run(seed)):
+        if step % 37 == 36:  # worker 1's connection replaced
+            sent[1], held[1] = SentTables(), HeldTables()
+            stats["replaced"] += 1
+        unchanged = {w.seq_id: w.slots_from for w in plan.seqs}
+        for end in sent:
+            end.release(plan.released)
+        whole = tables.apply(plan)
+        packed = pack(whole, 2, unchanged=unchanged)
+        for w, part in enumerate(packed.parts):
+            if not part.active:
+                continue
+            b = part.batch
+            held[w].release(sent[w].take_released())
+            keep, tail = sent[w].diff(part.seq_ids, b.slots, b.cu_k, b.k_pos0,
+                                      part.unchanged)
+            slots = held[w].apply(part.seq_ids, keep, tail, b.cu_k, b.k_pos0)
+            assert slots.tolist() == b.slots.tolist()
+            stats["sent"] += tail.numel()
+            stats["whole"] += b.slots.numel()
+            for sid in part.seq_ids:
+                seq = live[sid]
+                got = held[w].slots(sid)
+                assert {a: x for a, x in got.items()} == {
+                    a: s.allocs[w].slots(sid) for ww, a in seq.segments if ww == w}
+    assert stats["replaced"] and stats["sent"] < stats["whole"] / 3, stats
+    for w in range(2):  # the finished sequences' tables go with the next metadata
+        sent[w].release(s._released)
+        held[w].release(sent[w].take_released())
+        assert len(held[w]) == 0 and not sent[w].sent
+
+
+def test_decode_metadata_does_not_grow_with_the_context():
+    """After a sequence's first step, a decode step sends one slot per sequence and the
+    memory end keeps the other L."""
+    B = 8
+    for L in (128, 8192):
+        plan = _decode_plan(B, L)
+        tables, end, mem = SlotTables(), SentTables(), HeldTables()
+        whole = tables.apply(replace(plan, seqs=tuple(
+            replace(w, slots=tuple(range(i * (L + 4), i * (L + 4) + L + 1)), slots_from=0)
+            for i, w in enumerate(plan.seqs))))
+        first = pack(whole, 1).parts[0]  # everything sent whole once
+        k, t = end.diff(first.seq_ids, first.batch.slots, first.batch.cu_k,
+                        first.batch.k_pos0, first.unchanged)
+        mem.apply(first.seq_ids, k, t, first.batch.cu_k, first.batch.k_pos0)
+        assert t.numel() == B * (L + 1) and not k.any()
+        nxt = pack(whole, 1, unchanged={w.seq_id: L for w in whole.seqs}).parts[0]
+        k, t = end.diff(nxt.seq_ids, nxt.batch.slots, nxt.batch.cu_k, nxt.batch.k_pos0,
+                        nxt.unchanged)
+        assert k.tolist() == [L] * B and t.numel() == B
+        assert mem.apply(nxt.seq_ids, k, t, nxt.batch.cu_k,
+                         nxt.batch.k_pos0).tolist() == nxt.batch.slots.tolist()
+
+
+def test_a_keep_the_memory_end_cannot_honour_changes_nothing():
+    mem = HeldTables()
+    cu, k0 = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    assert mem.apply([7], i32([0]), i32([4, 5, 6]), cu, k0).tolist() == [4, 5, 6]
+    cu4 = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TableError, match=r"seq 7, KV from position 0\) keeps 4 slots, but "
+                                         r"this end holds 3 \(the ends are out of step\)"):
+        mem.apply([7], i32([4]), i32([]), cu4, k0)
+    with pytest.raises(TableError, match="keeps 1 slots, but this end holds 0"):
+        mem.apply([8], i32([1]), i32([1, 2, 3]), torch.tensor([0, 4], dtype=torch.int32), k0)
+    with pytest.raises(TableError, match="tail of 2 slots, expected 1"):
+        mem.apply([7], i32([3]), i32([1, 2]), cu4, k0)
+    assert mem.slots(7) == {0: [4, 5, 6]} and mem.slots(8) == {}  # nothing changed
+    assert mem.apply([7], i32([2]), i32([9, 8]), cu4, k0).tolist() == [4, 5, 9, 8]
 
 
 def test_a_diff_for_a_table_the_compute_side_lacks_is_a_clear_error():
