@@ -45,6 +45,29 @@ class AttentionParams:
         return torch.tensor(self.sinks, dtype=torch.float32, device=device)
 
 
+class GrowingSlots:
+    """One slot table (a sequence's, or its KV range's) in an int32 buffer that doubles,
+    so a decode step's one new slot is O(1) and the table is read as a view."""
+
+    __slots__ = ("buf", "n")
+
+    def __init__(self) -> None:
+        self.buf, self.n = np.empty(16, np.int32), 0
+
+    def view(self) -> np.ndarray:
+        return self.buf[:self.n]
+
+    def cut_and_extend(self, keep: int, new: np.ndarray) -> None:
+        """The first `keep` slots, then `new`."""
+        end = keep + len(new)
+        if end > len(self.buf):
+            grown = np.empty(max(end, 2 * len(self.buf)), np.int32)
+            grown[:keep] = self.buf[:keep]
+            self.buf = grown
+        self.buf[keep:end] = new
+        self.n = end
+
+
 def _i32(x) -> torch.Tensor:
     return torch.as_tensor(np.ascontiguousarray(x, dtype=np.int32))
 
@@ -93,8 +116,9 @@ class SlotBatch:
         pos0 = np.zeros(len(tables), np.int64) if start is None else np.asarray(start, np.int64)
         if pos0.shape != lens.shape or np.any(pos0 < 0):
             raise ValueError("start positions must be one non-negative int per request")
-        flat = np.concatenate([np.asarray(t, np.int64) for t in tables]) if len(tables) \
-            else np.zeros(0, np.int64)
+        # int32 tables (views of kept ones) concatenate without a conversion
+        flat = np.concatenate([np.asarray(t, np.int32) for t in tables]) if len(tables) \
+            else np.zeros(0, np.int32)
         cu_k = np.concatenate([[0], np.cumsum(lens)])
         cu_q = np.concatenate([[0], np.cumsum(nq)])
         if q_pos is not None:

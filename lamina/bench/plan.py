@@ -35,8 +35,9 @@ def _case(B: int, L: int, steps: int, whole: bool) -> dict:
     for i in range(B):
         s.add(Sequence(i, [7] * L, SamplingParams(max_tokens=steps + 2)))
     tables, enc, held = SlotTables(), msgspec.msgpack.Encoder(), SentTables()
-    first = tables.apply(s.schedule())  # the prefill: whole tables either way
-    step_meta(list(pack(first, 1).parts), held)
+    first = s.schedule()  # the prefill: whole tables either way
+    tables.apply(first)
+    step_meta(list(pack(first, 1, tables=tables).parts), held)
     sizes, t_plan, t_apply, t_pack, meta = [], [], [], [], []
     for _ in range(steps):
         for q in s.running:
@@ -46,9 +47,9 @@ def _case(B: int, L: int, steps: int, whole: bool) -> dict:
         t0 = time.perf_counter()
         plan = s.schedule()
         t1 = time.perf_counter()
-        full = tables.apply(plan)
+        tables.apply(plan)
         t2 = time.perf_counter()
-        parts = pack(full, 1, unchanged={w.seq_id: w.slots_from for w in plan.seqs}).parts
+        parts = pack(plan, 1, tables=tables).parts
         t3 = time.perf_counter()
         frames = step_meta(list(parts), SentTables() if whole else held)
         meta.append(sum(HEADER.size + 8 * f.dim() + f.numel() * f.element_size()

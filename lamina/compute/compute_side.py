@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lamina.compute.device import HostStaging, check_device
@@ -34,6 +35,7 @@ from lamina.compute.memory_link import MemoryLink
 from lamina.compute.packing import PackedBatch, PromptRows, by_worker, pack, split_micro
 from lamina.engine.messages import SeqWork, StepPlan, StepResult
 from lamina.errors import SequenceFault
+from lamina.kernels.slots import GrowingSlots
 from lamina.memory.memory_side import MemorySide, attention_params
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.sampler import prompt_logprobs, row_logprobs, sample_rows
@@ -86,7 +88,7 @@ class ComputeSide:
             raise SequenceFault(bad, "; ".join(why))
 
     def _check_seq(self, s: SeqWork) -> None:
-        toks, new = s.token_ids, s.slots[s.start_pos:]
+        toks, new = s.token_ids, s.slots[s.start_pos - s.slots_from:]
         if self.vocab_size is not None and (min(toks) < 0 or max(toks) >= self.vocab_size):
             raise ValueError(f"token ids {min(toks)}..{max(toks)} outside the vocabulary "
                              f"of {self.vocab_size}")
@@ -110,15 +112,12 @@ class ComputeSide:
     def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
         """One step: check, pack, the slices layer by layer with attention on the memory
         side in between, then sampling."""
-        released = plan.released
-        # positions of each table its last plan had (the memory workers may hold them)
-        unchanged = {s.seq_id: s.slots_from for s in plan.seqs if s.slots_from}
-        plan = self.tables.apply(plan)
+        self.tables.apply(plan)
         self.check(plan)
-        groups, mbs = self._pack(plan, unchanged)
+        groups, mbs = self._pack(plan)
         local_slots = sum(m.packed.local_slots for m in mbs)
         scratch = self._local_side(local_slots) if local_slots else None
-        link.begin(plan.step, [m.packed.parts for m in mbs], released)
+        link.begin(plan.step, [m.packed.parts for m in mbs], plan.released)
         timers = StepTimers()
         # One micro-batch with no prompts attending here: nothing runs between a layer's
         # submit and collect, so the link may do both in one call (`exchange`).
@@ -139,14 +138,13 @@ class ComputeSide:
         timers.sample_s = time.perf_counter() - t
         return _in_plan_order(plan, works, tokens, lps, plps, timers.report(len(mbs)))
 
-    def _pack(self, plan: StepPlan, unchanged: dict[int, int]
-              ) -> tuple[list[tuple], list[_MicroBatch]]:
+    def _pack(self, plan: StepPlan) -> tuple[list[tuple], list[_MicroBatch]]:
         """The plan cut into micro-batches, each packed (rows grouped by worker)."""
         groups = [by_worker(g) for g in split_micro(plan.seqs, plan.micro_batches)]
         local, mbs, base = self.local_kv_dtype is not None, [], 0
         for g in groups:  # micro-batches' local tokens take disjoint scratch slots
             mbs.append(_MicroBatch(pack(StepPlan(plan.step, g), self.num_workers, local,
-                                        base, unchanged)))
+                                        base, self.tables)))
             base += mbs[-1].packed.local_slots
         if any(m.packed.merge for m in mbs) and any(p.sinks is not None for p in self.params):
             raise ValueError("a sequence's KV is split over memory workers, but this model's "
@@ -284,40 +282,38 @@ class ComputeSide:
 
 class SlotTables:
     """The compute side's copy of each running sequence's KV slot table, kept from step
-    to step so that plans carry only what changed (`SeqWork.slots_from`).
+    to step so that plans carry only what changed (`SeqWork.slots_from`); packing reads
+    the whole tables from here (`table`, int32 views: no per-position Python objects).
 
     Applying a plan is idempotent (a step re-run after a clean `SequenceFault` applies
     the same plan again): a sequence's table is cut at `slots_from` and extended."""
 
     def __init__(self) -> None:
-        self._t: dict[int, list[int]] = {}
+        self._t: dict[int, GrowingSlots] = {}
 
     def __len__(self) -> int:
         return len(self._t)
 
-    def apply(self, plan: StepPlan) -> StepPlan:
-        """-> the plan with every sequence's whole table (slots_from 0)."""
+    def table(self, seq_id: int) -> np.ndarray:
+        """seq's whole table [L] int32 (a view, valid until its next plan is applied)."""
+        return self._t[seq_id].view()
+
+    def apply(self, plan: StepPlan) -> None:
         for sid in plan.released:
             self._t.pop(sid, None)
-        if all(s.slots_from == 0 for s in plan.seqs):
-            for s in plan.seqs:
-                self._t[s.seq_id] = list(s.slots)
-            return plan
-        return replace(plan, seqs=tuple(self._whole(s) for s in plan.seqs), released=())
-
-    def _whole(self, s: SeqWork) -> SeqWork:
-        if s.slots_from == 0:
-            self._t[s.seq_id] = list(s.slots)
-            return s
-        t = self._t.get(s.seq_id)
-        if t is None or len(t) < s.slots_from:
-            have = "none" if t is None else f"{len(t)} positions"
-            raise RuntimeError(f"seq {s.seq_id}: the plan sends its KV slots from position "
-                               f"{s.slots_from}, but the compute side holds {have} of its "
-                               f"table (engine and executor out of step)")
-        del t[s.slots_from:]
-        t.extend(s.slots)
-        return replace(s, slots=tuple(t), slots_from=0)
+        for s in plan.seqs:
+            t = self._t.get(s.seq_id)
+            if s.slots_from == 0 or t is None:
+                if s.slots_from:
+                    raise RuntimeError(f"seq {s.seq_id}: the plan sends its KV slots from "
+                                       f"position {s.slots_from}, but the compute side holds "
+                                       f"none of its table (engine and executor out of step)")
+                t = self._t[s.seq_id] = GrowingSlots()
+            elif t.n < s.slots_from:
+                raise RuntimeError(f"seq {s.seq_id}: the plan sends its KV slots from position "
+                                   f"{s.slots_from}, but the compute side holds {t.n} "
+                                   f"positions of its table (engine and executor out of step)")
+            t.cut_and_extend(s.slots_from, np.asarray(s.slots, dtype=np.int32))
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lamina.engine.messages import StepPlan
@@ -127,10 +128,10 @@ class _PartRows:
 
 
 def pack(plan: StepPlan, num_workers: int, local: bool = False,
-         local_base: int = 0, unchanged: dict[int, int] | None = None) -> PackedBatch:
-    """The plan's sequences packed in plan order; see `PackedBatch`. `unchanged`: per
-    sequence, how many leading positions of its slot table its last plan already had
-    (the engine's `SeqWork.slots_from`; absent: 0).
+         local_base: int = 0, tables=None) -> PackedBatch:
+    """The plan's sequences packed in plan order; see `PackedBatch`. `tables`: the kept
+    slot tables (`compute_side.SlotTables`) a plan of diffs is read against; without
+    them every sequence must carry its whole table (`slots_from` 0).
 
     `local` (paper 5.6): a sequence whose whole context is in this step (start_pos 0, KV
     on one worker) attends on the compute side, over a scratch pool's slots
@@ -149,6 +150,7 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False,
             raise ValueError(f"seq {s.seq_id} placed on memory workers {[w for w, _ in seg]} "
                              f"of {num_workers}")
         n, r0, p0 = len(s.token_ids), len(ids), s.start_pos
+        table = _table(s, tables)  # [L] int32
         ids += s.token_ids
         pos += range(p0, p0 + n)
         if s.sample and s.params.prompt_logprobs is not None and p0 == 0 and n > 1:
@@ -160,32 +162,43 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False,
         if local and p0 == 0 and len(seg) == 1:
             at = local_base + len(mine.new_slots)
             per[seg[0][0]].kv_rows.extend(range(r0, r0 + n))  # stores the k/v, attends none
-            per[seg[0][0]].new_slots.extend(s.slots)
+            per[seg[0][0]].new_slots.extend(table.tolist())
             mine.add(range(r0, r0 + n), range(r0, r0 + n), range(at, at + n), range(at, at + n),
                      range(n), 0, s.seq_id)
             continue
         merge |= len(seg) > 1 and seg[-1][1] < p0 + n  # some query sees several ranges
-        _place(s, r0, per, unchanged.get(s.seq_id, 0) if unchanged else 0)
+        _place(s, table, r0, per)
     own = mine.build(len(ids))
     return PackedBatch(torch.tensor([ids]), torch.tensor([pos]), tuple(rows),
                        tuple(p.build(len(ids)) for p in per), merge, tuple(sample),
                        tuple(prompt), own if own.rows.numel() else None)
 
 
-def _place(s, r0: int, per: list[_PartRows], unchanged: int = 0) -> None:
-    """Sequence `s` (its rows from r0) onto the workers holding its slot ranges: each
-    worker attends the queries that see keys in its range and stores the new k/v that
-    fall in it. `unchanged`: its table's leading positions as in its last plan."""
+def _table(s, tables) -> np.ndarray:
+    """s's whole slot table [L] int32."""
+    if tables is not None:
+        return tables.table(s.seq_id)
+    if s.slots_from:
+        raise ValueError(f"seq {s.seq_id}: its plan sends slots from position "
+                         f"{s.slots_from}; packing it needs the kept tables")
+    return np.asarray(s.slots, dtype=np.int32)
+
+
+def _place(s, table: np.ndarray, r0: int, per: list[_PartRows]) -> None:
+    """Sequence `s` (its rows from r0, its whole slot `table`) onto the workers holding
+    its slot ranges: each worker attends the queries that see keys in its range and
+    stores the new k/v that fall in it. Positions before `s.slots_from` are as in its
+    last plan (the memory workers may hold them: `WorkerPart.unchanged`)."""
     n, p0, seg = len(s.token_ids), s.start_pos, s.placement
-    ends = [a for _, a in seg[1:]] + [len(s.slots)]
+    ends = [a for _, a in seg[1:]] + [len(table)]
     for (w, a), b in zip(seg, ends):
         q0 = max(a, p0)  # queries at positions >= a see keys in this range
         if q0 >= p0 + n:
             continue
         kv0, kv1 = max(a, p0), min(b, p0 + n)  # new positions stored here
         per[w].add(range(r0 + q0 - p0, r0 + n), range(r0 + kv0 - p0, r0 + kv1 - p0),
-                   s.slots[kv0:kv1], s.slots[a:b], range(q0, p0 + n), a, s.seq_id,
-                   max(0, min(unchanged, b) - a))
+                   table[kv0:kv1].tolist(), table[a:b], range(q0, p0 + n), a, s.seq_id,
+                   max(0, min(s.slots_from, b) - a))
 
 
 def by_worker(seqs: tuple) -> tuple:

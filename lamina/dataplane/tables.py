@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from lamina.kernels.slots import GrowingSlots
+
 
 class TableError(ValueError):
     """The compute end asked the memory end to keep slots it does not hold."""
@@ -74,36 +76,18 @@ class SentTables:
         return torch.tensor(keep, dtype=torch.int32), torch.from_numpy(tail)
 
 
-class _Grow:
-    """One range's slots in a buffer that doubles, so appending a step's slot is O(1)."""
-
-    __slots__ = ("buf", "n")
-
-    def __init__(self) -> None:
-        self.buf, self.n = np.empty(16, np.int32), 0
-
-    def cut_and_extend(self, keep: int, new: np.ndarray) -> None:
-        end = keep + len(new)
-        if end > len(self.buf):
-            grown = np.empty(max(end, 2 * len(self.buf)), np.int32)
-            grown[:keep] = self.buf[:keep]
-            self.buf = grown
-        self.buf[keep:end] = new
-        self.n = end
-
-
 class HeldTables:
     """The memory end's tables of one connection."""
 
     def __init__(self) -> None:
-        self._t: dict[int, dict[int, _Grow]] = {}  # seq -> first position -> slots
+        self._t: dict[int, dict[int, GrowingSlots]] = {}  # seq -> first position -> slots
 
     def __len__(self) -> int:
         return len(self._t)
 
     def slots(self, seq_id: int) -> dict[int, list[int]]:
         """seq's held ranges: first position -> slots (tests, debugging)."""
-        return {a: g.buf[:g.n].tolist() for a, g in self._t.get(seq_id, {}).items()}
+        return {a: g.view().tolist() for a, g in self._t.get(seq_id, {}).items()}
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for sid in seq_ids:
@@ -141,11 +125,11 @@ class HeldTables:
             if sid < 0:
                 pieces.append(new)
                 continue
-            g = self._t.setdefault(sid, {}).setdefault(k0[b], _Grow())
+            g = self._t.setdefault(sid, {}).setdefault(k0[b], GrowingSlots())
             g.cut_and_extend(kp[b], new)
-            pieces.append(g.buf[:g.n])
+            pieces.append(g.view())
         out = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
         return torch.from_numpy(out)
 
-    def _held(self, sid: int, a: int) -> _Grow | None:
+    def _held(self, sid: int, a: int) -> GrowingSlots | None:
         return self._t.get(sid, {}).get(a) if sid >= 0 else None

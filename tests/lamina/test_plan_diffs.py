@@ -87,13 +87,13 @@ def test_slot_tables_rebuild_every_whole_table_exactly(seed):
     allocators' table, and the tables of gone sequences are dropped."""
     tables, seen = SlotTables(), {"split": 0, "preempted": 0, "diffs": 0}
     for step, (s, plan, live) in enumerate(_random_run(seed)):
-        whole = tables.apply(plan)
+        tables.apply(plan)
         if step % 2:
-            whole = tables.apply(plan)  # idempotent
+            tables.apply(plan)  # idempotent
         seen["diffs"] += sum(w.slots_from > 0 for w in plan.seqs)
-        for w, full in zip(plan.seqs, whole.seqs):
+        for w in plan.seqs:
             seq = live[w.seq_id]
-            assert full.slots_from == 0 and list(full.slots) == _whole_table(s, seq)
+            assert tables.table(w.seq_id).tolist() == _whole_table(s, seq)
             seen["split"] += len(seq.segments) > 1
         seen["preempted"] = sum(q.num_preemptions for q in live.values())
     assert seen["split"] and seen["preempted"] and seen["diffs"], seen
@@ -114,11 +114,10 @@ def test_memory_ends_hold_the_allocators_tables(seed):
         if step % 37 == 36:  # worker 1's connection replaced
             sent[1], held[1] = SentTables(), HeldTables()
             stats["replaced"] += 1
-        unchanged = {w.seq_id: w.slots_from for w in plan.seqs}
         for end in sent:
             end.release(plan.released)
-        whole = tables.apply(plan)
-        packed = pack(whole, 2, unchanged=unchanged)
+        tables.apply(plan)
+        packed = pack(plan, 2, tables=tables)
         for w, part in enumerate(packed.parts):
             if not part.active:
                 continue
@@ -149,15 +148,17 @@ def test_decode_metadata_does_not_grow_with_the_context():
     for L in (128, 8192):
         plan = _decode_plan(B, L)
         tables, end, mem = SlotTables(), SentTables(), HeldTables()
-        whole = tables.apply(replace(plan, seqs=tuple(
+        whole = replace(plan, seqs=tuple(
             replace(w, slots=tuple(range(i * (L + 4), i * (L + 4) + L + 1)), slots_from=0)
-            for i, w in enumerate(plan.seqs))))
-        first = pack(whole, 1).parts[0]  # everything sent whole once
+            for i, w in enumerate(plan.seqs)))
+        tables.apply(whole)
+        first = pack(whole, 1, tables=tables).parts[0]  # everything sent whole once
         k, t = end.diff(first.seq_ids, first.batch.slots, first.batch.cu_k,
                         first.batch.k_pos0, first.unchanged)
         mem.apply(first.seq_ids, k, t, first.batch.cu_k, first.batch.k_pos0)
         assert t.numel() == B * (L + 1) and not k.any()
-        nxt = pack(whole, 1, unchanged={w.seq_id: L for w in whole.seqs}).parts[0]
+        tables.apply(plan)  # the same step as a diff: its last slot again
+        nxt = pack(plan, 1, tables=tables).parts[0]
         k, t = end.diff(nxt.seq_ids, nxt.batch.slots, nxt.batch.cu_k, nxt.batch.k_pos0,
                         nxt.unchanged)
         assert k.tolist() == [L] * B and t.numel() == B
