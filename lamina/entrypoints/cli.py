@@ -202,6 +202,12 @@ def cmd_bench(args) -> int:
 
         bench_plan(lengths=(128, 1024) if args.quick else (128, 8192), out_dir=args.out)
         return 0
+    if args.name == "multiturn":
+        from lamina.bench.multiturn import bench_multiturn
+
+        sizes = dict(sessions=2, turns=2, system=32, user=48, answer=4) if args.quick else {}
+        bench_multiturn(args.model, out_dir=args.out, **sizes)
+        return 0
     if args.name == "load":
         from lamina.bench import load as bench_load
 
@@ -380,7 +386,7 @@ def _bench_parser(sub) -> None:
     """`lamina bench NAME`."""
     b = sub.add_parser("bench", help="run a benchmark")
     b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "load", "ops",
-                                    "plan", "sim", "sim-scale"])
+                                    "plan", "multiturn", "sim", "sim-scale"])
     b.add_argument("--model", default=None, help="split: model to split")
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
