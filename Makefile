@@ -24,7 +24,7 @@ run: setup
 	  "Explain attention in one sentence." "List three prime numbers."
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check .

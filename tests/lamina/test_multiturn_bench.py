@@ -20,8 +20,8 @@ class _Engine:
 
 
 def test_later_turns_compute_only_the_new_message(smol, smol_split, tmp_path):
-    sys_ids, msgs = workload(sessions=3, turns=3, system=40, user=30, seed=1)
-    answer = 5
+    sys_ids, msgs = workload(sessions=3, turns=3, system=24, user=16, seed=1)
+    answer = 3
     modes = {}
     for caching in (False, True):
         eng = engine(smol, smol_split, num_kv_slots=4096, prefix_caching=caching)

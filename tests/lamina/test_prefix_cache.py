@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 
 from lamina import LLM, SamplingParams
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
 from lamina.engine.prefix_cache import RadixCache
+from lamina.executor.local import LocalExecutor
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
 from tests.conftest import HF_NEW
 
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
@@ -97,24 +102,31 @@ def test_multi_turn_and_branches_equal_caching_off(cached_llm, smol):
     assert free_after_clear(cached_llm) == [6000]
 
 
-def test_n_preemption_and_kv_split_equal_caching_off(prompts):
+def test_n_preemption_and_kv_split_equal_caching_off(smol, smol_split, prompts):
     """A pool too small for all (preemptions), 2 workers with KV split, n = 3 samples."""
-    kw = dict(num_memory_workers=2, num_kv_slots=520, max_step_tokens=1024)
     batch = [prompts[i] for i in (4, 5, 6, 11, 12, 13)] * 2
     params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, n=3 if i % 4 == 0
                              else 1) for i in range(len(batch))]
     outs = {}
     for caching in (False, True):
-        llm = LLM(prefix_caching=caching, **kw)
-        try:
-            res = llm.generate(batch, params, use_tqdm=False)
-            outs[caching] = [[c.token_ids for c in o.outputs] for o in res]
-            if caching:
-                assert sum(o.metrics["preemptions"] for o in res) > 0
-                assert any(o.metrics["cached_tokens"] for o in res)
-                assert free_after_clear(llm) == [520, 520]
-        finally:
-            llm.shutdown()
+        cfg = EngineConfig(num_memory_workers=2, num_kv_slots=520, max_step_tokens=1024,
+                           prefix_caching=caching)
+        pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 520))
+                 for _ in range(2)]
+        eng = LLMEngine(cfg, LocalExecutor(smol_split, [MemorySide(p) for p in pools]),
+                        smol.tokenizer, smol.config)
+        ids = [eng.add_request(p, sp) for p, sp in zip(batch, params)]
+        done = {}
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step())
+        res = [done[i] for i in ids]
+        outs[caching] = [[c.token_ids for c in o.outputs] for o in res]
+        if caching:
+            assert sum(o.metrics["preemptions"] for o in res) > 0
+            assert any(o.metrics["cached_tokens"] for o in res)
+            eng.clear_prefix_cache()
+            assert all(a.stats().shared == 0 for a in eng.allocs)
+            assert [a.num_free() for a in eng.allocs] == [520, 520]
     assert outs[True] == outs[False]
 
 
