@@ -24,6 +24,12 @@ def _write(out_dir: Path, name: str, result: dict, table: list[list[str]]) -> tu
     return jp, mp
 
 
+def pct(xs, q):
+    """The q-quantile of xs (Nones dropped; nearest rank), or None when empty."""
+    xs = sorted(x for x in xs if x is not None)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
 def bench_split(model_path: str | None = None, repeat: int = 3,
                 out_dir: str | Path = "benchmarks/results") -> dict:
     """Time splitting (trace + cuts + slices) against the bare torch.export trace."""

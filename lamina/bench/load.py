@@ -32,7 +32,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from lamina.bench.common import _write
+from lamina.bench.common import _write, pct
 
 TEXT = ("Attention offloading keeps the key-value cache on cheap memory devices while the "
         "dense layers run on accelerators, so decode batches can grow far beyond what one "
@@ -214,11 +214,6 @@ def _killer(server: Server, kills, done, total: int, faults: list) -> None:
                        "recovery_s": server.metric("lamina_last_recovery_seconds")})
 
 
-def _pct(xs, q):
-    xs = sorted(x for x in xs if x is not None)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
-
-
 def _summary(results, wall, rss0, rss1, faults) -> dict:
     ok = [r for r in results if r["status"] == 200]
     codes = [r["status"] for r in results]
@@ -232,10 +227,10 @@ def _summary(results, wall, rss0, rss1, faults) -> dict:
                       (isinstance(c, int) and c >= 500)][:10],
             "lost": len(results) - len(ok) - codes.count(429),
             "wall_s": wall, "tok_s": sum(r["tokens"] for r in ok) / wall,
-            "p50_s": _pct([r["e2e_s"] for r in ok], 0.5),
-            "p99_s": _pct([r["e2e_s"] for r in ok], 0.99),
-            "ttft_p50_s": _pct([r["ttft_s"] for r in ok], 0.5),
-            "ttft_p99_s": _pct([r["ttft_s"] for r in ok], 0.99),
+            "p50_s": pct([r["e2e_s"] for r in ok], 0.5),
+            "p99_s": pct([r["e2e_s"] for r in ok], 0.99),
+            "ttft_p50_s": pct([r["ttft_s"] for r in ok], 0.5),
+            "ttft_p99_s": pct([r["ttft_s"] for r in ok], 0.99),
             "rss_before_kib": {f"{p} {c}": k for p, (c, k) in rss0.items()},
             "rss_after_kib": {f"{p} {c}": k for p, (c, k) in rss1.items()},
             "rss_max_growth": max(growth.values(), default=0.0),

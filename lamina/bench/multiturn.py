@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from lamina.bench.common import _write
+from lamina.bench.common import _write, pct
 
 MODES = {"no reuse": False, "pool": True}
 
@@ -68,16 +68,11 @@ def run_mode(llm, sys_ids, msgs, answer: int) -> list[list[dict]]:
     return turns
 
 
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
 def summarize(turns: list[list[dict]]) -> list[dict]:
     return [{"turn": t + 1,
              "history_median": statistics.median(r["history"] for r in recs),
-             "ttft_p50_s": _pct([r["ttft_s"] for r in recs], 0.5),
-             "ttft_p90_s": _pct([r["ttft_s"] for r in recs], 0.9),
+             "ttft_p50_s": pct([r["ttft_s"] for r in recs], 0.5),
+             "ttft_p90_s": pct([r["ttft_s"] for r in recs], 0.9),
              "computed": sum(r["computed"] for r in recs),
              "cached": sum(r["cached"] for r in recs),
              "decode_tok_s": statistics.median(r["decode_tok_s"] for r in recs)}

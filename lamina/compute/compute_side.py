@@ -303,16 +303,13 @@ class SlotTables:
             self._t.pop(sid, None)
         for s in plan.seqs:
             t = self._t.get(s.seq_id)
-            if s.slots_from == 0 or t is None:
-                if s.slots_from:
-                    raise RuntimeError(f"seq {s.seq_id}: the plan sends its KV slots from "
-                                       f"position {s.slots_from}, but the compute side holds "
-                                       f"none of its table (engine and executor out of step)")
+            if s.slots_from == 0:
                 t = self._t[s.seq_id] = GrowingSlots()
-            elif t.n < s.slots_from:
+            elif t is None or t.n < s.slots_from:
+                have = "none" if t is None else f"{t.n} positions"
                 raise RuntimeError(f"seq {s.seq_id}: the plan sends its KV slots from position "
-                                   f"{s.slots_from}, but the compute side holds {t.n} "
-                                   f"positions of its table (engine and executor out of step)")
+                                   f"{s.slots_from}, but the compute side holds {have} of its "
+                                   f"table (engine and executor out of step)")
             t.cut_and_extend(s.slots_from, np.asarray(s.slots, dtype=np.int32))
 
 
