@@ -24,6 +24,7 @@ RULES = [
     # the engine is plain Python over ids: no tensors, no model code, no workers
     ("lamina.engine", ("torch", "lamina"), ("lamina.engine", "lamina.errors", "lamina.faults",
                                             "lamina.memory.allocator",
+                                            "lamina.memory.tier_orders",
                                             "lamina.sampling.params")),
     ("lamina.compute", ("lamina.dataplane", "lamina.executor", "lamina.entrypoints",
                         "lamina.costmodel", "lamina.engine"), ("lamina.engine.messages",)),

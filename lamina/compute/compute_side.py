@@ -117,7 +117,8 @@ class ComputeSide:
         groups, mbs = self._pack(plan)
         local_slots = sum(m.packed.local_slots for m in mbs)
         scratch = self._local_side(local_slots) if local_slots else None
-        link.begin(plan.step, [m.packed.parts for m in mbs], plan.released)
+        link.begin(plan.step, [m.packed.parts for m in mbs], plan.released,
+                   plan.tier_orders)
         timers = StepTimers()
         # One micro-batch with no prompts attending here: nothing runs between a layer's
         # submit and collect, so the link may do both in one call (`exchange`).

@@ -32,10 +32,11 @@ class MemoryLink(ABC):
     device = torch.device("cpu")
 
     def begin(self, step: int, parts: Sequence[Sequence[WorkerPart]],  # noqa: B027
-              released: Sequence[int] = ()) -> None:
-        """A step's metadata, once before its layers: each micro-batch's parts, and the
+              released: Sequence[int] = (), tier_orders: Sequence = ()) -> None:
+        """A step's metadata, once before its layers: each micro-batch's parts, the
         sequences dropped since the last step (`StepPlan.released`), whose slot tables
-        a memory end that keeps them may drop."""
+        a memory end that keeps them may drop, and the step's KV tier orders
+        (`StepPlan.tier_orders`, each for the worker it names)."""
 
     @abstractmethod
     def submit(self, layer: int, mb: int, q, k, v, parts: Sequence[WorkerPart]) -> None: ...

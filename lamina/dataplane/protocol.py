@@ -152,7 +152,10 @@ class SocketLink(MemoryLink):
         self._ext = self.paths.ext
         self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
 
-    def begin(self, step, parts, released=()):
+    def begin(self, step, parts, released=(), tier_orders=()):
+        if tier_orders:
+            raise RuntimeError("KV tier orders reached a data-plane link: session tiers "
+                               "run with the local executor only")
         self.step = step
         if self._ext:  # what the C++ ends need every layer, once a step
             self._peers = _peers(self._ext, self.channels)

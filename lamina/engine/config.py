@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from lamina.engine.scheduler import SchedulerConfig
 from lamina.faults import FaultPlan
+from lamina.memory.tier_orders import TierConfig
 
 # "rotational" is the paper's staggered pipelining (5.1) with n = 2 batches on one
 # compute replica: there rotational and fixed coincide and no context migrates.
@@ -59,7 +60,18 @@ class EngineConfig:
     # (a radix tree per memory worker, engine/prefix_cache.py) for later requests with
     # the same prefix, until the space is needed
     prefix_caching: bool = True
+    # Sessions' KV beyond the pools, per memory worker (requests with a session_id):
+    # finished turns are saved to a host-DRAM tier of kv_host_bytes (0: none), demoted
+    # to checksummed files under kv_disk_dir (None: none) of at most kv_disk_bytes, and
+    # loaded back when the session's next turn is admitted (engine/sessions.py)
+    kv_host_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 0
     faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
+
+    @property
+    def tiers(self) -> TierConfig:
+        return TierConfig(self.kv_host_bytes, self.kv_disk_dir, self.kv_disk_bytes)
 
     @property
     def graph_tokens(self) -> int:
@@ -110,6 +122,18 @@ class EngineConfig:
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"EngineConfig.prefix_caching must be a bool, "
                              f"got {self.prefix_caching!r}")
+        for name in ("kv_host_bytes", "kv_disk_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 0, got {v!r}")
+        if self.kv_disk_dir is not None and not (self.kv_host_bytes and self.kv_disk_bytes):
+            raise ValueError("EngineConfig.kv_disk_dir needs kv_host_bytes > 0 and "
+                             "kv_disk_bytes > 0 (disk entries pass through the host tier; "
+                             "kv_disk_bytes bounds the directory's use)")
+        self.tiers  # noqa: B018 - TierConfig checks the rest
+        if self.kv_host_bytes and not self.prefix_caching:
+            raise ValueError("EngineConfig.kv_host_bytes needs prefix_caching (the tiers "
+                             "keep what the pool's prefix cache evicts)")
         if not isinstance(self.clamp_max_tokens, bool):
             raise ValueError(f"EngineConfig.clamp_max_tokens must be a bool, "
                              f"got {self.clamp_max_tokens!r}")

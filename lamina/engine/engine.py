@@ -26,8 +26,10 @@ from lamina.engine.detokenizer import IncrementalDetokenizer
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from lamina.engine.sessions import SessionIndex, check_session_id
 from lamina.errors import SequenceFault
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
+from lamina.memory.tier_orders import TierMiss
 from lamina.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class _Request:
     detok: list[IncrementalDetokenizer | None] = field(default_factory=list)  # per sample
     prompt_logprobs: list[TokenLogprob | None] | None = None  # from its (first) prefill
     stream: bool = False
+    session: str | None = None  # the conversation it continues
 
 
 @dataclass(frozen=True)
@@ -72,9 +75,11 @@ class LLMEngine:
         self.allocs = [KVAllocator(KVAllocatorConfig(config.num_kv_slots))
                        for _ in range(config.num_memory_workers)]
         self.alloc = self.allocs[0]
+        self.sessions = self._session_index(config, executor)
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens,
                                                    config.split_kv), self.allocs,
-                                   prefix_caching=config.prefix_caching)
+                                   prefix_caching=config.prefix_caching,
+                                   sessions=self.sessions)
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()
@@ -87,6 +92,29 @@ class LLMEngine:
         self.last_recovery_s: float | None = None  # how long the latest recover took
         self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
+
+    @staticmethod
+    def _session_index(config: EngineConfig, executor) -> SessionIndex | None:
+        """The sessions' tier index when the config asks for tiers and the executor's
+        memory workers have them."""
+        if not config.tiers.enabled:
+            return None
+        per_token = getattr(executor, "tier_bytes_per_token", lambda: None)()
+        if not per_token:
+            raise ValueError(f"KV tiers (kv_host_bytes) need memory workers that keep "
+                             f"them: the {type(executor).__name__} does not (use the "
+                             f"local executor)")
+        return SessionIndex(config.tiers, per_token)
+
+    def tier_stats(self) -> dict:
+        """Sessions' KV beyond the pools: occupancy (bytes), traffic and hit counts."""
+        if self.sessions is None:
+            return {}
+        out = {"sessions": len(self.sessions.sessions),
+               "host_bytes": self.sessions.host_bytes(),
+               "disk_bytes": self.sessions.disk_bytes(), **self.sessions.metrics}
+        out.update(getattr(self.executor, "tier_traffic", dict)())
+        return out
 
     # -- requests --
     def validate(self, prompt, params) -> list[int]:
@@ -144,20 +172,26 @@ class LLMEngine:
             raise ValueError("prompt tokenizes to nothing")
         return ids
 
-    def add_request(self, prompt, params: SamplingParams, stream: bool = False) -> int:
-        """`stream`: `step` also returns this request's progress each step it draws."""
+    def add_request(self, prompt, params: SamplingParams, stream: bool = False,
+                    session_id: str | None = None) -> int:
+        """`stream`: `step` also returns this request's progress each step it draws.
+        `session_id`: the conversation this turn continues; with KV tiers its KV is saved
+        when it finishes and brought back for the next turn (any string of 1-128 letters,
+        digits, . _ : @ -; a new one starts a session)."""
+        session = check_session_id(session_id)
         ids = self.validate(prompt, params)
         if len(ids) + params.max_tokens > self.max_len:  # clamp_max_tokens (validated)
             params = replace(params, max_tokens=self.max_len - len(ids))
         rid = next(self._rid)
         seed = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
         req = _Request(rid, prompt if isinstance(prompt, str) else None, ids, params, [],
-                       time.perf_counter(), stream=stream)
+                       time.perf_counter(), stream=stream, session=session)
         if params.prompt_logprobs is not None and len(ids) == 1:
             req.prompt_logprobs = [None]  # a one-token prompt: nothing to score
         self._reqs[rid] = req
         for i in range(params.n):
-            seq = Sequence(next(self._sid), list(ids), params, seed=seed + i)
+            seq = Sequence(next(self._sid), list(ids), params, seed=seed + i,
+                           session=session)
             req.seqs.append(seq)
             req.texts.append(None)
             req.detok.append(IncrementalDetokenizer(self.tokenizer) if self.tokenizer
@@ -166,6 +200,8 @@ class LLMEngine:
         # n > 1: one prefill; the siblings fork the parent's KV after it (scheduler.fork).
         req.seqs[0].forks = req.seqs[1:]
         self.scheduler.add(req.seqs[0])
+        if session is not None and self.sessions is not None:
+            self.sessions.queued(session)  # pinned; its KV on disk is read back now
         return rid
 
     def free_slots(self) -> list[int]:
@@ -226,6 +262,11 @@ class LLMEngine:
         while True:
             try:
                 return self.executor.execute(plan)
+            except TierMiss as e:  # before anything ran: recompute those, run the rest
+                plan = self._tier_miss(plan, e)
+                if plan.seqs:
+                    continue
+                return None
             except SequenceFault as e:
                 if not any(s.seq_id in e.seq_ids for s in plan.seqs):
                     raise RuntimeError(f"step {plan.step}: a fault blamed sequences "
@@ -242,6 +283,21 @@ class LLMEngine:
                 if not self._recover(plan, e):
                     raise
                 return None
+
+    def _tier_miss(self, plan: StepPlan, miss: TierMiss) -> StepPlan:
+        """Loads whose saved KV was missing or corrupt: forget those entries, queue
+        the sequences to be computed instead; -> the plan without them."""
+        assert self.sessions is not None
+        gone = set(miss.seq_ids)
+        lost = self.sessions.forget(miss.entries, [o for o in plan.tier_orders
+                                                   if o.op == "load" and o.seq_id in gone])
+        log.warning("saved KV of sessions %s could not be loaded (%s): their turns are "
+                    "computed instead", lost, miss)
+        for sid in miss.seq_ids:
+            req, i = self._by_seq[sid]
+            self.scheduler.requeue(req.seqs[i])
+        return replace(plan, seqs=tuple(s for s in plan.seqs if s.seq_id not in gone),
+                       tier_orders=tuple(o for o in plan.tier_orders if o.seq_id not in gone))
 
     def _check_result(self, plan: StepPlan, result: StepResult) -> None:
         if (result.step != plan.step or len(result.seq_ids) != len(result.token_ids)
@@ -292,6 +348,8 @@ class LLMEngine:
                 seq.logprobs.append(TokenLogprob(d.token, lp[0], tuple(zip(lp[1], lp[2]))))
             reason = self._finish_reason(seq, req, i)
             if reason:
+                if i == 0 and req.session is not None and self.sessions is not None:
+                    self._save_session(seq)
                 self.scheduler.finish(seq, reason)
                 if all(s.status == "finished" for s in req.seqs):
                     done.append(self._output(req, now))
@@ -300,6 +358,18 @@ class LLMEngine:
             if req.stream:
                 progressed[req.rid] = req
         return done + [self._output(req, now, final=False) for req in progressed.values()]
+
+    def _save_session(self, seq: Sequence) -> None:
+        """A session's turn finished: its KV (every position but the last drawn token's)
+        goes to its worker's host tier, from the first position not saved yet. Not for a
+        sequence whose KV is split over workers."""
+        assert self.sessions is not None and seq.session is not None
+        if len(seq.segments) != 1:
+            log.info("session %s: its KV spans memory workers, not saved", seq.session)
+            return
+        n = seq.num_tokens - 1
+        slots = self.allocs[seq.worker].slots(seq.seq_id)[:n]
+        self.sessions.saved(seq.session, seq.worker, seq.tokens[:n], slots)
 
     def _fail(self, fault: SequenceFault, step: int) -> list[RequestOutput]:
         """Fail the requests owning the faulty sequences alone: every sample of each is
@@ -338,6 +408,9 @@ class LLMEngine:
             return False
         n = self.scheduler.preempt_all()
         self.scheduler.clear_cache()  # the pools it indexed are gone
+        if self.sessions is not None:  # and the workers' tiers with them
+            for w in range(len(self.allocs)):
+                self.sessions.lost_worker(w)
         leaked = [a.config.num_slots - a.num_free() for a in self.allocs]
         if any(leaked):
             raise RuntimeError(f"KV slots still held after recovery: {leaked}")
@@ -385,6 +458,8 @@ class LLMEngine:
                                  else None)
                 for i, seq in enumerate(req.seqs)]
         plp = req.prompt_logprobs
+        if final and req.session is not None and self.sessions is not None:
+            self.sessions.done(req.session)
         if not final:
             return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, finished=False,
                                  prompt_logprobs=plp)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lamina.memory.tier_orders import TierOrder
 from lamina.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -97,6 +98,10 @@ class StepPlan:
     # sequences whose slot tables the compute side drops (finished, preempted, failed
     # since the last plan): applied before `seqs`, idempotent
     released: tuple[int, ...] = ()
+    # sessions' KV moves on the memory workers (lamina.memory.tiers), carried out before
+    # the step's layers in order: saves of finished turns, demotions, prefetches, drops,
+    # and loads into the slots of sequences this step admits
+    tier_orders: tuple[TierOrder, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:

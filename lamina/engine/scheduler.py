@@ -33,6 +33,7 @@ from typing import Callable
 
 from lamina.engine.messages import SeqWork, StepPlan
 from lamina.engine.prefix_cache import RadixCache
+from lamina.engine.sessions import SessionIndex
 from lamina.memory.allocator import KVAllocator
 from lamina.sampling.params import SamplingParams
 
@@ -65,7 +66,8 @@ class Sequence:
     seed: int = 0  # this sequence's sampling seed (draws are keyed by seed and position)
     forks: list["Sequence"] = field(default_factory=list)  # siblings not yet forked off
     logprobs: list = field(default_factory=list)  # per output token, if asked for
-    cached: int = 0  # prompt tokens its last admission reused from the prefix cache
+    cached: int = 0  # prompt tokens its last admission reused (prefix cache or tiers)
+    session: str | None = None  # the conversation it continues (engine/sessions.py)
     # positions whose KV slots the executor holds in its table of this sequence (0: it
     # holds none: the next plan sends the whole table)
     sent: int = 0
@@ -98,9 +100,11 @@ def fifo(waiting: deque) -> list:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocators: KVAllocator | list[KVAllocator],
-                 policy: Callable[[deque], list] = fifo, prefix_caching: bool = False):
+                 policy: Callable[[deque], list] = fifo, prefix_caching: bool = False,
+                 sessions: SessionIndex | None = None):
         self.allocs = allocators if isinstance(allocators, list) else [allocators]
         self.config, self.policy = config, policy
+        self.sessions = sessions  # sessions' KV beyond the pools; None: no tiers
         # one radix tree per memory worker (`prefix_cache`); None: no caching
         self.caches = [RadixCache(a) for a in self.allocs] if prefix_caching else None
         self.waiting: deque[Sequence] = deque()
@@ -180,6 +184,24 @@ class Scheduler:
                     and self._room_keeping(w, n - len(slots) + extra, slots)):
                 return w, slots
         return -1, []
+
+    def _tier_hit(self, seq: Sequence, extra: int, w: int,
+                  hit: list[int]) -> tuple[int, list[int], int]:
+        """Where seq's session has more of its prefix saved in the tiers than the pool
+        hit holds: (its worker, the pool slots of the prefix there, positions reused);
+        else (w, hit, len(hit)) unchanged."""
+        if (self.sessions is None or seq.session is None
+                or seq.params.prompt_logprobs is not None):
+            return w, hit, len(hit)
+        n = len(seq.tokens)
+        tw, upto = self.sessions.match(seq.session, seq.tokens, n - 1)
+        if upto <= len(hit):
+            return w, hit, len(hit)
+        pool = (self.caches[tw].match(seq.tokens, upto) if self.caches is not None
+                else [])  # any start of it still in tw's pool is shared, not loaded
+        if not self._room_keeping(tw, n - len(pool) + extra, pool):
+            return w, hit, len(hit)
+        return tw, pool, upto
 
     def _room_keeping(self, w: int, n: int, keep: list[int]) -> bool:
         """`_room`, without evicting the slots about to be reused: they are held for the
@@ -291,27 +313,34 @@ class Scheduler:
             if len(self.running) + 1 + k > self.config.max_batch:
                 break  # keep order: no overtaking
             w, hit = self._hit(seq, k)
-            place = None if hit else self._place(n + k)  # room for each fork's first slot
-            if n - len(hit) > budget or not (hit or place):
+            w, hit, reuse = self._tier_hit(seq, k, w, hit)  # reuse: positions not computed
+            place = None if reuse else self._place(n + k)  # room for each fork's first slot
+            if n - reuse > budget or not (reuse or place):
                 break
             self.waiting.remove(seq)
-            seq.cached = len(hit)
-            if hit:
+            seq.cached = reuse
+            if reuse:
                 self.allocs[w].adopt(seq.seq_id, hit, n - len(hit))
                 seq.segments.append((w, 0))
+                if reuse > len(hit):  # the rest of the reused prefix comes from the tiers
+                    assert self.sessions is not None and seq.session is not None
+                    self.sessions.load(seq.session, seq.seq_id, len(hit),
+                                       self.allocs[w].slots(seq.seq_id)[len(hit):reuse])
             else:
                 self._allocate(seq, place or [])
             seq.status = "running"
             self.running.append(seq)
-            budget -= n - len(hit)
-            work.append(self._work(seq, tuple(seq.tokens[len(hit):]), len(hit),
+            budget -= n - reuse
+            work.append(self._work(seq, tuple(seq.tokens[reuse:]), reuse,
                                    (seq.seed, *(f.seed for f in seq.forks))))
         if not work and self.waiting:
             seq = self.waiting[0]
             raise RuntimeError(f"sequence {seq.seq_id} ({len(seq.tokens)} tokens) cannot be "
                                f"scheduled: step token budget {self.config.max_step_tokens}, "
                                f"{[a.num_free() for a in self.allocs]} free KV slots")
-        plan = StepPlan(self.step, tuple(work), released=tuple(self._released))
+        orders = self.sessions.take_orders() if self.sessions is not None else ()
+        plan = StepPlan(self.step, tuple(work), released=tuple(self._released),
+                        tier_orders=orders)
         self._released.clear()
         self.step += 1
         return plan
@@ -335,6 +364,14 @@ class Scheduler:
             kid.status, kid.segments = "running", list(parent.segments)
             self.running.append(kid)
         return kids
+
+    def requeue(self, seq: Sequence) -> None:
+        """A running seq whose tier load missed: free its slots and queue it in front,
+        to be computed (not a preemption: it never ran)."""
+        self._release(seq)
+        self.running.remove(seq)
+        seq.status, seq.cached = "waiting", 0
+        self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = "finished", reason

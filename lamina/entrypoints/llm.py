@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Sequence
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.outputs import RequestOutput
+from lamina.engine.sessions import check_session_id
 from lamina.executor.base import plugin_executor
 from lamina.sampling.params import SamplingParams
 
@@ -65,7 +66,8 @@ class LLM:
                                               self.config.num_kv_slots, self.config.kv_dtype,
                                               self.config.kv_device)
             self.executor = LocalExecutor(
-                self.split, [MemorySide(KVPool(pool_cfg)) for _ in range(num_memory_workers)],
+                self.split, [MemorySide(KVPool(pool_cfg), tiers=cfg.tiers, worker=w)
+                             for w in range(num_memory_workers)],
                 vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults,
                 device=cfg.compute_device, graph_tokens=cfg.graph_tokens)
         if self.config.split_kv and any(p.sinks is not None for p in self.executor.params):
@@ -84,15 +86,28 @@ class LLM:
                    address=config.cluster.address, **kw)
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 session_id: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """`session_id`: the conversation each prompt continues (one id, or one per
+        prompt); with KV tiers (`kv_host_bytes`) its KV outlives the pool for the next
+        turn."""
         prompts, plist = batch_of(prompts, params)
+        sids = (list(session_id) if isinstance(session_id, (list, tuple))
+                else [session_id] * len(prompts))
+        if len(sids) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sids)} session ids")
         for i, (p, sp) in enumerate(zip(prompts, plist)):  # all checked before any runs
             try:
                 self.engine.validate(p, sp)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        order = {self.engine.add_request(p, sp): i for i, p, sp in
-                 zip(range(len(prompts)), prompts, plist)}
+        for i, sid in enumerate(sids):
+            try:
+                check_session_id(sid)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        order = {self.engine.add_request(p, sp, session_id=sid): i for i, p, sp, sid in
+                 zip(range(len(prompts)), prompts, plist, sids)}
         results: list = [None] * len(prompts)
         bar = None
         if use_tqdm:

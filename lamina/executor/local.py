@@ -13,6 +13,7 @@ from lamina.compute.memory_link import MemoryLink, combine
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.executor.base import Executor
 from lamina.memory.memory_side import MemorySide
+from lamina.memory.tier_orders import TierMiss
 from lamina.splitter.split import SplitModel
 
 
@@ -26,7 +27,9 @@ class _LocalLink(MemoryLink):
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         self.ready: dict[tuple[int, int], list] = {}
 
-    def begin(self, step, parts, released=()):  # in-process: whole SlotBatches
+    def begin(self, step, parts, released=(), tier_orders=()):  # in-process: whole SlotBatches
+        if tier_orders:
+            apply_tiers(self.memory, tier_orders)
         for mb in parts:
             for mem, p in zip(self.memory, mb):
                 if p.active:
@@ -59,3 +62,37 @@ class LocalExecutor(Executor):
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.compute.run(plan, self.link)
+
+    def tier_bytes_per_token(self) -> int | None:
+        """KV bytes a token takes in the tiers; None when the memory sides keep none."""
+        if any(m.tiers is None for m in self.memory):
+            return None
+        return self.memory[0].pool.config.bytes_per_slot
+
+    def tier_traffic(self) -> dict:
+        """The memory sides' tier traffic (bytes) and misses, summed."""
+        out: dict = {}
+        for m in self.memory:
+            for k, v in (m.tiers.stats.items() if m.tiers is not None else ()):
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def shutdown(self) -> None:
+        for m in self.memory:
+            if m.tiers is not None:
+                m.tiers.close()
+
+
+def apply_tiers(memory: list[MemorySide], orders) -> None:
+    """Each worker's tier orders, every worker's before any raises: one `TierMiss`
+    naming all the sequences whose loads missed."""
+    missed: list[TierMiss] = []
+    for w, mem in enumerate(memory):
+        try:
+            mem.apply_tiers([o for o in orders if o.worker == w])
+        except TierMiss as e:
+            missed.append(e)
+    if missed:
+        raise TierMiss([s for e in missed for s in e.seq_ids],
+                       [x for e in missed for x in e.entries],
+                       "; ".join(str(e) for e in missed))

@@ -22,6 +22,8 @@ from lamina.kernels import (
     validate_batch,
 )
 from lamina.memory.pool import KVPool
+from lamina.memory.tier_orders import TierConfig
+from lamina.memory.tiers import TierStore
 
 
 def attention_params(spec) -> AttentionParams:
@@ -45,8 +47,13 @@ class MemorySide:
     a GPU while q/k/v arrive in host memory (the data plane carries host tensors): they
     go to the pool's device and the outputs come back."""
 
-    def __init__(self, pool: KVPool, backend=None, faults=None):
+    def __init__(self, pool: KVPool, backend=None, faults=None, tiers: TierConfig | None = None,
+                 worker: int = 0):
         self.pool = pool
+        # session KV beyond the pool (host DRAM, disk): orders arrive with a step's
+        # metadata (`apply_tiers`), loads are copied layer by layer in `attend`
+        self.tiers = TierStore(tiers, pool, worker) if tiers is not None and tiers.enabled \
+            else None
         self.device = pool.k.device
         self.backend = backend or select_backend(device=self.device)
         self.faults = faults  # a lamina.faults.FaultPlan (tests) or None
@@ -78,10 +85,21 @@ class MemorySide:
                                   batch if batch.slots.device == self.device
                                   else batch.to(self.device))
 
+    def apply_tiers(self, orders) -> None:
+        """A step's tier orders (`lamina.memory.tiers`), before its layers; raises
+        `TierMiss` for loads whose saved KV is gone."""
+        if self.tiers is None:
+            if any(o.op == "load" for o in orders):
+                raise RuntimeError("tier orders for a memory worker without KV tiers")
+            return
+        self.tiers.apply(orders)
+
     def attend(self, layer: int, params: AttentionParams, q, k, v, new_slots, batch,
                checked: bool = False):
         """q [n, Hq, D], k/v [m, Hkv, D] -> (o [n, Hq, Dv], lse [n, Hq] fp32) on q's device;
-        writes k/v at new_slots [m] first."""
+        writes k/v at new_slots [m] first (and a step's tier loads of this layer)."""
+        if self.tiers is not None:
+            self.tiers.load_layer(layer)
         kp, vp = self.pool.layer(layer)
         st = self._step
         if checked and st is not None and st.new_slots is new_slots and st.batch is batch:

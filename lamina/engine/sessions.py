@@ -1,0 +1,189 @@
+"""Sessions: where each conversation's saved KV lives beyond the pools, and the orders
+that move it (the engine's index of the memory workers' `lamina.memory.tiers`).
+
+Data in: a request's `session_id` when it is queued (`queued`), its finished sequence's
+tokens and slots (`saved`), the scheduler's admissions (`match`, `load`), and a step's
+`TierMiss` (`forget`). Data out: `TierOrder`s for the next step's plan (`take_orders`),
+and the tier metrics.
+
+Policy, with the queue in view (why the index lives in the engine, as the prefix cache
+does): when a session's turn finishes, its KV is saved write-through to its worker's host
+tier (only the positions not saved yet), ordered before any later step can reuse the
+slots. The host tier is kept under its bound by demoting least recently used sessions to
+disk (in the background), the disk tier by dropping them. A session with a queued turn is
+never demoted or dropped, and queuing a turn whose KV is on disk orders a prefetch at
+once, so the read runs while the turn waits; admission then loads the KV into fresh pool
+slots layer by layer, in place of prefilling those positions.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+from dataclasses import dataclass
+
+from lamina.memory.tier_orders import TierConfig, TierOrder
+
+log = logging.getLogger(__name__)
+
+SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+
+
+def check_session_id(session_id) -> str | None:
+    """A session id as given, checked: None, or 1-128 characters of letters, digits and
+    . _ : @ - (it names files and log lines). Raises ValueError naming the problem."""
+    if session_id is None:
+        return None
+    if not isinstance(session_id, str) or not SESSION_ID.fullmatch(session_id):
+        raise ValueError(f"session_id must be 1-128 characters of letters, digits and "
+                         f". _ : @ -, got {session_id!r:.80}")
+    return session_id
+
+
+@dataclass
+class _Entry:
+    id: int
+    worker: int
+    tokens: list[int]  # positions saved: KV of tokens[i] at position i
+    host: bool  # in the host tier (or ordered there)
+    disk: bool  # in a current disk file (or ordered there)
+    tick: int
+
+
+class SessionIndex:
+    def __init__(self, config: TierConfig, bytes_per_token: int):
+        self.config, self.bytes_per_token = config, bytes_per_token
+        self.sessions: dict[str, _Entry] = {}
+        self._ids = itertools.count()
+        self._clock = itertools.count(1)
+        self._orders: list[TierOrder] = []
+        # turns of each session waiting or running: such sessions are not demoted/dropped
+        self.pins: dict[str, int] = {}
+        self.metrics = {"tier_hit_tokens": 0, "tier_misses": 0, "prefetches": 0,
+                        "saved_tokens": 0, "demoted": 0, "dropped": 0}
+
+    # -- occupancy --
+    def _bytes(self, e: _Entry) -> int:
+        return len(e.tokens) * self.bytes_per_token
+
+    def host_bytes(self) -> int:
+        return sum(self._bytes(e) for e in self.sessions.values() if e.host)
+
+    def disk_bytes(self) -> int:
+        return sum(self._bytes(e) for e in self.sessions.values() if e.disk)
+
+    # -- events --
+    def queued(self, session: str) -> None:
+        """A turn of `session` was queued: pin it; bring disk-only KV back at once."""
+        self.pins[session] = self.pins.get(session, 0) + 1
+        e = self.sessions.get(session)
+        if e is None:
+            return
+        e.tick = next(self._clock)
+        if not e.host and e.disk:
+            e.host = True
+            self._orders.append(TierOrder("prefetch", e.worker, e.id))
+            self.metrics["prefetches"] += 1
+            self._balance()
+
+    def done(self, session: str) -> None:
+        left = self.pins.pop(session, 0) - 1
+        if left > 0:
+            self.pins[session] = left
+        else:
+            self._balance()  # unpinned: it may now move down a tier
+
+    def saved(self, session: str, worker: int, tokens: list[int], slots: list[int]) -> None:
+        """A turn finished with `tokens`' KV at `slots` on `worker`: save what the tier
+        lacks (from the first position that differs from what it holds)."""
+        e = self.sessions.get(session)
+        if e is not None and (e.worker != worker or not e.host):
+            self._drop(e)  # elsewhere, or only on disk: save the whole history anew
+            e = None
+        if e is None:
+            e = self.sessions[session] = _Entry(next(self._ids), worker, [], True, False, 0)
+        same = _common(e.tokens, tokens)
+        if same < len(tokens):
+            self._orders.append(TierOrder("save", worker, e.id, same, tuple(slots[same:])))
+            self.metrics["saved_tokens"] += len(tokens) - same
+        e.tokens, e.disk, e.tick = list(tokens), False, next(self._clock)
+        self._balance()
+
+    def match(self, session: str | None, tokens: list[int], limit: int) -> tuple[int, int]:
+        """(worker, positions) of the saved KV `tokens` can reuse (at most `limit`);
+        (-1, 0) if none."""
+        e = self.sessions.get(session) if session is not None else None
+        if e is None or not (e.host or e.disk):
+            return -1, 0
+        return e.worker, min(_common(e.tokens, tokens), limit)
+
+    def load(self, session: str, seq_id: int, start: int, slots: list[int]) -> None:
+        """Admission took positions start..start+len(slots)-1 from the tiers."""
+        e = self.sessions[session]
+        e.host, e.tick = True, next(self._clock)
+        self._orders.append(TierOrder("load", e.worker, e.id, start, tuple(slots), seq_id))
+        self.metrics["tier_hit_tokens"] += len(slots)
+
+    def forget(self, entries, loads=()) -> list[str]:
+        """Entries a `TierMiss` found gone (`loads`: the orders that missed, not hits
+        after all): drop them; -> their sessions."""
+        self.metrics["tier_hit_tokens"] -= sum(len(o.slots) for o in loads)
+        gone = [s for s, e in self.sessions.items() if e.id in set(entries)]
+        for s in gone:
+            self._drop(self.sessions[s])
+            del self.sessions[s]
+        self.metrics["tier_misses"] += len(gone)
+        return gone
+
+    def lost_worker(self, worker: int) -> None:
+        """A memory worker was replaced: its tiers are gone."""
+        for s in [s for s, e in self.sessions.items() if e.worker == worker]:
+            del self.sessions[s]
+
+    def take_orders(self) -> tuple[TierOrder, ...]:
+        out, self._orders = tuple(self._orders), []
+        return out
+
+    # -- bounds --
+    def _balance(self) -> None:
+        """Demote (host -> disk) and drop least recently used unpinned sessions until
+        both tiers are under their bounds."""
+        lru = sorted((e for s, e in self.sessions.items() if s not in self.pins),
+                     key=lambda e: e.tick)
+        over = self.host_bytes() - self.config.host_bytes
+        for e in (x for x in lru if x.host):
+            if over <= 0:
+                break
+            over -= self._bytes(e)
+            e.host = False
+            if self.config.disk_dir is not None and self._bytes(e) <= self.config.disk_bytes:
+                e.disk = True
+                self._orders.append(TierOrder("demote", e.worker, e.id))
+                self.metrics["demoted"] += 1
+            else:
+                if self.config.disk_dir is not None:
+                    log.warning("a session's KV (%d bytes) exceeds the disk tier's %d bytes: "
+                                "dropped (its next turn is computed)", self._bytes(e),
+                                self.config.disk_bytes)
+                self._drop(e)
+        over = self.disk_bytes() - self.config.disk_bytes
+        for e in (x for x in lru if x.disk):
+            if over <= 0:
+                break
+            over -= self._bytes(e)
+            self._drop(e)
+        for s in [s for s, e in self.sessions.items() if not (e.host or e.disk)]:
+            del self.sessions[s]
+
+    def _drop(self, e: _Entry) -> None:
+        e.host = e.disk = False
+        self._orders.append(TierOrder("drop", e.worker, e.id))
+        self.metrics["dropped"] += 1
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k

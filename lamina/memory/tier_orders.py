@@ -1,0 +1,69 @@
+"""The engine's orders to the memory workers' KV tiers, and their config and miss
+(no torch here: the engine and the step messages use them; `lamina.memory.tiers` carries
+them out).
+
+Data in: the engine's session index (`lamina.engine.sessions`). Data out: `TierOrder`s in
+`StepPlan.tier_orders`; `TierMiss` back from a memory worker whose load found nothing valid.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lamina.errors import SequenceFault
+
+TIER_OPS = ("save", "demote", "prefetch", "drop", "load")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Session KV beyond the pools, per memory worker. `host_bytes` 0: no tiers (the
+    pool's prefix cache only); `disk_dir` None: no disk tier."""
+
+    host_bytes: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+
+    def __post_init__(self):
+        for f in ("host_bytes", "disk_bytes"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"TierConfig.{f} must be an int >= 0, got {v!r}")
+        if self.disk_dir is not None and (not isinstance(self.disk_dir, str)
+                                          or not self.disk_dir):
+            raise ValueError(f"TierConfig.disk_dir must be a directory path or None, "
+                             f"got {self.disk_dir!r}")
+        if self.disk_dir is not None and not self.host_bytes:
+            raise ValueError("TierConfig.disk_dir needs host_bytes > 0 (disk entries are "
+                             "written from, and read back into, the host tier)")
+        if self.disk_dir is not None and not self.disk_bytes:
+            raise ValueError("TierConfig.disk_dir needs disk_bytes > 0 (the disk tier's bound)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0
+
+
+@dataclass(frozen=True)
+class TierOrder:
+    op: str  # one of TIER_OPS
+    worker: int  # the memory worker that holds the entry
+    entry: int  # the engine's id of one conversation's saved KV
+    start: int = 0  # save / load: the first position
+    slots: tuple[int, ...] = ()  # save / load: pool slots of positions start..
+    seq_id: int = -1  # load: the sequence it is for (what `TierMiss` names)
+
+    def __post_init__(self):
+        if self.op not in TIER_OPS:
+            raise ValueError(f"TierOrder.op must be one of {TIER_OPS}, got {self.op!r}")
+        if self.start < 0 or (self.op in ("save", "load") and not self.slots):
+            raise ValueError(f"TierOrder {self.op} of entry {self.entry}: start "
+                             f"{self.start}, {len(self.slots)} slots")
+
+
+class TierMiss(SequenceFault):
+    """Loads that found no valid entry: the step ran nothing yet (clean), and the engine
+    recomputes these sequences instead of failing them."""
+
+    def __init__(self, seq_ids, entries, message: str):
+        super().__init__(seq_ids, message, clean=True)
+        self.entries = tuple(entries)

@@ -1,0 +1,309 @@
+"""KV tiers beyond a memory worker's pool: host DRAM, then checksummed files on disk.
+
+Data in: `TierOrder`s from the engine's session index (`lamina.engine.sessions`), once a
+step before its layers (`TierStore.apply`): save (pool slots -> a host entry), demote
+(host -> a disk file, in the background), prefetch (disk -> host, in the background,
+verified), drop, load (host entry -> pool slots). A load is staged at `apply` and copied
+one layer at a time as the step's attention reaches that layer (`load_layer`), so on a
+memory worker the copy of layer i+1 waits only for layer i's attention, not the whole entry.
+Data out: KV rows in the pool; files under `<disk_dir>/lamina-kv-<pid>-<tag>/`;
+`TierMiss` naming the sequences whose entry is missing, short or fails its checksum (the
+engine recomputes them: a bad file is a cache miss, never a wrong answer).
+
+Entries hold K and V of positions 0..n-1 of one conversation: k [L, n, Hkv, D],
+v [L, n, Hkv, Dv] in the pool's dtype. The engine decides what goes where (it sees the
+queue); this store only carries orders out, and checks what it reads.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import uuid
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from lamina.memory.tier_orders import TierConfig, TierMiss, TierOrder
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LAMINAKV1\n"
+PREFETCH_WAIT_S = 60.0  # a load waits this long for its entry's disk read
+
+
+@dataclass
+class _Host:
+    k: torch.Tensor  # [L, cap, Hkv, D]
+    v: torch.Tensor  # [L, cap, Hkv, Dv]
+    n: int  # positions held
+
+
+@dataclass(frozen=True)
+class _Load:
+    entry: int
+    index: torch.Tensor  # [m] int64 pool slots
+    start: int
+
+
+class TierStore:
+    """One memory worker's tiers. Orders touching an entry first wait for its queued
+    background work (one thread, in order), so a save never races a demote's write."""
+
+    def __init__(self, config: TierConfig, pool, worker: int = 0):
+        self.config, self.pool, self.worker = config, pool, worker
+        self.host: dict[int, _Host] = {}
+        self.files: dict[int, tuple[str, int]] = {}  # entry -> (path, bytes)
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._bg = ThreadPoolExecutor(1, thread_name_prefix=f"kv-tier-{worker}")
+        self._loads: list[_Load] = []
+        self._copied: set[int] = set()  # layers of this step's loads already copied
+        self.dir = self._open_dir(config.disk_dir)
+        self.stats = {"saved_bytes": 0, "loaded_bytes": 0, "written_bytes": 0,
+                      "read_bytes": 0, "misses": 0, "write_failures": 0}
+
+    def _open_dir(self, disk_dir: str | None) -> str | None:
+        """This store's own directory under `disk_dir`; None (with a warning: sessions
+        then live in the host tier only) when it cannot be created or written."""
+        if disk_dir is None:
+            return None
+        path = os.path.join(disk_dir, f"lamina-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                            f"w{self.worker}")
+        try:
+            os.makedirs(path, exist_ok=True)
+            probe = os.path.join(path, ".probe")
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.remove(probe)
+        except OSError as e:
+            log.warning("KV disk tier %r is not writable (%s): memory worker %d keeps "
+                        "session KV in its host tier only", disk_dir, e, self.worker)
+            return None
+        return path
+
+    # -- orders, once a step --
+    def apply(self, orders) -> None:
+        """Carry out a step's orders in order; loads are staged for `load_layer`.
+        Raises `TierMiss` (after the others ran) when any load's entry is not valid."""
+        self._loads, self._copied = [], set()
+        missed: dict[int, int] = {}  # seq_id -> entry
+        for o in orders:
+            if o.op == "load":
+                if not self._stage(o):
+                    missed[o.seq_id] = o.entry
+                continue
+            self._wait(o.entry)
+            if o.op == "save":
+                self._save(o)
+            elif o.op == "demote":
+                self._pending[o.entry] = self._bg.submit(self._demote, o.entry)
+            elif o.op == "prefetch":
+                self._pending[o.entry] = self._bg.submit(self._prefetch, o.entry)
+            else:
+                self._drop(o.entry)
+        if missed:
+            self._loads = [x for x in self._loads if x.entry not in missed.values()]
+            self.stats["misses"] += len(missed)
+            raise TierMiss(missed, set(missed.values()),
+                           f"memory worker {self.worker}: no valid saved KV for "
+                           f"entries {sorted(set(missed.values()))}")
+
+    def load_layer(self, layer: int) -> None:
+        """Copy layer `layer` of the staged loads into the pool (before its attention;
+        once a step: micro-batches attend each layer more than once)."""
+        if not self._loads or layer in self._copied:
+            return
+        self._copied.add(layer)
+        kp, vp = self.pool.layer(layer)
+        for x in self._loads:
+            e = self.host[x.entry]
+            m = x.index.numel()
+            kp.index_copy_(0, x.index, e.k[layer, x.start:x.start + m])
+            vp.index_copy_(0, x.index, e.v[layer, x.start:x.start + m])
+
+    def close(self) -> None:
+        self._bg.shutdown(wait=True)
+        if self.dir is not None:
+            shutil.rmtree(os.path.dirname(self.dir), ignore_errors=True)
+
+    # -- the operations --
+    def _wait(self, entry: int, timeout: float | None = None) -> None:
+        f = self._pending.pop(entry, None)
+        if f is not None:
+            try:
+                f.result(timeout)
+            except FutureTimeout:
+                log.warning("memory worker %d: entry %d's disk work still runs after %.0f "
+                            "s", self.worker, entry, timeout)
+                self._pending[entry] = f
+
+    def _save(self, o: TierOrder) -> None:
+        """Positions start.. of entry `o.entry` from pool slots `o.slots`; later positions
+        are dropped (the conversation changed there). A stale file is deleted."""
+        idx = torch.tensor(o.slots, dtype=torch.int64, device=self.pool.k.device)
+        with self._lock:
+            e = self.host.get(o.entry)
+            if o.start and (e is None or e.n < o.start):
+                log.warning("memory worker %d: save of entry %d from position %d, but it "
+                            "holds %d: dropped", self.worker, o.entry, o.start,
+                            0 if e is None else e.n)
+                self._drop(o.entry)
+                return
+            end = o.start + len(o.slots)
+            e = self._room(o.entry, e, end)
+            e.k[:, o.start:end] = self.pool.k[:, idx].to("cpu")
+            e.v[:, o.start:end] = self.pool.v[:, idx].to("cpu")
+            e.n = end
+        self._remove_file(o.entry)
+        self.stats["saved_bytes"] += len(o.slots) * self.pool.config.bytes_per_slot
+
+    def _room(self, entry: int, e: _Host | None, n: int) -> _Host:
+        """The host entry with room for n positions (capacity doubles)."""
+        if e is not None and e.k.shape[1] >= n:
+            return e
+        cap = max(n, 2 * (e.k.shape[1] if e is not None else 0), 64)
+        k, v = self.pool.k, self.pool.v
+        nk = torch.empty((k.shape[0], cap, *k.shape[2:]), dtype=k.dtype)
+        nv = torch.empty((v.shape[0], cap, *v.shape[2:]), dtype=v.dtype)
+        if e is not None:
+            nk[:, :e.n], nv[:, :e.n] = e.k[:, :e.n], e.v[:, :e.n]
+        self.host[entry] = new = _Host(nk, nv, e.n if e is not None else 0)
+        return new
+
+    def _stage(self, o: TierOrder) -> bool:
+        """A load's entry in host memory, with positions start..start+m: True and staged,
+        else False (a miss)."""
+        self._wait(o.entry, PREFETCH_WAIT_S)
+        e = self.host.get(o.entry)
+        if e is None and o.entry in self.files:  # not prefetched: read it now
+            self._prefetch(o.entry)
+            e = self.host.get(o.entry)
+        if e is None or e.n < o.start + len(o.slots):
+            log.warning("memory worker %d: session KV entry %d %s: recomputing sequence %d",
+                        self.worker, o.entry, "is missing" if e is None else
+                        f"holds {e.n} positions, not {o.start + len(o.slots)}", o.seq_id)
+            return False
+        idx = torch.tensor(o.slots, dtype=torch.int64, device=self.pool.k.device)
+        self._loads.append(_Load(o.entry, idx, o.start))
+        self.stats["loaded_bytes"] += len(o.slots) * self.pool.config.bytes_per_slot
+        return True
+
+    def _drop(self, entry: int) -> None:
+        with self._lock:
+            self.host.pop(entry, None)
+        self._remove_file(entry)
+
+    def _remove_file(self, entry: int) -> None:
+        path = self.files.pop(entry, (None, 0))[0]
+        if path is not None:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+    # -- background: disk --
+    def _demote(self, entry: int) -> None:
+        """Host -> disk: write the file (unless it is current), then free the host copy.
+        With no disk tier, a full one, or a failed write: the entry is dropped, warned."""
+        with self._lock:
+            e = self.host.get(entry)
+        if e is None:
+            return
+        if entry not in self.files and not self._write(entry, e):
+            self._drop(entry)
+            return
+        with self._lock:
+            self.host.pop(entry, None)
+
+    def _write(self, entry: int, e: _Host) -> bool:
+        if self.dir is None:
+            log.warning("memory worker %d: no disk tier: session KV entry %d (%d tokens) is "
+                        "dropped from the host tier", self.worker, entry, e.n)
+            return False
+        k, v = e.k[:, :e.n].contiguous(), e.v[:, :e.n].contiguous()
+        layers = [(_bytes(k[i]), _bytes(v[i])) for i in range(k.shape[0])]
+        head = msgspec.json.encode({
+            "n": e.n, "k": list(k.shape), "v": list(v.shape), "dtype": str(k.dtype),
+            "crc": [[zlib.crc32(a), zlib.crc32(b)] for a, b in layers]})
+        size = len(MAGIC) + 8 + len(head) + sum(len(a) + len(b) for a, b in layers)
+        used = sum(b for _, b in self.files.values())
+        if used + size > self.config.disk_bytes:
+            self.stats["write_failures"] += 1
+            log.warning("memory worker %d: KV disk tier full (%d of %d bytes used, entry %d "
+                        "needs %d): its session KV is dropped (recomputed when needed)",
+                        self.worker, used, self.config.disk_bytes, entry, size)
+            return False
+        path = os.path.join(self.dir, f"e{entry}.kv")
+        try:
+            with open(path + ".tmp", "wb") as f:
+                f.write(MAGIC + len(head).to_bytes(8, "little") + head)
+                for a, b in layers:
+                    f.write(a)
+                    f.write(b)
+            os.replace(path + ".tmp", path)
+        except OSError as err:
+            self.stats["write_failures"] += 1
+            log.warning("memory worker %d: writing session KV entry %d failed (%s): it is "
+                        "dropped", self.worker, entry, err)
+            try:
+                os.remove(path + ".tmp")
+            except OSError:
+                pass
+            return False
+        self.files[entry] = (path, size)
+        self.stats["written_bytes"] += size
+        return True
+
+    def _prefetch(self, entry: int) -> None:
+        """Disk -> host, every layer's checksum verified first; a missing, short or
+        corrupt file is deleted and warned about (the load then misses)."""
+        if entry in self.host or entry not in self.files:
+            return
+        path = self.files[entry][0]
+        try:
+            e = self._read(path)
+        except (OSError, ValueError, msgspec.DecodeError) as err:
+            log.warning("memory worker %d: session KV file %s unusable (%s): a cache miss, "
+                        "the session is recomputed", self.worker, path, err)
+            self._remove_file(entry)
+            return
+        with self._lock:
+            self.host.setdefault(entry, e)
+
+    def _read(self, path: str) -> _Host:
+        with open(path, "rb") as f:
+            data = f.read()
+        self.stats["read_bytes"] += len(data)
+        if not data.startswith(MAGIC):
+            raise ValueError("not a Lamina KV file")
+        at = len(MAGIC) + 8
+        hl = int.from_bytes(data[len(MAGIC):at], "little")
+        head = msgspec.json.decode(data[at:at + hl])
+        at += hl
+        dtype = self.pool.k.dtype
+        if head.get("dtype") != str(dtype) or list(head["k"][2:]) != list(self.pool.k.shape[2:]):
+            raise ValueError(f"KV shape/dtype {head.get('k')} {head.get('dtype')} is not "
+                             f"this pool's")
+        k = torch.empty(head["k"], dtype=dtype)
+        v = torch.empty(head["v"], dtype=dtype)
+        for i, (ck, cv) in enumerate(head["crc"]):
+            for t, crc in ((k[i], ck), (v[i], cv)):
+                nb = t.numel() * t.element_size()
+                chunk = data[at:at + nb]
+                if len(chunk) != nb:
+                    raise ValueError(f"truncated at layer {i}")
+                if zlib.crc32(chunk) != crc:
+                    raise ValueError(f"checksum mismatch at layer {i}")
+                t.copy_(torch.frombuffer(bytearray(chunk), dtype=dtype).view(t.shape))
+                at += nb
+        return _Host(k, v, int(head["n"]))
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()

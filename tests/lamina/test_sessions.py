@@ -1,0 +1,283 @@
+"""Sessions over the KV tiers: the session index's exact orders, the memory side's store
+(bytes back as saved, files checked), and the engine's multi-turn output with tiers equal
+to tiers off and to HF greedy, with no slot leaked; each disk-tier fault (truncated,
+corrupted, deleted file, full tier) gives the right answer and a warning; bad input is
+refused by name or falls back with a warning."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from lamina import SamplingParams
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.engine.sessions import SessionIndex, check_session_id
+from lamina.executor.local import LocalExecutor
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.memory.tier_orders import TierConfig, TierMiss, TierOrder
+from lamina.memory.tiers import TierStore
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+# -- the index: plain Python, exact orders --
+def test_index_saves_only_new_positions_and_moves_lru_unpinned_sessions_down():
+    ix = SessionIndex(TierConfig(host_bytes=10, disk_dir="/unused", disk_bytes=12), 1)
+    ix.queued("a")
+    ix.saved("a", 0, [1, 2, 3], [7, 8, 9])
+    ix.done("a")
+    assert ix.take_orders() == (TierOrder("save", 0, 0, 0, (7, 8, 9)),)
+    ix.queued("a")
+    ix.saved("a", 0, [1, 2, 3, 4, 5], [7, 8, 9, 4, 5])  # the next turn: positions 3, 4
+    ix.done("a")
+    assert ix.take_orders() == (TierOrder("save", 0, 0, 3, (4, 5)),)
+    ix.queued("b")
+    ix.saved("b", 1, [1, 6, 6, 6, 6, 6], [0, 1, 2, 3, 4, 5])  # 11 bytes > 10 on host
+    assert ix.take_orders() == (TierOrder("save", 1, 1, 0, (0, 1, 2, 3, 4, 5)),
+                                TierOrder("demote", 0, 0))  # a: LRU, unpinned
+    ix.done("b")
+    assert ix.take_orders() == () and ix.host_bytes() == 6 and ix.disk_bytes() == 5
+    assert ix.match("a", [1, 2, 3, 9, 9], 4) == (0, 3)
+    ix.queued("a")  # a's next turn: read back from disk at once, b goes down instead
+    assert ix.take_orders() == (TierOrder("prefetch", 0, 0), TierOrder("demote", 1, 1))
+    assert (ix.host_bytes(), ix.disk_bytes()) == (5, 11)
+    ix.load("a", 42, 1, [10, 11])
+    assert ix.take_orders() == (TierOrder("load", 0, 0, 1, (10, 11), 42),)
+    ix.queued("c")
+    ix.saved("c", 0, [5] * 7, list(range(7)))  # host over: b is on disk; disk over: drop b
+    ix.done("c")
+    orders = ix.take_orders()
+    assert TierOrder("drop", 1, 1) in orders and "b" not in ix.sessions
+    assert ix.forget([0]) == ["a"] and ix.take_orders() == (TierOrder("drop", 0, 0),)
+    assert ix.match("a", [1, 2], 1) == (-1, 0)
+
+
+def test_session_ids_are_checked():
+    assert check_session_id("user-42:chat_7@x.y") == "user-42:chat_7@x.y"
+    for bad in ("", "a b", "../etc", "x" * 129, 42):
+        with pytest.raises(ValueError, match="session_id must be"):
+            check_session_id(bad)
+
+
+# -- the store: bytes and files --
+def _store(tmp_path, disk_bytes=1 << 20):
+    pool = KVPool(KVPoolConfig(2, 16, 2, 4))
+    torch.manual_seed(0)
+    pool.k.copy_(torch.randn_like(pool.k))
+    pool.v.copy_(torch.randn_like(pool.v))
+    return TierStore(TierConfig(1 << 20, str(tmp_path), disk_bytes), pool), pool
+
+
+def test_store_loads_back_what_it_saved_through_host_and_disk(tmp_path):
+    store, pool = _store(tmp_path)
+    want_k, want_v = pool.k[:, [3, 5, 9]].clone(), pool.v[:, [3, 5, 9]].clone()
+    store.apply([TierOrder("save", 0, 7, 0, (3, 5)), TierOrder("save", 0, 7, 2, (9,)),
+                 TierOrder("demote", 0, 7)])
+    store._wait(7)
+    assert 7 not in store.host and os.path.exists(store.files[7][0])
+    store.apply([TierOrder("prefetch", 0, 7)])
+    store.apply([TierOrder("load", 0, 7, 0, (12, 13, 14), seq_id=1)])
+    for layer in range(2):
+        store.load_layer(layer)
+    assert torch.equal(pool.k[:, [12, 13, 14]], want_k)
+    assert torch.equal(pool.v[:, [12, 13, 14]], want_v)
+    with pytest.raises(TierMiss) as miss:  # beyond what it holds: a miss, named
+        store.apply([TierOrder("load", 0, 7, 0, (1, 2, 3, 4), seq_id=5)])
+    assert miss.value.seq_ids == (5,) and miss.value.entries == (7,)
+    store.close()
+    assert not os.listdir(tmp_path)  # its directory goes with it
+
+
+@pytest.mark.parametrize("fault", ["truncate", "corrupt", "delete"])
+def test_store_treats_a_bad_file_as_a_miss(tmp_path, caplog, fault):
+    store, _ = _store(tmp_path)
+    store.apply([TierOrder("save", 0, 1, 0, (0, 1, 2, 3)), TierOrder("demote", 0, 1)])
+    store._wait(1)
+    _break(store.files[1][0], fault)
+    with caplog.at_level(logging.WARNING), pytest.raises(TierMiss):
+        store.apply([TierOrder("prefetch", 0, 1),
+                     TierOrder("load", 0, 1, 0, (8, 9), seq_id=3)])
+    assert "entry 1 is missing" in caplog.text
+    if fault != "delete":
+        assert "unusable" in caplog.text and 1 not in store.files
+    store.close()
+
+
+def _break(path: str, fault: str) -> None:
+    if fault == "delete":
+        os.remove(path)
+        return
+    data = bytearray(open(path, "rb").read())
+    if fault == "truncate":
+        data = data[:len(data) - 100]
+    else:
+        data[-50] ^= 0xFF  # one flipped byte in the last layer's V
+    open(path, "wb").write(bytes(data))
+
+
+def test_unwritable_disk_dir_falls_back_to_host_with_a_warning(tmp_path, caplog):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    pool = KVPool(KVPoolConfig(2, 16, 2, 4))
+    with caplog.at_level(logging.WARNING):
+        store = TierStore(TierConfig(1 << 20, str(afile), 1 << 20), pool)
+    assert store.dir is None and "not writable" in caplog.text
+    store.apply([TierOrder("save", 0, 1, 0, (0, 1)), TierOrder("demote", 0, 1)])
+    store._wait(1)
+    assert 1 not in store.host and "no disk tier" in caplog.text
+
+
+# -- the engine: multi-turn sessions --
+def _engine(smol, split, slots, workers=1, tiers: TierConfig | None = None, **kw):
+    t = tiers or TierConfig()
+    cfg = EngineConfig(num_memory_workers=workers, num_kv_slots=slots, max_step_tokens=2048,
+                       kv_host_bytes=t.host_bytes, kv_disk_dir=t.disk_dir,
+                       kv_disk_bytes=t.disk_bytes, **kw)
+    pools = [KVPool(KVPoolConfig.for_specs(split.attention_specs, slots)) for _ in range(workers)]
+    ex = LocalExecutor(split, [MemorySide(p, tiers=t, worker=w) for w, p in enumerate(pools)])
+    return LLMEngine(cfg, ex, smol.tokenizer, smol.config)
+
+
+def _run(eng, turns):
+    """turns: [(prompt ids, params, session id)] queued together -> outputs in order."""
+    ids = [eng.add_request(p, sp, session_id=s) for p, sp, s in turns]
+    done = {}
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    return [done[i] for i in ids]
+
+
+SYSTEM = "You are a concise assistant. Answer in one short sentence. "
+
+
+def _conversation(tok, n_sessions, n_turns, run):
+    """Sessions sharing a system prompt; session 1 branches off session 0 after turn 1;
+    session 2 draws n = 2 samples on its turn 2. `run` answers a list of turns.
+    -> (token ids per turn, session, sample), the last turn's prompts."""
+    hist = {s: tok(SYSTEM + f"Tell me about place {s}.")["input_ids"] for s in range(n_sessions)}
+    answers = []
+    for t in range(n_turns):
+        turns = [(hist[s], SamplingParams(max_tokens=8, temperature=0,
+                                          n=2 if (s, t) == (2, 1) else 1), f"s{s}")
+                 for s in range(n_sessions)]
+        outs = run(turns)
+        last = [p for p, _, _ in turns]
+        answers.append([[c.token_ids for c in o.outputs] for o in outs])
+        for s, o in enumerate(outs):
+            more = tok(f" And what about its food, part {t}?",
+                       add_special_tokens=False)["input_ids"]
+            hist[s] = hist[s] + o.outputs[0].token_ids + more
+        if t == 0:
+            hist[1] = hist[0][:-len(more)] + tok(" And its weather?",
+                                                 add_special_tokens=False)["input_ids"]
+    return answers, last
+
+
+@pytest.mark.parametrize("workers,slots", [(2, 90), (1, 110)])
+def test_multi_turn_sessions_with_tiers_equal_tiers_off_and_hf(smol, smol_split, tmp_path,
+                                                               workers, slots):
+    """4 sessions x 3 turns in pools that hold about two: sessions go to host, then disk,
+    and come back; n = 2; 2 workers with KV split, or 1 with preemptions."""
+    tok = smol.tokenizer
+    per_token = KVPoolConfig.for_specs(smol_split.attention_specs, 1).bytes_per_slot
+    tiers = TierConfig(host_bytes=150 * per_token, disk_dir=str(tmp_path),
+                       disk_bytes=4000 * per_token)
+    on = _engine(smol, smol_split, slots, workers=workers, tiers=tiers)
+    off = _engine(smol, smol_split, slots, workers=workers, prefix_caching=False)
+    seen: list = []
+    got, hist = _conversation(tok, 4, 3, lambda turns: seen.extend(_run(on, turns)) or
+                              seen[-len(turns):])
+    want, _ = _conversation(tok, 4, 3, lambda turns: _run(off, turns))
+    assert got == want
+    if workers == 1:
+        assert sum(o.metrics["preemptions"] for o in seen) > 0
+    st = on.tier_stats()
+    assert st["tier_hit_tokens"] > 0 and st["prefetches"] > 0 and st["demoted"] > 0
+    assert st["loaded_bytes"] == st["tier_hit_tokens"] * per_token
+    assert st["tier_misses"] == 0
+    on.clear_prefix_cache()
+    assert [a.num_free() for a in on.allocs] == [slots] * workers
+    assert all(a.stats().shared == 0 for a in on.allocs)
+    # the last turn of session 0 equals HF greedy over its whole history
+    ids = torch.tensor([hist[0]])
+    with torch.no_grad():
+        ref = smol.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=8)[0, ids.shape[1]:].tolist()
+    assert got[2][0][0] == ref[:len(got[2][0][0])]
+    on.executor.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["truncate", "corrupt", "delete", "full"])
+def test_disk_tier_faults_recompute_with_a_warning(smol, smol_split, tmp_path, caplog, fault):
+    tok = smol.tokenizer
+    per_token = KVPoolConfig.for_specs(smol_split.attention_specs, 1).bytes_per_slot
+    disk = 10 * per_token if fault == "full" else 1000 * per_token
+    tiers = TierConfig(host_bytes=per_token, disk_dir=str(tmp_path), disk_bytes=disk)
+    eng = _engine(smol, smol_split, 200, tiers=tiers)
+    first = tok(SYSTEM + "Tell me about Lyon.")["input_ids"]
+    out1 = _run(eng, [(first, GREEDY, "s")])[0]
+    _run(eng, [([1, 2, 3], GREEDY, None)])  # a step carries the save and the demotion
+    store = eng.executor.memory[0].tiers
+    store._wait(0)  # the demotion's write has run
+    if fault != "full":
+        _break(store.files[0][0], fault)
+    eng.clear_prefix_cache()  # the next turn can only come from the tiers (or compute)
+    second = first + out1.outputs[0].token_ids + tok(" Why?", add_special_tokens=False)[
+        "input_ids"]
+    with caplog.at_level(logging.WARNING):
+        out2 = _run(eng, [(second, GREEDY, "s")])[0]
+    ref = _engine(smol, smol_split, 200, prefix_caching=False)
+    assert out2.outputs[0].token_ids == _run(ref, [(second, GREEDY, None)])[0].outputs[0].token_ids
+    assert out2.metrics["cached_tokens"] == 0 and eng.tier_stats()["tier_hit_tokens"] == 0
+    want = {"full": "exceeds the disk tier", "delete": "is missing",
+            "truncate": "unusable", "corrupt": "checksum mismatch"}[fault]
+    assert want in caplog.text
+    eng.executor.shutdown()
+
+
+def test_bad_session_input_is_refused_or_falls_back(smol, smol_split, tmp_path, caplog):
+    eng = _engine(smol, smol_split, 200, tiers=TierConfig(1 << 20))
+    with pytest.raises(ValueError, match="session_id must be"):
+        eng.add_request([1, 2, 3], GREEDY, session_id="no spaces")
+    assert not eng.has_unfinished() and not eng.sessions.pins
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with caplog.at_level(logging.WARNING):
+        eng2 = _engine(smol, smol_split, 200, tiers=TierConfig(1 << 20, str(afile), 1 << 20))
+    assert "not writable" in caplog.text
+    out = _run(eng2, [([1, 2, 3, 4], GREEDY, "new-session")])[0]  # unknown: a new session
+    assert len(out.outputs[0].token_ids) == 8 and out.error is None
+
+    class NoTiers:
+        pass
+
+    with pytest.raises(ValueError, match="need memory workers that keep them"):
+        LLMEngine(EngineConfig(kv_host_bytes=1 << 20), NoTiers(), None, smol.config)
+
+
+def test_tier_loads_bring_back_the_saved_kv_bytes(smol, smol_split):
+    """The pool rows a tier load fills equal, bitwise, the rows the first turn's prefill
+    and decode wrote, in every layer."""
+    tok = smol.tokenizer
+    eng = _engine(smol, smol_split, 200, tiers=TierConfig(1 << 26))
+    ids = tok(SYSTEM + "Tell me about Rome.")["input_ids"]
+    out = _run(eng, [(ids, GREEDY, "r")])[0]
+    pool = eng.executor.memory[0].pool
+    hist = ids + out.outputs[0].token_ids
+    n = len(hist) - 1
+    before = eng.scheduler.caches[0].match(hist, n)
+    k0, v0 = pool.k[:, before].clone(), pool.v[:, before].clone()
+    _run(eng, [([1, 2, 3], GREEDY, None)])  # a step carries the save
+    eng.clear_prefix_cache()
+    pool.k.zero_()  # nothing of the first turn is left in the pool
+    pool.v.zero_()
+    again = _run(eng, [(hist + [13], GREEDY, "r")])[0]
+    assert again.metrics["cached_tokens"] == n
+    assert eng.tier_stats()["tier_hit_tokens"] == n
+    after = eng.scheduler.caches[0].match(hist, n)
+    assert len(after) == n
+    assert torch.equal(pool.k[:, after], k0) and torch.equal(pool.v[:, after], v0)
