@@ -468,7 +468,8 @@ class LLMEngine:
         metrics = {"ttft_s": ttft, "e2e_s": now - req.arrival,
                    "output_tokens": n_out,
                    "preemptions": sum(s.num_preemptions for s in req.seqs),
-                   "cached_tokens": req.seqs[0].cached}  # prompt tokens reused
+                   "cached_tokens": req.seqs[0].cached,  # prompt tokens reused
+                   "tier_cached_tokens": req.seqs[0].tier_cached}  # of them, from tiers
         for s in req.seqs:
             del self._by_seq[s.seq_id]
         del self._reqs[req.rid]

@@ -68,6 +68,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # per output token, if asked for
     cached: int = 0  # prompt tokens its last admission reused (prefix cache or tiers)
     session: str | None = None  # the conversation it continues (engine/sessions.py)
+    tier_cached: int = 0  # of `cached`, the positions loaded from the session's tiers
     # positions whose KV slots the executor holds in its table of this sequence (0: it
     # holds none: the next plan sends the whole table)
     sent: int = 0
@@ -318,7 +319,7 @@ class Scheduler:
             if n - reuse > budget or not (reuse or place):
                 break
             self.waiting.remove(seq)
-            seq.cached = reuse
+            seq.cached, seq.tier_cached = reuse, reuse - len(hit)
             if reuse:
                 self.allocs[w].adopt(seq.seq_id, hit, n - len(hit))
                 seq.segments.append((w, 0))
@@ -370,7 +371,7 @@ class Scheduler:
         to be computed (not a preemption: it never ran)."""
         self._release(seq)
         self.running.remove(seq)
-        seq.status, seq.cached = "waiting", 0
+        seq.status, seq.cached, seq.tier_cached = "waiting", 0, 0
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lamina.engine.sessions import check_session_id
 from lamina.entrypoints.api_stream import (
     chat_logprobs,
     completion_logprobs,
@@ -105,6 +106,9 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Lamina's: the conversation this request continues (or the X-Session-Id header);
+    # with KV tiers its KV is kept beyond the pool for the next turn
+    session_id: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -281,7 +285,8 @@ class _Api:
             field_ = str(e).split(" ")[0].removeprefix("SamplingParams.").rstrip(":")
             return _error(400, str(e), field_)
 
-    def _submit(self, prompts: list, params: SamplingParams, updates) -> list | JSONResponse:
+    def _submit(self, prompts: list, params: SamplingParams, updates,
+                session: str | None = None) -> list | JSONResponse:
         """Queue every prompt (each validated before any is queued) -> their futures,
         or the error answering the request. `updates`: a queue for streamed progress."""
         aloop = asyncio.get_running_loop()
@@ -292,8 +297,10 @@ class _Api:
         try:
             prompts = _checked(prompts, self.loop, params)
             self.loop.check_capacity(len(prompts))
+            check_session_id(session)
             return [self.loop.submit(p, params, validated=True,
-                                     on_update=listener(i) if updates is not None else None)
+                                     on_update=listener(i) if updates is not None else None,
+                                     session_id=session)
                     for i, p in enumerate(prompts)]
         except (ValueError, TypeError) as e:
             return _error(400, str(e), _param(str(e)))
@@ -311,7 +318,8 @@ class _Api:
         if isinstance(params, JSONResponse):
             return params
         updates: asyncio.Queue | None = asyncio.Queue() if chunk else None
-        futs = self._submit(prompts, params, updates)
+        session = body.session_id or request.headers.get("x-session-id")
+        futs = self._submit(prompts, params, updates, session)
         if isinstance(futs, JSONResponse):
             return futs
         if chunk:
@@ -430,7 +438,7 @@ def _usage(outs) -> dict:
 
 def _param(message: str) -> str:
     """The request field a validation message is about (for the error's `param`)."""
-    for name in ("max_tokens", "logit_bias", "stop_token_ids", "n="):
+    for name in ("max_tokens", "logit_bias", "stop_token_ids", "n=", "session_id"):
         if name in message:
             return name.rstrip("=")
     return "prompt"

@@ -24,6 +24,7 @@ from typing import Callable
 
 from lamina.engine.engine import LLMEngine
 from lamina.engine.outputs import RequestOutput
+from lamina.engine.sessions import check_session_id
 from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
 from lamina.sampling.params import SamplingParams
 
@@ -41,7 +42,7 @@ class EngineLoop:
                                         or isinstance(max_waiting, bool) or max_waiting < 1):
             raise ValueError(f"max_waiting must be an int >= 1 or None, got {max_waiting!r}")
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
-        # ("add", prompt, params, future, on_update) | ("abort", future)
+        # ("add", prompt, params, future, on_update, session_id) | ("abort", future)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._futures: dict[int, Future] = {}
         self._rids: dict[Future, int] = {}
@@ -54,17 +55,20 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt, params: SamplingParams, validated: bool = False,
-               on_update: Callable[[RequestOutput], None] | None = None) -> Future:
+               on_update: Callable[[RequestOutput], None] | None = None,
+               session_id: str | None = None) -> Future:
         """`validated`: the caller already ran `engine.validate` on this prompt and
         `check_capacity` for it. `on_update`: called (in the loop thread) with each
-        step's partial output."""
+        step's partial output. `session_id`: the conversation it continues (checked
+        here)."""
         if self.error is not None:
             raise EngineDead(f"engine stopped after a failed step: {self.error}")
+        check_session_id(session_id)
         if not validated:
             self.engine.validate(prompt, params)  # raises ValueError / TypeError here
             self.check_capacity()
         fut: Future = Future()
-        self._inbox.put(("add", prompt, params, fut, on_update))
+        self._inbox.put(("add", prompt, params, fut, on_update, session_id))
         self._wake.set()
         if self.error is not None or not self._thread.is_alive():
             self._drain(EngineDead(f"engine stopped: {self.error}"))  # lost the race
@@ -120,11 +124,12 @@ class EngineLoop:
                         self.metrics.request(out, aborted=True)
                     self._resolve(out)
                 continue
-            _, prompt, params, fut, on_update = msg
+            _, prompt, params, fut, on_update, session = msg
             if not fut.set_running_or_notify_cancel():
                 continue  # the caller gave up before it was scheduled
             try:
-                rid = self.engine.add_request(prompt, params, stream=on_update is not None)
+                rid = self.engine.add_request(prompt, params, stream=on_update is not None,
+                                              session_id=session)
             except Exception as e:  # noqa: BLE001 - validated already; report, keep going
                 fut.set_exception(e)
                 continue

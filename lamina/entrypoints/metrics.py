@@ -54,6 +54,15 @@ class EngineMetrics:
         self.cache_evicted = Counter("lamina_prefix_cache_evicted_tokens", "Cached token "
                                      "slots evicted to make room", registry=r)
         self._evicted = 0
+        self.tier_bytes = Gauge("lamina_kv_tier_bytes", "Sessions' KV held beyond the pools",
+                                ["tier"], registry=r)
+        self.tier_traffic = Counter("lamina_kv_tier_traffic_bytes", "Session KV moved: "
+                                    "saved (pool to host), loaded (host to pool), written "
+                                    "and read (disk)", ["kind"], registry=r)
+        self.tier_events = Counter("lamina_kv_tier_events", "Tier hit tokens (loaded, not "
+                                   "computed), prefetches ordered, misses (recomputed)",
+                                   ["event"], registry=r)
+        self._tier_seen: dict[str, int] = {}
         self.ttft = Histogram("lamina_time_to_first_token_seconds", "Arrival to first "
                               "token", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("lamina_request_latency_seconds", "Arrival to finish",
@@ -75,9 +84,29 @@ class EngineMetrics:
         if evicted > self._evicted:
             self.cache_evicted.inc(evicted - self._evicted)
         self._evicted = evicted
+        self._tiers(engine)
         for w, (alloc, cache) in enumerate(zip(engine.allocs, caches)):
             self.kv_used.labels(str(w)).set(alloc.config.num_slots - alloc.num_free())
             self.kv_cached.labels(str(w)).set(cache.size if cache is not None else 0)
+
+    def _tiers(self, engine) -> None:
+        st = engine.tier_stats() if getattr(engine, "sessions", None) is not None else {}
+        if not st:
+            return
+        self.tier_bytes.labels("host").set(st["host_bytes"])
+        self.tier_bytes.labels("disk").set(st["disk_bytes"])
+        for key, counter, label in (
+                ("saved_bytes", self.tier_traffic, "saved"),
+                ("loaded_bytes", self.tier_traffic, "loaded"),
+                ("written_bytes", self.tier_traffic, "written"),
+                ("read_bytes", self.tier_traffic, "read"),
+                ("tier_hit_tokens", self.tier_events, "hit_tokens"),
+                ("prefetches", self.tier_events, "prefetches"),
+                ("tier_misses", self.tier_events, "misses")):
+            grew = st.get(key, 0) - self._tier_seen.get(key, 0)
+            if grew > 0:
+                counter.labels(label).inc(grew)
+                self._tier_seen[key] = st[key]
 
     def request(self, out, aborted: bool = False) -> None:
         """A request left the engine (finished, or aborted)."""

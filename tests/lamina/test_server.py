@@ -46,9 +46,9 @@ class _Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.loop = loop
 
-    def post(self, path, body):
+    def post(self, path, body, headers=None):
         req = urllib.request.Request(self.url + path, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+                                     {"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=300) as r:
                 return r.status, json.loads(r.read())
@@ -126,6 +126,7 @@ def test_completions_match_hf_and_batch_concurrently(server, prompts, hf_greedy)
     ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
     ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"prompt": "hi", "session_id": "../x"}, "session_id", "session_id must be"),
 ])
 def test_bad_input_is_400_and_server_keeps_serving(server, body, param, words, prompts,
                                                    hf_greedy):
@@ -343,3 +344,14 @@ def test_echo_and_prompt_logprobs_equal_hf(server, smol, prompts, hf_greedy):
                                                    "temperature": 0,
                                                    "logit_bias": {"42": 100}})
     assert status == 200 and body["choices"][0]["token_ids"] == [42, 42]
+
+
+def test_session_id_from_the_body_or_the_header(server):
+    """A session id rides along (no tiers here: the pool's cache serves the next turn);
+    a malformed X-Session-Id header is refused by name."""
+    body = {"prompt": "Hello there, how", "max_tokens": 4, "temperature": 0}
+    s1, a = server.post("/v1/completions", {**body, "session_id": "chat-1"})
+    s2, b = server.post("/v1/completions", body, {"X-Session-Id": "chat-1"})
+    assert (s1, s2) == (200, 200) and a["choices"][0]["text"] == b["choices"][0]["text"]
+    status, out = server.post("/v1/completions", body, {"X-Session-Id": "no spaces"})
+    assert status == 400 and out["error"]["param"] == "session_id"

@@ -10,11 +10,13 @@ import os
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from lamina import SamplingParams
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.sessions import SessionIndex, check_session_id
+from lamina.entrypoints.metrics import EngineMetrics
 from lamina.executor.local import LocalExecutor
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
@@ -264,6 +266,7 @@ def test_tier_loads_bring_back_the_saved_kv_bytes(smol, smol_split):
     and decode wrote, in every layer."""
     tok = smol.tokenizer
     eng = _engine(smol, smol_split, 200, tiers=TierConfig(1 << 26))
+    per_token = eng.executor.tier_bytes_per_token()
     ids = tok(SYSTEM + "Tell me about Rome.")["input_ids"]
     out = _run(eng, [(ids, GREEDY, "r")])[0]
     pool = eng.executor.memory[0].pool
@@ -276,8 +279,15 @@ def test_tier_loads_bring_back_the_saved_kv_bytes(smol, smol_split):
     pool.k.zero_()  # nothing of the first turn is left in the pool
     pool.v.zero_()
     again = _run(eng, [(hist + [13], GREEDY, "r")])[0]
-    assert again.metrics["cached_tokens"] == n
+    assert again.metrics["cached_tokens"] == again.metrics["tier_cached_tokens"] == n
     assert eng.tier_stats()["tier_hit_tokens"] == n
+    metrics = EngineMetrics()
+    metrics.step(eng, 0)
+    got = {(x.name, tuple(x.labels.values())): x.value
+           for fam in text_string_to_metric_families(metrics.render().decode())
+           for x in fam.samples}
+    assert got["lamina_kv_tier_events_total", ("hit_tokens",)] == n
+    assert got["lamina_kv_tier_traffic_bytes_total", ("loaded",)] == n * per_token
     after = eng.scheduler.caches[0].match(hist, n)
     assert len(after) == n
     assert torch.equal(pool.k[:, after], k0) and torch.equal(pool.v[:, after], v0)
