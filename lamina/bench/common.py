@@ -24,6 +24,17 @@ def _write(out_dir: Path, name: str, result: dict, table: list[list[str]]) -> tu
     return jp, mp
 
 
+def cpu_name() -> str:
+    """The CPU model (/proc/cpuinfo's model name), for every measurement's record."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def pct(xs, q):
     """The q-quantile of xs (Nones dropped; nearest rank), or None when empty."""
     xs = sorted(x for x in xs if x is not None)

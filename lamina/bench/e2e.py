@@ -77,11 +77,8 @@ def run_vllm(python: str, model_dir: str, prompts: dict, dtype: str, new: int, r
         raise ValueError(f"vllm mode must be one of {VLLM_MODES}, got {mode!r}")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({str(b): p for b, p in prompts.items()}, f)
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
-               VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(threads))
-    iomp = Path(python).absolute().parent.parent / "lib" / "libiomp5.so"  # the venv's
-    if iomp.exists():
-        env["LD_PRELOAD"] = str(iomp)
+    env = vllm_env(python, threads)
+    iomp = "LD_PRELOAD" in env
     peer = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_peer.py"
     cmd = [python, str(peer), "--model", model_dir, "--prompts", f.name, "--dtype", dtype,
            "--new-tokens", str(new), "--repeat", str(repeat)]
@@ -93,8 +90,19 @@ def run_vllm(python: str, model_dir: str, prompts: dict, dtype: str, new: int, r
         raise RuntimeError(f"vllm peer failed (exit {r.returncode}): {r.stderr[-2000:]}")
     out = json.loads(line[len("VLLM_RESULT "):])
     out["how"] = (f"vllm-cpu, {mode}, {threads} OMP threads bound to cores "
-                  f"0-{threads - 1}" + (", LD_PRELOAD libiomp5" if iomp.exists() else ""))
+                  f"0-{threads - 1}" + (", LD_PRELOAD libiomp5" if iomp else ""))
     return out
+
+
+def vllm_env(python: str, threads: int) -> dict:
+    """The environment vllm-cpu is meant to run in: `threads` OpenMP threads bound to
+    cores 0..n-1, its venv's bundled libiomp5 preloaded."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+               VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(threads))
+    iomp = Path(python).absolute().parent.parent / "lib" / "libiomp5.so"  # the venv's
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    return env
 
 
 def _vllm_runs(vllm_python, hf, tok, prompts, dtype, new_tokens, repeat, threads,

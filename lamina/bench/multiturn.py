@@ -1,33 +1,42 @@
 """Multi-turn chat with and without KV reuse: `lamina bench multiturn`.
 
 Data in: a generated multi-turn workload (below). Data out: per mode and turn index,
-time to first token (p50 / p90), prompt tokens computed (prefill) and cached, decode
-tok/s; JSON, Markdown and a PNG of TTFT by turn.
+time to first token (p50 / p90), prompt tokens computed (prefill) and cached (from the
+pool or the tiers), decode tok/s, tier traffic; JSON, Markdown and a PNG of TTFT by turn.
 
-Workload (seeded, the same token ids in every mode): `sessions` conversations run
-concurrently; each turn of every session is submitted together once the previous turn
-of all of them finished (think time 0, in one process); a turn's prompt is the whole
-history so far (a shared system prompt of `system` tokens, then each earlier turn's user
-message and answer) plus a new user message of `user` tokens (uniform in
-[user/2, 3*user/2]); answers are `answer` tokens, greedy, EOS ignored, so every mode
-sees the same histories. Token ids are drawn uniformly from [1000, 20000).
+Workload (seeded, the same token ids in every mode): `sessions` conversations, each of
+`turns` turns. A turn's prompt is the whole history so far (a shared system prompt of
+`system` tokens, then each earlier user message and answer) plus a new user message of
+`user` tokens (uniform in [user/2, 3*user/2]); answers are `answer` tokens, greedy, EOS
+ignored, so every mode sees the same histories. Token ids are uniform in [1000, 20000).
+Turns are served round by round: in round t every session sends its turn t, `concurrency`
+sessions at a time (submitted together; the next group when they finished), so between
+two turns of one session every other session has had one (think time: the other
+sessions' turns; 0 s of idle time, in one process).
 
-Modes, each a fresh `LLM` in this process (the local executor): `no reuse` (prefix
-caching off: every turn recomputes its whole history) and `pool` (automatic prefix
-caching in the memory workers' pool, sized to hold every session). Not yet here: the
-host / disk tiers with a working set beyond the pool, and vLLM's prefix cache.
+Modes, each a fresh engine in this process (the local executor), greedy, same answers:
+- `no reuse`: prefix caching off: every turn recomputes its whole history;
+- `pool`: prefix caching in a pool that holds every session;
+- `pool 1/4`: prefix caching in a pool of a quarter of the working set (every session's
+  final history): LRU eviction drops most sessions between their turns;
+- `pool 1/4 + tiers`: that pool plus the session tiers: a host tier of half the working
+  set and a disk tier (a temporary directory) for the rest, requests with session ids;
+- `vllm 1/4` (with `--vllm-python`): vLLM's CPU build, `enable_prefix_caching=True`,
+  its KV cache limited to the same token count as `pool 1/4` (`num_gpu_blocks_override`),
+  in its own process (`benchmarks/vllm_multiturn_peer.py`).
 """
 from __future__ import annotations
 
-import platform
+import json
+import os
 import random
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
-from lamina.bench.common import _write, pct
-
-MODES = {"no reuse": False, "pool": True}
+from lamina.bench.common import _write, cpu_name, pct
 
 
 def workload(sessions: int, turns: int, system: int, user: int, seed: int = 0):
@@ -43,29 +52,42 @@ def workload(sessions: int, turns: int, system: int, user: int, seed: int = 0):
     return sys_ids, msgs
 
 
-def run_mode(llm, sys_ids, msgs, answer: int) -> list[list[dict]]:
-    """Every session's turns through `llm`: -> per turn, one record per session."""
+def run_mode(llm, sys_ids, msgs, answer: int, concurrency: int | None = None,
+             sessions: bool = False) -> list[list[dict]]:
+    """Every session's turns through `llm`, round by round, `concurrency` sessions at a
+    time (None: all at once); `sessions`: requests carry session ids. -> per turn, one
+    record per session."""
     from lamina import SamplingParams
 
     params = SamplingParams(max_tokens=answer, temperature=0, ignore_eos=True)
     history = [list(sys_ids) for _ in msgs]
+    group = concurrency or len(msgs)
     turns = []
     for t in range(len(msgs[0])):
-        prompts = [h + m[t] for h, m in zip(history, msgs)]
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
         recs = []
-        for i, (p, o) in enumerate(zip(prompts, outs)):
-            m = o.metrics
-            decode_s = max(m["e2e_s"] - m["ttft_s"], 1e-9)
-            recs.append({"session": i, "history": len(p), "cached": m["cached_tokens"],
-                         "computed": len(p) - m["cached_tokens"], "ttft_s": m["ttft_s"],
-                         "decode_tok_s": (len(o.token_ids) - 1) / decode_s,
-                         "answer": list(o.token_ids), "turn_wall_s": wall})
-            history[i] = p + list(o.token_ids)
+        for g in range(0, len(msgs), group):
+            who = range(g, min(g + group, len(msgs)))
+            prompts = [history[i] + msgs[i][t] for i in who]
+            sids = [f"chat-{i}" for i in who] if sessions else None
+            t0 = time.perf_counter()
+            kw = {"session_id": sids} if sessions else {}
+            outs = llm.generate(prompts, params, use_tqdm=False, **kw)
+            wall = time.perf_counter() - t0
+            for i, p, o in zip(who, prompts, outs):
+                recs.append(_record(i, p, o, wall))
+                history[i] = p + list(o.token_ids)
         turns.append(recs)
     return turns
+
+
+def _record(session: int, prompt: list[int], out, wall: float) -> dict:
+    m = out.metrics
+    decode_s = max(m["e2e_s"] - m["ttft_s"], 1e-9)
+    return {"session": session, "history": len(prompt), "cached": m["cached_tokens"],
+            "tier": m.get("tier_cached_tokens", 0),
+            "computed": len(prompt) - m["cached_tokens"], "ttft_s": m["ttft_s"],
+            "decode_tok_s": (len(out.token_ids) - 1) / decode_s,
+            "answer": list(out.token_ids), "group_wall_s": wall}
 
 
 def summarize(turns: list[list[dict]]) -> list[dict]:
@@ -75,59 +97,132 @@ def summarize(turns: list[list[dict]]) -> list[dict]:
              "ttft_p90_s": pct([r["ttft_s"] for r in recs], 0.9),
              "computed": sum(r["computed"] for r in recs),
              "cached": sum(r["cached"] for r in recs),
+             "from_tiers": sum(r.get("tier", 0) for r in recs),
              "decode_tok_s": statistics.median(r["decode_tok_s"] for r in recs)}
             for t, recs in enumerate(turns)]
 
 
-def bench_multiturn(model: str | None = None, sessions: int = 8, turns: int = 6,
+def bench_multiturn(model: str | None = None, sessions: int = 16, turns: int = 4,
                     system: int = 256, user: int = 400, answer: int = 32,
-                    out_dir: str | Path = "benchmarks/results", plot: bool = True) -> dict:
-    from lamina import LLM
-
+                    concurrency: int = 4, out_dir: str | Path = "benchmarks/results",
+                    plot: bool = True, vllm_python: str | None = None) -> dict:
     sys_ids, msgs = workload(sessions, turns, system, user)
-    longest = system + sum(max(len(m[t]) for m in msgs) + answer for t in range(turns))
-    slots = max(4096, sessions * (longest + 64))  # the pool holds every session (pool mode)
-    res: dict = {"cpu": platform.processor() or platform.machine(),
+    longest = [system + sum(len(m[t]) + answer for t in range(turns)) for m in msgs]
+    working = sum(longest)  # every session's final history, in tokens
+    quarter = max(working // 4, concurrency * (max(longest) + 64))
+    res: dict = {"cpu": cpu_name(),
                  "workload": {"sessions": sessions, "turns": turns, "system": system,
                               "user": user, "answer": answer, "think_time_s": 0,
-                              "concurrency": sessions, "pool_slots": slots},
-                 "modes": {}}
+                              "concurrency": concurrency, "working_set_tokens": working,
+                              "pool_slots": working + 1024, "small_pool_slots": quarter},
+                 "modes": {}, "tiers": {}}
     answers = {}
-    for mode, caching in MODES.items():
-        llm = LLM(model, num_kv_slots=slots, prefix_caching=caching, max_step_tokens=4096)
-        try:
-            run_mode(llm, sys_ids, [msgs[0][:1]], 2)  # warm-up: first calls off the clock
-            llm.engine.clear_prefix_cache()
-            recs = run_mode(llm, sys_ids, msgs, answer)
-        finally:
-            llm.shutdown()
+    for mode, kw in _modes(working + 1024, quarter).items():
+        recs, tiers = _run_lamina(model, kw, sys_ids, msgs, answer, concurrency)
         answers[mode] = [[r["answer"] for r in t] for t in recs]
         res["modes"][mode] = summarize(recs)
+        if tiers:
+            res["tiers"][mode] = tiers
         for row in res["modes"][mode]:
             print(mode, row, flush=True)
-    res["same_answers"] = len({repr(a) for a in answers.values()}) == 1
-    base, pool = res["modes"]["no reuse"], res["modes"]["pool"]
+    if vllm_python:
+        try:
+            recs = run_vllm_multiturn(vllm_python, model, sys_ids, msgs, answer, concurrency,
+                                      quarter)
+            answers["vllm 1/4"] = [[r["answer"] for r in t] for t in recs]
+            res["modes"]["vllm 1/4"] = summarize(recs)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+            res["vllm_error"] = str(e)[-500:]
+            print(f"vllm peer: {res['vllm_error']}", flush=True)
+    res["same_answers"] = {m: a == answers["no reuse"] for m, a in answers.items()}
+    base = res["modes"]["no reuse"]
     later = range(1, turns)
     res["turns_2_plus"] = {
-        "computed_ratio": (sum(pool[t]["computed"] for t in later)
-                           / max(1, sum(base[t]["computed"] for t in later))),
-        "ttft_p50_speedup": [base[t]["ttft_p50_s"] / pool[t]["ttft_p50_s"] for t in later]}
+        mode: {"computed_ratio": (sum(rows[t]["computed"] for t in later)
+                                  / max(1, sum(base[t]["computed"] for t in later))),
+               "ttft_p50_speedup": [base[t]["ttft_p50_s"] / rows[t]["ttft_p50_s"]
+                                    for t in later]}
+        for mode, rows in res["modes"].items() if mode != "no reuse"}
+    _report(res, Path(out_dir), plot)
+    return res
+
+
+def _modes(big: int, quarter: int) -> dict[str, dict]:
+    """Each mode's engine options (and whether requests carry session ids)."""
+    disk = tempfile.mkdtemp(prefix="lamina-kv-bench-")
+    return {"no reuse": {"num_kv_slots": big, "prefix_caching": False},
+            "pool": {"num_kv_slots": big},
+            "pool 1/4": {"num_kv_slots": quarter},
+            "pool 1/4 + tiers": {"num_kv_slots": quarter, "sessions": True,
+                                 "tier_tokens": (2 * quarter, disk, 8 * quarter)}}
+
+
+def _run_lamina(model, kw: dict, sys_ids, msgs, answer: int, concurrency: int):
+    """One mode's records and (with tiers) its tier stats."""
+    from lamina import LLM
+
+    kw = dict(kw)
+    sessions = kw.pop("sessions", False)
+    tiers = kw.pop("tier_tokens", None)
+    llm = LLM(model, max_step_tokens=4096, **kw)
+    if tiers is not None:  # sized in tokens: bytes follow from the model's KV per token
+        per_token = llm.executor.memory[0].pool.config.bytes_per_slot
+        llm.shutdown()
+        host, disk, disk_tokens = tiers
+        llm = LLM(model, max_step_tokens=4096, kv_host_bytes=host * per_token,
+                  kv_disk_dir=disk, kv_disk_bytes=disk_tokens * per_token, **kw)
+    try:
+        run_mode(llm, sys_ids, [msgs[0][:1]], 2)  # warm-up: first calls off the clock
+        llm.engine.clear_prefix_cache()
+        recs = run_mode(llm, sys_ids, msgs, answer, concurrency, sessions)
+        return recs, llm.engine.tier_stats()
+    finally:
+        llm.shutdown()
+
+
+def _report(res: dict, out_dir: Path, plot: bool) -> None:
     table = [["mode", "turn", "history (median)", "TTFT p50 ms", "TTFT p90 ms",
-              "prefill computed", "cached", "decode tok/s"]]
+              "prefill computed", "cached", "from tiers", "decode tok/s"]]
     table += [[mode, str(r["turn"]), f"{r['history_median']:.0f}",
                f"{1e3 * r['ttft_p50_s']:.1f}", f"{1e3 * r['ttft_p90_s']:.1f}",
-               str(r["computed"]), str(r["cached"]), f"{r['decode_tok_s']:.1f}"]
+               str(r["computed"]), str(r["cached"]), str(r.get("from_tiers", 0)),
+               f"{r['decode_tok_s']:.1f}"]
               for mode, rows in res["modes"].items() for r in rows]
-    jp, mp = _write(Path(out_dir), "multiturn", res, table)
+    jp, mp = _write(out_dir, "multiturn", res, table)
     print("\n".join(" | ".join(r) for r in table))
-    later2 = res["turns_2_plus"]
-    print(f"turns >= 2: prefill computed with the pool cache = "
-          f"{100 * later2['computed_ratio']:.1f}% of no reuse; TTFT p50 speedup by turn: "
-          f"{', '.join(f'{x:.1f}x' for x in later2['ttft_p50_speedup'])}")
+    for mode, later in res["turns_2_plus"].items():
+        print(f"turns >= 2, {mode}: prefill computed = {100 * later['computed_ratio']:.1f}% "
+              f"of no reuse; TTFT p50 speedup by turn: "
+              f"{', '.join(f'{x:.1f}x' for x in later['ttft_p50_speedup'])}")
+    for mode, st in res["tiers"].items():
+        print(f"tiers ({mode}): {st}")
+    print(f"same answers as no reuse: {res['same_answers']}")
     if plot:
-        _plot(res, Path(out_dir) / "multiturn.png")
+        _plot(res, out_dir / "multiturn.png")
     print(f"wrote {jp} and {mp}")
-    return res
+
+
+def run_vllm_multiturn(python: str, model, sys_ids, msgs, answer: int, concurrency: int,
+                       kv_tokens: int) -> list[list[dict]]:
+    """The same turns through vLLM (its own venv and process, prefix caching on, a KV
+    cache of `kv_tokens`) -> records as `run_mode`'s."""
+    from lamina.bench.e2e import vllm_env
+    from lamina.model.loader import export_hf_folder, load
+
+    loaded = load(model)
+    folder = Path(tempfile.mkdtemp(prefix="lamina-hf-")) / "model"
+    export_hf_folder(loaded.model, loaded.tokenizer, folder)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"system": sys_ids, "msgs": msgs, "answer": answer,
+                   "concurrency": concurrency, "kv_tokens": kv_tokens}, f)
+    peer = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_multiturn_peer.py"
+    r = subprocess.run([python, str(peer), "--model", str(folder), "--workload", f.name],
+                       capture_output=True, text=True, env=vllm_env(python, 2), timeout=3600)
+    os.unlink(f.name)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vllm peer failed (exit {r.returncode}): {r.stderr[-2000:]}")
+    return json.loads(line[len("VLLM_RESULT "):])["turns"]
 
 
 def _plot(res: dict, path: Path) -> None:

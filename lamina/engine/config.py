@@ -67,6 +67,10 @@ class EngineConfig:
     kv_host_bytes: int = 0
     kv_disk_dir: str | None = None
     kv_disk_bytes: int = 0
+    # A session turn whose history dropped its oldest turns (to fit the context) reuses
+    # the saved KV of what it kept at the new positions, keys re-rotated (rotary models
+    # only). Not exact: the kept tokens' KV was computed attending to the dropped ones.
+    truncation_reuse: bool = False
     faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
 
     @property
@@ -131,6 +135,12 @@ class EngineConfig:
                              "kv_disk_bytes > 0 (disk entries pass through the host tier; "
                              "kv_disk_bytes bounds the directory's use)")
         self.tiers  # noqa: B018 - TierConfig checks the rest
+        if not isinstance(self.truncation_reuse, bool):
+            raise ValueError(f"EngineConfig.truncation_reuse must be a bool, "
+                             f"got {self.truncation_reuse!r}")
+        if self.truncation_reuse and not self.kv_host_bytes:
+            raise ValueError("EngineConfig.truncation_reuse needs the session tiers "
+                             "(kv_host_bytes > 0): they hold the KV it reuses")
         if self.kv_host_bytes and not self.prefix_caching:
             raise ValueError("EngineConfig.kv_host_bytes needs prefix_caching (the tiers "
                              "keep what the pool's prefix cache evicts)")

@@ -104,7 +104,11 @@ class LLMEngine:
             raise ValueError(f"KV tiers (kv_host_bytes) need memory workers that keep "
                              f"them: the {type(executor).__name__} does not (use the "
                              f"local executor)")
-        return SessionIndex(config.tiers, per_token)
+        if config.truncation_reuse and not executor.tier_rotary():
+            raise ValueError("truncation_reuse re-rotates saved keys to new positions: the "
+                             "model's position encoding is not rotary (e.g. learned "
+                             "absolute positions), so kept turns cannot move")
+        return SessionIndex(config.tiers, per_token, config.truncation_reuse)
 
     def tier_stats(self) -> dict:
         """Sessions' KV beyond the pools: occupancy (bytes), traffic and hit counts."""

@@ -33,7 +33,7 @@ from typing import Callable
 
 from lamina.engine.messages import SeqWork, StepPlan
 from lamina.engine.prefix_cache import RadixCache
-from lamina.engine.sessions import SessionIndex
+from lamina.engine.sessions import SessionIndex, TierMatch
 from lamina.memory.allocator import KVAllocator
 from lamina.sampling.params import SamplingParams
 
@@ -187,22 +187,32 @@ class Scheduler:
         return -1, []
 
     def _tier_hit(self, seq: Sequence, extra: int, w: int,
-                  hit: list[int]) -> tuple[int, list[int], int]:
-        """Where seq's session has more of its prefix saved in the tiers than the pool
-        hit holds: (its worker, the pool slots of the prefix there, positions reused);
-        else (w, hit, len(hit)) unchanged."""
+                  hit: list[int]) -> tuple[int, list[int], TierMatch | None]:
+        """Where seq's session has more of its tokens saved in the tiers than the pool
+        hit holds: (its worker, the pool slots of the prefix there, the match); else
+        (w, hit, None) unchanged."""
         if (self.sessions is None or seq.session is None
                 or seq.params.prompt_logprobs is not None):
-            return w, hit, len(hit)
+            return w, hit, None
         n = len(seq.tokens)
-        tw, upto = self.sessions.match(seq.session, seq.tokens, n - 1)
-        if upto <= len(hit):
-            return w, hit, len(hit)
-        pool = (self.caches[tw].match(seq.tokens, upto) if self.caches is not None
-                else [])  # any start of it still in tw's pool is shared, not loaded
-        if not self._room_keeping(tw, n - len(pool) + extra, pool):
-            return w, hit, len(hit)
-        return tw, pool, upto
+        m = self.sessions.match(seq.session, seq.tokens, n - 1)
+        if m is None or m.upto <= len(hit):
+            return w, hit, None
+        pool = (self.caches[m.worker].match(seq.tokens, m.upto) if self.caches is not None
+                else [])  # any start of it still in the pool is shared, not loaded
+        if not self._room_keeping(m.worker, n - len(pool) + extra, pool):
+            return w, hit, None
+        return m.worker, pool, m
+
+    def _load(self, seq: Sequence, m: TierMatch, first: int, slots: list[int]) -> None:
+        """Order the tier loads of positions first..m.upto-1 into seq's `slots`: those
+        before m.prefix where they were saved, the rest shifted."""
+        assert self.sessions is not None and seq.session is not None
+        if first < m.prefix:
+            self.sessions.load(seq.session, seq.seq_id, first, slots[first:m.prefix])
+        a = max(first, m.prefix)
+        if a < m.upto:
+            self.sessions.load(seq.session, seq.seq_id, a, slots[a:m.upto], m.shift)
 
     def _room_keeping(self, w: int, n: int, keep: list[int]) -> bool:
         """`_room`, without evicting the slots about to be reused: they are held for the
@@ -314,7 +324,8 @@ class Scheduler:
             if len(self.running) + 1 + k > self.config.max_batch:
                 break  # keep order: no overtaking
             w, hit = self._hit(seq, k)
-            w, hit, reuse = self._tier_hit(seq, k, w, hit)  # reuse: positions not computed
+            w, hit, tier = self._tier_hit(seq, k, w, hit)
+            reuse = tier.upto if tier is not None else len(hit)  # positions not computed
             place = None if reuse else self._place(n + k)  # room for each fork's first slot
             if n - reuse > budget or not (reuse or place):
                 break
@@ -323,10 +334,8 @@ class Scheduler:
             if reuse:
                 self.allocs[w].adopt(seq.seq_id, hit, n - len(hit))
                 seq.segments.append((w, 0))
-                if reuse > len(hit):  # the rest of the reused prefix comes from the tiers
-                    assert self.sessions is not None and seq.session is not None
-                    self.sessions.load(seq.session, seq.seq_id, len(hit),
-                                       self.allocs[w].slots(seq.seq_id)[len(hit):reuse])
+                if tier is not None:  # the rest of the reused prefix comes from the tiers
+                    self._load(seq, tier, len(hit), self.allocs[w].slots(seq.seq_id))
             else:
                 self._allocate(seq, place or [])
             seq.status = "running"

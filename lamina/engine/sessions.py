@@ -40,6 +40,18 @@ def check_session_id(session_id) -> str | None:
     return session_id
 
 
+# the shortest run of tokens reused at shifted positions (shorter ones may be chance)
+MIN_SHIFTED_RUN = 16
+
+
+@dataclass(frozen=True)
+class TierMatch:
+    worker: int
+    prefix: int  # positions 0..prefix-1 match the saved ones where they are
+    upto: int  # positions prefix..upto-1 match saved positions + shift
+    shift: int  # 0: no run after dropped turns
+
+
 @dataclass
 class _Entry:
     id: int
@@ -51,8 +63,9 @@ class _Entry:
 
 
 class SessionIndex:
-    def __init__(self, config: TierConfig, bytes_per_token: int):
+    def __init__(self, config: TierConfig, bytes_per_token: int, truncation: bool = False):
         self.config, self.bytes_per_token = config, bytes_per_token
+        self.truncation = truncation  # reuse KV after dropped turns at shifted positions
         self.sessions: dict[str, _Entry] = {}
         self._ids = itertools.count()
         self._clock = itertools.count(1)
@@ -60,7 +73,7 @@ class SessionIndex:
         # turns of each session waiting or running: such sessions are not demoted/dropped
         self.pins: dict[str, int] = {}
         self.metrics = {"tier_hit_tokens": 0, "tier_misses": 0, "prefetches": 0,
-                        "saved_tokens": 0, "demoted": 0, "dropped": 0}
+                        "saved_tokens": 0, "demoted": 0, "dropped": 0, "shifted_tokens": 0}
 
     # -- occupancy --
     def _bytes(self, e: _Entry) -> int:
@@ -109,20 +122,31 @@ class SessionIndex:
         e.tokens, e.disk, e.tick = list(tokens), False, next(self._clock)
         self._balance()
 
-    def match(self, session: str | None, tokens: list[int], limit: int) -> tuple[int, int]:
-        """(worker, positions) of the saved KV `tokens` can reuse (at most `limit`);
-        (-1, 0) if none."""
+    def match(self, session: str | None, tokens: list[int], limit: int) -> TierMatch | None:
+        """What of `tokens` (its first `limit` at most) the session's saved KV holds:
+        a common prefix, then (with truncation reuse) the longest run found later in
+        the saved history (the turns between were dropped). None if nothing."""
         e = self.sessions.get(session) if session is not None else None
         if e is None or not (e.host or e.disk):
-            return -1, 0
-        return e.worker, min(_common(e.tokens, tokens), limit)
+            return None
+        k0 = min(_common(e.tokens, tokens), limit)
+        upto, shift = k0, 0
+        if self.truncation and k0 < limit:
+            j, m = _later_run(e.tokens, tokens, k0, limit)
+            if m >= MIN_SHIFTED_RUN:
+                upto, shift = k0 + m, j - k0
+        return TierMatch(e.worker, k0, upto, shift) if upto else None
 
-    def load(self, session: str, seq_id: int, start: int, slots: list[int]) -> None:
-        """Admission took positions start..start+len(slots)-1 from the tiers."""
+    def load(self, session: str, seq_id: int, start: int, slots: list[int],
+             shift: int = 0) -> None:
+        """Admission took positions start..start+len(slots)-1 from the tiers (from
+        saved positions start+shift.., keys re-rotated)."""
         e = self.sessions[session]
         e.host, e.tick = True, next(self._clock)
-        self._orders.append(TierOrder("load", e.worker, e.id, start, tuple(slots), seq_id))
+        self._orders.append(TierOrder("load", e.worker, e.id, start, tuple(slots), seq_id,
+                                      shift))
         self.metrics["tier_hit_tokens"] += len(slots)
+        self.metrics["shifted_tokens"] += len(slots) if shift else 0
 
     def forget(self, entries, loads=()) -> list[str]:
         """Entries a `TierMiss` found gone (`loads`: the orders that missed, not hits
@@ -179,6 +203,22 @@ class SessionIndex:
         e.host = e.disk = False
         self._orders.append(TierOrder("drop", e.worker, e.id))
         self.metrics["dropped"] += 1
+
+
+def _later_run(saved: list[int], tokens: list[int], at: int, limit: int) -> tuple[int, int]:
+    """(j, m): the longest run saved[j:j+m] == tokens[at:at+m] with j > at, m <= limit -
+    at; (0, 0) if none. Candidates are where tokens[at] occurs (the first 64)."""
+    best, j, tried = (0, 0), at, 0
+    while tried < 64 and at < limit:
+        try:
+            j = saved.index(tokens[at], j + 1)
+        except ValueError:
+            break
+        tried += 1
+        m = _common(saved[j:], tokens[at:limit])
+        if m > best[1]:
+            best = (j, m)
+    return best
 
 
 def _common(a: list[int], b: list[int]) -> int:

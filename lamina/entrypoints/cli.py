@@ -205,8 +205,13 @@ def cmd_bench(args) -> int:
     if args.name == "multiturn":
         from lamina.bench.multiturn import bench_multiturn
 
-        sizes = dict(sessions=2, turns=2, system=32, user=48, answer=4) if args.quick else {}
-        bench_multiturn(args.model, out_dir=args.out, **sizes)
+        given = {k: getattr(args, a) for k, a in (
+            ("sessions", "sessions"), ("turns", "turns"), ("system", "system_tokens"),
+            ("user", "user_tokens"), ("answer", "answer_tokens"),
+            ("concurrency", "chat_concurrency")) if getattr(args, a) is not None}
+        sizes = (dict(sessions=4, turns=2, system=32, user=48, answer=4, concurrency=2)
+                 if args.quick else {}) | given
+        bench_multiturn(args.model, out_dir=args.out, vllm_python=args.vllm_python, **sizes)
         return 0
     if args.name == "load":
         from lamina.bench import load as bench_load
@@ -394,6 +399,12 @@ def _bench_parser(sub) -> None:
     b.add_argument("--concurrency", type=int, default=32, help="load: concurrent clients")
     b.add_argument("--phases", nargs="+", default=["load", "queue", "faults"],
                    choices=["load", "queue", "faults"], help="load: which phases")
+    for flag, what in (("--sessions", "conversations (16)"), ("--turns", "turns each (4)"),
+                       ("--system-tokens", "shared system prompt (256)"),
+                       ("--user-tokens", "mean user message (400)"),
+                       ("--answer-tokens", "answer length (32)"),
+                       ("--chat-concurrency", "sessions served at once (4)")):
+        b.add_argument(flag, type=int, default=None, help=f"multiturn: {what}")
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="attention: cpu (compiled kernel) or cuda (Triton kernels); e2e: "

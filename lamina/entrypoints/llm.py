@@ -33,6 +33,19 @@ def batch_of(prompts, params) -> tuple[list, list[SamplingParams]]:
     return list(prompts), plist
 
 
+def rotary_frequencies(model) -> tuple[float, ...] | None:
+    """The model's rotary inverse frequencies (HF's `rotary_emb.inv_freq`, scaling
+    applied), or None when its positions are not rotary or depend on the length
+    (dynamic scaling: a key's rotation then changes with the context)."""
+    for mod in model.modules():
+        inv = getattr(mod, "inv_freq", None)
+        if inv is not None and "Rotary" in type(mod).__name__:
+            if "dynamic" in str(getattr(mod, "rope_type", "")):
+                return None
+            return tuple(float(x) for x in inv.flatten())
+    return None
+
+
 class LLM:
     def __init__(self, model: str | None = None, executor: str = "local",
                  num_memory_workers: int = 1, dtype: str = "float32",
@@ -49,6 +62,10 @@ class LLM:
         if address is not None and executor == "local":
             raise ValueError("address names a Ray cluster: it needs executor='ray'")
         self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
+        if executor != "local" and self.config.tiers.enabled:
+            raise ValueError(f"kv_host_bytes (session KV tiers) runs with executor='local' "
+                             f"for now: the {executor!r} executor's memory workers do not "
+                             f"keep tiers yet")
         self.loaded = load(model, dtype=dtype)
         if executor != "local":
             self.split = None
@@ -66,7 +83,8 @@ class LLM:
                                               self.config.num_kv_slots, self.config.kv_dtype,
                                               self.config.kv_device)
             self.executor = LocalExecutor(
-                self.split, [MemorySide(KVPool(pool_cfg), tiers=cfg.tiers, worker=w)
+                self.split, [MemorySide(KVPool(pool_cfg), tiers=cfg.tiers, worker=w,
+                                        rope_inv_freq=rotary_frequencies(self.loaded.model))
                              for w in range(num_memory_workers)],
                 vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults,
                 device=cfg.compute_device, graph_tokens=cfg.graph_tokens)

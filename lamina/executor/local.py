@@ -69,6 +69,10 @@ class LocalExecutor(Executor):
             return None
         return self.memory[0].pool.config.bytes_per_slot
 
+    def tier_rotary(self) -> bool:
+        """Whether the memory sides can move saved keys to new positions (rotary)."""
+        return all(m.tiers is not None and m.tiers.inv_freq is not None for m in self.memory)
+
     def tier_traffic(self) -> dict:
         """The memory sides' tier traffic (bytes) and misses, summed."""
         out: dict = {}

@@ -48,12 +48,13 @@ class MemorySide:
     go to the pool's device and the outputs come back."""
 
     def __init__(self, pool: KVPool, backend=None, faults=None, tiers: TierConfig | None = None,
-                 worker: int = 0):
+                 worker: int = 0, rope_inv_freq: tuple[float, ...] | None = None):
         self.pool = pool
         # session KV beyond the pool (host DRAM, disk): orders arrive with a step's
-        # metadata (`apply_tiers`), loads are copied layer by layer in `attend`
-        self.tiers = TierStore(tiers, pool, worker) if tiers is not None and tiers.enabled \
-            else None
+        # metadata (`apply_tiers`), loads are copied layer by layer in `attend`;
+        # `rope_inv_freq`: the model's rotary frequencies, for loads at shifted positions
+        self.tiers = (TierStore(tiers, pool, worker, rope_inv_freq)
+                      if tiers is not None and tiers.enabled else None)
         self.device = pool.k.device
         self.backend = backend or select_backend(device=self.device)
         self.faults = faults  # a lamina.faults.FaultPlan (tests) or None

@@ -51,10 +51,15 @@ class TierOrder:
     start: int = 0  # save / load: the first position
     slots: tuple[int, ...] = ()  # save / load: pool slots of positions start..
     seq_id: int = -1  # load: the sequence it is for (what `TierMiss` names)
+    # load: the entry's positions start+shift.. go to positions start.. (the
+    # conversation's oldest turns were dropped); keys are re-rotated by -shift
+    shift: int = 0
 
     def __post_init__(self):
         if self.op not in TIER_OPS:
             raise ValueError(f"TierOrder.op must be one of {TIER_OPS}, got {self.op!r}")
+        if self.shift and (self.op != "load" or self.shift < 0):
+            raise ValueError(f"TierOrder {self.op} of entry {self.entry}: shift {self.shift}")
         if self.start < 0 or (self.op in ("save", "load") and not self.slots):
             raise ValueError(f"TierOrder {self.op} of entry {self.entry}: start "
                              f"{self.start}, {len(self.slots)} slots")

@@ -48,15 +48,23 @@ class _Host:
 class _Load:
     entry: int
     index: torch.Tensor  # [m] int64 pool slots
-    start: int
+    src: int  # the entry's first position copied
+    cos: torch.Tensor | None = None  # [R] fp32: re-rotation by -shift (None: no shift)
+    sin: torch.Tensor | None = None
 
 
 class TierStore:
     """One memory worker's tiers. Orders touching an entry first wait for its queued
     background work (one thread, in order), so a save never races a demote's write."""
 
-    def __init__(self, config: TierConfig, pool, worker: int = 0):
+    def __init__(self, config: TierConfig, pool, worker: int = 0,
+                 rope_inv_freq: tuple[float, ...] | None = None):
         self.config, self.pool, self.worker = config, pool, worker
+        # the model's rotary frequencies (rotate-half convention, the first 2 * len
+        # dims of each head rotate): what a shifted load re-rotates keys with; None: the
+        # model's positions are not rotary, and shifted loads are refused
+        self.inv_freq = (torch.tensor(rope_inv_freq, dtype=torch.float64)
+                         if rope_inv_freq else None)
         self.host: dict[int, _Host] = {}
         self.files: dict[int, tuple[str, int]] = {}  # entry -> (path, bytes)
         self._pending: dict[int, Future] = {}
@@ -124,8 +132,11 @@ class TierStore:
         for x in self._loads:
             e = self.host[x.entry]
             m = x.index.numel()
-            kp.index_copy_(0, x.index, e.k[layer, x.start:x.start + m])
-            vp.index_copy_(0, x.index, e.v[layer, x.start:x.start + m])
+            k = e.k[layer, x.src:x.src + m]  # [m, Hkv, D]
+            if x.cos is not None and x.sin is not None:
+                k = _rotate(k, x.cos, x.sin)
+            kp.index_copy_(0, x.index, k)
+            vp.index_copy_(0, x.index, e.v[layer, x.src:x.src + m])
 
     def close(self) -> None:
         self._bg.shutdown(wait=True)
@@ -184,13 +195,22 @@ class TierStore:
         if e is None and o.entry in self.files:  # not prefetched: read it now
             self._prefetch(o.entry)
             e = self.host.get(o.entry)
-        if e is None or e.n < o.start + len(o.slots):
+        src = o.start + o.shift
+        if e is None or e.n < src + len(o.slots):
             log.warning("memory worker %d: session KV entry %d %s: recomputing sequence %d",
                         self.worker, o.entry, "is missing" if e is None else
-                        f"holds {e.n} positions, not {o.start + len(o.slots)}", o.seq_id)
+                        f"holds {e.n} positions, not {src + len(o.slots)}", o.seq_id)
             return False
+        if o.shift and self.inv_freq is None:
+            raise ValueError(f"memory worker {self.worker}: a shifted load of entry "
+                             f"{o.entry}, but the model's positions are not rotary")
         idx = torch.tensor(o.slots, dtype=torch.int64, device=self.pool.k.device)
-        self._loads.append(_Load(o.entry, idx, o.start))
+        cos = sin = None
+        if o.shift:  # R(p - s) = R(-s) R(p): rotate every key back by the shift
+            assert self.inv_freq is not None
+            ang = -o.shift * self.inv_freq
+            cos, sin = (torch.cat([f(ang), f(ang)]).float() for f in (torch.cos, torch.sin))
+        self._loads.append(_Load(o.entry, idx, src, cos, sin))
         self.stats["loaded_bytes"] += len(o.slots) * self.pool.config.bytes_per_slot
         return True
 
@@ -303,6 +323,17 @@ class TierStore:
                 t.copy_(torch.frombuffer(bytearray(chunk), dtype=dtype).view(t.shape))
                 at += nb
         return _Host(k, v, int(head["n"]))
+
+
+def _rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """k [m, H, D] rotated in its first R = len(cos) dims (HF's rotate-half layout: dim i
+    pairs with i + R/2) by the angles behind cos/sin [R]; computed in fp32."""
+    r = cos.numel()
+    x = k[..., :r].float()
+    half = torch.cat([-x[..., r // 2:], x[..., :r // 2]], -1)
+    out = k.clone()
+    out[..., :r] = (x * cos + half * sin).to(k.dtype)
+    return out
 
 
 def _bytes(t: torch.Tensor) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lamina import LLM, SamplingParams
+from lamina import SamplingParams
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.prefix_cache import RadixCache
@@ -14,6 +14,7 @@ from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from tests.conftest import HF_NEW
+from tests.lamina.test_engine import engine, run
 
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 
@@ -52,54 +53,53 @@ def test_clear_returns_every_slot():
 
 
 @pytest.fixture(scope="module")
-def cached_llm():
-    llm = LLM(num_kv_slots=6000, max_step_tokens=1024)
-    yield llm
-    llm.shutdown()
+def cached(smol, smol_split):
+    """An engine with prefix caching over the session's split (as `LLM` builds one)."""
+    return engine(smol, smol_split, num_kv_slots=6000, max_step_tokens=1024)
 
 
-def free_after_clear(llm) -> list[int]:
-    llm.engine.clear_prefix_cache()
-    assert all(a.stats().shared == 0 for a in llm.engine.allocs)
-    return [a.num_free() for a in llm.engine.allocs]
+def free_after_clear(eng) -> list[int]:
+    eng.clear_prefix_cache()
+    assert all(a.stats().shared == 0 for a in eng.allocs)
+    return [a.num_free() for a in eng.allocs]
 
 
-def test_cached_prefixes_give_hf_greedy_and_compute_only_the_rest(cached_llm, prompts,
+def test_cached_prefixes_give_hf_greedy_and_compute_only_the_rest(cached, prompts,
                                                                   hf_greedy):
     """The 16 prompts are prefixes of one text: each reuses the longest one before it;
     run again, every prompt but its last token comes from the cache."""
-    eng = cached_llm.engine
-    first = cached_llm.generate(prompts, GREEDY, use_tqdm=False)
+    first = run(cached, prompts, GREEDY)
     assert [o.token_ids for o in first] == hf_greedy
-    fed = sum(s["tokens"] for s in eng.step_timings)
-    eng.step_timings.clear()
-    again = cached_llm.generate(prompts, GREEDY, use_tqdm=False)
+    fed = sum(s["tokens"] for s in cached.step_timings)
+    cached.step_timings.clear()
+    again = run(cached, prompts, GREEDY)
     assert [o.token_ids for o in again] == hf_greedy
     assert [o.metrics["cached_tokens"] for o in again] == [len(p) - 1 for p in prompts]
-    assert sum(s["tokens"] for s in eng.step_timings) < fed
-    assert free_after_clear(cached_llm) == [6000]
+    assert sum(s["tokens"] for s in cached.step_timings) < fed
+    assert free_after_clear(cached) == [6000]
 
 
-def test_multi_turn_and_branches_equal_caching_off(cached_llm, smol):
+def test_multi_turn_and_branches_equal_caching_off(cached, smol, smol_split):
     tok = smol.tokenizer
+
+    def chat(eng, convs):
+        return run(eng, [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                         for c in convs], params)
+
     system = {"role": "system", "content": "You are a concise assistant for travellers."}
     turn1 = [system, {"role": "user", "content": "Name a city in France."}]
     params = SamplingParams(max_tokens=24, temperature=0)
-    plain = LLM(num_kv_slots=6000, prefix_caching=False)
-    try:
-        a1 = plain.chat(turn1, params, use_tqdm=False)[0].text
-        convs = [turn1 + [{"role": "assistant", "content": a1},
-                          {"role": "user", "content": q}]
-                 for q in ("What is it famous for?", "How far is it from Paris?")]
-        want = [o.token_ids for o in plain.chat(convs, params, use_tqdm=False)]
-    finally:
-        plain.shutdown()
-    assert cached_llm.chat(turn1, params, use_tqdm=False)[0].text == a1
-    outs = cached_llm.chat(convs, params, use_tqdm=False)
+    plain = engine(smol, smol_split, num_kv_slots=6000, prefix_caching=False)
+    a1 = tok.decode(chat(plain, [turn1])[0].token_ids, skip_special_tokens=True)
+    convs = [turn1 + [{"role": "assistant", "content": a1}, {"role": "user", "content": q}]
+             for q in ("What is it famous for?", "How far is it from Paris?")]
+    want = [o.token_ids for o in chat(plain, convs)]
+    assert tok.decode(chat(cached, [turn1])[0].token_ids, skip_special_tokens=True) == a1
+    outs = chat(cached, convs)
     assert [o.token_ids for o in outs] == want
     history = len(tok.apply_chat_template(turn1, add_generation_prompt=True))
     assert all(o.metrics["cached_tokens"] >= history for o in outs)  # turn 1 reused
-    assert free_after_clear(cached_llm) == [6000]
+    assert free_after_clear(cached) == [6000]
 
 
 def test_n_preemption_and_kv_split_equal_caching_off(smol, smol_split, prompts):

@@ -8,14 +8,16 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from lamina import SamplingParams
+from lamina import LLM, SamplingParams
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
-from lamina.engine.sessions import SessionIndex, check_session_id
+from lamina.engine.sessions import SessionIndex, TierMatch, check_session_id
+from lamina.entrypoints.llm import rotary_frequencies
 from lamina.entrypoints.metrics import EngineMetrics
 from lamina.executor.local import LocalExecutor
 from lamina.memory.memory_side import MemorySide
@@ -43,7 +45,7 @@ def test_index_saves_only_new_positions_and_moves_lru_unpinned_sessions_down():
                                 TierOrder("demote", 0, 0))  # a: LRU, unpinned
     ix.done("b")
     assert ix.take_orders() == () and ix.host_bytes() == 6 and ix.disk_bytes() == 5
-    assert ix.match("a", [1, 2, 3, 9, 9], 4) == (0, 3)
+    assert ix.match("a", [1, 2, 3, 9, 9], 4) == TierMatch(0, 3, 3, 0)
     ix.queued("a")  # a's next turn: read back from disk at once, b goes down instead
     assert ix.take_orders() == (TierOrder("prefetch", 0, 0), TierOrder("demote", 1, 1))
     assert (ix.host_bytes(), ix.disk_bytes()) == (5, 11)
@@ -55,7 +57,7 @@ def test_index_saves_only_new_positions_and_moves_lru_unpinned_sessions_down():
     orders = ix.take_orders()
     assert TierOrder("drop", 1, 1) in orders and "b" not in ix.sessions
     assert ix.forget([0]) == ["a"] and ix.take_orders() == (TierOrder("drop", 0, 0),)
-    assert ix.match("a", [1, 2], 1) == (-1, 0)
+    assert ix.match("a", [1, 2], 1) is None
 
 
 def test_session_ids_are_checked():
@@ -259,6 +261,8 @@ def test_bad_session_input_is_refused_or_falls_back(smol, smol_split, tmp_path, 
 
     with pytest.raises(ValueError, match="need memory workers that keep them"):
         LLMEngine(EngineConfig(kv_host_bytes=1 << 20), NoTiers(), None, smol.config)
+    with pytest.raises(ValueError, match="executor='local' for now"):  # before any deploy
+        LLM(executor="ray", kv_host_bytes=1 << 20)
 
 
 def test_tier_loads_bring_back_the_saved_kv_bytes(smol, smol_split):
@@ -291,3 +295,107 @@ def test_tier_loads_bring_back_the_saved_kv_bytes(smol, smol_split):
     after = eng.scheduler.caches[0].match(hist, n)
     assert len(after) == n
     assert torch.equal(pool.k[:, after], k0) and torch.equal(pool.v[:, after], v0)
+
+
+# -- truncation: kept turns move to new positions --
+def _rope(x: np.ndarray, pos: np.ndarray, inv: np.ndarray) -> np.ndarray:
+    """NumPy rotate-half RoPE: x [m, H, D] at positions pos [m]."""
+    ang = pos[:, None] * inv[None, :]  # [m, D/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = x[..., :x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+
+def test_a_shifted_load_re_rotates_keys_to_their_new_positions(tmp_path):
+    inv = np.array([1.0, 0.05])
+    pool = KVPool(KVPoolConfig(2, 32, 2, 4))
+    raw = np.random.default_rng(0).standard_normal((2, 10, 2, 4))  # pre-rotary keys
+    pos = np.arange(10, dtype=np.float64)
+    for layer in range(2):
+        pool.k[layer, :10] = torch.tensor(_rope(raw[layer], pos, inv), dtype=torch.float32)
+    pool.v[:, :10] = torch.randn(2, 10, 2, 4)
+    store = TierStore(TierConfig(1 << 20), pool, rope_inv_freq=tuple(inv))
+    store.apply([TierOrder("save", 0, 0, 0, tuple(range(10)))])
+    # positions 6..9 were kept after dropping 4..5 (the shift 2): they land at 4..7
+    store.apply([TierOrder("load", 0, 0, 4, (20, 21, 22, 23), seq_id=1, shift=2)])
+    for layer in range(2):
+        store.load_layer(layer)
+        want = _rope(raw[layer, 6:10], np.arange(4, 8, dtype=np.float64), inv)
+        np.testing.assert_allclose(pool.k[layer, 20:24].numpy(), want, atol=1e-5)
+    assert torch.equal(pool.v[:, 20:24], pool.v[:, 6:10])
+    norope = TierStore(TierConfig(1 << 20), pool)
+    norope.apply([TierOrder("save", 0, 0, 0, tuple(range(10)))])
+    with pytest.raises(ValueError, match="not rotary"):
+        norope.apply([TierOrder("load", 0, 0, 4, (20,), seq_id=1, shift=2)])
+
+
+def test_index_finds_the_kept_run_after_dropped_turns():
+    ix = SessionIndex(TierConfig(1 << 20), 1, truncation=True)
+    system, t1, t2, t3 = ([k] * 3 + list(range(100 * k, 100 * k + 17)) for k in (1, 2, 3, 4))
+    ix.saved("c", 0, system + t1 + t2, list(range(60)))
+    m = ix.match("c", system + t2 + t3, 59)
+    assert (m.worker, m.prefix, m.upto, m.shift) == (0, 20, 40, 20)
+    short = SessionIndex(TierConfig(1 << 20), 1, truncation=True)  # 15 tokens: chance?
+    short.saved("c", 0, system + t1 + t2[:15], list(range(55)))
+    m = short.match("c", system + t2[:15] + t3, 40)
+    assert (m.prefix, m.upto, m.shift) == (20, 20, 0)
+    off = SessionIndex(TierConfig(1 << 20), 1)  # truncation reuse off: the prefix only
+    off.saved("c", 0, system + t1 + t2, list(range(60)))
+    assert off.match("c", system + t2 + t3, 59).upto == 20
+
+
+def test_truncated_history_reuses_kept_kv_at_new_positions(smol, smol_split):
+    """Turns dropped from the middle of a conversation: the kept turn's KV comes from the
+    tier at shifted positions. Layer 0's keys depend only on token and position, so there
+    they equal a fresh prefill's; deeper layers saw the dropped turns (not exact)."""
+    tok = smol.tokenizer
+    rope = rotary_frequencies(smol.model)
+    assert rope is not None and len(rope) == 32  # head_dim 64
+    t = TierConfig(1 << 28)
+    cfg = EngineConfig(num_kv_slots=400, max_step_tokens=2048, kv_host_bytes=t.host_bytes,
+                       truncation_reuse=True)
+    pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 400))
+    eng = LLMEngine(cfg, LocalExecutor(smol_split, [MemorySide(pool, tiers=t,
+                                                               rope_inv_freq=rope)]),
+                    smol.tokenizer, smol.config)
+    system = tok(SYSTEM)["input_ids"]
+    t1 = tok(" The first question was about the old harbour and its ships.",
+             add_special_tokens=False)["input_ids"]
+    t2 = tok(" The second question asked which painters lived in the town, and in which "
+             "of its streets their studios stood.", add_special_tokens=False)["input_ids"]
+    first = _run(eng, [(system + t1 + t2, SamplingParams(max_tokens=8, temperature=0,
+                                                         ignore_eos=True), "c")])[0]
+    kept = t2 + first.outputs[0].token_ids
+    _run(eng, [([5, 6, 7], GREEDY, None)])  # a step carries the save
+    eng.clear_prefix_cache()
+    truncated = system + kept + tok(" Why?", add_special_tokens=False)["input_ids"]
+    out = _run(eng, [(truncated, GREEDY, "c")])[0]
+    n = len(system) + len(kept) - 1  # the last answer token's KV was never written
+    assert out.metrics["cached_tokens"] == out.metrics["tier_cached_tokens"] == n
+    same = next(i for i, (a, b) in enumerate(zip(system + t1, truncated)) if a != b)
+    assert same == len(system) + 1  # t1 and t2 both begin with " The"
+    assert eng.tier_stats()["shifted_tokens"] == n - same  # the rest moved left
+    got = pool.k[0, eng.scheduler.caches[0].match(truncated, n)].clone()
+    fresh = _engine(smol, smol_split, 400, prefix_caching=True)
+    _run(fresh, [(truncated, GREEDY, None)])
+    fpool = fresh.executor.memory[0].pool
+    want = fpool.k[0, fresh.scheduler.caches[0].match(truncated, n)]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+    assert out.error is None and out.outputs[0].token_ids  # its answer may differ (above)
+
+
+def test_truncation_reuse_is_refused_without_rotary_positions():
+    from tests.tiny_models import tiny_model
+
+    assert rotary_frequencies(tiny_model("gpt2")) is None  # learned absolute positions
+
+    class NoRotary:
+        def tier_bytes_per_token(self):
+            return 8
+
+        def tier_rotary(self):
+            return False
+
+    with pytest.raises(ValueError, match="not rotary"):
+        LLMEngine(EngineConfig(kv_host_bytes=1 << 20, truncation_reuse=True), NoRotary(),
+                  None, None)
