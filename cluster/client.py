@@ -20,6 +20,7 @@ import ray
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from lamina.engine.outputs import RequestOutput
+from lamina.engine.sessions import check_session_id
 from lamina.entrypoints.llm import batch_of
 from lamina.errors import EngineDead
 from lamina.sampling.params import SamplingParams
@@ -57,9 +58,10 @@ def _call(ref):
 
 
 class RequestHandle:
-    def __init__(self, service, key: str, prompt, params: SamplingParams):
+    def __init__(self, service, key: str, prompt, params: SamplingParams,
+                 session_id: str | None = None):
         self.key, self._service = key, service
-        self._gen = service.stream.remote(key, prompt, params)
+        self._gen = service.stream.remote(key, prompt, params, session_id)
         self._last: RequestOutput | None = None
 
     @property
@@ -108,11 +110,14 @@ class Client:
     def __init__(self, service, name: str):
         self.service, self.name = service, name
 
-    def submit(self, prompt, params: SamplingParams | None = None) -> RequestHandle:
-        """Queue one request; bad input raises here, as in `LLM.generate`."""
+    def submit(self, prompt, params: SamplingParams | None = None,
+               session_id: str | None = None) -> RequestHandle:
+        """Queue one request; bad input raises here, as in `LLM.generate`. `session_id`:
+        the conversation it continues (see `LLM.generate`)."""
         params = params or SamplingParams()
+        check_session_id(session_id)
         _call(self.service.validate.remote(prompt, params))
-        return RequestHandle(self.service, uuid.uuid4().hex, prompt, params)
+        return RequestHandle(self.service, uuid.uuid4().hex, prompt, params, session_id)
 
     def abort(self, handle: RequestHandle) -> bool:
         """Stop the request and free its KV; False if it had finished."""
@@ -180,10 +185,13 @@ class ServiceLoop:
         _call(self.client.service.check_capacity.remote(extra))
 
     def submit(self, prompt, params: SamplingParams, validated: bool = False,
-               on_update: Callable[[RequestOutput], None] | None = None) -> Future:
+               on_update: Callable[[RequestOutput], None] | None = None,
+               session_id: str | None = None) -> Future:
+        check_session_id(session_id)
         if not validated:
             self.engine.validate(prompt, params)
-        handle = RequestHandle(self.client.service, uuid.uuid4().hex, prompt, params)
+        handle = RequestHandle(self.client.service, uuid.uuid4().hex, prompt, params,
+                               session_id)
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
         self._handles[fut] = handle

@@ -32,7 +32,7 @@ from lamina.dataplane.transport import (
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.memory.pool import KVPoolConfig
 from lamina.model.loader import load
-from lamina.model.prepare import prepare_split
+from lamina.model.prepare import prepare_split, rotary_frequencies
 
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
 # Fewer rows than this: a second thread does not pay. MKL's sgemm (eager) barely scales
@@ -100,6 +100,10 @@ class ComputeWorker:
         specs = self.compute.split.attention_specs
         return (KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device),
                 self.compute.params)
+
+    def rotary(self) -> tuple[float, ...] | None:
+        """The model's rotary frequencies (the memory workers' shifted tier loads)."""
+        return rotary_frequencies(self.loaded.model)
 
     def dense_choice(self):
         """The `DenseChoice` this worker's slices run with."""

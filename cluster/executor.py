@@ -24,6 +24,7 @@ from lamina.dataplane.transport import SocketChannel, connect_stream
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.executor.base import Executor
+from lamina.memory.tier_orders import TierMiss
 
 from .compute_worker import ComputeWorker, ComputeWorkerSpec
 from .memory_worker import MemoryWorker
@@ -157,8 +158,12 @@ class RayExecutor(Executor):
             cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, cfg.local_prefill, cfg.faults),
             "the compute worker")
         self.params = list(params)  # per-layer AttentionParams
-        self.memory_info = self._get([w.setup.remote(pool_cfg, params, cfg.faults)
+        self.pool_config = pool_cfg
+        tiers = cfg.tiers if cfg.tiers.enabled else None
+        rope = self._get(self.compute.rotary.remote(), "the compute worker") if tiers else None
+        self.memory_info = self._get([w.setup.remote(pool_cfg, params, cfg.faults, tiers, rope)
                                       for w in self.memory], "the memory workers")
+        self._rotary = rope is not None
         node = self._get(self.compute.node_id.remote(), "the compute worker")
         # Memory workers on the compute worker's node use Unix sockets, the rest TCP.
         nodes = self._get([w.__ray_call__.remote(
@@ -228,7 +233,9 @@ class RayExecutor(Executor):
         """A failed step raises `SequenceFault` when the compute worker or a memory worker
         blamed particular sequences (clean: the compute worker refused them before any
         frame went out, or after every output came back), else `WorkerFailure` naming
-        what each worker reported."""
+        what each worker reported. `TierMiss` (clean) when a memory worker cannot serve a
+        tier load: asked before the step is sent."""
+        self._check_tier_loads(plan)
         try:
             if self.control is None:
                 raise RuntimeError("no control channel to the compute worker (closed after "
@@ -245,6 +252,39 @@ class RayExecutor(Executor):
             if bad:  # a memory worker refused these sequences and closed its channel
                 raise SequenceFault(bad, what, clean=False) from e
             raise WorkerFailure(what) from e
+
+    def _check_tier_loads(self, plan: StepPlan) -> None:
+        loads = [o for o in plan.tier_orders if o.op == "load"]
+        if not loads:
+            return
+        by = sorted({o.worker for o in loads})
+        refs = [self.memory[w].tier_missing.remote([o for o in loads if o.worker == w])
+                for w in by]
+        missed = {s for r in self._get(refs, "the memory workers' tiers") for s in r}
+        if missed:
+            raise TierMiss(sorted(missed), {o.entry for o in loads if o.seq_id in missed},
+                           f"memory workers {by}: no valid saved KV for sequences "
+                           f"{sorted(missed)}")
+
+    def tier_bytes_per_token(self) -> int | None:
+        """KV bytes a token takes in the tiers; None without tiers."""
+        return self.pool_config.bytes_per_slot if self.config.tiers.enabled else None
+
+    def tier_rotary(self) -> bool:
+        return self._rotary
+
+    def tier_traffic(self) -> dict:
+        """The memory workers' tier traffic and misses, summed (asked at most once a
+        second: the metrics ask every step)."""
+        now = time.monotonic()
+        if now - getattr(self, "_traffic_at", -1e9) >= 1.0:
+            out: dict = {}
+            for st in self._get([w.tier_stats.remote() for w in self.memory],
+                                "the memory workers"):
+                for k, v in st.items():
+                    out[k] = out.get(k, 0) + v
+            self._traffic, self._traffic_at = out, now
+        return self._traffic
 
     def _health_errors(self) -> tuple[list[str], list[int]]:
         """After a failed step: what each memory worker reports (asked all at once, one
@@ -282,6 +322,9 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         self._close_control()
+        if self.config.tiers.enabled:  # their files go with them
+            ray.wait([w.close_tiers.remote() for w in self.memory],
+                     num_returns=len(self.memory), timeout=HEALTH_TIMEOUT_S)
         for a in [self.compute, *self.memory]:
             ray.kill(a)
         self.placement.remove()

@@ -48,8 +48,9 @@ class MemoryWorker:
         self.index = index
         self.memory = self.params = self._srv = self.server = None
 
-    def setup(self, pool_config, params, faults=None) -> dict:
-        self.memory = MemorySide(KVPool(pool_config), faults=faults)
+    def setup(self, pool_config, params, faults=None, tiers=None, rope=None) -> dict:
+        self.memory = MemorySide(KVPool(pool_config), faults=faults, tiers=tiers,
+                                 worker=self.index, rope_inv_freq=rope)
         self.params = list(params)
         return {"backend": self.memory.backend.name, "reason": self.memory.backend.reason,
                 "pool_bytes": pool_config.nbytes, "pid": os.getpid()}
@@ -67,6 +68,22 @@ class MemoryWorker:
             addr = (*addr, base + "-c2m", base + "-m2c", RING_BYTES)
         threading.Thread(target=self._serve, daemon=True).start()
         return addr
+
+    def tier_missing(self, loads: list) -> list[int]:
+        """Of a step's tier loads (before it is sent), the sequences whose saved KV this
+        worker cannot serve (waits for its disk reads)."""
+        tiers = self.memory.tiers
+        if tiers is None:
+            return [o.seq_id for o in loads]
+        return [o.seq_id for o in tiers.missing(loads)]
+
+    def tier_stats(self) -> dict:
+        return dict(self.memory.tiers.stats) if self.memory.tiers is not None else {}
+
+    def close_tiers(self) -> None:
+        """Delete this worker's tier files (before the deployment goes)."""
+        if self.memory is not None and self.memory.tiers is not None:
+            self.memory.tiers.close()
 
     def health(self) -> dict:
         s = self.server

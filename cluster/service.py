@@ -65,7 +65,7 @@ class LaminaService:
         """Raise what `LLM.generate` would for this prompt (ValueError / TypeError)."""
         self.llm.engine.validate(prompt, params)
 
-    async def stream(self, key: str, prompt, params):
+    async def stream(self, key: str, prompt, params, session_id: str | None = None):
         """One request's progress: `RequestOutput` snapshots, the last one final. A
         consumer that goes away (the generator closed) aborts the request."""
         aloop = asyncio.get_running_loop()
@@ -74,7 +74,8 @@ class LaminaService:
         def put(item):
             aloop.call_soon_threadsafe(updates.put_nowait, item)
 
-        fut = self.loop.submit(prompt, params, on_update=put)  # bad input raises here
+        fut = self.loop.submit(prompt, params, on_update=put,  # bad input raises here
+                               session_id=session_id)
         self.futures[key] = fut
         fut.add_done_callback(put)
         try:

@@ -10,7 +10,9 @@ Per step, each worker with rows gets: META frames (layer -1): the micro-batch co
 (followed, optionally, by the sequence id of every batch entry of every micro-batch, so
 the memory end can name a bad sequence and hold its slot table: -1 where unknown), the
 sequences released since (their held tables dropped; a worker with no rows in a step
-gets only these, after a count of 0), then per micro-batch new_slots,
+gets only these, after a count of 0), then, when the count carries `TIERS_FLAG`, the
+step's KV tier orders for this worker (`lamina.memory.tier_orders.encode_orders`; carried
+out before the layers), then per micro-batch new_slots,
 cu_q, q_pos, keep, tail, cu_k, k_pos0 (int32): the batch's `SlotBatch` with its slots
 as a diff against the tables the memory end holds (`lamina.dataplane.tables`: per entry
 `keep` slots it has, then the `tail`), so a decode step's metadata is O(batch), not
@@ -41,9 +43,11 @@ from lamina.dataplane.transport import FrameError, PeerTimeout, SocketChannel
 from lamina.errors import SequenceFault
 from lamina.kernels import SlotBatch
 from lamina.memory.memory_side import MemorySide
+from lamina.memory.tier_orders import TierMiss, decode_orders, encode_orders
 
 META = -1  # layer tag of the per-step metadata frames
 MAX_MICRO_BATCHES = 64
+TIERS_FLAG = 1 << 16  # in the micro-batch count: a frame of KV tier orders follows
 # What each connection's memory end holds, kept with the connection: a `SocketLink`
 # lives one step (the Ray compute worker makes one per step); a new channel starts empty.
 _SENT: weakref.WeakKeyDictionary[SocketChannel, SentTables] = weakref.WeakKeyDictionary()
@@ -122,13 +126,16 @@ def _raise(status: int, msg: str) -> None:
     raise (FrameError, PeerTimeout, RuntimeError)[status - 1](msg)
 
 
-def step_meta(live: list[WorkerPart], held: SentTables) -> list[torch.Tensor]:
+def step_meta(live: list[WorkerPart], held: SentTables,
+              tiers: bool = False) -> list[torch.Tensor]:
     """One memory worker's META frames of a step (see the module docstring): its parts
-    in the step's micro-batches, slots as diffs against what `held` says it holds."""
+    in the step's micro-batches, slots as diffs against what `held` says it holds;
+    `tiers`: a tier-order frame will follow the released one (flagged in the count)."""
     ids = [i if 0 <= i < 2 ** 31 else -1 for p in live for i in p.seq_ids]
     if len(ids) != sum(p.batch.num_requests for p in live):
         ids = []  # parts built without sequence ids (probes)
-    frames = [torch.tensor([len(live), *ids], dtype=torch.int32),
+    frames = [torch.tensor([len(live) | (TIERS_FLAG if tiers else 0), *ids],
+                           dtype=torch.int32),
               torch.tensor(held.take_released(), dtype=torch.int32)]
     at = 0
     for p in live:
@@ -153,9 +160,6 @@ class SocketLink(MemoryLink):
         self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
 
     def begin(self, step, parts, released=(), tier_orders=()):
-        if tier_orders:
-            raise RuntimeError("KV tier orders reached a data-plane link: session tiers "
-                               "run with the local executor only")
         self.step = step
         if self._ext:  # what the C++ ends need every layer, once a step
             self._peers = _peers(self._ext, self.channels)
@@ -165,12 +169,17 @@ class SocketLink(MemoryLink):
             held = sent_tables(ch)
             held.release(released)
             live = [p[w] for p in parts if p[w].active]
+            tiers = encode_orders(o for o in tier_orders if o.worker == w)
             if live:
-                ch.send_many([(t, META, step) for t in step_meta(live, held)])
-            elif held.pending:  # no rows this step: only what to drop (a count of 0)
-                ch.send_many([(torch.zeros(1, dtype=torch.int32), META, step),
-                              (torch.tensor(held.take_released(), dtype=torch.int32), META,
-                               step)])
+                frames = step_meta(live, held, bool(tiers))
+            elif held.pending or tiers:  # no rows: what to drop, tier orders (count 0)
+                frames = [torch.tensor([TIERS_FLAG if tiers else 0], dtype=torch.int32),
+                          torch.tensor(held.take_released(), dtype=torch.int32)]
+            else:
+                continue
+            if tiers:  # after the released frame
+                frames.insert(2, torch.tensor(tiers, dtype=torch.int32))
+            ch.send_many([(t, META, step) for t in frames])
 
     def _layer_rows(self, spans, step: int):
         """The native `LayerRows` of a micro-batch whose workers' rows are slices."""
@@ -308,14 +317,17 @@ class MemoryServer:
         ch = self.ch
         head, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32)
         count = int(head[0]) if head.dim() == 1 and head.numel() else -1
+        tiers, count = count > 0 and bool(count & TIERS_FLAG), count & ~TIERS_FLAG
         if not 0 <= count <= MAX_MICRO_BATCHES or (count == 0 and head.numel() > 1):
             raise FrameError(f"step {step}: bad micro-batch count frame {head.tolist()[:4]}")
         ids, mbs = head[1:].tolist(), []
         released = ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
         self.tables.release(released.tolist())
+        if tiers:
+            self._apply_tiers(step)
         if count == 0:
             return False
-        for _ in range(int(head[0])):
+        for _ in range(count):
             new_slots, cu_q, q_pos, keep, tail, cu_k, k_pos0 = [
                 ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
                 for _ in range(7)]
@@ -335,9 +347,10 @@ class MemoryServer:
             except ValueError as e:
                 raise FrameError(f"step {step}: bad slot metadata: {e}") from None
             mbs.append((new_slots, batch))
-        if self._native is not None and len(mbs) == 1:
+        loading = self.memory.tiers is not None and self.memory.tiers.loading
+        if self._native is not None and len(mbs) == 1 and not loading:
             self._serve_native(step, *mbs[0])
-            return True
+            return True  # (a step with tier loads copies them layer by layer, below)
         for layer, params in enumerate(self.params):
             for new_slots, batch in mbs:
                 q, k, v = self._recv_qkv(layer, step, batch.num_queries, new_slots.numel())
@@ -350,6 +363,20 @@ class MemoryServer:
                 else:
                     self._out.put(frame)
         return True
+
+    def _apply_tiers(self, step: int) -> None:
+        """The step's KV tier orders (`lamina.memory.tiers`). The executor checked its
+        loads first, so a miss here is the store's own failure: the step fails."""
+        flat = self.ch.recv(expect_layer=META, expect_step=step,
+                            expect_dtype=torch.int32)[0]
+        try:
+            orders = decode_orders(flat.tolist(), getattr(self.memory.tiers, "worker", 0))
+        except ValueError as e:
+            raise FrameError(f"step {step}: {e}") from None
+        try:
+            self.memory.apply_tiers(orders)
+        except TierMiss as e:
+            raise RuntimeError(f"step {step}: a checked tier load missed: {e}") from None
 
     def _serve_native(self, step: int, new_slots, batch) -> None:
         """The layers of a one-micro-batch step in C++: the same frames and checks."""

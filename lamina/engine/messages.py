@@ -13,7 +13,9 @@ The data path of one step, and the file that owns each stage:
   per-worker parts            compute/packing.py    WorkerPart: each memory worker's rows,
      |                                              new slots and SlotBatch
   step metadata (META)        dataplane/protocol.py  once a step, slot tables as diffs
-     |                        dataplane/tables.py    against those the memory end holds
+     |                        dataplane/tables.py    against those the memory end holds,
+     |                        memory/tiers.py        and the step's KV tier orders (session
+     |                                               saves, demotions, prefetches, loads)
      v  per layer:
   q|k|v frames  ----------->  dataplane/protocol.py  SocketLink (compute end) -> MemoryServer
                                                      (memory end); which path: paths.py

@@ -33,19 +33,6 @@ def batch_of(prompts, params) -> tuple[list, list[SamplingParams]]:
     return list(prompts), plist
 
 
-def rotary_frequencies(model) -> tuple[float, ...] | None:
-    """The model's rotary inverse frequencies (HF's `rotary_emb.inv_freq`, scaling
-    applied), or None when its positions are not rotary or depend on the length
-    (dynamic scaling: a key's rotation then changes with the context)."""
-    for mod in model.modules():
-        inv = getattr(mod, "inv_freq", None)
-        if inv is not None and "Rotary" in type(mod).__name__:
-            if "dynamic" in str(getattr(mod, "rope_type", "")):
-                return None
-            return tuple(float(x) for x in inv.flatten())
-    return None
-
-
 class LLM:
     def __init__(self, model: str | None = None, executor: str = "local",
                  num_memory_workers: int = 1, dtype: str = "float32",
@@ -54,7 +41,7 @@ class LLM:
         from lamina.memory.memory_side import MemorySide
         from lamina.memory.pool import KVPool, KVPoolConfig
         from lamina.model.loader import load
-        from lamina.model.prepare import prepare_split
+        from lamina.model.prepare import prepare_split, rotary_frequencies
         from lamina.splitter.dense import DenseChoice
 
         if executor not in ("local", "ray"):
@@ -62,10 +49,6 @@ class LLM:
         if address is not None and executor == "local":
             raise ValueError("address names a Ray cluster: it needs executor='ray'")
         self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
-        if executor != "local" and self.config.tiers.enabled:
-            raise ValueError(f"kv_host_bytes (session KV tiers) runs with executor='local' "
-                             f"for now: the {executor!r} executor's memory workers do not "
-                             f"keep tiers yet")
         self.loaded = load(model, dtype=dtype)
         if executor != "local":
             self.split = None

@@ -72,3 +72,28 @@ class TierMiss(SequenceFault):
     def __init__(self, seq_ids, entries, message: str):
         super().__init__(seq_ids, message, clean=True)
         self.entries = tuple(entries)
+
+
+def encode_orders(orders) -> list[int]:
+    """Orders as flat ints for a data-plane frame: per order op, entry, start, shift,
+    seq_id, n, then n slots."""
+    out: list[int] = []
+    for o in orders:
+        out += [TIER_OPS.index(o.op), o.entry, o.start, o.shift, o.seq_id, len(o.slots),
+                *o.slots]
+    return out
+
+
+def decode_orders(flat: list[int], worker: int) -> list[TierOrder]:
+    """`encode_orders`' ints back; ValueError naming what is malformed."""
+    out, i = [], 0
+    while i < len(flat):
+        if i + 6 > len(flat) or not 0 <= flat[i] < len(TIER_OPS):
+            raise ValueError(f"bad tier order at {i}: {flat[i:i + 6]}")
+        op, entry, start, shift, seq_id, n = flat[i:i + 6]
+        if n < 0 or i + 6 + n > len(flat):
+            raise ValueError(f"tier order at {i} names {n} slots; {len(flat) - i - 6} left")
+        out.append(TierOrder(TIER_OPS[op], worker, entry, start, tuple(flat[i + 6:i + 6 + n]),
+                             seq_id, shift))
+        i += 6 + n
+    return out

@@ -122,6 +122,20 @@ class TierStore:
                            f"memory worker {self.worker}: no valid saved KV for "
                            f"entries {sorted(set(missed.values()))}")
 
+    def missing(self, loads) -> list[TierOrder]:
+        """The load orders whose entry this store cannot serve (waiting for its disk
+        work, reading a file not prefetched): asked before a step is sent, so the step
+        itself never misses (the Ray executor; `apply` checks again)."""
+        out = []
+        for o in loads:
+            self._wait(o.entry, PREFETCH_WAIT_S)
+            if o.entry not in self.host and o.entry in self.files:
+                self._prefetch(o.entry)
+            e = self.host.get(o.entry)
+            if e is None or e.n < o.start + o.shift + len(o.slots):
+                out.append(o)
+        return out
+
     def load_layer(self, layer: int) -> None:
         """Copy layer `layer` of the staged loads into the pool (before its attention;
         once a step: micro-batches attend each layer more than once)."""
@@ -137,6 +151,11 @@ class TierStore:
                 k = _rotate(k, x.cos, x.sin)
             kp.index_copy_(0, x.index, k)
             vp.index_copy_(0, x.index, e.v[layer, x.src:x.src + m])
+
+    @property
+    def loading(self) -> bool:
+        """This step has loads to copy layer by layer."""
+        return bool(self._loads)
 
     def close(self) -> None:
         self._bg.shutdown(wait=True)

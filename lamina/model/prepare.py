@@ -54,3 +54,16 @@ def prepare_split(model: torch.nn.Module, dense_backend: str = "auto", batch_hin
         model.to(dev)  # its buffers; the parameters are the slices' own, moved below
         move_split(split, dev)
     return Prepared(split, dense, fused, why)
+
+
+def rotary_frequencies(model) -> tuple[float, ...] | None:
+    """The model's rotary inverse frequencies (HF's `rotary_emb.inv_freq`, scaling
+    applied), or None when its positions are not rotary or depend on the length
+    (dynamic scaling: a key's rotation then changes with the context)."""
+    for mod in model.modules():
+        inv = getattr(mod, "inv_freq", None)
+        if inv is not None and "Rotary" in type(mod).__name__:
+            if "dynamic" in str(getattr(mod, "rope_type", "")):
+                return None
+            return tuple(float(x) for x in inv.flatten())
+    return None

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import ray
+import torch
 
 from lamina import LLM, SamplingParams
 from lamina.cluster.executor import WorkerFailure
@@ -15,9 +16,16 @@ from tests.conftest import HF_NEW
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 
 
+# session KV tiers on: a host tier of 30 tokens' KV (SmolLM2 fp32) and a disk tier
+HOST_TOKENS = 30
+
+
 @pytest.fixture(scope="module")
-def llm():
-    llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096, max_step_tokens=1024)
+def llm(tmp_path_factory):
+    disk = tmp_path_factory.mktemp("kv-tiers")
+    llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096, max_step_tokens=1024,
+              kv_host_bytes=HOST_TOKENS * 46080, kv_disk_dir=str(disk), kv_disk_bytes=1 << 30)
+    llm.disk_dir = disk
     yield llm
     llm.shutdown()
     ray.shutdown()
@@ -216,6 +224,47 @@ def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
     assert "PeerTimeout" in eng.recoveries[-1] and "within 3 s" in eng.recoveries[-1]
     assert "memory worker 0 unreachable: no health answer" in eng.recoveries[-1]
     assert hung not in {i["pid"] for i in llm.executor.memory_info}
+
+
+def test_ray_sessions_come_back_from_the_tiers_and_a_bad_file_is_recomputed(llm, smol):
+    """Two sessions' first turns: A is demoted to a disk file on its memory worker when B
+    is saved (the host tier holds one). The file is corrupted; with the prefix cache
+    cleared, B's second turn loads from the host tier, A's misses (asked before the step
+    is sent) and is computed; both equal HF greedy."""
+    import glob
+    import time
+
+    tok, eng = smol.tokenizer, llm.engine
+    eng.clear_prefix_cache()
+    first = [tok(f"Session {s}: tell me something about the number {s}.")["input_ids"]
+             for s in "AB"]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = [llm.generate([p], params, use_tqdm=False, session_id=s)[0]
+            for p, s in zip(first, "AB")]
+    llm.generate([[1, 2, 3]], params, use_tqdm=False)  # a step carries B's save, A's demotion
+    deadline = time.monotonic() + 20
+    while not (files := glob.glob(str(llm.disk_dir / "lamina-kv-*" / "w*" / "e*.kv"))):
+        assert time.monotonic() < deadline, "A's KV never reached the disk tier"
+        time.sleep(0.1)
+    assert len(files) == 1
+    data = bytearray(open(files[0], "rb").read())
+    data[-10] ^= 0xFF
+    open(files[0], "wb").write(bytes(data))
+    eng.clear_prefix_cache()
+    second = [p + o.token_ids + tok(" Why?", add_special_tokens=False)["input_ids"]
+              for p, o in zip(first, outs)]
+    before = dict(eng.tier_stats())
+    got = llm.generate(second, params, use_tqdm=False, session_id=["A", "B"])
+    after = eng.tier_stats()
+    with torch.no_grad():
+        for p, o in zip(second, got):
+            ids = torch.tensor([p])
+            ref = smol.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=8)[0, len(p):].tolist()
+            assert o.token_ids == ref
+    # B: its first turn but the last answer token (whose KV no step wrote)
+    assert [o.metrics["tier_cached_tokens"] for o in got] == [0, len(first[1]) + 7]
+    assert after["tier_misses"] - before["tier_misses"] == 1
 
 
 def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):

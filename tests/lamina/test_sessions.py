@@ -13,17 +13,17 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from lamina import LLM, SamplingParams
+from lamina import SamplingParams
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.sessions import SessionIndex, TierMatch, check_session_id
-from lamina.entrypoints.llm import rotary_frequencies
 from lamina.entrypoints.metrics import EngineMetrics
 from lamina.executor.local import LocalExecutor
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.memory.tier_orders import TierConfig, TierMiss, TierOrder
 from lamina.memory.tiers import TierStore
+from lamina.model.prepare import rotary_frequencies
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
@@ -261,8 +261,6 @@ def test_bad_session_input_is_refused_or_falls_back(smol, smol_split, tmp_path, 
 
     with pytest.raises(ValueError, match="need memory workers that keep them"):
         LLMEngine(EngineConfig(kv_host_bytes=1 << 20), NoTiers(), None, smol.config)
-    with pytest.raises(ValueError, match="executor='local' for now"):  # before any deploy
-        LLM(executor="ray", kv_host_bytes=1 << 20)
 
 
 def test_tier_loads_bring_back_the_saved_kv_bytes(smol, smol_split):
