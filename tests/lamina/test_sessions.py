@@ -178,13 +178,24 @@ def _conversation(tok, n_sessions, n_turns, run):
         if t == 0:
             hist[1] = hist[0][:-len(more)] + tok(" And its weather?",
                                                  add_special_tokens=False)["input_ids"]
-    return answers, last
+    # session 3 reaches a context limit of 48 tokens: its client keeps the system prompt
+    # and the latest tokens, dropping the oldest turns
+    n_sys = len(tok(SYSTEM)["input_ids"])
+    cut = hist[3][:n_sys] + hist[3][-(CONTEXT_LIMIT - n_sys):]
+    out = run([(cut, SamplingParams(max_tokens=8, temperature=0), "s3")])[0]
+    answers.append([[c.token_ids for c in out.outputs]])
+    return answers, last + [cut]
+
+
+CONTEXT_LIMIT = 48
 
 
 def test_multi_turn_sessions_with_tiers_equal_tiers_off_and_hf(smol, smol_split, tmp_path):
     """4 sessions x 3 turns over 2 workers of 56 slots: the last turns (up to 63 tokens
-    with their answers) are split over both workers, running sequences are preempted, sessions go to
-    host, then disk, and come back; n = 2."""
+    with their answers) are split over both workers, running sequences are preempted,
+    sessions go to host, then disk, and come back; n = 2; then one session's history is
+    truncated at a small context limit (the default: exact, only the system prompt is
+    reused; `truncation_reuse` trades that for speed, see the truncation tests)."""
     workers, slots = 2, 56
     tok = smol.tokenizer
     per_token = KVPoolConfig.for_specs(smol_split.attention_specs, 1).bytes_per_slot
@@ -199,6 +210,7 @@ def test_multi_turn_sessions_with_tiers_equal_tiers_off_and_hf(smol, smol_split,
     assert got == want
     assert sum(o.metrics["preemptions"] for o in seen) > 0
     assert max(len(p) for p in hist) + 8 > slots  # a last turn's KV spans both workers
+    assert len(hist[-1]) == CONTEXT_LIMIT and seen[-1].metrics["cached_tokens"] >= 13
     st = on.tier_stats()
     assert st["tier_hit_tokens"] > 0 and st["prefetches"] > 0 and st["demoted"] > 0
     assert st["loaded_bytes"] == st["tier_hit_tokens"] * per_token
@@ -212,6 +224,11 @@ def test_multi_turn_sessions_with_tiers_equal_tiers_off_and_hf(smol, smol_split,
         ref = smol.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                   max_new_tokens=8)[0, ids.shape[1]:].tolist()
     assert got[2][0][0] == ref[:len(got[2][0][0])]
+    ids = torch.tensor([hist[-1]])  # and the truncated turn
+    with torch.no_grad():
+        ref = smol.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=8)[0, ids.shape[1]:].tolist()
+    assert got[3][0][0] == ref[:len(got[3][0][0])]
     on.executor.shutdown()
 
 
