@@ -189,6 +189,10 @@ def _report(res: dict, out_dir: Path, plot: bool) -> None:
                f"{r['decode_tok_s']:.1f}"]
               for mode, rows in res["modes"].items() for r in rows]
     jp, mp = _write(out_dir, "multiturn", res, table)
+    with open(mp, "a") as f:  # tier occupancy and traffic under the table
+        for mode, st in res["tiers"].items():
+            f.write(f"\nTiers ({mode}): " + ", ".join(f"{k} {v}" for k, v in st.items())
+                    + "\n")
     print("\n".join(" | ".join(r) for r in table))
     for mode, later in res["turns_2_plus"].items():
         print(f"turns >= 2, {mode}: prefill computed = {100 * later['computed_ratio']:.1f}% "
