@@ -24,7 +24,7 @@ from lamina.dataplane.transport import SocketChannel, connect_stream
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.executor.base import Executor
-from lamina.memory.tier_orders import TierMiss
+from lamina.memory.tier_orders import TierMiss, sum_stats
 
 from .compute_worker import ComputeWorker, ComputeWorkerSpec
 from .memory_worker import MemoryWorker
@@ -278,12 +278,9 @@ class RayExecutor(Executor):
         second: the metrics ask every step)."""
         now = time.monotonic()
         if now - getattr(self, "_traffic_at", -1e9) >= 1.0:
-            out: dict = {}
-            for st in self._get([w.tier_stats.remote() for w in self.memory],
-                                "the memory workers"):
-                for k, v in st.items():
-                    out[k] = out.get(k, 0) + v
-            self._traffic, self._traffic_at = out, now
+            self._traffic = sum_stats(self._get([w.tier_stats.remote() for w in self.memory],
+                                                "the memory workers"))
+            self._traffic_at = now
         return self._traffic
 
     def _health_errors(self) -> tuple[list[str], list[int]]:

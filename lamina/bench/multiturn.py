@@ -116,9 +116,10 @@ def bench_multiturn(model: str | None = None, sessions: int = 16, turns: int = 4
                               "concurrency": concurrency, "working_set_tokens": working,
                               "pool_slots": working + 1024, "small_pool_slots": quarter},
                  "modes": {}, "tiers": {}}
-    answers = {}
+    answers, per_token = {}, None
     for mode, kw in _modes(working + 1024, quarter).items():
-        recs, tiers = _run_lamina(model, kw, sys_ids, msgs, answer, concurrency)
+        recs, tiers, per_token = _run_lamina(model, kw, sys_ids, msgs, answer, concurrency,
+                                             per_token)
         answers[mode] = [[r["answer"] for r in t] for t in recs]
         res["modes"][mode] = summarize(recs)
         if tiers:
@@ -157,25 +158,26 @@ def _modes(big: int, quarter: int) -> dict[str, dict]:
                                  "tier_tokens": (2 * quarter, disk, 8 * quarter)}}
 
 
-def _run_lamina(model, kw: dict, sys_ids, msgs, answer: int, concurrency: int):
-    """One mode's records and (with tiers) its tier stats."""
+def _run_lamina(model, kw: dict, sys_ids, msgs, answer: int, concurrency: int,
+                per_token: int | None):
+    """One mode's records, (with tiers) its tier stats, and the model's KV bytes per
+    token. Tiers are sized in tokens: `per_token` (from an earlier mode) gives bytes."""
     from lamina import LLM
 
     kw = dict(kw)
     sessions = kw.pop("sessions", False)
     tiers = kw.pop("tier_tokens", None)
-    llm = LLM(model, max_step_tokens=4096, **kw)
-    if tiers is not None:  # sized in tokens: bytes follow from the model's KV per token
-        per_token = llm.executor.memory[0].pool.config.bytes_per_slot
-        llm.shutdown()
+    if tiers is not None:
+        assert per_token, "a tier mode runs after a mode without tiers"
         host, disk, disk_tokens = tiers
-        llm = LLM(model, max_step_tokens=4096, kv_host_bytes=host * per_token,
-                  kv_disk_dir=disk, kv_disk_bytes=disk_tokens * per_token, **kw)
+        kw.update(kv_host_bytes=host * per_token, kv_disk_dir=disk,
+                  kv_disk_bytes=disk_tokens * per_token)
+    llm = LLM(model, max_step_tokens=4096, **kw)
     try:
         run_mode(llm, sys_ids, [msgs[0][:1]], 2)  # warm-up: first calls off the clock
         llm.engine.clear_prefix_cache()
         recs = run_mode(llm, sys_ids, msgs, answer, concurrency, sessions)
-        return recs, llm.engine.tier_stats()
+        return recs, llm.engine.tier_stats(), llm.executor.memory[0].pool.config.bytes_per_slot
     finally:
         llm.shutdown()
 

@@ -126,15 +126,7 @@ class EngineConfig:
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"EngineConfig.prefix_caching must be a bool, "
                              f"got {self.prefix_caching!r}")
-        for name in ("kv_host_bytes", "kv_disk_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"EngineConfig.{name} must be an int >= 0, got {v!r}")
-        if self.kv_disk_dir is not None and not (self.kv_host_bytes and self.kv_disk_bytes):
-            raise ValueError("EngineConfig.kv_disk_dir needs kv_host_bytes > 0 and "
-                             "kv_disk_bytes > 0 (disk entries pass through the host tier; "
-                             "kv_disk_bytes bounds the directory's use)")
-        self.tiers  # noqa: B018 - TierConfig checks the rest
+        self.tiers  # noqa: B018 - TierConfig checks the kv_* tier fields
         if not isinstance(self.truncation_reuse, bool):
             raise ValueError(f"EngineConfig.truncation_reuse must be a bool, "
                              f"got {self.truncation_reuse!r}")

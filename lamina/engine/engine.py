@@ -121,10 +121,11 @@ class LLMEngine:
         return out
 
     # -- requests --
-    def validate(self, prompt, params) -> list[int]:
+    def validate(self, prompt, params, session_id: str | None = None) -> list[int]:
         """Every check a request must pass before it is queued, against the loaded model
         (vocabulary, context) and the engine's limits -> its prompt token ids. Raises
         ValueError / TypeError naming the problem; nothing is changed."""
+        check_session_id(session_id)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
@@ -182,20 +183,19 @@ class LLMEngine:
         `session_id`: the conversation this turn continues; with KV tiers its KV is saved
         when it finishes and brought back for the next turn (any string of 1-128 letters,
         digits, . _ : @ -; a new one starts a session)."""
-        session = check_session_id(session_id)
-        ids = self.validate(prompt, params)
+        ids = self.validate(prompt, params, session_id)
         if len(ids) + params.max_tokens > self.max_len:  # clamp_max_tokens (validated)
             params = replace(params, max_tokens=self.max_len - len(ids))
         rid = next(self._rid)
         seed = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
         req = _Request(rid, prompt if isinstance(prompt, str) else None, ids, params, [],
-                       time.perf_counter(), stream=stream, session=session)
+                       time.perf_counter(), stream=stream, session=session_id)
         if params.prompt_logprobs is not None and len(ids) == 1:
             req.prompt_logprobs = [None]  # a one-token prompt: nothing to score
         self._reqs[rid] = req
         for i in range(params.n):
             seq = Sequence(next(self._sid), list(ids), params, seed=seed + i,
-                           session=session)
+                           session=session_id)
             req.seqs.append(seq)
             req.texts.append(None)
             req.detok.append(IncrementalDetokenizer(self.tokenizer) if self.tokenizer
@@ -204,8 +204,8 @@ class LLMEngine:
         # n > 1: one prefill; the siblings fork the parent's KV after it (scheduler.fork).
         req.seqs[0].forks = req.seqs[1:]
         self.scheduler.add(req.seqs[0])
-        if session is not None and self.sessions is not None:
-            self.sessions.queued(session)  # pinned; its KV on disk is read back now
+        if session_id is not None and self.sessions is not None:
+            self.sessions.queued(session_id)  # pinned; its KV on disk is read back now
         return rid
 
     def free_slots(self) -> list[int]:

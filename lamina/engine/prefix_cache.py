@@ -53,7 +53,7 @@ class RadixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            k = _common(child.tokens, tokens, pos, limit)
+            k = common_len(child.tokens, tokens, pos, limit)
             slots += child.slots[:k]
             child.tick = tick
             pos += k
@@ -76,7 +76,7 @@ class RadixCache:
                 node.children[tokens[pos]] = new
                 self.size += len(new.slots)
                 return len(new.slots)
-            k = _common(child.tokens, tokens, pos, len(tokens))
+            k = common_len(child.tokens, tokens, pos, len(tokens))
             if k < len(child.tokens):
                 child = self._split(child, k)
             child.tick = tick
@@ -145,7 +145,7 @@ class RadixCache:
         return [x for x in self._nodes() if not x.children]
 
 
-def _common(edge: list[int], tokens: list[int], pos: int, limit: int) -> int:
+def common_len(edge: list[int], tokens: list[int], pos: int, limit: int) -> int:
     """How many of `edge`'s tokens equal tokens[pos:limit]'s first ones."""
     k, n = 0, min(len(edge), limit - pos)
     while k < n and edge[k] == tokens[pos + k]:

@@ -22,6 +22,7 @@ import logging
 import re
 from dataclasses import dataclass
 
+from lamina.engine.prefix_cache import common_len
 from lamina.memory.tier_orders import TierConfig, TierOrder
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class SessionIndex:
             e = None
         if e is None:
             e = self.sessions[session] = _Entry(next(self._ids), worker, [], True, False, 0)
-        same = _common(e.tokens, tokens)
+        same = common_len(e.tokens, tokens, 0, len(tokens))
         if same < len(tokens):
             self._orders.append(TierOrder("save", worker, e.id, same, tuple(slots[same:])))
             self.metrics["saved_tokens"] += len(tokens) - same
@@ -129,7 +130,7 @@ class SessionIndex:
         e = self.sessions.get(session) if session is not None else None
         if e is None or not (e.host or e.disk):
             return None
-        k0 = min(_common(e.tokens, tokens), limit)
+        k0 = common_len(e.tokens, tokens, 0, limit)
         upto, shift = k0, 0
         if self.truncation and k0 < limit:
             j, m = _later_run(e.tokens, tokens, k0, limit)
@@ -215,15 +216,8 @@ def _later_run(saved: list[int], tokens: list[int], at: int, limit: int) -> tupl
         except ValueError:
             break
         tried += 1
-        m = _common(saved[j:], tokens[at:limit])
+        m = common_len(saved[j:], tokens, at, limit)
         if m > best[1]:
             best = (j, m)
     return best
 
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    k = 0
-    while k < n and a[k] == b[k]:
-        k += 1
-    return k

@@ -24,7 +24,6 @@ from typing import Callable
 
 from lamina.engine.engine import LLMEngine
 from lamina.engine.outputs import RequestOutput
-from lamina.engine.sessions import check_session_id
 from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
 from lamina.sampling.params import SamplingParams
 
@@ -63,9 +62,8 @@ class EngineLoop:
         here)."""
         if self.error is not None:
             raise EngineDead(f"engine stopped after a failed step: {self.error}")
-        check_session_id(session_id)
-        if not validated:
-            self.engine.validate(prompt, params)  # raises ValueError / TypeError here
+        if not validated:  # raises ValueError / TypeError here
+            self.engine.validate(prompt, params, session_id)
             self.check_capacity()
         fut: Future = Future()
         self._inbox.put(("add", prompt, params, fut, on_update, session_id))

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Sequence
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.outputs import RequestOutput
-from lamina.engine.sessions import check_session_id
 from lamina.executor.base import plugin_executor
 from lamina.sampling.params import SamplingParams
 
@@ -62,12 +61,13 @@ class LLM:
             prep = prepare_split(self.loaded.model, cfg.dense_backend, cfg.max_batch,
                                  cfg.fuse_pointwise, cfg.compute_device)
             self.split, self.dense = prep.split, prep.dense
+            rope = rotary_frequencies(self.loaded.model) if cfg.tiers.enabled else None
             pool_cfg = KVPoolConfig.for_specs(self.split.attention_specs,
                                               self.config.num_kv_slots, self.config.kv_dtype,
                                               self.config.kv_device)
             self.executor = LocalExecutor(
                 self.split, [MemorySide(KVPool(pool_cfg), tiers=cfg.tiers, worker=w,
-                                        rope_inv_freq=rotary_frequencies(self.loaded.model))
+                                        rope_inv_freq=rope)
                              for w in range(num_memory_workers)],
                 vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults,
                 device=cfg.compute_device, graph_tokens=cfg.graph_tokens)
@@ -97,16 +97,11 @@ class LLM:
                 else [session_id] * len(prompts))
         if len(sids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sids)} session ids")
-        for i, (p, sp) in enumerate(zip(prompts, plist)):  # all checked before any runs
+        for i, (p, sp, sid) in enumerate(zip(prompts, plist, sids)):  # all before any runs
             try:
-                self.engine.validate(p, sp)
+                self.engine.validate(p, sp, sid)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        for i, sid in enumerate(sids):
-            try:
-                check_session_id(sid)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
         order = {self.engine.add_request(p, sp, session_id=sid): i for i, p, sp, sid in
                  zip(range(len(prompts)), prompts, plist, sids)}
         results: list = [None] * len(prompts)

@@ -90,7 +90,7 @@ class EngineMetrics:
             self.kv_cached.labels(str(w)).set(cache.size if cache is not None else 0)
 
     def _tiers(self, engine) -> None:
-        st = engine.tier_stats() if getattr(engine, "sessions", None) is not None else {}
+        st = engine.tier_stats()  # {} without tiers
         if not st:
             return
         self.tier_bytes.labels("host").set(st["host_bytes"])

@@ -13,7 +13,7 @@ from lamina.compute.memory_link import MemoryLink, combine
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.executor.base import Executor
 from lamina.memory.memory_side import MemorySide
-from lamina.memory.tier_orders import TierMiss
+from lamina.memory.tier_orders import TierMiss, sum_stats
 from lamina.splitter.split import SplitModel
 
 
@@ -75,11 +75,7 @@ class LocalExecutor(Executor):
 
     def tier_traffic(self) -> dict:
         """The memory sides' tier traffic (bytes) and misses, summed."""
-        out: dict = {}
-        for m in self.memory:
-            for k, v in (m.tiers.stats.items() if m.tiers is not None else ()):
-                out[k] = out.get(k, 0) + v
-        return out
+        return sum_stats(m.tiers.stats for m in self.memory if m.tiers is not None)
 
     def shutdown(self) -> None:
         for m in self.memory:

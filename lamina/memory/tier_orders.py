@@ -17,7 +17,8 @@ TIER_OPS = ("save", "demote", "prefetch", "drop", "load")
 @dataclass(frozen=True)
 class TierConfig:
     """Session KV beyond the pools, per memory worker. `host_bytes` 0: no tiers (the
-    pool's prefix cache only); `disk_dir` None: no disk tier."""
+    pool's prefix cache only); `disk_dir` None: no disk tier. Errors name the fields as
+    users set them (`EngineConfig.kv_host_bytes`, ...)."""
 
     host_bytes: int = 0
     disk_dir: str | None = None
@@ -27,16 +28,15 @@ class TierConfig:
         for f in ("host_bytes", "disk_bytes"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"TierConfig.{f} must be an int >= 0, got {v!r}")
+                raise ValueError(f"EngineConfig.kv_{f} must be an int >= 0, got {v!r}")
         if self.disk_dir is not None and (not isinstance(self.disk_dir, str)
                                           or not self.disk_dir):
-            raise ValueError(f"TierConfig.disk_dir must be a directory path or None, "
+            raise ValueError(f"EngineConfig.kv_disk_dir must be a directory path or None, "
                              f"got {self.disk_dir!r}")
-        if self.disk_dir is not None and not self.host_bytes:
-            raise ValueError("TierConfig.disk_dir needs host_bytes > 0 (disk entries are "
-                             "written from, and read back into, the host tier)")
-        if self.disk_dir is not None and not self.disk_bytes:
-            raise ValueError("TierConfig.disk_dir needs disk_bytes > 0 (the disk tier's bound)")
+        if self.disk_dir is not None and not (self.host_bytes and self.disk_bytes):
+            raise ValueError("EngineConfig.kv_disk_dir needs kv_host_bytes > 0 and "
+                             "kv_disk_bytes > 0 (disk entries pass through the host tier; "
+                             "kv_disk_bytes bounds the directory's use)")
 
     @property
     def enabled(self) -> bool:
@@ -72,6 +72,15 @@ class TierMiss(SequenceFault):
     def __init__(self, seq_ids, entries, message: str):
         super().__init__(seq_ids, message, clean=True)
         self.entries = tuple(entries)
+
+
+def sum_stats(stats) -> dict:
+    """Memory workers' tier stats (dicts of counts), added up key by key."""
+    out: dict = {}
+    for st in stats:
+        for k, v in st.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def encode_orders(orders) -> list[int]:

@@ -126,15 +126,16 @@ class TierStore:
         """The load orders whose entry this store cannot serve (waiting for its disk
         work, reading a file not prefetched): asked before a step is sent, so the step
         itself never misses (the Ray executor; `apply` checks again)."""
-        out = []
-        for o in loads:
-            self._wait(o.entry, PREFETCH_WAIT_S)
-            if o.entry not in self.host and o.entry in self.files:
-                self._prefetch(o.entry)
-            e = self.host.get(o.entry)
-            if e is None or e.n < o.start + o.shift + len(o.slots):
-                out.append(o)
-        return out
+        return [o for o in loads if self._ready(o) is None]
+
+    def _ready(self, o: TierOrder) -> _Host | None:
+        """A load's entry in host memory holding its positions (read from disk now if
+        it was not prefetched), or None."""
+        self._wait(o.entry, PREFETCH_WAIT_S)
+        if o.entry not in self.host:
+            self._prefetch(o.entry)  # no-op without a file
+        e = self.host.get(o.entry)
+        return e if e is not None and e.n >= o.start + o.shift + len(o.slots) else None
 
     def load_layer(self, layer: int) -> None:
         """Copy layer `layer` of the staged loads into the pool (before its attention;
@@ -209,13 +210,9 @@ class TierStore:
     def _stage(self, o: TierOrder) -> bool:
         """A load's entry in host memory, with positions start..start+m: True and staged,
         else False (a miss)."""
-        self._wait(o.entry, PREFETCH_WAIT_S)
-        e = self.host.get(o.entry)
-        if e is None and o.entry in self.files:  # not prefetched: read it now
-            self._prefetch(o.entry)
-            e = self.host.get(o.entry)
         src = o.start + o.shift
-        if e is None or e.n < src + len(o.slots):
+        if self._ready(o) is None:
+            e = self.host.get(o.entry)
             log.warning("memory worker %d: session KV entry %d %s: recomputing sequence %d",
                         self.worker, o.entry, "is missing" if e is None else
                         f"holds {e.n} positions, not {src + len(o.slots)}", o.seq_id)
@@ -266,7 +263,7 @@ class TierStore:
                         "dropped from the host tier", self.worker, entry, e.n)
             return False
         k, v = e.k[:, :e.n].contiguous(), e.v[:, :e.n].contiguous()
-        layers = [(_bytes(k[i]), _bytes(v[i])) for i in range(k.shape[0])]
+        layers = [(_view(k[i]), _view(v[i])) for i in range(k.shape[0])]  # no copies
         head = msgspec.json.encode({
             "n": e.n, "k": list(k.shape), "v": list(v.shape), "dtype": str(k.dtype),
             "crc": [[zlib.crc32(a), zlib.crc32(b)] for a, b in layers]})
@@ -317,13 +314,14 @@ class TierStore:
 
     def _read(self, path: str) -> _Host:
         with open(path, "rb") as f:
-            data = f.read()
+            data = bytearray(f.read())  # writable, so torch.frombuffer reads it in place
         self.stats["read_bytes"] += len(data)
         if not data.startswith(MAGIC):
             raise ValueError("not a Lamina KV file")
+        view = memoryview(data)
         at = len(MAGIC) + 8
         hl = int.from_bytes(data[len(MAGIC):at], "little")
-        head = msgspec.json.decode(data[at:at + hl])
+        head = msgspec.json.decode(view[at:at + hl])
         at += hl
         dtype = self.pool.k.dtype
         if head.get("dtype") != str(dtype) or list(head["k"][2:]) != list(self.pool.k.shape[2:]):
@@ -334,12 +332,13 @@ class TierStore:
         for i, (ck, cv) in enumerate(head["crc"]):
             for t, crc in ((k[i], ck), (v[i], cv)):
                 nb = t.numel() * t.element_size()
-                chunk = data[at:at + nb]
-                if len(chunk) != nb:
+                if at + nb > len(data):
                     raise ValueError(f"truncated at layer {i}")
-                if zlib.crc32(chunk) != crc:
+                if zlib.crc32(view[at:at + nb]) != crc:  # views: no copy until copy_
                     raise ValueError(f"checksum mismatch at layer {i}")
-                t.copy_(torch.frombuffer(bytearray(chunk), dtype=dtype).view(t.shape))
+                if nb:
+                    t.copy_(torch.frombuffer(data, dtype=dtype, count=t.numel(), offset=at)
+                            .view(t.shape))
                 at += nb
         return _Host(k, v, int(head["n"]))
 
@@ -355,5 +354,7 @@ def _rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
+def _view(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes, without copying them."""
+    return t.view(torch.uint8).numpy().data.cast("B")
+
