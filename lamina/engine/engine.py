@@ -183,7 +183,8 @@ class LLMEngine:
         `session_id`: the conversation this turn continues; with KV tiers its KV is saved
         when it finishes and brought back for the next turn (any string of 1-128 letters,
         digits, . _ : @ -; a new one starts a session)."""
-        ids = self.validate(prompt, params, session_id)
+        check_session_id(session_id)
+        ids = self.validate(prompt, params)
         if len(ids) + params.max_tokens > self.max_len:  # clamp_max_tokens (validated)
             params = replace(params, max_tokens=self.max_len - len(ids))
         rid = next(self._rid)
