@@ -31,8 +31,8 @@ from lamina.dataplane.transport import (
 )
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.memory.pool import KVPoolConfig
-from lamina.model.loader import load
-from lamina.model.prepare import prepare_split, rotary_frequencies
+from lamina.model.loader import load, load_tokenizer
+from lamina.model.prepare import key_channel_scales, prepare_split, rotary_frequencies
 
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
 # Fewer rows than this: a second thread does not pay. MKL's sgemm (eager) barely scales
@@ -78,6 +78,7 @@ class ComputeWorker:
         self.threads, self.wide_threads = spec.threads, spec.wide_threads or spec.threads
         torch.set_num_threads(spec.threads)
         self.loaded = load(spec.model, dtype=spec.dtype, with_tokenizer=False)
+        self._model = spec.model
         prep = prepare_split(self.loaded.model, spec.dense_backend, spec.batch_hint, spec.fuse,
                              spec.compute_device)
         self.dense = prep.dense
@@ -95,10 +96,15 @@ class ComputeWorker:
         """What each memory worker needs: its pool shape and per-layer attention params.
         `local_prefill`: fresh prompts attend here, on a scratch pool of `kv_dtype` (paper
         5.6); the memory workers only store their KV. `faults`: a test FaultPlan."""
-        self.compute.local_kv_dtype = kv_dtype if local_prefill else None
-        self.compute.pool_slots, self.compute.faults = num_slots, faults
         specs = self.compute.split.attention_specs
-        return (KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device),
+        scales = None
+        if kv_dtype == "int8":  # calibrated on the same text as the local executor's
+            tok = load_tokenizer(self._model)
+            scales = key_channel_scales(self.loaded.model, tok, len(specs))
+        self.compute.local_kv_dtype = kv_dtype if local_prefill else None
+        self.compute.local_key_scales = scales  # the scratch pool rounds as the workers do
+        self.compute.pool_slots, self.compute.faults = num_slots, faults
+        return (KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device, scales),
                 self.compute.params)
 
     def rotary(self) -> tuple[float, ...] | None:

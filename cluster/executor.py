@@ -318,6 +318,10 @@ class RayExecutor(Executor):
         return {**ex, "call_s": call}
 
     def shutdown(self) -> None:
+        """Kill the workers and free their placement; a second call does nothing."""
+        if getattr(self, "_shut", False):
+            return
+        self._shut = True
         self._close_control()
         if self.config.tiers.enabled:  # their files go with them
             ray.wait([w.close_tiers.remote() for w in self.memory],

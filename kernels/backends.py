@@ -16,13 +16,14 @@ from abc import ABC, abstractmethod
 import torch
 
 from .cpu_build import KernelBuildError, load_cpu_kernel
+from .quant import head_dim, is_quantized
 from .reference import reference_slot_attention
 from .slots import AttentionParams, SlotBatch
 
 log = logging.getLogger("lamina.kernels")
 
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-KV_DTYPES = (torch.float32, torch.bfloat16)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # int8: rows of kernels/quant.py
 
 
 class AttentionInputError(ValueError):
@@ -61,7 +62,8 @@ def validate(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams,
     if not (q.device == k_pool.device == v_pool.device):
         bad(f"q, k_pool, v_pool on different devices: {q.device}, {k_pool.device}, "
             f"{v_pool.device}")
-    (Nq, Hq, D), (S, Hkv, Dk), (Sv, Hkv_v, _) = q.shape, k_pool.shape, v_pool.shape
+    (Nq, Hq, D), (S, Hkv, _), (Sv, Hkv_v, _) = q.shape, k_pool.shape, v_pool.shape
+    Dk = head_dim(k_pool)
     if (Sv, Hkv_v) != (S, Hkv):
         bad(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} disagree on "
             f"[num_slots, num_kv_heads]")
@@ -199,6 +201,9 @@ class TritonBackend(AttentionBackend):
     def attend(self, q, k_pool, v_pool, batch, params):
         if not self.interpret and q.device.type != "cuda":
             raise BackendUnavailable(f"the triton backend cannot read tensors on {q.device}")
+        if is_quantized(k_pool):
+            raise BackendUnavailable("the triton kernels read float pools only, not int8 "
+                                     "(select_backend(kv_dtype='int8') picks the reference)")
         plan = self.plan(batch, q.shape[1] // k_pool.shape[1], k_pool.shape[1], q.device)
         return self._k.slot_attention(q, k_pool, v_pool, batch, params, plan,
                                       self.interpret, self.num_stages, self.tensor_cores)
@@ -207,9 +212,11 @@ class TritonBackend(AttentionBackend):
 BACKENDS = {"reference": ReferenceBackend, "cpu": CpuBackend, "triton": TritonBackend}
 
 
-def select_backend(name: str | None = None, device="cpu") -> AttentionBackend:
+def select_backend(name: str | None = None, device="cpu",
+                   kv_dtype: str = "float32") -> AttentionBackend:
     """`name` (or $LAMINA_ATTENTION_BACKEND) in {auto, cpu, triton, reference}; auto by
-    default: cpu for a CPU pool, triton for a CUDA pool."""
+    default: cpu for a CPU pool, triton for a CUDA pool (the reference for an int8 one:
+    the Triton kernels read float pools only)."""
     name = (name or os.environ.get("LAMINA_ATTENTION_BACKEND") or "auto").lower()
     device = torch.device(device)
     if name not in ("auto", *BACKENDS):
@@ -223,6 +230,8 @@ def select_backend(name: str | None = None, device="cpu") -> AttentionBackend:
         try:
             if device.type != "cuda":
                 raise BackendUnavailable(f"no attention kernel for {device.type} pools")
+            if kv_dtype == "int8":
+                raise BackendUnavailable("the triton kernels read float pools only, not int8")
             backend = TritonBackend()
         except BackendUnavailable as e:
             if name == "triton":

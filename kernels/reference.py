@@ -1,7 +1,8 @@
 """Pure-torch attention over a token-slot KV pool: the reference every kernel is tested
 against, and the fallback backend on any device.
 
-Data in: q [Nq, Hq, D], pools k [S, Hkv, D] / v [S, Hkv, Dv], a `SlotBatch`, and
+Data in: q [Nq, Hq, D], pools k [S, Hkv, D] / v [S, Hkv, Dv] (or int8 rows, dequantized
+here: kernels/quant.py), a `SlotBatch`, and
 `AttentionParams`. Data out: o [Nq, Hq, Dv] (q's dtype) and lse [Nq, Hq] fp32.
 Per request it gathers the request's K/V by slot (a copy, unlike the compiled kernel)
 and computes a masked fp32 softmax; a Python loop over requests, not over tokens.
@@ -10,13 +11,21 @@ from __future__ import annotations
 
 import torch
 
+from .quant import dequantize_rows, head_dim, is_quantized
 from .slots import AttentionParams, SlotBatch
+
+
+def _rows(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """pool rows at idx as fp32 [L, Hkv, D] (int8 rows dequantized; keys' channel
+    scales are folded into q by the caller)."""
+    rows = pool.index_select(0, idx)
+    return dequantize_rows(rows) if is_quantized(pool) else rows.float()
 
 
 def reference_slot_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                              batch: SlotBatch, params: AttentionParams):
     Nq, Hq, _ = q.shape
-    Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
+    Hkv, Dv = k_pool.shape[1], head_dim(v_pool)
     rep = Hq // Hkv
     out = torch.zeros(Nq, Hq, Dv, dtype=torch.float32, device=q.device)
     lse = torch.full((Nq, Hq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -28,8 +37,8 @@ def reference_slot_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
         if q0 == q1:
             continue
         idx = batch.slots[s0:s1].long().to(k_pool.device)
-        k = k_pool.index_select(0, idx).float().repeat_interleave(rep, dim=1)  # [L, Hq, D]
-        v = v_pool.index_select(0, idx).float().repeat_interleave(rep, dim=1)  # [L, Hq, Dv]
+        k = _rows(k_pool, idx).repeat_interleave(rep, dim=1)  # [L, Hq, D]
+        v = _rows(v_pool, idx).repeat_interleave(rep, dim=1)  # [L, Hq, Dv]
         qb = q[q0:q1].float()  # [n, Hq, D]
         s = torch.einsum("nhd,lhd->hnl", qb, k) * params.scale  # [Hq, n, L]
         if params.softcap > 0:

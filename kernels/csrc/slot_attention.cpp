@@ -1,7 +1,9 @@
 // Attention over a token-slot KV pool, CPU (C++ / OpenMP through ATen's parallel_for).
 //
 // Data in: q [Nq, Hq, D] fp32 (already validated by lamina.kernels), the pool
-// k [S, Hkv, D] / v [S, Hkv, Dv] (fp32 or bf16), and a ragged slot table in CSR form:
+// k [S, Hkv, D] / v [S, Hkv, Dv] (fp32 or bf16), or int8 rows k [S, Hkv, D + 4] /
+// v [S, Hkv, Dv + 4] (each head's codes, then its fp32 scale: kernels/quant.py; keys'
+// channel scales are already folded into q), and a ragged slot table in CSR form:
 // request b owns queries cu_q[b]..cu_q[b+1] and keys slots[cu_k[b]..cu_k[b+1]],
 // key j sitting at absolute position k_pos0[b] + j. Query n sits at q_pos[n].
 // Data out: o [Nq, Hq, Dv] fp32 and lse [Nq, Hq] fp32 (natural log, -inf if empty).
@@ -32,6 +34,13 @@ constexpr int QT = 16;        // queries per work item (prefill tiling)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline float to_f32(float x) { return x; }
+inline float to_f32(int8_t x) { return static_cast<float>(x); }
+// An int8 row's head: D codes, then the head's fp32 scale (unaligned: memcpy).
+inline float head_scale(const int8_t* head, int64_t D) {
+  float s;
+  std::memcpy(&s, head + D, 4);
+  return s;
+}
 inline float to_f32(at::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;
@@ -67,14 +76,20 @@ inline float exp_neg(float x) {
 // throttling T0 prefetches); on an AVX2 VM before, it measured the same as T0. It costs
 // ~15 ns/token when the KV is already in cache.
 struct RowPrefetcher {
-  const char* rows[BK];
-  int64_t n = 0, lines = 0, r = 0, l = 0;
-  void reset(int64_t nl) { n = 0; r = 0; l = 0; lines = nl; }
+  const char* rows[BK];  // each row's first line
+  int64_t nl[BK];  // lines each row touches (an int8 row of 204 B starts anywhere: 4 or 5)
+  int64_t n = 0, r = 0, l = 0;
+  void reset() { n = 0; r = 0; l = 0; }
+  void add(const void* row, int64_t bytes) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(row), first = a & ~uintptr_t(63);
+    rows[n] = reinterpret_cast<const char*>(first);
+    nl[n++] = int64_t((a + bytes - 1 - first) / 64 + 1);
+  }
   inline void step(int64_t k) {
 #if defined(__AVX2__) && defined(__FMA__)
     for (; k > 0 && r < n; --k) {
       _mm_prefetch(rows[r] + 64 * l, _MM_HINT_T1);
-      if (++l == lines) { l = 0; ++r; }
+      if (++l == nl[r]) { l = 0; ++r; }
     }
 #endif
   }
@@ -86,6 +101,10 @@ struct RowPrefetcher {
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kSimd = true;
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {  // 8 int8 codes -> 8 floats (dequantized in registers)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -215,6 +234,10 @@ struct Avx512 {
   static constexpr int W = 16;
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V loadT(const float* p) { return load(p); }
+  static V loadT(const int8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
   static V loadT(const at::BFloat16* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -273,8 +296,154 @@ inline void head_scores_dp(const at::BFloat16* qb, int64_t D, int64_t rep,
 #else
 constexpr bool kDpBf16 = false;
 #endif
+// int8 pools: scores as int16 x int16 dot products (vpdpwssd) of the query rounded to
+// int16 (per row: q ~= q16 * qsc, |error| <= qsc / 2, ~1.5e-5 of the row's largest
+// entry) and the keys' int8 codes widened to int16, summed exactly in int32. Half the
+// instructions of widening the codes to fp32 and FMA-ing them.
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kVnni = true;
+inline __m256 fold_i32(__m512i a) {  // 16 int32 lanes -> 8 float lanes (pairwise sums)
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(a),
+                                             _mm512_extracti64x4_epi64(a, 1)));
+}
+// GQA: RG int16 query rows (stride D) against 4 keys at a time; s row g times qsc[g]
+// and each key row's scale (its head's last 4 bytes).
+template <int RG>
+inline void scores_i8(const int16_t* q16, int64_t D, const int8_t* const* k, int64_t off,
+                      int64_t n, const float* qsc, float* s) {
+  for (int64_t j = 0; j < n; j += 4) {
+    __m512i acc[RG][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) acc[g][u] = _mm512_setzero_si512();
+    const int8_t* kp[4] = {k[j] + off, k[j + 1] + off, k[j + 2] + off, k[j + 3] + off};
+    const __m128 ks = _mm_setr_ps(head_scale(kp[0], D), head_scale(kp[1], D),
+                                  head_scale(kp[2], D), head_scale(kp[3], D));
+    for (int64_t c = 0; c < D; c += 32) {
+      __m512i qv[RG];
+#pragma GCC unroll 4
+      for (int g = 0; g < RG; ++g) qv[g] = _mm512_loadu_si512(q16 + g * D + c);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m512i kv = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp[u] + c)));
+#pragma GCC unroll 4
+        for (int g = 0; g < RG; ++g) acc[g][u] = _mm512_dpwssd_epi32(acc[g][u], qv[g], kv);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g)
+      _mm_storeu_ps(s + g * BK + j,
+                    _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(qsc[g]), ks),
+                               hsum4(fold_i32(acc[g][0]), fold_i32(acc[g][1]),
+                                     fold_i32(acc[g][2]), fold_i32(acc[g][3]))));
+  }
+}
+// Scores of one kv head's `rep` rows over int8 codes (D % 32 == 0, n % 4 == 0).
+inline void head_scores_i8(const int16_t* q16, int64_t D, int64_t rep,
+                           const int8_t* const* k, int64_t off, int64_t n, const float* qsc,
+                           float* s) {
+  int64_t g = 0;
+  for (; g + 3 <= rep; g += 3) scores_i8<3>(q16 + g * D, D, k, off, n, qsc + g, s + g * BK);
+  if (rep - g == 2) scores_i8<2>(q16 + g * D, D, k, off, n, qsc + g, s + g * BK);
+  if (rep - g == 1) scores_i8<1>(q16 + g * D, D, k, off, n, qsc + g, s + g * BK);
+}
+// int8 pools, value pass: acc rows += p' . codes with p' = p * each row's value scale,
+// as int16 x int16 products summed in int32 (vpdpwssd). Each row's p' over the block
+// is rounded to int16 against its largest entry (|error| <= 1.5e-5 of it); two keys'
+// codes are interleaved so one instruction takes a column of both: (v_j[c], v_j+1[c])
+// . (p'_j, p'_j+1). The int32 sums (<= 32767 * 127 * BK, no overflow) come back to
+// column order and into the fp32 accumulators once per block.
+template <int RG>
+inline void pv_i8(float* acc, int64_t Dv, const float* p, const float* vsc,
+                  const int8_t* const* v, int64_t off, int64_t n, RowPrefetcher* pf,
+                  int64_t pf_step) {
+  // p' rows as int16, two keys to an int32 (little-endian: key 2jp in the low half)
+  alignas(64) int16_t p16[RG][BK + 16];
+  alignas(64) float pv[BK + 16];
+  float ps[RG];
+  const int64_t np = (n + 1) / 2;
+  for (int g = 0; g < RG; ++g) {
+    const float* pg = p + g * BK;
+    __m512 mv = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {  // the tail reads past n: masked to zeros
+      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pg + j),
+                                     _mm512_maskz_loadu_ps(m, vsc + j));
+      _mm512_store_ps(pv + j, x);
+      mv = _mm512_max_ps(mv, x);
+    }
+    const float mx = _mm512_reduce_max_ps(mv);
+    ps[g] = mx / 32767.f;
+    const __m512 inv = _mm512_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(pv + j), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&p16[g][j]), _mm512_cvtsepi32_epi16(q));
+    }
+    p16[g][n] = 0;  // an odd count's last pair: key n counts zero
+  }
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+    __m512i a[RG][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) a[g][u] = _mm512_setzero_si512();
+    for (int64_t jp = 0; jp < np; ++jp) {
+      pf->step(2 * pf_step);  // the next block's rows, as the float passes do
+      const int8_t* v0 = v[2 * jp] + off + c0;
+      const __m512i x0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0)));
+      const __m512i x1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 32)));
+      __m512i y0 = _mm512_setzero_si512(), y1 = y0;
+      if (2 * jp + 1 < n) {
+        const int8_t* v1 = v[2 * jp + 1] + off + c0;
+        y0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1)));
+        y1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 32)));
+      }
+      const __m512i w[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
+                            _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
+#pragma GCC unroll 4
+      for (int g = 0; g < RG; ++g) {
+        int32_t pr;
+        std::memcpy(&pr, &p16[g][2 * jp], 4);
+        const __m512i pp = _mm512_set1_epi32(pr);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) a[g][u] = _mm512_dpwssd_epi32(a[g][u], w[u], pp);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < RG; ++g) {
+      const __m512 sc = _mm512_set1_ps(ps[g]);
+      float* o = acc + g * Dv + c0;
+      for (int h = 0; h < 2; ++h) {  // columns 32h..32h+31 from w[2h] (lo) and w[2h+1]
+        const __m512i c_lo = _mm512_permutex2var_epi32(a[g][2 * h], lo_idx, a[g][2 * h + 1]);
+        const __m512i c_hi = _mm512_permutex2var_epi32(a[g][2 * h], hi_idx, a[g][2 * h + 1]);
+        _mm512_storeu_ps(o + 32 * h, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c_lo), sc,
+                                                     _mm512_loadu_ps(o + 32 * h)));
+        _mm512_storeu_ps(o + 32 * h + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c_hi), sc,
+                                                          _mm512_loadu_ps(o + 32 * h + 16)));
+      }
+    }
+  }
+}
+// The value pass of one kv head's `rep` rows over int8 codes (Dv % 64 == 0).
+inline void head_pv_i8(float* acc, int64_t Dv, int64_t rep, const float* p, const float* vsc,
+                       const int8_t* const* v, int64_t off, int64_t n, RowPrefetcher* pf,
+                       int64_t pf_step) {
+  int64_t g = 0;
+  for (; g + 3 <= rep; g += 3)
+    pv_i8<3>(acc + g * Dv, Dv, p + g * BK, vsc, v, off, n, pf, pf_step);
+  if (rep - g == 2) pv_i8<2>(acc + g * Dv, Dv, p + g * BK, vsc, v, off, n, pf, pf_step);
+  if (rep - g == 1) pv_i8<1>(acc + g * Dv, Dv, p + g * BK, vsc, v, off, n, pf, pf_step);
+}
+#else
+constexpr bool kVnni = false;
+#endif
 #else
 constexpr bool kSimd = false;
+constexpr bool kVnni = false;
 constexpr bool kDpBf16 = false;
 constexpr int PV_COLS = 32;
 #endif
@@ -383,9 +552,26 @@ struct Args {
   const float* sinks;  // [Hq] or nullptr
   float* o; float* lse;
   int64_t Hq, Hkv, D, Dv, k_stride, v_stride;  // strides in elements, per slot
+  int64_t k_hs, v_hs;  // per kv head within a row: D / Dv, or D + 4 / Dv + 4 for int8
   float scale, softcap; int64_t window;
   bool q_bf16;  // q's values are exact in bf16 (it came as bf16): bf16 pair dots may run
 };
+
+// int8 keys: scores so far are q . codes; times each key row's head scale.
+template <typename T>
+inline void scale_scores(const Args& a, const T* const* kr, int64_t nb, int64_t nq, float* s) {
+  const int64_t rep = a.Hq / a.Hkv;
+  float sc[BK];
+  for (int64_t h = 0; h < a.Hkv; ++h) {
+    for (int64_t j = 0; j < nb; ++j)
+      sc[j] = head_scale(reinterpret_cast<const int8_t*>(kr[j]) + h * a.k_hs, a.D);
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t g = 0; g < rep; ++g) {
+        float* sr = &s[(i * a.Hq + h * rep + g) * BK];
+        for (int64_t j = 0; j < nb; ++j) sr[j] *= sc[j];
+      }
+  }
+}
 
 // One work item: request b, queries [n0, n1), all heads. next_slots / next_n: the next
 // work item's keys (its first block is prefetched during this item's last one), or 0 keys.
@@ -415,7 +601,9 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
   thread_local std::vector<float> scratch;
   const bool dp = kDpBf16 && std::is_same<T, at::BFloat16>::value && a.q_bf16 && D % 32 == 0;
   const int64_t nqb = dp ? rows * D : 0;
-  scratch.resize(rows * (D + Dv + BK + 2) + (nqb + 1) / 2);
+  const bool i8 = kVnni && std::is_same<T, int8_t>::value && D % 32 == 0;
+  const int64_t nq16 = i8 ? rows * D : 0;  // int16 queries (and a scale per row)
+  scratch.resize(rows * (D + Dv + BK + 2) + (nqb + 1) / 2 + (nq16 + 1) / 2 + (i8 ? rows : 0));
   float* qs = scratch.data();
   float* acc = qs + rows * D;
   float* s = acc + rows * Dv;
@@ -429,11 +617,23 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
     for (int64_t d = 0; d < D; ++d) qs[r * D + d] = a.q[(n0 * Hq + r) * D + d] * qmul;
   // bf16 pools, bf16-exact q: scores as bf16 pair dots over the unscaled q, times qmul
   for (int64_t i = 0; i < nqb; ++i) qb[i] = at::BFloat16(a.q[n0 * Hq * D + i]);
+  // int8 pools: each row's pre-scaled q as int16 codes times one float
+  auto* q16 = reinterpret_cast<int16_t*>(qb + nqb + (nqb & 1));
+  float* qsc = reinterpret_cast<float*>(q16 + nq16 + (nq16 & 1));
+  for (int64_t r = 0; i8 && r < rows; ++r) {
+    float mx = 0.f;
+    for (int64_t d = 0; d < D; ++d) mx = std::max(mx, std::fabs(qs[r * D + d]));
+    const float sc = mx > 0.f ? mx / 32767.f : 1.f;
+    for (int64_t d = 0; d < D; ++d)
+      q16[r * D + d] = static_cast<int16_t>(std::lrintf(qs[r * D + d] / sc));
+    qsc[r] = sc;
+  }
 
   const T* kr[BK];
   const T* vr[BK];
-  const int64_t klines = (Hkv * D * int64_t(sizeof(T)) + 63) / 64;
-  const int64_t vlines = (Hkv * Dv * int64_t(sizeof(T)) + 63) / 64;
+  const int64_t kbytes = Hkv * a.k_hs * int64_t(sizeof(T));
+  const int64_t vbytes = Hkv * a.v_hs * int64_t(sizeof(T));
+  const int64_t klines = (kbytes + 63) / 64, vlines = (vbytes + 63) / 64;
   // V passes per block: one per (kv head, pv_group call, PV_COLS columns); head_pv
   // makes rep / 3 calls of 3 rows, plus one for the 2 rows left (with AVX-512 for 1 too).
   const int64_t calls = rep / 3 + (rep % 3 == 2 || (PV_COLS == 64 && rep % 3 == 1));
@@ -441,14 +641,14 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
   RowPrefetcher pfk, pfv;
   for (int64_t j0 = lo_all; j0 < hi_all; j0 += BK) {
     const int64_t j1 = std::min<int64_t>(j0 + BK, hi_all), nb = j1 - j0;
-    pfk.reset(klines); pfv.reset(vlines);
+    pfk.reset(); pfv.reset();
     // the next block's rows; after the last block, the next item's first (from its
     // first key: a guess that is exact for decode without a window)
     const int32_t* ps = j1 < hi_all ? slots + j1 : next_slots;
     const int64_t pn = std::min<int64_t>(BK, j1 < hi_all ? hi_all - j1 : next_n);
     for (int64_t j = 0; j < pn; ++j) {
-      pfk.rows[pfk.n++] = reinterpret_cast<const char*>(K + ps[j] * a.k_stride);
-      pfv.rows[pfv.n++] = reinterpret_cast<const char*>(V + ps[j] * a.v_stride);
+      pfk.add(K + ps[j] * a.k_stride, kbytes);
+      pfv.add(V + ps[j] * a.v_stride, vbytes);
     }
     const int64_t kstep = (8 * klines + Hkv * nq - 1) / (Hkv * nq);
     const int64_t vstep = (vlines + vpasses - 1) / vpasses;
@@ -467,16 +667,27 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
           if constexpr (std::is_same<T, at::BFloat16>::value) {
             if (dp) {
-              head_scores_dp(&qb[r * D], D, rep, kr + jg, h * D, std::min<int64_t>(8, nb8 - jg),
+              head_scores_dp(&qb[r * D], D, rep, kr + jg, h * a.k_hs, std::min<int64_t>(8, nb8 - jg),
                              qmul, &s[r * BK + jg]);
               continue;
             }
           }
 #endif
-          head_scores<T>(&qs[r * D], D, rep, kr + jg, h * D, std::min<int64_t>(8, nb8 - jg),
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same<T, int8_t>::value) {
+            if (i8) {
+              head_scores_i8(&q16[r * D], D, rep, kr + jg, h * a.k_hs,
+                             std::min<int64_t>(8, nb8 - jg), &qsc[r], &s[r * BK + jg]);
+              continue;
+            }
+          }
+#endif
+          head_scores<T>(&qs[r * D], D, rep, kr + jg, h * a.k_hs, std::min<int64_t>(8, nb8 - jg),
                          &s[r * BK + jg]);
         }
     }
+    if constexpr (std::is_same<T, int8_t>::value)
+      if (!i8) scale_scores(a, kr, nb, nq, s);  // the VNNI scores took the key scales
     // Online softmax update per row; p overwrites s (0 outside the row's range).
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t a0 = std::max(lo[i], j0) - j0, a1 = std::min(hi[i], j1) - j0;
@@ -510,7 +721,20 @@ void attend_tile(const Args& a, const T* K, const T* V, int64_t b, int64_t n0, i
         const int64_t a0 = std::max(lo[i], j0) - j0, a1 = std::min(hi[i], j1) - j0;
         if (a0 >= a1) continue;
         const int64_t r = i * Hq + h * rep;
-        head_pv<T>(&acc[r * Dv], Dv, rep, &s[r * BK + a0], vr + a0, h * Dv, a1 - a0, &pfv,
+        if constexpr (std::is_same<T, int8_t>::value) {  // p * each value row's scale
+          float vsc[BK];
+          for (int64_t j = a0; j < a1; ++j) vsc[j] = head_scale(vr[j] + h * a.v_hs, Dv);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+          if (i8 && Dv % 64 == 0) {
+            head_pv_i8(&acc[r * Dv], Dv, rep, &s[r * BK + a0], vsc + a0, vr + a0, h * a.v_hs,
+                       a1 - a0, &pfv, vstep);
+            continue;
+          }
+#endif
+          for (int64_t g = 0; g < rep; ++g)
+            for (int64_t j = a0; j < a1; ++j) s[(r + g) * BK + j] *= vsc[j];
+        }
+        head_pv<T>(&acc[r * Dv], Dv, rep, &s[r * BK + a0], vr + a0, h * a.v_hs, a1 - a0, &pfv,
                    vstep);
       }
   }
@@ -567,7 +791,9 @@ std::vector<at::Tensor> slot_attention(at::Tensor q, at::Tensor k_pool, at::Tens
               "pool rows must be contiguous [Hkv, D] per slot");
   for (const auto& t : {cu_q, q_pos, slots, cu_k, k_pos0})
     TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kInt, "index tensors must be int32");
-  const int64_t Nq = q.size(0), Hq = q.size(1), Dv = v_pool.size(2);
+  const bool i8 = k_pool.scalar_type() == at::kChar;
+  const int64_t Nq = q.size(0), Hq = q.size(1), Dv = v_pool.size(2) - (i8 ? 4 : 0);
+  TORCH_CHECK(k_pool.size(2) - (i8 ? 4 : 0) == q.size(2), "q and k_pool head dims differ");
   auto o = at::empty({Nq, Hq, Dv}, q.options());
   auto lse = at::empty({Nq, Hq}, q.options());
   at::Tensor sk;
@@ -575,16 +801,19 @@ std::vector<at::Tensor> slot_attention(at::Tensor q, at::Tensor k_pool, at::Tens
   Args a{q.data_ptr<float>(), q_pos.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(),
          slots.data_ptr<int32_t>(), cu_k.data_ptr<int32_t>(), k_pos0.data_ptr<int32_t>(),
          sinks.has_value() ? sk.data_ptr<float>() : nullptr, o.data_ptr<float>(),
-         lse.data_ptr<float>(), Hq, k_pool.size(1), k_pool.size(2), Dv,
-         k_pool.stride(0), v_pool.stride(0), float(scale), float(softcap), window, q_bf16};
+         lse.data_ptr<float>(), Hq, k_pool.size(1), q.size(2), Dv,
+         k_pool.stride(0), v_pool.stride(0), k_pool.size(2), v_pool.size(2), float(scale),
+         float(softcap), window, q_bf16 && !i8};
   const int64_t B = cu_q.size(0) - 1;
   if (k_pool.scalar_type() == at::kFloat)
     run<float>(a, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), B);
   else if (k_pool.scalar_type() == at::kBFloat16)
     run<at::BFloat16>(a, k_pool.data_ptr<at::BFloat16>(),
                                 v_pool.data_ptr<at::BFloat16>(), B);
+  else if (i8)
+    run<int8_t>(a, k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>(), B);
   else
-    TORCH_CHECK(false, "KV pool dtype must be float32 or bfloat16");
+    TORCH_CHECK(false, "KV pool dtype must be float32, bfloat16 or int8");
   return {o, lse};
 }
 
@@ -640,5 +869,6 @@ std::vector<std::string> simd_paths() {
   if (kSimd) p.push_back("avx2");
   if (PV_COLS == 64) p.push_back("avx512");
   if (kDpBf16) p.push_back("avx512bf16");
+  if (kVnni) p.push_back("avx512vnni");  // int8 pools: int16 dot products
   return p;
 }

@@ -175,6 +175,65 @@ def _attention_table(rows: list[dict]) -> list[list[str]]:
     return table
 
 
+def bench_kv_dtypes(B: int = 32, L: int = 8192, threads: int = 1, repeat: int = 7,
+                    out_dir: str | Path = "benchmarks/results") -> dict:
+    """Decode attention at one (B, L) over fp32, bf16 and int8 pools of the same keys and
+    values, timed round-robin with the compiled kernel; each pool's bytes per token
+    (SmolLM2, all layers) and the lines of memory a key's K and V rows span. Goals
+    (issue 30): int8 bytes <= 0.27x fp32's, int8 >= 2.5x faster than fp32."""
+    from lamina.bench.common import cpu_name
+    from lamina.costmodel.workload import scattered_tables
+    from lamina.kernels import AttentionParams, SlotBatch, attend, load_cpu_kernel, select_backend
+    from lamina.kernels.quant import fold_channels, quantize_rows
+    from lamina.memory.pool import KVPoolConfig, host_zeros
+
+    torch.set_num_threads(threads)
+    backend = select_backend()
+    if backend.name != "cpu":
+        raise RuntimeError(f"the compiled CPU kernel is needed: {backend.reason}")
+    S = int(B * L * 1.25)
+    batch = SlotBatch.decode(scattered_tables([L] * B, S, seed=B * 7 + L))
+    g = torch.Generator().manual_seed(0)
+    params = AttentionParams(D ** -0.5)
+    q = torch.randn(B, HQ, D, generator=g)
+    c = torch.rand(HKV, D, generator=g) + 0.5  # key channel scales
+    pools, queries = {}, {"fp32": q, "bf16": q.bfloat16(), "int8": fold_channels(q, c)}
+    for name in ("k", "v"):  # one pool tensor at a time: fp32, then its bf16 and int8 forms
+        x = torch.randn(S, HKV, D, generator=g) * (c if name == "k" else 1)
+        forms = {"fp32": x, "bf16": x.bfloat16(),
+                 "int8": quantize_rows(x, c if name == "k" else None)}
+        for dt, t in forms.items():
+            pool = host_zeros(tuple(t.shape), t.dtype)  # as KVPool allocates them
+            pool.copy_(t)
+            pools.setdefault(dt, []).append(pool)
+        del x, forms
+    fns = {dt: (lambda dt=dt: attend(queries[dt], *pools[dt], batch, params, backend))
+           for dt in pools}
+    t = _interleaved_medians(fns, repeat)
+    rows, table = [], [["KV dtype", "ms", "x vs fp32", "bytes/token (SmolLM2)",
+                        "x fp32 bytes", "64 B lines per key (K+V)"]]
+    spec = dict(num_layers=30, num_slots=1, num_kv_heads=HKV, head_dim=D)
+    base = KVPoolConfig(**spec).bytes_per_slot
+    for dt, name in (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "int8")):
+        per_tok = KVPoolConfig(**spec, dtype=name).bytes_per_slot
+        row_b = pools[dt][0][0].nbytes  # one slot's K row, all kv heads
+        lines = 2 * sum((o + row_b + 63) // 64 for o in range(0, 64, 4)) / 16 \
+            if row_b % 64 else 2 * row_b // 64  # int8 rows start anywhere (4-byte aligned)
+        r = {"kv_dtype": name, "ms": t[dt] * 1e3, "speedup_vs_fp32": t["fp32"] / t[dt],
+             "bytes_per_token": per_tok, "bytes_vs_fp32": per_tok / base,
+             "lines_per_key": lines}
+        rows.append(r)
+        table.append([name, f"{r['ms']:.2f}", f"{r['speedup_vs_fp32']:.2f}", str(per_tok),
+                      f"{r['bytes_vs_fp32']:.3f}", f"{lines:.2f}"])
+    res = {"B": B, "L": L, "threads": threads, "repeat": repeat, "cpu": cpu_name(),
+           "simd": list(load_cpu_kernel().simd_paths()), "rows": rows,
+           "goals": {"int8_bytes_vs_fp32_max": 0.27, "int8_speedup_min": 2.5}}
+    jp, mp = _write(Path(out_dir), f"kv_dtypes_t{threads}", res, table)
+    print("\n".join(" | ".join(r) for r in table))
+    print(f"B={B} L={L}, {threads} thread(s), {cpu_name()}; wrote {jp} and {mp}")
+    return res
+
+
 def bench_fragmentation(num_requests: int = 400, max_batch: int = 64, page_size: int = 16,
                         seed: int = 0, out_dir: str | Path = "benchmarks/results") -> dict:
     """KV bytes wasted by token slabs vs fixed pages on a ShareGPT-like workload."""

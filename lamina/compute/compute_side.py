@@ -66,6 +66,7 @@ class ComputeSide:
         # scratch pool of this KV dtype (the memory workers' own, so the same rounding);
         # the memory workers only store their k/v.
         self.local_kv_dtype = local_kv_dtype
+        self.local_key_scales = None  # an int8 scratch pool's key channel scales [L, Hkv, D]
         self._scratch: MemorySide | None = None
         # What a sequence's new data is checked against before anything runs (None: not
         # known here); a bad sequence fails alone (`SequenceFault`), not the step.
@@ -104,7 +105,8 @@ class ComputeSide:
             raise RuntimeError("local prefill is off (local_kv_dtype None): no scratch pool")
         if self._scratch is None or self._scratch.pool.config.num_slots < tokens:
             cfg = KVPoolConfig.for_specs(self.split.attention_specs, max(tokens, 256),
-                                         self.local_kv_dtype, str(self.device))
+                                         self.local_kv_dtype, str(self.device),
+                                         self.local_key_scales)
             self._scratch = MemorySide(KVPool(cfg))
         return self._scratch
 

@@ -19,6 +19,7 @@ PIPELINES = ("none", "rotational")
 # The compute side's linears (`lamina.splitter.dense.DENSE_BACKENDS`, which the engine
 # does not import: it never loads the model code; a test keeps the two equal).
 DENSE_BACKENDS = ("auto", "eager", "onednn")
+KV_DTYPES = ("float32", "bfloat16", "int8")
 # a device name EngineConfig takes (kv_device, compute_device)
 DEVICE_NAME = r"cpu|cuda(:\d+)?"
 
@@ -27,6 +28,9 @@ DEVICE_NAME = r"cpu|cuda(:\d+)?"
 class EngineConfig:
     num_kv_slots: int = 16384  # token slots in each memory worker's KV pool
     num_memory_workers: int = 1
+    # the pools' dtype; "int8": each token's keys and values as int8 codes with a scale
+    # per token and kv head, keys divided by calibrated channel scales first
+    # (kernels/quant.py), ~0.27x fp32's bytes
     kv_dtype: str = "float32"
     kv_device: str = "cpu"  # memory workers' pool device: "cpu" (host DRAM) or "cuda[:i]"
     # the slices', sampling's device: "cpu" or "cuda[:i]" (memory workers on the host
@@ -106,6 +110,9 @@ class EngineConfig:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ValueError(f"EngineConfig.placement_timeout_s must be a positive number of "
                              f"seconds, got {t!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"EngineConfig.kv_dtype must be one of {KV_DTYPES}, "
+                             f"got {self.kv_dtype!r}")
         for name in ("kv_device", "compute_device"):
             d = getattr(self, name)
             if not isinstance(d, str) or not re.fullmatch(DEVICE_NAME, d):
@@ -133,6 +140,9 @@ class EngineConfig:
         if self.truncation_reuse and not self.kv_host_bytes:
             raise ValueError("EngineConfig.truncation_reuse needs the session tiers "
                              "(kv_host_bytes > 0): they hold the KV it reuses")
+        if self.truncation_reuse and self.kv_dtype == "int8":
+            raise ValueError("EngineConfig.truncation_reuse re-rotates saved float keys; "
+                             "it is not offered with kv_dtype='int8'")
         if self.kv_host_bytes and not self.prefix_caching:
             raise ValueError("EngineConfig.kv_host_bytes needs prefix_caching (the tiers "
                              "keep what the pool's prefix cache evicts)")

@@ -176,6 +176,9 @@ def cmd_bench(args) -> int:
         sizes = dict(batches=(8,), lengths=(512,), bw_mib=64) if args.quick else {}
         bench_memory.bench_attention(threads=args.threads or 1, repeat=args.repeat or 7,
                                      out_dir=args.out, **sizes)
+        bench_memory.bench_kv_dtypes(*((8, 512) if args.quick else (32, 8192)),
+                                     threads=args.threads or 1, repeat=args.repeat or 7,
+                                     out_dir=args.out)
         return 0
     if args.name == "e2e" and args.device == "cuda":
         from lamina.bench.e2e_gpu import bench_e2e_gpu
@@ -212,6 +215,15 @@ def cmd_bench(args) -> int:
         sizes = (dict(sessions=4, turns=2, system=32, user=48, answer=4, concurrency=2)
                  if args.quick else {}) | given
         bench_multiturn(args.model, out_dir=args.out, vllm_python=args.vllm_python, **sizes)
+        return 0
+    if args.name == "kv-quality":
+        from lamina.bench.kv_quality import bench_kv_quality
+
+        sizes = (dict(lengths=(256, 512), trials=4, ppl_context=512, max_doc_tokens=1024)
+                 if args.quick else {})
+        if args.trials:
+            sizes["trials"] = args.trials
+        bench_kv_quality(args.model, docs=args.docs, out_dir=args.out, **sizes)
         return 0
     if args.name == "load":
         from lamina.bench import load as bench_load
@@ -292,6 +304,9 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="model weights and KV pool dtype (bfloat16 on a CPU without a bf16 "
                         "GEMM: linears on float32 oneDNN copies, see --dense-backend)")
+    p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"],
+                   help="KV pool dtype (default: --dtype); int8: per-token codes and "
+                        "scales, keys channel-smoothed, ~0.27x fp32's bytes per token")
 
 
 def _flags_given(args, dests) -> list[str]:
@@ -307,12 +322,13 @@ def _llm(LLM, args, **kw):
         return LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
                    kv_device=args.kv_device, compute_device=args.compute_device,
                    dense_backend=args.dense_backend,
-                   dtype=args.dtype, kv_dtype=args.dtype, **kw)
+                   dtype=args.dtype, kv_dtype=args.kv_dtype or args.dtype, **kw)
     from lamina.entrypoints.deploy_config import LaminaConfig
 
     cfg = LaminaConfig.from_yaml(args.config)
     given = _flags_given(args, ("model", "executor", "memory_workers", "kv_device",
-                                "compute_device", "dense_backend", "dtype", *kw))
+                                "compute_device", "dense_backend", "dtype", "kv_dtype",
+                                *kw))
     if given:
         raise ValueError(f"--config {args.config} sets the engine: drop {', '.join(given)} "
                          f"(or put them in the file)")
@@ -391,7 +407,7 @@ def _bench_parser(sub) -> None:
     """`lamina bench NAME`."""
     b = sub.add_parser("bench", help="run a benchmark")
     b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "load", "ops",
-                                    "plan", "multiturn", "sim", "sim-scale"])
+                                    "plan", "multiturn", "kv-quality", "sim", "sim-scale"])
     b.add_argument("--model", default=None, help="split: model to split")
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
@@ -405,6 +421,10 @@ def _bench_parser(sub) -> None:
                        ("--answer-tokens", "answer length (32)"),
                        ("--chat-concurrency", "sessions served at once (4)")):
         b.add_argument(flag, type=int, default=None, help=f"multiturn: {what}")
+    b.add_argument("--docs", nargs="+", default=None,
+                   help="kv-quality: text files for perplexity (default ../shared/seeds/*.txt)")
+    b.add_argument("--trials", type=int, default=None, help="kv-quality: pass-key trials per "
+                                                             "context length (50)")
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="attention: cpu (compiled kernel) or cuda (Triton kernels); e2e: "

@@ -40,7 +40,7 @@ class LLM:
         from lamina.memory.memory_side import MemorySide
         from lamina.memory.pool import KVPool, KVPoolConfig
         from lamina.model.loader import load
-        from lamina.model.prepare import prepare_split, rotary_frequencies
+        from lamina.model.prepare import key_channel_scales, prepare_split, rotary_frequencies
         from lamina.splitter.dense import DenseChoice
 
         if executor not in ("local", "ray"):
@@ -62,9 +62,11 @@ class LLM:
                                  cfg.fuse_pointwise, cfg.compute_device)
             self.split, self.dense = prep.split, prep.dense
             rope = rotary_frequencies(self.loaded.model) if cfg.tiers.enabled else None
-            pool_cfg = KVPoolConfig.for_specs(self.split.attention_specs,
-                                              self.config.num_kv_slots, self.config.kv_dtype,
-                                              self.config.kv_device)
+            specs = self.split.attention_specs
+            scales = (key_channel_scales(self.loaded.model, self.loaded.tokenizer, len(specs))
+                      if cfg.kv_dtype == "int8" else None)
+            pool_cfg = KVPoolConfig.for_specs(specs, cfg.num_kv_slots, cfg.kv_dtype,
+                                              cfg.kv_device, scales)
             self.executor = LocalExecutor(
                 self.split, [MemorySide(KVPool(pool_cfg), tiers=cfg.tiers, worker=w,
                                         rope_inv_freq=rope)

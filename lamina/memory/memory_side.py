@@ -56,7 +56,8 @@ class MemorySide:
         self.tiers = (TierStore(tiers, pool, worker, rope_inv_freq)
                       if tiers is not None and tiers.enabled else None)
         self.device = pool.k.device
-        self.backend = backend or select_backend(device=self.device)
+        self.backend = backend or select_backend(device=self.device,
+                                                 kv_dtype=pool.config.dtype)
         self.faults = faults  # a lamina.faults.FaultPlan (tests) or None
         self._step: _CheckedStep | None = None  # this step's metadata, checked
 
@@ -111,7 +112,7 @@ class MemorySide:
         if home != self.device:
             q, k, v = (t.to(self.device, non_blocking=True) for t in (q, k, v))
         o, lse = prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
-                                   checked)
+                                   checked, self.pool.key_scales[layer])
         return (o, lse) if home == self.device else (o.to(home), lse.to(home))
 
 

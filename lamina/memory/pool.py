@@ -9,22 +9,30 @@ allocated once. A slot's row for one layer is contiguous (Hkv*D elements), which
 the kernels read per key; keeping layers outermost makes each layer's pool one dense
 [num_slots, Hkv, D] tensor, so a layer's attention never strides over other layers.
 
+An int8 pool (`dtype="int8"`) holds rows of `lamina.kernels.quant`: each head's D int8
+codes then its fp32 scale, so k is [L, S, Hkv, D + 4]; a slot's row still stands alone
+(copies, forks, prefix sharing and tier saves move rows). Keys are divided by per-layer
+channel scales `key_scales` [L, Hkv, D] before they are quantized (calibrated from the
+model: `lamina.model.prepare.key_channel_scales`).
+
 Host pools sit on transparent huge pages where the kernel allows them (`huge_pages`):
 a decode step reads rows at scattered slots, so with 4 KiB pages nearly every key's K
 and V rows take a TLB miss; 2 MiB pages remove most of them.
 """
 from __future__ import annotations
 
+import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from lamina.kernels import write_kv
+from lamina.kernels.quant import SCALE_BYTES
 from lamina.memory.allocator import CopySlot
 
-POOL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+POOL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -34,9 +42,12 @@ class KVPoolConfig:
     num_kv_heads: int
     head_dim: int
     v_head_dim: int = 0  # 0: head_dim (set so on creation)
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "float32"  # float32 | bfloat16 | int8
     device: str = "cpu"
     huge_pages: bool = True  # host pools: ask for transparent huge pages (madvise)
+    # int8 pools: keys' channel scales, num_layers * Hkv * head_dim positive floats in
+    # [layer, kv head, channel] order; None: all 1 (keys quantized per token and head)
+    key_scales: tuple[float, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self):
         for name in ("num_layers", "num_slots", "num_kv_heads", "head_dim"):
@@ -58,12 +69,31 @@ class KVPoolConfig:
                              f"{e}") from None
         if not isinstance(self.huge_pages, bool):
             raise ValueError(f"KVPoolConfig.huge_pages must be a bool, got {self.huge_pages!r}")
+        if self.key_scales is not None:
+            self._check_key_scales()
+
+    def _check_key_scales(self) -> None:
+        want = self.num_layers * self.num_kv_heads * self.head_dim
+        if self.dtype != "int8":
+            raise ValueError(f"KVPoolConfig.key_scales is for int8 pools, not {self.dtype}")
+        ks = tuple(float(x) for x in self.key_scales or ())
+        if len(ks) != want or not all(math.isfinite(x) and x > 0 for x in ks):
+            raise ValueError(f"KVPoolConfig.key_scales must be {want} positive finite "
+                             f"floats (num_layers x num_kv_heads x head_dim), got "
+                             f"{len(ks)}" + ("" if len(ks) != want else " with bad values"))
+        object.__setattr__(self, "key_scales", ks)
+
+    @property
+    def row_dims(self) -> tuple[int, int]:
+        """The last dims of a slot's K and V rows per head (head dim + the int8 scale)."""
+        extra = SCALE_BYTES if self.dtype == "int8" else 0
+        return self.head_dim + extra, self.v_head_dim + extra
 
     @property
     def bytes_per_slot(self) -> int:
         """K+V bytes one token takes across all layers."""
-        el = torch.finfo(POOL_DTYPES[self.dtype]).bits // 8
-        return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim) * el
+        el = torch.empty((), dtype=POOL_DTYPES[self.dtype]).element_size()
+        return self.num_layers * self.num_kv_heads * sum(self.row_dims) * el
 
     @property
     def nbytes(self) -> int:
@@ -71,14 +101,18 @@ class KVPoolConfig:
 
     @staticmethod
     def for_specs(specs: Sequence, num_slots: int, dtype: str = "float32",
-                  device: str = "cpu") -> "KVPoolConfig":
-        """From the splitter's `AttentionSpec`s (all layers must share one KV shape)."""
+                  device: str = "cpu", key_scales=None) -> "KVPoolConfig":
+        """From the splitter's `AttentionSpec`s (all layers must share one KV shape);
+        `key_scales` (int8 only): a tensor [L, Hkv, D] or flat floats."""
         shapes = {(s.num_kv_heads, s.head_dim, s.v_head_dim) for s in specs}
         if len(shapes) != 1:
             raise ValueError(f"layers disagree on KV shape (Hkv, D, Dv): {sorted(shapes)}; "
                              "one pool per shape is not supported yet")
         hkv, d, dv = shapes.pop()
-        return KVPoolConfig(len(specs), num_slots, hkv, d, dv, dtype, device)
+        if isinstance(key_scales, torch.Tensor):
+            key_scales = tuple(key_scales.double().flatten().tolist())
+        return KVPoolConfig(len(specs), num_slots, hkv, d, dv, dtype, device,
+                            key_scales=key_scales if dtype == "int8" else None)
 
 
 class KVPool:
@@ -89,8 +123,9 @@ class KVPool:
             raise ValueError(f"KV pool device {c.device!r}: torch sees no CUDA GPU here "
                              f"(torch {torch.__version__}, cuda {torch.version.cuda})")
         # k: [L, S, Hkv, D], v: [L, S, Hkv, Dv]; zeros so every page is touched up front.
-        kshape = (c.num_layers, c.num_slots, c.num_kv_heads, c.head_dim)
-        vshape = (c.num_layers, c.num_slots, c.num_kv_heads, c.v_head_dim)
+        dk, dv = c.row_dims
+        kshape = (c.num_layers, c.num_slots, c.num_kv_heads, dk)
+        vshape = (c.num_layers, c.num_slots, c.num_kv_heads, dv)
         if torch.device(c.device).type == "cpu":
             self.k = host_zeros(kshape, dt, c.huge_pages)
             self.v = host_zeros(vshape, dt, c.huge_pages)
@@ -98,6 +133,13 @@ class KVPool:
             self.k = torch.zeros(kshape, dtype=dt, device=c.device)
             self.v = torch.zeros(vshape, dtype=dt, device=c.device)
         self._layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # views, made once
+        # int8: keys' channel scales [L, Hkv, D] on the pool's device (ones if not given)
+        self.key_scales: list[torch.Tensor | None] = [None] * c.num_layers
+        if c.dtype == "int8":
+            ks = (torch.tensor(c.key_scales, dtype=torch.float32) if c.key_scales
+                  else torch.ones(c.num_layers * c.num_kv_heads * c.head_dim))
+            self.key_scales = list(ks.view(c.num_layers, c.num_kv_heads, c.head_dim)
+                                   .to(c.device).unbind(0))
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views k [S, Hkv, D], v [S, Hkv, Dv] of layer i (no copy)."""
@@ -107,7 +149,7 @@ class KVPool:
 
     def write(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a step's new k [N, Hkv, D] / v [N, Hkv, Dv] of layer i at `slots` [N]."""
-        write_kv(*self.layer(i), slots, k, v)
+        write_kv(*self.layer(i), slots, k, v, key_scales=self.key_scales[i])
 
     def copy(self, orders: Sequence[CopySlot]) -> None:
         """Apply copy-on-write orders: every layer's KV of src -> dst, one op per tensor."""

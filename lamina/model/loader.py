@@ -118,6 +118,19 @@ def export_hf_folder(model, tokenizer, out: Path) -> Path:
     return out
 
 
+def load_tokenizer(model: str | os.PathLike | None = None):
+    """Only the tokenizer of `model` (from its folder or GGUF file), or None where it
+    has none."""
+    from transformers import AutoTokenizer
+
+    folder, gguf = resolve(model)
+    kw = {"local_files_only": True, **({"gguf_file": gguf} if gguf else {})}
+    try:
+        return AutoTokenizer.from_pretrained(folder, **kw)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def load(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
          with_tokenizer: bool = True, cache: bool = True) -> LoadedModel:
     """Load model, tokenizer and config from local files (no network)."""

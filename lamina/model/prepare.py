@@ -67,3 +67,58 @@ def rotary_frequencies(model) -> tuple[float, ...] | None:
                 return None
             return tuple(float(x) for x in inv.flatten())
     return None
+
+
+# What int8 pools' key channel scales are measured on: mixed prose, code, numbers and a
+# chat turn, so channels that only some kinds of text excite are seen.
+CALIBRATION_TEXT = (
+    "The history of printing begins long before movable type: carved wooden blocks "
+    "printed cloth and paper in China by the third century. In 1450 Gutenberg's press "
+    "changed how knowledge spread across Europe, and by 1500 some twenty million books "
+    "had been printed.\n"
+    "def mean(xs):\n    return sum(xs) / len(xs) if xs else 0.0\n\n"
+    "Q3 revenue rose 12.5% to $4,210 million; margins: 31.2% (2023), 28.9% (2022).\n"
+    "User: What is the boiling point of water at sea level?\n"
+    "Assistant: Water boils at 100 degrees Celsius (212 F) at sea level.\n"
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. "
+    "Les chats dorment beaucoup; die Katze schläft auf dem Sofa. "
+) * 3
+
+
+@torch.no_grad()
+def key_channel_scales(model, tokenizer=None, num_layers: int | None = None,
+                       max_tokens: int = 512) -> torch.Tensor | None:
+    """Per-(layer, kv head, channel) scales for int8 keys [L, Hkv, D]: each channel's
+    largest |key| over a calibration text (positions >= 1: the first token's keys are
+    outliers of their own), rotary channel pairs (i, i + D/2) given their common max
+    (the rotation moves a key's mass between them as positions grow), normalized to
+    mean 1. Keys then quantize per token after dividing by these (`kernels/quant.py`).
+    None (with a log line) when the model's cache does not show one key tensor per
+    attention layer; the pool then quantizes keys per token and head only."""
+    vocab = int(model.config.vocab_size)
+    if tokenizer is not None:
+        ids = tokenizer(CALIBRATION_TEXT)["input_ids"][:max_tokens]
+    else:  # no tokenizer (tiny test models): fixed pseudo-random ids
+        ids = torch.randint(0, vocab, (max_tokens,),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.tensor([ids], device=next(model.parameters()).device)
+    try:
+        out = model(ids, use_cache=True)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        keys = [layer.keys for layer in cache.layers]  # each [1, Hkv, T, D]
+    except (AttributeError, TypeError, RuntimeError) as e:
+        log.warning("int8 key channel scales: no per-layer keys from the model (%s); keys "
+                    "quantize per token and head only", e)
+        return None
+    if num_layers is not None and len(keys) != num_layers:
+        log.warning("int8 key channel scales: the model's cache has %d layers, the split "
+                    "%d; keys quantize per token and head only", len(keys), num_layers)
+        return None
+    c = torch.stack([k[0, :, 1:].float().abs().amax(dim=1) for k in keys]).cpu()  # [L,Hkv,D]
+    inv = rotary_frequencies(model)
+    D = c.shape[-1]
+    if inv is not None and 2 * len(inv) == D:  # rotate-half pairs
+        pair = torch.maximum(c[..., :D // 2], c[..., D // 2:])
+        c = torch.cat([pair, pair], dim=-1)
+    c = torch.where(c > 0, c, c.amax().clamp(min=1e-6))
+    return c / c.mean()

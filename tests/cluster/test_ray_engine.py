@@ -279,3 +279,26 @@ def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):
     with pytest.raises(WorkerFailure, match="step .* failed"):
         for _ in range(3):
             eng.step()
+
+
+def test_ray_int8_pools_answer_as_local_int8(llm, prompts):
+    """kv_dtype='int8' on Ray: the compute worker calibrates the key channel scales (on
+    the text the local executor uses), the memory workers store int8 rows and fresh
+    prompts attend over an int8 scratch pool with the same scales: greedy answers equal
+    the local executor's int8 ones. Last here: the module's deployment goes first, to
+    free its CPUs."""
+    llm.shutdown()
+    batch = [prompts[i] for i in (1, 4, 8)]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    local = LLM(num_kv_slots=2048, kv_dtype="int8")
+    want = [o.token_ids for o in local.generate(batch, params, use_tqdm=False)]
+    local.shutdown()
+    ray_llm = LLM(executor="ray", num_memory_workers=1, num_kv_slots=2048, kv_dtype="int8")
+    try:
+        assert ray_llm.executor.pool_config.dtype == "int8"
+        assert ray_llm.executor.pool_config.key_scales == local.executor.memory[0].pool \
+            .config.key_scales
+        got = [o.token_ids for o in ray_llm.generate(batch, params, use_tqdm=False)]
+    finally:
+        ray_llm.shutdown()
+    assert got == want

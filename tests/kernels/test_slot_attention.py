@@ -254,4 +254,4 @@ def test_bf16_queries_on_bf16_pools(cpu, rep, softcap, window):
     assert (lse - lse_ref).abs().max() <= 1e-5
     ulp = o_ref.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7
     assert ((o.float() - o_ref.float()).abs() <= ulp).all()
-    assert set(cpu._ext.simd_paths()) <= {"avx2", "avx512", "avx512bf16"}
+    assert set(cpu._ext.simd_paths()) <= {"avx2", "avx512", "avx512bf16", "avx512vnni"}

@@ -106,7 +106,8 @@ def test_dense_backend_choices_follow_the_library():
 
 
 def test_dtype_flag_reaches_llm(monkeypatch, capsys):
-    """--dtype sets the model's and the KV pool's dtype (generate and serve)."""
+    """--dtype sets the model's and the KV pool's dtype (generate and serve); --kv-dtype
+    the pool's alone."""
     import lamina
     import lamina.entrypoints.api_server
 
@@ -133,8 +134,10 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
     assert main(["generate", "--dtype", "bfloat16", "hi"]) == 0
     assert main(["serve", "--dtype", "bfloat16"]) == 0
     assert main(["generate", "hi"]) == 0
+    assert main(["generate", "--kv-dtype", "int8", "hi"]) == 0  # the pools' own dtype
+    assert main(["serve", "--dtype", "bfloat16", "--kv-dtype", "int8"]) == 0
     assert [(k["dtype"], k["kv_dtype"]) for k in seen] == [("bfloat16", "bfloat16")] * 2 + \
-        [("float32", "float32")]
+        [("float32", "float32"), ("float32", "int8"), ("bfloat16", "int8")]
     with pytest.raises(SystemExit):  # argparse: not a choice
         main(["generate", "--dtype", "float16", "hi"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err

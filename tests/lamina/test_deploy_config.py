@@ -53,7 +53,8 @@ def test_llm_from_config_gives_hf_greedy_tokens(tmp_path, prompts, hf_greedy):
     ("engine: {split_kv: 1}", "'engine.split_kv' must be bool"),
     ("engine: {faults: null}", "unknown key 'engine.faults'"),  # a test hook, not a setting
     ("model: {path: /no/such/model}", "model.path '/no/such/model' does not exist"),
-    ("model: {dtype: int8}", "model.dtype must be one of"),
+    ("model: {dtype: int8}", "model.dtype must be one of"),  # int8 is the pools' only
+    ("engine: {kv_dtype: int4}", "EngineConfig.kv_dtype must be one of"),
     ("cluster: {executor: local, address: auto}", "cluster.address is for executor 'ray'"),
     ("server: {max_waiting: 0}", "max_waiting must be an int >= 1"),
     ("engine: [1, 2]", "section 'engine' must be a mapping"),
