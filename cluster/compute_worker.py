@@ -92,7 +92,7 @@ class ComputeWorker:
         native_ext()  # the C++ data plane (built or loaded now, not in the first step)
 
     def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu",
-                    local_prefill: bool = True, faults=None):
+                    local_prefill: bool = True, faults=None, pool_bytes: int | None = None):
         """What each memory worker needs: its pool shape and per-layer attention params.
         `local_prefill`: fresh prompts attend here, on a scratch pool of `kv_dtype` (paper
         5.6); the memory workers only store their KV. `faults`: a test FaultPlan."""
@@ -103,9 +103,9 @@ class ComputeWorker:
             scales = key_channel_scales(self.loaded.model, tok, len(specs))
         self.compute.local_kv_dtype = kv_dtype if local_prefill else None
         self.compute.local_key_scales = scales  # the scratch pool rounds as the workers do
-        self.compute.pool_slots, self.compute.faults = num_slots, faults
-        return (KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device, scales),
-                self.compute.params)
+        cfg = KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device, scales, pool_bytes)
+        self.compute.pool_slots, self.compute.faults = cfg.num_slots, faults
+        return cfg, self.compute.params
 
     def rotary(self) -> tuple[float, ...] | None:
         """The model's rotary frequencies (the memory workers' shifted tier loads)."""

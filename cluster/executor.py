@@ -155,10 +155,12 @@ class RayExecutor(Executor):
         self.memory = [MemoryWorker.options(**self._m_opts, **self.placement.memory(i))
                        .remote(i, self.threads) for i in range(cfg.num_memory_workers)]
         pool_cfg, params = self._get(self.compute.memory_spec.remote(
-            cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, cfg.local_prefill, cfg.faults),
+            cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, cfg.local_prefill, cfg.faults,
+            cfg.kv_pool_bytes),
             "the compute worker")
         self.params = list(params)  # per-layer AttentionParams
         self.pool_config = pool_cfg
+        self.pool_slots = pool_cfg.num_slots  # kv_pool_bytes may have set it
         tiers = cfg.tiers if cfg.tiers.enabled else None
         rope = self._get(self.compute.rotary.remote(), "the compute worker") if tiers else None
         self.memory_info = self._get([w.setup.remote(pool_cfg, params, cfg.faults, tiers, rope)

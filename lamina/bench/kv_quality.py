@@ -7,11 +7,13 @@ mode, perplexity and pass-key retrieval accuracy; JSON, Markdown and a PNG.
 Modes: the model's weights stay fp32; the memory workers' pools are `float32` (dense
 fp32, the reference), `bfloat16` or `int8` (`kernels/quant.py`), each a fresh engine in
 this process, served through the pools and attention kernels a deployment uses.
-- Perplexity: each document's tokens, whole, cut into windows of `ppl_context` tokens
-  (the last one shorter); each window is one request whose prompt log-probabilities
+- Perplexity: each document's tokens, whole, cut into windows of `ppl_context` - 1
+  tokens (the last one shorter; the one token drawn fills the context); each window is
+  one request whose prompt log-probabilities
   (`prompt_logprobs=0`) give every token's NLL after the first; perplexity =
   exp(token-weighted mean NLL) over all windows of all documents.
-- Pass-key retrieval: per context length, `trials` prompts of filler sentences with
+- Pass-key retrieval: per context length (prompt and the 8 new tokens), `trials`
+  prompts of filler sentences with
   "The pass key is NNNNN. Remember it." placed at a seeded random depth, ending with
   "What is the pass key? The pass key is"; greedy, 8 new tokens; a trial passes when
   the key's digits come out. The same prompts in every mode.
@@ -64,7 +66,8 @@ def passkey_prompts(tok, length: int, trials: int, seed: int = 0) -> list[tuple[
 def perplexity(llm, docs_ids: list[list[int]], ctx: int) -> dict:
     from lamina import SamplingParams
 
-    windows = [ids[i:i + ctx] for ids in docs_ids for i in range(0, len(ids), ctx)]
+    w = ctx - 1  # the drawn token fills the context
+    windows = [ids[i:i + w] for ids in docs_ids for i in range(0, len(ids), w)]
     windows = [w for w in windows if len(w) > 1]
     p = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     outs = llm.generate(windows, p, use_tqdm=False)
@@ -79,7 +82,7 @@ def passkey(llm, tok, lengths, trials: int) -> dict:
     p = SamplingParams(max_tokens=8, temperature=0)
     acc = {}
     for n in lengths:
-        cases = passkey_prompts(tok, n, trials)
+        cases = passkey_prompts(tok, n - p.max_tokens, trials)
         outs = llm.generate([c for c, _ in cases], p, use_tqdm=False)
         acc[n] = sum(k in o.text for (_, k), o in zip(cases, outs)) / len(cases)
     return acc

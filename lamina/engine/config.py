@@ -27,6 +27,9 @@ DEVICE_NAME = r"cpu|cuda(:\d+)?"
 @dataclass(frozen=True)
 class EngineConfig:
     num_kv_slots: int = 16384  # token slots in each memory worker's KV pool
+    # each memory worker's pool in bytes instead (None: num_kv_slots decides): its slots
+    # are then as many tokens' KV as fit, so kv_dtype='int8' holds ~3.8x fp32's tokens
+    kv_pool_bytes: int | None = None
     num_memory_workers: int = 1
     # the pools' dtype; "int8": each token's keys and values as int8 codes with a scale
     # per token and kv head, keys divided by calibrated channel scales first
@@ -92,6 +95,10 @@ class EngineConfig:
         if not isinstance(self.num_kv_slots, int) or self.num_kv_slots <= 0:
             raise ValueError(f"EngineConfig.num_kv_slots must be a positive int, "
                              f"got {self.num_kv_slots!r}")
+        b = self.kv_pool_bytes
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b <= 0):
+            raise ValueError(f"EngineConfig.kv_pool_bytes must be a positive int or None, "
+                             f"got {b!r}")
         if not isinstance(self.num_memory_workers, int) or self.num_memory_workers < 1:
             raise ValueError(f"EngineConfig.num_memory_workers must be an int >= 1, "
                              f"got {self.num_memory_workers!r}")

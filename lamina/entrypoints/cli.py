@@ -225,6 +225,14 @@ def cmd_bench(args) -> int:
             sizes["trials"] = args.trials
         bench_kv_quality(args.model, docs=args.docs, out_dir=args.out, **sizes)
         return 0
+    if args.name == "kv-capacity":
+        from lamina.bench.kv_capacity import bench_kv_capacity
+
+        sizes = dict(pool_bytes=8 << 20, length=128) if args.quick else {}
+        if args.pool_mib:
+            sizes["pool_bytes"] = args.pool_mib << 20
+        bench_kv_capacity(args.model, out_dir=args.out, **sizes)
+        return 0
     if args.name == "load":
         from lamina.bench import load as bench_load
 
@@ -304,6 +312,9 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="model weights and KV pool dtype (bfloat16 on a CPU without a bf16 "
                         "GEMM: linears on float32 oneDNN copies, see --dense-backend)")
+    p.add_argument("--kv-pool-gib", type=float, default=None,
+                   help="each memory worker's KV pool in GiB (instead of its slot count): "
+                        "as many tokens as fit at --kv-dtype")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"],
                    help="KV pool dtype (default: --dtype); int8: per-token codes and "
                         "scales, keys channel-smoothed, ~0.27x fp32's bytes per token")
@@ -322,12 +333,15 @@ def _llm(LLM, args, **kw):
         return LLM(args.model, executor=args.executor, num_memory_workers=args.memory_workers,
                    kv_device=args.kv_device, compute_device=args.compute_device,
                    dense_backend=args.dense_backend,
-                   dtype=args.dtype, kv_dtype=args.kv_dtype or args.dtype, **kw)
+                   dtype=args.dtype, kv_dtype=args.kv_dtype or args.dtype,
+                   **({"kv_pool_bytes": int(args.kv_pool_gib * 2 ** 30)}
+                      if args.kv_pool_gib else {}), **kw)
     from lamina.entrypoints.deploy_config import LaminaConfig
 
     cfg = LaminaConfig.from_yaml(args.config)
     given = _flags_given(args, ("model", "executor", "memory_workers", "kv_device",
                                 "compute_device", "dense_backend", "dtype", "kv_dtype",
+                                "kv_pool_gib",
                                 *kw))
     if given:
         raise ValueError(f"--config {args.config} sets the engine: drop {', '.join(given)} "
@@ -407,7 +421,8 @@ def _bench_parser(sub) -> None:
     """`lamina bench NAME`."""
     b = sub.add_parser("bench", help="run a benchmark")
     b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "load", "ops",
-                                    "plan", "multiturn", "kv-quality", "sim", "sim-scale"])
+                                    "plan", "multiturn", "kv-quality", "kv-capacity", "sim",
+                                    "sim-scale"])
     b.add_argument("--model", default=None, help="split: model to split")
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
@@ -425,6 +440,8 @@ def _bench_parser(sub) -> None:
                    help="kv-quality: text files for perplexity (default ../shared/seeds/*.txt)")
     b.add_argument("--trials", type=int, default=None, help="kv-quality: pass-key trials per "
                                                              "context length (50)")
+    b.add_argument("--pool-mib", type=int, default=None,
+                   help="kv-capacity: each memory worker's pool in MiB (1024)")
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="attention: cpu (compiled kernel) or cuda (Triton kernels); e2e: "

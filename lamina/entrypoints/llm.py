@@ -66,13 +66,17 @@ class LLM:
             scales = (key_channel_scales(self.loaded.model, self.loaded.tokenizer, len(specs))
                       if cfg.kv_dtype == "int8" else None)
             pool_cfg = KVPoolConfig.for_specs(specs, cfg.num_kv_slots, cfg.kv_dtype,
-                                              cfg.kv_device, scales)
+                                              cfg.kv_device, scales, cfg.kv_pool_bytes)
             self.executor = LocalExecutor(
                 self.split, [MemorySide(KVPool(pool_cfg), tiers=cfg.tiers, worker=w,
                                         rope_inv_freq=rope)
                              for w in range(num_memory_workers)],
                 vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults,
                 device=cfg.compute_device, graph_tokens=cfg.graph_tokens)
+        # the pools' slot count (kv_pool_bytes: as many as fit) is what the engine allocates
+        slots = getattr(self.executor, "pool_slots", self.config.num_kv_slots)
+        if slots != self.config.num_kv_slots:
+            self.config = replace(self.config, num_kv_slots=slots)
         if self.config.split_kv and any(p.sinks is not None for p in self.executor.params):
             # sinks enter one partial's denominator only; KV split is not offered for them
             self.config = replace(self.config, split_kv=False)

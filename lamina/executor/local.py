@@ -54,7 +54,9 @@ class LocalExecutor(Executor):
         self.compute = ComputeSide(split, len(self.memory), device=device,
                                    graph_tokens=graph_tokens)
         self.compute.vocab_size, self.compute.faults = vocab_size, faults
-        self.compute.pool_slots = min(m.pool.config.num_slots for m in self.memory)
+        # each memory worker's slot count (the engine's allocators take it)
+        self.pool_slots = min(m.pool.config.num_slots for m in self.memory)
+        self.compute.pool_slots = self.pool_slots
         for m in self.memory:
             m.faults = faults
         self.params = self.compute.params

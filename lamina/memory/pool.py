@@ -101,9 +101,11 @@ class KVPoolConfig:
 
     @staticmethod
     def for_specs(specs: Sequence, num_slots: int, dtype: str = "float32",
-                  device: str = "cpu", key_scales=None) -> "KVPoolConfig":
+                  device: str = "cpu", key_scales=None,
+                  pool_bytes: int | None = None) -> "KVPoolConfig":
         """From the splitter's `AttentionSpec`s (all layers must share one KV shape);
-        `key_scales` (int8 only): a tensor [L, Hkv, D] or flat floats."""
+        `key_scales` (int8 only): a tensor [L, Hkv, D] or flat floats; `pool_bytes`: as
+        many slots as fit in that many bytes (instead of `num_slots`)."""
         shapes = {(s.num_kv_heads, s.head_dim, s.v_head_dim) for s in specs}
         if len(shapes) != 1:
             raise ValueError(f"layers disagree on KV shape (Hkv, D, Dv): {sorted(shapes)}; "
@@ -111,6 +113,12 @@ class KVPoolConfig:
         hkv, d, dv = shapes.pop()
         if isinstance(key_scales, torch.Tensor):
             key_scales = tuple(key_scales.double().flatten().tolist())
+        if pool_bytes is not None:
+            per = KVPoolConfig(len(specs), 1, hkv, d, dv, dtype).bytes_per_slot
+            if pool_bytes < per:
+                raise ValueError(f"kv_pool_bytes {pool_bytes} holds no token: one takes "
+                                 f"{per} bytes of {dtype} KV")
+            num_slots = pool_bytes // per
         return KVPoolConfig(len(specs), num_slots, hkv, d, dv, dtype, device,
                             key_scales=key_scales if dtype == "int8" else None)
 

@@ -1,0 +1,72 @@
+"""How many sequences a memory worker of a fixed size holds: `lamina bench kv-capacity`.
+
+Data in: a pool budget in bytes (`kv_pool_bytes`), a sequence length, KV modes. Data out:
+per mode, the slots the budget buys and the most sequences that ran at once with their
+whole prompt's KV in the pool, counted by admitting them (not computed from the bytes);
+JSON and Markdown.
+
+Per mode, one engine (local executor, one memory worker, prefix caching off so no two
+sequences share a slot) gets `expected + extra` requests of `length` distinct random
+token ids and 4 new tokens each; after every step the bench counts the running
+sequences that have drawn a token (their prompt is all in the pool). The most at once is
+the capacity; the extra requests prove the pool was full (they wait, or preempt).
+"""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from lamina.bench.common import _write, cpu_name
+
+
+def admitted_at_once(llm, length: int, requests: int, seed: int = 0) -> dict:
+    from lamina import SamplingParams
+
+    rng = random.Random(seed)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for _ in range(requests):
+        eng.add_request([rng.randrange(1000, 20000) for _ in range(length)], params)
+    most, steps, preempted = 0, 0, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                preempted += o.metrics["preemptions"]
+        steps += 1
+        most = max(most, sum(1 for s in eng.scheduler.running if s.output))
+    return {"most_at_once": most, "steps": steps, "preemptions": preempted}
+
+
+def bench_kv_capacity(model: str | None = None, pool_bytes: int = 1 << 30,
+                      length: int = 2048, modes=("float32", "bfloat16", "int8"),
+                      extra: int = 4, out_dir: str | Path = "benchmarks/results") -> dict:
+    from lamina import LLM
+
+    rows = []
+    for mode in modes:
+        t0 = time.perf_counter()
+        llm = LLM(model, kv_dtype=mode, kv_pool_bytes=pool_bytes, prefix_caching=False,
+                  max_batch=1024, max_step_tokens=max(8192, length))
+        slots = llm.config.num_kv_slots
+        per_token = llm.executor.memory[0].pool.config.bytes_per_slot
+        expected = slots // (length + 4)
+        r = admitted_at_once(llm, length, expected + extra)
+        llm.shutdown()
+        rows.append({"kv_dtype": mode, "slots": slots, "bytes_per_token": per_token,
+                     "expected": expected, **r, "seconds": time.perf_counter() - t0})
+        print(f"{mode}: {slots} slots, {r['most_at_once']} sequences of {length} at once "
+              f"(expected {expected}), {r['preemptions']} preemptions", flush=True)
+    base = rows[0]["most_at_once"] or 1
+    table = [["KV", "slots", "bytes/token", "sequences at once", f"x {rows[0]['kv_dtype']}",
+              "preemptions", "s"]]
+    for r in rows:
+        table.append([r["kv_dtype"], str(r["slots"]), str(r["bytes_per_token"]),
+                      str(r["most_at_once"]), f"{r['most_at_once'] / base:.2f}",
+                      str(r["preemptions"]), f"{r['seconds']:.0f}"])
+    res = {"model": model or "SmolLM2-135M-Instruct", "cpu": cpu_name(),
+           "pool_bytes": pool_bytes, "length": length, "rows": rows}
+    jp, mp = _write(Path(out_dir), "kv_capacity", res, table)
+    print("\n".join(" | ".join(r) for r in table))
+    print(f"pool {pool_bytes / 2 ** 20:.0f} MiB per memory worker; wrote {jp} and {mp}")
+    return res

@@ -1,0 +1,36 @@
+"""kv_pool_bytes buys as many slots as its bytes hold at the pool's dtype, and `lamina
+bench kv-capacity` counts the sequences the engine actually admits at once: exactly
+slots // (length + 4), fp32 vs int8 in the same budget."""
+import json
+
+import pytest
+
+from lamina.bench.kv_capacity import bench_kv_capacity
+from lamina.engine.config import EngineConfig
+from lamina.memory.pool import KVPoolConfig
+
+
+def test_pool_bytes_set_the_slot_count():
+    specs = [type("S", (), {"num_kv_heads": 3, "head_dim": 64, "v_head_dim": 64})()] * 30
+    assert KVPoolConfig.for_specs(specs, 1, pool_bytes=46080 * 10 + 5).num_slots == 10
+    assert KVPoolConfig.for_specs(specs, 1, "int8", pool_bytes=46080 * 10).num_slots == 37
+    with pytest.raises(ValueError, match="kv_pool_bytes 100 holds no token: one takes 46080"):
+        KVPoolConfig.for_specs(specs, 1, pool_bytes=100)
+    with pytest.raises(ValueError, match="EngineConfig.kv_pool_bytes must be a positive int"):
+        EngineConfig(kv_pool_bytes=0)
+
+
+def test_kv_capacity_counts_admitted_sequences(tmp_path):
+    budget, length = 6 << 20, 96
+    res = bench_kv_capacity(pool_bytes=budget, length=length, modes=("float32", "int8"),
+                            extra=2, out_dir=tmp_path)
+    f32, i8 = res["rows"]
+    # SmolLM2: 30 layers x 3 kv heads x (64 + 64) channels, 4 bytes or 1 + 4/64 bytes
+    assert (f32["bytes_per_token"], i8["bytes_per_token"]) == (46080, 30 * 3 * 2 * 68)
+    assert f32["slots"] == budget // 46080 and i8["slots"] == budget // 12240
+    for r in (f32, i8):
+        assert r["most_at_once"] == r["slots"] // (length + 4) == r["expected"]
+    assert i8["most_at_once"] >= 3.7 * f32["most_at_once"]
+    saved = json.loads((tmp_path / "kv_capacity.json").read_text())
+    assert [r["most_at_once"] for r in saved["rows"]] == [f32["most_at_once"],
+                                                          i8["most_at_once"]]
