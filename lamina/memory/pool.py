@@ -10,7 +10,8 @@ the kernels read per key; keeping layers outermost makes each layer's pool one d
 [num_slots, Hkv, D] tensor, so a layer's attention never strides over other layers.
 
 An int8 pool (`dtype="int8"`) holds rows of `lamina.kernels.quant`: each head's D int8
-codes then its fp32 scale, so k is [L, S, Hkv, D + 4]; a slot's row still stands alone
+codes then its fp32 scale, so k is [L, S, Hkv, D + 4], a view of one buffer that puts
+each slot's V row right after its K row; a slot's rows still stand alone
 (copies, forks, prefix sharing and tier saves move rows). Keys are divided by per-layer
 channel scales `key_scales` [L, Hkv, D] before they are quantized (calibrated from the
 model: `lamina.model.prepare.key_channel_scales`).
@@ -134,7 +135,16 @@ class KVPool:
         dk, dv = c.row_dims
         kshape = (c.num_layers, c.num_slots, c.num_kv_heads, dk)
         vshape = (c.num_layers, c.num_slots, c.num_kv_heads, dv)
-        if torch.device(c.device).type == "cpu":
+        host = torch.device(c.device).type == "cpu"
+        if c.dtype == "int8" and dk == dv:
+            # one buffer [L, S, 2, Hkv, D + 4]: a slot's K row then its V row, 408
+            # contiguous bytes (SmolLM2) that share a line where K's ends, instead of two
+            # rows of 204 B each starting anywhere in a line: ~10% fewer lines a key
+            shape = (c.num_layers, c.num_slots, 2, c.num_kv_heads, dk)
+            buf = (host_zeros(shape, dt, c.huge_pages) if host
+                   else torch.zeros(shape, dtype=dt, device=c.device))
+            self.k, self.v = buf[:, :, 0], buf[:, :, 1]  # views, rows contiguous per slot
+        elif host:
             self.k = host_zeros(kshape, dt, c.huge_pages)
             self.v = host_zeros(vshape, dt, c.huge_pages)
         else:

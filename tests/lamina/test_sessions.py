@@ -68,16 +68,19 @@ def test_session_ids_are_checked():
 
 
 # -- the store: bytes and files --
-def _store(tmp_path, disk_bytes=1 << 20):
-    pool = KVPool(KVPoolConfig(2, 16, 2, 4))
+def _store(tmp_path, disk_bytes=1 << 20, dtype="float32"):
+    pool = KVPool(KVPoolConfig(2, 16, 2, 4, dtype=dtype))
     torch.manual_seed(0)
-    pool.k.copy_(torch.randn_like(pool.k))
-    pool.v.copy_(torch.randn_like(pool.v))
+    for t in (pool.k, pool.v):  # int8 pools: rows of codes and scale bytes, any bits
+        t.copy_(torch.randn(t.shape) if dtype != "int8" else
+                torch.randint(-128, 128, t.shape, dtype=torch.int8))
     return TierStore(TierConfig(1 << 20, str(tmp_path), disk_bytes), pool), pool
 
 
-def test_store_loads_back_what_it_saved_through_host_and_disk(tmp_path):
-    store, pool = _store(tmp_path)
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_store_loads_back_what_it_saved_through_host_and_disk(tmp_path, dtype):
+    """int8 pools too: their rows (one buffer, K then V per slot) move as bytes."""
+    store, pool = _store(tmp_path, dtype=dtype)
     want_k, want_v = pool.k[:, [3, 5, 9]].clone(), pool.v[:, [3, 5, 9]].clone()
     store.apply([TierOrder("save", 0, 7, 0, (3, 5)), TierOrder("save", 0, 7, 2, (9,)),
                  TierOrder("demote", 0, 7)])
