@@ -122,17 +122,19 @@ def test_cpu_kernel_on_int8_pools_matches_the_reference_and_numpy(cpu, Hq, Hkv):
 
 @pytest.mark.parametrize("pname", ["window", "softcap", "sinks"])
 def test_cpu_kernel_int8_features_match_the_reference(cpu, pname):
+    """Window, softcap and sinks on int8 pools, decode and prefill tiles."""
     Hq, Hkv = 9, 3
     tables, k, v, c = int8_case(Hq, Hkv, [5, 90, 700], seed=3)
     params = {"window": AttentionParams(D ** -0.5, sliding_window=37),
               "softcap": AttentionParams(D ** -0.5, softcap=1.5),
               "sinks": AttentionParams(D ** -0.5, sinks=tuple(np.linspace(-2, 3, Hq)))}[pname]
     kq, vq = quantize_rows(k, c), quantize_rows(v)
-    q = fold_channels(torch.randn(3, Hq, D, generator=torch.Generator().manual_seed(4)), c)
-    batch = SlotBatch.decode(tables)
-    o, lse = attend(q, kq, vq, batch, params, cpu)
-    o_ref, lse_ref = attend(q, kq, vq, batch, params, REF)
-    assert torch.allclose(o, o_ref, atol=2e-4) and torch.allclose(lse, lse_ref, atol=2e-4)
+    g = torch.Generator().manual_seed(4)
+    for batch in (SlotBatch.decode(tables), SlotBatch.build(tables, [5, 20, 33])):  # + prefill
+        q = fold_channels(torch.randn(batch.num_queries, Hq, D, generator=g), c)
+        o, lse = attend(q, kq, vq, batch, params, cpu)
+        o_ref, lse_ref = attend(q, kq, vq, batch, params, REF)
+        assert torch.allclose(o, o_ref, atol=3e-4) and torch.allclose(lse, lse_ref, atol=3e-4)
 
 
 def test_prefill_writes_quantized_rows_and_attends_as_over_dequantized_kv(cpu):
