@@ -201,9 +201,10 @@ class TritonBackend(AttentionBackend):
     def attend(self, q, k_pool, v_pool, batch, params):
         if not self.interpret and q.device.type != "cuda":
             raise BackendUnavailable(f"the triton backend cannot read tensors on {q.device}")
-        if is_quantized(k_pool):
-            raise BackendUnavailable("the triton kernels read float pools only, not int8 "
-                                     "(select_backend(kv_dtype='int8') picks the reference)")
+        if is_quantized(k_pool) and (head_dim(k_pool) % 4 or head_dim(v_pool) % 4
+                                     or k_pool.stride(0) % 4 or v_pool.stride(0) % 4):
+            raise BackendUnavailable("the triton kernels read int8 rows whose head dims and "
+                                     "slot strides are multiples of 4 (their scales as fp32)")
         plan = self.plan(batch, q.shape[1] // k_pool.shape[1], k_pool.shape[1], q.device)
         return self._k.slot_attention(q, k_pool, v_pool, batch, params, plan,
                                       self.interpret, self.num_stages, self.tensor_cores)
@@ -212,11 +213,9 @@ class TritonBackend(AttentionBackend):
 BACKENDS = {"reference": ReferenceBackend, "cpu": CpuBackend, "triton": TritonBackend}
 
 
-def select_backend(name: str | None = None, device="cpu",
-                   kv_dtype: str = "float32") -> AttentionBackend:
+def select_backend(name: str | None = None, device="cpu") -> AttentionBackend:
     """`name` (or $LAMINA_ATTENTION_BACKEND) in {auto, cpu, triton, reference}; auto by
-    default: cpu for a CPU pool, triton for a CUDA pool (the reference for an int8 one:
-    the Triton kernels read float pools only)."""
+    default: cpu for a CPU pool, triton for a CUDA pool (float or int8)."""
     name = (name or os.environ.get("LAMINA_ATTENTION_BACKEND") or "auto").lower()
     device = torch.device(device)
     if name not in ("auto", *BACKENDS):
@@ -230,8 +229,6 @@ def select_backend(name: str | None = None, device="cpu",
         try:
             if device.type != "cuda":
                 raise BackendUnavailable(f"no attention kernel for {device.type} pools")
-            if kv_dtype == "int8":
-                raise BackendUnavailable("the triton kernels read float pools only, not int8")
             backend = TritonBackend()
         except BackendUnavailable as e:
             if name == "triton":

@@ -1,6 +1,8 @@
 """Triton attention over a token-slot KV pool: the GPU backend's kernels.
 
-Data in: q [Nq, Hq, D], the pool k [S, Hkv, D] / v [S, Hkv, Dv] (fp32/bf16, on a GPU),
+Data in: q [Nq, Hq, D], the pool k [S, Hkv, D] / v [S, Hkv, Dv] (fp32/bf16, on a GPU;
+or int8 rows [S, Hkv, D + 4] of `kernels/quant.py`, whose codes are read as floats and
+scaled per row, keys' channel scales already folded into q),
 and a `SlotBatch` (CSR slot tables, query positions) on the same device, already
 validated by `lamina.kernels.validate`. Data out: o [Nq, Hq, Dv] in q's dtype and
 lse [Nq, Hq] fp32 (natural log), the same contract as the CPU kernel and the reference.
@@ -33,13 +35,14 @@ except ImportError:  # the backend reports it; nothing here runs without triton
     triton = tl = None
 
 
-def _slot_attn_fwd(Q, K, V, O, LSE, ITEM_B, ITEM_Q0, CU_Q, Q_POS, SLOTS, CU_K, K_POS0,
-                   qk_scale, softcap, window, keys_per_split,
+def _slot_attn_fwd(Q, K, V, KS, VS, O, LSE, ITEM_B, ITEM_Q0, CU_Q, Q_POS, SLOTS, CU_K,
+                   K_POS0, qk_scale, softcap, window, keys_per_split,
                    s_qn, s_qh, s_ks, s_kh, s_vs, s_vh, s_osp, s_on, s_oh, s_lsp, s_ln,
                    REP: tl.constexpr, REP_P: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr,
-                   WINDOW: tl.constexpr, USE_DOT: tl.constexpr, TC: tl.constexpr):
+                   WINDOW: tl.constexpr, USE_DOT: tl.constexpr, TC: tl.constexpr,
+                   QUANT: tl.constexpr):
     item = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -85,6 +88,10 @@ def _slot_attn_fwd(Q, K, V, O, LSE, ITEM_B, ITEM_Q0, CU_Q, Q_POS, SLOTS, CU_K, K
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
         else:  # decode: a few rows (the GQA group); padding them to 16 for a dot costs more
             s = tl.sum(q[:, None, :] * k[None, :, :], 2)
+        if QUANT:  # int8 rows: codes times each row's scale (KS: the pool's bytes as fp32,
+            # the scale right after the head's D codes)
+            s = s * tl.load(KS + slot * (s_ks // 4) + h * (s_kh // 4) + D // 4, mask=j_ok,
+                            other=0.0)[None, :]
         if SOFTCAP:  # softcap * tanh(s * scale / softcap), tanh from one exp
             x = s * qk_scale
             e = tl.exp(-2.0 * tl.abs(x))
@@ -104,6 +111,9 @@ def _slot_attn_fwd(Q, K, V, O, LSE, ITEM_B, ITEM_Q0, CU_Q, Q_POS, SLOTS, CU_K, K
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * s_vs + h * s_vh + dv[None, :],
                     mask=j_ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+        if QUANT:  # p times each value row's scale (l_i keeps the plain sum)
+            p = p * tl.load(VS + slot * (s_vs // 4) + h * (s_vh // 4) + DV // 4, mask=j_ok,
+                            other=0.0)[None, :]
         if TC:  # p rounded to bf16, as flash attention does
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
         elif USE_DOT:
@@ -219,7 +229,8 @@ def slot_attention(q, k_pool, v_pool, batch, params, plan: SlotAttentionPlan,
     accumulation); else all math is fp32 (the reference's numerics, about 2x slower)."""
     attn, merge = _kernels()
     Nq, Hq, D = q.shape
-    Hkv, Dv = k_pool.shape[1], v_pool.shape[2]
+    quant = k_pool.dtype == torch.int8  # rows of kernels/quant.py: D codes, a 4-byte scale
+    Hkv, Dv = k_pool.shape[1], v_pool.shape[2] - (4 if quant else 0)
     rep = Hq // Hkv
     q = q if q.stride(2) == 1 else q.contiguous()
     S = plan.splits
@@ -240,7 +251,10 @@ def slot_attention(q, k_pool, v_pool, batch, params, plan: SlotAttentionPlan,
         grid = (plan.num_items, Hkv, S)
         kw = {} if interpret else {"num_warps": plan.num_warps,
                                    **({"num_stages": num_stages} if num_stages else {})}
-        attn[grid](q, k_pool, v_pool, op, lp, plan.item_b, plan.item_q0, batch.cu_q,
+        # int8: the pools' bytes again as fp32, for the scales (D, Dv and strides % 4 == 0)
+        ks, vs = (k_pool.view(torch.float32), v_pool.view(torch.float32)) if quant \
+            else (k_pool, v_pool)
+        attn[grid](q, k_pool, v_pool, ks, vs, op, lp, plan.item_b, plan.item_q0, batch.cu_q,
                    batch.q_pos, batch.slots, batch.cu_k, batch.k_pos0,
                    float(params.scale if params.softcap <= 0 else params.scale / params.softcap),
                    float(params.softcap), int(params.sliding_window), plan.keys_per_split,
@@ -251,7 +265,7 @@ def slot_attention(q, k_pool, v_pool, batch, params, plan: SlotAttentionPlan,
                    REP=rep, REP_P=plan.rep_p, BLOCK_M=block_m, BLOCK_N=plan.block_n, D=D,
                    BLOCK_D=max(16, _p2(D)), DV=Dv, BLOCK_DV=max(16, _p2(Dv)),
                    SOFTCAP=params.softcap > 0, WINDOW=params.sliding_window > 0,
-                   USE_DOT=plan.use_dot, TC=tc, **kw)
+                   USE_DOT=plan.use_dot, TC=tc, QUANT=quant, **kw)
     if not direct:
         merge[(Nq * Hq,)](op, lp, o, lse, sinks if sinks is not None else lp, S, Hq,
                           op.stride(0), lp.stride(0), SPLITS_P=max(2, _p2(S)), DV=Dv,

@@ -221,8 +221,9 @@ def cmd_bench(args) -> int:
 
         sizes = (dict(lengths=(256, 512), trials=4, ppl_context=512, max_doc_tokens=1024)
                  if args.quick else {})
-        if args.trials:
-            sizes["trials"] = args.trials
+        for k in ("trials", "lengths", "ppl_context", "max_doc_tokens"):
+            if getattr(args, k):
+                sizes[k] = tuple(args.lengths) if k == "lengths" else getattr(args, k)
         bench_kv_quality(args.model, docs=args.docs, out_dir=args.out, **sizes)
         return 0
     if args.name == "kv-capacity":
@@ -440,6 +441,12 @@ def _bench_parser(sub) -> None:
                    help="kv-quality: text files for perplexity (default ../shared/seeds/*.txt)")
     b.add_argument("--trials", type=int, default=None, help="kv-quality: pass-key trials per "
                                                              "context length (50)")
+    b.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="kv-quality: pass-key context lengths (1024 2048 4096 8192)")
+    b.add_argument("--ppl-context", type=int, default=None,
+                   help="kv-quality: perplexity window (8192)")
+    b.add_argument("--max-doc-tokens", type=int, default=None,
+                   help="kv-quality: tokens of each document scored (all)")
     b.add_argument("--pool-mib", type=int, default=None,
                    help="kv-capacity: each memory worker's pool in MiB (1024)")
     b.add_argument("--out", default="benchmarks/results")

@@ -56,8 +56,7 @@ class MemorySide:
         self.tiers = (TierStore(tiers, pool, worker, rope_inv_freq)
                       if tiers is not None and tiers.enabled else None)
         self.device = pool.k.device
-        self.backend = backend or select_backend(device=self.device,
-                                                 kv_dtype=pool.config.dtype)
+        self.backend = backend or select_backend(device=self.device)
         self.faults = faults  # a lamina.faults.FaultPlan (tests) or None
         self._step: _CheckedStep | None = None  # this step's metadata, checked
 

@@ -229,3 +229,22 @@ def test_backend_choice_and_errors(monkeypatch):
         assert select_backend("auto", device=DEV).name == "triton"
         with pytest.raises(BackendUnavailable, match="set TRITON_INTERPRET=1"):
             TritonBackend(interpret=True)
+
+
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_int8_pools_match_reference(tri, case):
+    """int8 rows (kernels/quant.py): codes read as floats, each row's scale applied to
+    its scores and its value weights; keys' channel scales folded into q beforehand.
+    Decode on scattered slots (GQA 3, a window) and prefill tiles over cached context."""
+    from lamina.kernels.quant import fold_channels, quantize_rows
+
+    tables, k, v = decode_case(9, 3)
+    c = torch.rand(3, D, generator=torch.Generator().manual_seed(7)) + 0.5
+    kq, vq = quantize_rows(k, c), quantize_rows(v)
+    if case == "decode":
+        batch, p = SlotBatch.decode(tables), AttentionParams(D ** -0.5, sliding_window=300)
+    else:
+        tables = [t[:200] for t in tables[3:6]]
+        batch, p = SlotBatch.build(tables, [17, 40, 64]), AttentionParams(D ** -0.5)
+    q = fold_channels(queries(batch.num_queries, 9), c)
+    check(q, kq, vq, batch, p, tri, tol=1e-4)
