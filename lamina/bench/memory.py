@@ -184,8 +184,8 @@ def bench_kv_dtypes(B: int = 32, L: int = 8192, threads: int = 1, repeat: int = 
     from lamina.bench.common import cpu_name
     from lamina.costmodel.workload import scattered_tables
     from lamina.kernels import AttentionParams, SlotBatch, attend, load_cpu_kernel, select_backend
-    from lamina.kernels.quant import fold_channels, quantize_rows
-    from lamina.memory.pool import KVPoolConfig, host_zeros
+    from lamina.kernels.quant import fold_channels
+    from lamina.memory.pool import KVPool, KVPoolConfig
 
     torch.set_num_threads(threads)
     backend = select_backend()
@@ -197,16 +197,19 @@ def bench_kv_dtypes(B: int = 32, L: int = 8192, threads: int = 1, repeat: int = 
     params = AttentionParams(D ** -0.5)
     q = torch.randn(B, HQ, D, generator=g)
     c = torch.rand(HKV, D, generator=g) + 0.5  # key channel scales
-    pools, queries = {}, {"fp32": q, "bf16": q.bfloat16(), "int8": fold_channels(q, c)}
-    for name in ("k", "v"):  # one pool tensor at a time: fp32, then its bf16 and int8 forms
-        x = torch.randn(S, HKV, D, generator=g) * (c if name == "k" else 1)
-        forms = {"fp32": x, "bf16": x.bfloat16(),
-                 "int8": quantize_rows(x, c if name == "k" else None)}
-        for dt, t in forms.items():
-            pool = host_zeros(tuple(t.shape), t.dtype)  # as KVPool allocates them
-            pool.copy_(t)
-            pools.setdefault(dt, []).append(pool)
-        del x, forms
+    queries = {"fp32": q, "bf16": q.bfloat16(), "int8": fold_channels(q, c)}
+    # pools as a memory worker allocates them (KVPool: huge pages; int8 rows K then V per
+    # slot, written through its quantizing write), the same keys and values in each
+    names = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
+    kv_pools = {dt: KVPool(KVPoolConfig(1, S, HKV, D, dtype=n, key_scales=tuple(
+        c.flatten().tolist()) if n == "int8" else None)) for dt, n in names.items()}
+    for i in range(0, S, 1 << 16):
+        idx = torch.arange(i, min(S, i + (1 << 16)))
+        k = torch.randn(len(idx), HKV, D, generator=g) * c  # outlier channels, as keys have
+        v = torch.randn(len(idx), HKV, D, generator=g)
+        for pool in kv_pools.values():
+            pool.write(0, idx, k, v)
+    pools = {dt: pool.layer(0) for dt, pool in kv_pools.items()}
     fns = {dt: (lambda dt=dt: attend(queries[dt], *pools[dt], batch, params, backend))
            for dt in pools}
     t = _interleaved_medians(fns, repeat)
@@ -216,9 +219,7 @@ def bench_kv_dtypes(B: int = 32, L: int = 8192, threads: int = 1, repeat: int = 
     base = KVPoolConfig(**spec).bytes_per_slot
     for dt, name in (("fp32", "float32"), ("bf16", "bfloat16"), ("int8", "int8")):
         per_tok = KVPoolConfig(**spec, dtype=name).bytes_per_slot
-        row_b = pools[dt][0][0].nbytes  # one slot's K row, all kv heads
-        lines = 2 * sum((o + row_b + 63) // 64 for o in range(0, 64, 4)) / 16 \
-            if row_b % 64 else 2 * row_b // 64  # int8 rows start anywhere (4-byte aligned)
+        lines = _lines_per_key(pools[dt][0])
         r = {"kv_dtype": name, "ms": t[dt] * 1e3, "speedup_vs_fp32": t["fp32"] / t[dt],
              "bytes_per_token": per_tok, "bytes_vs_fp32": per_tok / base,
              "lines_per_key": lines}
@@ -232,6 +233,17 @@ def bench_kv_dtypes(B: int = 32, L: int = 8192, threads: int = 1, repeat: int = 
     print("\n".join(" | ".join(r) for r in table))
     print(f"B={B} L={L}, {threads} thread(s), {cpu_name()}; wrote {jp} and {mp}")
     return res
+
+
+def _lines_per_key(k_pool: torch.Tensor) -> float:
+    """64-byte lines a key's K and V rows span, averaged over slots: K then V (the int8
+    pool's layout: adjacent rows, slot stride 2 K rows) or two aligned float rows."""
+    row = k_pool[0].nbytes  # one slot's K row, all kv heads
+    stride = k_pool.stride(0) * k_pool.element_size()
+    if stride == 2 * row:  # one span of 2 rows per slot, starting at slot * stride
+        offs = [(s * stride) % 64 for s in range(64)]
+        return sum((o + 2 * row + 63) // 64 for o in offs) / len(offs)
+    return 2 * ((row + 63) // 64)
 
 
 def bench_fragmentation(num_requests: int = 400, max_batch: int = 64, page_size: int = 16,
