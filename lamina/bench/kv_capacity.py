@@ -6,10 +6,12 @@ whole prompt's KV in the pool, counted by admitting them (not computed from the 
 JSON and Markdown.
 
 Per mode, one engine (local executor, one memory worker, prefix caching off so no two
-sequences share a slot) gets `expected + extra` requests of `length` distinct random
-token ids and 4 new tokens each; after every step the bench counts the running
-sequences that have drawn a token (their prompt is all in the pool). The most at once is
-the capacity; the extra requests prove the pool was full (they wait, or preempt).
+sequences share a slot) gets `expected + extra` requests of `length` tokens each: a
+prompt of distinct random token ids and `new` greedy tokens, `new` large enough that
+every admitted prompt is prefilled (in chunks of `max_step_tokens`) before the first
+sequence finishes. After every step the bench counts the running sequences that have
+drawn a token (their whole prompt is in the pool). The most at once is the capacity;
+the extra requests prove the pool was full (they wait, or preempt).
 """
 from __future__ import annotations
 
@@ -21,13 +23,18 @@ from lamina.bench.common import _write, cpu_name
 
 
 def admitted_at_once(llm, length: int, requests: int, seed: int = 0) -> dict:
+    """`requests` sequences of `length` tokens (prompt + new) through `llm`'s engine."""
     from lamina import SamplingParams
 
     rng = random.Random(seed)
     eng = llm.engine
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    new = -(-requests * length // llm.config.max_step_tokens) + 4
+    if new >= length:
+        raise ValueError(f"{requests} sequences of {length} tokens: too short to keep "
+                         f"them all alive while the others are prefilled")
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     for _ in range(requests):
-        eng.add_request([rng.randrange(1000, 20000) for _ in range(length)], params)
+        eng.add_request([rng.randrange(1000, 20000) for _ in range(length - new)], params)
     most, steps, preempted = 0, 0, 0
     while eng.has_unfinished():
         for o in eng.step():
@@ -47,10 +54,10 @@ def bench_kv_capacity(model: str | None = None, pool_bytes: int = 1 << 30,
     for mode in modes:
         t0 = time.perf_counter()
         llm = LLM(model, kv_dtype=mode, kv_pool_bytes=pool_bytes, prefix_caching=False,
-                  max_batch=1024, max_step_tokens=max(8192, length))
+                  max_batch=1024, max_step_tokens=max(16384, length))
         slots = llm.config.num_kv_slots
         per_token = llm.executor.memory[0].pool.config.bytes_per_slot
-        expected = slots // (length + 4)
+        expected = slots // length
         r = admitted_at_once(llm, length, expected + extra)
         llm.shutdown()
         rows.append({"kv_dtype": mode, "slots": slots, "bytes_per_token": per_token,
