@@ -85,6 +85,11 @@ def round_half_up(x: float, digits: int) -> float:
     return float(Decimal(repr(x)).quantize(q, rounding=ROUND_HALF_UP))
 
 
+# one kv head's row of one token, by KV dtype: (head_dim, weights' bytes) -> bytes
+KV_ROW_BYTES = {"": lambda d, e: d * e, "float32": lambda d, e: 4 * d,
+                "bfloat16": lambda d, e: 2 * d, "int8": lambda d, e: d + 4}
+
+
 @dataclass(frozen=True)
 class ModelShape:
     name: str
@@ -94,9 +99,19 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     bytes_per_el: int = 2  # e (fp16/bf16)
+    # the memory devices' KV: "" (as the weights), "float32", "bfloat16" or "int8"
+    # (lamina's int8 rows: head_dim codes and a 4-byte scale per token and kv head)
+    kv_dtype: str = ""
+
+    def __post_init__(self):
+        if self.kv_dtype not in KV_ROW_BYTES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_ROW_BYTES)}, "
+                             f"got {self.kv_dtype!r}")
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_el
+        """K and V of one token, all layers, as the memory devices store them."""
+        row = KV_ROW_BYTES[self.kv_dtype](self.head_dim, self.bytes_per_el)
+        return 2 * self.layers * self.kv_heads * row
 
     def arithmetic_intensity(self, batch: int) -> float:
         """Dense part: 2NB FLOPs over e(N + Bd) bytes (paper section 3)."""

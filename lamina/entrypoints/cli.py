@@ -274,7 +274,8 @@ def cmd_cost_report(args) -> int:
     rep = build_report(args.model, args.compute, args.memory, tuple(args.context),
                        catalog=args.catalog, tpot_slo_ms=args.tpot_slo_ms or None,
                        max_memory_per_compute=args.max_ratio,
-                       simulate_requests=args.sim_requests, eff=eff)
+                       simulate_requests=args.sim_requests, eff=eff,
+                       kv_dtype=args.kv_dtype)
     files = write_report(rep, args.out, args.format)
     for c in rep["contexts"]:
         h, o = c["homogeneous"], c["offloaded"]
@@ -481,6 +482,8 @@ def _cost_report_parser(sub) -> None:
                    help="ops.json from `lamina bench ops`: fit the MFU curve to it")
     c.add_argument("--calibration-peak-tflops", type=float, default=None,
                    help="peak TFLOP/s of the device the calibration ran on")
+    c.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"],
+                   help="the KV as the memory devices store it (default: the weights' dtype)")
     c.add_argument("--format", choices=["html", "md"], default="html")
     c.add_argument("--out", default="report")
     c.set_defaults(fn=cmd_cost_report)

@@ -91,3 +91,23 @@ def test_report_calibrated_by_bench_ops_file(tmp_path, capsys):
     # 1/MFU = 1/mfu_max + (b_half/mfu_max)/B through (1, 8) and (1/8, 2)
     assert rep["efficiency"]["mfu_max"] == pytest.approx(0.875)
     assert rep["efficiency"]["b_half"] == pytest.approx(6.0)
+
+
+def test_int8_kv_holds_more_tokens_per_memory_device():
+    """--kv-dtype int8: a token's KV is lamina's int8 rows (head_dim codes + a 4-byte
+    scale per kv head), so each memory device holds ~1.9x bf16's tokens; the offloaded
+    cell's batch and throughput per dollar are then at least bf16's."""
+    from lamina.costmodel.catalog import model_shape
+
+    s = model_shape("llama-13b")
+    kw = dict(contexts=(4096,), max_memory_per_compute=4, simulate_requests=20)
+    bf = build_report("llama-13b", "a100-80g", "rtx3090", **kw)
+    i8 = build_report("llama-13b", "a100-80g", "rtx3090", kv_dtype="int8", **kw)
+    assert bf["model"]["kv_bytes_per_token"] == 2 * s.layers * s.kv_heads * s.head_dim * 2
+    assert i8["model"]["kv_bytes_per_token"] == 2 * s.layers * s.kv_heads * (s.head_dim + 4)
+    assert i8["model"]["kv_dtype"] == "int8"
+    (cb,), (ci,) = bf["contexts"], i8["contexts"]
+    assert ci["offloaded"]["batch"] >= cb["offloaded"]["batch"]
+    assert ci["offloaded"]["tokens_per_s_per_kusd"] >= cb["offloaded"]["tokens_per_s_per_kusd"]
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        build_report("llama-13b", "a100-80g", "rtx3090", kv_dtype="int4", **kw)
