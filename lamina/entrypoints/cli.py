@@ -174,8 +174,9 @@ def cmd_bench(args) -> int:
         return 0
     if args.name == "attention":
         sizes = dict(batches=(8,), lengths=(512,), bw_mib=64) if args.quick else {}
-        bench_memory.bench_attention(threads=args.threads or 1, repeat=args.repeat or 7,
-                                     out_dir=args.out, **sizes)
+        if not args.kv_dtypes_only:
+            bench_memory.bench_attention(threads=args.threads or 1, repeat=args.repeat or 7,
+                                         out_dir=args.out, **sizes)
         bench_memory.bench_kv_dtypes(*((8, 512) if args.quick else (32, 8192)),
                                      threads=args.threads or 1, repeat=args.repeat or 7,
                                      out_dir=args.out)
@@ -448,6 +449,8 @@ def _bench_parser(sub) -> None:
                    help="kv-quality: perplexity window (8192)")
     b.add_argument("--max-doc-tokens", type=int, default=None,
                    help="kv-quality: tokens of each document scored (all)")
+    b.add_argument("--kv-dtypes-only", action="store_true",
+                   help="attention: only the fp32 / bf16 / int8 pools at B=32, L=8192")
     b.add_argument("--pool-mib", type=int, default=None,
                    help="kv-capacity: each memory worker's pool in MiB (1024)")
     b.add_argument("--out", default="benchmarks/results")
