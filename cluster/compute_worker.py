@@ -79,6 +79,7 @@ class ComputeWorker:
         torch.set_num_threads(spec.threads)
         self.loaded = load(spec.model, dtype=spec.dtype, with_tokenizer=False)
         self._model = spec.model
+        self._key_scales = None  # int8 pools' key channel scales, calibrated on first use
         prep = prepare_split(self.loaded.model, spec.dense_backend, spec.batch_hint, spec.fuse,
                              spec.compute_device)
         self.dense = prep.dense
@@ -97,10 +98,11 @@ class ComputeWorker:
         `local_prefill`: fresh prompts attend here, on a scratch pool of `kv_dtype` (paper
         5.6); the memory workers only store their KV. `faults`: a test FaultPlan."""
         specs = self.compute.split.attention_specs
-        scales = None
-        if kv_dtype == "int8":  # calibrated on the same text as the local executor's
-            tok = load_tokenizer(self._model)
-            scales = key_channel_scales(self.loaded.model, tok, len(specs))
+        if kv_dtype == "int8" and self._key_scales is None:
+            # once per worker (recoveries ask again), on the local executor's text
+            self._key_scales = key_channel_scales(self.loaded.model,
+                                                  load_tokenizer(self._model), len(specs))
+        scales = self._key_scales if kv_dtype == "int8" else None
         self.compute.local_kv_dtype = kv_dtype if local_prefill else None
         self.compute.local_key_scales = scales  # the scratch pool rounds as the workers do
         cfg = KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device, scales, pool_bytes)
