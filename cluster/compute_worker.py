@@ -32,7 +32,12 @@ from lamina.dataplane.transport import (
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.memory.pool import KVPoolConfig
 from lamina.model.loader import load, load_tokenizer
-from lamina.model.prepare import key_channel_scales, prepare_split, rotary_frequencies
+from lamina.model.prepare import (
+    key_channel_scales,
+    prepare_split,
+    rotary_frequencies,
+    sparsity_for,
+)
 
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
 # Fewer rows than this: a second thread does not pay. MKL's sgemm (eager) barely scales
@@ -80,6 +85,7 @@ class ComputeWorker:
         self.loaded = load(spec.model, dtype=spec.dtype, with_tokenizer=False)
         self._model = spec.model
         self._key_scales = None  # int8 pools' key channel scales, calibrated on first use
+        self._sparsity = None  # the memory workers' SparsityConfig, weights measured
         prep = prepare_split(self.loaded.model, spec.dense_backend, spec.batch_hint, spec.fuse,
                              spec.compute_device)
         self.dense = prep.dense
@@ -93,7 +99,8 @@ class ComputeWorker:
         native_ext()  # the C++ data plane (built or loaded now, not in the first step)
 
     def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu",
-                    local_prefill: bool = True, faults=None, pool_bytes: int | None = None):
+                    local_prefill: bool = True, faults=None, pool_bytes: int | None = None,
+                    sparsity=None):
         """What each memory worker needs: its pool shape and per-layer attention params.
         `local_prefill`: fresh prompts attend here, on a scratch pool of `kv_dtype` (paper
         5.6); the memory workers only store their KV. `faults`: a test FaultPlan."""
@@ -107,7 +114,10 @@ class ComputeWorker:
         self.compute.local_key_scales = scales  # the scratch pool rounds as the workers do
         cfg = KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device, scales, pool_bytes)
         self.compute.pool_slots, self.compute.faults = cfg.num_slots, faults
-        return cfg, self.compute.params
+        if sparsity is not None and self._sparsity is None:  # entropy weights: measured once
+            self._sparsity = sparsity_for(sparsity, self.loaded.model,
+                                          load_tokenizer(self._model), len(specs))
+        return cfg, self.compute.params, self._sparsity
 
     def rotary(self) -> tuple[float, ...] | None:
         """The model's rotary frequencies (the memory workers' shifted tier loads)."""

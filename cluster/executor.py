@@ -24,6 +24,7 @@ from lamina.dataplane.transport import SocketChannel, connect_stream
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.executor.base import Executor
+from lamina.memory.sparsity import SCORED
 from lamina.memory.tier_orders import TierMiss, sum_stats
 
 from .compute_worker import ComputeWorker, ComputeWorkerSpec
@@ -154,16 +155,25 @@ class RayExecutor(Executor):
         cfg = self.config
         self.memory = [MemoryWorker.options(**self._m_opts, **self.placement.memory(i))
                        .remote(i, self.threads) for i in range(cfg.num_memory_workers)]
-        pool_cfg, params = self._get(self.compute.memory_spec.remote(
-            cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, cfg.local_prefill, cfg.faults,
-            cfg.kv_pool_bytes),
+        sparsity = cfg.sparsity
+        # prompts whose last queries score their keys (snapkv, h2o, swa) attend on the
+        # memory workers, which keep those scores
+        local_prefill = cfg.local_prefill and not (sparsity.enabled
+                                                   and sparsity.policy in SCORED)
+        if local_prefill != cfg.local_prefill:
+            log.info("kv_sparsity=%r scores prompts on the memory workers: local_prefill "
+                     "off", sparsity.policy)
+        pool_cfg, params, sparsity = self._get(self.compute.memory_spec.remote(
+            cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, local_prefill, cfg.faults,
+            cfg.kv_pool_bytes, sparsity if sparsity.enabled else None),
             "the compute worker")
         self.params = list(params)  # per-layer AttentionParams
         self.pool_config = pool_cfg
         self.pool_slots = pool_cfg.num_slots  # kv_pool_bytes may have set it
         tiers = cfg.tiers if cfg.tiers.enabled else None
         rope = self._get(self.compute.rotary.remote(), "the compute worker") if tiers else None
-        self.memory_info = self._get([w.setup.remote(pool_cfg, params, cfg.faults, tiers, rope)
+        self.memory_info = self._get([w.setup.remote(pool_cfg, params, cfg.faults, tiers, rope,
+                                                     sparsity)
                                       for w in self.memory], "the memory workers")
         self._rotary = rope is not None
         node = self._get(self.compute.node_id.remote(), "the compute worker")

@@ -48,9 +48,10 @@ class MemoryWorker:
         self.index = index
         self.memory = self.params = self._srv = self.server = None
 
-    def setup(self, pool_config, params, faults=None, tiers=None, rope=None) -> dict:
+    def setup(self, pool_config, params, faults=None, tiers=None, rope=None,
+              sparsity=None) -> dict:
         self.memory = MemorySide(KVPool(pool_config), faults=faults, tiers=tiers,
-                                 worker=self.index, rope_inv_freq=rope)
+                                 worker=self.index, rope_inv_freq=rope, sparsity=sparsity)
         self.params = list(params)
         return {"backend": self.memory.backend.name, "reason": self.memory.backend.reason,
                 "pool_bytes": pool_config.nbytes, "pid": os.getpid()}

@@ -76,6 +76,48 @@ def perplexity(llm, docs_ids: list[list[int]], ctx: int) -> dict:
             "ppl": math.exp(sum(nll) / len(nll))}
 
 
+def decode_perplexity(llm, windows: list[list[int]], prefix: int, batch: int = 8) -> dict:
+    """Perplexity of each window's tokens after its first `prefix`, every one scored as a
+    decode row (teacher forcing: the document's token is fed, whatever was drawn), so a
+    decode-time sparsity policy is what the scores see. The prefix is one prompt
+    (attended densely; snapkv and h2o score it there). Driven through the engine's
+    executor directly, `batch` windows a step, each on its own slots. The drawn token is
+    forced to the document's by a +100 logit bias; its logprob (taken before the bias,
+    `sampling.sampler.row_logprobs`) is the NLL; a window whose draw was not forced fails
+    the run rather than count a wrong token."""
+    from lamina import SamplingParams
+    from lamina.engine.messages import SeqWork, StepPlan
+
+    ex, nll, step = llm.executor, [], 10 ** 6
+    windows = [w for w in windows if len(w) > prefix + 1]
+
+    def params(target):
+        return SamplingParams(temperature=0, logit_bias=((target, 100.0),), logprobs=0)
+
+    for at in range(0, len(windows), batch):
+        group = windows[at:at + batch]
+        ids = [step + i for i in range(len(group))]
+        base = [i * len(group[0]) for i in range(len(group))]
+        end = min(len(w) for w in group)
+        for pos in range(prefix - 1, end - 1):
+            first = pos == prefix - 1  # the prompt: positions 0..prefix-1 at once
+            lo = 0 if first else pos
+            work = tuple(SeqWork(sid, tuple(w[lo:pos + 1]), lo,
+                                 tuple(range(b + lo, b + pos + 1)), params=params(w[pos + 1]),
+                                 slots_from=lo) for sid, w, b in zip(ids, group, base))
+            res = ex.execute(StepPlan(step, work))
+            step += 1
+            for w, toks, lp in zip(group, res.token_ids, res.logprobs):
+                if toks[0] != w[pos + 1]:
+                    raise RuntimeError(f"position {pos + 1}: the +100 bias did not force "
+                                       f"token {w[pos + 1]} (drew {toks[0]})")
+                nll.append(-lp[0][0])
+        ex.execute(StepPlan(step, (), released=tuple(ids)))
+        step += 1
+    return {"tokens": len(nll), "windows": len(windows), "nll": sum(nll) / len(nll),
+            "ppl": math.exp(sum(nll) / len(nll))}
+
+
 def passkey(llm, tok, lengths, trials: int) -> dict:
     from lamina import SamplingParams
 
@@ -132,6 +174,110 @@ def bench_kv_quality(model: str | None = None, modes=("float32", "bfloat16", "in
     print("\n".join(" | ".join(r) for r in table))
     print(f"wrote {jp}, {mp} and {png}")
     return res
+
+
+def policy_modes(policies, budgets, layer_budgets) -> list[tuple[str, float, str]]:
+    """(policy, budget, layer budgets) of each sparsity row, dense first."""
+    return [("dense", 1.0, "uniform")] + [(p, b, lb) for p in policies for b in budgets
+                                          for lb in layer_budgets]
+
+
+def bench_kv_sparsity(model: str | None = None,
+                      policies=("streaming", "h2o", "snapkv", "topk", "swa"),
+                      budgets=(0.5, 0.2, 0.1), layer_budgets=("uniform", "entropy"),
+                      lengths=(1024, 2048, 4096, 8192), trials: int = 50,
+                      ppl_context: int = 8192, windows: int = 8, batch: int = 8,
+                      docs: list[str] | None = None, kv_dtype: str = "float32",
+                      out_dir: str | Path = "benchmarks/results") -> dict:
+    """Each sparsity policy at each budget and layer-budget rule against dense, on one
+    engine (the policy is switched between rows; prompts are prefilled afresh, no prefix
+    caching): perplexity of `windows` windows of `ppl_context` tokens of the documents,
+    their second halves scored as decode rows (`decode_perplexity`), and pass-key
+    retrieval (the prompt attended densely, the answer decoded under the policy)."""
+    from lamina import LLM
+    from lamina.memory.sparsity import SparsityConfig
+    from lamina.model.prepare import attention_entropy
+
+    docs = docs or default_docs()
+    llm = LLM(model, kv_dtype=kv_dtype, prefix_caching=False,
+              num_kv_slots=max(32768, batch * ppl_context + 1024, trials * max(lengths)),
+              max_step_tokens=max(4096, max(lengths)))
+    tok = llm.loaded.tokenizer
+    ids = [tok(Path(d).read_text())["input_ids"] for d in docs]
+    wins = [d[i:i + ppl_context] for d in ids
+            for i in range(0, len(d) - ppl_context + 1, ppl_context)][:windows]
+    if not wins:
+        raise ValueError(f"no document has {ppl_context} tokens")
+    memory = llm.executor.memory
+    entropy = (attention_entropy(llm.loaded.model, tok, memory[0].pool.config.num_layers)
+               if "entropy" in layer_budgets else None)
+    rows = []
+    for policy, budget, lb in policy_modes(policies, budgets, layer_budgets):
+        cfg = SparsityConfig(policy, budget, lb,
+                             layer_weights=entropy if lb == "entropy" else None)
+        for m in memory:
+            m.set_sparsity(cfg)
+        t0 = time.perf_counter()
+        ppl = decode_perplexity(llm, wins, ppl_context // 2, batch)
+        acc = passkey(llm, tok, lengths, trials)
+        rows.append({"policy": policy, "budget": budget, "layer_budgets": lb, **ppl,
+                     "passkey": acc, "passkey_mean": sum(acc.values()) / len(acc),
+                     "seconds": time.perf_counter() - t0})
+        print(f"{policy} {budget:g} {lb}: decode ppl {ppl['ppl']:.4f} over {ppl['tokens']} "
+              "tokens, pass-key " + " ".join(f"{n}:{a:.0%}" for n, a in acc.items()),
+              flush=True)
+    llm.shutdown()
+    base = rows[0]
+    for r in rows:
+        r["ppl_vs_dense"] = r["ppl"] / base["ppl"] - 1
+        r["passkey_points_vs_dense"] = 100 * (r["passkey_mean"] - base["passkey_mean"])
+    table = [["policy", "budget", "layers", "decode ppl", "vs dense",
+              *[f"pass-key {n}" for n in lengths], "pass-key mean", "s"]]
+    for r in rows:
+        table.append([r["policy"], f"{r['budget']:g}", r["layer_budgets"], f"{r['ppl']:.4f}",
+                      f"{r['ppl_vs_dense']:+.2%}", *[f"{r['passkey'][n]:.0%}" for n in lengths],
+                      f"{r['passkey_mean']:.1%}", f"{r['seconds']:.0f}"])
+    res = {"model": model or "SmolLM2-135M-Instruct", "cpu": cpu_name(), "kv_dtype": kv_dtype,
+           "docs": [os.path.basename(d) for d in docs], "ppl_context": ppl_context,
+           "windows": len(wins), "lengths": list(lengths), "trials": trials,
+           "entropy_weights": entropy, "rows": rows}
+    out = Path(out_dir)
+    jp, mp = _write(out, "kv_sparsity", res, table)
+    png = _plot_sparsity(rows, out / "kv_sparsity.png")
+    print("\n".join(" | ".join(r) for r in table))
+    print(f"wrote {jp}, {mp} and {png}")
+    return res
+
+
+def _plot_sparsity(rows, path: Path) -> Path:
+    """Quality vs budget, one line per policy (solid: uniform budgets, dashed: per layer);
+    dense as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    dense = rows[0]
+    for ax, key, label in ((axes[0], "ppl", "decode perplexity (lower is better)"),
+                           (axes[1], "passkey_mean", "pass-key accuracy (mean over lengths)")):
+        ax.axhline(dense[key], color="black", lw=1, label="dense")
+        lines = sorted({(r["policy"], r["layer_budgets"]) for r in rows[1:]})
+        colors = {p: f"C{i}" for i, p in enumerate(sorted({p for p, _ in lines}))}
+        for pol, lb in lines:
+            pts = sorted((r["budget"], r[key]) for r in rows[1:]
+                         if (r["policy"], r["layer_budgets"]) == (pol, lb))
+            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", color=colors[pol],
+                    ls="-" if lb == "uniform" else "--", label=f"{pol} ({lb})")
+        ax.set_xscale("log")
+        ax.set_xlabel("KV budget (fraction of the context)")
+        ax.set_ylabel(label)
+    axes[0].set_yscale("log")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _plot(rows, lengths, path: Path) -> Path:

@@ -323,6 +323,7 @@ class MemoryServer:
         ids, mbs = head[1:].tolist(), []
         released = ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
         self.tables.release(released.tolist())
+        self.memory.release(released.tolist())
         if tiers:
             self._apply_tiers(step)
         if count == 0:
@@ -346,16 +347,16 @@ class MemoryServer:
                 raise
             except ValueError as e:
                 raise FrameError(f"step {step}: bad slot metadata: {e}") from None
-            mbs.append((new_slots, batch))
+            mbs.append((new_slots, batch, tuple(mine)))
         loading = self.memory.tiers is not None and self.memory.tiers.loading
         if self._native is not None and len(mbs) == 1 and not loading:
-            self._serve_native(step, *mbs[0])
+            self._serve_native(step, *mbs[0][:2])
             return True  # (a step with tier loads copies them layer by layer, below)
         for layer, params in enumerate(self.params):
-            for new_slots, batch in mbs:
+            for new_slots, batch, seqs in mbs:
                 q, k, v = self._recv_qkv(layer, step, batch.num_queries, new_slots.numel())
                 o, lse = self.memory.attend(layer, params, q, k, v, new_slots, batch,
-                                            checked=True)
+                                            checked=True, seq_ids=seqs)
                 frame = (torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step)
                 if len(mbs) == 1:  # the peer reads it before it sends more: no deadlock
                     with self._lock:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from lamina.engine.scheduler import SchedulerConfig
 from lamina.faults import FaultPlan
+from lamina.memory.sparsity import SparsityConfig
 from lamina.memory.tier_orders import TierConfig
 
 # "rotational" is the paper's staggered pipelining (5.1) with n = 2 batches on one
@@ -78,11 +79,24 @@ class EngineConfig:
     # the saved KV of what it kept at the new positions, keys re-rotated (rotary models
     # only). Not exact: the kept tokens' KV was computed attending to the dropped ones.
     truncation_reuse: bool = False
+    # Attention sparsity on the memory workers (memory/sparsity.py): decode rows attend
+    # to kv_budget of their keys (a fraction in (0, 1] or a token count), chosen by
+    # kv_sparsity ("dense" | "streaming" | "h2o" | "snapkv" | "topk" | "swa"), spread over
+    # layers by kv_layer_budgets ("uniform" | "pyramid" | "entropy"); every slot stays
+    kv_sparsity: str = "dense"
+    kv_budget: float | int = 1.0
+    kv_layer_budgets: str = "uniform"
     faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
 
     @property
     def tiers(self) -> TierConfig:
         return TierConfig(self.kv_host_bytes, self.kv_disk_dir, self.kv_disk_bytes)
+
+    @property
+    def sparsity(self) -> SparsityConfig:
+        """The memory workers' sparsity config (entropy weights are measured at start-up
+        and added by whoever builds the memory sides)."""
+        return SparsityConfig(self.kv_sparsity, self.kv_budget, self.kv_layer_budgets)
 
     @property
     def graph_tokens(self) -> int:
@@ -147,6 +161,11 @@ class EngineConfig:
         if self.truncation_reuse and not self.kv_host_bytes:
             raise ValueError("EngineConfig.truncation_reuse needs the session tiers "
                              "(kv_host_bytes > 0): they hold the KV it reuses")
+        try:
+            _ = self.sparsity
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.kv_sparsity/kv_budget/kv_layer_budgets: {e}") \
+                from None
         if self.truncation_reuse and self.kv_dtype == "int8":
             raise ValueError("EngineConfig.truncation_reuse re-rotates saved float keys; "
                              "it is not offered with kv_dtype='int8'")

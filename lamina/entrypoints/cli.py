@@ -10,6 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+# lamina.memory.sparsity's names (not imported here: it loads torch; a test keeps them equal)
+POLICIES = ("dense", "streaming", "h2o", "snapkv", "topk", "swa")
+LAYER_BUDGETS = ("uniform", "pyramid", "entropy")
+
 
 def _threads(n: int | None):
     import torch
@@ -227,6 +231,18 @@ def cmd_bench(args) -> int:
                 sizes[k] = tuple(args.lengths) if k == "lengths" else getattr(args, k)
         bench_kv_quality(args.model, docs=args.docs, out_dir=args.out, **sizes)
         return 0
+    if args.name == "kv-sparsity":
+        from lamina.bench.kv_quality import bench_kv_sparsity
+
+        sizes = (dict(lengths=(256,), trials=2, ppl_context=256, windows=2, budgets=(0.5,))
+                 if args.quick else {})
+        for k in ("trials", "lengths", "ppl_context", "windows", "policies", "budgets",
+                  "layer_budgets"):
+            v = getattr(args, k)
+            if v:
+                sizes[k] = tuple(v) if isinstance(v, list) else v
+        bench_kv_sparsity(args.model, docs=args.docs, out_dir=args.out, **sizes)
+        return 0
     if args.name == "kv-capacity":
         from lamina.bench.kv_capacity import bench_kv_capacity
 
@@ -321,6 +337,23 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
     p.add_argument("--kv-dtype", default=None, choices=["float32", "bfloat16", "int8"],
                    help="KV pool dtype (default: --dtype); int8: per-token codes and "
                         "scales, keys channel-smoothed, ~0.27x fp32's bytes per token")
+    p.add_argument("--kv-sparsity", default="dense", choices=list(POLICIES),
+                   help="decode rows attend to a selection of their keys on the memory "
+                        "workers (docs/sparsity.md); dense: all")
+    p.add_argument("--kv-budget", type=_budget, default=1.0,
+                   help="keys a decode row may attend per layer: a fraction of its context "
+                        "(0.2) or a token count (2048)")
+    p.add_argument("--kv-layer-budgets", default="uniform", choices=list(LAYER_BUDGETS),
+                   help="the budget over layers: the same, a pyramid (1.5x at the first "
+                        "layer to 0.5x at the last), or by measured attention entropy")
+
+
+def _budget(text: str) -> float | int:
+    """--kv-budget: '0.2' is a fraction, '2048' a token count."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def _flags_given(args, dests) -> list[str]:
@@ -337,6 +370,8 @@ def _llm(LLM, args, **kw):
                    kv_device=args.kv_device, compute_device=args.compute_device,
                    dense_backend=args.dense_backend,
                    dtype=args.dtype, kv_dtype=args.kv_dtype or args.dtype,
+                   kv_sparsity=args.kv_sparsity, kv_budget=args.kv_budget,
+                   kv_layer_budgets=args.kv_layer_budgets,
                    **({"kv_pool_bytes": int(args.kv_pool_gib * 2 ** 30)}
                       if args.kv_pool_gib else {}), **kw)
     from lamina.entrypoints.deploy_config import LaminaConfig
@@ -344,7 +379,7 @@ def _llm(LLM, args, **kw):
     cfg = LaminaConfig.from_yaml(args.config)
     given = _flags_given(args, ("model", "executor", "memory_workers", "kv_device",
                                 "compute_device", "dense_backend", "dtype", "kv_dtype",
-                                "kv_pool_gib",
+                                "kv_pool_gib", "kv_sparsity", "kv_budget", "kv_layer_budgets",
                                 *kw))
     if given:
         raise ValueError(f"--config {args.config} sets the engine: drop {', '.join(given)} "
@@ -424,8 +459,8 @@ def _bench_parser(sub) -> None:
     """`lamina bench NAME`."""
     b = sub.add_parser("bench", help="run a benchmark")
     b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "load", "ops",
-                                    "plan", "multiturn", "kv-quality", "kv-capacity", "sim",
-                                    "sim-scale"])
+                                    "plan", "multiturn", "kv-quality", "kv-sparsity",
+                                    "kv-capacity", "sim", "sim-scale"])
     b.add_argument("--model", default=None, help="split: model to split")
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
@@ -449,6 +484,14 @@ def _bench_parser(sub) -> None:
                    help="kv-quality: perplexity window (8192)")
     b.add_argument("--max-doc-tokens", type=int, default=None,
                    help="kv-quality: tokens of each document scored (all)")
+    b.add_argument("--policies", nargs="+", default=None, choices=list(POLICIES[1:]),
+                   help="kv-sparsity: policies (all)")
+    b.add_argument("--budgets", nargs="+", type=float, default=None,
+                   help="kv-sparsity: budgets as fractions of the context (0.5 0.2 0.1)")
+    b.add_argument("--layer-budgets", nargs="+", default=None, choices=list(LAYER_BUDGETS),
+                   help="kv-sparsity: layer budget rules (uniform entropy)")
+    b.add_argument("--windows", type=int, default=None,
+                   help="kv-sparsity: perplexity windows of --ppl-context tokens (8)")
     b.add_argument("--kv-dtypes-only", action="store_true",
                    help="attention: only the fp32 / bf16 / int8 pools at B=32, L=8192")
     b.add_argument("--pool-mib", type=int, default=None,

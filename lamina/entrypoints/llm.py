@@ -40,7 +40,12 @@ class LLM:
         from lamina.memory.memory_side import MemorySide
         from lamina.memory.pool import KVPool, KVPoolConfig
         from lamina.model.loader import load
-        from lamina.model.prepare import key_channel_scales, prepare_split, rotary_frequencies
+        from lamina.model.prepare import (
+            key_channel_scales,
+            prepare_split,
+            rotary_frequencies,
+            sparsity_for,
+        )
         from lamina.splitter.dense import DenseChoice
 
         if executor not in ("local", "ray"):
@@ -67,9 +72,11 @@ class LLM:
                       if cfg.kv_dtype == "int8" else None)
             pool_cfg = KVPoolConfig.for_specs(specs, cfg.num_kv_slots, cfg.kv_dtype,
                                               cfg.kv_device, scales, cfg.kv_pool_bytes)
+            sparsity = sparsity_for(cfg.sparsity, self.loaded.model, self.loaded.tokenizer,
+                                    len(specs))
             self.executor = LocalExecutor(
                 self.split, [MemorySide(KVPool(pool_cfg), tiers=cfg.tiers, worker=w,
-                                        rope_inv_freq=rope)
+                                        rope_inv_freq=rope, sparsity=sparsity)
                              for w in range(num_memory_workers)],
                 vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults,
                 device=cfg.compute_device, graph_tokens=cfg.graph_tokens)

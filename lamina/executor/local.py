@@ -30,6 +30,9 @@ class _LocalLink(MemoryLink):
     def begin(self, step, parts, released=(), tier_orders=()):  # in-process: whole SlotBatches
         if tier_orders:
             apply_tiers(self.memory, tier_orders)
+        if released:
+            for mem in self.memory:
+                mem.release(released)
         for mb in parts:
             for mem, p in zip(self.memory, mb):
                 if p.active:
@@ -38,7 +41,7 @@ class _LocalLink(MemoryLink):
     def submit(self, layer, mb, q, k, v, parts):
         self.ready[layer, mb] = [
             mem.attend(layer, self.params[layer], *p.take(q, k, v), p.new_slots, p.batch,
-                       checked=True)
+                       checked=True, seq_ids=p.seq_ids)
             if p.active else None
             for mem, p in zip(self.memory, parts)]
 

@@ -22,6 +22,7 @@ from lamina.kernels import (
     validate_batch,
 )
 from lamina.memory.pool import KVPool
+from lamina.memory.sparsity import Sparsifier, SparsityConfig
 from lamina.memory.tier_orders import TierConfig
 from lamina.memory.tiers import TierStore
 
@@ -48,8 +49,11 @@ class MemorySide:
     go to the pool's device and the outputs come back."""
 
     def __init__(self, pool: KVPool, backend=None, faults=None, tiers: TierConfig | None = None,
-                 worker: int = 0, rope_inv_freq: tuple[float, ...] | None = None):
+                 worker: int = 0, rope_inv_freq: tuple[float, ...] | None = None,
+                 sparsity: SparsityConfig | None = None):
         self.pool = pool
+        # decode rows attend to a selection of their keys (memory/sparsity.py); None: all
+        self.set_sparsity(sparsity)
         # session KV beyond the pool (host DRAM, disk): orders arrive with a step's
         # metadata (`apply_tiers`), loads are copied layer by layer in `attend`;
         # `rope_inv_freq`: the model's rotary frequencies, for loads at shifted positions
@@ -86,6 +90,17 @@ class MemorySide:
                                   batch if batch.slots.device == self.device
                                   else batch.to(self.device))
 
+    def set_sparsity(self, config: SparsityConfig | None) -> None:
+        """Decode rows attend to what `config` selects from now on (None or dense: all);
+        any earlier policy's state is dropped."""
+        self.sparsity = (Sparsifier(config, self.pool.config.num_layers)
+                         if config is not None and config.enabled else None)
+
+    def release(self, seq_ids) -> None:
+        """Sequences the engine dropped: their selection state goes too."""
+        if self.sparsity is not None:
+            self.sparsity.release(seq_ids)
+
     def apply_tiers(self, orders) -> None:
         """A step's tier orders (`lamina.memory.tiers`), before its layers; raises
         `TierMiss` for loads whose saved KV is gone."""
@@ -96,9 +111,10 @@ class MemorySide:
         self.tiers.apply(orders)
 
     def attend(self, layer: int, params: AttentionParams, q, k, v, new_slots, batch,
-               checked: bool = False):
+               checked: bool = False, seq_ids: tuple[int, ...] = ()):
         """q [n, Hq, D], k/v [m, Hkv, D] -> (o [n, Hq, Dv], lse [n, Hq] fp32) on q's device;
-        writes k/v at new_slots [m] first (and a step's tier loads of this layer)."""
+        writes k/v at new_slots [m] first (and a step's tier loads of this layer).
+        `seq_ids`: each batch entry's sequence (the sparsity policies keep state by it)."""
         if self.tiers is not None:
             self.tiers.load_layer(layer)
         kp, vp = self.pool.layer(layer)
@@ -110,8 +126,15 @@ class MemorySide:
         home = q.device
         if home != self.device:
             q, k, v = (t.to(self.device, non_blocking=True) for t in (q, k, v))
-        o, lse = prefill_attention(q, k, v, kp, vp, new_slots, batch, params, self.backend,
-                                   checked, self.pool.key_scales[layer])
+        scales = self.pool.key_scales[layer]
+        sp = self.sparsity if params.sliding_window < 0 else None
+        # decode rows may attend to a selection of their slots (a subset of the checked
+        # batch's: still in range); it reads keys written before this step
+        sel = (sp.select(layer, q, batch, seq_ids, kp, scales) if sp else None) or batch
+        o, lse = prefill_attention(q, k, v, kp, vp, new_slots, sel, params, self.backend,
+                                   checked, scales)
+        if sp is not None:
+            sp.observe(layer, q, lse, sel, seq_ids, kp, scales, params.scale, params.softcap)
         return (o, lse) if home == self.device else (o.to(home), lse.to(home))
 
 

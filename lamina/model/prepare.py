@@ -9,7 +9,7 @@ where nothing was).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -122,3 +122,57 @@ def key_channel_scales(model, tokenizer=None, num_layers: int | None = None,
         c = torch.cat([pair, pair], dim=-1)
     c = torch.where(c > 0, c, c.amax().clamp(min=1e-6))
     return c / c.mean()
+
+
+def attention_entropy(model, tokenizer=None, num_layers: int | None = None,
+                      max_tokens: int = 512) -> tuple[float, ...] | None:
+    """Each layer's mean attention entropy on the calibration text, normalized per query
+    by the entropy of uniform attention over its keys (log of their count), averaged over
+    heads and queries with at least 16 keys: the `entropy` layer budgets of
+    `lamina.memory.sparsity` (a layer that spreads its attention gets more keys).
+    None (with a log line) when the model does not give per-layer attentions."""
+    vocab = int(model.config.vocab_size)
+    if tokenizer is not None:
+        ids = tokenizer(CALIBRATION_TEXT)["input_ids"][:max_tokens]
+    else:
+        ids = torch.randint(0, vocab, (max_tokens,),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.tensor([ids], device=next(model.parameters()).device)
+    before = getattr(model.config, "_attn_implementation", None)
+    try:
+        model.set_attn_implementation("eager")  # the fused kernels return no attentions
+        with torch.no_grad():
+            att = model(ids, output_attentions=True).attentions  # L x [1, Hq, T, T]
+    except (AttributeError, TypeError, ValueError, RuntimeError) as e:
+        log.warning("entropy layer budgets: no per-layer attentions from the model (%s)", e)
+        return None
+    finally:
+        if before is not None:
+            model.set_attn_implementation(before)
+    if not att or (num_layers is not None and len(att) != num_layers):
+        log.warning("entropy layer budgets: %d attention layers, the split has %s",
+                    len(att or ()), num_layers)
+        return None
+    T = ids.shape[1]
+    seen = torch.arange(1, T + 1, dtype=torch.float32)  # keys visible to each query
+    rows = seen >= 16
+    out = []
+    for a in att:
+        p = a[0].float().clamp_min(1e-12)  # [Hq, T, T], causal rows sum to 1
+        h = -(p * p.log()).sum(-1)  # [Hq, T]
+        out.append(float((h[:, rows] / seen[rows].log()).mean()))
+    return tuple(out)
+
+
+def sparsity_for(config, model, tokenizer, num_layers: int):
+    """A deployment's `SparsityConfig` with its `entropy` layer weights measured (once,
+    at start-up); `config` as it is for the other layer budgets."""
+    if not config.enabled or config.layer_budgets != "entropy" or config.layer_weights:
+        return config
+    weights = attention_entropy(model, tokenizer, num_layers)
+    if weights is None:
+        raise ValueError("kv_layer_budgets='entropy': the model gives no per-layer "
+                         "attentions to measure; use 'uniform' or 'pyramid'")
+    log.info("entropy layer budgets: weights %s", [round(w / (sum(weights) / len(weights)),
+                                                          3) for w in weights])
+    return replace(config, layer_weights=weights)

@@ -281,19 +281,25 @@ def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):
             eng.step()
 
 
-def test_ray_int8_pools_answer_as_local_int8(llm, prompts):
-    """kv_dtype='int8' on Ray: the compute worker calibrates the key channel scales (on
-    the text the local executor uses), the memory workers store int8 rows and fresh
-    prompts attend over an int8 scratch pool with the same scales: greedy answers equal
-    the local executor's int8 ones. Last here: the module's deployment goes first, to
-    free its CPUs."""
+def test_ray_int8_pools_and_sparsity_answer_as_local(llm, prompts):
+    """kv_dtype='int8' with an h2o budget of 48 tokens on Ray: the compute worker
+    calibrates the key channel scales (on the text the local executor uses), the memory
+    workers store int8 rows; prompts attend on the memory workers (local_prefill is
+    turned off: h2o scores a prompt's keys where they are stored) and decode rows attend
+    to h2o's selection there: greedy answers equal the local executor's. Last here: the
+    module's deployment goes first, to free its CPUs."""
     llm.shutdown()
-    batch = [prompts[i] for i in (1, 4, 8)]
+    batch = [prompts[i] for i in (1, 4, 8)]  # 12, 200, 600 tokens: one under the budget
     params = SamplingParams(max_tokens=12, temperature=0)
-    local = LLM(num_kv_slots=2048, kv_dtype="int8")
+    kw = dict(num_kv_slots=2048, kv_dtype="int8", kv_sparsity="h2o", kv_budget=48)
+    local = LLM(**kw)
     want = [o.token_ids for o in local.generate(batch, params, use_tqdm=False)]
     local.shutdown()
-    ray_llm = LLM(executor="ray", num_memory_workers=1, num_kv_slots=2048, kv_dtype="int8")
+    dense = LLM(num_kv_slots=2048, kv_dtype="int8")
+    plain = [o.token_ids for o in dense.generate(batch, params, use_tqdm=False)]
+    dense.shutdown()
+    assert want[0] == plain[0] and want[1:] != plain[1:]  # the long ones were cut
+    ray_llm = LLM(executor="ray", num_memory_workers=1, **kw)
     try:
         assert ray_llm.executor.pool_config.dtype == "int8"
         assert ray_llm.executor.pool_config.key_scales == local.executor.memory[0].pool \

@@ -138,6 +138,20 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
     assert main(["serve", "--dtype", "bfloat16", "--kv-dtype", "int8"]) == 0
     assert [(k["dtype"], k["kv_dtype"]) for k in seen] == [("bfloat16", "bfloat16")] * 2 + \
         [("float32", "float32"), ("float32", "int8"), ("bfloat16", "int8")]
+    seen.clear()
+    assert main(["generate", "--kv-sparsity", "topk", "--kv-budget", "0.1", "hi"]) == 0
+    assert main(["serve", "--kv-sparsity", "h2o", "--kv-budget", "2048",
+                 "--kv-layer-budgets", "pyramid"]) == 0
+    assert [(k["kv_sparsity"], k["kv_budget"], k["kv_layer_budgets"]) for k in seen] == [
+        ("topk", 0.1, "uniform"), ("h2o", 2048, "pyramid")]
+    assert isinstance(seen[1]["kv_budget"], int)  # a token count, not a fraction
     with pytest.raises(SystemExit):  # argparse: not a choice
         main(["generate", "--dtype", "float16", "hi"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_sparsity_choices_follow_the_library():
+    from lamina.entrypoints.cli import LAYER_BUDGETS, POLICIES
+    from lamina.memory import sparsity
+
+    assert POLICIES == sparsity.POLICIES and LAYER_BUDGETS == sparsity.LAYER_BUDGETS

@@ -45,3 +45,27 @@ def test_kv_quality_perplexity_equals_hf_and_reports_every_mode(smol, tmp_path):
     assert [r["kv_dtype"] for r in saved["rows"]] == ["int8"]
     assert (tmp_path / "kv_quality.md").read_text().count("\n| ") == 2
     assert (tmp_path / "kv_quality.png").stat().st_size > 0
+
+
+def test_kv_sparsity_bench_reports_each_policy_budget_and_layer_rule(tmp_path):
+    """`lamina bench kv-sparsity` at a tiny size: dense first, then one row per (policy,
+    budget, layer rule); every row scores the same decode tokens; a budget of the whole
+    context scores exactly as dense; JSON, Markdown and the quality-vs-budget PNG."""
+    from lamina.bench.kv_quality import bench_kv_sparsity
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT[:3000])
+    res = bench_kv_sparsity(policies=("topk",), budgets=(1.0, 0.25),
+                            layer_budgets=("uniform", "pyramid"), lengths=(96,), trials=1,
+                            ppl_context=96, windows=2, docs=[str(doc)], out_dir=tmp_path)
+    rows = res["rows"]
+    assert [(r["policy"], r["budget"], r["layer_budgets"]) for r in rows] == [
+        ("dense", 1.0, "uniform"), ("topk", 1.0, "uniform"), ("topk", 1.0, "pyramid"),
+        ("topk", 0.25, "uniform"), ("topk", 0.25, "pyramid")]
+    assert {r["tokens"] for r in rows} == {2 * 48}  # 2 windows, tokens 48..95 scored
+    assert all(r["ppl"] == rows[0]["ppl"] for r in rows if r["budget"] == 1.0)
+    assert all(r["ppl"] > rows[0]["ppl"] for r in rows if r["budget"] == 0.25)
+    saved = json.loads((tmp_path / "kv_sparsity.json").read_text())
+    assert len(saved["rows"]) == 5 and saved["ppl_context"] == 96
+    assert (tmp_path / "kv_sparsity.md").read_text().count("\n| ") == 6
+    assert (tmp_path / "kv_sparsity.png").stat().st_size > 0

@@ -1,0 +1,423 @@
+"""Attention sparsity on a memory worker: which of a sequence's stored keys each decode
+row attends to, per layer, under a token budget (`SparsityConfig`, `Sparsifier`).
+
+Data in: per layer, the step's `SlotBatch` (on the pool's device), q [n, Hq, D], the
+layer's pool rows, and each batch entry's sequence id; after attention, the rows'
+lse [n, Hq] (the attention mass the score-keeping policies accumulate).
+Data out: the `SlotBatch` the kernel attends with: decode rows (one query) whose
+context exceeds their layer's budget list only their selected slots; every other row
+keeps its table. None when no row is cut: the step is then exactly the dense one.
+
+Policies (all keep every slot: the pool, the allocator and the tables are untouched,
+and a row reads only what it selects; `h2o` drops keys for good from what its rows may
+select, the others may select any stored key again):
+- `dense`: no selection.
+- `streaming` (StreamingLLM): the first `sinks` keys and the most recent ones.
+- `h2o` (heavy hitters): the recent window, then the keys with the most attention mass
+  accumulated over this sequence's steps; a key left out once is evicted for good.
+- `snapkv`: at prefill, the prompt's last `observe` queries score the prompt's keys
+  (attention summed over those queries and heads, max-pooled over `pool_kernel`
+  positions); decode rows take the best-scored prompt keys and the recent window.
+- `topk` (Quest / HiSparse): pages of `page_size` keys summarized by their channel-wise
+  min and max; each decode row takes the pages whose bound on q.k is highest, plus the
+  sinks and the unfinished last page.
+- `swa` (ALISA's sparse window attention): the recent window, then the keys with the
+  largest recent attention mass (a moving sum over about a window's steps).
+A row's selection is shared by its heads (the kernels take one key list per request).
+Prompt scores (`snapkv`, and the initial mass of `h2o` / `swa`) come from the last
+`observe` queries of the prompt's last chunk, not from every prompt query.
+
+Budgets: `budget` in (0, 1] is a fraction of each row's context, an int a token count;
+`layer_budgets` spreads it over layers with weights of mean 1: `uniform`, `pyramid`
+(1.5x at the first layer down to 0.5x at the last) or `entropy` (proportional to each
+layer's attention entropy on a calibration text, measured at start-up by
+`lamina.model.prepare.attention_entropy`). A budget at or above a row's context selects
+everything: the row is attended exactly as dense. Layers with a sliding window stay
+dense (they are sparse already).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from lamina.kernels import SlotBatch
+from lamina.kernels.quant import dequantize_rows, head_dim, is_quantized
+
+POLICIES = ("dense", "streaming", "h2o", "snapkv", "topk", "swa")
+LAYER_BUDGETS = ("uniform", "pyramid", "entropy")
+SCORED = ("h2o", "snapkv", "swa")  # the policies that keep attention scores
+# each policy's recent window, as a fraction of its budget: H2O and ALISA split the
+# budget evenly between recent and selected keys; topk's selection is query-aware, so
+# most of its budget goes to it (streaming's recent window is its whole budget)
+WINDOWS = {"h2o": 0.5, "swa": 0.5, "snapkv": 0.5, "topk": 0.25, "streaming": 1.0,
+           "dense": 1.0}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """One deployment's attention sparsity; a bad value raises `ValueError` naming it."""
+
+    policy: str = "dense"
+    budget: float | int = 1.0  # fraction of the context in (0, 1], or a token count
+    layer_budgets: str = "uniform"  # "uniform" | "pyramid" | "entropy"
+    # measured per-layer weights for "entropy" (set at start-up; mean 1)
+    layer_weights: tuple[float, ...] | None = None
+    sinks: int = 4  # first keys always kept (streaming, topk, h2o, snapkv, swa)
+    # recent keys always kept: a fraction of the budget, or a token count; None: the
+    # policy's own (`WINDOWS`)
+    window: float | int | None = None
+    page_size: int = 16  # topk's pages
+    observe: int = 32  # prompt queries that score the prompt (snapkv, h2o, swa)
+    pool_kernel: int = 7  # snapkv's max-pool width over positions
+    # topk's page bounds: bf16 halves what scoring reads (a rounded bound only ranks
+    # pages; the attention itself reads the pool's rows)
+    bounds_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown KV sparsity policy {self.policy!r}: one of {POLICIES}")
+        b = self.budget
+        if _is_int(b):
+            if b <= 0:
+                raise ValueError(f"KV sparsity budget must be > 0 tokens, got {b}")
+        elif isinstance(b, float) and math.isfinite(b):
+            if not 0 < b <= 1:
+                raise ValueError(f"KV sparsity budget as a fraction must be in (0, 1], "
+                                 f"got {b}")
+        else:
+            raise ValueError(f"KV sparsity budget must be a fraction in (0, 1] or a token "
+                             f"count, got {b!r}")
+        if self.layer_budgets not in LAYER_BUDGETS:
+            raise ValueError(f"unknown KV sparsity layer_budgets {self.layer_budgets!r}: "
+                             f"one of {LAYER_BUDGETS}")
+        for name in ("sinks", "page_size", "observe", "pool_kernel"):
+            v, least = getattr(self, name), 0 if name == "sinks" else 1
+            if not _is_int(v) or v < least:
+                raise ValueError(f"KV sparsity {name} must be an int >= {least}, got {v!r}")
+        if self.window is None:
+            object.__setattr__(self, "window", WINDOWS[self.policy])
+        w = self.window
+        if _is_int(w):
+            if w < 1:
+                raise ValueError(f"KV sparsity window must be >= 1 token, got {w}")
+            if _is_int(b) and w + self.sinks > b:
+                raise ValueError(f"KV sparsity window ({w}) + sinks ({self.sinks}) is larger "
+                                 f"than the budget ({b} tokens)")
+        elif not (isinstance(w, float) and 0 < w <= 1):
+            raise ValueError(f"KV sparsity window must be a fraction of the budget in "
+                             f"(0, 1] or a token count, got {w!r}")
+        if self.layer_weights is not None:
+            lw = tuple(float(x) for x in self.layer_weights)
+            if not lw or not all(math.isfinite(x) and x > 0 for x in lw):
+                raise ValueError("KV sparsity layer_weights must be positive and finite")
+            object.__setattr__(self, "layer_weights", lw)
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "dense" and not (isinstance(self.budget, float)
+                                               and self.budget >= 1.0)
+
+    def weights(self, num_layers: int) -> np.ndarray:
+        """Each layer's share of the budget [L], mean 1."""
+        if self.layer_budgets == "uniform":
+            return np.ones(num_layers)
+        if self.layer_budgets == "pyramid":
+            return np.linspace(1.5, 0.5, num_layers) if num_layers > 1 else np.ones(1)
+        if self.layer_weights is None:
+            raise ValueError("layer_budgets='entropy' needs the measured layer_weights "
+                             "(lamina.model.prepare.attention_entropy)")
+        if len(self.layer_weights) != num_layers:
+            raise ValueError(f"{len(self.layer_weights)} layer_weights for {num_layers} "
+                             f"layers")
+        w = np.asarray(self.layer_weights)
+        return w / w.mean()
+
+
+def layer_fractions(budget: float, weights: np.ndarray) -> np.ndarray:
+    """Per-layer fractions with mean `budget`, proportional to `weights` but none above 1
+    (what a capped layer cannot take goes to the others: water-filling)."""
+    w = np.asarray(weights, float)
+    f = np.minimum(1.0, budget * w / w.mean())
+    for _ in range(len(w)):
+        short = budget * len(w) - f.sum()
+        free = f < 1.0
+        if short <= 1e-12 or not free.any():
+            break
+        f[free] = np.minimum(1.0, f[free] + short * w[free] / w[free].sum())
+    return f
+
+
+def row_budget(budget: float | int, share: float, n: int) -> int:
+    """Keys a row with `n` keys of context may attend at a layer with `share`: a fraction
+    budget is already per layer (`layer_fractions`), a token budget is scaled by the
+    layer's weight; at least 1, at most n."""
+    t = math.ceil(share * n - 1e-9) if isinstance(budget, float) else round(budget * share)
+    return max(1, min(n, int(t)))
+
+
+def split_budget(t: int, sinks: int, window: float | int) -> tuple[int, int]:
+    """(sinks, recent) within t keys: at least the newest key is recent."""
+    s = min(sinks, t - 1)
+    r = window if _is_int(window) else math.ceil(window * t)
+    return s, max(1, min(int(r), t - s))
+
+
+def pick(n: int, t: int, sinks: int, recent: int,
+         score: torch.Tensor | None = None) -> torch.Tensor:
+    """Key indices (sorted, int64) of a row with n keys and budget t: the first `sinks`,
+    the last `recent`, then the best `score`d of the rest (-inf: never); without scores
+    the recent ones take the whole budget (streaming)."""
+    if t >= n:
+        return torch.arange(n)
+    if score is None:
+        recent = t - sinks
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[:sinks] = True
+    keep[n - recent:] = True
+    left = t - int(keep.sum())
+    if score is not None and left > 0:
+        s = score[:n].float().clone()
+        s[keep] = -math.inf
+        top = torch.topk(s, min(left, n), sorted=False)
+        keep[top.indices[torch.isfinite(top.values)]] = True
+    return keep.nonzero().flatten()
+
+
+def page_bounds(keys: torch.Tensor, page: int) -> torch.Tensor:
+    """keys [P * pages, Hkv, D] -> their pages' channel-wise bounds [pages, 2, Hkv, D]:
+    [:, 0] the min, [:, 1] the max."""
+    kp = keys.float().unflatten(0, (-1, page))
+    return torch.stack([kp.amin(dim=1), kp.amax(dim=1)], dim=1)
+
+
+def page_scores(q: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Quest's bound on a page's largest q.k, summed over the query heads (the row's
+    selection is shared by its heads): sum_d max(q_d mn_d, q_d mx_d) = q- . mn + q+ . mx,
+    linear in (q-, q+), so summed over a kv head's query heads it is one product with
+    their summed q- and q+. q [Hq, D], bounds [pages, 2, Hkv, D] -> [pages].
+    (A softmax of each head's bounds over the pages before summing, so that heads with
+    larger logits do not outvote the others, ranked no better on SmolLM2 and took 3x
+    longer.)"""
+    g = q.float().unflatten(0, (bounds.shape[2], -1))  # [Hkv, G, D]
+    qq = torch.stack([g.clamp(max=0).sum(1), g.clamp(min=0).sum(1)])  # [2, Hkv, D]
+    return bounds.flatten(1) @ qq.flatten().to(bounds.dtype)
+
+
+def pick_pages(n: int, t: int, sinks: int, page: int, scores: torch.Tensor,
+               recent: int = 0) -> torch.Tensor:
+    """topk: key indices (int64, sorted) of the first page (when there are sinks), the
+    last pages covering at least `recent` keys and the keys past the last summarized
+    page, then the best-scored other pages while all fit in t. `scores` [pages] cover
+    keys [0, pages * P). NumPy: a few small ops per row."""
+    if t >= n:
+        return torch.arange(n)
+    sc = scores.float().numpy()
+    first = 1 if sinks and len(sc) else 0
+    # the recent pages join the tail (the scores no longer cover them)
+    npages = max(first, len(sc) - max(0, -(-(recent - (n - len(sc) * page)) // page)))
+    sc = sc[:npages]
+    done = npages * page
+    left = min((t - first * page - (n - done)) // page, npages - first)
+    parts = [np.arange(first * page)]
+    if left > 0:
+        top = np.sort(np.argpartition(-sc[first:], left - 1)[:left]) + first
+        parts.append((top[:, None] * page + np.arange(page)).ravel())
+    parts.append(np.arange(done, n))
+    return torch.from_numpy(np.concatenate(parts))
+
+
+def snap_scores(probs: torch.Tensor, kernel: int) -> torch.Tensor:
+    """SnapKV's prompt scores: probs [w, H, n] of the observation queries -> [n], summed
+    over queries and heads and max-pooled over `kernel` neighbouring positions."""
+    s = probs.float().sum((0, 1))[None, None]
+    return torch.nn.functional.max_pool1d(s, kernel, 1, kernel // 2)[0, 0, :probs.shape[-1]]
+
+
+@dataclass
+class _LayerState:
+    """One sequence's state at one layer (indices are key positions within the row)."""
+
+    score: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [n] fp32
+    evicted: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    prompt: int = 0  # snapkv: keys the prompt scores cover
+    rows: int = 0  # this step's keys in the row (decode rows)
+    budget: int = 0  # this step's budget t
+    picked: torch.Tensor | None = None  # this step's selection (None: all keys)
+    page_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    bounds: torch.Tensor | None = None  # topk: [pages, 2, Hkv, D]
+
+
+class Sparsifier:
+    """A memory worker's selection state: per sequence and layer, what its policy keeps
+    (scores, evictions, page bounds). Plain Python over the batch's CPU tables."""
+
+    def __init__(self, config: SparsityConfig, num_layers: int):
+        self.config = config
+        w = config.weights(num_layers)
+        self.shares = (layer_fractions(config.budget, w) if isinstance(config.budget, float)
+                       else w)
+        self.state: dict[int, list[_LayerState | None]] = {}
+        self.num_layers = num_layers
+
+    def release(self, seq_ids) -> None:
+        for s in seq_ids:
+            self.state.pop(int(s), None)
+
+    def _layer(self, sid: int, layer: int) -> _LayerState:
+        layers = self.state.setdefault(sid, [None] * self.num_layers)
+        if layers[layer] is None:
+            layers[layer] = _LayerState()
+        return layers[layer]
+
+    def select(self, layer: int, q: torch.Tensor, batch: SlotBatch, seq_ids,
+               kp: torch.Tensor, key_scales) -> SlotBatch | None:
+        """The batch this layer attends with (None: `batch` as it is). q [Nq, Hq, D]."""
+        cfg = self.config
+        cu_q, cu_k = batch.cu_q.tolist(), batch.cu_k.tolist()
+        pos0, qpos = batch.k_pos0.tolist(), batch.q_pos
+        tables, starts, cut = [], [], False
+        for b in range(len(cu_q) - 1):
+            slots = batch.slots[cu_k[b]:cu_k[b + 1]]
+            n = slots.numel()
+            t = row_budget(cfg.budget, float(self.shares[layer]), n)
+            idx = None
+            if cu_q[b + 1] - cu_q[b] == 1 and b < len(seq_ids):
+                idx = self._decode_row(layer, int(seq_ids[b]), q[cu_q[b]], slots, n, t,
+                                       kp, key_scales)
+            if idx is None:
+                tables.append(slots)
+                starts.append(pos0[b])
+                continue
+            tables.append(slots[idx.to(slots.device)])
+            # the kernels read positions only for causality: the row's query sees them all
+            starts.append(int(qpos[cu_q[b]]) - idx.numel() + 1)
+            cut = True
+        if not cut:
+            return None
+        lens = torch.tensor([0] + [t.numel() for t in tables])
+        dev = batch.slots.device
+        return SlotBatch(batch.cu_q, batch.q_pos, torch.cat(tables),
+                         torch.cumsum(lens, 0).to(torch.int32).to(dev),
+                         torch.tensor(starts, dtype=torch.int32, device=dev))
+
+    def _decode_row(self, layer: int, sid: int, q, slots, n: int, t: int, kp,
+                    key_scales) -> torch.Tensor | None:
+        """A decode row's selected key indices (None: all of them); q [Hq, D]."""
+        cfg, pol = self.config, self.config.policy
+        sinks, recent = split_budget(t, cfg.sinks, cfg.window)
+        if pol == "streaming":
+            return None if t >= n else pick(n, t, sinks, recent)
+        st = self._layer(sid, layer)
+        st.rows, st.budget, st.picked = n, t, None
+        if t >= n:
+            return None
+        if pol == "topk":
+            bounds = self._pages(st, slots, n, kp, key_scales)
+            st.picked = pick_pages(n, t, sinks, cfg.page_size, page_scores(q, bounds),
+                                   recent)
+            return st.picked
+        score = _grown(st.score, n)
+        if pol == "snapkv":
+            score[st.prompt:] = -math.inf  # after the prompt: only the recent window
+        elif pol == "h2o":
+            score[_grown(st.evicted, n, False)] = -math.inf
+        st.picked = pick(n, t, sinks, recent, score)
+        if pol == "h2o":  # what was left out is gone for good
+            ev = torch.ones(n, dtype=torch.bool)
+            ev[st.picked] = False
+            st.evicted = ev
+        return st.picked
+
+    def _pages(self, st: _LayerState, slots, n: int, kp, key_scales):
+        """topk's page bounds over the keys written before this step ([0, n - 1)),
+        rebuilt from the first page whose slots changed (a fork, a recomputation)."""
+        P = self.config.page_size
+        full = (n - 1) // P
+        want = slots[:full * P].cpu().numpy()
+        m = min(len(st.page_slots), len(want)) // P
+        same = m
+        if not np.array_equal(st.page_slots[:m * P], want[:m * P]):
+            diff = np.nonzero((st.page_slots[:m * P] != want[:m * P]).reshape(m, P).any(1))
+            same = int(diff[0][0])
+        if st.bounds is None or same < full or st.bounds.shape[0] != full:
+            new = (page_bounds(_keys(kp, slots[same * P:full * P], key_scales), P)
+                   if same < full else torch.zeros(0, 2, kp.shape[1], head_dim(kp)))
+            new = new.to(self.config.bounds_dtype)
+            st.bounds = torch.cat([st.bounds[:same], new]) if same else new
+            st.page_slots = want.copy()
+        return st.bounds
+
+    def observe(self, layer: int, q, lse, batch: SlotBatch, seq_ids, kp, key_scales,
+                scale: float, softcap: float) -> None:
+        """After attention with `batch` (the one `select` returned): the scored policies
+        add each decode row's attention mass to its keys' scores; a prefill chunk's last
+        `observe` queries score its keys afresh (the prompt's last chunk's stay)."""
+        cfg = self.config
+        if cfg.policy not in SCORED:
+            return
+        cu_q, cu_k, pos0 = batch.cu_q.tolist(), batch.cu_k.tolist(), batch.k_pos0.tolist()
+        for b in range(min(len(cu_q) - 1, len(seq_ids))):
+            nq, n = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+            if n == 0:
+                continue
+            keys = _keys(kp, batch.slots[cu_k[b]:cu_k[b + 1]], key_scales)  # [n, Hkv, D]
+            if nq > 1:  # a prompt chunk: its last queries score its keys
+                w = min(nq, cfg.observe)
+                rows = slice(cu_q[b + 1] - w, cu_q[b + 1])
+                probs = _probs(q[rows], keys, batch.q_pos[rows] - pos0[b], scale, softcap)
+                st = self._layer(int(seq_ids[b]), layer)
+                if cfg.policy == "snapkv":
+                    st.score, st.prompt = snap_scores(probs, cfg.pool_kernel), n
+                else:
+                    st.score = probs.sum((0, 1))
+                st.evicted = torch.zeros(n, dtype=torch.bool)
+            elif cfg.policy != "snapkv":  # a decode row: its attention mass accumulates
+                st = self._layer(int(seq_ids[b]), layer)
+                s = _logits(q[cu_q[b]][None], keys, scale, softcap)  # [1, Hq, m]
+                p = torch.exp(s - lse[cu_q[b]].float()[None, :, None]).sum((0, 1))  # [m]
+                full = st.rows or n
+                score = _grown(st.score, full)
+                if cfg.policy == "swa":  # a moving sum over about a window's steps
+                    _, recent = split_budget(max(st.budget, 1), cfg.sinks, cfg.window)
+                    score *= 1.0 - 1.0 / recent
+                idx = st.picked if st.picked is not None else torch.arange(n)
+                score[idx] += p.to(score.device)
+                st.score = score
+
+
+def _grown(x: torch.Tensor, n: int, fill=0.0) -> torch.Tensor:
+    """x extended (or cut) to n entries, new ones `fill`; a copy."""
+    out = torch.full((n,), fill, dtype=x.dtype)
+    m = min(n, x.numel())
+    out[:m] = x[:m]
+    return out
+
+
+def _keys(kp: torch.Tensor, slots: torch.Tensor, key_scales) -> torch.Tensor:
+    """The true keys at `slots` [m] -> [m, Hkv, D] fp32 (int8 rows dequantized)."""
+    rows = kp[slots.long()]
+    if is_quantized(kp):
+        return dequantize_rows(rows, key_scales)
+    return rows.float()
+
+
+def _logits(q: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float):
+    """q [w, Hq, D], keys [n, Hkv, D] -> scaled (soft-capped) logits [w, Hq, n]."""
+    rep = q.shape[1] // keys.shape[1]
+    s = torch.einsum("whd,nhd->whn", q.float(), keys.repeat_interleave(rep, dim=1)) * scale
+    return softcap * torch.tanh(s / softcap) if softcap > 0 else s
+
+
+def _probs(q, keys, qpos, scale: float, softcap: float) -> torch.Tensor:
+    """Causal softmax of queries at row-relative positions qpos [w] over keys [n]."""
+    s = _logits(q, keys, scale, softcap)
+    mask = torch.arange(keys.shape[0])[None, :] > qpos.long()[:, None].cpu()  # [w, n]
+    s = s.masked_fill(mask[:, None, :].to(s.device), -math.inf)
+    return torch.softmax(s, dim=-1)

@@ -1,0 +1,323 @@
+"""Attention sparsity on the memory side (`lamina.memory.sparsity`): each policy's
+selected keys on hand-built attention patterns (exact positions), the attention output
+over them against NumPy attention over the same keys, budgets at or above the context
+equal to dense (HF greedy tokens), layer budgets, and bad configuration refused by name."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lamina import SamplingParams
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.executor.local import LocalExecutor
+from lamina.kernels import AttentionParams, SlotBatch
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.memory.sparsity import (
+    SparsityConfig,
+    layer_fractions,
+    page_bounds,
+    page_scores,
+    pick,
+    snap_scores,
+)
+from tests.conftest import HF_NEW
+
+D = 4
+SID = 7
+
+
+def np_attention(q, keys, vals, scale=1.0):
+    """q [Hq, D], keys/vals [n, Hkv, D] -> o [Hq, D] (NumPy, fp64)."""
+    q, keys, vals = (np.asarray(x, np.float64) for x in (q, keys, vals))
+    rep = q.shape[0] // keys.shape[1]
+    k, v = np.repeat(keys, rep, axis=1), np.repeat(vals, rep, axis=1)  # [n, Hq, D]
+    s = np.einsum("hd,nhd->hn", q, k) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hn,nhd->hd", p, v)
+
+
+class Row:
+    """One sequence on a one-layer pool (Hq = Hkv = 1), its position p at slot 60 - p
+    (slots not in position order), driven through `MemorySide.attend`."""
+
+    def __init__(self, config: SparsityConfig, keys: np.ndarray, num_slots: int = 64):
+        self.keys = torch.tensor(keys, dtype=torch.float32)[:, None, :]  # [T, 1, D]
+        g = torch.Generator().manual_seed(1)
+        self.vals = torch.randn(self.keys.shape[0], 1, D, generator=g)
+        self.mem = MemorySide(KVPool(KVPoolConfig(1, num_slots, 1, D)), sparsity=config)
+        self.params = AttentionParams(1.0)
+        self.n = 0
+
+    def slots(self, a, b):
+        return torch.tensor([60 - p for p in range(a, b)], dtype=torch.int32)
+
+    def step(self, q, new: int = 1):
+        """Feed the next `new` positions (a prompt when new > 1) with queries q [new, D]."""
+        a, b = self.n, self.n + new
+        batch = SlotBatch.build([self.slots(0, b).tolist()], [new])
+        q = torch.as_tensor(np.asarray(q, np.float32)).reshape(new, 1, D)
+        o, _ = self.mem.attend(0, self.params, q, self.keys[a:b], self.vals[a:b],
+                               self.slots(a, b), batch, seq_ids=(SID,))
+        self.n = b
+        return o
+
+    def picked(self) -> list[int]:
+        st = self.mem.sparsity.state[SID][0]
+        return list(range(self.n)) if st.picked is None else st.picked.tolist()
+
+    def check_output(self, o, q, picked):
+        want = np_attention(np.asarray(q, np.float32).reshape(1, D),
+                            self.keys[picked].numpy(), self.vals[picked].numpy())
+        np.testing.assert_allclose(o[-1].numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def e(i, a=1.0):
+    x = np.zeros(D, np.float32)
+    x[i] = a
+    return x
+
+
+def heavy_keys(T=20):
+    """Keys along e0 with distinct weights: positions 5, 9, 3, 7 draw the most attention
+    from q = e0, in that order, then the later ones (0.01 * position)."""
+    keys = np.stack([e(0, 0.01 * p) for p in range(T)])
+    for p, a in ((5, 4.0), (9, 3.0), (3, 2.0), (7, 1.8)):
+        keys[p] = e(0, a)
+    return keys
+
+
+def test_streaming_keeps_sinks_and_the_recent_window():
+    cfg = SparsityConfig("streaming", 6, sinks=2)
+    r = Row(cfg, heavy_keys())
+    r.step(np.stack([e(0)] * 19), new=19)
+    o = r.step(e(0))
+    st = r.mem.sparsity.state.get(SID)  # streaming keeps no state: check the output
+    assert st is None
+    r.check_output(o, e(0), [0, 1, 16, 17, 18, 19])
+
+
+def test_h2o_keeps_heavy_hitters_and_evicts_for_good():
+    cfg = SparsityConfig("h2o", 0.4, sinks=1, window=2, observe=4)
+    r = Row(cfg, heavy_keys())
+    r.step(np.stack([e(0)] * 12), new=12)  # prompt queries 8..11 score keys 0..11
+    o = r.step(e(0))  # n = 13, t = ceil(0.4 * 13) = 6: sink, 3 heavy, 2 recent
+    assert r.picked() == [0, 3, 5, 9, 11, 12]
+    r.check_output(o, e(0), r.picked())
+    for _ in range(3):  # n = 14..16, t = 6, 6, 7: the budget grows, but only new keys
+        o = r.step(e(0))  # can use it: everything left out before is gone
+    assert r.picked() == [0, 3, 5, 9, 13, 14, 15]
+    r.check_output(o, e(0), r.picked())
+
+
+def test_swa_may_select_a_dropped_key_again():
+    cfg = SparsityConfig("swa", 0.4, sinks=1, window=2, observe=4)
+    r = Row(cfg, heavy_keys())
+    r.step(np.stack([e(0)] * 12), new=12)
+    r.step(e(0))
+    assert r.picked() == [0, 3, 5, 9, 11, 12]
+    for _ in range(3):
+        o = r.step(e(0))
+    # t = 7 at n = 16: unlike h2o, key 7, left out since the prompt, is selected again
+    # (its prompt mass, halved each step, still beats what 13 gathered as a recent key)
+    assert r.picked() == [0, 3, 5, 7, 9, 14, 15]
+    r.check_output(o, e(0), r.picked())
+
+
+def np_snap(q, keys, kernel):
+    """SnapKV's scores, NumPy: causal softmax of the window's queries over the prompt,
+    summed, then the max over each position's `kernel` neighbours."""
+    w, n = q.shape[0], keys.shape[0]
+    s = q @ keys.T  # [w, n]
+    for i in range(w):
+        s[i, n - w + i + 1:] = -np.inf
+    p = np.exp(s - s.max(1, keepdims=True))
+    p = (p / p.sum(1, keepdims=True)).sum(0)
+    h = kernel // 2
+    return np.array([p[max(0, j - h):j + h + 1].max() for j in range(n)])
+
+
+def test_snapkv_chooses_at_prefill_from_the_observation_window():
+    g = np.random.default_rng(3)
+    keys = g.standard_normal((16, D)).astype(np.float32)
+    q = g.standard_normal((12, D)).astype(np.float32)
+    cfg = SparsityConfig("snapkv", 7, sinks=1, window=2, observe=4, pool_kernel=3)
+    r = Row(cfg, keys)
+    r.step(q, new=12)  # the last 4 queries score keys 0..11
+    st = r.mem.sparsity.state[SID][0]
+    ref = np_snap(q[-4:].astype(np.float64), keys[:12].astype(np.float64), 3)
+    np.testing.assert_allclose(st.score.numpy(), ref, rtol=1e-5)
+    o = r.step(g.standard_normal(D))  # n = 13, t = 7: sink, 4 best prompt keys, 2 recent
+    got = r.picked()
+    # max-pooling makes plateaus: the 4 selected hold the 4 best scores of keys 1..10
+    assert got[0] == 0 and got[-2:] == [11, 12] and len(got) == 7
+    np.testing.assert_allclose(sorted(ref[got[1:5]]), sorted(ref[1:11])[-4:])
+    for _ in range(3):  # decode keys beyond the recent window are not kept
+        o = r.step(e(1))
+    assert r.picked() == [*got[:5], 14, 15]
+    r.check_output(o, e(1), r.picked())
+
+
+def test_topk_takes_the_pages_whose_bound_is_highest():
+    g = np.random.default_rng(4)
+    keys = 0.1 * g.standard_normal((17, D)).astype(np.float32)
+    keys[9] = e(2, 5.0)  # page 2 (keys 8..11) holds the key q = e2 wants
+    cfg = SparsityConfig("topk", 13, sinks=1, page_size=4, window=3)
+    r = Row(cfg, keys)
+    r.step(np.stack([e(0)] * 16), new=16)
+    o = r.step(e(2))  # n = 17: page 0 (sinks), the best of pages 1-2, page 3 + the new key
+    assert r.picked() == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    r.check_output(o, e(2), r.picked())
+
+
+def test_topk_page_bounds_match_numpy_and_follow_changed_slots():
+    g = np.random.default_rng(5)
+    keys = g.standard_normal((32, 3, D)).astype(np.float32)
+    b = page_bounds(torch.tensor(keys), 8)  # [4, 2, Hkv, D]
+    np.testing.assert_array_equal(b[:, 0].numpy(), keys.reshape(4, 8, 3, D).min(1))
+    np.testing.assert_array_equal(b[:, 1].numpy(), keys.reshape(4, 8, 3, D).max(1))
+    q = g.standard_normal((6, D)).astype(np.float32)  # 2 query heads per kv head
+    mn, mx = keys.reshape(4, 8, 3, D).min(1), keys.reshape(4, 8, 3, D).max(1)
+    qh = q.reshape(3, 2, D)
+    ref = np.array([sum(np.maximum(qh[h, j] * mn[p, h], qh[h, j] * mx[p, h]).sum()
+                        for h in range(3) for j in range(2)) for p in range(4)])
+    np.testing.assert_allclose(page_scores(torch.tensor(q), b).numpy(), ref, rtol=1e-5)
+    # a table whose page 1 moved to other slots (a fork's copy): rebuilt from there
+    from lamina.memory.sparsity import Sparsifier
+
+    sp = Sparsifier(SparsityConfig("topk", 8, page_size=8), 1)
+    pool = KVPool(KVPoolConfig(1, 64, 3, D))
+    pool.write(0, torch.arange(64), torch.randn(64, 3, D), torch.randn(64, 3, D))
+    kp, _ = pool.layer(0)
+    st = sp._layer(0, 0)
+    first = torch.arange(33, dtype=torch.int32)
+    sp._pages(st, first, 33, kp, None)
+    moved = first.clone()
+    moved[8:16] = torch.arange(40, 48)
+    got = sp._pages(st, moved, 33, kp, None)
+    want = page_bounds(kp[moved[:32].long()], 8)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_pick_and_snap_scores_on_hand_built_scores():
+    score = torch.tensor([9.0, 0, 0, 0, 0, 5, 0, 0, 0, 4, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0])
+    assert pick(20, 8, 2, 3, score).tolist() == [0, 1, 5, 9, 12, 17, 18, 19]
+    assert pick(20, 6, 2, 4).tolist() == [0, 1, 16, 17, 18, 19]  # streaming
+    assert pick(5, 9, 2, 3, score).tolist() == [0, 1, 2, 3, 4]  # budget >= context
+    probs = torch.zeros(1, 1, 10)
+    probs[0, 0, 4] = 1.0
+    assert snap_scores(probs, 3).tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0, 0]
+
+
+def test_layer_budgets():
+    f = layer_fractions(0.5, np.array([3.0, 1.0]))
+    np.testing.assert_allclose(f, [0.75, 0.25])
+    f = layer_fractions(0.8, np.array([3.0, 1.0]))  # 1.2 capped at 1: the rest goes on
+    np.testing.assert_allclose(f, [1.0, 0.6])
+    assert SparsityConfig("h2o", 0.2, "pyramid").weights(3).tolist() == [1.5, 1.0, 0.5]
+    w = SparsityConfig("h2o", 0.2, "entropy", layer_weights=(2.0, 1.0, 3.0)).weights(3)
+    np.testing.assert_allclose(w, [1.0, 0.5, 1.5])
+    with pytest.raises(ValueError, match="'entropy' needs the measured layer_weights"):
+        SparsityConfig("h2o", 0.2, "entropy").weights(3)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(policy="sparse"), "unknown KV sparsity policy 'sparse'"),
+    (dict(policy="h2o", budget=0), "budget must be > 0 tokens"),
+    (dict(policy="h2o", budget=-0.5), r"fraction must be in \(0, 1\]"),
+    (dict(policy="h2o", budget=1.5), r"fraction must be in \(0, 1\]"),
+    (dict(policy="h2o", budget="half"), "budget must be a fraction"),
+    (dict(policy="streaming", budget=64, window=64), r"window \(64\) \+ sinks \(4\) is "
+                                                      r"larger than the budget \(64"),
+    (dict(policy="topk", budget=0.2, layer_budgets="cubic"), "unknown KV sparsity "
+                                                             "layer_budgets 'cubic'"),
+    (dict(policy="topk", budget=0.2, page_size=0), "page_size must be an int >= 1"),
+])
+def test_bad_configuration_is_refused_by_name(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SparsityConfig(**kw)
+
+
+def test_engine_config_names_the_sparsity_fields():
+    with pytest.raises(ValueError, match="EngineConfig.kv_sparsity.*unknown KV sparsity "
+                                         "policy 'quest'"):
+        EngineConfig(kv_sparsity="quest")
+    with pytest.raises(ValueError, match="EngineConfig.*budget must be > 0 tokens"):
+        EngineConfig(kv_sparsity="topk", kv_budget=0)
+    assert not EngineConfig(kv_sparsity="topk", kv_budget=1.0).sparsity.enabled
+
+
+def sparse_engine(smol, split, config: SparsityConfig, slots=16384):
+    cfg = EngineConfig(num_kv_slots=slots)
+    pool = KVPool(KVPoolConfig.for_specs(split.attention_specs, slots))
+    return LLMEngine(cfg, LocalExecutor(split, [MemorySide(pool, sparsity=config)]),
+                     smol.tokenizer, smol.config)
+
+
+GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True)
+
+
+def run(eng, prompts, params=GREEDY):
+    """All prompts at once; their finished outputs in prompt order."""
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = {}
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    return [done[i] for i in ids]
+
+
+def test_budget_at_or_above_the_context_is_dense(smol, smol_split, prompts, hf_greedy):
+    """Every policy, active (a token budget) but never below a row's context: HF's greedy
+    tokens on 8 of the 16 mixed-length prompts (5 to 450 tokens)."""
+    for policy in ("streaming", "h2o", "snapkv", "topk", "swa"):
+        eng = sparse_engine(smol, smol_split, SparsityConfig(policy, 4096))
+        assert [o.token_ids for o in run(eng, prompts[::2])] == hf_greedy[::2], policy
+
+
+def test_rows_under_budget_stay_exact_beside_cut_ones(smol, smol_split, prompts, hf_greedy):
+    """A budget of 96 tokens: the prompts whose context never exceeds it decode exactly
+    as HF while the long ones, in the same batches, attend to a selection (and their
+    tokens change)."""
+    eng = sparse_engine(smol, smol_split, SparsityConfig("streaming", 96))
+    outs = [o.token_ids for o in run(eng, prompts)]
+    short = [i for i, p in enumerate(prompts) if len(p) + HF_NEW <= 96]
+    assert short and all(outs[i] == hf_greedy[i] for i in short)
+    long = [i for i, p in enumerate(prompts) if len(p) >= 300]
+    assert sum(outs[i] != hf_greedy[i] for i in long) >= len(long) // 2
+
+
+def test_released_sequences_drop_their_state():
+    cfg = SparsityConfig("h2o", 4, sinks=1, window=1)
+    r = Row(cfg, heavy_keys())
+    r.step(np.stack([e(0)] * 6), new=6)
+    r.step(e(0))
+    assert SID in r.mem.sparsity.state
+    r.mem.release([SID])
+    assert SID not in r.mem.sparsity.state
+
+
+def test_decode_perplexity_equals_prompt_logprobs_when_dense(smol, smol_split):
+    """The kv-quality harness's teacher-forced decode NLL equals the prompt
+    log-probabilities of the same tokens (dense: both attend to everything)."""
+    from lamina.bench.kv_quality import decode_perplexity
+
+    class _LLM:  # what decode_perplexity reads of an LLM
+        executor = LocalExecutor(smol_split, [MemorySide(KVPool(KVPoolConfig.for_specs(
+            smol_split.attention_specs, 4096)))])
+
+    ids = smol.tokenizer("The history of the printing press begins in the fifteenth "
+                         "century, when movable type changed how knowledge spread. " * 6
+                         )["input_ids"][:120]
+    wins = [ids[:100], ids[10:110]]
+    got = decode_perplexity(_LLM, wins, 60, batch=2)
+    eng = sparse_engine(smol, smol_split, SparsityConfig())
+    outs = run(eng, wins, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    ref = [-lp.logprob for o in outs for lp in o.prompt_logprobs[60:]]
+    assert got["tokens"] == len(ref) == 80
+    assert got["nll"] == pytest.approx(sum(ref) / len(ref), rel=1e-4)
+    assert got["ppl"] == pytest.approx(math.exp(sum(ref) / len(ref)), rel=1e-4)
