@@ -197,17 +197,25 @@ def page_bounds(keys: torch.Tensor, page: int) -> torch.Tensor:
     return torch.stack([kp.amin(dim=1), kp.amax(dim=1)], dim=1)
 
 
+def signed_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """q [N, Hq, D] -> [N, 2 * Hkv * D]: per kv head, the sums over its query heads of
+    q- = min(q, 0) and of q+ = max(q, 0) (what `page_scores` multiplies the bounds by;
+    for all of a step's rows at once)."""
+    g = q.float().unflatten(1, (num_kv_heads, -1))  # [N, Hkv, G, D]
+    return torch.stack([g.clamp(max=0).sum(2), g.clamp(min=0).sum(2)], 1).flatten(1)
+
+
 def page_scores(q: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     """Quest's bound on a page's largest q.k, summed over the query heads (the row's
     selection is shared by its heads): sum_d max(q_d mn_d, q_d mx_d) = q- . mn + q+ . mx,
     linear in (q-, q+), so summed over a kv head's query heads it is one product with
-    their summed q- and q+. q [Hq, D], bounds [pages, 2, Hkv, D] -> [pages].
+    their summed q- and q+. q [Hq, D] (or its `signed_queries` row [2 Hkv D]),
+    bounds [pages, 2, Hkv, D] -> [pages].
     (A softmax of each head's bounds over the pages before summing, so that heads with
     larger logits do not outvote the others, ranked no better on SmolLM2 and took 3x
     longer.)"""
-    g = q.float().unflatten(0, (bounds.shape[2], -1))  # [Hkv, G, D]
-    qq = torch.stack([g.clamp(max=0).sum(1), g.clamp(min=0).sum(1)])  # [2, Hkv, D]
-    return bounds.flatten(1) @ qq.flatten().to(bounds.dtype)
+    qq = q if q.dim() == 1 else signed_queries(q[None], bounds.shape[2])[0]
+    return bounds.flatten(1) @ qq.to(bounds.dtype)
 
 
 def pick_pages(n: int, t: int, sinks: int, page: int, scores: torch.Tensor,
@@ -218,7 +226,7 @@ def pick_pages(n: int, t: int, sinks: int, page: int, scores: torch.Tensor,
     keys [0, pages * P). NumPy: a few small ops per row."""
     if t >= n:
         return torch.arange(n)
-    sc = scores.float().numpy()
+    sc = scores.float().cpu().numpy()
     first = 1 if sinks and len(sc) else 0
     # the recent pages join the tail (the scores no longer cover them)
     npages = max(first, len(sc) - max(0, -(-(recent - (n - len(sc) * page)) // page)))
@@ -281,35 +289,40 @@ class Sparsifier:
         """The batch this layer attends with (None: `batch` as it is). q [Nq, Hq, D]."""
         cfg = self.config
         cu_q, cu_k = batch.cu_q.tolist(), batch.cu_k.tolist()
-        pos0, qpos = batch.k_pos0.tolist(), batch.q_pos
+        pos0 = batch.k_pos0.tolist()
+        table = batch.slots.cpu().numpy()  # per-row work in NumPy: a few us a call
         tables, starts, cut = [], [], False
+        if cfg.policy == "topk":  # what the page bounds are scored against, all rows
+            q = signed_queries(q, kp.shape[1])
         for b in range(len(cu_q) - 1):
-            slots = batch.slots[cu_k[b]:cu_k[b + 1]]
-            n = slots.numel()
-            t = row_budget(cfg.budget, float(self.shares[layer]), n)
+            slots = table[cu_k[b]:cu_k[b + 1]]
+            n = len(slots)
             idx = None
             if cu_q[b + 1] - cu_q[b] == 1 and b < len(seq_ids):
+                t = row_budget(cfg.budget, float(self.shares[layer]), n)
                 idx = self._decode_row(layer, int(seq_ids[b]), q[cu_q[b]], slots, n, t,
                                        kp, key_scales)
             if idx is None:
                 tables.append(slots)
                 starts.append(pos0[b])
                 continue
-            tables.append(slots[idx.to(slots.device)])
+            tables.append(slots[idx.numpy()])
             # the kernels read positions only for causality: the row's query sees them all
-            starts.append(int(qpos[cu_q[b]]) - idx.numel() + 1)
+            starts.append(int(batch.q_pos[cu_q[b]]) - len(idx) + 1)
             cut = True
         if not cut:
             return None
-        lens = torch.tensor([0] + [t.numel() for t in tables])
         dev = batch.slots.device
-        return SlotBatch(batch.cu_q, batch.q_pos, torch.cat(tables),
-                         torch.cumsum(lens, 0).to(torch.int32).to(dev),
+        cu = np.zeros(len(tables) + 1, np.int32)
+        np.cumsum([len(t) for t in tables], out=cu[1:])
+        return SlotBatch(batch.cu_q, batch.q_pos, torch.from_numpy(np.concatenate(tables))
+                         .to(dev), torch.from_numpy(cu).to(dev),
                          torch.tensor(starts, dtype=torch.int32, device=dev))
 
     def _decode_row(self, layer: int, sid: int, q, slots, n: int, t: int, kp,
                     key_scales) -> torch.Tensor | None:
-        """A decode row's selected key indices (None: all of them); q [Hq, D]."""
+        """A decode row's selected key indices (None: all of them) into its table `slots`
+        (NumPy int32 [n]); q [Hq, D] (topk: its `signed_queries` row)."""
         cfg, pol = self.config, self.config.policy
         sinks, recent = split_budget(t, cfg.sinks, cfg.window)
         if pol == "streaming":
@@ -340,14 +353,15 @@ class Sparsifier:
         rebuilt from the first page whose slots changed (a fork, a recomputation)."""
         P = self.config.page_size
         full = (n - 1) // P
-        want = slots[:full * P].cpu().numpy()
+        want = slots[:full * P]  # NumPy int32
         m = min(len(st.page_slots), len(want)) // P
         same = m
         if not np.array_equal(st.page_slots[:m * P], want[:m * P]):
             diff = np.nonzero((st.page_slots[:m * P] != want[:m * P]).reshape(m, P).any(1))
             same = int(diff[0][0])
         if st.bounds is None or same < full or st.bounds.shape[0] != full:
-            new = (page_bounds(_keys(kp, slots[same * P:full * P], key_scales), P)
+            new = (page_bounds(_keys(kp, torch.from_numpy(slots[same * P:full * P]),
+                                     key_scales), P)
                    if same < full else torch.zeros(0, 2, kp.shape[1], head_dim(kp)))
             new = new.to(self.config.bounds_dtype)
             st.bounds = torch.cat([st.bounds[:same], new]) if same else new
@@ -367,19 +381,20 @@ class Sparsifier:
             nq, n = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
             if n == 0:
                 continue
+            if nq == 1 and cfg.policy == "snapkv":
+                continue  # its choice was made at prefill
             keys = _keys(kp, batch.slots[cu_k[b]:cu_k[b + 1]], key_scales)  # [n, Hkv, D]
+            st = self._layer(int(seq_ids[b]), layer)
             if nq > 1:  # a prompt chunk: its last queries score its keys
                 w = min(nq, cfg.observe)
                 rows = slice(cu_q[b + 1] - w, cu_q[b + 1])
                 probs = _probs(q[rows], keys, batch.q_pos[rows] - pos0[b], scale, softcap)
-                st = self._layer(int(seq_ids[b]), layer)
                 if cfg.policy == "snapkv":
-                    st.score, st.prompt = snap_scores(probs, cfg.pool_kernel), n
+                    st.score, st.prompt = snap_scores(probs, cfg.pool_kernel).cpu(), n
                 else:
-                    st.score = probs.sum((0, 1))
+                    st.score = probs.sum((0, 1)).cpu()
                 st.evicted = torch.zeros(n, dtype=torch.bool)
-            elif cfg.policy != "snapkv":  # a decode row: its attention mass accumulates
-                st = self._layer(int(seq_ids[b]), layer)
+            else:  # a decode row: its attention mass accumulates
                 s = _logits(q[cu_q[b]][None], keys, scale, softcap)  # [1, Hq, m]
                 p = torch.exp(s - lse[cu_q[b]].float()[None, :, None]).sum((0, 1))  # [m]
                 full = st.rows or n
@@ -388,7 +403,7 @@ class Sparsifier:
                     _, recent = split_budget(max(st.budget, 1), cfg.sinks, cfg.window)
                     score *= 1.0 - 1.0 / recent
                 idx = st.picked if st.picked is not None else torch.arange(n)
-                score[idx] += p.to(score.device)
+                score[idx] += p.cpu()
                 st.score = score
 
 
@@ -402,7 +417,7 @@ def _grown(x: torch.Tensor, n: int, fill=0.0) -> torch.Tensor:
 
 def _keys(kp: torch.Tensor, slots: torch.Tensor, key_scales) -> torch.Tensor:
     """The true keys at `slots` [m] -> [m, Hkv, D] fp32 (int8 rows dequantized)."""
-    rows = kp[slots.long()]
+    rows = kp[slots.long().to(kp.device)]
     if is_quantized(kp):
         return dequantize_rows(rows, key_scales)
     return rows.float()

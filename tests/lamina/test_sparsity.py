@@ -195,12 +195,12 @@ def test_topk_page_bounds_match_numpy_and_follow_changed_slots():
     pool.write(0, torch.arange(64), torch.randn(64, 3, D), torch.randn(64, 3, D))
     kp, _ = pool.layer(0)
     st = sp._layer(0, 0)
-    first = torch.arange(33, dtype=torch.int32)
+    first = np.arange(33, dtype=np.int32)
     sp._pages(st, first, 33, kp, None)
-    moved = first.clone()
-    moved[8:16] = torch.arange(40, 48)
+    moved = first.copy()
+    moved[8:16] = np.arange(40, 48)
     got = sp._pages(st, moved, 33, kp, None)
-    want = page_bounds(kp[moved[:32].long()], 8)
+    want = page_bounds(kp[torch.from_numpy(moved[:32]).long()], 8)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
