@@ -475,13 +475,15 @@ def _bench_parser(sub) -> None:
                        ("--chat-concurrency", "sessions served at once (4)")):
         b.add_argument(flag, type=int, default=None, help=f"multiturn: {what}")
     b.add_argument("--docs", nargs="+", default=None,
-                   help="kv-quality: text files for perplexity (default ../shared/seeds/*.txt)")
-    b.add_argument("--trials", type=int, default=None, help="kv-quality: pass-key trials per "
-                                                             "context length (50)")
+                   help="kv-quality, kv-sparsity: text files for perplexity (default "
+                        "../shared/seeds/*.txt)")
+    b.add_argument("--trials", type=int, default=None, help="kv-quality, kv-sparsity: pass-key "
+                                                             "trials per context length (50)")
     b.add_argument("--lengths", type=int, nargs="+", default=None,
-                   help="kv-quality: pass-key context lengths (1024 2048 4096 8192)")
+                   help="kv-quality, kv-sparsity: pass-key context lengths "
+                        "(1024 2048 4096 8192)")
     b.add_argument("--ppl-context", type=int, default=None,
-                   help="kv-quality: perplexity window (8192)")
+                   help="kv-quality, kv-sparsity: perplexity window (8192)")
     b.add_argument("--max-doc-tokens", type=int, default=None,
                    help="kv-quality: tokens of each document scored (all)")
     b.add_argument("--policies", nargs="+", default=None, choices=list(POLICIES[1:]),
