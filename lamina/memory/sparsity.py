@@ -120,6 +120,11 @@ class SparsityConfig:
             object.__setattr__(self, "layer_weights", lw)
 
     @property
+    def recent(self) -> float | int:
+        """The recent window: a fraction of the budget or a token count."""
+        return WINDOWS[self.policy] if self.window is None else self.window
+
+    @property
     def enabled(self) -> bool:
         return self.policy != "dense" and not (isinstance(self.budget, float)
                                                and self.budget >= 1.0)
@@ -280,9 +285,10 @@ class Sparsifier:
 
     def _layer(self, sid: int, layer: int) -> _LayerState:
         layers = self.state.setdefault(sid, [None] * self.num_layers)
-        if layers[layer] is None:
-            layers[layer] = _LayerState()
-        return layers[layer]
+        st = layers[layer]
+        if st is None:
+            st = layers[layer] = _LayerState()
+        return st
 
     def select(self, layer: int, q: torch.Tensor, batch: SlotBatch, seq_ids,
                kp: torch.Tensor, key_scales) -> SlotBatch | None:
@@ -324,7 +330,7 @@ class Sparsifier:
         """A decode row's selected key indices (None: all of them) into its table `slots`
         (NumPy int32 [n]); q [Hq, D] (topk: its `signed_queries` row)."""
         cfg, pol = self.config, self.config.policy
-        sinks, recent = split_budget(t, cfg.sinks, cfg.window)
+        sinks, recent = split_budget(t, cfg.sinks, cfg.recent)
         if pol == "streaming":
             return None if t >= n else pick(n, t, sinks, recent)
         st = self._layer(sid, layer)
@@ -364,7 +370,8 @@ class Sparsifier:
                                      key_scales), P)
                    if same < full else torch.zeros(0, 2, kp.shape[1], head_dim(kp)))
             new = new.to(self.config.bounds_dtype)
-            st.bounds = torch.cat([st.bounds[:same], new]) if same else new
+            st.bounds = (torch.cat([st.bounds[:same], new]) if same and st.bounds is not None
+                         else new)
             st.page_slots = want.copy()
         return st.bounds
 
@@ -400,7 +407,7 @@ class Sparsifier:
                 full = st.rows or n
                 score = _grown(st.score, full)
                 if cfg.policy == "swa":  # a moving sum over about a window's steps
-                    _, recent = split_budget(max(st.budget, 1), cfg.sinks, cfg.window)
+                    _, recent = split_budget(max(st.budget, 1), cfg.sinks, cfg.recent)
                     score *= 1.0 - 1.0 / recent
                 idx = st.picked if st.picked is not None else torch.arange(n)
                 score[idx] += p.cpu()
