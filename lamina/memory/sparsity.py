@@ -94,6 +94,10 @@ class SparsityConfig:
         else:
             raise ValueError(f"KV sparsity budget must be a fraction in (0, 1] or a token "
                              f"count, got {b!r}")
+        if _is_int(b) and _is_int(self.sinks) and b <= self.sinks:
+            raise ValueError(f"KV sparsity budget of {b} tokens does not cover the "
+                             f"{self.sinks} sinks and one recent key (a fraction is a "
+                             f"float: 1.0, not 1)")
         if self.layer_budgets not in LAYER_BUDGETS:
             raise ValueError(f"unknown KV sparsity layer_budgets {self.layer_budgets!r}: "
                              f"one of {LAYER_BUDGETS}")

@@ -230,6 +230,8 @@ def test_layer_budgets():
     (dict(policy="sparse"), "unknown KV sparsity policy 'sparse'"),
     (dict(policy="h2o", budget=0), "budget must be > 0 tokens"),
     (dict(policy="h2o", budget=-0.5), r"fraction must be in \(0, 1\]"),
+    (dict(policy="h2o", budget=1), r"budget of 1 tokens does not cover the 4 sinks.*1.0, "
+                                   r"not 1"),
     (dict(policy="h2o", budget=1.5), r"fraction must be in \(0, 1\]"),
     (dict(policy="h2o", budget="half"), "budget must be a fraction"),
     (dict(policy="streaming", budget=64, window=64), r"window \(64\) \+ sinks \(4\) is "
