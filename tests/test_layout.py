@@ -25,6 +25,7 @@ RULES = [
     ("lamina.engine", ("torch", "lamina"), ("lamina.engine", "lamina.errors", "lamina.faults",
                                             "lamina.memory.allocator",
                                             "lamina.memory.tier_orders",
+                                            "lamina.memory.sparsity_config",
                                             "lamina.sampling.params")),
     ("lamina.compute", ("lamina.dataplane", "lamina.executor", "lamina.entrypoints",
                         "lamina.costmodel", "lamina.engine"), ("lamina.engine.messages",)),

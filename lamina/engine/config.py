@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from lamina.engine.scheduler import SchedulerConfig
 from lamina.faults import FaultPlan
-from lamina.memory.sparsity import SparsityConfig
+from lamina.memory.sparsity_config import SparsityConfig
 from lamina.memory.tier_orders import TierConfig
 
 # "rotational" is the paper's staggered pipelining (5.1) with n = 2 batches on one

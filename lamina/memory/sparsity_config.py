@@ -1,0 +1,128 @@
+"""A deployment's attention sparsity settings (`SparsityConfig`), validated on creation,
+and how its budget is spread over layers. Plain Python and NumPy: the engine's config
+reads it; `lamina.memory.sparsity` does the selecting.
+
+Data in: the policy, budget and layer rule (from `EngineConfig`, the CLI or a deploy
+file). Data out: a frozen `SparsityConfig`; a bad value raises `ValueError` naming it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+POLICIES = ("dense", "streaming", "h2o", "snapkv", "topk", "swa")
+LAYER_BUDGETS = ("uniform", "pyramid", "entropy")
+SCORED = ("h2o", "snapkv", "swa")  # the policies that keep attention scores
+# each policy's recent window, as a fraction of its budget: H2O and ALISA split the
+# budget evenly between recent and selected keys; topk's selection is query-aware, so
+# most of its budget goes to it (streaming's recent window is its whole budget)
+WINDOWS = {"h2o": 0.5, "swa": 0.5, "snapkv": 0.5, "topk": 0.25, "streaming": 1.0,
+           "dense": 1.0}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """One deployment's attention sparsity; a bad value raises `ValueError` naming it."""
+
+    policy: str = "dense"
+    budget: float | int = 1.0  # fraction of the context in (0, 1], or a token count
+    layer_budgets: str = "uniform"  # "uniform" | "pyramid" | "entropy"
+    # measured per-layer weights for "entropy" (set at start-up; mean 1)
+    layer_weights: tuple[float, ...] | None = None
+    sinks: int = 4  # first keys always kept (streaming, topk, h2o, snapkv, swa)
+    # recent keys always kept: a fraction of the budget, or a token count; None: the
+    # policy's own (`WINDOWS`)
+    window: float | int | None = None
+    page_size: int = 16  # topk's pages
+    observe: int = 32  # prompt queries that score the prompt (snapkv, h2o, swa)
+    pool_kernel: int = 7  # snapkv's max-pool width over positions
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown KV sparsity policy {self.policy!r}: one of {POLICIES}")
+        b = self.budget
+        if _is_int(b):
+            if b <= 0:
+                raise ValueError(f"KV sparsity budget must be > 0 tokens, got {b}")
+        elif isinstance(b, float) and math.isfinite(b):
+            if not 0 < b <= 1:
+                raise ValueError(f"KV sparsity budget as a fraction must be in (0, 1], "
+                                 f"got {b}")
+        else:
+            raise ValueError(f"KV sparsity budget must be a fraction in (0, 1] or a token "
+                             f"count, got {b!r}")
+        if _is_int(b) and _is_int(self.sinks) and b <= self.sinks:
+            raise ValueError(f"KV sparsity budget of {b} tokens does not cover the "
+                             f"{self.sinks} sinks and one recent key (a fraction is a "
+                             f"float: 1.0, not 1)")
+        if self.layer_budgets not in LAYER_BUDGETS:
+            raise ValueError(f"unknown KV sparsity layer_budgets {self.layer_budgets!r}: "
+                             f"one of {LAYER_BUDGETS}")
+        for name in ("sinks", "page_size", "observe", "pool_kernel"):
+            v, least = getattr(self, name), 0 if name == "sinks" else 1
+            if not _is_int(v) or v < least:
+                raise ValueError(f"KV sparsity {name} must be an int >= {least}, got {v!r}")
+        if self.window is None:
+            object.__setattr__(self, "window", WINDOWS[self.policy])
+        w = self.window
+        if _is_int(w):
+            if w < 1:
+                raise ValueError(f"KV sparsity window must be >= 1 token, got {w}")
+            if _is_int(b) and w + self.sinks > b:
+                raise ValueError(f"KV sparsity window ({w}) + sinks ({self.sinks}) is larger "
+                                 f"than the budget ({b} tokens)")
+        elif not (isinstance(w, float) and 0 < w <= 1):
+            raise ValueError(f"KV sparsity window must be a fraction of the budget in "
+                             f"(0, 1] or a token count, got {w!r}")
+        if self.layer_weights is not None:
+            lw = tuple(float(x) for x in self.layer_weights)
+            if not lw or not all(math.isfinite(x) and x > 0 for x in lw):
+                raise ValueError("KV sparsity layer_weights must be positive and finite")
+            object.__setattr__(self, "layer_weights", lw)
+
+    @property
+    def recent(self) -> float | int:
+        """The recent window: a fraction of the budget or a token count."""
+        return WINDOWS[self.policy] if self.window is None else self.window
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "dense" and not (isinstance(self.budget, float)
+                                               and self.budget >= 1.0)
+
+    def weights(self, num_layers: int) -> np.ndarray:
+        """Each layer's share of the budget [L], mean 1."""
+        if self.layer_budgets == "uniform":
+            return np.ones(num_layers)
+        if self.layer_budgets == "pyramid":
+            return np.linspace(1.5, 0.5, num_layers) if num_layers > 1 else np.ones(1)
+        if self.layer_weights is None:
+            raise ValueError("layer_budgets='entropy' needs the measured layer_weights "
+                             "(lamina.model.prepare.attention_entropy)")
+        if len(self.layer_weights) != num_layers:
+            raise ValueError(f"{len(self.layer_weights)} layer_weights for {num_layers} "
+                             f"layers")
+        w = np.asarray(self.layer_weights)
+        return w / w.mean()
+
+
+def layer_fractions(budget: float, weights: np.ndarray) -> np.ndarray:
+    """Per-layer fractions with mean `budget`, proportional to `weights` but none above 1
+    (what a capped layer cannot take goes to the others: water-filling)."""
+    w = np.asarray(weights, float)
+    f = np.minimum(1.0, budget * w / w.mean())
+    for _ in range(len(w)):
+        short = budget * len(w) - f.sum()
+        free = f < 1.0
+        if short <= 1e-12 or not free.any():
+            break
+        f[free] = np.minimum(1.0, f[free] + short * w[free] / w[free].sum())
+    return f
+
+
