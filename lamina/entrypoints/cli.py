@@ -10,9 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-# lamina.memory.sparsity's names (not imported here: it loads torch; a test keeps them equal)
-POLICIES = ("dense", "streaming", "h2o", "snapkv", "topk", "swa")
-LAYER_BUDGETS = ("uniform", "pyramid", "entropy")
+from lamina.memory.sparsity_config import LAYER_BUDGETS, POLICIES  # torch-free
 
 
 def _threads(n: int | None):

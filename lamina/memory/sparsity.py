@@ -198,6 +198,7 @@ class Sparsifier:
         cu_q, cu_k = batch.cu_q.tolist(), batch.cu_k.tolist()
         pos0 = batch.k_pos0.tolist()
         table = batch.slots.cpu().numpy()  # per-row work in NumPy: a few us a call
+        qpos = batch.q_pos.cpu().numpy()
         tables, starts, cut = [], [], False
         if cfg.policy == "topk":  # what the page bounds are scored against, all rows
             q = signed_queries(q, kp.shape[1])
@@ -215,7 +216,7 @@ class Sparsifier:
                 continue
             tables.append(slots[idx.numpy()])
             # the kernels read positions only for causality: the row's query sees them all
-            starts.append(int(batch.q_pos[cu_q[b]]) - len(idx) + 1)
+            starts.append(int(qpos[cu_q[b]]) - len(idx) + 1)
             cut = True
         if not cut:
             return None

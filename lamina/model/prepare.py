@@ -86,6 +86,17 @@ CALIBRATION_TEXT = (
 
 
 @torch.no_grad()
+def calibration_ids(model, tokenizer=None, max_tokens: int = 512) -> torch.Tensor:
+    """The calibration text's first `max_tokens` ids [1, T] on the model's device; without
+    a tokenizer (tiny test models), fixed pseudo-random ids."""
+    if tokenizer is not None:
+        ids = tokenizer(CALIBRATION_TEXT)["input_ids"][:max_tokens]
+    else:
+        ids = torch.randint(0, int(model.config.vocab_size), (max_tokens,),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    return torch.tensor([ids], device=next(model.parameters()).device)
+
+
 def key_channel_scales(model, tokenizer=None, num_layers: int | None = None,
                        max_tokens: int = 512) -> torch.Tensor | None:
     """Per-(layer, kv head, channel) scales for int8 keys [L, Hkv, D]: each channel's
@@ -95,13 +106,7 @@ def key_channel_scales(model, tokenizer=None, num_layers: int | None = None,
     mean 1. Keys then quantize per token after dividing by these (`kernels/quant.py`).
     None (with a log line) when the model's cache does not show one key tensor per
     attention layer; the pool then quantizes keys per token and head only."""
-    vocab = int(model.config.vocab_size)
-    if tokenizer is not None:
-        ids = tokenizer(CALIBRATION_TEXT)["input_ids"][:max_tokens]
-    else:  # no tokenizer (tiny test models): fixed pseudo-random ids
-        ids = torch.randint(0, vocab, (max_tokens,),
-                            generator=torch.Generator().manual_seed(0)).tolist()
-    ids = torch.tensor([ids], device=next(model.parameters()).device)
+    ids = calibration_ids(model, tokenizer, max_tokens)
     try:
         out = model(ids, use_cache=True)
         cache = getattr(out, "cache", None) or out.past_key_values
@@ -131,13 +136,7 @@ def attention_entropy(model, tokenizer=None, num_layers: int | None = None,
     heads and queries with at least 16 keys: the `entropy` layer budgets of
     `lamina.memory.sparsity` (a layer that spreads its attention gets more keys).
     None (with a log line) when the model does not give per-layer attentions."""
-    vocab = int(model.config.vocab_size)
-    if tokenizer is not None:
-        ids = tokenizer(CALIBRATION_TEXT)["input_ids"][:max_tokens]
-    else:
-        ids = torch.randint(0, vocab, (max_tokens,),
-                            generator=torch.Generator().manual_seed(0)).tolist()
-    ids = torch.tensor([ids], device=next(model.parameters()).device)
+    ids = calibration_ids(model, tokenizer, max_tokens)
     before = getattr(model.config, "_attn_implementation", None)
     try:
         model.set_attn_implementation("eager")  # the fused kernels return no attentions
