@@ -155,14 +155,25 @@ class TritonBackend(AttentionBackend):
     same kernels in Triton's interpreter on CPU tensors (slow; for tests without a GPU;
     TRITON_INTERPRET=1 must be set before triton is imported). `splits` forces the
     key-split count (None: chosen per batch to fill the GPU). `bf16_tensor_cores`: bf16
-    pools use bf16 tensor cores (q and p rounded to bf16); False keeps fp32 math."""
+    pools use bf16 tensor cores (q and p rounded to bf16); False keeps fp32 math.
+    `kv_heads_per_program`: decode batches run the head-group kernel with that many kv
+    heads a program (it must divide the pool's kv heads); None: bf16 pools on tensor
+    cores run it with one kv head a program (on an H200 one head beat all three of
+    SmolLM2's in a program at every size, benchmarks/tune_triton.py), fp32 pools the
+    broadcasting kernel. `fuse_merge`: the head-group kernel's last program merges its
+    key splits (an atomic count) instead of a second kernel; off by default, since the
+    H200 ran the second kernel as fast or faster (1.2x at B=8, L=2048).
+    `programs_per_sm`: how many programs a step aims for, per SM, when it picks the split
+    count (None: 16 for the one-warp kernel, else `HEADS_PROGRAMS_PER_SM`)."""
 
     name = "triton"
+    HEADS_PROGRAMS_PER_SM = 6  # the best split counts of the H200 sweep give ~6 an SM
 
     def __init__(self, interpret: bool = False, splits: int | None = None,
                  block_n: int | None = None, max_splits: int = 64,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 bf16_tensor_cores: bool = True):
+                 bf16_tensor_cores: bool = True, kv_heads_per_program: int | None = None,
+                 fuse_merge: bool = False, programs_per_sm: int | None = None):
         from . import triton_slot
 
         if triton_slot.triton is None:
@@ -176,9 +187,13 @@ class TritonBackend(AttentionBackend):
         if not interpret and not torch.cuda.is_available():
             raise BackendUnavailable("the triton backend needs a CUDA GPU, and torch sees "
                                      "none")
-        if splits is not None and (not isinstance(splits, int) or splits < 1):
-            raise ValueError(f"splits must be a positive int or None, got {splits!r}")
+        for name, val in (("splits", splits), ("kv_heads_per_program", kv_heads_per_program),
+                          ("programs_per_sm", programs_per_sm)):
+            if val is not None and (not isinstance(val, int) or val < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {val!r}")
         self._k, self.interpret, self.splits = triton_slot, interpret, splits
+        self.group, self.fuse_merge, self.programs_per_sm = (kv_heads_per_program, fuse_merge,
+                                                             programs_per_sm)
         self.block_n, self.max_splits, self.num_warps = block_n, max_splits, num_warps
         # the interpreter computes bf16 dots wrongly (triton 3.9), so it keeps fp32 math
         self.num_stages, self.tensor_cores = num_stages, bf16_tensor_cores and not interpret
@@ -186,15 +201,30 @@ class TritonBackend(AttentionBackend):
         self.reason = ("Triton interpreter on CPU tensors" if interpret
                        else "Triton kernels for GPU pools")
 
-    def plan(self, batch: SlotBatch, rep: int, num_kv_heads: int, device):
-        key = (rep, num_kv_heads)
+    def head_group(self, k_pool) -> int:
+        """kv heads a decode program reads (0: the one-kv-head broadcasting kernel)."""
+        hkv = k_pool.shape[1]
+        if is_quantized(k_pool):
+            return 0
+        if self.group is not None:
+            if hkv % self.group:
+                raise BackendUnavailable(f"kv_heads_per_program={self.group} does not divide "
+                                         f"the pool's {hkv} kv heads")
+            return self.group
+        if not (self.tensor_cores and k_pool.dtype == torch.bfloat16):
+            return 0  # fp32 dots padded to 16 rows cost more than broadcasting
+        return 1
+
+    def plan(self, batch: SlotBatch, rep: int, num_kv_heads: int, device, group: int = 0):
+        key = (rep, num_kv_heads, group)
         if self._plan[0] is batch and self._plan[1] == key:
             return self._plan[2]
         sms = 4 if device.type != "cuda" else \
             torch.cuda.get_device_properties(device).multi_processor_count
-        plan = self._k.SlotAttentionPlan(batch, rep, num_kv_heads, 16 * sms, self.block_n,
+        per_sm = self.programs_per_sm or (self.HEADS_PROGRAMS_PER_SM if group else 16)
+        plan = self._k.SlotAttentionPlan(batch, rep, num_kv_heads, per_sm * sms, self.block_n,
                                          self.max_splits, self.splits,
-                                         num_warps=self.num_warps)
+                                         num_warps=self.num_warps, group=group)
         self._plan = (batch, key, plan)
         return plan
 
@@ -205,9 +235,11 @@ class TritonBackend(AttentionBackend):
                                      or k_pool.stride(0) % 4 or v_pool.stride(0) % 4):
             raise BackendUnavailable("the triton kernels read int8 rows whose head dims and "
                                      "slot strides are multiples of 4 (their scales as fp32)")
-        plan = self.plan(batch, q.shape[1] // k_pool.shape[1], k_pool.shape[1], q.device)
+        plan = self.plan(batch, q.shape[1] // k_pool.shape[1], k_pool.shape[1], q.device,
+                         self.head_group(k_pool))
         return self._k.slot_attention(q, k_pool, v_pool, batch, params, plan,
-                                      self.interpret, self.num_stages, self.tensor_cores)
+                                      self.interpret, self.num_stages, self.tensor_cores,
+                                      self.fuse_merge)
 
 
 BACKENDS = {"reference": ReferenceBackend, "cpu": CpuBackend, "triton": TritonBackend}

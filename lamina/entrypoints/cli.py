@@ -166,14 +166,14 @@ def cmd_bench(args) -> int:
     if args.name == "split":
         bench.bench_split(args.model, repeat=args.repeat or 3, out_dir=args.out)
         return 0
-    from lamina.bench import memory as bench_memory
-
     if args.name == "attention" and args.device == "cuda":
         from lamina.bench import gpu as bench_gpu
 
         sizes = dict(batches=(8,), lengths=(512,), splits_sweep=(1, 2)) if args.quick else {}
         bench_gpu.bench_attention_gpu(out_dir=args.out, **sizes)
         return 0
+    from lamina.bench import memory as bench_memory
+
     if args.name == "attention":
         sizes = dict(batches=(8,), lengths=(512,), bw_mib=64) if args.quick else {}
         if not args.kv_dtypes_only:

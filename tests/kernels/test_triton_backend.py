@@ -179,6 +179,71 @@ def test_lse_merge_of_split_kv_ranges_is_exact(tri_splits):
     assert torch.isneginf(lse).all() and not o.any()
 
 
+HEAD_GROUP_CASES = [(9, 3, "plain", "all"), (9, 3, "window", "all"), (9, 3, "softcap", "all"),
+                    (9, 3, "sinks", "all"), (4, 4, "plain", "all"), (16, 2, "sinks", "all"),
+                    (9, 3, "sinks", 1), (16, 2, "window", 1)]
+
+
+@pytest.mark.parametrize("Hq,Hkv,pname,group", HEAD_GROUP_CASES)
+def test_head_group_decode_matches_reference(Hq, Hkv, pname, group):
+    """The head-group kernel (all kv heads, or one, a program; block-diagonal q, one dot
+    for the group's query heads), its key splits merged by its last program, fp32 pools
+    with IEEE dots: equal to the reference; a second call (the split counters back at 0)
+    gives the same bits."""
+    tri = TritonBackend(interpret=DEV.type == "cpu", splits=3, fuse_merge=True,
+                        kv_heads_per_program=Hkv if group == "all" else 1)
+    tables, k, v = decode_case(Hq, Hkv)
+    batch, q = SlotBatch.decode(tables), queries(len(tables), Hq)
+    o, lse = check(q, k, v, batch, params_for(pname, Hq), tri)
+    assert tri.plan(batch.to(DEV), Hq // Hkv, Hkv, DEV, tri.head_group(k)).group == \
+        (Hkv if group == "all" else 1)
+    o2, lse2 = attend(*on_dev(q, k, v), batch.to(DEV), params_for(pname, Hq), tri)
+    assert torch.equal(o2.cpu(), o) and torch.equal(lse2.cpu(), lse)
+
+
+@pytest.mark.parametrize("splits,fuse", [(1, True), (3, False)])
+def test_head_group_one_split_and_merge_kernel(splits, fuse):
+    """One split writes the answer directly (sinks still merged); the second-kernel merge
+    equals the fused one."""
+    tri = TritonBackend(interpret=DEV.type == "cpu", splits=splits, kv_heads_per_program=3,
+                        fuse_merge=fuse)
+    tables, k, v = decode_case(9, 3)
+    for pname in ("plain", "sinks"):
+        check(queries(len(tables), 9), k, v, SlotBatch.decode(tables), params_for(pname, 9),
+              tri)
+
+
+def test_head_group_choice():
+    """Which decode kernel a pool gets: bf16 on tensor cores the largest group within 256
+    columns, fp32 and int8 the broadcasting kernel; a forced group must divide the kv
+    heads; prefill batches never take the group kernel."""
+    from lamina.kernels.triton_slot import SlotAttentionPlan
+
+    tri = backend()
+    tri.tensor_cores = True  # as on a GPU (the interpreter keeps fp32 math)
+    bf16 = torch.zeros(10, 3, 64, dtype=torch.bfloat16)
+    assert tri.head_group(bf16) == 1
+    assert tri.head_group(torch.zeros(10, 3, 64)) == 0
+    assert tri.head_group(torch.zeros(10, 3, 68, dtype=torch.int8)) == 0
+    tri.tensor_cores = False
+    assert tri.head_group(bf16) == 0
+    assert TritonBackend(interpret=DEV.type == "cpu", kv_heads_per_program=3).head_group(
+        torch.zeros(10, 3, 64)) == 3
+    with pytest.raises(BackendUnavailable, match="does not divide the pool's 3 kv heads"):
+        TritonBackend(interpret=DEV.type == "cpu", kv_heads_per_program=2).head_group(bf16)
+    with pytest.raises(ValueError, match="kv_heads_per_program must be a positive int"):
+        TritonBackend(interpret=DEV.type == "cpu", kv_heads_per_program=0)
+    dec = SlotAttentionPlan(SlotBatch.decode([list(range(1000))] * 4), 3, 3, 132 * 6, None, 64,
+                            group=1)
+    assert (dec.group, dec.block_m, dec.block_n, dec.num_warps) == (1, 16, 64, 2)
+    assert dec.splits == 8  # 1000 keys / (2 blocks of 64) caps the 66 programs wanted
+    assert SlotAttentionPlan(SlotBatch.decode([list(range(2048))] * 32), 3, 3, 132 * 6, None,
+                             64, group=1).splits == 8  # 792 programs wanted / 96
+    pre = SlotAttentionPlan(SlotBatch.build([list(range(100))], [40]), 3, 3, 2112, None, 64,
+                            group=3)
+    assert pre.group == 0 and pre.use_dot
+
+
 def test_plan_is_made_once_per_batch(tri):
     """Layers of one step share the batch: the host-side plan (one sync) is reused."""
     Hq, Hkv = 9, 3
