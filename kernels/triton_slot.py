@@ -12,11 +12,11 @@ head, key split); its rows are the tile's queries x the GQA group of that kv hea
 every K/V row gathered by slot id is loaded once for all the query heads that share it
 (prefill tiles, and decode over fp32 and int8 pools). `_slot_decode_heads`: decode only,
 one program = (request, group of kv heads, key split), the group's query heads as the
-rows of one tensor-core dot (bf16 pools; see its docstring). Keys are read in place (a gather by slot
-id: each row is Hkv*D contiguous elements), in blocks of BLOCK_N with an online softmax
-in base 2. Math is fp32 (`tl.dot` in IEEE mode) for fp32 pools; a bf16 pool's dots run on
-bf16 tensor cores with fp32 accumulation (as flash attention does), or in fp32 on
-request (`tensor_cores=False`, the reference's numerics). Decode with few
+rows of one tensor-core dot (bf16 pools; see its docstring). Keys are read in place (a
+gather by slot id: each row is Hkv*D contiguous elements), in blocks of BLOCK_N with an
+online softmax in base 2. Math is fp32 (`tl.dot` in IEEE mode) for fp32 pools; a bf16
+pool's dots run on bf16 tensor cores with fp32 accumulation (as flash attention does),
+or in fp32 on request (`tensor_cores=False`, the reference's numerics). Decode with few
 (request, head) programs splits each request's keys over several programs
 (flash-decoding); a second kernel merges the splits' partial outputs exactly by their
 log-sum-exp and adds the sink logits, which join the denominator only.

@@ -6,12 +6,12 @@ out: a printed table plus JSON and Markdown (via `lamina.bench.common._write`).
 
 In one run it measures the GPU's read bandwidth (a reduction over 1 GiB) and copy
 bandwidth, a reduction over each case's own KV bytes (what one launch of that size can
-read: the ceiling for a kernel of that size), contiguous SDPA (torch picks its kernel), gather + SDPA, and our Triton kernel
-on the scattered slots (fp32 and bf16 pools), each the median of `triton.testing.do_bench`
-runs, which flushes the L2 cache before every run so the KV comes from HBM. Device times
-come from CUDA-graph replays (the kernels alone); ours is also timed per Python call,
-which adds Triton's launch cost. The split sweep times the same decode with fixed
-key-split counts next to the automatic choice.
+read: the ceiling for a kernel of that size), contiguous SDPA (torch picks its kernel),
+gather + SDPA, and our Triton kernel on the scattered slots (fp32 and bf16 pools), each
+the median of `triton.testing.do_bench` runs, which flushes the L2 cache before every
+run so the KV comes from HBM. Device times come from CUDA-graph replays (the kernels
+alone); ours is also timed per Python call, which adds Triton's launch cost. The split
+sweep times the same decode with fixed key-split counts next to the automatic choice.
 """
 from __future__ import annotations
 
