@@ -30,7 +30,9 @@ RULES = [
     ("lamina.compute", ("lamina.dataplane", "lamina.executor", "lamina.entrypoints",
                         "lamina.costmodel", "lamina.engine"), ("lamina.engine.messages",)),
     ("lamina.memory", ("lamina",), ("lamina.memory", "lamina.kernels", "lamina.errors")),
-    ("lamina.sampling", ("lamina",), ("lamina.sampling", "lamina.kernels")),
+    # a request's KV policy override is validated where its other parameters are
+    ("lamina.sampling", ("lamina",), ("lamina.sampling", "lamina.kernels",
+                                      "lamina.memory.sparsity_config")),
     ("lamina.dataplane", ("lamina.entrypoints", "lamina.executor", "lamina.engine",
                           "lamina.costmodel", "lamina.model"), ("lamina.engine.messages",)),
     ("lamina.executor", ("lamina.dataplane", "lamina.entrypoints"), ()),

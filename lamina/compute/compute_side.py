@@ -120,7 +120,8 @@ class ComputeSide:
         local_slots = sum(m.packed.local_slots for m in mbs)
         scratch = self._local_side(local_slots) if local_slots else None
         link.begin(plan.step, [m.packed.parts for m in mbs], plan.released,
-                   plan.tier_orders)
+                   plan.tier_orders, {s.seq_id: s.params.kv_override for s in plan.seqs
+                                      if s.params.kv_override is not None})
         timers = StepTimers()
         # One micro-batch with no prompts attending here: nothing runs between a layer's
         # submit and collect, so the link may do both in one call (`exchange`).

@@ -12,7 +12,7 @@ The compute side depends only on this interface, never on the data plane.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ from lamina.compute.packing import WorkerPart
 from lamina.kernels import (
     merge_attention,
 )
+from lamina.memory.sparsity_config import KVOverride
 
 
 class MemoryLink(ABC):
@@ -32,11 +33,13 @@ class MemoryLink(ABC):
     device = torch.device("cpu")
 
     def begin(self, step: int, parts: Sequence[Sequence[WorkerPart]],  # noqa: B027
-              released: Sequence[int] = (), tier_orders: Sequence = ()) -> None:
+              released: Sequence[int] = (), tier_orders: Sequence = (),
+              overrides: Mapping[int, KVOverride] | None = None) -> None:
         """A step's metadata, once before its layers: each micro-batch's parts, the
         sequences dropped since the last step (`StepPlan.released`), whose slot tables
-        a memory end that keeps them may drop, and the step's KV tier orders
-        (`StepPlan.tier_orders`, each for the worker it names)."""
+        a memory end that keeps them may drop, the step's KV tier orders
+        (`StepPlan.tier_orders`, each for the worker it names), and the KV sparsity
+        of the step's requests that chose their own ({seq id: `KVOverride`})."""
 
     @abstractmethod
     def submit(self, layer: int, mb: int, q, k, v, parts: Sequence[WorkerPart]) -> None: ...

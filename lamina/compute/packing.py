@@ -18,6 +18,7 @@ import torch
 
 from lamina.engine.messages import StepPlan
 from lamina.kernels import SlotBatch
+from lamina.memory.sparsity_config import SCORED
 
 
 @dataclass
@@ -136,7 +137,7 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False,
     `local` (paper 5.6): a sequence whose whole context is in this step (start_pos 0, KV
     on one worker) attends on the compute side, over a scratch pool's slots
     `local_base`, `local_base` + 1, ...; its worker only stores its k/v (kv rows, no
-    query rows)."""
+    query rows), unless the request's own KV policy scores its prompt there (`SCORED`)."""
     ids: list[int] = []
     pos: list[int] = []
     rows: list[int] = []  # logit rows
@@ -159,7 +160,8 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False,
         if s.sample:
             sample.append(len(rows))
             rows.append(r0 + n - 1)
-        if local and p0 == 0 and len(seg) == 1:
+        # a request whose own KV policy scores its prompt attends it where it is stored
+        if local and p0 == 0 and len(seg) == 1 and s.params.kv_sparsity not in SCORED:
             at = local_base + len(mine.new_slots)
             per[seg[0][0]].kv_rows.extend(range(r0, r0 + n))  # stores the k/v, attends none
             per[seg[0][0]].new_slots.extend(table.tolist())

@@ -12,7 +12,9 @@ the memory end can name a bad sequence and hold its slot table: -1 where unknown
 sequences released since (their held tables dropped; a worker with no rows in a step
 gets only these, after a count of 0), then, when the count carries `TIERS_FLAG`, the
 step's KV tier orders for this worker (`lamina.memory.tier_orders.encode_orders`; carried
-out before the layers), then per micro-batch new_slots,
+out before the layers), then, when it carries `OVERRIDES_FLAG`, the KV sparsity of
+requests that chose their own and that this worker does not hold yet (rows of
+`KVOverride.encode`), then per micro-batch new_slots,
 cu_q, q_pos, keep, tail, cu_k, k_pos0 (int32): the batch's `SlotBatch` with its slots
 as a diff against the tables the memory end holds (`lamina.dataplane.tables`: per entry
 `keep` slots it has, then the `tail`), so a decode step's metadata is O(batch), not
@@ -43,11 +45,16 @@ from lamina.dataplane.transport import FrameError, PeerTimeout, SocketChannel
 from lamina.errors import SequenceFault
 from lamina.kernels import SlotBatch
 from lamina.memory.memory_side import MemorySide
+from lamina.memory.sparsity_config import KVOverride
 from lamina.memory.tier_orders import TierMiss, decode_orders, encode_orders
 
 META = -1  # layer tag of the per-step metadata frames
 MAX_MICRO_BATCHES = 64
 TIERS_FLAG = 1 << 16  # in the micro-batch count: a frame of KV tier orders follows
+# in the micro-batch count: a frame of requests' own KV sparsity follows (after the tier
+# orders, if any): int32 rows of `KVOverride.encode`, each sent once a connection
+OVERRIDES_FLAG = 1 << 17
+FLAGS = TIERS_FLAG | OVERRIDES_FLAG
 # What each connection's memory end holds, kept with the connection: a `SocketLink`
 # lives one step (the Ray compute worker makes one per step); a new channel starts empty.
 _SENT: weakref.WeakKeyDictionary[SocketChannel, SentTables] = weakref.WeakKeyDictionary()
@@ -126,16 +133,17 @@ def _raise(status: int, msg: str) -> None:
     raise (FrameError, PeerTimeout, RuntimeError)[status - 1](msg)
 
 
-def step_meta(live: list[WorkerPart], held: SentTables,
-              tiers: bool = False) -> list[torch.Tensor]:
+def step_meta(live: list[WorkerPart], held: SentTables, tiers: bool = False,
+              overrides: bool = False) -> list[torch.Tensor]:
     """One memory worker's META frames of a step (see the module docstring): its parts
     in the step's micro-batches, slots as diffs against what `held` says it holds;
-    `tiers`: a tier-order frame will follow the released one (flagged in the count)."""
+    `tiers` / `overrides`: a tier-order / an override frame will follow the released one
+    (flagged in the count)."""
     ids = [i if 0 <= i < 2 ** 31 else -1 for p in live for i in p.seq_ids]
     if len(ids) != sum(p.batch.num_requests for p in live):
         ids = []  # parts built without sequence ids (probes)
-    frames = [torch.tensor([len(live) | (TIERS_FLAG if tiers else 0), *ids],
-                           dtype=torch.int32),
+    flags = (TIERS_FLAG if tiers else 0) | (OVERRIDES_FLAG if overrides else 0)
+    frames = [torch.tensor([len(live) | flags, *ids], dtype=torch.int32),
               torch.tensor(held.take_released(), dtype=torch.int32)]
     at = 0
     for p in live:
@@ -159,7 +167,7 @@ class SocketLink(MemoryLink):
         self._ext = self.paths.ext
         self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
 
-    def begin(self, step, parts, released=(), tier_orders=()):
+    def begin(self, step, parts, released=(), tier_orders=(), overrides=None):
         self.step = step
         if self._ext:  # what the C++ ends need every layer, once a step
             self._peers = _peers(self._ext, self.channels)
@@ -170,8 +178,9 @@ class SocketLink(MemoryLink):
             held.release(released)
             live = [p[w] for p in parts if p[w].active]
             tiers = encode_orders(o for o in tier_orders if o.worker == w)
+            own = held.new_overrides(overrides or {}, [i for p in live for i in p.seq_ids])
             if live:
-                frames = step_meta(live, held, bool(tiers))
+                frames = step_meta(live, held, bool(tiers), bool(own))
             elif held.pending or tiers:  # no rows: what to drop, tier orders (count 0)
                 frames = [torch.tensor([TIERS_FLAG if tiers else 0], dtype=torch.int32),
                           torch.tensor(held.take_released(), dtype=torch.int32)]
@@ -179,6 +188,8 @@ class SocketLink(MemoryLink):
                 continue
             if tiers:  # after the released frame
                 frames.insert(2, torch.tensor(tiers, dtype=torch.int32))
+            if own and live:  # after those
+                frames.insert(2 + bool(tiers), torch.tensor(own, dtype=torch.int32))
             ch.send_many([(t, META, step) for t in frames])
 
     def _layer_rows(self, spans, step: int):
@@ -317,7 +328,8 @@ class MemoryServer:
         ch = self.ch
         head, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32)
         count = int(head[0]) if head.dim() == 1 and head.numel() else -1
-        tiers, count = count > 0 and bool(count & TIERS_FLAG), count & ~TIERS_FLAG
+        tiers, own = (count > 0 and bool(count & f) for f in (TIERS_FLAG, OVERRIDES_FLAG))
+        count = count & ~FLAGS
         if not 0 <= count <= MAX_MICRO_BATCHES or (count == 0 and head.numel() > 1):
             raise FrameError(f"step {step}: bad micro-batch count frame {head.tolist()[:4]}")
         ids, mbs = head[1:].tolist(), []
@@ -326,6 +338,12 @@ class MemoryServer:
         self.memory.release(released.tolist())
         if tiers:
             self._apply_tiers(step)
+        if own:
+            rows = ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
+            try:
+                self.memory.override(dict(KVOverride.decode(r) for r in rows.view(-1, 4)))
+            except (ValueError, RuntimeError) as e:
+                raise FrameError(f"step {step}: bad KV sparsity overrides: {e}") from None
         if count == 0:
             return False
         for _ in range(count):
@@ -349,7 +367,8 @@ class MemoryServer:
                 raise FrameError(f"step {step}: bad slot metadata: {e}") from None
             mbs.append((new_slots, batch, tuple(mine)))
         loading = self.memory.tiers is not None and self.memory.tiers.loading
-        if self._native is not None and len(mbs) == 1 and not loading:
+        sparse = self.memory.sparsity is not None and self.memory.sparsity.active
+        if self._native is not None and len(mbs) == 1 and not loading and not sparse:
             self._serve_native(step, *mbs[0][:2])
             return True  # (a step with tier loads copies them layer by layer, below)
         for layer, params in enumerate(self.params):

@@ -21,7 +21,7 @@ held.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -40,9 +40,22 @@ class SentTables:
         self.sent: dict[tuple[int, int], int] = {}  # (seq, first position) -> slots held
         self._starts: dict[int, set[int]] = {}  # seq -> first positions of its ranges
         self.pending: list[int] = []  # released sequences the memory end still holds
+        self.overrides: dict[int, object] = {}  # seq -> the KV override the end holds
+
+    def new_overrides(self, overrides: Mapping, seq_ids: Sequence[int]) -> list:
+        """Rows (`KVOverride.encode`) of the overrides of `seq_ids` that the memory end
+        does not hold yet; recorded as held."""
+        rows = []
+        for sid in seq_ids:
+            ov = overrides.get(sid)
+            if ov is not None and self.overrides.get(sid) != ov:
+                self.overrides[sid] = ov
+                rows.append(ov.encode(sid))
+        return rows
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for sid in seq_ids:
+            self.overrides.pop(sid, None)
             starts = self._starts.pop(sid, None)
             if starts is not None:
                 for a in starts:

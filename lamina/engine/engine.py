@@ -150,7 +150,23 @@ class LLMEngine:
                                           if self.config.split_kv else 1)
         if len(ids) + params.n > cap:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pools hold {cap}")
+        self._check_kv_override(params)
         return ids
+
+    def _check_kv_override(self, params: SamplingParams) -> None:
+        """A request's own KV sparsity must mean something against this deployment's."""
+        ov = params.kv_override
+        if ov is None:
+            return
+        base = self.config.sparsity
+        try:
+            cfg = ov.resolve(base)
+        except ValueError as e:
+            raise ValueError(f"kv_budget={ov.budget!r} on this deployment: {e}") from None
+        if ov.policy is None and not cfg.enabled:
+            raise ValueError(f"kv_budget={ov.budget!r} without kv_sparsity changes nothing: "
+                             f"this deployment's policy is {base.policy!r}; name a policy "
+                             f"too (kv_sparsity='topk', ...)")
 
     def _prompt_ids(self, prompt) -> list[int]:
         """A text prompt's token ids, or token ids checked against the vocabulary."""

@@ -106,6 +106,10 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Lamina's: this request's own KV sparsity on the memory workers (None: the
+    # deployment's); see SamplingParams.kv_sparsity / kv_budget
+    kv_sparsity: str | None = None
+    kv_budget: float | int | None = None
     # Lamina's: the conversation this request continues (or the X-Session-Id header);
     # with KV tiers its KV is kept beyond the pool for the next turn
     session_id: str | None = None
@@ -135,7 +139,8 @@ class _Sampling(BaseModel):
                               frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty,
                               logit_bias=self._logit_bias(),
-                              prompt_logprobs=self.num_prompt_logprobs())
+                              prompt_logprobs=self.num_prompt_logprobs(),
+                              kv_sparsity=self.kv_sparsity, kv_budget=self.kv_budget)
 
 
 class CompletionRequest(_Sampling):
@@ -438,7 +443,8 @@ def _usage(outs) -> dict:
 
 def _param(message: str) -> str:
     """The request field a validation message is about (for the error's `param`)."""
-    for name in ("max_tokens", "logit_bias", "stop_token_ids", "n=", "session_id"):
+    for name in ("kv_budget", "max_tokens", "logit_bias", "stop_token_ids", "n=",
+                 "session_id"):
         if name in message:
             return name.rstrip("=")
     return "prompt"

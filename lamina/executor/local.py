@@ -27,12 +27,16 @@ class _LocalLink(MemoryLink):
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         self.ready: dict[tuple[int, int], list] = {}
 
-    def begin(self, step, parts, released=(), tier_orders=()):  # in-process: whole SlotBatches
+    def begin(self, step, parts, released=(), tier_orders=(), overrides=None):
+        # in-process: whole SlotBatches
         if tier_orders:
             apply_tiers(self.memory, tier_orders)
         if released:
             for mem in self.memory:
                 mem.release(released)
+        if overrides:
+            for mem in self.memory:
+                mem.override(overrides)
         for mb in parts:
             for mem, p in zip(self.memory, mb):
                 if p.active:

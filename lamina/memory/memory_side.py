@@ -93,8 +93,20 @@ class MemorySide:
     def set_sparsity(self, config: SparsityConfig | None) -> None:
         """Decode rows attend to what `config` selects from now on (None or dense: all);
         any earlier policy's state is dropped."""
+        self._config = config
         self.sparsity = (Sparsifier(config, self.pool.config.num_layers)
                          if config is not None and config.enabled else None)
+
+    def override(self, overrides) -> None:
+        """Requests' own KV sparsity ({seq id: `KVOverride`}), resolved against this
+        worker's config; a worker without a policy makes a dense one to hold them."""
+        if not overrides:
+            return
+        if self.sparsity is None:
+            self.sparsity = Sparsifier(self._config or SparsityConfig(),
+                                       self.pool.config.num_layers)
+        for sid, ov in overrides.items():
+            self.sparsity.override(sid, ov)
 
     def release(self, seq_ids) -> None:
         """Sequences the engine dropped: their selection state goes too."""
@@ -127,7 +139,8 @@ class MemorySide:
         if home != self.device:
             q, k, v = (t.to(self.device, non_blocking=True) for t in (q, k, v))
         scales = self.pool.key_scales[layer]
-        sp = self.sparsity if params.sliding_window < 0 else None
+        sp = self.sparsity if params.sliding_window < 0 and self.sparsity is not None \
+            and self.sparsity.active else None
         # decode rows may attend to a selection of their slots (a subset of the checked
         # batch's: still in range); it reads keys written before this step
         sel = (sp.select(layer, q, batch, seq_ids, kp, scales) if sp else None) or batch

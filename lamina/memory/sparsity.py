@@ -50,6 +50,7 @@ from lamina.memory.sparsity_config import (  # noqa: F401 - the names callers im
     POLICIES,
     SCORED,
     WINDOWS,
+    KVOverride,
     SparsityConfig,
     _is_int,
     layer_fractions,
@@ -168,21 +169,59 @@ class _LayerState:
     bounds: torch.Tensor | None = None  # topk: [pages, 2, Hkv, D]
 
 
+@dataclass(frozen=True)
+class _Policy:
+    """A resolved config and its per-layer budget shares [L]."""
+
+    config: SparsityConfig
+    shares: np.ndarray
+
+    @staticmethod
+    def of(config: SparsityConfig, num_layers: int) -> "_Policy":
+        w = config.weights(num_layers)
+        return _Policy(config, layer_fractions(config.budget, w)
+                       if isinstance(config.budget, float) else w)
+
+
 class Sparsifier:
     """A memory worker's selection state: per sequence and layer, what its policy keeps
-    (scores, evictions, page bounds). Plain Python over the batch's CPU tables."""
+    (scores, evictions, page bounds). Plain Python over the batch's CPU tables. A
+    sequence may have its own policy (`override`: a request's `KVOverride`); the others
+    follow the deployment's `config`."""
 
     def __init__(self, config: SparsityConfig, num_layers: int):
         self.config = config
-        w = config.weights(num_layers)
-        self.shares = (layer_fractions(config.budget, w) if isinstance(config.budget, float)
-                       else w)
-        self.state: dict[int, list[_LayerState | None]] = {}
         self.num_layers = num_layers
+        self._base = _Policy.of(config, num_layers)
+        self.shares = self._base.shares
+        self.state: dict[int, list[_LayerState | None]] = {}
+        self._own: dict[int, _Policy] = {}  # sequences with their own policy
+
+    def override(self, seq_id: int, override: KVOverride) -> None:
+        """seq_id follows `override` resolved against the deployment's config from its
+        next layer on (the same override again changes nothing; raises ValueError)."""
+        cfg = override.resolve(self.config)
+        sid = int(seq_id)
+        if cfg == self.policy(sid).config:
+            return
+        self.state.pop(sid, None)  # another policy's state means nothing to this one
+        if cfg == self.config:
+            self._own.pop(sid, None)
+        else:
+            self._own[sid] = _Policy.of(cfg, self.num_layers)
+
+    def policy(self, seq_id: int) -> _Policy:
+        return self._own.get(seq_id, self._base)
+
+    @property
+    def active(self) -> bool:
+        """Whether any sequence (or the deployment) has a policy that cuts rows."""
+        return self.config.enabled or any(p.config.enabled for p in self._own.values())
 
     def release(self, seq_ids) -> None:
         for s in seq_ids:
             self.state.pop(int(s), None)
+            self._own.pop(int(s), None)
 
     def _layer(self, sid: int, layer: int) -> _LayerState:
         layers = self.state.setdefault(sid, [None] * self.num_layers)
@@ -194,22 +233,26 @@ class Sparsifier:
     def select(self, layer: int, q: torch.Tensor, batch: SlotBatch, seq_ids,
                kp: torch.Tensor, key_scales) -> SlotBatch | None:
         """The batch this layer attends with (None: `batch` as it is). q [Nq, Hq, D]."""
-        cfg = self.config
         cu_q, cu_k = batch.cu_q.tolist(), batch.cu_k.tolist()
         pos0 = batch.k_pos0.tolist()
         table = batch.slots.cpu().numpy()  # per-row work in NumPy: a few us a call
         qpos = batch.q_pos.cpu().numpy()
         tables, starts, cut = [], [], False
-        if cfg.policy == "topk":  # what the page bounds are scored against, all rows
-            q = signed_queries(q, kp.shape[1])
+        signed = None  # what topk's page bounds are scored against, all rows at once
         for b in range(len(cu_q) - 1):
             slots = table[cu_k[b]:cu_k[b + 1]]
             n = len(slots)
             idx = None
-            if cu_q[b + 1] - cu_q[b] == 1 and b < len(seq_ids):
-                t = row_budget(cfg.budget, float(self.shares[layer]), n)
-                idx = self._decode_row(layer, int(seq_ids[b]), q[cu_q[b]], slots, n, t,
-                                       kp, key_scales)
+            pol = self.policy(int(seq_ids[b])) if b < len(seq_ids) else self._base
+            if cu_q[b + 1] - cu_q[b] == 1 and b < len(seq_ids) and pol.config.enabled:
+                t = row_budget(pol.config.budget, float(pol.shares[layer]), n)
+                qr = q[cu_q[b]]
+                if pol.config.policy == "topk":
+                    if signed is None:
+                        signed = signed_queries(q, kp.shape[1])
+                    qr = signed[cu_q[b]]
+                idx = self._decode_row(layer, int(seq_ids[b]), qr, slots, n, t, kp,
+                                       key_scales, pol.config)
             if idx is None:
                 tables.append(slots)
                 starts.append(pos0[b])
@@ -228,10 +271,10 @@ class Sparsifier:
                          torch.tensor(starts, dtype=torch.int32, device=dev))
 
     def _decode_row(self, layer: int, sid: int, q, slots, n: int, t: int, kp,
-                    key_scales) -> torch.Tensor | None:
+                    key_scales, cfg: SparsityConfig) -> torch.Tensor | None:
         """A decode row's selected key indices (None: all of them) into its table `slots`
-        (NumPy int32 [n]); q [Hq, D] (topk: its `signed_queries` row)."""
-        cfg, pol = self.config, self.config.policy
+        (NumPy int32 [n]) under `cfg`; q [Hq, D] (topk: its `signed_queries` row)."""
+        pol = cfg.policy
         sinks, recent = split_budget(t, cfg.sinks, cfg.recent)
         if pol == "streaming":
             return None if t >= n else pick(n, t, sinks, recent)
@@ -240,7 +283,7 @@ class Sparsifier:
         if t >= n:
             return None
         if pol == "topk":
-            bounds = self._pages(st, slots, n, kp, key_scales)
+            bounds = self._pages(st, slots, n, kp, key_scales, cfg.page_size)
             st.picked = pick_pages(n, t, sinks, cfg.page_size, page_scores(q, bounds),
                                    recent)
             return st.picked
@@ -256,10 +299,11 @@ class Sparsifier:
             st.evicted = ev
         return st.picked
 
-    def _pages(self, st: _LayerState, slots, n: int, kp, key_scales):
-        """topk's page bounds over the keys written before this step ([0, n - 1)),
-        rebuilt from the first page whose slots changed (a fork, a recomputation)."""
-        P = self.config.page_size
+    def _pages(self, st: _LayerState, slots, n: int, kp, key_scales, P: int | None = None):
+        """topk's page bounds (pages of P keys; None: the deployment's page size) over
+        the keys written before this step ([0, n - 1)), rebuilt from the first page whose
+        slots changed (a fork, a recomputation)."""
+        P = P or self.config.page_size
         full = (n - 1) // P
         want = slots[:full * P]  # NumPy int32
         m = min(len(st.page_slots), len(want)) // P
@@ -282,13 +326,14 @@ class Sparsifier:
         """After attention with `batch` (the one `select` returned): the scored policies
         add each decode row's attention mass to its keys' scores; a prefill chunk's last
         `observe` queries score its keys afresh (the prompt's last chunk's stay)."""
-        cfg = self.config
-        if cfg.policy not in SCORED:
+        if self.config.policy not in SCORED and not any(
+                p.config.policy in SCORED for p in self._own.values()):
             return
         cu_q, cu_k, pos0 = batch.cu_q.tolist(), batch.cu_k.tolist(), batch.k_pos0.tolist()
         for b in range(min(len(cu_q) - 1, len(seq_ids))):
             nq, n = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
-            if n == 0:
+            cfg = self.policy(int(seq_ids[b])).config
+            if n == 0 or cfg.policy not in SCORED:
                 continue
             if nq == 1 and cfg.policy == "snapkv":
                 continue  # its choice was made at prefill

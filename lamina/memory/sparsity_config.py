@@ -3,12 +3,13 @@ and how its budget is spread over layers. Plain Python and NumPy: the engine's c
 reads it; `lamina.memory.sparsity` does the selecting.
 
 Data in: the policy, budget and layer rule (from `EngineConfig`, the CLI or a deploy
-file). Data out: a frozen `SparsityConfig`; a bad value raises `ValueError` naming it.
+file), and a request's own policy or budget (`KVOverride`, from its `SamplingParams`).
+Data out: a frozen `SparsityConfig`; a bad value raises `ValueError` naming it.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -126,3 +127,44 @@ def layer_fractions(budget: float, weights: np.ndarray) -> np.ndarray:
     return f
 
 
+
+
+FRACTION_UNIT = 1_000_000  # a fraction budget on the wire: millionths (0.2 -> 200000)
+
+
+@dataclass(frozen=True)
+class KVOverride:
+    """One request's own KV sparsity (`SamplingParams.kv_sparsity` / `kv_budget`): None
+    fields take the deployment's. Resolved on the memory workers against their config,
+    so the layer rule, sinks and window stay the deployment's (the window is the new
+    policy's own default)."""
+
+    policy: str | None = None
+    budget: float | int | None = None
+
+    def __post_init__(self):
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(f"unknown KV sparsity policy {self.policy!r}: one of {POLICIES}")
+        if self.budget is not None:  # its form; against the sinks when resolved
+            SparsityConfig("dense", self.budget, sinks=0)
+
+    def resolve(self, base: SparsityConfig) -> SparsityConfig:
+        return replace(base, policy=self.policy or base.policy, window=None,
+                       budget=base.budget if self.budget is None else self.budget)
+
+    def encode(self, seq_id: int) -> tuple[int, int, int, int]:
+        """(seq id, policy index or -1, budget kind: 0 fraction, 1 tokens, -1 none,
+        budget value): one row of the data plane's int32 override frame."""
+        b = self.budget
+        kind = -1 if b is None else 1 if _is_int(b) else 0
+        value = 0 if b is None else int(b) if kind else round(float(b) * FRACTION_UNIT)
+        return (seq_id, -1 if self.policy is None else POLICIES.index(self.policy), kind,
+                value)
+
+    @staticmethod
+    def decode(row) -> tuple[int, "KVOverride"]:
+        sid, pol, kind, value = (int(x) for x in row)
+        if not -1 <= pol < len(POLICIES) or kind not in (-1, 0, 1):
+            raise ValueError(f"bad KV sparsity override row {list(row)}")
+        budget = None if kind < 0 else value if kind else value / FRACTION_UNIT
+        return sid, KVOverride(None if pol < 0 else POLICIES[pol], budget)

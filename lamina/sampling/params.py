@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lamina.memory.sparsity_config import KVOverride
+
 MAX_LOGPROBS = 20
 
 
@@ -38,6 +40,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2]
     repetition_penalty: float = 1.0  # HF's (> 0): prompt and drawn tokens' logits / it
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, added to logit)
+    # this request's own KV sparsity on the memory workers (lamina.memory.sparsity): a
+    # policy name and/or a budget (a fraction in (0, 1] or a token count); None takes
+    # the deployment's (`EngineConfig.kv_sparsity` / `kv_budget`)
+    kv_sparsity: str | None = None
+    kv_budget: float | int | None = None
 
     def __post_init__(self):
         def bad(field, why):
@@ -80,11 +87,24 @@ class SamplingParams:
                or isinstance(e[1], bool) or not isinstance(e[1], (int, float))
                or not -100 <= e[1] <= 100 for e in lb):
             bad("logit_bias", "must map token ids (ints >= 0) to numbers in [-100, 100]")
+        for name, ov in (("kv_sparsity", lambda: KVOverride(self.kv_sparsity)),
+                         ("kv_budget", lambda: KVOverride(budget=self.kv_budget))):
+            try:
+                ov()
+            except ValueError as e:
+                raise ValueError(f"SamplingParams.{name}: {e}") from None
         for name in ("logprobs", "prompt_logprobs"):
             lp = getattr(self, name)
             if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool)
                                    or not 0 <= lp <= MAX_LOGPROBS):
                 bad(name, f"must be None or an int in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def kv_override(self) -> KVOverride | None:
+        """This request's own KV sparsity, or None (the deployment's)."""
+        if self.kv_sparsity is None and self.kv_budget is None:
+            return None
+        return KVOverride(self.kv_sparsity, self.kv_budget)
 
     @property
     def greedy(self) -> bool:

@@ -281,6 +281,27 @@ def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):
             eng.step()
 
 
+def test_ray_request_overrides_answer_as_local(llm, prompts, hf_greedy):
+    """Requests choosing their own KV sparsity on the dense Ray deployment (2 memory
+    workers, local prefill on), in one batch: h2o at 48 tokens (its prompt attends on
+    its memory worker, where h2o scores it, not on the compute side), topk at 25%, and
+    one without: the first two answer as the local executor with that policy
+    deployment-wide, the last as HF."""
+    batch = [prompts[i] for i in (4, 8, 6)]  # 200, 600, 300 tokens
+    own = [dict(kv_sparsity="h2o", kv_budget=48), dict(kv_sparsity="topk", kv_budget=0.25),
+           {}]
+    want = []
+    for p, kw in zip(batch[:2], own):
+        local = LLM(num_kv_slots=2048, **kw)
+        want += [o.token_ids for o in local.generate(
+            [p], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)]
+        local.shutdown()
+    got = llm.generate(batch, [SamplingParams(max_tokens=12, temperature=0, **kw)
+                               for kw in own], use_tqdm=False)
+    assert [o.token_ids for o in got] == [*want, hf_greedy[6][:12]]
+    assert want[0] != hf_greedy[4][:12]  # h2o's 48 tokens changed the answer
+
+
 def test_ray_int8_pools_and_sparsity_answer_as_local(llm, prompts):
     """kv_dtype='int8' with an h2o budget of 48 tokens on Ray: the compute worker
     calibrates the key channel scales (on the text the local executor uses), the memory

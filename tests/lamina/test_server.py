@@ -127,6 +127,10 @@ def test_completions_match_hf_and_batch_concurrently(server, prompts, hf_greedy)
     ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"prompt": "hi", "session_id": "../x"}, "session_id", "session_id must be"),
+    ({"prompt": "hi", "kv_sparsity": "sparse"}, "kv_sparsity", "unknown KV sparsity policy"),
+    ({"prompt": "hi", "kv_budget": 0.2}, "kv_budget", "without kv_sparsity changes nothing"),
+    ({"prompt": "hi", "kv_sparsity": "topk", "kv_budget": 3}, "kv_budget",
+     "does not cover the 4 sinks"),
 ])
 def test_bad_input_is_400_and_server_keeps_serving(server, body, param, words, prompts,
                                                    hf_greedy):
@@ -355,3 +359,16 @@ def test_session_id_from_the_body_or_the_header(server):
     assert (s1, s2) == (200, 200) and a["choices"][0]["text"] == b["choices"][0]["text"]
     status, out = server.post("/v1/completions", body, {"X-Session-Id": "no spaces"})
     assert status == 400 and out["error"]["param"] == "session_id"
+
+
+def test_request_kv_sparsity_reaches_the_engine(server, prompts, hf_greedy):
+    """`kv_sparsity` / `kv_budget` in the body become the request's own KV policy: a
+    budget covering the context answers as HF (the policy runs and keeps every key); a
+    streaming budget of 16 tokens on a 200-token prompt answers otherwise."""
+    body = {"prompt": prompts[4], "max_tokens": 6, "temperature": 0}
+    status, out = server.post("/v1/completions", {**body, "kv_sparsity": "topk",
+                                                  "kv_budget": 1.0})
+    assert status == 200 and out["choices"][0]["token_ids"] == hf_greedy[4][:6]
+    status, out = server.post("/v1/completions", {**body, "kv_sparsity": "streaming",
+                                                  "kv_budget": 16})
+    assert status == 200 and out["choices"][0]["token_ids"] != hf_greedy[4][:6]

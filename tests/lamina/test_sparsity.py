@@ -323,3 +323,86 @@ def test_decode_perplexity_equals_prompt_logprobs_when_dense(smol, smol_split):
     assert got["tokens"] == len(ref) == 80
     assert got["nll"] == pytest.approx(sum(ref) / len(ref), rel=1e-4)
     assert got["ppl"] == pytest.approx(math.exp(sum(ref) / len(ref)), rel=1e-4)
+
+
+def test_request_override_on_its_own_sequence():
+    """A request's own policy (`KVOverride`) on a worker whose deployment is dense: the
+    worker makes a dense Sparsifier to hold it, the sequence follows the override's
+    selection (h2o's heavy hitters, as in the deployment-wide test), a sequence without
+    one stays dense, and releasing the sequence drops both."""
+    from lamina.memory.sparsity_config import KVOverride
+
+    r = Row(SparsityConfig(sinks=1), heavy_keys())
+    assert r.mem.sparsity is None
+    r.mem.override({SID: KVOverride("h2o", 4)})
+    st = r.mem.sparsity
+    assert st.active and not st.config.enabled and st.policy(SID).config.policy == "h2o"
+    assert st.policy(SID + 1).config.policy == "dense"
+    assert st.policy(SID).config.sinks == 1 and st.policy(SID).config.window == 0.5
+    r.mem.override({SID: KVOverride("h2o", 4)})  # the same again: nothing changes
+    r.mem.sparsity.override(SID, KVOverride("h2o", 4))
+    ref = Row(SparsityConfig("h2o", 4, sinks=1), heavy_keys())
+    for row in (r, ref):
+        row.step(np.stack([e(0)] * 6), new=6)
+        for _ in range(3):
+            o = row.step(e(0))
+    assert r.picked() == ref.picked() and r.picked() != list(range(r.n))
+    r.check_output(o, e(0), r.picked())
+    r.mem.release([SID])
+    assert not st.active and SID not in st.state
+
+
+def test_kv_override_wire_rows_and_checks():
+    from lamina.memory.sparsity_config import FRACTION_UNIT, KVOverride
+
+    for ov in (KVOverride("topk", 0.2), KVOverride(None, 64), KVOverride("streaming"),
+               KVOverride(budget=1.0)):
+        sid, back = KVOverride.decode(ov.encode(12345))
+        assert (sid, back) == (12345, ov)
+    assert KVOverride("topk", 0.2).encode(3) == (3, 4, 0, FRACTION_UNIT // 5)
+    with pytest.raises(ValueError, match="bad KV sparsity override row"):
+        KVOverride.decode((1, 99, 0, 0))
+    with pytest.raises(ValueError, match="unknown KV sparsity policy 'sparse'"):
+        KVOverride("sparse")
+    with pytest.raises(ValueError, match=r"SamplingParams.kv_budget: .*must be > 0 tokens"):
+        SamplingParams(kv_sparsity="topk", kv_budget=0)
+    with pytest.raises(ValueError, match=r"SamplingParams.kv_sparsity: unknown KV sparsity"):
+        SamplingParams(kv_sparsity="quest")
+    base = SparsityConfig("h2o", 0.5, layer_budgets="pyramid")
+    got = KVOverride("topk").resolve(base)
+    assert (got.policy, got.budget, got.layer_budgets, got.window) == ("topk", 0.5,
+                                                                       "pyramid", 0.25)
+
+
+def test_request_override_in_a_mixed_batch(smol, smol_split, prompts, hf_greedy):
+    """On a dense deployment, the even prompts ask for streaming at 96 tokens and the odd
+    ones take the default, all in the same batches: the even ones decode exactly as on a
+    deployment whose policy is streaming at 96 (the same batches), the odd ones as HF.
+    A budget without a policy on a dense deployment is refused by name."""
+    want = [o.token_ids for o in run(
+        sparse_engine(smol, smol_split, SparsityConfig("streaming", 96)), prompts)]
+    eng = sparse_engine(smol, smol_split, SparsityConfig())
+    own = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True,
+                         kv_sparsity="streaming", kv_budget=96)
+    ids = [eng.add_request(p, own if i % 2 == 0 else GREEDY) for i, p in enumerate(prompts)]
+    done = {}
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    got = [done[i].token_ids for i in ids]
+    assert got[0::2] == want[0::2] and got[1::2] == hf_greedy[1::2]
+    assert any(got[i] != hf_greedy[i] for i in range(0, 16, 2))  # the override cut rows
+    with pytest.raises(ValueError, match="kv_budget=0.2 without kv_sparsity changes nothing"):
+        eng.add_request(prompts[0], SamplingParams(kv_budget=0.2))
+
+
+def test_overrides_cross_a_connection_once():
+    """The compute end sends a sequence's override to a memory worker once (and again
+    after the sequence was released there)."""
+    from lamina.dataplane.tables import SentTables
+    from lamina.memory.sparsity_config import KVOverride
+
+    t, ov = SentTables(), {1: KVOverride("topk", 0.2), 2: KVOverride("h2o")}
+    assert t.new_overrides(ov, [1, 2, 3]) == [ov[1].encode(1), ov[2].encode(2)]
+    assert t.new_overrides(ov, [1, 2, 3]) == []
+    t.release([1])
+    assert t.new_overrides(ov, [2, 1]) == [ov[1].encode(1)]
