@@ -294,6 +294,8 @@ class SlotTables:
 
     def __init__(self) -> None:
         self._t: dict[int, GrowingSlots] = {}
+        self._evicted: dict[int, tuple[int, int]] = {}  # seq -> its evicted positions
+        self._moved: set[int] = set()  # seqs whose evicted range changed this plan
 
     def __len__(self) -> int:
         return len(self._t)
@@ -302,10 +304,20 @@ class SlotTables:
         """seq's whole table [L] int32 (a view, valid until its next plan is applied)."""
         return self._t[seq_id].view()
 
+    def evicted_moved(self, seq_id: int) -> bool:
+        """Whether seq's evicted range changed with the last plan applied (the memory
+        workers' copies of its table then differ from the hole on)."""
+        return seq_id in self._moved
+
     def apply(self, plan: StepPlan) -> None:
+        self._moved = set()
         for sid in plan.released:
             self._t.pop(sid, None)
+            self._evicted.pop(sid, None)
         for s in plan.seqs:
+            if self._evicted.get(s.seq_id, (0, 0)) != s.evicted:
+                self._moved.add(s.seq_id)
+                self._evicted[s.seq_id] = s.evicted
             t = self._t.get(s.seq_id)
             if s.slots_from == 0:
                 t = self._t[s.seq_id] = GrowingSlots()

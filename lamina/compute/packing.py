@@ -169,7 +169,7 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False,
                      range(n), 0, s.seq_id)
             continue
         merge |= len(seg) > 1 and seg[-1][1] < p0 + n  # some query sees several ranges
-        _place(s, table, r0, per)
+        _place(s, table, r0, per, tables is None or tables.evicted_moved(s.seq_id))
     own = mine.build(len(ids))
     return PackedBatch(torch.tensor([ids]), torch.tensor([pos]), tuple(rows),
                        tuple(p.build(len(ids)) for p in per), merge, tuple(sample),
@@ -186,12 +186,23 @@ def _table(s, tables) -> np.ndarray:
     return np.asarray(s.slots, dtype=np.int32)
 
 
-def _place(s, table: np.ndarray, r0: int, per: list[_PartRows]) -> None:
+def _place(s, table: np.ndarray, r0: int, per: list[_PartRows], moved: bool = True) -> None:
     """Sequence `s` (its rows from r0, its whole slot `table`) onto the workers holding
     its slot ranges: each worker attends the queries that see keys in its range and
     stores the new k/v that fall in it. Positions before `s.slots_from` are as in its
-    last plan (the memory workers may hold them: `WorkerPart.unchanged`)."""
+    last plan (the memory workers may hold them: `WorkerPart.unchanged`). Evicted
+    positions (`s.evicted`, one worker) are left out of its keys; `moved`: that range
+    changed since the last plan, so what the workers hold differs from there on."""
     n, p0, seg = len(s.token_ids), s.start_pos, s.placement
+    lo, hi = s.evicted
+    if hi > lo:
+        keys = np.concatenate([table[:lo], table[hi:]])
+        held = min(s.slots_from, lo) if moved else s.slots_from - (min(s.slots_from, hi) - lo
+                                                                  if s.slots_from > lo else 0)
+        (w, _), = seg
+        per[w].add(range(r0, r0 + n), range(r0, r0 + n), table[p0:p0 + n].tolist(), keys,
+                   range(p0, p0 + n), 0, s.seq_id, max(0, held))
+        return
     ends = [a for _, a in seg[1:]] + [len(table)]
     for (w, a), b in zip(seg, ends):
         q0 = max(a, p0)  # queries at positions >= a see keys in this range

@@ -86,6 +86,9 @@ class EngineConfig:
     kv_sparsity: str = "dense"
     kv_budget: float | int = 1.0
     kv_layer_budgets: str = "uniform"
+    # streaming (deployment-wide or a request's own) gives back the slots of the keys it
+    # will never attend again, so the pools hold more sequences; False keeps every slot
+    kv_evict: bool = True
     faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
 
     @property
@@ -151,9 +154,10 @@ class EngineConfig:
         if not isinstance(self.fuse_pointwise, bool):
             raise ValueError(f"EngineConfig.fuse_pointwise must be a bool, "
                              f"got {self.fuse_pointwise!r}")
-        if not isinstance(self.prefix_caching, bool):
-            raise ValueError(f"EngineConfig.prefix_caching must be a bool, "
-                             f"got {self.prefix_caching!r}")
+        for name in ("prefix_caching", "kv_evict"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, "
+                                 f"got {getattr(self, name)!r}")
         self.tiers  # noqa: B018 - TierConfig checks the kv_* tier fields
         if not isinstance(self.truncation_reuse, bool):
             raise ValueError(f"EngineConfig.truncation_reuse must be a bool, "

@@ -29,6 +29,7 @@ from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from lamina.engine.sessions import SessionIndex, check_session_id
 from lamina.errors import SequenceFault
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
+from lamina.memory.sparsity_config import SCORED, evictable, layer_fractions
 from lamina.memory.tier_orders import TierMiss
 from lamina.sampling.params import SamplingParams
 
@@ -79,7 +80,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens,
                                                    config.split_kv), self.allocs,
                                    prefix_caching=config.prefix_caching,
-                                   sessions=self.sessions)
+                                   sessions=self.sessions, evict=self._evict_rule(),
+                                   scores_prompt=self._scores_prompt)
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()
@@ -92,6 +94,41 @@ class LLMEngine:
         self.last_recovery_s: float | None = None  # how long the latest recover took
         self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
+
+    def _scores_prompt(self, seq: Sequence) -> bool:
+        """Whether seq's KV policy (its own or the deployment's) scores its prompt on the
+        memory workers (h2o, snapkv, swa): a cached prefix would skip that scoring."""
+        ov = seq.params.kv_override
+        cfg = self.config.sparsity if ov is None else ov.resolve(self.config.sparsity)
+        return cfg.enabled and cfg.policy in SCORED
+
+    def _evict_rule(self):
+        """The scheduler's eviction rule: a decoding sequence whose KV policy (its own or
+        the deployment's) is streaming gives back the positions no layer will select
+        again (`evictable`). None where nothing may be evicted: `kv_evict` off, a layer
+        with a sliding window (it attends its window, not the policy's selection), or an
+        executor that does not say its layers."""
+        layers = getattr(self.executor, "params", None)
+        if not self.config.kv_evict or not layers:
+            return None
+        if any((p.sliding_window or -1) > 0 for p in layers):
+            log.info("kv_evict: layers with a sliding window attend their window; no "
+                     "slots are given back")
+            return None
+        base, shares = self.config.sparsity, {}
+
+        def rule(seq: Sequence) -> tuple[int, int] | None:
+            ov = seq.params.kv_override
+            cfg = base if ov is None else ov.resolve(base)
+            if cfg.policy != "streaming" or not cfg.enabled or cfg.layer_budgets == "entropy":
+                return None  # (entropy weights are measured on the workers, not known here)
+            if cfg not in shares:
+                w = cfg.weights(len(layers))
+                shares[cfg] = layer_fractions(cfg.budget, w) \
+                    if isinstance(cfg.budget, float) else w
+            return evictable(cfg, shares[cfg], seq.num_tokens)
+
+        return rule
 
     @staticmethod
     def _session_index(config: EngineConfig, executor) -> SessionIndex | None:

@@ -4,7 +4,8 @@ The data path of one step, and the file that owns each stage:
 
   StepPlan                    engine/scheduler.py   which sequences, tokens, positions,
      |                                              KV slots (diffs: new ones only once a
-     |                                              table was sent), sampling (this file)
+     |                                              table was sent; positions whose slots
+     |                                              were given back), sampling (this file)
   whole slot tables           compute/compute_side.py  SlotTables: kept per sequence
      |  control frame         dataplane/control.py  one msgpack frame to the compute worker
      v                                              (Ray executor; in-process: a call)
@@ -66,6 +67,10 @@ class SeqWork:
     history: tuple[int, ...] = ()
     prompt_len: int = 0
     slots_from: int = 0  # the position of slots[0]
+    # positions [a, b) whose KV slots were given back (its KV policy never reads them
+    # again: `lamina.memory.sparsity_config.evictable`); their table entries are -1 and
+    # its attention lists the other positions only. (0, 0): none. Sent every step.
+    evicted: tuple[int, int] = (0, 0)
 
     def __post_init__(self):
         end = self.start_pos + len(self.token_ids)
@@ -73,6 +78,10 @@ class SeqWork:
                 or len(self.slots) != end - self.slots_from or not self.token_ids):
             raise ValueError(f"seq {self.seq_id}: {len(self.slots)} slots from position "
                              f"{self.slots_from} for positions 0..{end - 1}")
+        a, b = self.evicted
+        if not 0 <= a <= b <= self.start_pos or (b > a and len(self.placement) > 1):
+            raise ValueError(f"seq {self.seq_id}: evicted positions {a}..{b - 1} must come "
+                             f"before position {self.start_pos}, on one memory worker")
         if self.sample and not self.seeds:
             raise ValueError(f"seq {self.seq_id}: sampling needs at least one seed")
         seg = self.placement

@@ -18,6 +18,10 @@ siblings ride along as `forks`. The prompt is prefilled once, n tokens are drawn
 its last position, and `fork` then gives each sibling the parent's KV slots by
 reference count (`KVAllocator.fork`); from there each appends its own slots.
 
+Eviction: with an `evict` rule (the engine's, for `streaming`), a decoding sequence's
+positions that its policy will never read again give their slots back (`drop`: holes in
+its table), `evict_chunk` at a time, and its plans say which (`SeqWork.evicted`).
+
 KV split (paper 5.2): with `split_kv`, a sequence whose worker is full spills its next
 slots onto another worker instead of being preempted, and a prompt larger than any one
 worker's free slots is spread over several. A sequence holds at most one contiguous
@@ -43,9 +47,12 @@ class SchedulerConfig:
     max_batch: int = 64  # running sequences
     max_step_tokens: int = 4096  # tokens fed per step (prefill budget)
     split_kv: bool = True  # a sequence's KV may span memory workers
+    # evicted positions are given back this many at a time (fewer, larger table changes:
+    # the memory workers' held tables are re-sent from the hole on when it grows)
+    evict_chunk: int = 64
 
     def __post_init__(self):
-        for f in ("max_batch", "max_step_tokens"):
+        for f in ("max_batch", "max_step_tokens", "evict_chunk"):
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"SchedulerConfig.{f} must be a positive int, got {v!r}")
@@ -72,6 +79,7 @@ class Sequence:
     # positions whose KV slots the executor holds in its table of this sequence (0: it
     # holds none: the next plan sends the whole table)
     sent: int = 0
+    evicted: tuple[int, int] = (0, 0)  # positions [a, b) whose slots were given back
 
     @property
     def tokens(self) -> list[int]:
@@ -102,9 +110,17 @@ def fifo(waiting: deque) -> list:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocators: KVAllocator | list[KVAllocator],
                  policy: Callable[[deque], list] = fifo, prefix_caching: bool = False,
-                 sessions: SessionIndex | None = None):
+                 sessions: SessionIndex | None = None,
+                 evict: Callable[[Sequence], tuple[int, int] | None] | None = None,
+                 scores_prompt: Callable[[Sequence], bool] | None = None):
         self.allocs = allocators if isinstance(allocators, list) else [allocators]
         self.config, self.policy = config, policy
+        # whether a sequence's KV policy scores its whole prompt where it is stored
+        # (h2o, snapkv, swa): such a prompt is computed, never taken from a cache
+        self.scores_prompt = scores_prompt or (lambda seq: False)
+        # a decoding sequence's positions its KV policy will never read again (its
+        # slots are given back), or None; None: no eviction
+        self.evict = evict
         self.sessions = sessions  # sessions' KV beyond the pools; None: no tiers
         # one radix tree per memory worker (`prefix_cache`); None: no caching
         self.caches = [RadixCache(a) for a in self.allocs] if prefix_caching else None
@@ -152,8 +168,9 @@ class Scheduler:
         return None
 
     def _spill(self, seq: Sequence) -> int | None:
-        """A worker this sequence has no range on that can take one more slot."""
-        if not self.config.split_kv:
+        """A worker this sequence has no range on that can take one more slot (not for a
+        sequence with evicted positions: those stay on one worker)."""
+        if not self.config.split_kv or seq.evicted[1] > seq.evicted[0]:
             return None
         free = [w for w in range(len(self.allocs))
                 if w not in seq.workers and self.allocs[w].can_allocate(1)]
@@ -172,7 +189,8 @@ class Scheduler:
         """(worker, cached slots) of seq's longest cached prefix on a worker that can
         hold the rest (+ `extra` fork slots); ([], -1) if none. At least the last token is
         fed, so the step draws from it."""
-        if self.caches is None or seq.params.prompt_logprobs is not None:
+        if (self.caches is None or seq.params.prompt_logprobs is not None
+                or self.scores_prompt(seq)):
             return -1, []  # prompt logprobs need every prompt position computed
         n = len(seq.tokens)
         hits = sorted(((c.match(seq.tokens, n - 1), w) for w, c in enumerate(self.caches)),
@@ -192,7 +210,7 @@ class Scheduler:
         hit holds: (its worker, the pool slots of the prefix there, the match); else
         (w, hit, None) unchanged."""
         if (self.sessions is None or seq.session is None
-                or seq.params.prompt_logprobs is not None):
+                or seq.params.prompt_logprobs is not None or self.scores_prompt(seq)):
             return w, hit, None
         n = len(seq.tokens)
         m = self.sessions.match(seq.session, seq.tokens, n - 1)
@@ -226,7 +244,10 @@ class Scheduler:
 
     def cache(self, seq: Sequence, upto: int) -> None:
         """Cache seq's first `upto` positions (their KV is written): after its prefill,
-        and when it finishes. Only a sequence held by one worker."""
+        and when it finishes. Only a sequence held by one worker, and only up to its
+        first evicted position."""
+        if seq.evicted[1] > seq.evicted[0]:
+            upto = min(upto, seq.evicted[0])
         if self.caches is not None and len(seq.segments) == 1 and upto > 0:
             w = seq.worker
             self.caches[w].insert(seq.tokens[:upto], self.allocs[w].slots(seq.seq_id)[:upto])
@@ -242,7 +263,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         for w in seq.workers:
             self.allocs[w].free(seq.seq_id)
-        seq.segments = []
+        seq.segments, seq.evicted = [], (0, 0)
         if seq.sent:
             self._released.append(seq.seq_id)
             seq.sent = 0
@@ -292,7 +313,8 @@ class Scheduler:
         work = SeqWork(seq.seq_id, tokens, start, tuple(slots), worker=seq.segments[0][0],
                        params=seq.params, seeds=seeds, segments=segs,
                        history=tuple(seq.tokens) if penalized else (),
-                       prompt_len=len(seq.prompt) if penalized else 0, slots_from=seq.sent)
+                       prompt_len=len(seq.prompt) if penalized else 0, slots_from=seq.sent,
+                       evicted=seq.evicted)
         seq.sent = end
         return work
 
@@ -315,6 +337,7 @@ class Scheduler:
             if seq.status != "running":
                 continue  # preempted while making room for an older one
             if self._grow(seq):
+                self._evict(seq)
                 work.append(self._work(seq, (seq.last_token,), seq.num_tokens - 1,
                                        (seq.seed,)))
         # 2. Admit waiting sequences in policy order while they fit.
@@ -355,6 +378,23 @@ class Scheduler:
         self.step += 1
         return plan
 
+    def _evict(self, seq: Sequence) -> None:
+        """Give back the slots of the positions seq's KV policy will never read again,
+        `evict_chunk` or more at a time. Not for a sequence whose KV spans workers or
+        whose session saves its KV."""
+        if self.evict is None or len(seq.segments) != 1 or seq.session is not None:
+            return
+        want = self.evict(seq)
+        if want is None:
+            return
+        lo, hi = want
+        a, b = seq.evicted
+        start = b if b > a else lo
+        if hi - start < self.config.evict_chunk or (b > a and a != lo):
+            return
+        self.allocs[seq.worker].drop(seq.seq_id, start, hi)
+        seq.evicted = (lo, hi)
+
     def _allocate(self, seq: Sequence, place: list[tuple[int, int]]) -> None:
         """Fresh slots for all of seq's tokens, over the workers `place` names."""
         n, pos = len(seq.tokens), 0
@@ -372,6 +412,7 @@ class Scheduler:
             for w in parent.workers:
                 self.allocs[w].fork(parent.seq_id, kid.seq_id)
             kid.status, kid.segments = "running", list(parent.segments)
+            kid.evicted = parent.evicted
             self.running.append(kid)
         return kids
 

@@ -344,6 +344,9 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
     p.add_argument("--kv-layer-budgets", default="uniform", choices=list(LAYER_BUDGETS),
                    help="the budget over layers: the same, a pyramid (1.5x at the first "
                         "layer to 0.5x at the last), or by measured attention entropy")
+    p.add_argument("--kv-evict", action=argparse.BooleanOptionalAction, default=True,
+                   help="streaming gives back the slots of the keys its window has passed "
+                        "(--no-kv-evict keeps every slot)")
 
 
 def _budget(text: str) -> float | int:
@@ -369,7 +372,7 @@ def _llm(LLM, args, **kw):
                    dense_backend=args.dense_backend,
                    dtype=args.dtype, kv_dtype=args.kv_dtype or args.dtype,
                    kv_sparsity=args.kv_sparsity, kv_budget=args.kv_budget,
-                   kv_layer_budgets=args.kv_layer_budgets,
+                   kv_layer_budgets=args.kv_layer_budgets, kv_evict=args.kv_evict,
                    **({"kv_pool_bytes": int(args.kv_pool_gib * 2 ** 30)}
                       if args.kv_pool_gib else {}), **kw)
     from lamina.entrypoints.deploy_config import LaminaConfig
@@ -378,7 +381,7 @@ def _llm(LLM, args, **kw):
     given = _flags_given(args, ("model", "executor", "memory_workers", "kv_device",
                                 "compute_device", "dense_backend", "dtype", "kv_dtype",
                                 "kv_pool_gib", "kv_sparsity", "kv_budget", "kv_layer_budgets",
-                                *kw))
+                                "kv_evict", *kw))
     if given:
         raise ValueError(f"--config {args.config} sets the engine: drop {', '.join(given)} "
                          f"(or put them in the file)")

@@ -12,6 +12,9 @@ their KV pool tensors, and `CopySlot` orders when copy-on-write needs a KV copy.
   beam search, shared prompts); `write` into a shared position copies on write.
 - Exhaustion raises `KVPoolExhausted` (typed, with counts) and changes nothing;
   `can_allocate` answers the same question without side effects.
+- Eviction: `drop` gives back the slots of a range of a request's positions that its
+  attention policy will never read again (streaming); the table keeps -1 there (a hole),
+  every other position keeps its slot.
 - Overcommit: with `overcommit=True` the pool holds `num_slots` slots although only
   `device_budget_slots` fit on the device (the rest live in host memory, as the paper's
   unified memory does); `stats()` accounts for the slots beyond the budget.
@@ -165,12 +168,13 @@ class KVAllocator:
         return released
 
     def fork(self, parent, child) -> list[int]:
-        """`child` shares every slot of `parent` (refcounts +1)."""
+        """`child` shares every slot of `parent` (refcounts +1; holes stay holes)."""
         if child in self._tables:
             raise ValueError(f"request {child!r} already has slots")
         table = self._table(parent)
         for s in table:
-            self._ref[s] += 1
+            if s >= 0:
+                self._ref[s] += 1
         self._tables[child] = list(table)
         return list(table)
 
@@ -183,12 +187,35 @@ class KVAllocator:
         if not -len(table) <= pos < len(table):
             raise IndexError(f"request {req!r} has {len(table)} positions, not {pos}")
         old = table[pos]
+        if old < 0:
+            raise IndexError(f"request {req!r}: position {pos} was dropped (evicted)")
         if self._ref[old] == 1:
             return None
         new = self._pop(1)[0]
         self._ref[old] -= 1
         table[pos] = new
         return CopySlot(src=old, dst=new)
+
+    def drop(self, req, start: int, end: int) -> list[int]:
+        """Positions start..end-1 of `req` give their slots back (evicted: never read
+        again); they become holes (-1) in its table. Returns the slots that became free,
+        in push order (the first position's ends on top). Holes already there are
+        skipped, so dropping again is harmless."""
+        table = self._table(req)
+        if not 0 <= start <= end <= len(table):
+            raise IndexError(f"request {req!r} has {len(table)} positions, cannot drop "
+                             f"{start}..{end - 1}")
+        released = []
+        for p in range(end - 1, start - 1, -1):
+            s = table[p]
+            if s < 0:
+                continue
+            table[p] = -1
+            self._ref[s] -= 1
+            if self._ref[s] == 0:
+                self._free.append(s)
+                released.append(s)
+        return released
 
     def free(self, req) -> list[int]:
         """Release `req`. Returns the slots that became free, in push order."""
@@ -197,6 +224,8 @@ class KVAllocator:
             raise KeyError(f"unknown request {req!r}")
         released = []
         for s in reversed(table):  # first position ends on top: reused first, in order
+            if s < 0:
+                continue  # dropped before
             self._ref[s] -= 1
             if self._ref[s] == 0:
                 self._free.append(s)

@@ -54,26 +54,13 @@ from lamina.memory.sparsity_config import (  # noqa: F401 - the names callers im
     SparsityConfig,
     _is_int,
     layer_fractions,
+    row_budget,
+    split_budget,
 )
 
 # topk's page bounds: fp32 (bf16 would halve what scoring reads, but torch's bf16
 # matrix-vector product on the CPU made the selection slower than the bytes it saved)
 BOUNDS_DTYPE = torch.float32
-
-
-def row_budget(budget: float | int, share: float, n: int) -> int:
-    """Keys a row with `n` keys of context may attend at a layer with `share`: a fraction
-    budget is already per layer (`layer_fractions`), a token budget is scaled by the
-    layer's weight; at least 1, at most n."""
-    t = math.ceil(share * n - 1e-9) if isinstance(budget, float) else round(budget * share)
-    return max(1, min(n, int(t)))
-
-
-def split_budget(t: int, sinks: int, window: float | int) -> tuple[int, int]:
-    """(sinks, recent) within t keys: at least the newest key is recent."""
-    s = min(sinks, t - 1)
-    r = window if _is_int(window) else math.ceil(window * t)
-    return s, max(1, min(int(r), t - s))
 
 
 def pick(n: int, t: int, sinks: int, recent: int,
@@ -245,7 +232,12 @@ class Sparsifier:
             idx = None
             pol = self.policy(int(seq_ids[b])) if b < len(seq_ids) else self._base
             if cu_q[b + 1] - cu_q[b] == 1 and b < len(seq_ids) and pol.config.enabled:
-                t = row_budget(pol.config.budget, float(pol.shares[layer]), n)
+                # streaming's budget is of the row's context, its query's position + 1:
+                # the engine may have freed the slots it will never select again
+                # (`evictable`), and the row then lists fewer keys than its context
+                ctx = int(qpos[cu_q[b]]) - pos0[b] + 1 if pol.config.policy == "streaming" \
+                    else n
+                t = row_budget(pol.config.budget, float(pol.shares[layer]), max(n, ctx))
                 qr = q[cu_q[b]]
                 if pol.config.policy == "topk":
                     if signed is None:

@@ -129,6 +129,35 @@ def layer_fractions(budget: float, weights: np.ndarray) -> np.ndarray:
 
 
 
+def row_budget(budget: float | int, share: float, n: int) -> int:
+    """Keys a row with `n` keys of context may attend at a layer with `share`: a fraction
+    budget is already per layer (`layer_fractions`), a token budget is scaled by the
+    layer's weight; at least 1, at most n."""
+    t = math.ceil(share * n - 1e-9) if isinstance(budget, float) else round(budget * share)
+    return max(1, min(n, int(t)))
+
+
+def split_budget(t: int, sinks: int, window: float | int) -> tuple[int, int]:
+    """(sinks, recent) within t keys: at least the newest key is recent."""
+    s = min(sinks, t - 1)
+    r = window if _is_int(window) else math.ceil(window * t)
+    return s, max(1, min(int(r), t - s))
+
+
+def evictable(config: SparsityConfig, shares, n: int) -> tuple[int, int] | None:
+    """Positions [lo, hi) of a row with n keys of context that `streaming` will never
+    select again at any layer (`shares`: each layer's budget share, `layer_fractions` of
+    a fraction budget or the weights of a token budget): past the sinks and before the
+    widest layer's recent window. None: nothing (another policy, or nothing to drop).
+    The window only moves forward as the context grows, so what is dropped stays out."""
+    if config.policy != "streaming" or not config.enabled:
+        return None
+    t = max(row_budget(config.budget, float(s), n) for s in shares)
+    sinks = min(config.sinks, t - 1)
+    lo, hi = sinks, n - (t - sinks)
+    return (lo, hi) if hi > lo else None
+
+
 FRACTION_UNIT = 1_000_000  # a fraction budget on the wire: millionths (0.2 -> 200000)
 
 

@@ -124,6 +124,36 @@ def test_ray_kv_split_over_workers_identical(llm, prompts, hf_greedy):
     assert out[rid].token_ids == hf_greedy[8] and out[rid + 1].token_ids == hf_greedy[0]
 
 
+def test_ray_request_overrides_answer_as_local(llm, prompts, hf_greedy):
+    """Requests choosing their own KV sparsity on the dense Ray deployment (2 memory
+    workers, local prefill on), in one batch: h2o at 48 tokens (its prompt attends on
+    its memory worker, where h2o scores it, not on the compute side), topk at 25%,
+    streaming at 48 (its slots past the window given back: the memory worker's held
+    table is re-sent from the hole), and one without: the first three answer as the
+    local executor with that policy deployment-wide keeping every slot, the last as
+    HF."""
+    batch = [prompts[i] for i in (4, 8, 14, 6)]  # 128, 600, 250, 300 tokens
+    own = [dict(kv_sparsity="h2o", kv_budget=48), dict(kv_sparsity="topk", kv_budget=0.25),
+           dict(kv_sparsity="streaming", kv_budget=48), {}]
+    want = []
+    for p, kw in zip(batch[:3], own):
+        local = LLM(num_kv_slots=2048, kv_evict=False, **kw)
+        want += [o.token_ids for o in local.generate(
+            [p], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)]
+        local.shutdown()
+    eng = llm.engine
+    ids = [eng.add_request(p, SamplingParams(max_tokens=12, temperature=0, **kw))
+           for p, kw in zip(batch, own)]
+    done, evicted = {}, None
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+        seq = next((q for q in eng.scheduler.running if q.prompt == batch[2]), None)
+        evicted = evicted or (seq.evicted if seq and seq.evicted[1] else None)
+    assert [done[i].token_ids for i in ids] == [*want, hf_greedy[6][:12]]
+    assert want[0] != hf_greedy[4][:12]  # h2o's 48 tokens changed the answer
+    assert evicted == (4, 250 + 1 - 44)  # given back at its first decode step
+
+
 def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_greedy):
     """A memory worker killed mid-decode: the step fails, the executor starts fresh
     memory workers, the engine recomputes the lost KV, and every request still ends with
@@ -279,27 +309,6 @@ def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):
     with pytest.raises(WorkerFailure, match="step .* failed"):
         for _ in range(3):
             eng.step()
-
-
-def test_ray_request_overrides_answer_as_local(llm, prompts, hf_greedy):
-    """Requests choosing their own KV sparsity on the dense Ray deployment (2 memory
-    workers, local prefill on), in one batch: h2o at 48 tokens (its prompt attends on
-    its memory worker, where h2o scores it, not on the compute side), topk at 25%, and
-    one without: the first two answer as the local executor with that policy
-    deployment-wide, the last as HF."""
-    batch = [prompts[i] for i in (4, 8, 6)]  # 200, 600, 300 tokens
-    own = [dict(kv_sparsity="h2o", kv_budget=48), dict(kv_sparsity="topk", kv_budget=0.25),
-           {}]
-    want = []
-    for p, kw in zip(batch[:2], own):
-        local = LLM(num_kv_slots=2048, **kw)
-        want += [o.token_ids for o in local.generate(
-            [p], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)]
-        local.shutdown()
-    got = llm.generate(batch, [SamplingParams(max_tokens=12, temperature=0, **kw)
-                               for kw in own], use_tqdm=False)
-    assert [o.token_ids for o in got] == [*want, hf_greedy[6][:12]]
-    assert want[0] != hf_greedy[4][:12]  # h2o's 48 tokens changed the answer
 
 
 def test_ray_int8_pools_and_sparsity_answer_as_local(llm, prompts):

@@ -173,3 +173,35 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_drop_gives_back_a_range_and_leaves_holes():
+    a = alloc()
+    a.allocate("r", 6)  # 0..5
+    assert a.drop("r", 1, 4) == [3, 2, 1]  # pushed last position first: 1 is reused first
+    assert a.slots("r") == [0, -1, -1, -1, 4, 5]
+    assert a.free_list() == [1, 2, 3, 6, 7]
+    assert [a.refcount(s) for s in range(6)] == [1, 0, 0, 0, 1, 1]
+    assert a.drop("r", 0, 4) == [0]  # holes are skipped
+    assert a.append("r") == 0  # the slot dropped last is on top
+    assert a.slots("r") == [-1, -1, -1, -1, 4, 5, 0]
+    with pytest.raises(IndexError, match="cannot drop 5..7"):
+        a.drop("r", 5, 8)
+    with pytest.raises(IndexError, match="position 1 was dropped"):
+        a.write("r", 1)
+    assert a.free("r") == [0, 5, 4]
+    assert a.free_list() == [4, 5, 0, 1, 2, 3, 6, 7]
+    assert a.stats().used == 0
+
+
+def test_drop_in_a_forked_table_frees_only_unshared_slots():
+    a = alloc()
+    a.allocate("p", 4)
+    a.fork("p", "c")
+    assert a.drop("p", 1, 3) == []  # the child still holds 1 and 2
+    assert [a.refcount(s) for s in range(4)] == [2, 1, 1, 2]
+    a.fork("p", "g")  # a fork of a table with holes keeps them
+    assert a.slots("g") == [0, -1, -1, 3] and a.refcount(0) == 3
+    assert a.drop("c", 0, 4) == [2, 1]
+    assert a.free("g") == [] and a.free("p") == [3, 0]
+    assert a.stats().used == 0

@@ -167,3 +167,28 @@ def test_scheduler_feeds_only_the_uncached_rest_with_exact_slots():
     assert work.slots[:3] == (10, 11, 12) and len(work.slots) == 22
     assert alloc.num_free() == 0 and sch.caches[0].size == 10
     assert sch.caches[0].match([1, 2, 3, 4, 5, 6, 20, 21]) == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_prompt_its_policy_scores_is_computed_not_reused():
+    """A sequence whose KV policy scores its prompt where it is stored (h2o, snapkv,
+    swa: the engine's `scores_prompt`) is prefilled whole even when its prefix is cached;
+    the others reuse it."""
+    from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+
+    alloc = KVAllocator(KVAllocatorConfig(32))
+    sch = Scheduler(SchedulerConfig(), alloc, prefix_caching=True,
+                    scores_prompt=lambda s: s.params.kv_sparsity == "h2o")
+    a = Sequence(0, list(range(1, 11)), SamplingParams(max_tokens=1))
+    sch.add(a)
+    sch.schedule()
+    a.output.append(99)
+    sch.finish(a, "length")  # caches positions 0..9
+    b = Sequence(1, list(range(1, 11)), SamplingParams(max_tokens=1, kv_sparsity="h2o"))
+    sch.add(b)
+    work = sch.schedule().seqs[0]
+    assert (work.start_pos, len(work.token_ids), b.cached) == (0, 10, 0)
+    b.output.append(5)
+    sch.finish(b, "length")
+    c = Sequence(2, list(range(1, 11)), SamplingParams(max_tokens=1, kv_sparsity="topk"))
+    sch.add(c)
+    assert sch.schedule().seqs[0].start_pos == 9 and c.cached == 9

@@ -154,3 +154,36 @@ def test_split_kv_off_keeps_one_worker_per_sequence():
         s.add(Sequence(0, [1] * 6, P))
     with pytest.raises(ValueError, match="split_kv"):
         SchedulerConfig(split_kv="yes")
+
+
+def test_eviction_gives_back_slots_in_chunks_exact():
+    """An eviction rule keeping positions 0-1 and the last 3: the slots of the positions
+    between are given back once 2 or more can go (evict_chunk), the plans say which, the
+    freed slots serve the next admission, and a preemption restores a whole table."""
+    allocs = [KVAllocator(KVAllocatorConfig(12))]
+    s = Scheduler(SchedulerConfig(4, 100, evict_chunk=2), allocs[0],
+                  evict=lambda q: (2, q.num_tokens - 3) if q.num_tokens - 3 > 2 else None)
+    a = Sequence(0, [1] * 6, P)
+    s.add(a)
+    assert s.schedule().seqs == (SeqWork(0, (1,) * 6, 0, (0, 1, 2, 3, 4, 5), params=P),)
+    a.output.append(7)
+    # decode at position 6: positions 2, 3 (of 0..6) can go: 2 >= the chunk
+    assert s.schedule().seqs == (SeqWork(0, (7,), 6, (6,), params=P, slots_from=6,
+                                         evicted=(2, 4)),)
+    assert s.alloc.slots(0) == [0, 1, -1, -1, 4, 5, 6] and s.alloc.free_list()[:2] == [2, 3]
+    a.output.append(8)
+    # position 4 alone could go: under the chunk, kept for now
+    assert s.schedule().seqs[0].evicted == (2, 4) and s.alloc.slots(0)[4] == 4
+    a.output.append(9)
+    assert s.schedule().seqs[0].evicted == (2, 6)  # 4 and 5 go together
+    assert s.alloc.slots(0) == [0, 1, -1, -1, -1, -1, 6, 2, 3]
+    b = Sequence(1, [5] * 4, P)
+    s.add(b)
+    a.output.append(10)
+    plan = s.schedule()
+    # a's position 9 and b's first take the slots of positions 4 and 5 given back
+    assert plan.seqs[0].slots == (4,) and plan.seqs[0].evicted == (2, 6)
+    assert plan.seqs[1] == SeqWork(1, (5,) * 4, 0, (5, 7, 8, 9), params=P)
+    s.preempt_all()
+    assert a.evicted == (0, 0) and s.alloc.stats().used == 0
+    s.cache(a, 9)  # no cache: a no-op, and never of positions past a hole

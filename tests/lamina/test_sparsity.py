@@ -254,8 +254,10 @@ def test_engine_config_names_the_sparsity_fields():
     assert not EngineConfig(kv_sparsity="topk", kv_budget=1.0).sparsity.enabled
 
 
-def sparse_engine(smol, split, config: SparsityConfig, slots=16384):
-    cfg = EngineConfig(num_kv_slots=slots)
+def sparse_engine(smol, split, config: SparsityConfig, slots=16384, **engine):
+    """An engine whose memory side runs `config`; `engine`: EngineConfig fields (its own
+    kv_sparsity / kv_budget, which the scheduler's eviction follows, default dense)."""
+    cfg = EngineConfig(num_kv_slots=slots, **engine)
     pool = KVPool(KVPoolConfig.for_specs(split.attention_specs, slots))
     return LLMEngine(cfg, LocalExecutor(split, [MemorySide(pool, sparsity=config)]),
                      smol.tokenizer, smol.config)
@@ -406,3 +408,33 @@ def test_overrides_cross_a_connection_once():
     assert t.new_overrides(ov, [1, 2, 3]) == []
     t.release([1])
     assert t.new_overrides(ov, [2, 1]) == [ov[1].encode(1)]
+
+
+def test_streaming_gives_back_slots_and_answers_as_keeping_them(smol, smol_split, prompts):
+    """streaming at 96 tokens: the scheduler gives back the slots of positions 4 up to
+    the window (92 keys before the newest) once 64 or more can go, and the answers equal
+    those of the same policy keeping every slot (the freed slots are reused for new
+    tokens at once, so attending to one would change them). Prefix caching off: it
+    would hold the prompts' slots until the pool needs them."""
+    cfg = SparsityConfig("streaming", 96)
+    kw = dict(kv_sparsity="streaming", kv_budget=96, prefix_caching=False)
+    keep = [o.token_ids for o in run(sparse_engine(smol, smol_split, cfg, kv_evict=False,
+                                                   **kw), prompts)]
+    eng = sparse_engine(smol, smol_split, cfg, **kw)
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    eng.step()  # every prompt prefilled in one step
+    eng.step()  # the first decode step gives back what streaming will never read
+    live, gone = 0, 0
+    for seq in eng.scheduler.running:
+        n = seq.num_tokens - 1  # the positions with KV after that step
+        want = (4, n - 92) if n - 92 - 4 >= 64 else (0, 0)
+        assert seq.evicted == want, (len(seq.prompt), seq.evicted)
+        table = eng.alloc.slots(seq.seq_id)
+        assert table.count(-1) == want[1] - want[0] and -1 not in table[:4] + table[want[1]:]
+        live, gone = live + n, gone + want[1] - want[0]
+    assert eng.alloc.stats().used == live - gone and gone > live // 2
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert [done[i].token_ids for i in ids] == keep
+    assert eng.alloc.stats().used == 0
