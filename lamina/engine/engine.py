@@ -29,7 +29,12 @@ from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from lamina.engine.sessions import SessionIndex, check_session_id
 from lamina.errors import SequenceFault
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
-from lamina.memory.sparsity_config import SCORED, evictable, layer_fractions
+from lamina.memory.sparsity_config import (
+    SCORED,
+    SparsityConfig,
+    evictable,
+    layer_fractions,
+)
 from lamina.memory.tier_orders import TierMiss
 from lamina.sampling.params import SamplingParams
 
@@ -95,11 +100,16 @@ class LLMEngine:
         self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
 
-    def _scores_prompt(self, seq: Sequence) -> bool:
-        """Whether seq's KV policy (its own or the deployment's) scores its prompt on the
-        memory workers (h2o, snapkv, swa): a cached prefix would skip that scoring."""
+    def _kv_policy(self, seq: Sequence) -> SparsityConfig:
+        """seq's KV sparsity: its own (`SamplingParams.kv_sparsity` / `kv_budget`) resolved
+        against the deployment's, or the deployment's."""
         ov = seq.params.kv_override
-        cfg = self.config.sparsity if ov is None else ov.resolve(self.config.sparsity)
+        return self.config.sparsity if ov is None else ov.resolve(self.config.sparsity)
+
+    def _scores_prompt(self, seq: Sequence) -> bool:
+        """Whether seq's KV policy scores its prompt on the memory workers (h2o, snapkv,
+        swa): a cached prefix would skip that scoring."""
+        cfg = self._kv_policy(seq)
         return cfg.enabled and cfg.policy in SCORED
 
     def _evict_rule(self):
@@ -115,11 +125,10 @@ class LLMEngine:
             log.info("kv_evict: layers with a sliding window attend their window; no "
                      "slots are given back")
             return None
-        base, shares = self.config.sparsity, {}
+        shares: dict = {}
 
         def rule(seq: Sequence) -> tuple[int, int] | None:
-            ov = seq.params.kv_override
-            cfg = base if ov is None else ov.resolve(base)
+            cfg = self._kv_policy(seq)
             if cfg.policy != "streaming" or not cfg.enabled or cfg.layer_budgets == "entropy":
                 return None  # (entropy weights are measured on the workers, not known here)
             if cfg not in shares:
