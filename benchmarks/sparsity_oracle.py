@@ -28,7 +28,7 @@ def _row(self, layer, sid, q, slots, n, t, kp, key_scales, _policy=S.Sparsifier.
     if t >= n:
         return None
     keys = S._keys(kp, torch.from_numpy(slots), key_scales)
-    p = torch.softmax(S._logits(q[None], keys, q.shape[-1] ** -0.5, 0.0)[0], -1)  # [Hq, n]
+    p = torch.softmax(S._logits(q.q[None], keys, q.scale, q.softcap)[0], -1)  # [Hq, n]
     if MODE["oracle"] == "sum":
         return torch.topk(p.sum(0), t).indices.sort().values
     per = max(1, t // p.shape[0])  # each head's top keys, united

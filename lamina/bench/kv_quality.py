@@ -176,15 +176,19 @@ def bench_kv_quality(model: str | None = None, modes=("float32", "bfloat16", "in
     return res
 
 
-def policy_modes(policies, budgets, layer_budgets) -> list[tuple[str, float, str]]:
-    """(policy, budget, layer budgets) of each sparsity row, dense first."""
-    return [("dense", 1.0, "uniform")] + [(p, b, lb) for p in policies for b in budgets
-                                          for lb in layer_budgets]
+def policy_modes(policies, budgets, layer_budgets,
+                 topk_rescore=(0.0,)) -> list[tuple[str, float, str, float]]:
+    """(policy, budget, layer budgets, rescore) of each sparsity row, dense first; topk
+    once per `topk_rescore` value (the others ignore it: 0)."""
+    return [("dense", 1.0, "uniform", 0.0)] + [
+        (p, b, lb, r) for p in policies for r in (topk_rescore if p == "topk" else (0.0,))
+        for b in budgets for lb in layer_budgets]
 
 
 def bench_kv_sparsity(model: str | None = None,
                       policies=("streaming", "h2o", "snapkv", "topk", "swa"),
                       budgets=(0.5, 0.2, 0.1), layer_budgets=("uniform", "entropy"),
+                      topk_rescore=(0.0, 3.0),
                       lengths=(1024, 2048, 4096, 8192), trials: int = 50,
                       ppl_context: int = 8192, windows: int = 8, batch: int = 8,
                       docs: list[str] | None = None, kv_dtype: str = "float32",
@@ -193,7 +197,8 @@ def bench_kv_sparsity(model: str | None = None,
     engine (the policy is switched between rows; prompts are prefilled afresh, no prefix
     caching): perplexity of `windows` windows of `ppl_context` tokens of the documents,
     their second halves scored as decode rows (`decode_perplexity`), and pass-key
-    retrieval (the prompt attended densely, the answer decoded under the policy)."""
+    retrieval (the prompt attended densely, the answer decoded under the policy). topk
+    runs once per `topk_rescore` (`SparsityConfig.rescore`)."""
     from lamina import LLM
     from lamina.memory.sparsity import SparsityConfig
     from lamina.model.prepare import attention_entropy
@@ -212,29 +217,32 @@ def bench_kv_sparsity(model: str | None = None,
     entropy = (attention_entropy(llm.loaded.model, tok, memory[0].pool.config.num_layers)
                if "entropy" in layer_budgets else None)
     rows = []
-    for policy, budget, lb in policy_modes(policies, budgets, layer_budgets):
-        cfg = SparsityConfig(policy, budget, lb,
+    for policy, budget, lb, rescore in policy_modes(policies, budgets, layer_budgets,
+                                                    topk_rescore):
+        cfg = SparsityConfig(policy, budget, lb, rescore=rescore,
                              layer_weights=entropy if lb == "entropy" else None)
         for m in memory:
             m.set_sparsity(cfg)
         t0 = time.perf_counter()
         ppl = decode_perplexity(llm, wins, ppl_context // 2, batch)
         acc = passkey(llm, tok, lengths, trials)
-        rows.append({"policy": policy, "budget": budget, "layer_budgets": lb, **ppl,
+        rows.append({"policy": policy, "budget": budget, "layer_budgets": lb,
+                     "rescore": rescore, **ppl,
                      "passkey": acc, "passkey_mean": sum(acc.values()) / len(acc),
                      "seconds": time.perf_counter() - t0})
-        print(f"{policy} {budget:g} {lb}: decode ppl {ppl['ppl']:.4f} over {ppl['tokens']} "
-              "tokens, pass-key " + " ".join(f"{n}:{a:.0%}" for n, a in acc.items()),
-              flush=True)
+        print(f"{policy} {budget:g} {lb} rescore {rescore:g}: decode ppl {ppl['ppl']:.4f} "
+              f"over {ppl['tokens']} tokens, pass-key "
+              + " ".join(f"{n}:{a:.0%}" for n, a in acc.items()), flush=True)
     llm.shutdown()
     base = rows[0]
     for r in rows:
         r["ppl_vs_dense"] = r["ppl"] / base["ppl"] - 1
         r["passkey_points_vs_dense"] = 100 * (r["passkey_mean"] - base["passkey_mean"])
-    table = [["policy", "budget", "layers", "decode ppl", "vs dense",
+    table = [["policy", "budget", "layers", "rescore", "decode ppl", "vs dense",
               *[f"pass-key {n}" for n in lengths], "pass-key mean", "s"]]
     for r in rows:
-        table.append([r["policy"], f"{r['budget']:g}", r["layer_budgets"], f"{r['ppl']:.4f}",
+        table.append([r["policy"], f"{r['budget']:g}", r["layer_budgets"],
+                      f"{r['rescore']:g}", f"{r['ppl']:.4f}",
                       f"{r['ppl_vs_dense']:+.2%}", *[f"{r['passkey'][n]:.0%}" for n in lengths],
                       f"{r['passkey_mean']:.1%}", f"{r['seconds']:.0f}"])
     res = {"model": model or "SmolLM2-135M-Instruct", "cpu": cpu_name(), "kv_dtype": kv_dtype,
@@ -262,11 +270,14 @@ def _plot_sparsity(rows, path: Path) -> Path:
     for ax, key, label in ((axes[0], "ppl", "decode perplexity (lower is better)"),
                            (axes[1], "passkey_mean", "pass-key accuracy (mean over lengths)")):
         ax.axhline(dense[key], color="black", lw=1, label="dense")
-        lines = sorted({(r["policy"], r["layer_budgets"]) for r in rows[1:]})
+        def name(r):  # a rescored topk is a policy of its own here
+            return r["policy"] + (f" rescore {r['rescore']:g}" if r.get("rescore") else "")
+
+        lines = sorted({(name(r), r["layer_budgets"]) for r in rows[1:]})
         colors = {p: f"C{i}" for i, p in enumerate(sorted({p for p, _ in lines}))}
         for pol, lb in lines:
             pts = sorted((r["budget"], r[key]) for r in rows[1:]
-                         if (r["policy"], r["layer_budgets"]) == (pol, lb))
+                         if (name(r), r["layer_budgets"]) == (pol, lb))
             ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", color=colors[pol],
                     ls="-" if lb == "uniform" else "--", label=f"{pol} ({lb})")
         ax.set_xscale("log")

@@ -221,15 +221,20 @@ def bench_kv_dtypes(B: int = 32, L: int = 8192, threads: int = 1, repeat: int = 
     base = KVPoolConfig(**spec).bytes_per_slot
     for key in fns:
         dt, _, frac = key.partition("-topk")
+        frac, _, rescore = frac.partition("r")
         name = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}[dt]
         per_tok = KVPoolConfig(**spec, dtype=name).bytes_per_slot
         read = per_tok
         if frac:  # page bounds (fp32 min and max per page) stay beside the pool
             bounds = 30 * 2 * HKV * D * 4 / 16
-            per_tok, read = per_tok + bounds, int(frac) / 100 * per_tok + bounds
+            # rescoring reads the candidates' keys: half of a slot's bytes
+            cand = int(rescore or 0) * int(frac) / 100 * per_tok / 2
+            per_tok, read = per_tok + bounds, int(frac) / 100 * per_tok + bounds + cand
         lines = _lines_per_key(pools[dt][0])
-        r = {"kv": f"{name} topk {frac}%" if frac else name, "kv_dtype": name,
-             "budget": int(frac) / 100 if frac else 1.0, "ms": t[key] * 1e3,
+        label = f"{name} topk {frac}%" + (f" rescore {rescore}" if rescore else "")
+        r = {"kv": label if frac else name, "kv_dtype": name,
+             "budget": int(frac) / 100 if frac else 1.0,
+             "rescore": int(rescore or 0), "ms": t[key] * 1e3,
              "speedup_vs_fp32": t["fp32"] / t[key], "speedup_vs_dense": t[dt] / t[key],
              "bytes_per_token": per_tok, "bytes_vs_fp32": per_tok / base,
              "read_per_token_vs_fp32": read / base, "lines_per_key": lines}
@@ -249,7 +254,8 @@ def bench_kv_dtypes(B: int = 32, L: int = 8192, threads: int = 1, repeat: int = 
 
 
 def _topk_fns(q, queries, pools, kv_pools, batch, params, backend) -> dict:
-    """topk at 20% and 10% over the fp32 and int8 pools: each call selects (page bounds
+    """topk at 20% and 10% over the fp32 and int8 pools, and at 20% rescored (pages
+    covering 3x the budget scored key by key) over fp32: each call selects (page bounds
     scored against q, built on the warm-up call as a decode stream keeps them) and
     attends to the selection, as a memory worker's decode step does."""
     from lamina.kernels import attend
@@ -257,15 +263,15 @@ def _topk_fns(q, queries, pools, kv_pools, batch, params, backend) -> dict:
 
     ids = tuple(range(batch.num_requests))
     fns = {}
-    for dt in ("fp32", "int8"):
-        for frac in (20, 10):
-            sp = Sparsifier(SparsityConfig("topk", frac / 100), 1)
-            scales = kv_pools[dt].key_scales[0]
+    for dt, frac, rescore in (("fp32", 20, 0), ("fp32", 10, 0), ("int8", 20, 0),
+                              ("int8", 10, 0), ("fp32", 20, 3)):
+        sp = Sparsifier(SparsityConfig("topk", frac / 100, rescore=float(rescore)), 1)
+        scales = kv_pools[dt].key_scales[0]
 
-            def fn(sp=sp, dt=dt, scales=scales):
-                sel = sp.select(0, q, batch, ids, pools[dt][0], scales)
-                return attend(queries[dt], *pools[dt], sel, params, backend)
-            fns[f"{dt}-topk{frac}"] = fn
+        def fn(sp=sp, dt=dt, scales=scales):
+            sel = sp.select(0, q, batch, ids, pools[dt][0], scales, params.scale)
+            return attend(queries[dt], *pools[dt], sel, params, backend)
+        fns[f"{dt}-topk{frac}" + (f"r{rescore}" if rescore else "")] = fn
     return fns
 
 

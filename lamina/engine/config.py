@@ -86,6 +86,9 @@ class EngineConfig:
     kv_sparsity: str = "dense"
     kv_budget: float | int = 1.0
     kv_layer_budgets: str = "uniform"
+    # topk: 0 ranks pages by their bounds alone; r >= 1 scores the keys of the pages
+    # covering r x the budget exactly and keeps the best (closer to dense, reads more)
+    kv_topk_rescore: float = 0.0
     # streaming (deployment-wide or a request's own) gives back the slots of the keys it
     # will never attend again, so the pools hold more sequences; False keeps every slot
     kv_evict: bool = True
@@ -99,7 +102,8 @@ class EngineConfig:
     def sparsity(self) -> SparsityConfig:
         """The memory workers' sparsity config (entropy weights are measured at start-up
         and added by whoever builds the memory sides)."""
-        return SparsityConfig(self.kv_sparsity, self.kv_budget, self.kv_layer_budgets)
+        return SparsityConfig(self.kv_sparsity, self.kv_budget, self.kv_layer_budgets,
+                              rescore=self.kv_topk_rescore)
 
     @property
     def graph_tokens(self) -> int:
@@ -168,7 +172,8 @@ class EngineConfig:
         try:
             _ = self.sparsity
         except ValueError as e:
-            raise ValueError(f"EngineConfig.kv_sparsity/kv_budget/kv_layer_budgets: {e}") \
+            raise ValueError(f"EngineConfig.kv_sparsity/kv_budget/kv_layer_budgets/"
+                             f"kv_topk_rescore: {e}") \
                 from None
         if self.truncation_reuse and self.kv_dtype == "int8":
             raise ValueError("EngineConfig.truncation_reuse re-rotates saved float keys; "

@@ -235,7 +235,7 @@ def cmd_bench(args) -> int:
         sizes = (dict(lengths=(256,), trials=2, ppl_context=256, windows=2, budgets=(0.5,))
                  if args.quick else {})
         for k in ("trials", "lengths", "ppl_context", "windows", "policies", "budgets",
-                  "layer_budgets"):
+                  "layer_budgets", "topk_rescore"):
             v = getattr(args, k)
             if v:
                 sizes[k] = tuple(v) if isinstance(v, list) else v
@@ -344,6 +344,10 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
     p.add_argument("--kv-layer-budgets", default="uniform", choices=list(LAYER_BUDGETS),
                    help="the budget over layers: the same, a pyramid (1.5x at the first "
                         "layer to 0.5x at the last), or by measured attention entropy")
+    p.add_argument("--kv-topk-rescore", type=float, default=0.0,
+                   help="topk: score exactly the keys of the pages covering this multiple "
+                        "of the budget and keep the best (3: near dense quality, reads "
+                        "more; 0: page bounds alone)")
     p.add_argument("--kv-evict", action=argparse.BooleanOptionalAction, default=True,
                    help="streaming gives back the slots of the keys its window has passed "
                         "(--no-kv-evict keeps every slot)")
@@ -372,7 +376,8 @@ def _llm(LLM, args, **kw):
                    dense_backend=args.dense_backend,
                    dtype=args.dtype, kv_dtype=args.kv_dtype or args.dtype,
                    kv_sparsity=args.kv_sparsity, kv_budget=args.kv_budget,
-                   kv_layer_budgets=args.kv_layer_budgets, kv_evict=args.kv_evict,
+                   kv_layer_budgets=args.kv_layer_budgets,
+                   kv_topk_rescore=args.kv_topk_rescore, kv_evict=args.kv_evict,
                    **({"kv_pool_bytes": int(args.kv_pool_gib * 2 ** 30)}
                       if args.kv_pool_gib else {}), **kw)
     from lamina.entrypoints.deploy_config import LaminaConfig
@@ -381,7 +386,7 @@ def _llm(LLM, args, **kw):
     given = _flags_given(args, ("model", "executor", "memory_workers", "kv_device",
                                 "compute_device", "dense_backend", "dtype", "kv_dtype",
                                 "kv_pool_gib", "kv_sparsity", "kv_budget", "kv_layer_budgets",
-                                "kv_evict", *kw))
+                                "kv_topk_rescore", "kv_evict", *kw))
     if given:
         raise ValueError(f"--config {args.config} sets the engine: drop {', '.join(given)} "
                          f"(or put them in the file)")
@@ -493,6 +498,8 @@ def _bench_parser(sub) -> None:
                    help="kv-sparsity: budgets as fractions of the context (0.5 0.2 0.1)")
     b.add_argument("--layer-budgets", nargs="+", default=None, choices=list(LAYER_BUDGETS),
                    help="kv-sparsity: layer budget rules (uniform entropy)")
+    b.add_argument("--topk-rescore", nargs="+", type=float, default=None,
+                   help="kv-sparsity: topk's rescore multiples, a row set each (0 3)")
     b.add_argument("--windows", type=int, default=None,
                    help="kv-sparsity: perplexity windows of --ppl-context tokens (8)")
     b.add_argument("--kv-dtypes-only", action="store_true",

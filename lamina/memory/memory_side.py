@@ -143,7 +143,8 @@ class MemorySide:
             and self.sparsity.active else None
         # decode rows may attend to a selection of their slots (a subset of the checked
         # batch's: still in range); it reads keys written before this step
-        sel = (sp.select(layer, q, batch, seq_ids, kp, scales) if sp else None) or batch
+        sel = (sp.select(layer, q, batch, seq_ids, kp, scales, params.scale, params.softcap)
+               if sp else None) or batch
         o, lse = prefill_attention(q, k, v, kp, vp, new_slots, sel, params, self.backend,
                                    checked, scales)
         if sp is not None:

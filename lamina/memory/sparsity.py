@@ -135,11 +135,34 @@ def pick_pages(n: int, t: int, sinks: int, page: int, scores: torch.Tensor,
     return torch.from_numpy(np.concatenate(parts))
 
 
+def rescored(query: RowQuery, slots, n: int, t: int, sinks: int, recent: int,
+             cand: torch.Tensor, kp, key_scales) -> torch.Tensor:
+    """topk with `rescore`: the candidate keys `cand` (int64 indices into the row's
+    table `slots`) are scored exactly (each head's softmax over the candidates, summed
+    over heads); the best t with the sinks and the recent window are the row's keys
+    (int64, sorted)."""
+    keys = _keys(kp, torch.from_numpy(slots[cand.numpy()]), key_scales)  # [c, Hkv, D]
+    logits = _logits(query.q[None], keys, query.scale, query.softcap)[0]  # [Hq, c]
+    full = torch.full((n,), -math.inf)
+    full[cand] = torch.softmax(logits, dim=-1).sum(0)
+    return pick(n, t, sinks, recent, full)
+
+
 def snap_scores(probs: torch.Tensor, kernel: int) -> torch.Tensor:
     """SnapKV's prompt scores: probs [w, H, n] of the observation queries -> [n], summed
     over queries and heads and max-pooled over `kernel` neighbouring positions."""
     s = probs.float().sum((0, 1))[None, None]
     return torch.nn.functional.max_pool1d(s, kernel, 1, kernel // 2)[0, 0, :probs.shape[-1]]
+
+
+@dataclass(frozen=True)
+class RowQuery:
+    """A decode row's query as the policies read it."""
+
+    q: torch.Tensor  # [Hq, D]
+    signed: torch.Tensor | None  # topk: its `signed_queries` row [2 Hkv D]
+    scale: float  # the layer's logit scale and soft cap (topk's `rescore`)
+    softcap: float = 0.0
 
 
 @dataclass
@@ -218,8 +241,11 @@ class Sparsifier:
         return st
 
     def select(self, layer: int, q: torch.Tensor, batch: SlotBatch, seq_ids,
-               kp: torch.Tensor, key_scales) -> SlotBatch | None:
-        """The batch this layer attends with (None: `batch` as it is). q [Nq, Hq, D]."""
+               kp: torch.Tensor, key_scales, scale: float | None = None,
+               softcap: float = 0.0) -> SlotBatch | None:
+        """The batch this layer attends with (None: `batch` as it is). q [Nq, Hq, D];
+        scale / softcap: the layer's logits (topk's `rescore`; None: D^-0.5)."""
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         cu_q, cu_k = batch.cu_q.tolist(), batch.cu_k.tolist()
         pos0 = batch.k_pos0.tolist()
         table = batch.slots.cpu().numpy()  # per-row work in NumPy: a few us a call
@@ -238,13 +264,14 @@ class Sparsifier:
                 ctx = int(qpos[cu_q[b]]) - pos0[b] + 1 if pol.config.policy == "streaming" \
                     else n
                 t = row_budget(pol.config.budget, float(pol.shares[layer]), max(n, ctx))
-                qr = q[cu_q[b]]
+                qs = None
                 if pol.config.policy == "topk":
                     if signed is None:
                         signed = signed_queries(q, kp.shape[1])
-                    qr = signed[cu_q[b]]
-                idx = self._decode_row(layer, int(seq_ids[b]), qr, slots, n, t, kp,
-                                       key_scales, pol.config)
+                    qs = signed[cu_q[b]]
+                idx = self._decode_row(layer, int(seq_ids[b]),
+                                       RowQuery(q[cu_q[b]], qs, scale, softcap),
+                                       slots, n, t, kp, key_scales, pol.config)
             if idx is None:
                 tables.append(slots)
                 starts.append(pos0[b])
@@ -262,10 +289,10 @@ class Sparsifier:
                          .to(dev), torch.from_numpy(cu).to(dev),
                          torch.tensor(starts, dtype=torch.int32, device=dev))
 
-    def _decode_row(self, layer: int, sid: int, q, slots, n: int, t: int, kp,
-                    key_scales, cfg: SparsityConfig) -> torch.Tensor | None:
+    def _decode_row(self, layer: int, sid: int, query: RowQuery, slots, n: int, t: int,
+                    kp, key_scales, cfg: SparsityConfig) -> torch.Tensor | None:
         """A decode row's selected key indices (None: all of them) into its table `slots`
-        (NumPy int32 [n]) under `cfg`; q [Hq, D] (topk: its `signed_queries` row)."""
+        (NumPy int32 [n]) under `cfg`."""
         pol = cfg.policy
         sinks, recent = split_budget(t, cfg.sinks, cfg.recent)
         if pol == "streaming":
@@ -276,8 +303,13 @@ class Sparsifier:
             return None
         if pol == "topk":
             bounds = self._pages(st, slots, n, kp, key_scales, cfg.page_size)
-            st.picked = pick_pages(n, t, sinks, cfg.page_size, page_scores(q, bounds),
-                                   recent)
+            scores = page_scores(query.q if query.signed is None else query.signed, bounds)
+            # with `rescore`, pages covering that multiple of t are the candidates
+            c = min(n, math.ceil(cfg.rescore * t)) if cfg.rescore >= 1 else t
+            st.picked = pick_pages(n, c, sinks, cfg.page_size, scores, recent)
+            if c > t:
+                st.picked = rescored(query, slots, n, t, sinks, recent, st.picked, kp,
+                                     key_scales)
             return st.picked
         score = _grown(st.score, n)
         if pol == "snapkv":

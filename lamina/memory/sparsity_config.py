@@ -41,6 +41,10 @@ class SparsityConfig:
     # policy's own (`WINDOWS`)
     window: float | int | None = None
     page_size: int = 16  # topk's pages
+    # topk: 0 picks pages by their bounds alone; r >= 1 takes pages covering r times the
+    # budget as candidates, scores their keys exactly against the query and keeps the
+    # best keys (reads the candidates' keys too: better ranking for more bytes)
+    rescore: float = 0.0
     observe: int = 32  # prompt queries that score the prompt (snapkv, h2o, swa)
     pool_kernel: int = 7  # snapkv's max-pool width over positions
 
@@ -69,6 +73,11 @@ class SparsityConfig:
             v, least = getattr(self, name), 0 if name == "sinks" else 1
             if not _is_int(v) or v < least:
                 raise ValueError(f"KV sparsity {name} must be an int >= {least}, got {v!r}")
+        r = self.rescore
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (
+                r == 0 or 1 <= r < math.inf):
+            raise ValueError(f"KV sparsity rescore must be 0 (off) or a multiple >= 1 of "
+                             f"the budget, got {r!r}")
         if self.window is None:
             object.__setattr__(self, "window", WINDOWS[self.policy])
         w = self.window

@@ -139,11 +139,13 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
     assert [(k["dtype"], k["kv_dtype"]) for k in seen] == [("bfloat16", "bfloat16")] * 2 + \
         [("float32", "float32"), ("float32", "int8"), ("bfloat16", "int8")]
     seen.clear()
-    assert main(["generate", "--kv-sparsity", "topk", "--kv-budget", "0.1", "hi"]) == 0
+    assert main(["generate", "--kv-sparsity", "topk", "--kv-budget", "0.1",
+                 "--kv-topk-rescore", "3", "hi"]) == 0
     assert main(["serve", "--kv-sparsity", "h2o", "--kv-budget", "2048",
                  "--kv-layer-budgets", "pyramid", "--no-kv-evict"]) == 0
-    assert [(k["kv_sparsity"], k["kv_budget"], k["kv_layer_budgets"], k["kv_evict"])
-            for k in seen] == [("topk", 0.1, "uniform", True), ("h2o", 2048, "pyramid", False)]
+    assert [(k["kv_sparsity"], k["kv_budget"], k["kv_layer_budgets"], k["kv_topk_rescore"],
+             k["kv_evict"]) for k in seen] == [("topk", 0.1, "uniform", 3.0, True),
+                                               ("h2o", 2048, "pyramid", 0.0, False)]
     assert isinstance(seen[1]["kv_budget"], int)  # a token count, not a fraction
     with pytest.raises(SystemExit):  # argparse: not a choice
         main(["generate", "--dtype", "float16", "hi"])

@@ -51,13 +51,14 @@ def test_kv_sparsity_bench_reports_each_policy_budget_and_layer_rule(tmp_path):
     """`lamina bench kv-sparsity` at a tiny size: dense first, then one row per (policy,
     budget, layer rule); every row scores the same decode tokens; a budget of the whole
     context scores exactly as dense; JSON, Markdown and the quality-vs-budget PNG."""
-    from lamina.bench.kv_quality import bench_kv_sparsity
+    from lamina.bench.kv_quality import bench_kv_sparsity, policy_modes
 
     doc = tmp_path / "doc.txt"
     doc.write_text(TEXT[:3000])
     res = bench_kv_sparsity(policies=("topk",), budgets=(1.0, 0.25),
-                            layer_budgets=("uniform", "pyramid"), lengths=(96,), trials=1,
-                            ppl_context=96, windows=2, docs=[str(doc)], out_dir=tmp_path)
+                            layer_budgets=("uniform", "pyramid"), topk_rescore=(0.0,),
+                            lengths=(96,), trials=1, ppl_context=96, windows=2,
+                            docs=[str(doc)], out_dir=tmp_path)
     rows = res["rows"]
     assert [(r["policy"], r["budget"], r["layer_budgets"]) for r in rows] == [
         ("dense", 1.0, "uniform"), ("topk", 1.0, "uniform"), ("topk", 1.0, "pyramid"),
@@ -69,3 +70,7 @@ def test_kv_sparsity_bench_reports_each_policy_budget_and_layer_rule(tmp_path):
     assert len(saved["rows"]) == 5 and saved["ppl_context"] == 96
     assert (tmp_path / "kv_sparsity.md").read_text().count("\n| ") == 6
     assert (tmp_path / "kv_sparsity.png").stat().st_size > 0
+    # topk's rows repeat per rescore multiple; the other policies run once
+    assert policy_modes(("h2o", "topk"), (0.2,), ("uniform",), (0.0, 3.0)) == [
+        ("dense", 1.0, "uniform", 0.0), ("h2o", 0.2, "uniform", 0.0),
+        ("topk", 0.2, "uniform", 0.0), ("topk", 0.2, "uniform", 3.0)]

@@ -175,6 +175,41 @@ def test_topk_takes_the_pages_whose_bound_is_highest():
     r.check_output(o, e(2), r.picked())
 
 
+def test_topk_rescore_takes_the_best_keys_of_the_best_pages():
+    """rescore 3 at a budget of 8: pages covering 24 keys are the candidates (the first
+    page, the best 3 of pages 1-6 by their bounds, the tail 28-32); of those the best 4
+    keys by exact attention join the sink and the 3 recent keys. Key 25 (page 6, the
+    4th best page) outscores key 29 but is not a candidate."""
+    g = np.random.default_rng(6)
+    keys = 0.01 * g.standard_normal((34, D)).astype(np.float32)
+    for p, a in ((9, 5.0), (13, 4.0), (22, 3.0), (25, 2.0), (29, 1.0)):
+        keys[p] = e(2, a)
+    r = Row(SparsityConfig("topk", 8, sinks=1, page_size=4, window=3, rescore=3.0), keys)
+    r.step(np.stack([e(0)] * 32), new=32)
+    o = r.step(e(2))  # n = 33
+    assert r.picked() == [0, 9, 13, 22, 29, 30, 31, 32]
+    r.check_output(o, e(2), r.picked())
+
+
+def test_rescored_ranks_by_the_heads_summed_softmax():
+    """Every key a candidate: the selection is the top keys by each head's softmax over
+    them, summed over heads (NumPy), with the sinks and the recent window."""
+    from lamina.memory.sparsity import RowQuery, rescored
+
+    g = np.random.default_rng(7)
+    n, t = 40, 10
+    keys = g.standard_normal((n, 1, D)).astype(np.float32)
+    q = 2 * g.standard_normal((3, D)).astype(np.float32)  # 3 query heads on one kv head
+    s = np.einsum("hd,nd->hn", q, keys[:, 0]) * 0.5
+    p = np.exp(s - s.max(-1, keepdims=True))
+    score = (p / p.sum(-1, keepdims=True)).sum(0)
+    score[:2] = score[-3:] = -np.inf  # the sinks and the recent keys are kept anyway
+    want = sorted([0, 1, n - 3, n - 2, n - 1, *np.argsort(-score)[:t - 5].tolist()])
+    got = rescored(RowQuery(torch.tensor(q), None, 0.5), np.arange(n, dtype=np.int32), n,
+                   t, 2, 3, torch.arange(n), torch.tensor(keys), None)
+    assert got.tolist() == want
+
+
 def test_topk_page_bounds_match_numpy_and_follow_changed_slots():
     g = np.random.default_rng(5)
     keys = g.standard_normal((32, 3, D)).astype(np.float32)
@@ -239,6 +274,8 @@ def test_layer_budgets():
     (dict(policy="topk", budget=0.2, layer_budgets="cubic"), "unknown KV sparsity "
                                                              "layer_budgets 'cubic'"),
     (dict(policy="topk", budget=0.2, page_size=0), "page_size must be an int >= 1"),
+    (dict(policy="topk", budget=0.2, rescore=0.5), r"rescore must be 0 \(off\) or a "
+                                                   r"multiple >= 1"),
 ])
 def test_bad_configuration_is_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -252,6 +289,10 @@ def test_engine_config_names_the_sparsity_fields():
     with pytest.raises(ValueError, match="EngineConfig.*budget must be > 0 tokens"):
         EngineConfig(kv_sparsity="topk", kv_budget=0)
     assert not EngineConfig(kv_sparsity="topk", kv_budget=1.0).sparsity.enabled
+    assert EngineConfig(kv_sparsity="topk", kv_budget=0.2,
+                        kv_topk_rescore=3).sparsity.rescore == 3
+    with pytest.raises(ValueError, match="EngineConfig.*kv_topk_rescore.*rescore must be"):
+        EngineConfig(kv_sparsity="topk", kv_budget=0.2, kv_topk_rescore=-1)
 
 
 def sparse_engine(smol, split, config: SparsityConfig, slots=16384, **engine):
@@ -277,10 +318,20 @@ def run(eng, prompts, params=GREEDY):
 
 def test_budget_at_or_above_the_context_is_dense(smol, smol_split, prompts, hf_greedy):
     """Every policy, active (a token budget) but never below a row's context: HF's greedy
-    tokens on 8 of the 16 mixed-length prompts (5 to 450 tokens)."""
-    for policy in ("streaming", "h2o", "snapkv", "topk", "swa"):
-        eng = sparse_engine(smol, smol_split, SparsityConfig(policy, 4096))
-        assert [o.token_ids for o in run(eng, prompts[::2])] == hf_greedy[::2], policy
+    tokens on the 16 mixed-length prompts (5 to 600 tokens), each policy on three or four
+    of them (the deployment's h2o, the others a request's own), in one batch."""
+    policies = ("streaming", "h2o", "snapkv", "topk", "swa")
+    eng = sparse_engine(smol, smol_split, SparsityConfig("h2o", 4096))
+    ids = [eng.add_request(p, SamplingParams(
+        max_tokens=HF_NEW, temperature=0.0, ignore_eos=True, kv_budget=4096,
+        kv_sparsity=policies[i % 5])) for i, p in enumerate(prompts)]
+    done, seen = {}, set()  # seen: the requests' own policies, active on the worker
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+        seen |= {p.config.policy for p in eng.executor.memory[0].sparsity._own.values()}
+    assert seen == set(policies) - {"h2o"}
+    for i, rid in enumerate(ids):
+        assert done[rid].token_ids == hf_greedy[i], policies[i % 5]
 
 
 def test_rows_under_budget_stay_exact_beside_cut_ones(smol, smol_split, prompts, hf_greedy):
