@@ -142,7 +142,13 @@ def rescored(query: RowQuery, slots, n: int, t: int, sinks: int, recent: int,
     over heads); the best t with the sinks and the recent window are the row's keys
     (int64, sorted)."""
     keys = _keys(kp, torch.from_numpy(slots[cand.numpy()]), key_scales)  # [c, Hkv, D]
-    logits = _logits(query.q[None], keys, query.scale, query.softcap)[0]  # [Hq, c]
+    hkv = keys.shape[1]
+    # each kv head's query heads against its keys as one product: q laid out
+    # block-diagonally [Hq, Hkv D] times the keys' rows [Hkv D, c] (no repeated keys)
+    w = torch.block_diag(*(query.q.float() * query.scale).unflatten(0, (hkv, -1)))
+    logits = w @ keys.flatten(1).T  # [Hq, c]
+    if query.softcap > 0:
+        logits = query.softcap * torch.tanh(logits / query.softcap)
     full = torch.full((n,), -math.inf)
     full[cand] = torch.softmax(logits, dim=-1).sum(0)
     return pick(n, t, sinks, recent, full)
@@ -395,7 +401,8 @@ def _grown(x: torch.Tensor, n: int, fill=0.0) -> torch.Tensor:
 
 def _keys(kp: torch.Tensor, slots: torch.Tensor, key_scales) -> torch.Tensor:
     """The true keys at `slots` [m] -> [m, Hkv, D] fp32 (int8 rows dequantized)."""
-    rows = kp[slots.long().to(kp.device)]
+    # index_select: ~4x faster than advanced indexing over scattered rows on the CPU
+    rows = kp.index_select(0, slots.long().to(kp.device))
     if is_quantized(kp):
         return dequantize_rows(rows, key_scales)
     return rows.float()
