@@ -13,6 +13,7 @@ void bind_attention(py::module& m) {
   m.def("slot_attention", &slot_attention, "attention over a token-slot KV pool (CPU)");
   m.def("read_sum", &read_sum, "streaming read of a float tensor");
   m.def("simd_paths", &simd_paths, "the SIMD paths compiled in");
+  m.def("slot_scores", &slot_scores, "one query's logits against the keys at a slot list");
   m.def("read_rows", &read_rows, "read the K/V rows of a slot list (bandwidth ceiling)");
 }
 

@@ -86,6 +86,10 @@ at::Tensor fused_silu_mul(at::Tensor gate, at::Tensor up);
 // pointwise.cpp: greedy sampling's row argmax (torch.argmax's first-max and NaN rules).
 at::Tensor argmax_rows(at::Tensor x);
 
+// slot_attention.cpp: one query's logits against the keys at a slot list [Hq, c].
+at::Tensor slot_scores(at::Tensor q, at::Tensor k, at::Tensor slots, double scale,
+                       double softcap);
+
 // slot_attention.cpp: bandwidth probes and the SIMD paths compiled in.
 double read_sum(at::Tensor x);
 double read_rows(at::Tensor k, at::Tensor v, at::Tensor slots);

@@ -870,6 +870,51 @@ double read_rows(at::Tensor k, at::Tensor v, at::Tensor slots) {
   }, std::plus<double>());
 }
 
+// Logits of one query against the keys at `slots` (topk's rescoring, memory/sparsity.py):
+// q [Hq, D] fp32, k [S, Hkv, D] fp32 rows (any row stride), slots int32 [c] ->
+// [Hq, c] fp32 = scale * q . k (soft-capped when softcap > 0), query head h against kv
+// head h / (Hq / Hkv). The keys are read in place: each row once, for all its heads.
+at::Tensor slot_scores(at::Tensor q, at::Tensor k, at::Tensor slots, double scale,
+                       double softcap) {
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && q.scalar_type() == at::kFloat &&
+              k.scalar_type() == at::kFloat && slots.scalar_type() == at::kInt &&
+              q.size(1) == k.size(2) && q.size(0) % k.size(1) == 0 &&
+              k.stride(2) == 1 && k.stride(1) == k.size(2),
+              "slot_scores wants q [Hq, D], k [S, Hkv, D] fp32 (rows of contiguous heads) "
+              "and int32 slots");
+  q = q.contiguous();
+  slots = slots.contiguous();
+  const int64_t hq = q.size(0), hkv = k.size(1), d = q.size(1), g = hq / hkv;
+  const int64_t c = slots.numel(), rk = k.stride(0), num = k.size(0);
+  auto out = at::empty({hq, c}, q.options());
+  const float* Q = q.data_ptr<float>();
+  const float* K = k.data_ptr<float>();
+  const int32_t* s = slots.data_ptr<int32_t>();
+  float* O = out.data_ptr<float>();
+  for (int64_t j = 0; j < c; ++j)
+    TORCH_CHECK(s[j] >= 0 && s[j] < num, "slot_scores: slot ", s[j], " out of range");
+  const float sc = float(scale), cap = float(softcap);
+  at::parallel_for(0, c, 256, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      if (j + 4 < j1) {  // scattered rows: ask for the one 4 ahead
+        const char* ahead = reinterpret_cast<const char*>(K + int64_t(s[j + 4]) * rk);
+        for (int64_t b = 0; b < hkv * d * 4; b += 64) __builtin_prefetch(ahead + b);
+      }
+      const float* kr = K + int64_t(s[j]) * rk;
+      for (int64_t h = 0; h < hq; ++h) {
+        const float* qh = Q + h * d;
+        const float* kh = kr + (h / g) * d;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t x = 0; x < d; ++x) acc += qh[x] * kh[x];
+        acc *= sc;
+        O[h * c + j] = cap > 0 ? cap * std::tanh(acc / cap) : acc;
+      }
+    }
+  });
+  return out;
+}
+
 // The SIMD paths this build compiled (the CPU it was built for): for reports and tests.
 std::vector<std::string> simd_paths() {
   std::vector<std::string> p;

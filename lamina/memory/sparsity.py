@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lamina.kernels import SlotBatch
+from lamina.kernels import KernelBuildError, SlotBatch, load_cpu_kernel
 from lamina.kernels.quant import dequantize_rows, head_dim, is_quantized
 from lamina.memory.sparsity_config import (  # noqa: F401 - the names callers import here
     LAYER_BUDGETS,
@@ -141,17 +141,38 @@ def rescored(query: RowQuery, slots, n: int, t: int, sinks: int, recent: int,
     table `slots`) are scored exactly (each head's softmax over the candidates, summed
     over heads); the best t with the sinks and the recent window are the row's keys
     (int64, sorted)."""
-    keys = _keys(kp, torch.from_numpy(slots[cand.numpy()]), key_scales)  # [c, Hkv, D]
-    hkv = keys.shape[1]
-    # each kv head's query heads against its keys as one product: q laid out
-    # block-diagonally [Hq, Hkv D] times the keys' rows [Hkv D, c] (no repeated keys)
-    w = torch.block_diag(*(query.q.float() * query.scale).unflatten(0, (hkv, -1)))
-    logits = w @ keys.flatten(1).T  # [Hq, c]
-    if query.softcap > 0:
-        logits = query.softcap * torch.tanh(logits / query.softcap)
+    logits = candidate_logits(query, kp, torch.from_numpy(slots[cand.numpy()]), key_scales)
     full = torch.full((n,), -math.inf)
     full[cand] = torch.softmax(logits, dim=-1).sum(0)
     return pick(n, t, sinks, recent, full)
+
+
+def candidate_logits(query: RowQuery, kp: torch.Tensor, slots: torch.Tensor,
+                     key_scales) -> torch.Tensor:
+    """A row's logits [Hq, c] against the keys at `slots` (int32 [c]): read in place by
+    the C++ kernel (fp32 CPU pools), else gathered and multiplied in torch."""
+    q = query.q.float()
+    hkv, d = kp.shape[1], q.shape[-1]
+    if (kp.dtype == torch.float32 and kp.device.type == "cpu" and kp.stride(2) == 1
+            and kp.stride(1) == d and _cpu_ext() is not None):
+        return _cpu_ext().slot_scores(q.cpu(), kp, slots.to(torch.int32), query.scale,
+                                      query.softcap)
+    keys = _keys(kp, slots, key_scales)  # [c, Hkv, D]
+    # each kv head's query heads against its keys as one product: q laid out
+    # block-diagonally [Hq, Hkv D] times the keys' rows [Hkv D, c] (no repeated keys)
+    w = torch.block_diag(*(q.to(keys.device) * query.scale).unflatten(0, (hkv, -1)))
+    logits = (w @ keys.flatten(1).T).cpu()
+    if query.softcap > 0:
+        logits = query.softcap * torch.tanh(logits / query.softcap)
+    return logits
+
+
+def _cpu_ext():
+    """The C++ extension, or None where it cannot be built (the torch path then)."""
+    try:
+        return load_cpu_kernel()
+    except KernelBuildError:
+        return None
 
 
 def snap_scores(probs: torch.Tensor, kernel: int) -> torch.Tensor:

@@ -210,6 +210,33 @@ def test_rescored_ranks_by_the_heads_summed_softmax():
     assert got.tolist() == want
 
 
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_candidate_logits_match_numpy(softcap):
+    """topk rescoring's logits over scattered slots of a pool (3 query heads a kv head):
+    the C++ kernel reading the fp32 pool in place, and the torch path (an int8 pool's
+    dequantized keys), against NumPy."""
+    from lamina.memory.sparsity import RowQuery, candidate_logits
+
+    g = np.random.default_rng(8)
+    hkv, d = 2, 64
+    pool = KVPool(KVPoolConfig(1, 300, hkv, d))
+    keys = torch.tensor(g.standard_normal((300, hkv, d)), dtype=torch.float32)
+    pool.write(0, torch.arange(300), keys, torch.zeros(300, hkv, d))
+    q = g.standard_normal((3 * hkv, d)).astype(np.float32)
+    slots = torch.tensor(g.permutation(300)[:77], dtype=torch.int32)
+    want = np.einsum("hd,chd->hc", q.astype(np.float64),
+                     np.repeat(keys[slots.long()].numpy(), 3, axis=1)) * 0.3
+    if softcap:
+        want = softcap * np.tanh(want / softcap)
+    query = RowQuery(torch.tensor(q), None, 0.3, softcap)
+    got = candidate_logits(query, pool.layer(0)[0], slots, None)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+    quant = KVPool(KVPoolConfig(1, 300, hkv, d, dtype="int8"))
+    quant.write(0, torch.arange(300), keys, torch.zeros(300, hkv, d))
+    got = candidate_logits(query, quant.layer(0)[0], slots, quant.key_scales[0])
+    np.testing.assert_allclose(got.numpy(), want, rtol=0.05, atol=0.15)  # int8 keys
+
+
 def test_topk_page_bounds_match_numpy_and_follow_changed_slots():
     g = np.random.default_rng(5)
     keys = g.standard_normal((32, 3, D)).astype(np.float32)
