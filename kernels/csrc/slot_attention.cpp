@@ -873,7 +873,9 @@ double read_rows(at::Tensor k, at::Tensor v, at::Tensor slots) {
 // Logits of one query against the keys at `slots` (topk's rescoring, memory/sparsity.py):
 // q [Hq, D] fp32, k [S, Hkv, D] fp32 rows (any row stride), slots int32 [c] ->
 // [Hq, c] fp32 = scale * q . k (soft-capped when softcap > 0), query head h against kv
-// head h / (Hq / Hkv). The keys are read in place: each row once, for all its heads.
+// head h / (Hq / Hkv). The keys are read in place, in blocks of BK rows, with the
+// attention kernel's score passes (a kv head's query heads share each key load); the
+// next block's rows are prefetched while one is scored.
 at::Tensor slot_scores(at::Tensor q, at::Tensor k, at::Tensor slots, double scale,
                        double softcap) {
   TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && q.scalar_type() == at::kFloat &&
@@ -894,21 +896,28 @@ at::Tensor slot_scores(at::Tensor q, at::Tensor k, at::Tensor slots, double scal
   for (int64_t j = 0; j < c; ++j)
     TORCH_CHECK(s[j] >= 0 && s[j] < num, "slot_scores: slot ", s[j], " out of range");
   const float sc = float(scale), cap = float(softcap);
-  at::parallel_for(0, c, 256, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      if (j + 4 < j1) {  // scattered rows: ask for the one 4 ahead
-        const char* ahead = reinterpret_cast<const char*>(K + int64_t(s[j + 4]) * rk);
-        for (int64_t b = 0; b < hkv * d * 4; b += 64) __builtin_prefetch(ahead + b);
-      }
-      const float* kr = K + int64_t(s[j]) * rk;
-      for (int64_t h = 0; h < hq; ++h) {
-        const float* qh = Q + h * d;
-        const float* kh = kr + (h / g) * d;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t x = 0; x < d; ++x) acc += qh[x] * kh[x];
-        acc *= sc;
-        O[h * c + j] = cap > 0 ? cap * std::tanh(acc / cap) : acc;
+  const int64_t blocks = (c + BK - 1) / BK, row_bytes = hkv * d * 4;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sb(g * BK);  // one kv head's scores, rows stride BK
+    const float* kr[BK];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t j0 = b * BK, n = std::min<int64_t>(BK, c - j0);
+      for (int64_t j = 0; j < BK; ++j)  // a short block repeats its last row
+        kr[j] = K + int64_t(s[j0 + std::min(j, n - 1)]) * rk;
+      if (b + 1 < b1)
+        for (int64_t j = j0 + BK; j < std::min(c, j0 + 2 * BK); ++j) {
+          const char* r = reinterpret_cast<const char*>(K + int64_t(s[j]) * rk);
+          for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(r + x, 0, 2);
+        }
+      for (int64_t h = 0; h < hkv; ++h) {
+        head_scores<float>(Q + h * g * d, d, g, kr, h * d, BK, sb.data());
+        for (int64_t r = 0; r < g; ++r) {
+          float* o = O + (h * g + r) * c + j0;
+          for (int64_t j = 0; j < n; ++j) {
+            const float x = sb[r * BK + j] * sc;
+            o[j] = cap > 0 ? cap * std::tanh(x / cap) : x;
+          }
+        }
       }
     }
   });
