@@ -9,14 +9,13 @@ same windows as the bench. Not a library feature: a probe of which rule could pa
     .venv/bin/python benchmarks/layer_budget_probe.py [--budget 0.2] [--rescore 3]
 """
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from lamina import LLM
-from lamina.bench.kv_quality import decode_perplexity, default_docs
+from lamina.bench.kv_quality import default_docs, policy_perplexity
 from lamina.memory.sparsity import SparsityConfig
 
 GRID = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.7, 1.0)
@@ -91,12 +90,9 @@ def main() -> None:
     for name, weights in rules.items():
         cfg = SparsityConfig("topk", args.budget, "entropy" if weights else "uniform",
                              layer_weights=weights, rescore=args.rescore)
-        for m in llm.executor.memory:
-            m.set_sparsity(cfg)
-        t0 = time.perf_counter()
-        r = decode_perplexity(llm, wins, args.context // 2)
+        r = policy_perplexity(llm, cfg, wins, args.context // 2)
         print(f"{name}: decode ppl {r['ppl']:.4f} over {r['tokens']} tokens "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+              f"({r['seconds']:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ teacher-forced harness). Not a library feature: the oracle reads every key.
     .venv/bin/python benchmarks/sparsity_oracle.py [--context 512] [--budget 0.2]
 """
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
 import lamina.memory.sparsity as S
 from lamina import LLM
-from lamina.bench.kv_quality import decode_perplexity, default_docs
+from lamina.bench.kv_quality import default_docs, policy_perplexity
 
 MODE: dict = {}
 
@@ -51,12 +50,9 @@ def main() -> None:
         MODE.clear()
         MODE.update(mode or {})
         cfg = S.SparsityConfig("topk", args.budget if mode is not None else 1.0)
-        for m in llm.executor.memory:
-            m.set_sparsity(cfg)
-        t0 = time.perf_counter()
-        r = decode_perplexity(llm, wins, args.context // 2)
+        r = policy_perplexity(llm, cfg, wins, args.context // 2)
         print(f"{name}: decode ppl {r['ppl']:.2f} over {r['tokens']} tokens "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+              f"({r['seconds']:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,14 @@ def decode_perplexity(llm, windows: list[list[int]], prefix: int, batch: int = 8
             "ppl": math.exp(sum(nll) / len(nll))}
 
 
+def policy_perplexity(llm, config, windows: list[list[int]], prefix: int) -> dict:
+    """`decode_perplexity` with every memory worker on sparsity `config`; + its seconds."""
+    for m in llm.executor.memory:
+        m.set_sparsity(config)
+    t0 = time.perf_counter()
+    return {**decode_perplexity(llm, windows, prefix), "seconds": time.perf_counter() - t0}
+
+
 def passkey(llm, tok, lengths, trials: int) -> dict:
     from lamina import SamplingParams
 
