@@ -20,7 +20,8 @@ select, the others may select any stored key again):
   positions); decode rows take the best-scored prompt keys and the recent window.
 - `topk` (Quest / HiSparse): pages of `page_size` keys summarized by their channel-wise
   min and max; each decode row takes the pages whose bound on q.k is highest, plus the
-  sinks and the unfinished last page.
+  sinks and the unfinished last page. With `rescore` r, the pages covering r x the
+  budget are candidates whose keys are scored exactly (`rescored`), the best kept.
 - `swa` (ALISA's sparse window attention): the recent window, then the keys with the
   largest recent attention mass (a moving sum over about a window's steps).
 A row's selection is shared by its heads (the kernels take one key list per request).
