@@ -870,36 +870,18 @@ double read_rows(at::Tensor k, at::Tensor v, at::Tensor slots) {
   }, std::plus<double>());
 }
 
-// Logits of one query against the keys at `slots` (topk's rescoring, memory/sparsity.py):
-// q [Hq, D] fp32, k [S, Hkv, D] fp32 rows (any row stride), slots int32 [c] ->
-// [Hq, c] fp32 = scale * q . k (soft-capped when softcap > 0), query head h against kv
-// head h / (Hq / Hkv). The keys are read in place, in blocks of BK rows, with the
-// attention kernel's score passes (a kv head's query heads share each key load); the
-// next block's rows are prefetched while one is scored.
-at::Tensor slot_scores(at::Tensor q, at::Tensor k, at::Tensor slots, double scale,
-                       double softcap) {
-  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && q.scalar_type() == at::kFloat &&
-              k.scalar_type() == at::kFloat && slots.scalar_type() == at::kInt &&
-              q.size(1) == k.size(2) && q.size(0) % k.size(1) == 0 &&
-              k.stride(2) == 1 && k.stride(1) == k.size(2),
-              "slot_scores wants q [Hq, D], k [S, Hkv, D] fp32 (rows of contiguous heads) "
-              "and int32 slots");
-  q = q.contiguous();
-  slots = slots.contiguous();
-  const int64_t hq = q.size(0), hkv = k.size(1), d = q.size(1), g = hq / hkv;
-  const int64_t c = slots.numel(), rk = k.stride(0), num = k.size(0);
-  auto out = at::empty({hq, c}, q.options());
-  const float* Q = q.data_ptr<float>();
-  const float* K = k.data_ptr<float>();
-  const int32_t* s = slots.data_ptr<int32_t>();
-  float* O = out.data_ptr<float>();
-  for (int64_t j = 0; j < c; ++j)
-    TORCH_CHECK(s[j] >= 0 && s[j] < num, "slot_scores: slot ", s[j], " out of range");
-  const float sc = float(scale), cap = float(softcap);
-  const int64_t blocks = (c + BK - 1) / BK, row_bytes = hkv * d * 4;
+namespace {
+
+// slot_scores over key rows of type T (float, or int8 codes with each head's fp32 scale
+// after its D codes: `hs` = D + 4 bytes a head).
+template <typename T>
+void score_slots(const float* Q, const T* K, const int32_t* s, int64_t c, int64_t rk,
+                 int64_t hs, int64_t hkv, int64_t g, int64_t d, float sc, float cap,
+                 float* O) {
+  const int64_t blocks = (c + BK - 1) / BK, row_bytes = hkv * hs * int64_t(sizeof(T));
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> sb(g * BK);  // one kv head's scores, rows stride BK
-    const float* kr[BK];
+    const T* kr[BK];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t j0 = b * BK, n = std::min<int64_t>(BK, c - j0);
       for (int64_t j = 0; j < BK; ++j)  // a short block repeats its last row
@@ -910,17 +892,54 @@ at::Tensor slot_scores(at::Tensor q, at::Tensor k, at::Tensor slots, double scal
           for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(r + x, 0, 2);
         }
       for (int64_t h = 0; h < hkv; ++h) {
-        head_scores<float>(Q + h * g * d, d, g, kr, h * d, BK, sb.data());
+        head_scores<T>(Q + h * g * d, d, g, kr, h * hs, BK, sb.data());
         for (int64_t r = 0; r < g; ++r) {
           float* o = O + (h * g + r) * c + j0;
           for (int64_t j = 0; j < n; ++j) {
-            const float x = sb[r * BK + j] * sc;
+            float x = sb[r * BK + j] * sc;
+            if constexpr (std::is_same_v<T, int8_t>)
+              x *= head_scale(reinterpret_cast<const int8_t*>(kr[j]) + h * hs, d);
             o[j] = cap > 0 ? cap * std::tanh(x / cap) : x;
           }
         }
       }
     }
   });
+}
+
+}  // namespace
+
+// Logits of one query against the keys at `slots` (topk's rescoring, memory/sparsity.py):
+// q [Hq, D] fp32, k [S, Hkv, D] fp32 rows or [S, Hkv, D + 4] int8 rows (codes, then the
+// head's scale; q then already times the keys' channel scales), any row stride, slots
+// int32 [c] -> [Hq, c] fp32 = scale * q . k (soft-capped when softcap > 0), query head h
+// against kv head h / (Hq / Hkv). The keys are read in place, in blocks of BK rows, with
+// the attention kernel's score passes (a kv head's query heads share each key load); the
+// next block's rows are prefetched while one is scored.
+at::Tensor slot_scores(at::Tensor q, at::Tensor k, at::Tensor slots, double scale,
+                       double softcap) {
+  const bool i8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && q.scalar_type() == at::kFloat &&
+              (k.scalar_type() == at::kFloat || i8) && slots.scalar_type() == at::kInt &&
+              q.size(1) == k.size(2) - (i8 ? 4 : 0) && q.size(0) % k.size(1) == 0 &&
+              k.stride(2) == 1 && k.stride(1) == k.size(2),
+              "slot_scores wants q [Hq, D] fp32, k [S, Hkv, D] fp32 or [S, Hkv, D + 4] int8 "
+              "(rows of contiguous heads) and int32 slots");
+  q = q.contiguous();
+  slots = slots.contiguous();
+  const int64_t hq = q.size(0), hkv = k.size(1), d = q.size(1), g = hq / hkv;
+  const int64_t c = slots.numel(), num = k.size(0);
+  auto out = at::empty({hq, c}, q.options());
+  const int32_t* s = slots.data_ptr<int32_t>();
+  for (int64_t j = 0; j < c; ++j)
+    TORCH_CHECK(s[j] >= 0 && s[j] < num, "slot_scores: slot ", s[j], " out of range");
+  const float* Q = q.data_ptr<float>();
+  if (i8)
+    score_slots<int8_t>(Q, k.data_ptr<int8_t>(), s, c, k.stride(0), k.size(2), hkv, g, d,
+                        float(scale), float(softcap), out.data_ptr<float>());
+  else
+    score_slots<float>(Q, k.data_ptr<float>(), s, c, k.stride(0), k.size(2), hkv, g, d,
+                       float(scale), float(softcap), out.data_ptr<float>());
   return out;
 }
 

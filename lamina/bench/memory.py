@@ -255,7 +255,7 @@ def bench_kv_dtypes(B: int = 32, L: int = 8192, threads: int = 1, repeat: int = 
 
 def _topk_fns(q, queries, pools, kv_pools, batch, params, backend) -> dict:
     """topk at 20% and 10% over the fp32 and int8 pools, and at 20% rescored (pages
-    covering 3x the budget scored key by key) over fp32: each call selects (page bounds
+    covering 3x the budget scored key by key) over both: each call selects (page bounds
     scored against q, built on the warm-up call as a decode stream keeps them) and
     attends to the selection, as a memory worker's decode step does."""
     from lamina.kernels import attend
@@ -264,7 +264,7 @@ def _topk_fns(q, queries, pools, kv_pools, batch, params, backend) -> dict:
     ids = tuple(range(batch.num_requests))
     fns = {}
     for dt, frac, rescore in (("fp32", 20, 0), ("fp32", 10, 0), ("int8", 20, 0),
-                              ("int8", 10, 0), ("fp32", 20, 3)):
+                              ("int8", 10, 0), ("fp32", 20, 3), ("int8", 20, 3)):
         sp = Sparsifier(SparsityConfig("topk", frac / 100, rescore=float(rescore)), 1)
         scales = kv_pools[dt].key_scales[0]
 

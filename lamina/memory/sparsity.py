@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from lamina.kernels import KernelBuildError, SlotBatch, load_cpu_kernel
-from lamina.kernels.quant import dequantize_rows, head_dim, is_quantized
+from lamina.kernels.quant import dequantize_rows, fold_channels, head_dim, is_quantized
 from lamina.memory.sparsity_config import (  # noqa: F401 - the names callers import here
     LAYER_BUDGETS,
     POLICIES,
@@ -160,11 +160,13 @@ def rescored(query: RowQuery, slots, n: int, t: int, sinks: int, recent: int,
 def candidate_logits(query: RowQuery, kp: torch.Tensor, slots: torch.Tensor,
                      key_scales) -> torch.Tensor:
     """A row's logits [Hq, c] against the keys at `slots` (int32 [c]): read in place by
-    the C++ kernel (fp32 CPU pools), else gathered and multiplied in torch."""
+    the C++ kernel (fp32 and int8 CPU pools), else gathered and multiplied in torch."""
     q = query.q.float()
-    hkv, d = kp.shape[1], q.shape[-1]
-    if (kp.dtype == torch.float32 and kp.device.type == "cpu" and kp.stride(2) == 1
-            and kp.stride(1) == d and _cpu_ext() is not None):
+    hkv = kp.shape[1]
+    if (kp.dtype in (torch.float32, torch.int8) and kp.device.type == "cpu"
+            and kp.stride(2) == 1 and kp.stride(1) == kp.shape[2] and _cpu_ext() is not None):
+        if is_quantized(kp) and key_scales is not None:  # codes x a: q takes the c
+            q = fold_channels(q[None], key_scales)[0]
         return _cpu_ext().slot_scores(q.cpu(), kp, slots.to(torch.int32), query.scale,
                                       query.softcap)
     keys = _keys(kp, slots, key_scales)  # [c, Hkv, D]

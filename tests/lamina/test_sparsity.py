@@ -15,6 +15,7 @@ from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.executor.local import LocalExecutor
 from lamina.kernels import AttentionParams, SlotBatch
+from lamina.kernels.quant import dequantize_rows
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.memory.sparsity import (
@@ -212,9 +213,10 @@ def test_rescored_ranks_by_the_heads_summed_softmax():
 
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 def test_candidate_logits_match_numpy(softcap):
-    """topk rescoring's logits over scattered slots of a pool (3 query heads a kv head):
-    the C++ kernel reading the fp32 pool in place, and the torch path (an int8 pool's
-    dequantized keys), against NumPy."""
+    """topk rescoring's logits over scattered slots of a pool (3 query heads a kv head),
+    read in place by the C++ kernel: an fp32 pool against NumPy, an int8 pool (codes,
+    head scales, channel-smoothed keys) against NumPy over its dequantized keys, and
+    near the true keys."""
     from lamina.memory.sparsity import RowQuery, candidate_logits
 
     g = np.random.default_rng(8)
@@ -231,9 +233,16 @@ def test_candidate_logits_match_numpy(softcap):
     query = RowQuery(torch.tensor(q), None, 0.3, softcap)
     got = candidate_logits(query, pool.layer(0)[0], slots, None)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
-    quant = KVPool(KVPoolConfig(1, 300, hkv, d, dtype="int8"))
+    channel = tuple(g.uniform(0.5, 2.0, hkv * d).tolist())  # keys' channel scales
+    quant = KVPool(KVPoolConfig(1, 300, hkv, d, dtype="int8", key_scales=channel))
     quant.write(0, torch.arange(300), keys, torch.zeros(300, hkv, d))
-    got = candidate_logits(query, quant.layer(0)[0], slots, quant.key_scales[0])
+    kq, scales = quant.layer(0)[0], quant.key_scales[0]
+    deq = dequantize_rows(kq[slots.long()], scales).numpy().astype(np.float64)
+    want_q = np.einsum("hd,chd->hc", q.astype(np.float64), np.repeat(deq, 3, axis=1)) * 0.3
+    if softcap:
+        want_q = softcap * np.tanh(want_q / softcap)
+    got = candidate_logits(query, kq, slots, scales)
+    np.testing.assert_allclose(got.numpy(), want_q, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got.numpy(), want, rtol=0.05, atol=0.15)  # int8 keys
 
 

@@ -64,13 +64,16 @@ def test_bench_cli_quick_runs_write_json_and_markdown(tmp_path):
     assert [r["kv"] for r in kv["rows"]] == ["float32", "bfloat16", "int8",
                                              "float32 topk 20%", "float32 topk 10%",
                                              "int8 topk 20%", "int8 topk 10%",
-                                             "float32 topk 20% rescore 3"]
+                                             "float32 topk 20% rescore 3",
+                                             "int8 topk 20% rescore 3"]
     # SmolLM2's bytes per token: 30 layers x 3 kv heads x (K + V) x (64 x 4 B | 64 x 2 B |
     # 64 + a 4-byte scale); lines: aligned float rows, int8 K|V spans of 408 B; topk adds
     # its page bounds: 30 layers x (min, max) x 3 x 64 fp32 per 16 tokens = 2880 B
     assert [r["bytes_per_token"] for r in kv["rows"]] == [46080, 23040, 12240, 48960,
-                                                          48960, 15120, 15120, 48960]
-    assert [r["lines_per_key"] for r in kv["rows"]] == [24, 12, 7.25, 24, 24, 7.25, 7.25, 24]
+                                                          48960, 15120, 15120, 48960,
+                                                          15120]
+    assert [r["lines_per_key"] for r in kv["rows"]] == [24, 12, 7.25, 24, 24, 7.25, 7.25, 24,
+                                                        7.25]
     assert kv["rows"][4]["read_per_token_vs_fp32"] == pytest.approx(0.1 + 2880 / 46080)
     # rescored: the selected 20% and the candidates' keys (3 x 20% of the K halves)
     assert kv["rows"][7]["read_per_token_vs_fp32"] == pytest.approx(
