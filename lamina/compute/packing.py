@@ -197,8 +197,10 @@ def _place(s, table: np.ndarray, r0: int, per: list[_PartRows], moved: bool = Tr
     lo, hi = s.evicted
     if hi > lo:
         keys = np.concatenate([table[:lo], table[hi:]])
-        held = min(s.slots_from, lo) if moved else s.slots_from - (min(s.slots_from, hi) - lo
-                                                                  if s.slots_from > lo else 0)
+        # the worker's copy of the key list: up to the hole if it moved, else all it was
+        # sent less the evicted positions among them
+        sf = s.slots_from
+        held = min(sf, lo) if moved else sf - max(0, min(sf, hi) - lo)
         (w, _), = seg
         per[w].add(range(r0, r0 + n), range(r0, r0 + n), table[p0:p0 + n].tolist(), keys,
                    range(p0, p0 + n), 0, s.seq_id, max(0, held))

@@ -33,7 +33,7 @@ from lamina.memory.sparsity_config import (
     SCORED,
     SparsityConfig,
     evictable,
-    layer_fractions,
+    layer_shares,
 )
 from lamina.memory.tier_orders import TierMiss
 from lamina.sampling.params import SamplingParams
@@ -132,9 +132,7 @@ class LLMEngine:
             if cfg.policy != "streaming" or not cfg.enabled or cfg.layer_budgets == "entropy":
                 return None  # (entropy weights are measured on the workers, not known here)
             if cfg not in shares:
-                w = cfg.weights(len(layers))
-                shares[cfg] = layer_fractions(cfg.budget, w) \
-                    if isinstance(cfg.budget, float) else w
+                shares[cfg] = layer_shares(cfg, len(layers))
             return evictable(cfg, shares[cfg], seq.num_tokens)
 
         return rule

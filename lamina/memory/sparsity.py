@@ -55,6 +55,7 @@ from lamina.memory.sparsity_config import (  # noqa: F401 - the names callers im
     SparsityConfig,
     _is_int,
     layer_fractions,
+    layer_shares,
     row_budget,
     split_budget,
 )
@@ -161,22 +162,16 @@ def candidate_logits(query: RowQuery, kp: torch.Tensor, slots: torch.Tensor,
                      key_scales) -> torch.Tensor:
     """A row's logits [Hq, c] against the keys at `slots` (int32 [c]): read in place by
     the C++ kernel (fp32 and int8 CPU pools), else gathered and multiplied in torch."""
-    q = query.q.float()
-    hkv = kp.shape[1]
-    if (kp.dtype in (torch.float32, torch.int8) and kp.device.type == "cpu"
-            and kp.stride(2) == 1 and kp.stride(1) == kp.shape[2] and _cpu_ext() is not None):
+    ext = _cpu_ext() if kp.device.type == "cpu" else None
+    if (ext is not None and kp.dtype in (torch.float32, torch.int8) and kp.stride(2) == 1
+            and kp.stride(1) == kp.shape[2]):
+        q = query.q.float()
         if is_quantized(kp) and key_scales is not None:  # codes x a: q takes the c
             q = fold_channels(q[None], key_scales)[0]
-        return _cpu_ext().slot_scores(q.cpu(), kp, slots.to(torch.int32), query.scale,
-                                      query.softcap)
+        return ext.slot_scores(q.cpu(), kp, slots.to(torch.int32), query.scale,
+                               query.softcap)
     keys = _keys(kp, slots, key_scales)  # [c, Hkv, D]
-    # each kv head's query heads against its keys as one product: q laid out
-    # block-diagonally [Hq, Hkv D] times the keys' rows [Hkv D, c] (no repeated keys)
-    w = torch.block_diag(*(q.to(keys.device) * query.scale).unflatten(0, (hkv, -1)))
-    logits = (w @ keys.flatten(1).T).cpu()
-    if query.softcap > 0:
-        logits = query.softcap * torch.tanh(logits / query.softcap)
-    return logits
+    return _logits(query.q[None].to(keys.device), keys, query.scale, query.softcap)[0].cpu()
 
 
 def _cpu_ext():
@@ -227,9 +222,7 @@ class _Policy:
 
     @staticmethod
     def of(config: SparsityConfig, num_layers: int) -> "_Policy":
-        w = config.weights(num_layers)
-        return _Policy(config, layer_fractions(config.budget, w)
-                       if isinstance(config.budget, float) else w)
+        return _Policy(config, layer_shares(config, num_layers))
 
 
 class Sparsifier:
@@ -442,9 +435,10 @@ def _keys(kp: torch.Tensor, slots: torch.Tensor, key_scales) -> torch.Tensor:
 
 
 def _logits(q: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float):
-    """q [w, Hq, D], keys [n, Hkv, D] -> scaled (soft-capped) logits [w, Hq, n]."""
-    rep = q.shape[1] // keys.shape[1]
-    s = torch.einsum("whd,nhd->whn", q.float(), keys.repeat_interleave(rep, dim=1)) * scale
+    """q [w, Hq, D], keys [n, Hkv, D] -> scaled (soft-capped) logits [w, Hq, n]. A kv
+    head's query heads meet its keys in one product (the keys are not repeated)."""
+    g = q.float().unflatten(1, (keys.shape[1], -1)) * scale  # [w, Hkv, G, D]
+    s = torch.einsum("wkgd,nkd->wkgn", g, keys).flatten(1, 2)
     return softcap * torch.tanh(s / softcap) if softcap > 0 else s
 
 

@@ -136,6 +136,11 @@ def layer_fractions(budget: float, weights: np.ndarray) -> np.ndarray:
     return f
 
 
+def layer_shares(config: SparsityConfig, num_layers: int) -> np.ndarray:
+    """Each layer's budget share [L] under `config`: the per-layer fractions of a
+    fraction budget (`layer_fractions`), or the weights a token budget is scaled by."""
+    w = config.weights(num_layers)
+    return layer_fractions(config.budget, w) if isinstance(config.budget, float) else w
 
 
 def row_budget(budget: float | int, share: float, n: int) -> int:
@@ -155,9 +160,9 @@ def split_budget(t: int, sinks: int, window: float | int) -> tuple[int, int]:
 
 def evictable(config: SparsityConfig, shares, n: int) -> tuple[int, int] | None:
     """Positions [lo, hi) of a row with n keys of context that `streaming` will never
-    select again at any layer (`shares`: each layer's budget share, `layer_fractions` of
-    a fraction budget or the weights of a token budget): past the sinks and before the
-    widest layer's recent window. None: nothing (another policy, or nothing to drop).
+    select again at any layer (`shares`: each layer's budget share, `layer_shares`):
+    past the sinks and before the widest layer's recent window. None: nothing (another
+    policy, or nothing to drop).
     The window only moves forward as the context grows, so what is dropped stays out."""
     if config.policy != "streaming" or not config.enabled:
         return None
