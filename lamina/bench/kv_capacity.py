@@ -51,7 +51,8 @@ def admitted_at_once(llm, length: int, requests: int, seed: int = 0,
 
 def parse_mode(mode: str) -> dict:
     """'float32' -> that KV dtype; 'float32:streaming:0.2' -> with that KV policy and
-    budget (streaming gives back the slots it will never read: `kv_evict`)."""
+    budget (streaming, h2o and snapkv give back the slots they will never read again:
+    `kv_evict`)."""
     dtype, *sparse = mode.split(":")
     if not sparse:
         return {"kv_dtype": dtype}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -121,7 +121,8 @@ class ComputeSide:
         scratch = self._local_side(local_slots) if local_slots else None
         link.begin(plan.step, [m.packed.parts for m in mbs], plan.released,
                    plan.tier_orders, {s.seq_id: s.params.kv_override for s in plan.seqs
-                                      if s.params.kv_override is not None})
+                                      if s.params.kv_override is not None},
+                   plan.report_dropped)
         timers = StepTimers()
         # One micro-batch with no prompts attending here: nothing runs between a layer's
         # submit and collect, so the link may do both in one call (`exchange`).
@@ -136,11 +137,13 @@ class ComputeSide:
         for i in range(len(self.params) + 1):
             for j, mb in enumerate(mbs):
                 self._slice(i, j, mb, shared)
+        dropped = link.dropped() if plan.report_dropped else ()
         t = time.perf_counter()
         works = [s for g in groups for s in g if s.sample]
         tokens, lps, plps = self._sample(works, mbs) if works else ([], None, None)
         timers.sample_s = time.perf_counter() - t
-        return _in_plan_order(plan, works, tokens, lps, plps, timers.report(len(mbs)))
+        return replace(_in_plan_order(plan, works, tokens, lps, plps,
+                                      timers.report(len(mbs))), dropped=dropped)
 
     def _pack(self, plan: StepPlan) -> tuple[list[tuple], list[_MicroBatch]]:
         """The plan cut into micro-batches, each packed (rows grouped by worker)."""
@@ -295,38 +298,64 @@ class SlotTables:
     def __init__(self) -> None:
         self._t: dict[int, GrowingSlots] = {}
         self._evicted: dict[int, tuple[int, int]] = {}  # seq -> its evicted positions
-        self._moved: set[int] = set()  # seqs whose evicted range changed this plan
+        self._holed: set[int] = set()  # seqs whose tables have holes (-1)
+        # seq -> the first position whose hole status changed with the last plan (the
+        # memory workers' copies of its key list then differ from there on)
+        self._changed: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._t)
 
     def table(self, seq_id: int) -> np.ndarray:
-        """seq's whole table [L] int32 (a view, valid until its next plan is applied)."""
+        """seq's whole table [L] int32 (a view, valid until its next plan is applied);
+        -1 at positions whose slots were given back."""
         return self._t[seq_id].view()
 
-    def evicted_moved(self, seq_id: int) -> bool:
-        """Whether seq's evicted range changed with the last plan applied (the memory
-        workers' copies of its table then differ from the hole on)."""
-        return seq_id in self._moved
+    def holes(self, seq_id: int) -> bool:
+        """Whether seq's table has holes (positions whose slots were given back)."""
+        return seq_id in self._holed
+
+    def changed_from(self, seq_id: int) -> int | None:
+        """The first position that became a hole with the last plan applied; None."""
+        return self._changed.get(seq_id)
 
     def apply(self, plan: StepPlan) -> None:
-        self._moved = set()
+        self._changed = {}
         for sid in plan.released:
             self._t.pop(sid, None)
             self._evicted.pop(sid, None)
+            self._holed.discard(sid)
         for s in plan.seqs:
-            if self._evicted.get(s.seq_id, (0, 0)) != s.evicted:
-                self._moved.add(s.seq_id)
-                self._evicted[s.seq_id] = s.evicted
             t = self._t.get(s.seq_id)
             if s.slots_from == 0:
                 t = self._t[s.seq_id] = GrowingSlots()
+                self._holed.discard(s.seq_id)
             elif t is None or t.n < s.slots_from:
                 have = "none" if t is None else f"{t.n} positions"
                 raise RuntimeError(f"seq {s.seq_id}: the plan sends its KV slots from position "
                                    f"{s.slots_from}, but the compute side holds {have} of its "
                                    f"table (engine and executor out of step)")
             t.cut_and_extend(s.slots_from, np.asarray(s.slots, dtype=np.int32))
+            self._holes(s, t.view())
+
+    def _holes(self, s: SeqWork, table: np.ndarray) -> None:
+        """The plan's holes into seq's table: its evicted range (where it moved) and its
+        newly dropped positions; a whole table sent may carry holes of its own."""
+        sid, first = s.seq_id, None
+        lo, hi = s.evicted
+        was = self._evicted.get(sid, (0, 0))
+        if was != s.evicted:
+            self._evicted[sid] = s.evicted
+            table[lo:hi] = -1
+            first = was[1] if was[0] == lo and was[1] > was[0] else lo
+        if s.dropped:
+            table[list(s.dropped)] = -1
+            first = min(s.dropped) if first is None else min(first, min(s.dropped))
+        if first is not None:
+            self._changed[sid] = first
+            self._holed.add(sid)
+        elif s.slots_from == 0 and (table < 0).any():
+            self._holed.add(sid)
 
 
 @dataclass

@@ -3,7 +3,8 @@ which puts the workers' attention outputs back in packed row order.
 
 Data in: one layer's packed q/k/v and the step's `WorkerPart`s.
 Data out: o [N, Hq, Dv] in packed row order (partials of a KV split over workers merged
-exactly by log-sum-exp).
+exactly by log-sum-exp); after the last layer, when asked, the keys the workers'
+scoring policies dropped for good (`DroppedKeys`).
 
 Implementations: `lamina.executor.local` (memory sides in this process) and
 `lamina.dataplane.protocol.SocketLink` (memory workers over sockets / shared memory).
@@ -17,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from lamina.compute.packing import WorkerPart
+from lamina.engine.messages import DroppedKeys
 from lamina.kernels import (
     merge_attention,
 )
@@ -34,12 +36,20 @@ class MemoryLink(ABC):
 
     def begin(self, step: int, parts: Sequence[Sequence[WorkerPart]],  # noqa: B027
               released: Sequence[int] = (), tier_orders: Sequence = (),
-              overrides: Mapping[int, KVOverride] | None = None) -> None:
+              overrides: Mapping[int, KVOverride] | None = None,
+              report_dropped: bool = False) -> None:
         """A step's metadata, once before its layers: each micro-batch's parts, the
         sequences dropped since the last step (`StepPlan.released`), whose slot tables
         a memory end that keeps them may drop, the step's KV tier orders
-        (`StepPlan.tier_orders`, each for the worker it names), and the KV sparsity
-        of the step's requests that chose their own ({seq id: `KVOverride`})."""
+        (`StepPlan.tier_orders`, each for the worker it names), the KV sparsity
+        of the step's requests that chose their own ({seq id: `KVOverride`}), and
+        whether the workers are to say which keys their policies dropped for good
+        (`dropped`, after the last layer)."""
+
+    def dropped(self) -> tuple[DroppedKeys, ...]:
+        """After the step's last layer, when `begin` asked: the keys each worker's h2o /
+        snapkv sequences left out at every layer for good, newly."""
+        return ()
 
     @abstractmethod
     def submit(self, layer: int, mb: int, q, k, v, parts: Sequence[WorkerPart]) -> None: ...

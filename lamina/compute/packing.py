@@ -169,7 +169,10 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False,
                      range(n), 0, s.seq_id)
             continue
         merge |= len(seg) > 1 and seg[-1][1] < p0 + n  # some query sees several ranges
-        _place(s, table, r0, per, tables is None or tables.evicted_moved(s.seq_id))
+        if tables is None:
+            _place(s, table, r0, per, bool((table < 0).any()), 0)
+        else:
+            _place(s, table, r0, per, tables.holes(s.seq_id), tables.changed_from(s.seq_id))
     own = mine.build(len(ids))
     return PackedBatch(torch.tensor([ids]), torch.tensor([pos]), tuple(rows),
                        tuple(p.build(len(ids)) for p in per), merge, tuple(sample),
@@ -186,24 +189,23 @@ def _table(s, tables) -> np.ndarray:
     return np.asarray(s.slots, dtype=np.int32)
 
 
-def _place(s, table: np.ndarray, r0: int, per: list[_PartRows], moved: bool = True) -> None:
+def _place(s, table: np.ndarray, r0: int, per: list[_PartRows],
+           holes: bool = False, changed: int | None = None) -> None:
     """Sequence `s` (its rows from r0, its whole slot `table`) onto the workers holding
     its slot ranges: each worker attends the queries that see keys in its range and
     stores the new k/v that fall in it. Positions before `s.slots_from` are as in its
-    last plan (the memory workers may hold them: `WorkerPart.unchanged`). Evicted
-    positions (`s.evicted`, one worker) are left out of its keys; `moved`: that range
-    changed since the last plan, so what the workers hold differs from there on."""
+    last plan (the memory workers may hold them: `WorkerPart.unchanged`). A table with
+    `holes` (-1: slots given back; one worker) lists its other positions as keys;
+    `changed`: the first position that became a hole with this plan (what the worker
+    holds differs from there on)."""
     n, p0, seg = len(s.token_ids), s.start_pos, s.placement
-    lo, hi = s.evicted
-    if hi > lo:
-        keys = np.concatenate([table[:lo], table[hi:]])
-        # the worker's copy of the key list: up to the hole if it moved, else all it was
-        # sent less the evicted positions among them
-        sf = s.slots_from
-        held = min(sf, lo) if moved else sf - max(0, min(sf, hi) - lo)
+    if holes:
+        live = table >= 0
+        upto = s.slots_from if changed is None else min(s.slots_from, changed)
+        held = int(np.count_nonzero(live[:upto]))  # the worker's copy: its keys up to there
         (w, _), = seg
-        per[w].add(range(r0, r0 + n), range(r0, r0 + n), table[p0:p0 + n].tolist(), keys,
-                   range(p0, p0 + n), 0, s.seq_id, max(0, held))
+        per[w].add(range(r0, r0 + n), range(r0, r0 + n), table[p0:p0 + n].tolist(),
+                   table[live], range(p0, p0 + n), 0, s.seq_id, held)
         return
     ends = [a for _, a in seg[1:]] + [len(table)]
     for (w, a), b in zip(seg, ends):

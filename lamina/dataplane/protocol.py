@@ -24,6 +24,9 @@ O(batch x context). Then per layer and micro-batch, in the same order on both en
   three frames q [n, Hq, D], k [m, Hkv, D], v [m, Hkv, Dv] (m < n: some request's KV is
   split over workers, and its later rows' k/v live elsewhere);
 - back: [n, Hq, Dv + 1], the output with each row's log-sum-exp as the last column.
+After the last layer, when the count carries `DROPPED_FLAG`, one more frame back
+(layer `DROPPED`): the keys its h2o / snapkv sequences left out at every layer for good
+(`encode_dropped`), whose slots the engine then gives back.
 One frame instead of three halves the memory worker's per-layer framing work, and
 with each worker's rows contiguous in the packed order (`pack`) the compute side sends
 a slice of one q|k|v buffer instead of gathering rows per worker.
@@ -42,6 +45,7 @@ from lamina.compute.packing import WorkerPart
 from lamina.dataplane.paths import ComputePaths, memory_native, worker_spans
 from lamina.dataplane.tables import HeldTables, SentTables, TableError
 from lamina.dataplane.transport import FrameError, PeerTimeout, SocketChannel
+from lamina.engine.messages import DroppedKeys
 from lamina.errors import SequenceFault
 from lamina.kernels import SlotBatch
 from lamina.memory.memory_side import MemorySide
@@ -54,7 +58,11 @@ TIERS_FLAG = 1 << 16  # in the micro-batch count: a frame of KV tier orders foll
 # in the micro-batch count: a frame of requests' own KV sparsity follows (after the tier
 # orders, if any): int32 rows of `KVOverride.encode`, each sent once a connection
 OVERRIDES_FLAG = 1 << 17
-FLAGS = TIERS_FLAG | OVERRIDES_FLAG
+# in the micro-batch count: after the step's last layer, send one DROPPED frame: the
+# keys h2o / snapkv left out at every layer for good (`encode_dropped`)
+DROPPED_FLAG = 1 << 18
+FLAGS = TIERS_FLAG | OVERRIDES_FLAG | DROPPED_FLAG
+DROPPED = -2  # layer tag of that frame
 # What each connection's memory end holds, kept with the connection: a `SocketLink`
 # lives one step (the Ray compute worker makes one per step); a new channel starts empty.
 _SENT: weakref.WeakKeyDictionary[SocketChannel, SentTables] = weakref.WeakKeyDictionary()
@@ -133,16 +141,37 @@ def _raise(status: int, msg: str) -> None:
     raise (FrameError, PeerTimeout, RuntimeError)[status - 1](msg)
 
 
+def encode_dropped(dropped: dict) -> torch.Tensor:
+    """{seq id: slots} -> the DROPPED frame: int32 rows of (seq id, count, slots...)."""
+    flat: list[int] = []
+    for sid, slots in sorted(dropped.items()):
+        flat += [int(sid), len(slots), *(int(x) for x in slots)]
+    return torch.tensor(flat, dtype=torch.int32)
+
+
+def decode_dropped(frame: torch.Tensor, worker: int) -> list[DroppedKeys]:
+    """The DROPPED frame of `worker` -> its `DroppedKeys`; FrameError if malformed."""
+    flat, out, at = frame.tolist(), [], 0
+    while at < len(flat):
+        if at + 2 > len(flat) or flat[at + 1] < 0 or at + 2 + flat[at + 1] > len(flat):
+            raise FrameError(f"memory worker {worker}: bad dropped-keys frame at {at}")
+        sid, n = flat[at], flat[at + 1]
+        out.append(DroppedKeys(sid, worker, tuple(flat[at + 2:at + 2 + n])))
+        at += 2 + n
+    return out
+
+
 def step_meta(live: list[WorkerPart], held: SentTables, tiers: bool = False,
-              overrides: bool = False) -> list[torch.Tensor]:
+              overrides: bool = False, dropped: bool = False) -> list[torch.Tensor]:
     """One memory worker's META frames of a step (see the module docstring): its parts
     in the step's micro-batches, slots as diffs against what `held` says it holds;
     `tiers` / `overrides`: a tier-order / an override frame will follow the released one
-    (flagged in the count)."""
+    (flagged in the count); `dropped`: it is to send a DROPPED frame after the step."""
     ids = [i if 0 <= i < 2 ** 31 else -1 for p in live for i in p.seq_ids]
     if len(ids) != sum(p.batch.num_requests for p in live):
         ids = []  # parts built without sequence ids (probes)
-    flags = (TIERS_FLAG if tiers else 0) | (OVERRIDES_FLAG if overrides else 0)
+    flags = ((TIERS_FLAG if tiers else 0) | (OVERRIDES_FLAG if overrides else 0)
+             | (DROPPED_FLAG if dropped else 0))
     frames = [torch.tensor([len(live) | flags, *ids], dtype=torch.int32),
               torch.tensor(held.take_released(), dtype=torch.int32)]
     at = 0
@@ -167,8 +196,10 @@ class SocketLink(MemoryLink):
         self._ext = self.paths.ext
         self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
 
-    def begin(self, step, parts, released=(), tier_orders=(), overrides=None):
+    def begin(self, step, parts, released=(), tier_orders=(), overrides=None,
+              report_dropped=False):
         self.step = step
+        self._report: list[int] = []  # the workers that send a DROPPED frame
         if self._ext:  # what the C++ ends need every layer, once a step
             self._peers = _peers(self._ext, self.channels)
             self._spans = [worker_spans(p) for p in parts]
@@ -180,7 +211,9 @@ class SocketLink(MemoryLink):
             tiers = encode_orders(o for o in tier_orders if o.worker == w)
             own = held.new_overrides(overrides or {}, [i for p in live for i in p.seq_ids])
             if live:
-                frames = step_meta(live, held, bool(tiers), bool(own))
+                frames = step_meta(live, held, bool(tiers), bool(own), report_dropped)
+                if report_dropped:
+                    self._report.append(w)
             elif held.pending or tiers:  # no rows: what to drop, tier orders (count 0)
                 frames = [torch.tensor([TIERS_FLAG if tiers else 0], dtype=torch.int32),
                           torch.tensor(held.take_released(), dtype=torch.int32)]
@@ -266,6 +299,15 @@ class SocketLink(MemoryLink):
         return combine(parts, outs, out_shape, dtype, merge)
 
 
+    def dropped(self) -> tuple[DroppedKeys, ...]:
+        out: list[DroppedKeys] = []
+        for w in self._report:
+            frame = self.channels[w].recv(expect_layer=DROPPED, expect_step=self.step,
+                                          expect_dtype=torch.int32)[0]
+            out += decode_dropped(frame, w)
+        return tuple(out)
+
+
 class MemoryServer:
     """The memory end of one compute worker's channel: `serve` runs steps until the peer
     closes. A malformed frame or a failed step ends it with `error` set (the peer then
@@ -328,7 +370,8 @@ class MemoryServer:
         ch = self.ch
         head, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32)
         count = int(head[0]) if head.dim() == 1 and head.numel() else -1
-        tiers, own = (count > 0 and bool(count & f) for f in (TIERS_FLAG, OVERRIDES_FLAG))
+        tiers, own, report = (count > 0 and bool(count & f)
+                              for f in (TIERS_FLAG, OVERRIDES_FLAG, DROPPED_FLAG))
         count = count & ~FLAGS
         if not 0 <= count <= MAX_MICRO_BATCHES or (count == 0 and head.numel() > 1):
             raise FrameError(f"step {step}: bad micro-batch count frame {head.tolist()[:4]}")
@@ -368,7 +411,8 @@ class MemoryServer:
             mbs.append((new_slots, batch, tuple(mine)))
         loading = self.memory.tiers is not None and self.memory.tiers.loading
         sparse = self.memory.sparsity is not None and self.memory.sparsity.active
-        if self._native is not None and len(mbs) == 1 and not loading and not sparse:
+        if (self._native is not None and len(mbs) == 1 and not loading and not sparse
+                and not report):
             self._serve_native(step, *mbs[0][:2])
             return True  # (a step with tier loads copies them layer by layer, below)
         for layer, params in enumerate(self.params):
@@ -377,12 +421,17 @@ class MemoryServer:
                 o, lse = self.memory.attend(layer, params, q, k, v, new_slots, batch,
                                             checked=True, seq_ids=seqs)
                 frame = (torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step)
-                if len(mbs) == 1:  # the peer reads it before it sends more: no deadlock
-                    with self._lock:
-                        ch.send(*frame)
-                else:
-                    self._out.put(frame)
+                self._send(frame, len(mbs))
+        if report:  # after the outputs, in order
+            self._send((encode_dropped(self.memory.take_dropped()), DROPPED, step), len(mbs))
         return True
+
+    def _send(self, frame, mbs: int) -> None:
+        if mbs == 1:  # the peer reads it before it sends more: no deadlock
+            with self._lock:
+                self.ch.send(*frame)
+        else:
+            self._out.put(frame)
 
     def _apply_tiers(self, step: int) -> None:
         """The step's KV tier orders (`lamina.memory.tiers`). The executor checked its

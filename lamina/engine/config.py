@@ -89,8 +89,9 @@ class EngineConfig:
     # topk: 0 ranks pages by their bounds alone; r >= 1 scores the keys of the pages
     # covering r x the budget exactly and keeps the best (closer to dense, reads more)
     kv_topk_rescore: float = 0.0
-    # streaming (deployment-wide or a request's own) gives back the slots of the keys it
-    # will never attend again, so the pools hold more sequences; False keeps every slot
+    # streaming, h2o and snapkv (deployment-wide or a request's own) give back the slots
+    # of the keys they will never attend again (h2o / snapkv: left out at every layer),
+    # so the pools hold more sequences; False keeps every slot
     kv_evict: bool = True
     faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
 

@@ -30,6 +30,7 @@ from lamina.engine.sessions import SessionIndex, check_session_id
 from lamina.errors import SequenceFault
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
 from lamina.memory.sparsity_config import (
+    FOR_GOOD,
     SCORED,
     SparsityConfig,
     evictable,
@@ -86,7 +87,8 @@ class LLMEngine:
                                                    config.split_kv), self.allocs,
                                    prefix_caching=config.prefix_caching,
                                    sessions=self.sessions, evict=self._evict_rule(),
-                                   scores_prompt=self._scores_prompt)
+                                   scores_prompt=self._scores_prompt,
+                                   drops=self._drop_rule())
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()
@@ -134,6 +136,22 @@ class LLMEngine:
             if cfg not in shares:
                 shares[cfg] = layer_shares(cfg, len(layers))
             return evictable(cfg, shares[cfg], seq.num_tokens)
+
+        return rule
+
+    def _drop_rule(self):
+        """The scheduler's rule for reported drops: whether a sequence's KV policy (its
+        own or the deployment's) is one that drops keys for good on its memory worker
+        (h2o, snapkv), whose slots then go back. None where nothing may be given back
+        (as `_evict_rule`)."""
+        layers = getattr(self.executor, "params", None)
+        if (not self.config.kv_evict or not layers
+                or any((p.sliding_window or -1) > 0 for p in layers)):
+            return None
+
+        def rule(seq: Sequence) -> bool:
+            cfg = self._kv_policy(seq)
+            return cfg.enabled and cfg.policy in FOR_GOOD
 
         return rule
 
@@ -313,6 +331,8 @@ class LLMEngine:
             return failed  # nothing drawn; any lost KV is recomputed from the next step on
         self._failed_in_row = 0
         self._check_result(plan, result)
+        if result.dropped:
+            self.scheduler.note_dropped(result.dropped)
         now = time.perf_counter()
         self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
                                   "step_s": now - t0, **(result.timings or {})})

@@ -24,10 +24,14 @@ The data path of one step, and the file that owns each stage:
                               kernels/               (C++ on CPU pools, Triton on GPU pools)
   o|lse frames  <-----------  dataplane/protocol.py  outputs back, merged by LSE where a
      |                                               sequence's KV is split
+  dropped keys  <-----------  memory/sparsity.py     after the last layer, when the plan
+     |                                               asks: keys h2o / snapkv left out at
+     |                                               every layer (their slots go back)
      v  after the last layer:
   sampled tokens              compute/compute_side.py + sampling/sampler.py
      |
-  StepResult                  this file             token ids (and logprobs) in plan order
+  StepResult                  this file             token ids (and logprobs) in plan order,
+     |                                              dropped keys
      |  control frame         dataplane/control.py
      v
   RequestOutput               engine/engine.py      appended, detokenized, finished
@@ -71,6 +75,10 @@ class SeqWork:
     # again: `lamina.memory.sparsity_config.evictable`); their table entries are -1 and
     # its attention lists the other positions only. (0, 0): none. Sent every step.
     evicted: tuple[int, int] = (0, 0)
+    # positions whose KV slots were given back with this plan (a diff: earlier ones
+    # stay holes) because a scoring policy (h2o, snapkv) left their keys out at every
+    # layer for good (`StepResult.dropped`); their attention lists the rest only
+    dropped: tuple[int, ...] = ()
 
     def __post_init__(self):
         end = self.start_pos + len(self.token_ids)
@@ -82,6 +90,11 @@ class SeqWork:
         if not 0 <= a <= b <= self.start_pos or (b > a and len(self.placement) > 1):
             raise ValueError(f"seq {self.seq_id}: evicted positions {a}..{b - 1} must come "
                              f"before position {self.start_pos}, on one memory worker")
+        if self.dropped and (min(self.dropped) < 0 or max(self.dropped) >= self.start_pos
+                             or len(self.placement) > 1):
+            raise ValueError(f"seq {self.seq_id}: dropped positions {min(self.dropped)}.."
+                             f"{max(self.dropped)} must come before position "
+                             f"{self.start_pos}, on one memory worker")
         if self.sample and not self.seeds:
             raise ValueError(f"seq {self.seq_id}: sampling needs at least one seed")
         seg = self.placement
@@ -113,6 +126,9 @@ class StepPlan:
     # the step's layers in order: saves of finished turns, demotions, prefetches, drops,
     # and loads into the slots of sequences this step admits
     tier_orders: tuple[TierOrder, ...] = ()
+    # the memory workers say which keys their scoring policies left out at every layer
+    # for good (`StepResult.dropped`), so their slots can be given back
+    report_dropped: bool = False
 
     def __post_init__(self):
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
@@ -132,6 +148,16 @@ PromptLogprobs = tuple[tuple[float, ...], tuple[tuple[int, ...], ...],
 
 
 @dataclass(frozen=True)
+class DroppedKeys:
+    """Keys of one sequence that its memory worker's scoring policy (h2o, snapkv) left
+    out at every layer for good, newly this step: their slots may be given back."""
+
+    seq_id: int
+    worker: int
+    slots: tuple[int, ...]  # local slot ids on that worker
+
+
+@dataclass(frozen=True)
 class StepResult:
     step: int
     seq_ids: tuple[int, ...]  # sampling sequences, in plan order
@@ -141,3 +167,4 @@ class StepResult:
     logprobs: tuple[tuple[TokenLogprobs, ...] | None, ...] | None = None
     # per sequence: None, or for its prompt tokens 1.. (logprobs, top ids, top logprobs)
     prompt_logprobs: tuple[PromptLogprobs | None, ...] | None = None
+    dropped: tuple[DroppedKeys, ...] = ()  # when the plan asked (`report_dropped`)

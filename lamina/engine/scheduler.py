@@ -20,7 +20,11 @@ reference count (`KVAllocator.fork`); from there each appends its own slots.
 
 Eviction: with an `evict` rule (the engine's, for `streaming`), a decoding sequence's
 positions that its policy will never read again give their slots back (`drop`: holes in
-its table), `evict_chunk` at a time, and its plans say which (`SeqWork.evicted`).
+its table), `evict_chunk` at a time, and its plans say which (`SeqWork.evicted`). With a
+`drops` rule (for `h2o` / `snapkv`), plans ask the memory workers which keys those
+sequences' policies left out at every layer for good (`StepPlan.report_dropped`); the
+engine hands the answer to `note_dropped`, and their slots go back the same way,
+`evict_chunk` at a time (`SeqWork.dropped`).
 
 KV split (paper 5.2): with `split_kv`, a sequence whose worker is full spills its next
 slots onto another worker instead of being preempted, and a prompt larger than any one
@@ -34,6 +38,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
 
 from lamina.engine.messages import SeqWork, StepPlan
 from lamina.engine.prefix_cache import RadixCache
@@ -80,6 +86,12 @@ class Sequence:
     # holds none: the next plan sends the whole table)
     sent: int = 0
     evicted: tuple[int, int] = (0, 0)  # positions [a, b) whose slots were given back
+    # h2o / snapkv: slots its memory worker reported left out at every layer for good
+    # (`note_dropped`), given back `evict_chunk` or more at a time; the positions given
+    # back with the next plan; the first position given back so (-1: none)
+    pending_drop: list[int] = field(default_factory=list)
+    new_drops: tuple[int, ...] = ()
+    first_dropped: int = -1
 
     @property
     def tokens(self) -> list[int]:
@@ -92,6 +104,13 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
+    def holes_from(self) -> int | None:
+        """The first position whose slot was given back (None: none was)."""
+        firsts = [p for p in (self.evicted[0] if self.evicted[1] > self.evicted[0] else -1,
+                              self.first_dropped) if p >= 0]
+        return min(firsts) if firsts else None
 
     @property
     def worker(self) -> int:
@@ -112,7 +131,8 @@ class Scheduler:
                  policy: Callable[[deque], list] = fifo, prefix_caching: bool = False,
                  sessions: SessionIndex | None = None,
                  evict: Callable[[Sequence], tuple[int, int] | None] | None = None,
-                 scores_prompt: Callable[[Sequence], bool] | None = None):
+                 scores_prompt: Callable[[Sequence], bool] | None = None,
+                 drops: Callable[[Sequence], bool] | None = None):
         self.allocs = allocators if isinstance(allocators, list) else [allocators]
         self.config, self.policy = config, policy
         # whether a sequence's KV policy scores its whole prompt where it is stored
@@ -121,6 +141,9 @@ class Scheduler:
         # a decoding sequence's positions its KV policy will never read again (its
         # slots are given back), or None; None: no eviction
         self.evict = evict
+        # whether a sequence's KV policy drops keys for good on its memory worker (their
+        # slots may go back when reported); None: none does
+        self.drops = drops
         self.sessions = sessions  # sessions' KV beyond the pools; None: no tiers
         # one radix tree per memory worker (`prefix_cache`); None: no caching
         self.caches = [RadixCache(a) for a in self.allocs] if prefix_caching else None
@@ -169,8 +192,8 @@ class Scheduler:
 
     def _spill(self, seq: Sequence) -> int | None:
         """A worker this sequence has no range on that can take one more slot (not for a
-        sequence with evicted positions: those stay on one worker)."""
-        if not self.config.split_kv or seq.evicted[1] > seq.evicted[0]:
+        sequence with positions given back: those stay on one worker)."""
+        if not self.config.split_kv or seq.holes_from is not None:
             return None
         free = [w for w in range(len(self.allocs))
                 if w not in seq.workers and self.allocs[w].can_allocate(1)]
@@ -245,9 +268,9 @@ class Scheduler:
     def cache(self, seq: Sequence, upto: int) -> None:
         """Cache seq's first `upto` positions (their KV is written): after its prefill,
         and when it finishes. Only a sequence held by one worker, and only up to its
-        first evicted position."""
-        if seq.evicted[1] > seq.evicted[0]:
-            upto = min(upto, seq.evicted[0])
+        first position given back."""
+        if seq.holes_from is not None:
+            upto = min(upto, seq.holes_from)
         if self.caches is not None and len(seq.segments) == 1 and upto > 0:
             w = seq.worker
             self.caches[w].insert(seq.tokens[:upto], self.allocs[w].slots(seq.seq_id)[:upto])
@@ -264,6 +287,7 @@ class Scheduler:
         for w in seq.workers:
             self.allocs[w].free(seq.seq_id)
         seq.segments, seq.evicted = [], (0, 0)
+        seq.pending_drop, seq.new_drops, seq.first_dropped = [], (), -1
         if seq.sent:
             self._released.append(seq.seq_id)
             seq.sent = 0
@@ -314,8 +338,8 @@ class Scheduler:
                        params=seq.params, seeds=seeds, segments=segs,
                        history=tuple(seq.tokens) if penalized else (),
                        prompt_len=len(seq.prompt) if penalized else 0, slots_from=seq.sent,
-                       evicted=seq.evicted)
-        seq.sent = end
+                       evicted=seq.evicted, dropped=seq.new_drops)
+        seq.sent, seq.new_drops = end, ()
         return work
 
     def _tail(self, seq: Sequence, start: int, end: int) -> list[int]:
@@ -331,6 +355,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         work: list[SeqWork] = []
+        report = False  # whether the memory workers are to say what they dropped
         # 1. Decode: one new slot per running sequence, oldest first; a full worker
         #    spills to another (split_kv) or preempts its newest sequences.
         for seq in list(self.running):
@@ -338,6 +363,7 @@ class Scheduler:
                 continue  # preempted while making room for an older one
             if self._grow(seq):
                 self._evict(seq)
+                report |= self._drops(seq)
                 work.append(self._work(seq, (seq.last_token,), seq.num_tokens - 1,
                                        (seq.seed,)))
         # 2. Admit waiting sequences in policy order while they fit.
@@ -373,16 +399,36 @@ class Scheduler:
                                f"{[a.num_free() for a in self.allocs]} free KV slots")
         orders = self.sessions.take_orders() if self.sessions is not None else ()
         plan = StepPlan(self.step, tuple(work), released=tuple(self._released),
-                        tier_orders=orders)
+                        tier_orders=orders, report_dropped=report)
         self._released.clear()
         self.step += 1
         return plan
+
+    def _drops(self, seq: Sequence) -> bool:
+        """Whether seq's reported dropped keys may give their slots back: a policy that
+        drops for good, its KV on one worker, no session saving it."""
+        return (self.drops is not None and len(seq.segments) == 1 and seq.session is None
+                and self.drops(seq))
+
+    def note_dropped(self, dropped) -> None:
+        """The keys memory workers reported left out for good (`StepResult.dropped`):
+        held until `evict_chunk` of a sequence's have come (a sequence that has since
+        finished, moved or split is skipped)."""
+        by_id = {s.seq_id: s for s in self.running}
+        for d in dropped:
+            seq = by_id.get(d.seq_id)
+            if seq is not None and seq.segments == [(d.worker, 0)] and self._drops(seq):
+                seq.pending_drop.extend(d.slots)
 
     def _evict(self, seq: Sequence) -> None:
         """Give back the slots of the positions seq's KV policy will never read again,
         `evict_chunk` or more at a time. Not for a sequence whose KV spans workers or
         whose session saves its KV."""
-        if self.evict is None or len(seq.segments) != 1 or seq.session is not None:
+        if len(seq.segments) != 1 or seq.session is not None:
+            return
+        if len(seq.pending_drop) >= self.config.evict_chunk:
+            self._give_back(seq)
+        if self.evict is None:
             return
         want = self.evict(seq)
         if want is None:
@@ -394,6 +440,17 @@ class Scheduler:
             return
         self.allocs[seq.worker].drop(seq.seq_id, start, hi)
         seq.evicted = (lo, hi)
+
+    def _give_back(self, seq: Sequence) -> None:
+        """seq's pending dropped keys' positions become holes; the next plan says which."""
+        table = np.asarray(self.allocs[seq.worker].slots(seq.seq_id))
+        pos = np.flatnonzero(np.isin(table, seq.pending_drop)).tolist()
+        seq.pending_drop = []
+        if pos:
+            self.allocs[seq.worker].drop_positions(seq.seq_id, pos)
+            seq.new_drops = tuple(sorted(set(seq.new_drops) | set(pos)))
+            seq.first_dropped = pos[0] if seq.first_dropped < 0 else min(seq.first_dropped,
+                                                                         pos[0])
 
     def _allocate(self, seq: Sequence, place: list[tuple[int, int]]) -> None:
         """Fresh slots for all of seq's tokens, over the workers `place` names."""
@@ -412,7 +469,7 @@ class Scheduler:
             for w in parent.workers:
                 self.allocs[w].fork(parent.seq_id, kid.seq_id)
             kid.status, kid.segments = "running", list(parent.segments)
-            kid.evicted = parent.evicted
+            kid.evicted, kid.first_dropped = parent.evicted, parent.first_dropped
             self.running.append(kid)
         return kids
 

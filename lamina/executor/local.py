@@ -10,7 +10,7 @@ import torch
 
 from lamina.compute.compute_side import ComputeSide
 from lamina.compute.memory_link import MemoryLink, combine
-from lamina.engine.messages import StepPlan, StepResult
+from lamina.engine.messages import DroppedKeys, StepPlan, StepResult
 from lamina.executor.base import Executor
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.tier_orders import TierMiss, sum_stats
@@ -26,9 +26,12 @@ class _LocalLink(MemoryLink):
         # memory sides on one GPU take a GPU compute side's q/k/v as they are
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         self.ready: dict[tuple[int, int], list] = {}
+        self.report = False  # this step's `report_dropped`
 
-    def begin(self, step, parts, released=(), tier_orders=(), overrides=None):
+    def begin(self, step, parts, released=(), tier_orders=(), overrides=None,
+              report_dropped=False):
         # in-process: whole SlotBatches
+        self.report = report_dropped
         if tier_orders:
             apply_tiers(self.memory, tier_orders)
         if released:
@@ -51,6 +54,13 @@ class _LocalLink(MemoryLink):
 
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
         return combine(parts, self.ready.pop((layer, mb)), out_shape, dtype, merge)
+
+    def dropped(self) -> tuple[DroppedKeys, ...]:
+        if not self.report:
+            return ()
+        return tuple(DroppedKeys(sid, w, tuple(slots.tolist()))
+                     for w, mem in enumerate(self.memory)
+                     for sid, slots in sorted(mem.take_dropped().items()))
 
 
 class LocalExecutor(Executor):

@@ -13,8 +13,9 @@ their KV pool tensors, and `CopySlot` orders when copy-on-write needs a KV copy.
 - Exhaustion raises `KVPoolExhausted` (typed, with counts) and changes nothing;
   `can_allocate` answers the same question without side effects.
 - Eviction: `drop` gives back the slots of a range of a request's positions that its
-  attention policy will never read again (streaming); the table keeps -1 there (a hole),
-  every other position keeps its slot.
+  attention policy will never read again (streaming), `drop_positions` those of any set
+  of positions (h2o, snapkv); the table keeps -1 there (a hole), every other position
+  keeps its slot.
 - Overcommit: with `overcommit=True` the pool holds `num_slots` slots although only
   `device_budget_slots` fit on the device (the rest live in host memory, as the paper's
   unified memory does); `stats()` accounts for the slots beyond the budget.
@@ -205,17 +206,18 @@ class KVAllocator:
         if not 0 <= start <= end <= len(table):
             raise IndexError(f"request {req!r} has {len(table)} positions, cannot drop "
                              f"{start}..{end - 1}")
-        released = []
-        for p in range(end - 1, start - 1, -1):
-            s = table[p]
-            if s < 0:
-                continue
-            table[p] = -1
-            self._ref[s] -= 1
-            if self._ref[s] == 0:
-                self._free.append(s)
-                released.append(s)
-        return released
+        return self._drop(table, range(end - 1, start - 1, -1))
+
+    def drop_positions(self, req, positions) -> list[int]:
+        """`drop` for any set of `req`'s positions (the keys a scoring policy left out at
+        every layer: `SeqWork.dropped`); the same push order: the first position's slot
+        ends on top."""
+        table = self._table(req)
+        pos = sorted(set(int(p) for p in positions), reverse=True)
+        if pos and not 0 <= pos[-1] <= pos[0] < len(table):
+            raise IndexError(f"request {req!r} has {len(table)} positions, cannot drop "
+                             f"positions {pos[-1]}..{pos[0]}")
+        return self._drop(table, pos)
 
     def free(self, req) -> list[int]:
         """Release `req`. Returns the slots that became free, in push order."""
@@ -238,6 +240,19 @@ class KVAllocator:
             return self._tables[req]
         except KeyError:
             raise KeyError(f"unknown request {req!r}") from None
+
+    def _drop(self, table: list[int], positions) -> list[int]:
+        released = []
+        for p in positions:
+            s = table[p]
+            if s < 0:
+                continue
+            table[p] = -1
+            self._ref[s] -= 1
+            if self._ref[s] == 0:
+                self._free.append(s)
+                released.append(s)
+        return released
 
     def _pop(self, n: int) -> list[int]:
         if n > len(self._free):

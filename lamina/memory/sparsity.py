@@ -8,16 +8,16 @@ Data out: the `SlotBatch` the kernel attends with: decode rows (one query) whose
 context exceeds their layer's budget list only their selected slots; every other row
 keeps its table. None when no row is cut: the step is then exactly the dense one.
 
-Policies (all keep every slot: the pool, the allocator and the tables are untouched,
-and a row reads only what it selects; `h2o` drops keys for good from what its rows may
-select, the others may select any stored key again):
+Policies (a row reads only what it selects; `h2o` and `snapkv` drop keys for good from
+what its rows may select, the others may select any stored key again):
 - `dense`: no selection.
 - `streaming` (StreamingLLM): the first `sinks` keys and the most recent ones.
 - `h2o` (heavy hitters): the recent window, then the keys with the most attention mass
   accumulated over this sequence's steps; a key left out once is evicted for good.
 - `snapkv`: at prefill, the prompt's last `observe` queries score the prompt's keys
   (attention summed over those queries and heads, max-pooled over `pool_kernel`
-  positions); decode rows take the best-scored prompt keys and the recent window.
+  positions); decode rows take the best-scored prompt keys and the recent window; a
+  key left out once is evicted for good (the prompt is compressed once, as in SnapKV).
 - `topk` (Quest / HiSparse): pages of `page_size` keys summarized by their channel-wise
   min and max; each decode row takes the pages whose bound on q.k is highest, plus the
   sinks and the unfinished last page. With `rescore` r, the pages covering r x the
@@ -25,6 +25,13 @@ select, the others may select any stored key again):
 - `swa` (ALISA's sparse window attention): the recent window, then the keys with the
   largest recent attention mass (a moving sum over about a window's steps).
 A row's selection is shared by its heads (the kernels take one key list per request).
+
+Freeing slots: one slot holds a token's KV at every layer, so a key's slot can go back
+only when every layer has evicted it. `take_dropped` reports those keys of `h2o` /
+`snapkv` sequences (once each); the engine gives their slots back and the next steps'
+key lists lack them: the per-key state is then carried over to the shorter list
+(`_rebase`). `streaming`'s dropped range is known to the engine without a report
+(`evictable`).
 Prompt scores (`snapkv`, and the initial mass of `h2o` / `swa`) come from the last
 `observe` queries of the prompt's last chunk, not from every prompt query.
 
@@ -47,6 +54,7 @@ import torch
 from lamina.kernels import KernelBuildError, SlotBatch, load_cpu_kernel
 from lamina.kernels.quant import dequantize_rows, fold_channels, head_dim, is_quantized
 from lamina.memory.sparsity_config import (  # noqa: F401 - the names callers import here
+    FOR_GOOD,
     LAYER_BUDGETS,
     POLICIES,
     SCORED,
@@ -81,8 +89,15 @@ def pick(n: int, t: int, sinks: int, recent: int,
     if score is not None and left > 0:
         s = score[:n].float().clone()
         s[keep] = -math.inf
-        top = torch.topk(s, min(left, n), sorted=False)
-        keep[top.indices[torch.isfinite(top.values)]] = True
+        v = torch.topk(s, min(left, n), sorted=False).values.min()  # the left-th best
+        if not math.isfinite(float(v)):  # fewer selectable keys than the budget: all
+            keep |= torch.isfinite(s)
+        else:  # ties at the threshold go to the earliest keys, so the choice does not
+            # depend on keys that could never be chosen (given back or not)
+            above = s > v
+            keep |= above
+            tied = (s == v).nonzero().flatten()
+            keep[tied[:left - int(above.sum())]] = True
     return keep.nonzero().flatten()
 
 
@@ -212,6 +227,25 @@ class _LayerState:
     page_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     bounds: torch.Tensor | None = None  # topk: [pages, 2, Hkv, D]
 
+    def rebase(self, keep: torch.Tensor) -> None:
+        """Keys given back: `keep` [old n] bool marks the survivors (their order kept)."""
+        self.score = self.score[keep[:self.score.numel()]]
+        self.evicted = self.evicted[keep[:self.evicted.numel()]]
+        self.prompt = int(keep[:self.prompt].sum())
+        self.picked, self.rows = None, 0
+        self.page_slots, self.bounds = np.zeros(0, np.int32), None
+
+
+@dataclass
+class _KeyList:
+    """The key list a sequence's layer states index (see `Sparsifier._rebase`)."""
+
+    slots: np.ndarray  # [n] int32
+    qpos: int  # the position of the query that saw it
+    told: torch.Tensor | None  # [<= n] bool: reported dropped (`take_dropped`)
+    src: torch.Tensor | None = None  # the step's table it came from (one rebase a step)
+    gone: int = 0  # the sequence's keys given back before it
+
 
 @dataclass(frozen=True)
 class _Policy:
@@ -238,6 +272,10 @@ class Sparsifier:
         self.shares = self._base.shares
         self.state: dict[int, list[_LayerState | None]] = {}
         self._own: dict[int, _Policy] = {}  # sequences with their own policy
+        # per sequence: the key list (slots) its layer states index, with the position
+        # of the query that last saw it (new keys since come at the end), and which of
+        # those keys were reported dropped (`take_dropped`)
+        self._keys: dict[int, _KeyList] = {}
 
     def override(self, seq_id: int, override: KVOverride) -> None:
         """seq_id follows `override` resolved against the deployment's config from its
@@ -246,7 +284,7 @@ class Sparsifier:
         sid = int(seq_id)
         if cfg == self.policy(sid).config:
             return
-        self.state.pop(sid, None)  # another policy's state means nothing to this one
+        self._forget(sid)  # another policy's state means nothing to this one
         if cfg == self.config:
             self._own.pop(sid, None)
         else:
@@ -262,8 +300,65 @@ class Sparsifier:
 
     def release(self, seq_ids) -> None:
         for s in seq_ids:
-            self.state.pop(int(s), None)
+            self._forget(int(s))
             self._own.pop(int(s), None)
+
+    def _forget(self, sid: int) -> None:
+        self.state.pop(sid, None)
+        self._keys.pop(sid, None)
+
+    def _rebase(self, sid: int, slots: np.ndarray, qpos: int, src: torch.Tensor) -> int:
+        """The key list `slots` (NumPy int32, from the step's table `src`) its query at
+        `qpos` sees: where keys were given back since the state was built, each layer's
+        per-key state keeps the survivors' entries (in order); a list changed any other
+        way (recomputed) starts the state afresh. -> how many of the sequence's keys
+        were given back so far."""
+        old = self._keys.get(sid)
+        if old is not None and old.src is src:
+            return old.gone  # another layer of the same step
+        new = self._keys[sid] = _KeyList(slots, qpos, None, src)
+        if old is None:
+            return 0
+        new.told, new.gone = old.told, old.gone
+        m = len(old.slots)
+        if len(slots) >= m and np.array_equal(slots[:m], old.slots):
+            return new.gone  # only grown
+        kept = len(slots) - max(0, qpos - old.qpos)  # keys that were in the old list
+        keep = np.isin(old.slots, slots[:max(0, kept)])
+        if int(keep.sum()) != kept or not np.array_equal(old.slots[keep], slots[:kept]):
+            self._forget(sid)
+            self._keys[sid] = _KeyList(slots, qpos, None, src)
+            return 0
+        mask = torch.from_numpy(keep)
+        for st in self.state.get(sid, []):
+            if st is not None:
+                st.rebase(mask)
+        if old.told is not None:
+            new.told = old.told[mask[:len(old.told)]]
+        new.gone += m - kept
+        return new.gone
+
+    def take_dropped(self) -> dict[int, np.ndarray]:
+        """seq id -> slots (int32) of the keys that every layer of an `h2o` / `snapkv`
+        sequence has evicted for good, not reported before (each is reported once)."""
+        out = {}
+        for sid, layers in self.state.items():
+            kl = self._keys.get(sid)
+            ev = [st.evicted for st in layers if st is not None and st.evicted.numel()]
+            if (kl is None or self.policy(sid).config.policy not in FOR_GOOD
+                    or len(ev) < len(layers)):
+                continue  # a layer that evicted nothing yet keeps every key
+            m = min(min(e.numel() for e in ev), len(kl.slots))
+            dead = torch.ones(m, dtype=torch.bool)
+            for e in ev:
+                dead &= e[:m]
+            told = _grown(kl.told, m, False) if kl.told is not None else torch.zeros(
+                m, dtype=torch.bool)
+            new = dead & ~told
+            kl.told = told | dead
+            if bool(new.any()):
+                out[sid] = kl.slots[:m][new.numpy()]
+        return out
 
     def _layer(self, sid: int, layer: int) -> _LayerState:
         layers = self.state.setdefault(sid, [None] * self.num_layers)
@@ -290,11 +385,16 @@ class Sparsifier:
             idx = None
             pol = self.policy(int(seq_ids[b])) if b < len(seq_ids) else self._base
             if cu_q[b + 1] - cu_q[b] == 1 and b < len(seq_ids) and pol.config.enabled:
-                # streaming's budget is of the row's context, its query's position + 1:
-                # the engine may have freed the slots it will never select again
-                # (`evictable`), and the row then lists fewer keys than its context
-                ctx = int(qpos[cu_q[b]]) - pos0[b] + 1 if pol.config.policy == "streaming" \
-                    else n
+                # the budget is of the row's context: the engine may have freed slots
+                # the policy will never select again, and the row then lists fewer keys
+                # than its context (streaming: its query's position + 1; h2o / snapkv:
+                # its keys and those given back)
+                ctx = n
+                if pol.config.policy == "streaming":
+                    ctx = int(qpos[cu_q[b]]) - pos0[b] + 1
+                elif pol.config.policy in SCORED:
+                    ctx = n + self._rebase(int(seq_ids[b]), slots, int(qpos[cu_q[b]]),
+                                           batch.slots)
                 t = row_budget(pol.config.budget, float(pol.shares[layer]), max(n, ctx))
                 qs = None
                 if pol.config.policy == "topk":
@@ -346,10 +446,10 @@ class Sparsifier:
         score = _grown(st.score, n)
         if pol == "snapkv":
             score[st.prompt:] = -math.inf  # after the prompt: only the recent window
-        elif pol == "h2o":
+        if pol in FOR_GOOD:
             score[_grown(st.evicted, n, False)] = -math.inf
         st.picked = pick(n, t, sinks, recent, score)
-        if pol == "h2o":  # what was left out is gone for good
+        if pol in FOR_GOOD:  # what was left out is gone for good
             ev = torch.ones(n, dtype=torch.bool)
             ev[st.picked] = False
             st.evicted = ev
@@ -404,6 +504,9 @@ class Sparsifier:
                 else:
                     st.score = probs.sum((0, 1)).cpu()
                 st.evicted = torch.zeros(n, dtype=torch.bool)
+                sid = int(seq_ids[b])
+                self._keys[sid] = _KeyList(batch.slots[cu_k[b]:cu_k[b + 1]].cpu().numpy(),
+                                           int(batch.q_pos[cu_q[b + 1] - 1]), None, None)
             else:  # a decode row: its attention mass accumulates
                 s = _logits(q[cu_q[b]][None], keys, scale, softcap)  # [1, Hq, m]
                 p = torch.exp(s - lse[cu_q[b]].float()[None, :, None]).sum((0, 1))  # [m]

@@ -16,6 +16,9 @@ import numpy as np
 POLICIES = ("dense", "streaming", "h2o", "snapkv", "topk", "swa")
 LAYER_BUDGETS = ("uniform", "pyramid", "entropy")
 SCORED = ("h2o", "snapkv", "swa")  # the policies that keep attention scores
+# the policies whose left-out keys never come back: a key every layer left out gives
+# its slot back (`Sparsifier.take_dropped`)
+FOR_GOOD = ("h2o", "snapkv")
 # each policy's recent window, as a fraction of its budget: H2O and ALISA split the
 # budget evenly between recent and selected keys; topk's selection is query-aware, so
 # most of its budget goes to it (streaming's recent window is its whole budget)

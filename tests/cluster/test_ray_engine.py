@@ -127,7 +127,8 @@ def test_ray_kv_split_over_workers_identical(llm, prompts, hf_greedy):
 def test_ray_request_overrides_answer_as_local(llm, prompts, hf_greedy):
     """Requests choosing their own KV sparsity on the dense Ray deployment (2 memory
     workers, local prefill on), in one batch: h2o at 48 tokens (its prompt attends on
-    its memory worker, where h2o scores it, not on the compute side), topk at 25%,
+    its memory worker, where h2o scores it, not on the compute side; the keys it left
+    out at every layer come back in the steps' DROPPED frames), topk at 25%,
     streaming at 48 (its slots past the window given back: the memory worker's held
     table is re-sent from the hole), and one without: the first three answer as the
     local executor with that policy deployment-wide keeping every slot, the last as
@@ -141,14 +142,17 @@ def test_ray_request_overrides_answer_as_local(llm, prompts, hf_greedy):
     local.shutdown()
     eng = llm.engine
     ids = [eng.add_request(p, sp) for p, sp in zip(batch, own)]
-    done, evicted = {}, None
+    done, evicted, holes = {}, None, 0
     while eng.has_unfinished():
         done.update((o.request_id, o) for o in eng.step() if o.finished)
         seq = next((q for q in eng.scheduler.running if q.prompt == batch[2]), None)
         evicted = evicted or (seq.evicted if seq and seq.evicted[1] else None)
+        seq = next((q for q in eng.scheduler.running if q.prompt == batch[0]), None)
+        holes = max(holes, len(seq.pending_drop) if seq else 0)
     assert [done[i].token_ids for i in ids] == [*want, hf_greedy[6][:12]]
     assert want[0] != hf_greedy[4][:12]  # h2o's 48 tokens changed the answer
     assert evicted == (4, 250 + 1 - 44)  # given back at its first decode step
+    assert holes > 0  # reported (too few to give back: fewer than 64)
 
 
 def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_greedy):
@@ -313,13 +317,14 @@ def test_ray_int8_pools_and_sparsity_answer_as_local(llm, prompts, hf_greedy):
     calibrates the key channel scales (on the text the local executor uses), the memory
     workers store int8 rows; prompts attend on the memory workers (local_prefill is
     turned off: h2o scores a prompt's keys where they are stored) and decode rows attend
-    to h2o's selection there: greedy answers equal the local executor's. Last here: the
-    module's deployment goes first, to free its CPUs."""
+    to h2o's selection there, and the slots of the keys it left out at every layer are
+    given back: greedy answers equal the local executor's keeping every slot. Last
+    here: the module's deployment goes first, to free its CPUs."""
     llm.shutdown()
     batch = [prompts[i] for i in (1, 4, 8)]  # 12, 200, 600 tokens: one under the budget
     params = SamplingParams(max_tokens=12, temperature=0)
     kw = dict(num_kv_slots=2048, kv_dtype="int8", kv_sparsity="h2o", kv_budget=48)
-    local = LLM(**kw)
+    local = LLM(kv_evict=False, **kw)
     want = [o.token_ids for o in local.generate(batch, params, use_tqdm=False)]
     local.shutdown()
     hf = [hf_greedy[i][:12] for i in (1, 4, 8)]
@@ -329,7 +334,15 @@ def test_ray_int8_pools_and_sparsity_answer_as_local(llm, prompts, hf_greedy):
         assert ray_llm.executor.pool_config.dtype == "int8"
         assert ray_llm.executor.pool_config.key_scales == local.executor.memory[0].pool \
             .config.key_scales
-        got = [o.token_ids for o in ray_llm.generate(batch, params, use_tqdm=False)]
+        eng = ray_llm.engine
+        ids = [eng.add_request(p, params) for p in batch]
+        done, holes = {}, 0
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+            holes = max([holes] + [eng.alloc.slots(q.seq_id).count(-1)
+                                   for q in eng.scheduler.running])
+        got = [done[i].token_ids for i in ids]
     finally:
         ray_llm.shutdown()
     assert got == want
+    assert holes >= 64  # the 600-token prompt's keys gone at every layer: given back

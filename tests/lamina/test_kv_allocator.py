@@ -205,3 +205,24 @@ def test_drop_in_a_forked_table_frees_only_unshared_slots():
     assert a.drop("c", 0, 4) == [2, 1]
     assert a.free("g") == [] and a.free("p") == [3, 0]
     assert a.stats().used == 0
+
+
+def test_drop_positions_gives_back_any_set():
+    a = alloc()
+    a.allocate("r", 6)  # 0..5
+    a.fork("r", "c")
+    a.free("c")  # refcounts back to 1
+    assert a.drop_positions("r", [4, 1, 2, 1]) == [4, 2, 1]  # the first position's on top
+    assert a.slots("r") == [0, -1, -1, 3, -1, 5]
+    assert a.free_list() == [1, 2, 4, 6, 7]
+    assert a.drop_positions("r", [1, 3]) == [3]  # holes are skipped
+    assert a.append("r") == 3
+    assert a.drop_positions("r", []) == []
+    with pytest.raises(IndexError, match="cannot drop positions 2..9"):
+        a.drop_positions("r", [2, 9])
+    assert a.slots("r") == [0, -1, -1, -1, -1, 5, 3]  # a refused drop changed nothing
+    a.fork("r", "k")
+    assert a.drop_positions("r", [0, 5]) == []  # the fork still holds them
+    assert [a.refcount(s) for s in (0, 3, 5)] == [1, 2, 1]
+    assert a.free("k") == [5, 0] and a.free("r") == [3]
+    assert a.stats().used == 0

@@ -12,7 +12,7 @@ import torch
 from lamina.compute.compute_side import SlotTables
 from lamina.compute.packing import pack
 from lamina.dataplane.tables import HeldTables, SentTables, TableError
-from lamina.engine.messages import SeqWork, StepPlan
+from lamina.engine.messages import DroppedKeys, SeqWork, StepPlan
 from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
 from lamina.sampling.params import SamplingParams
@@ -46,13 +46,16 @@ def _whole_table(s: Scheduler, seq: Sequence) -> list[int]:
     return [x for w in seq.workers for x in s.allocs[w].slots(seq.seq_id)]
 
 
-def _random_run(seed: int):
+def _random_run(seed: int, drops: bool = False):
     """Random prompts, n = 1 or 2, small pools on 2 workers (KV split and preemption
     happen), random finishes: yields (scheduler, plan, live sequences by id) per step;
-    the step's tokens are drawn after each yield."""
+    the step's tokens are drawn after each yield. `drops`: after each step, random keys
+    of the decoding sequences are reported dropped for good (as h2o's memory workers
+    would), given back 2 or more at a time."""
     rng = random.Random(seed)
     allocs = [KVAllocator(KVAllocatorConfig(40)) for _ in range(2)]
-    s = Scheduler(SchedulerConfig(6, 64, True), allocs)
+    s = Scheduler(SchedulerConfig(6, 64, True, evict_chunk=2), allocs,
+                  drops=(lambda seq: True) if drops else None)
     live = {}
     for i in range(14):
         n = 2 if i % 5 == 0 else 1
@@ -66,6 +69,8 @@ def _random_run(seed: int):
             break
         plan = s.schedule()
         yield s, plan, live
+        if drops and plan.report_dropped:
+            s.note_dropped(_report(rng, s, plan))
         for w in plan.seqs:
             seq = live[w.seq_id]
             if seq.status != "running":
@@ -80,13 +85,29 @@ def _random_run(seed: int):
     assert not s.has_work()
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_slot_tables_rebuild_every_whole_table_exactly(seed):
+def _report(rng, s: Scheduler, plan: StepPlan) -> list[DroppedKeys]:
+    """Random keys of the plan's one-worker decoding sequences, none of their last 3,
+    none reported before: what a memory worker's h2o could report."""
+    out = []
+    for w in plan.seqs:
+        seq = next((q for q in s.running if q.seq_id == w.seq_id), None)
+        if seq is None or len(seq.segments) != 1 or len(w.token_ids) != 1:
+            continue
+        table = s.allocs[seq.worker].slots(seq.seq_id)[:-3]
+        cand = [x for x in table if x >= 0 and x not in seq.pending_drop]
+        out.append(DroppedKeys(seq.seq_id, seq.worker, tuple(rng.sample(cand, min(
+            len(cand), rng.randrange(0, 3))))))
+    return out
+
+
+@pytest.mark.parametrize("seed,drops", [(0, False), (1, False), (2, False), (0, True)])
+def test_slot_tables_rebuild_every_whole_table_exactly(seed, drops):
     """Each plan of a random run goes through SlotTables (every other one twice, as a
     step re-run after a clean fault): each sequence's rebuilt table equals the
-    allocators' table, and the tables of gone sequences are dropped."""
+    allocators' table (holes included, with `drops`), and the tables of gone sequences
+    are dropped."""
     tables, seen = SlotTables(), {"split": 0, "preempted": 0, "diffs": 0}
-    for step, (s, plan, live) in enumerate(_random_run(seed)):
+    for step, (s, plan, live) in enumerate(_random_run(seed, drops)):
         tables.apply(plan)
         if step % 2:
             tables.apply(plan)  # idempotent
@@ -101,16 +122,18 @@ def test_slot_tables_rebuild_every_whole_table_exactly(seed):
     assert len(tables) == 0  # every finished sequence's table was dropped
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_memory_ends_hold_the_allocators_tables(seed):
+@pytest.mark.parametrize("seed,drops", [(0, False), (1, False), (2, False), (0, True),
+                                        (1, True)])
+def test_memory_ends_hold_the_allocators_tables(seed, drops):
     """The data plane's held tables (`lamina.dataplane.tables`), both ends of two
-    connections, through a random run (KV split, preemption, forks, finishes): every
-    part's slots the memory end rebuilds equal the part's own, each held range equals
-    the allocator's table of that sequence on that worker, most steps send only new
-    slots, and a replaced connection (both ends new) starts over whole."""
+    connections, through a random run (KV split, preemption, forks, finishes; with
+    `drops`, keys given back at random too): every part's slots the memory end rebuilds
+    equal the part's own, each held range equals the allocator's table of that sequence
+    on that worker less its holes, most steps send only new slots, and a replaced
+    connection (both ends new) starts over whole."""
     sent, held = [SentTables(), SentTables()], [HeldTables(), HeldTables()]
-    tables, stats = SlotTables(), {"sent": 0, "whole": 0, "replaced": 0}
-    for step, (s, plan, live) in enumerate(_random_run(seed)):
+    tables, stats = SlotTables(), {"sent": 0, "whole": 0, "replaced": 0, "holes": 0}
+    for step, (s, plan, live) in enumerate(_random_run(seed, drops)):
         if step % 37 == 36:  # worker 1's connection replaced
             sent[1], held[1] = SentTables(), HeldTables()
             stats["replaced"] += 1
@@ -133,8 +156,12 @@ def test_memory_ends_hold_the_allocators_tables(seed):
                 seq = live[sid]
                 got = held[w].slots(sid)
                 assert {a: x for a, x in got.items()} == {
-                    a: s.allocs[w].slots(sid) for ww, a in seq.segments if ww == w}
-    assert stats["replaced"] and stats["sent"] < stats["whole"] / 3, stats
+                    a: [x for x in s.allocs[w].slots(sid) if x >= 0]
+                    for ww, a in seq.segments if ww == w}
+                stats["holes"] += s.allocs[w].slots(sid).count(-1)
+    # (keys given back every few steps, anywhere: the tables are re-sent from the hole)
+    assert stats["replaced"] and stats["sent"] < stats["whole"] / (2 if drops else 3), stats
+    assert bool(stats["holes"]) == drops, stats
     for w in range(2):  # the finished sequences' tables go with the next metadata
         sent[w].release(s._released)
         held[w].release(sent[w].take_released())

@@ -5,6 +5,7 @@ equal to dense (HF greedy tokens), layer budgets, and bad configuration refused 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -162,6 +163,68 @@ def test_snapkv_chooses_at_prefill_from_the_observation_window():
         o = r.step(e(1))
     assert r.picked() == [*got[:5], 14, 15]
     r.check_output(o, e(1), r.picked())
+
+
+class Layers:
+    """One sequence on a two-layer pool (Hq = Hkv = 1), its position p at slot 60 - p;
+    positions in `holes` are left out of its key list (their slots given back)."""
+
+    def __init__(self, config: SparsityConfig, keys: list[np.ndarray]):
+        self.keys = [torch.tensor(k, dtype=torch.float32)[:, None, :] for k in keys]
+        g = torch.Generator().manual_seed(1)
+        self.vals = [torch.randn(k.shape[0], 1, D, generator=g) for k in self.keys]
+        self.mem = MemorySide(KVPool(KVPoolConfig(2, 64, 1, D)), sparsity=config)
+        self.n, self.holes = 0, set()
+
+    def step(self, q, new: int = 1) -> list[torch.Tensor]:
+        a, b = self.n, self.n + new
+        live = [p for p in range(b) if p not in self.holes]
+        batch = SlotBatch.build([[60 - p for p in live]], [new],
+                                [0] if self.holes else None, q_pos=[range(a, b)])
+        q = torch.as_tensor(np.asarray(q, np.float32)).reshape(new, 1, D)
+        new_slots = torch.tensor([60 - p for p in range(a, b)], dtype=torch.int32)
+        outs = [self.mem.attend(i, AttentionParams(1.0), q, self.keys[i][a:b],
+                                self.vals[i][a:b], new_slots, batch, seq_ids=(SID,))[0]
+                for i in range(2)]
+        self.n = b
+        return outs
+
+    def picked(self, layer: int) -> list[int]:
+        """The positions the last step's row at `layer` attended."""
+        live = [p for p in range(self.n) if p not in self.holes]
+        st = self.mem.sparsity.state[SID][layer]
+        return live if st.picked is None else [live[i] for i in st.picked.tolist()]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_keys_left_out_at_every_layer_are_reported_once_and_can_go(policy):
+    """h2o / snapkv on two layers whose heavy keys differ: `take_dropped` reports the
+    slots of the keys both layers left out (once each); with those positions then left
+    out of the key list (as the engine does once it gives their slots back), every
+    later step selects the same positions, and attends the same, as a copy of the row
+    that keeps them."""
+    k0 = heavy_keys()  # heavy at 5, 9, 3, 7
+    k1 = heavy_keys()
+    k1[3], k1[2], k1[7], k1[8] = e(0, 0.03), e(0, 2.0), e(0, 0.07), e(0, 1.8)  # 5, 9, 2, 8
+    cfg = SparsityConfig(policy, 0.4, sinks=1, window=2, observe=4, pool_kernel=1)
+    rows = [Layers(cfg, [k0, k1]) for _ in range(2)]
+    for r in rows:
+        r.step(np.stack([e(0)] * 12), new=12)
+        r.step(e(0))  # n = 13, t = 6
+    assert [rows[0].picked(i) for i in (0, 1)] == [[0, 3, 5, 9, 11, 12], [0, 2, 5, 9, 11, 12]]
+    got = rows[0].mem.take_dropped()
+    assert list(got) == [SID] and got[SID].tolist() == [60 - p for p in (1, 4, 6, 7, 8, 10)]
+    assert rows[0].mem.take_dropped() == {}  # each key is reported once
+    rows[1].holes = {1, 4, 6, 7, 8, 10}
+    for q in (e(0), e(0), e(1), e(0)):  # n = 14..17, t = 6, 6, 7, 7
+        outs = [r.step(q) for r in rows]
+        for i in range(2):
+            assert rows[1].picked(i) == rows[0].picked(i)
+            torch.testing.assert_close(outs[1][i], outs[0][i])
+    assert rows[1].mem.sparsity._keys[SID].gone == 6
+    later = rows[0].mem.take_dropped()[SID].tolist()  # what the new steps dropped
+    assert later and not set(later) & set(got[SID].tolist())
+    assert rows[1].mem.take_dropped()[SID].tolist() == later
 
 
 def test_topk_takes_the_pages_whose_bound_is_highest():
@@ -524,4 +587,43 @@ def test_streaming_gives_back_slots_and_answers_as_keeping_them(smol, smol_split
     while eng.has_unfinished():
         done.update((o.request_id, o) for o in eng.step() if o.finished)
     assert [done[i].token_ids for i in ids] == keep
+    assert eng.alloc.stats().used == 0
+
+
+def test_h2o_and_snapkv_give_back_slots_and_answer_as_keeping_them(smol, smol_split, prompts):
+    """h2o at 25% deployment-wide, snapkv at 25% as the odd prompts' own policy: the
+    memory worker reports the keys every layer left out for good, the scheduler gives
+    their slots back (64 or more at a time: holes in the tables, the slots free), and
+    the answers equal those of the same policies keeping every slot."""
+    cfg = SparsityConfig("h2o", 0.25)
+    kw = dict(kv_sparsity="h2o", kv_budget=0.25, prefix_caching=False)
+    snap = replace(GREEDY, kv_sparsity="snapkv", kv_budget=0.25)
+    params = [snap if i % 2 else GREEDY for i in range(len(prompts))]
+
+    def answers(eng, check=None):
+        ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done = {}
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+            if check:
+                check(eng)
+        return [done[i].token_ids for i in ids]
+
+    keep = answers(sparse_engine(smol, smol_split, cfg, kv_evict=False, **kw))
+    seen = {"h2o": 0, "snapkv": 0}
+
+    def check(eng):  # each running sequence's table: holes exactly where given back
+        live = 0
+        for seq in eng.scheduler.running:
+            table = eng.alloc.slots(seq.seq_id)
+            holes = [p for p, x in enumerate(table) if x < 0]
+            assert (holes[0] if holes else -1) == seq.first_dropped and seq.evicted == (0, 0)
+            live += len(table) - len(holes)
+            seen[seq.params.kv_sparsity or "h2o"] = max(seen[seq.params.kv_sparsity or "h2o"],
+                                                        len(holes))
+        assert eng.alloc.stats().used == live
+
+    eng = sparse_engine(smol, smol_split, cfg, **kw)
+    assert answers(eng, check) == keep
+    assert seen["h2o"] >= 64 and seen["snapkv"] >= 64, seen
     assert eng.alloc.stats().used == 0

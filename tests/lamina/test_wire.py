@@ -210,3 +210,18 @@ def test_stage_wakes_no_peer_until_flush(tmp_path):
         assert all(torch.equal(g, f[0]) for g, f in zip(got, frames))
     for ch in (tx, rx, plain_tx, plain_rx):
         ch.close()
+
+
+def test_dropped_keys_frame_round_trips_and_refuses_a_bad_one():
+    """The memory end's DROPPED frame (h2o / snapkv keys left out at every layer)."""
+    from lamina.dataplane.protocol import decode_dropped, encode_dropped
+    from lamina.engine.messages import DroppedKeys
+
+    frame = encode_dropped({9: [4, 2], 3: [], 5: [7]})
+    assert frame.dtype == torch.int32 and frame.tolist() == [3, 0, 5, 1, 7, 9, 2, 4, 2]
+    assert decode_dropped(frame, 1) == [DroppedKeys(3, 1, ()), DroppedKeys(5, 1, (7,)),
+                                        DroppedKeys(9, 1, (4, 2))]
+    assert decode_dropped(encode_dropped({}), 0) == []
+    for bad in ([9, 3, 4, 2], [9], [9, -1]):  # a count past the end, no count, negative
+        with pytest.raises(FrameError, match="memory worker 1: bad dropped-keys frame"):
+            decode_dropped(torch.tensor(bad, dtype=torch.int32), 1)
