@@ -199,6 +199,14 @@ class ComputeWorker:
         result.timings["worker_s"] = time.perf_counter() - t  # the step inside the actor
         return result
 
+    def start_trace(self) -> None:
+        with self._lock:  # between steps
+            self.compute.tracer.start()
+
+    def stop_trace(self) -> list:
+        with self._lock:
+            return self.compute.tracer.stop()
+
     def probe_exchange(self, tokens, repeat: int) -> dict:
         """Seconds per layer for n tokens' q/k/v out and o back through the real link
         and memory-worker loop (`lamina.dataplane.probe`)."""

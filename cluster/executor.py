@@ -329,6 +329,19 @@ class RayExecutor(Executor):
             call[n] = statistics.median(ts)
         return {**ex, "call_s": call}
 
+    def start_trace(self) -> None:
+        """Every worker records its timeline (`lamina.trace`) from the next step on. The
+        lanes line up: the workers of one host share CLOCK_MONOTONIC (workers on other
+        hosts do not; their lanes are shifted by the hosts' clock offset). While
+        recording, the memory workers run steps in their Python loop."""
+        self._get([a.start_trace.remote() for a in [self.compute, *self.memory]],
+                  "trace start")
+
+    def stop_trace(self) -> list:
+        return [s for spans in self._get([a.stop_trace.remote()
+                                          for a in [self.compute, *self.memory]],
+                                         "trace stop") for s in spans]
+
     def shutdown(self) -> None:
         """Kill the workers and free their placement; a second call does nothing."""
         if getattr(self, "_shut", False):

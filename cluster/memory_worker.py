@@ -19,6 +19,7 @@ from lamina.dataplane.protocol import MemoryServer
 from lamina.dataplane.transport import ShmRing, SocketChannel, listen_stream, nodelay
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool
+from lamina.trace import Tracer
 
 RING_BYTES = 64 << 20  # per direction; larger payloads go inline on the socket
 
@@ -47,6 +48,7 @@ class MemoryWorker:
         torch.set_num_threads(threads)
         self.index = index
         self.memory = self.params = self._srv = self.server = None
+        self.tracer = Tracer(f"memory{index}")  # its timeline (`lamina.trace`), off
 
     def setup(self, pool_config, params, faults=None, tiers=None, rope=None,
               sparsity=None) -> dict:
@@ -86,6 +88,12 @@ class MemoryWorker:
         if self.memory is not None and self.memory.tiers is not None:
             self.memory.tiers.close()
 
+    def start_trace(self) -> None:
+        self.tracer.start()
+
+    def stop_trace(self) -> list:
+        return self.tracer.stop()
+
     def health(self) -> dict:
         s = self.server
         return {"error": s and s.error, "steps": s.steps if s else 0,
@@ -103,5 +111,5 @@ class MemoryWorker:
         else:
             ch = SocketChannel(conn)
         self.server = MemoryServer(self.memory, self.params, ch,
-                                   f"memory worker {self.index}")
+                                   f"memory worker {self.index}", tracer=self.tracer)
         self.server.serve()

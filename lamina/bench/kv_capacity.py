@@ -64,7 +64,8 @@ def parse_mode(mode: str) -> dict:
 
 def bench_kv_capacity(model: str | None = None, pool_bytes: int = 1 << 30,
                       length: int = 2048,
-                      modes=("float32", "bfloat16", "int8", "float32:streaming:0.2"),
+                      modes=("float32", "bfloat16", "int8", "float32:streaming:0.2",
+                             "float32:h2o:0.2", "float32:snapkv:0.2"),
                       extra: int = 4, out_dir: str | Path = "benchmarks/results") -> dict:
     from lamina import LLM
 

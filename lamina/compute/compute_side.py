@@ -40,6 +40,7 @@ from lamina.memory.memory_side import MemorySide, attention_params
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.sampler import prompt_logprobs, row_logprobs, sample_rows
 from lamina.splitter.split import SplitModel
+from lamina.trace import Tracer
 
 
 class ComputeSide:
@@ -73,6 +74,7 @@ class ComputeSide:
         self.vocab_size: int | None = None
         self.pool_slots: int | None = None  # each memory worker's pool
         self.faults = None  # a lamina.faults.FaultPlan (tests) or None
+        self.tracer = Tracer("compute0")  # this replica's timeline (`lamina.trace`), off
 
     def check(self, plan: StepPlan) -> None:
         """Each sequence's new tokens and new slots, before any worker sees the step:
@@ -114,6 +116,7 @@ class ComputeSide:
     def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
         """One step: check, pack, the slices layer by layer with attention on the memory
         side in between, then sampling."""
+        self.tracer.step = plan.step
         self.tables.apply(plan)
         self.check(plan)
         groups, mbs = self._pack(plan)
@@ -142,6 +145,7 @@ class ComputeSide:
         works = [s for g in groups for s in g if s.sample]
         tokens, lps, plps = self._sample(works, mbs) if works else ([], None, None)
         timers.sample_s = time.perf_counter() - t
+        self.tracer.record("sample", -1, t, t + timers.sample_s, mb=0)
         return replace(_in_plan_order(plan, works, tokens, lps, plps,
                                       timers.report(len(mbs))), dropped=dropped)
 
@@ -187,7 +191,9 @@ class ComputeSide:
         mb.out = self._run_slice(i, mb, o)
         if step.sync:
             torch.cuda.current_stream(self.device).synchronize()
-        step.timers.dense_s += time.perf_counter() - t
+        t1 = time.perf_counter()
+        step.timers.dense_s += t1 - t
+        self.tracer.record("slice", i, t, t1, mb=j)
         if i < n_layers:
             self._submit(i, j, mb, step)
 
@@ -211,7 +217,9 @@ class ComputeSide:
         t = time.perf_counter()
         o = step.link.collect(layer, j, mb.packed.parts, mb.attn_shape(), mb.out[0].dtype,
                               mb.packed.merge)
-        step.timers.wait_s += time.perf_counter() - t
+        t1 = time.perf_counter()
+        step.timers.wait_s += t1 - t
+        self.tracer.record("wait", layer, t, t1, mb=j)
         o = self._to_device(o, j, step)
         if mb.packed.local is not None and mb.own is not None:  # prompts attended here
             o.index_copy_(0, mb.packed.local.rows.to(o.device), mb.own.to(o.dtype))
@@ -246,17 +254,23 @@ class ComputeSide:
             r = step.link.exchange(layer, j, *qkv, p.parts, mb.attn_shape(), q.dtype, p.merge)
             if r is not None:
                 mb.ready, sent = r
+                t1 = time.perf_counter()
                 timers.exchanges += 1
                 timers.submit_s += sent
-                timers.wait_s += time.perf_counter() - t - sent
+                timers.wait_s += t1 - t - sent
+                self.tracer.record("exchange", layer, t, t1, mb=j)
                 return
         step.link.submit(layer, j, *qkv, p.parts)
-        timers.submit_s += time.perf_counter() - t
+        t1 = time.perf_counter()
+        timers.submit_s += t1 - t
+        self.tracer.record("submit", layer, t, t1, mb=j)
         if p.local is not None and step.scratch is not None:  # while the workers attend
             t = time.perf_counter()
             mb.own = step.scratch.attend(layer, self.params[layer], *p.local.take(*dev_qkv),
                                          p.local.new_slots, p.local.batch)[0]
-            timers.local_s += time.perf_counter() - t
+            t1 = time.perf_counter()
+            timers.local_s += t1 - t
+            self.tracer.record("attend", layer, t, t1, mb=j)
 
     def _sample(self, works: list[SeqWork], mbs: list[_MicroBatch]):
         """-> (tokens, logprobs or None, prompt logprobs or None), one per sequence of

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 import weakref
 
@@ -51,6 +52,7 @@ from lamina.kernels import SlotBatch
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.sparsity_config import KVOverride
 from lamina.memory.tier_orders import TierMiss, decode_orders, encode_orders
+from lamina.trace import Tracer
 
 META = -1  # layer tag of the per-step metadata frames
 MAX_MICRO_BATCHES = 64
@@ -314,8 +316,12 @@ class MemoryServer:
     sees the channel close and fails its step); `steps` counts completed steps."""
 
     def __init__(self, memory: MemorySide, params: list, ch: SocketChannel,
-                 name: str = "memory worker", native: bool = True):
+                 name: str = "memory worker", native: bool = True,
+                 tracer: Tracer | None = None):
         self.memory, self.params, self.ch, self.name = memory, list(params), ch, name
+        # this worker's timeline (`lamina.trace`): attention per layer and micro-batch;
+        # while it records, steps take the Python loop (the C++ one keeps no spans)
+        self.tracer = tracer or Tracer("memory0")
         cfg = memory.pool.config
         self.kv_shape = (cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim)
         self.steps, self.native_steps, self.error = 0, 0, None
@@ -376,6 +382,7 @@ class MemoryServer:
         if not 0 <= count <= MAX_MICRO_BATCHES or (count == 0 and head.numel() > 1):
             raise FrameError(f"step {step}: bad micro-batch count frame {head.tolist()[:4]}")
         ids, mbs = head[1:].tolist(), []
+        self.tracer.step = step
         released = ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
         self.tables.release(released.tolist())
         self.memory.release(released.tolist())
@@ -412,14 +419,16 @@ class MemoryServer:
         loading = self.memory.tiers is not None and self.memory.tiers.loading
         sparse = self.memory.sparsity is not None and self.memory.sparsity.active
         if (self._native is not None and len(mbs) == 1 and not loading and not sparse
-                and not report):
+                and not report and not self.tracer.enabled):
             self._serve_native(step, *mbs[0][:2])
             return True  # (a step with tier loads copies them layer by layer, below)
         for layer, params in enumerate(self.params):
-            for new_slots, batch, seqs in mbs:
+            for j, (new_slots, batch, seqs) in enumerate(mbs):
                 q, k, v = self._recv_qkv(layer, step, batch.num_queries, new_slots.numel())
+                t = time.perf_counter()
                 o, lse = self.memory.attend(layer, params, q, k, v, new_slots, batch,
                                             checked=True, seq_ids=seqs)
+                self.tracer.record("attend", layer, t, mb=j)
                 frame = (torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step)
                 self._send(frame, len(mbs))
         if report:  # after the outputs, in order

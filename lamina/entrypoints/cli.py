@@ -241,12 +241,25 @@ def cmd_bench(args) -> int:
                 sizes[k] = tuple(v) if isinstance(v, list) else v
         bench_kv_sparsity(args.model, docs=args.docs, out_dir=args.out, **sizes)
         return 0
+    if args.name == "pipeline":
+        from lamina.bench.pipeline import bench_pipeline
+
+        sizes = dict(batches=(4,), contexts=(64,), steps=2) if args.quick else {}
+        if args.batches:
+            sizes["batches"] = tuple(args.batches)
+        if args.contexts:
+            sizes["contexts"] = tuple(args.contexts)
+        bench_pipeline(args.model, executor=args.executor, plot=args.plot, out_dir=args.out,
+                       **sizes)
+        return 0
     if args.name == "kv-capacity":
         from lamina.bench.kv_capacity import bench_kv_capacity
 
         sizes = dict(pool_bytes=8 << 20, length=128) if args.quick else {}
         if args.pool_mib:
             sizes["pool_bytes"] = args.pool_mib << 20
+        if args.kv_modes:
+            sizes["modes"] = tuple(args.kv_modes)
         bench_kv_capacity(args.model, out_dir=args.out, **sizes)
         return 0
     if args.name == "load":
@@ -466,7 +479,7 @@ def _bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="run a benchmark")
     b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "load", "ops",
                                     "plan", "multiturn", "kv-quality", "kv-sparsity",
-                                    "kv-capacity", "sim", "sim-scale"])
+                                    "kv-capacity", "sim", "sim-scale", "pipeline"])
     b.add_argument("--model", default=None, help="split: model to split")
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")
@@ -506,6 +519,18 @@ def _bench_parser(sub) -> None:
                    help="attention: only the fp32 / bf16 / int8 pools at B=32, L=8192")
     b.add_argument("--pool-mib", type=int, default=None,
                    help="kv-capacity: each memory worker's pool in MiB (1024)")
+    b.add_argument("--kv-modes", nargs="+", default=None,
+                   help="kv-capacity: KV modes, DTYPE or DTYPE:POLICY:BUDGET (float32 "
+                        "bfloat16 int8 float32:streaming:0.2 float32:h2o:0.2 "
+                        "float32:snapkv:0.2)")
+    b.add_argument("--batches", type=int, nargs="+", default=None,
+                   help="pipeline: decode batch sizes (8 32 64)")
+    b.add_argument("--contexts", type=int, nargs="+", default=None,
+                   help="pipeline: prompt lengths (512 2048)")
+    b.add_argument("--executor", default="local", choices=["local", "ray"],
+                   help="pipeline: where the workers run (ray: one process each, local Ray)")
+    b.add_argument("--plot", default=None,
+                   help="pipeline: a Gantt chart PNG of one traced decode step per mode")
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="attention: cpu (compiled kernel) or cuda (Triton kernels); e2e: "

@@ -46,6 +46,14 @@ class Executor(ABC):
         the engine recomputes what it held. False (the default): not recoverable."""
         return False
 
+    def start_trace(self) -> None:
+        """Record every device's timeline (`lamina.trace`) from the next step on."""
+        raise NotImplementedError(f"the {type(self).__name__} records no trace")
+
+    def stop_trace(self) -> list:
+        """The `Span`s of every lane since `start_trace`; tracing off."""
+        raise NotImplementedError(f"the {type(self).__name__} records no trace")
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass
 

@@ -6,15 +6,19 @@ memory link is the data plane instead.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from lamina.compute.compute_side import ComputeSide
 from lamina.compute.memory_link import MemoryLink, combine
+from lamina.compute.packing import WorkerPart
 from lamina.engine.messages import DroppedKeys, StepPlan, StepResult
 from lamina.executor.base import Executor
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.tier_orders import TierMiss, sum_stats
 from lamina.splitter.split import SplitModel
+from lamina.trace import Span, Tracer
 
 
 class _LocalLink(MemoryLink):
@@ -27,11 +31,14 @@ class _LocalLink(MemoryLink):
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         self.ready: dict[tuple[int, int], list] = {}
         self.report = False  # this step's `report_dropped`
+        self.tracers = [Tracer(f"memory{w}") for w in range(len(memory))]
 
     def begin(self, step, parts, released=(), tier_orders=(), overrides=None,
               report_dropped=False):
         # in-process: whole SlotBatches
         self.report = report_dropped
+        for tr in self.tracers:
+            tr.step = step
         if tier_orders:
             apply_tiers(self.memory, tier_orders)
         if released:
@@ -46,11 +53,16 @@ class _LocalLink(MemoryLink):
                     mem.check(p.new_slots, p.batch, p.seq_ids)
 
     def submit(self, layer, mb, q, k, v, parts):
-        self.ready[layer, mb] = [
-            mem.attend(layer, self.params[layer], *p.take(q, k, v), p.new_slots, p.batch,
-                       checked=True, seq_ids=p.seq_ids)
-            if p.active else None
-            for mem, p in zip(self.memory, parts)]
+        self.ready[layer, mb] = [self._attend(w, layer, mb, q, k, v, p) if p.active else None
+                                 for w, p in enumerate(parts)]
+
+    def _attend(self, w: int, layer: int, mb: int, q, k, v, p: WorkerPart):
+        t = time.perf_counter()
+        wq, wk, wv = p.take(q, k, v)
+        out = self.memory[w].attend(layer, self.params[layer], wq, wk, wv, p.new_slots,
+                                    p.batch, checked=True, seq_ids=p.seq_ids)
+        self.tracers[w].record("attend", layer, t, mb=mb)
+        return out
 
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
         return combine(parts, self.ready.pop((layer, mb)), out_shape, dtype, merge)
@@ -81,6 +93,17 @@ class LocalExecutor(Executor):
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.compute.run(plan, self.link)
+
+    def start_trace(self) -> None:
+        """Record every device's timeline from the next step on (`lamina.trace`): the
+        compute side's lane and each memory side's (attention runs inside the compute
+        side's submit here: the memory lanes nest in its submits)."""
+        for tr in (self.compute.tracer, *self.link.tracers):
+            tr.start()
+
+    def stop_trace(self) -> list[Span]:
+        """The spans since `start_trace`, every lane; tracing off."""
+        return [s for tr in (self.compute.tracer, *self.link.tracers) for s in tr.stop()]
 
     def tier_bytes_per_token(self) -> int | None:
         """KV bytes a token takes in the tiers; None when the memory sides keep none."""

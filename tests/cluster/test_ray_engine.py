@@ -155,6 +155,42 @@ def test_ray_request_overrides_answer_as_local(llm, prompts, hf_greedy):
     assert holes > 0  # reported (too few to give back: fewer than 64)
 
 
+def test_ray_trace_lines_up_the_processes_lanes(llm, prompts, hf_greedy):
+    """Two decode steps traced on Ray (a compute worker and 2 memory workers, three
+    processes): each memory worker's attention of a layer lies inside the compute
+    side's submit-to-collect of that layer (the processes share one clock), no lane
+    runs two tasks at once, and the answers are still HF's."""
+    from lamina.trace import lanes, overlapping
+
+    eng = llm.engine
+    eng.clear_prefix_cache()
+    ids = [eng.add_request(prompts[i], SamplingParams(max_tokens=4, temperature=0))
+           for i in (0, 3, 5, 9)]
+    done = {o.request_id: o for o in eng.step() if o.finished}  # the prompts
+    llm.executor.start_trace()
+    steps = []
+    for _ in range(2):
+        steps.append(eng.scheduler.step)
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    spans = llm.executor.stop_trace()
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert [done[i].token_ids for i in ids] == [hf_greedy[i][:4] for i in (0, 3, 5, 9)]
+    assert lanes(spans) == ["compute0", "memory0", "memory1"]
+    assert overlapping(spans) == []
+    out = {(s.step, s.layer, s.mb): s for s in spans
+           if s.lane == "compute0" and s.kind in ("submit", "exchange")}
+    back = {(s.step, s.layer, s.mb): s for s in spans
+            if s.lane == "compute0" and s.kind in ("wait", "exchange")}
+    attends = [s for s in spans if s.kind == "attend"]
+    assert {s.step for s in attends} == set(steps)
+    assert {(s.lane, s.step) for s in attends} == {(f"memory{w}", t) for w in (0, 1)
+                                                   for t in steps}
+    for a in attends:
+        key = (a.step, a.layer, a.mb)
+        assert out[key].t0 <= a.t0 <= a.t1 <= back[key].t1, (a, out[key], back[key])
+
+
 def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_greedy):
     """A memory worker killed mid-decode: the step fails, the executor starts fresh
     memory workers, the engine recomputes the lost KV, and every request still ends with

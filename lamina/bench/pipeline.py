@@ -1,0 +1,138 @@
+"""Decode with and without staggered pipelining, read from a real trace: `lamina bench
+pipeline`.
+
+Data in: batch sizes, context lengths, pipeline modes, an executor (local, or Ray with
+`executor="ray"`). Data out: per case, decode tokens/s and each device's busy fraction
+from the trace of the timed steps (`lamina.trace`); JSON and Markdown; with `plot`, a
+Gantt chart (one row per compute replica and memory worker, one bar per task) of one
+traced decode step of each mode, drawn from the recorded spans, not from a model.
+
+Per case: B prompts of `context` distinct random tokens are prefilled, a warm-up
+decode step runs, then `steps` decode steps are timed with every lane tracing. The
+mode is switched on one engine between cases (the same workers, weights and pools).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from lamina.bench.common import _write, cpu_name
+from lamina.trace import Span, busy_fractions, lanes
+
+COLORS = {"slice": "tab:blue", "submit": "tab:orange", "exchange": "tab:orange",
+          "wait": "0.85", "sample": "tab:purple", "attend": "tab:green"}
+
+
+def decode_case(llm, batch: int, context: int, mode: str, steps: int = 4,
+                seed: int = 0) -> dict:
+    """`batch` sequences of `context` prompt tokens decoding under pipeline `mode`:
+    tokens/s over `steps` timed decode steps, busy fractions, and the spans."""
+    from lamina import SamplingParams
+
+    eng = llm.engine
+    eng.config = replace(eng.config, pipeline=mode)
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True)
+    ids = [eng.add_request([rng.randrange(1000, 20000) for _ in range(context)], params)
+           for _ in range(batch)]
+    while any(not s.output for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()  # prefill (chunks of max_step_tokens)
+    eng.step()  # one decode step before timing
+    llm.executor.start_trace()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    seconds = time.perf_counter() - t0
+    spans = llm.executor.stop_trace()
+    for rid in ids:
+        eng.abort(rid)
+    return {"batch": batch, "context": context, "mode": mode, "steps": steps,
+            "tok_s": batch * steps / seconds, "busy": busy_fractions(spans),
+            "spans": spans}
+
+
+def last_step(spans: list[Span]) -> list[Span]:
+    """The spans of the last step traced (every lane's)."""
+    last = max(s.step for s in spans)
+    return [s for s in spans if s.step == last]
+
+
+def plot_trace(groups: dict[str, list[Span]], path: str | Path) -> Path:
+    """A Gantt chart per group (title -> spans), stacked: one row per lane, one bar per
+    span, coloured by kind, milliseconds from the group's first span."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(len(groups), 1, figsize=(12, 1.2 + 0.9 * max(
+        len(lanes(s)) for s in groups.values()) * len(groups)), squeeze=False)
+    for ax, (title, spans) in zip(axes[:, 0], groups.items()):
+        names, t0 = lanes(spans), min(s.t0 for s in spans)
+        for row, lane in enumerate(names):
+            for kind in COLORS:
+                bars = [((s.t0 - t0) * 1e3, s.seconds * 1e3) for s in spans
+                        if s.lane == lane and s.kind == kind]
+                if bars:
+                    ax.broken_barh(bars, (row - 0.4, 0.8), color=COLORS[kind])
+        ax.set_yticks(range(len(names)), names)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("ms")
+    axes[0, 0].legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()
+                               if k != "exchange"], loc="lower right", fontsize=7, ncol=5,
+                      bbox_to_anchor=(1.0, 1.08), frameon=False)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def bench_pipeline(model: str | None = None, batches=(8, 32, 64), contexts=(512, 2048),
+                   modes=("none", "rotational"), executor: str = "local",
+                   num_memory_workers: int = 1, steps: int = 4,
+                   plot: str | Path | None = None,
+                   out_dir: str | Path = "benchmarks/results") -> dict:
+    from lamina import LLM
+
+    slots = max(batches) * (max(contexts) + steps + 8)
+    llm = LLM(model, executor=executor, num_memory_workers=num_memory_workers,
+              num_kv_slots=slots // num_memory_workers + 64, prefix_caching=False,
+              max_batch=max(batches), max_step_tokens=4096)
+    rows, shown = [], {}
+    try:
+        for ctx in contexts:
+            for b in batches:
+                for mode in modes:
+                    r = decode_case(llm, b, ctx, mode, steps)
+                    spans = r.pop("spans")
+                    if b == max(batches) and ctx == max(contexts):
+                        shown[f"{mode}: B={b}, context {ctx}, one decode step "
+                              f"({executor} executor)"] = last_step(spans)
+                    rows.append(r)
+                    print(f"B={b} ctx={ctx} {mode}: {r['tok_s']:.1f} tok/s, busy "
+                          + ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items()),
+                          flush=True)
+    finally:
+        llm.shutdown()
+    names = sorted({k for r in rows for k in r["busy"]}, key=lambda x: lanes(
+        [Span(x, "slice", 0, 0, 0, 0, 0)]))
+    table = [["B", "context", "pipeline", "tok/s", "x none", *[f"busy {n}" for n in names]]]
+    base = {(r["batch"], r["context"]): r["tok_s"] for r in rows if r["mode"] == modes[0]}
+    for r in rows:
+        table.append([str(r["batch"]), str(r["context"]), r["mode"], f"{r['tok_s']:.1f}",
+                      f"{r['tok_s'] / base[r['batch'], r['context']]:.2f}",
+                      *[f"{r['busy'].get(n, 0):.0%}" for n in names]])
+    res = {"model": model or "SmolLM2-135M-Instruct", "cpu": cpu_name(),
+           "executor": executor, "num_memory_workers": num_memory_workers, "rows": rows}
+    if plot:
+        res["plot"] = str(plot_trace(shown, plot))
+    jp, mp = _write(Path(out_dir), "pipeline", res, table)
+    print("\n".join(" | ".join(r) for r in table))
+    print(f"wrote {jp} and {mp}" + (f" and {res['plot']}" if plot else ""))
+    return res
