@@ -3,8 +3,10 @@ memory worker did, and when.
 
 Data in: spans recorded where the work runs. The compute side (`ComputeSide.run`)
 records, per step, layer and micro-batch, its slices (`slice`), its q/k/v handed to the
-memory workers (`submit`), its waits for their outputs (`wait`, or `exchange` where one
-call does both) and sampling (`sample`); whoever runs a memory worker's attention (the
+memory workers (`submit`), its waits for their outputs (`wait`; where one C++ call does
+both, its sending and its waiting as the two) and sampling (`sample`), and the
+attention of prompts it attends itself (`attend`); whoever runs a memory worker's
+attention (the
 local executor's link, a Ray memory worker's `MemoryServer`) records `attend` per layer
 and micro-batch on that worker's lane.
 Data out: `Span`s. Times are `time.perf_counter()` seconds, which on Linux is
@@ -21,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-KINDS = ("slice", "submit", "wait", "exchange", "sample", "attend")
+KINDS = ("slice", "submit", "wait", "sample", "attend")
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from pathlib import Path
 from lamina.bench.common import _write, cpu_name
 from lamina.trace import Span, busy_fractions, lanes
 
-COLORS = {"slice": "tab:blue", "submit": "tab:orange", "exchange": "tab:orange",
-          "wait": "0.85", "sample": "tab:purple", "attend": "tab:green"}
+COLORS = {"slice": "tab:blue", "submit": "tab:orange", "wait": "0.85",
+          "sample": "tab:purple", "attend": "tab:green"}
 
 
 def decode_case(llm, batch: int, context: int, mode: str, steps: int = 4,
@@ -82,8 +82,8 @@ def plot_trace(groups: dict[str, list[Span]], path: str | Path) -> Path:
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("ms")
-    axes[0, 0].legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()
-                               if k != "exchange"], loc="lower right", fontsize=7, ncol=5,
+    axes[0, 0].legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()],
+                      loc="lower right", fontsize=7, ncol=5,
                       bbox_to_anchor=(1.0, 1.08), frameon=False)
     fig.tight_layout()
     path = Path(path)

@@ -258,7 +258,9 @@ class ComputeSide:
                 timers.exchanges += 1
                 timers.submit_s += sent
                 timers.wait_s += t1 - t - sent
-                self.tracer.record("exchange", layer, t, t1, mb=j)
+                # one call both ways: its sending, then its wait, as two spans
+                self.tracer.record("submit", layer, t, t + sent, mb=j)
+                self.tracer.record("wait", layer, t + sent, t1, mb=j)
                 return
         step.link.submit(layer, j, *qkv, p.parts)
         t1 = time.perf_counter()

@@ -179,9 +179,9 @@ def test_ray_trace_lines_up_the_processes_lanes(llm, prompts, hf_greedy):
     assert lanes(spans) == ["compute0", "memory0", "memory1"]
     assert overlapping(spans) == []
     out = {(s.step, s.layer, s.mb): s for s in spans
-           if s.lane == "compute0" and s.kind in ("submit", "exchange")}
+           if s.lane == "compute0" and s.kind == "submit"}
     back = {(s.step, s.layer, s.mb): s for s in spans
-            if s.lane == "compute0" and s.kind in ("wait", "exchange")}
+            if s.lane == "compute0" and s.kind == "wait"}
     attends = [s for s in spans if s.kind == "attend"]
     assert {s.step for s in attends} == set(steps)
     assert {(s.lane, s.step) for s in attends} == {(f"memory{w}", t) for w in (0, 1)
