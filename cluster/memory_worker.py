@@ -16,16 +16,18 @@ import ray
 import torch
 
 from lamina.dataplane.protocol import MemoryServer
-from lamina.dataplane.transport import ShmRing, SocketChannel, listen_stream, nodelay
+from lamina.dataplane.transport import (
+    ShmRing,
+    SocketChannel,
+    listen_stream,
+    nodelay,
+    shm_enabled,
+)
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool
 from lamina.trace import Tracer
 
 RING_BYTES = 64 << 20  # per direction; larger payloads go inline on the socket
-
-
-def shm_enabled() -> bool:
-    return os.environ.get("LAMINA_SHM", "1") != "0" and os.path.isdir("/dev/shm")
 
 
 def batch_policy() -> bool:

@@ -3,9 +3,14 @@ pipeline`.
 
 Data in: batch sizes, context lengths, pipeline modes, an executor (local, or Ray with
 `executor="ray"`). Data out: per case, decode tokens/s and each device's busy fraction
-from the trace of the timed steps (`lamina.trace`); JSON and Markdown; with `plot`, a
-Gantt chart (one row per compute replica and memory worker, one bar per task) of one
-traced decode step of each mode, drawn from the recorded spans, not from a model.
+from the trace of the timed steps (`lamina.trace`); with `predict`, the simulator's
+decode tokens/s for the same case (`lamina.costmodel.simulator.step_time`, calibrated
+on this machine by `lamina.bench.sim.measure_ops` through the same executor, per-op
+costs at 1 thread: the Ray workers' setting; the local executor runs the bench's
+threads); JSON and
+Markdown; with `plot`, a Gantt chart (one row per compute replica and memory worker,
+one bar per task) of one traced decode step of each mode, drawn from the recorded
+spans, not from a model.
 
 Per case: B prompts of `context` distinct random tokens are prefilled, a warm-up
 decode step runs, then `steps` decode steps are timed with every lane tracing. The
@@ -17,6 +22,8 @@ import random
 import time
 from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from lamina.bench.common import _write, cpu_name
 from lamina.trace import Span, busy_fractions, lanes
@@ -51,6 +58,16 @@ def decode_case(llm, batch: int, context: int, mode: str, steps: int = 4,
     return {"batch": batch, "context": context, "mode": mode, "steps": steps,
             "tok_s": batch * steps / seconds, "busy": busy_fractions(spans),
             "spans": spans}
+
+
+def predicted_tok_s(costs, batch: int, context: int, mode: str, workers: int) -> float:
+    """The simulator's steady decode tokens/s: `batch` sequences of about `context`
+    keys spread over `workers` memory workers, pipeline `mode`."""
+    from lamina.costmodel.simulator import SimConfig, step_time
+
+    keys = [[context] * (batch // workers + (w < batch % workers)) for w in range(workers)]
+    cfg = SimConfig(memory_per_replica=workers, pipeline=mode, max_batch=batch)
+    return batch / step_time(costs, cfg, [], keys, [], batch)[0]
 
 
 def last_step(spans: list[Span]) -> list[Span]:
@@ -96,21 +113,31 @@ def plot_trace(groups: dict[str, list[Span]], path: str | Path) -> Path:
 def bench_pipeline(model: str | None = None, batches=(8, 32, 64), contexts=(512, 2048),
                    modes=("none", "rotational"), executor: str = "local",
                    num_memory_workers: int = 1, steps: int = 4,
-                   plot: str | Path | None = None,
+                   plot: str | Path | None = None, predict: bool = False,
                    out_dir: str | Path = "benchmarks/results") -> dict:
     from lamina import LLM
+    from lamina.bench.sim import measure_ops
+    from lamina.costmodel.simulator import MeasuredCosts
 
     slots = max(batches) * (max(contexts) + steps + 8)
     llm = LLM(model, executor=executor, num_memory_workers=num_memory_workers,
               num_kv_slots=slots // num_memory_workers + 64, prefix_caching=False,
               max_batch=max(batches), max_step_tokens=4096)
-    rows, shown = [], {}
+    rows, shown, costs = [], {}, None
     try:
+        if predict:  # the probe writes into the pools' first slots: before any request
+            threads = torch.get_num_threads()
+            # per-op costs at 1 thread, as each Ray worker runs (`measure_ops`)
+            costs = MeasuredCosts(measure_ops(model, executor=llm.executor))
+            torch.set_num_threads(threads)
         for ctx in contexts:
             for b in batches:
                 for mode in modes:
                     r = decode_case(llm, b, ctx, mode, steps)
                     spans = r.pop("spans")
+                    if costs is not None:
+                        r["predicted_tok_s"] = predicted_tok_s(costs, b, ctx, mode,
+                                                               num_memory_workers)
                     if b == max(batches) and ctx == max(contexts):
                         shown[f"{mode}: B={b}, context {ctx}, one decode step "
                               f"({executor} executor)"] = last_step(spans)
@@ -122,11 +149,14 @@ def bench_pipeline(model: str | None = None, batches=(8, 32, 64), contexts=(512,
         llm.shutdown()
     names = sorted({k for r in rows for k in r["busy"]}, key=lambda x: lanes(
         [Span(x, "slice", 0, 0, 0, 0, 0)]))
-    table = [["B", "context", "pipeline", "tok/s", "x none", *[f"busy {n}" for n in names]]]
+    pred = ["simulator tok/s"] if costs is not None else []
+    table = [["B", "context", "pipeline", "tok/s", "x none", *pred,
+              *[f"busy {n}" for n in names]]]
     base = {(r["batch"], r["context"]): r["tok_s"] for r in rows if r["mode"] == modes[0]}
     for r in rows:
         table.append([str(r["batch"]), str(r["context"]), r["mode"], f"{r['tok_s']:.1f}",
                       f"{r['tok_s'] / base[r['batch'], r['context']]:.2f}",
+                      *([f"{r['predicted_tok_s']:.1f}"] if pred else []),
                       *[f"{r['busy'].get(n, 0):.0%}" for n in names]])
     res = {"model": model or "SmolLM2-135M-Instruct", "cpu": cpu_name(),
            "executor": executor, "num_memory_workers": num_memory_workers, "rows": rows}

@@ -74,6 +74,12 @@ def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview(flat.numpy()).cast("B", (nbytes,))
 
 
+def shm_enabled() -> bool:
+    """Whether co-located workers put payloads in shared memory (`LAMINA_SHM`, default
+    on, where /dev/shm exists)."""
+    return os.environ.get("LAMINA_SHM", "1") != "0" and os.path.isdir("/dev/shm")
+
+
 @dataclass(frozen=True)
 class FrameHeader:
     """A frame's fixed header, checked (magic, version, dtype code, ndim)."""

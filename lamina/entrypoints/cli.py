@@ -250,7 +250,7 @@ def cmd_bench(args) -> int:
         if args.contexts:
             sizes["contexts"] = tuple(args.contexts)
         bench_pipeline(args.model, executor=args.executor, plot=args.plot, out_dir=args.out,
-                       **sizes)
+                       predict=args.predict, **sizes)
         return 0
     if args.name == "kv-capacity":
         from lamina.bench.kv_capacity import bench_kv_capacity
@@ -423,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _bench_parser(sub)
     _cost_report_parser(sub)
+    dr = sub.add_parser("doctor", help="what this machine offers (kernels, CUDA, transports) "
+                                       "and why what it lacks is missing")
+    dr.add_argument("--json", action="store_true", help="as JSON")
+    dr.set_defaults(fn=cmd_doctor)
     importlib.import_module(CLUSTER_CLI).add_parsers(sub)
     p.commands = sub.choices  # type: ignore[attr-defined]  # name -> its parser
     return p
@@ -531,6 +535,8 @@ def _bench_parser(sub) -> None:
                    help="pipeline: where the workers run (ray: one process each, local Ray)")
     b.add_argument("--plot", default=None,
                    help="pipeline: a Gantt chart PNG of one traced decode step per mode")
+    b.add_argument("--predict", action="store_true",
+                   help="pipeline: the simulator's tok/s too, calibrated on this machine")
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="attention: cpu (compiled kernel) or cuda (Triton kernels); e2e: "
@@ -568,6 +574,13 @@ def _cost_report_parser(sub) -> None:
     c.add_argument("--format", choices=["html", "md"], default="html")
     c.add_argument("--out", default="report")
     c.set_defaults(fn=cmd_cost_report)
+
+def cmd_doctor(args) -> int:
+    from lamina.entrypoints.doctor import report
+
+    print(report(args.json))
+    return 0
+
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

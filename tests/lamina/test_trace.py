@@ -120,3 +120,37 @@ def test_bench_pipeline_writes_its_table_and_gantt(tmp_path):
     assert json.loads((tmp_path / "pipeline.json").read_text())["rows"][1]["mode"] == \
         "rotational"
     assert "| 2 | 16 | rotational |" in (tmp_path / "pipeline.md").read_text()
+
+
+def test_predicted_decode_rate_follows_the_simulators_step():
+    """`predicted_tok_s` on hand-set per-op costs (2 layers): none runs dense, exchange
+    and attention in series; rotational two half-batches staggered (numbers by hand)."""
+    from lamina.bench.pipeline import predicted_tok_s
+
+    class Costs:
+        layers = 2
+
+        def dense_layer(self, tokens):
+            return 1e-3 * tokens
+
+        def head(self, rows):
+            return 0.01
+
+        def attention(self, queries, keys):
+            return 1e-5 * keys
+
+        def network(self, tokens, workers):
+            return 0.002
+
+        def step_overhead(self, rows):
+            return 0.005
+
+        def exchange_host(self, tokens):
+            return 0.001
+
+    # none: 2 x (dense 0.004 + host 0.001 + attention 0.004 + exchange 0.002 - host
+    # 0.001) + head 0.01 + overhead 0.005 = 0.035 s for 4 tokens
+    assert predicted_tok_s(Costs(), 4, 100, "none", 1) == pytest.approx(4 / 0.035)
+    # rotational: halves of 2; period max(2 x 0.003, 2 x 0.003, 0.006) = 0.006 a layer,
+    # a head per half: 2 x 0.006 + 0.02 + 0.005 = 0.037 s
+    assert predicted_tok_s(Costs(), 4, 100, "rotational", 1) == pytest.approx(4 / 0.037)

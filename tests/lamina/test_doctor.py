@@ -1,0 +1,39 @@
+"""`lamina doctor`: each transport reported with why it is or is not available."""
+import json
+
+from lamina.entrypoints import doctor
+from lamina.entrypoints.cli import main
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def test_shared_memory_transport_follows_lamina_shm(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAMINA_SHM", "0")
+    t = by_name(doctor.transports(tmp_path / "none"))
+    assert not t["transport unix+shm"].ok and "LAMINA_SHM=0" in t["transport unix+shm"].why
+    assert t["transport unix"].ok and t["transport tcp"].ok
+    monkeypatch.setenv("LAMINA_SHM", "1")
+    assert by_name(doctor.transports(tmp_path))["transport unix+shm"].ok
+
+
+def test_rdma_names_its_devices_or_their_absence(tmp_path):
+    gone = doctor.rdma(tmp_path / "infiniband")
+    assert not gone.ok and "no RDMA device" in gone.why and "absent" in gone.why
+    (tmp_path / "infiniband").mkdir()
+    assert "is empty" in doctor.rdma(tmp_path / "infiniband").why
+    (tmp_path / "infiniband" / "mlx5_0").mkdir()
+    found = doctor.rdma(tmp_path / "infiniband")
+    # a device alone is not a transport: this version has no RDMA channel
+    assert not found.ok and "devices: mlx5_0" in found.why and "no RDMA channel" in found.why
+
+
+def test_doctor_command_prints_every_check(capsys):
+    assert main(["doctor", "--json"]) == 0
+    got = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert {"cpu", "cpu attention kernel", "cuda", "transport unix+shm", "transport tcp",
+            "transport rdma", "ray"} <= set(got)
+    assert got["transport tcp"]["ok"] and not got["transport rdma"]["ok"]
+    assert main(["doctor"]) == 0
+    assert "transport rdma" in capsys.readouterr().out
