@@ -332,8 +332,7 @@ class RayExecutor(Executor):
     def start_trace(self) -> None:
         """Every worker records its timeline (`lamina.trace`) from the next step on. The
         lanes line up: the workers of one host share CLOCK_MONOTONIC (workers on other
-        hosts do not; their lanes are shifted by the hosts' clock offset). While
-        recording, the memory workers run steps in their Python loop."""
+        hosts do not; their lanes are shifted by the hosts' clock offset)."""
         self._get([a.start_trace.remote() for a in [self.compute, *self.memory]],
                   "trace start")
 

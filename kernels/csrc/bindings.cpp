@@ -35,7 +35,7 @@ void bind_dataplane(py::module& m) {
       LAMINA_FIELD(ServeStep, q_pos) LAMINA_FIELD(ServeStep, slots)
       LAMINA_FIELD(ServeStep, cu_k) LAMINA_FIELD(ServeStep, k_pos0)
       LAMINA_FIELD(ServeStep, ring_in) LAMINA_FIELD(ServeStep, ring_out)
-      LAMINA_FIELD(ServeStep, ring_min_bytes);
+      LAMINA_FIELD(ServeStep, ring_min_bytes) LAMINA_FIELD(ServeStep, times);
   py::class_<CallStatus>(m, "CallStatus", "what a data-plane call reports")
       .def_readonly("status", &CallStatus::status)
       .def_readonly("message", &CallStatus::message)

@@ -19,6 +19,7 @@
 #include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -342,6 +343,14 @@ at::Tensor o_lse(const at::Tensor& o, const at::Tensor& lse, at::ScalarType dt) 
 
 }  // namespace
 
+namespace {
+double monotonic_s() {  // the clock Python's perf_counter reads on Linux
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+}  // namespace
+
 // One step's layers for one micro-batch: per layer read q|k|v (one frame, or three when
 // the KV rows differ from the query rows), write k/v at new_slots, attend, send o|lse.
 // -> (status, message, ring_in pos, ring_out pos): status 0 done, 1 bad frame
@@ -357,6 +366,13 @@ CallStatus serve_step(const MemoryLayers& layers, ServeStep& s) {
   const int64_t n = s.cu_q.size(0) ? s.q_pos.size(0) : 0, m = s.new_slots.size(0);
   const at::Tensor idx = s.new_slots.to(at::kLong);
   const auto& sinks = layers.sinks;
+  double* times = nullptr;
+  if (s.times.has_value()) {
+    TORCH_CHECK(s.times->scalar_type() == at::kDouble && s.times->is_contiguous() &&
+                    s.times->numel() == int64_t(2 * layers.k_pools.size()),
+                "ServeStep.times must be a contiguous fp64 [layers, 2] tensor");
+    times = s.times->data_ptr<double>();
+  }
   auto [status, msg] = guarded([&] {
     for (size_t layer = 0; layer < layers.k_pools.size(); ++layer) {
       const at::Tensor& kp = layers.k_pools[layer];
@@ -410,6 +426,7 @@ CallStatus serve_step(const MemoryLayers& layers, ServeStep& s) {
       if (!at::isFloatingType(q.scalar_type()) || !at::isFloatingType(k.scalar_type()) ||
           !at::isFloatingType(v.scalar_type()))
         throw FrameErr(where + ": q/k/v must be floating point");
+      if (times) times[2 * layer] = monotonic_s();
       if (m) {
         store_rows(kp, idx, k);
         store_rows(vp, idx, v);
@@ -419,6 +436,7 @@ CallStatus serve_step(const MemoryLayers& layers, ServeStep& s) {
                                layers.scales[layer], layers.windows[layer],
                                layers.softcaps[layer], sinks[layer],
                                q.scalar_type() == at::kBFloat16);
+      if (times) times[2 * layer + 1] = monotonic_s();
       if (in_ring) release(hx, pin);  // attended: the writer may reuse it
       send_frame(c, pout, o_lse(ol[0], ol[1], q.scalar_type()), int64_t(layer), step,
                  int(timeout_ms));

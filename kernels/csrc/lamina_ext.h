@@ -43,6 +43,9 @@ struct ServeStep {
   at::Tensor new_slots, cu_q, q_pos, slots, cu_k, k_pos0;  // int32, checked per step
   RingArgs ring_in, ring_out;
   int64_t ring_min_bytes = 0;  // payloads this big or more go through a ring
+  // tracing: fp64 [layers, 2], each layer's attention (k/v writes and the kernel) start
+  // and end in CLOCK_MONOTONIC seconds (Python's perf_counter); none: not kept
+  c10::optional<at::Tensor> times;
 };
 
 // What a data-plane call reports: status 0 done, 1 bad frame (FrameError), 2 timeout

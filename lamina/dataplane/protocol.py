@@ -319,8 +319,8 @@ class MemoryServer:
                  name: str = "memory worker", native: bool = True,
                  tracer: Tracer | None = None):
         self.memory, self.params, self.ch, self.name = memory, list(params), ch, name
-        # this worker's timeline (`lamina.trace`): attention per layer and micro-batch;
-        # while it records, steps take the Python loop (the C++ one keeps no spans)
+        # this worker's timeline (`lamina.trace`): attention per layer and micro-batch
+        # (the C++ step loop returns each layer's times)
         self.tracer = tracer or Tracer("memory0")
         cfg = memory.pool.config
         self.kv_shape = (cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim)
@@ -419,7 +419,7 @@ class MemoryServer:
         loading = self.memory.tiers is not None and self.memory.tiers.loading
         sparse = self.memory.sparsity is not None and self.memory.sparsity.active
         if (self._native is not None and len(mbs) == 1 and not loading and not sparse
-                and not report and not self.tracer.enabled):
+                and not report):
             self._serve_native(step, *mbs[0][:2])
             return True  # (a step with tier loads copies them layer by layer, below)
         for layer, params in enumerate(self.params):
@@ -465,6 +465,8 @@ class MemoryServer:
         s.slots, s.cu_k, s.k_pos0 = batch.slots, batch.cu_k, batch.k_pos0
         s.ring_in, s.ring_out = _ring_struct(self._native, rin), _ring_struct(self._native, rout)
         s.ring_min_bytes = (rin or rout).min_bytes if (rin or rout) else 0
+        if self.tracer.enabled:  # each layer's attention start and end
+            s.times = torch.zeros(len(self.params), 2, dtype=torch.float64)
         with self._lock:
             s.pending = ch.take_pending()
             r = self._native.serve_step(self._layers, s)
@@ -474,6 +476,9 @@ class MemoryServer:
             rout.pos = s.ring_out.pos
         if r.status:
             _raise(r.status, r.message)
+        if s.times is not None:
+            for layer, (t0, t1) in enumerate(s.times.tolist()):
+                self.tracer.record("attend", layer, t0, t1, mb=0)
         self.native_steps += 1
 
     def _recv_qkv(self, layer: int, step: int, n: int, m: int):

@@ -197,6 +197,46 @@ def test_socket_link_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy
     ex.shutdown()
 
 
+@pytest.mark.parametrize("native", ["both", "none"])
+def test_traced_steps_keep_their_path_and_line_up(smol, smol_split, prompts, hf_greedy,
+                                                  native):
+    """Tracing over the data plane: the memory ends keep their loop (the C++ `serve_step`
+    returns each layer's attention times), every layer of every traced step has one
+    attend span per worker that holds rows, inside the compute end's submit-to-wait of
+    that layer, and the answers are HF's."""
+    from lamina.trace import overlapping
+
+    eng, ex = linked_engine(smol, smol_split, 3000, native=native)
+    for i, srv in enumerate(ex.servers):
+        srv.tracer.lane = f"memory{i}"
+    pick = [0, 3, 5, 9]
+    ids = [eng.add_request(prompts[i], SamplingParams(max_tokens=6, temperature=0))
+           for i in pick]
+    done = {o.request_id: o for o in eng.step()}
+    tracers = [ex.compute.tracer, *(s.tracer for s in ex.servers)]
+    for tr in tracers:
+        tr.start()
+    steps = []
+    for _ in range(2):
+        steps.append(eng.scheduler.step)
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    spans = [sp for tr in tracers for sp in tr.stop()]
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert [done[i].token_ids for i in ids] == [hf_greedy[i][:6] for i in pick]
+    assert [s.native_steps == s.steps for s in ex.servers] == [native == "both"] * 2
+    assert overlapping(spans) == []
+    L = len(ex.compute.params)
+    out = {(s.step, s.layer): s for s in spans if s.kind == "submit"}
+    back = {(s.step, s.layer): s for s in spans if s.kind == "wait"}
+    att = [s for s in spans if s.kind == "attend"]
+    assert sorted((s.lane, s.step, s.layer) for s in att) == sorted(
+        (f"memory{w}", t, i) for w in range(2) for t in steps for i in range(L))
+    for a in att:
+        assert out[a.step, a.layer].t0 <= a.t0 <= a.t1 <= back[a.step, a.layer].t1
+    ex.shutdown()
+
+
 @pytest.mark.parametrize("pipeline", ["rotational", "none"])
 def test_socket_link_kv_split_and_micro_batches(smol, smol_split, prompts, hf_greedy, pipeline):
     """A 600-token prompt over two 400-slot pools: its rows go as three frames, the
