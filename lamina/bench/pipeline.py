@@ -13,8 +13,10 @@ one bar per task) of one traced decode step of each mode, drawn from the recorde
 spans, not from a model.
 
 Per case: B prompts of `context` distinct random tokens are prefilled, a warm-up
-decode step runs, then `steps` decode steps are timed with every lane tracing. The
-mode is switched on one engine between cases (the same workers, weights and pools).
+decode step runs, then `steps` decode steps are timed with every lane tracing. "none"
+and "rotational" switch on one engine between cases (the same workers, weights and
+pools); "fixed" (2 compute replicas, each with half the batch; local executor only)
+runs on a second engine.
 """
 from __future__ import annotations
 
@@ -111,42 +113,63 @@ def plot_trace(groups: dict[str, list[Span]], path: str | Path) -> Path:
 
 
 def bench_pipeline(model: str | None = None, batches=(8, 32, 64), contexts=(512, 2048),
-                   modes=("none", "rotational"), executor: str = "local",
+                   modes=("none", "rotational", "fixed"), executor: str = "local",
                    num_memory_workers: int = 1, steps: int = 4,
                    plot: str | Path | None = None, predict: bool = False,
                    out_dir: str | Path = "benchmarks/results") -> dict:
+    """Each (context, batch, mode) case as `decode_case`. "fixed" runs on an engine of
+    its own with 2 compute replicas (local executor only); the other modes share one."""
     from lamina import LLM
+
+    if executor != "local":
+        modes = tuple(m for m in modes if m != "fixed")  # replicas: local executor only
+    slots = max(batches) * (max(contexts) + steps + 8)
+    kw = dict(executor=executor, num_memory_workers=num_memory_workers,
+              num_kv_slots=slots // num_memory_workers + 64, prefix_caching=False,
+              max_batch=max(batches), max_step_tokens=4096)
+    llms = {}
+    try:
+        for mode in modes:
+            fixed = mode == "fixed"
+            if fixed not in llms:
+                llms[fixed] = LLM(model, **kw, **(dict(num_compute_workers=2,
+                                                       pipeline="fixed") if fixed else {}))
+        rows, shown, costs = _cases(llms, batches, contexts, modes, steps, predict, model,
+                                    num_memory_workers, executor)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    return _report(rows, shown, costs, modes, model, executor, num_memory_workers, plot,
+                   out_dir)
+
+
+def _cases(llms, batches, contexts, modes, steps, predict, model, workers, executor):
     from lamina.bench.sim import measure_ops
     from lamina.costmodel.simulator import MeasuredCosts
 
-    slots = max(batches) * (max(contexts) + steps + 8)
-    llm = LLM(model, executor=executor, num_memory_workers=num_memory_workers,
-              num_kv_slots=slots // num_memory_workers + 64, prefix_caching=False,
-              max_batch=max(batches), max_step_tokens=4096)
     rows, shown, costs = [], {}, None
-    try:
-        if predict:  # the probe writes into the pools' first slots: before any request
-            threads = torch.get_num_threads()
-            # per-op costs at 1 thread, as each Ray worker runs (`measure_ops`)
-            costs = MeasuredCosts(measure_ops(model, executor=llm.executor))
-            torch.set_num_threads(threads)
-        for ctx in contexts:
-            for b in batches:
-                for mode in modes:
-                    r = decode_case(llm, b, ctx, mode, steps)
-                    spans = r.pop("spans")
-                    if costs is not None:
-                        r["predicted_tok_s"] = predicted_tok_s(costs, b, ctx, mode,
-                                                               num_memory_workers)
-                    if b == max(batches) and ctx == max(contexts):
-                        shown[f"{mode}: B={b}, context {ctx}, one decode step "
-                              f"({executor} executor)"] = last_step(spans)
-                    rows.append(r)
-                    print(f"B={b} ctx={ctx} {mode}: {r['tok_s']:.1f} tok/s, busy "
-                          + ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items()),
-                          flush=True)
-    finally:
-        llm.shutdown()
+    if predict and False in llms:  # the probe writes into the pools' first slots: first
+        threads = torch.get_num_threads()
+        # per-op costs at 1 thread, as each Ray worker runs (`measure_ops`)
+        costs = MeasuredCosts(measure_ops(model, executor=llms[False].executor))
+        torch.set_num_threads(threads)
+    for ctx in contexts:
+        for b in batches:
+            for mode in modes:
+                r = decode_case(llms[mode == "fixed"], b, ctx, mode, steps)
+                spans = r.pop("spans")
+                if costs is not None and mode != "fixed":  # the simulator has no replicas
+                    r["predicted_tok_s"] = predicted_tok_s(costs, b, ctx, mode, workers)
+                if b == max(batches) and ctx == max(contexts):
+                    shown[f"{mode}: B={b}, context {ctx}, one decode step "
+                          f"({executor} executor)"] = last_step(spans)
+                rows.append(r)
+                print(f"B={b} ctx={ctx} {mode}: {r['tok_s']:.1f} tok/s, busy "
+                      + ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items()), flush=True)
+    return rows, shown, costs
+
+
+def _report(rows, shown, costs, modes, model, executor, workers, plot, out_dir) -> dict:
     names = sorted({k for r in rows for k in r["busy"]}, key=lambda x: lanes(
         [Span(x, "slice", 0, 0, 0, 0, 0)]))
     pred = ["simulator tok/s"] if costs is not None else []
@@ -154,12 +177,13 @@ def bench_pipeline(model: str | None = None, batches=(8, 32, 64), contexts=(512,
               *[f"busy {n}" for n in names]]]
     base = {(r["batch"], r["context"]): r["tok_s"] for r in rows if r["mode"] == modes[0]}
     for r in rows:
+        p = r.get("predicted_tok_s")
         table.append([str(r["batch"]), str(r["context"]), r["mode"], f"{r['tok_s']:.1f}",
                       f"{r['tok_s'] / base[r['batch'], r['context']]:.2f}",
-                      *([f"{r['predicted_tok_s']:.1f}"] if pred else []),
-                      *[f"{r['busy'].get(n, 0):.0%}" for n in names]])
+                      *([f"{p:.1f}" if p else "-"] if pred else []),
+                      *[f"{r['busy'][n]:.0%}" if n in r["busy"] else "-" for n in names]])
     res = {"model": model or "SmolLM2-135M-Instruct", "cpu": cpu_name(),
-           "executor": executor, "num_memory_workers": num_memory_workers, "rows": rows}
+           "executor": executor, "num_memory_workers": workers, "rows": rows}
     if plot:
         res["plot"] = str(plot_trace(shown, plot))
     jp, mp = _write(Path(out_dir), "pipeline", res, table)

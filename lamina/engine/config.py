@@ -16,7 +16,9 @@ from lamina.memory.tier_orders import TierConfig
 
 # "rotational" is the paper's staggered pipelining (5.1) with n = 2 batches on one
 # compute replica: there rotational and fixed coincide and no context migrates.
-PIPELINES = ("none", "rotational")
+# "fixed" (5.1): `num_compute_workers` replicas, each with its own batch (a sequence
+# stays on its replica), sharing the memory workers (the local executor only, so far).
+PIPELINES = ("none", "rotational", "fixed")
 # The compute side's linears (`lamina.splitter.dense.DENSE_BACKENDS`, which the engine
 # does not import: it never loads the model code; a test keeps the two equal).
 DENSE_BACKENDS = ("auto", "eager", "onednn")
@@ -32,6 +34,7 @@ class EngineConfig:
     # are then as many tokens' KV as fit, so kv_dtype='int8' holds ~3.8x fp32's tokens
     kv_pool_bytes: int | None = None
     num_memory_workers: int = 1
+    num_compute_workers: int = 1  # model replicas (> 1: pipeline "fixed")
     # the pools' dtype; "int8": each token's keys and values as int8 codes with a scale
     # per token and kv head, keys divided by calibrated channel scales first
     # (kernels/quant.py), ~0.27x fp32's bytes
@@ -191,3 +194,10 @@ class EngineConfig:
         if self.pipeline not in PIPELINES:
             raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
                              f"got {self.pipeline!r}")
+        n = self.num_compute_workers
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"EngineConfig.num_compute_workers must be an int >= 1, got {n!r}")
+        if (n > 1) != (self.pipeline == "fixed"):
+            raise ValueError(f"EngineConfig: pipeline 'fixed' runs num_compute_workers >= 2 "
+                             f"replicas, each with its own batch, and only it does (got "
+                             f"pipeline {self.pipeline!r} with {n} compute workers)")

@@ -53,6 +53,9 @@ class LLM:
         if address is not None and executor == "local":
             raise ValueError("address names a Ray cluster: it needs executor='ray'")
         self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
+        if executor != "local" and self.config.num_compute_workers > 1:
+            raise ValueError("num_compute_workers > 1 (pipeline 'fixed') runs on the local "
+                             "executor only, so far")
         self.loaded = load(model, dtype=dtype)
         if executor != "local":
             self.split = None
@@ -79,7 +82,8 @@ class LLM:
                                         rope_inv_freq=rope, sparsity=sparsity)
                              for w in range(num_memory_workers)],
                 vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults,
-                device=cfg.compute_device, graph_tokens=cfg.graph_tokens)
+                device=cfg.compute_device, graph_tokens=cfg.graph_tokens,
+                num_compute_workers=cfg.num_compute_workers)
         # the pools' slot count (kv_pool_bytes: as many as fit) is what the engine allocates
         slots = getattr(self.executor, "pool_slots", self.config.num_kv_slots)
         if slots != self.config.num_kv_slots:

@@ -1,19 +1,30 @@
-"""`LocalExecutor`: the compute side and its memory sides in this one process.
+"""`LocalExecutor`: the compute side(s) and the memory sides in this one process.
 
 Data in: `StepPlan`. Data out: `StepResult`. Attention runs inside `submit` (no
 overlap); the same `ComputeSide` runs in `lamina.cluster`'s Ray compute worker, where the
 memory link is the data plane instead.
+
+Compute replicas (`num_compute_workers` > 1, pipeline "fixed", paper 5.1): one
+`ComputeSide` per replica, each run on a thread of its own over the shared slices
+(weights are read-only), each with its own batch: a sequence is placed on the replica
+with the fewest sequences when first seen and stays there (its slot table lives
+there). A memory side serves one replica at a time (a lock per memory side: one device
+does one attention at a time), so a replica whose attention is queued waits, the fixed
+schedule's bubbles. torch ops release the GIL, so the replicas' slices do run at once.
 """
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from lamina.compute.compute_side import ComputeSide
 from lamina.compute.memory_link import MemoryLink, combine
 from lamina.compute.packing import WorkerPart
-from lamina.engine.messages import DroppedKeys, StepPlan, StepResult
+from lamina.engine.messages import DroppedKeys, SeqWork, StepPlan, StepResult
 from lamina.executor.base import Executor
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.tier_orders import TierMiss, sum_stats
@@ -21,47 +32,54 @@ from lamina.splitter.split import SplitModel
 from lamina.trace import Span, Tracer
 
 
-class _LocalLink(MemoryLink):
-    """Memory sides in this process: attention runs inside `submit` (no overlap)."""
+@dataclass(frozen=True)
+class _Shared:
+    """What the replicas' links share: per memory side, its lock and its lane."""
 
-    def __init__(self, memory: list[MemorySide], params):
-        self.memory, self.params = memory, params
+    locks: list[threading.Lock]
+    tracers: list[Tracer]
+
+
+class _LocalLink(MemoryLink):
+    """Memory sides in this process: attention runs inside `submit` (no overlap). One
+    link per compute replica; a memory side serves one at a time (`shared.locks`)."""
+
+    def __init__(self, memory: list[MemorySide], params, shared: _Shared):
+        self.memory, self.params, self.shared = memory, params, shared
         devices = {m.device for m in memory}
         # memory sides on one GPU take a GPU compute side's q/k/v as they are
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         self.ready: dict[tuple[int, int], list] = {}
         self.report = False  # this step's `report_dropped`
-        self.tracers = [Tracer(f"memory{w}") for w in range(len(memory))]
+        self.tracers = shared.tracers
 
     def begin(self, step, parts, released=(), tier_orders=(), overrides=None,
               report_dropped=False):
         # in-process: whole SlotBatches
-        self.report = report_dropped
-        for tr in self.tracers:
-            tr.step = step
+        self.report, self.step = report_dropped, step
         if tier_orders:
             apply_tiers(self.memory, tier_orders)
-        if released:
-            for mem in self.memory:
-                mem.release(released)
-        if overrides:
-            for mem in self.memory:
-                mem.override(overrides)
-        for mb in parts:
-            for mem, p in zip(self.memory, mb):
-                if p.active:
-                    mem.check(p.new_slots, p.batch, p.seq_ids)
+        for w, mem in enumerate(self.memory):
+            with self.shared.locks[w]:
+                if released:
+                    mem.release(released)
+                if overrides:
+                    mem.override(overrides)
+                for mb in parts:
+                    if mb[w].active:
+                        mem.check(mb[w].new_slots, mb[w].batch, mb[w].seq_ids)
 
     def submit(self, layer, mb, q, k, v, parts):
         self.ready[layer, mb] = [self._attend(w, layer, mb, q, k, v, p) if p.active else None
                                  for w, p in enumerate(parts)]
 
     def _attend(self, w: int, layer: int, mb: int, q, k, v, p: WorkerPart):
-        t = time.perf_counter()
         wq, wk, wv = p.take(q, k, v)
-        out = self.memory[w].attend(layer, self.params[layer], wq, wk, wv, p.new_slots,
-                                    p.batch, checked=True, seq_ids=p.seq_ids)
-        self.tracers[w].record("attend", layer, t, mb=mb)
+        with self.shared.locks[w]:
+            t = time.perf_counter()
+            out = self.memory[w].attend(layer, self.params[layer], wq, wk, wv, p.new_slots,
+                                        p.batch, checked=True, seq_ids=p.seq_ids)
+            self.tracers[w].record("attend", layer, t, step=self.step, mb=mb)
         return out
 
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
@@ -70,40 +88,82 @@ class _LocalLink(MemoryLink):
     def dropped(self) -> tuple[DroppedKeys, ...]:
         if not self.report:
             return ()
-        return tuple(DroppedKeys(sid, w, tuple(slots.tolist()))
-                     for w, mem in enumerate(self.memory)
-                     for sid, slots in sorted(mem.take_dropped().items()))
+        out = []
+        for w, mem in enumerate(self.memory):
+            with self.shared.locks[w]:
+                got = mem.take_dropped()
+            out += [DroppedKeys(sid, w, tuple(slots.tolist())) for sid, slots in sorted(
+                got.items())]
+        return tuple(out)
 
 
 class LocalExecutor(Executor):
     def __init__(self, split: SplitModel, memory: MemorySide | list[MemorySide],
                  vocab_size: int | None = None, faults=None, device: str = "cpu",
-                 graph_tokens: int = 0):
+                 graph_tokens: int = 0, num_compute_workers: int = 1):
         self.memory = memory if isinstance(memory, list) else [memory]
-        self.compute = ComputeSide(split, len(self.memory), device=device,
-                                   graph_tokens=graph_tokens)
-        self.compute.vocab_size, self.compute.faults = vocab_size, faults
         # each memory worker's slot count (the engine's allocators take it)
         self.pool_slots = min(m.pool.config.num_slots for m in self.memory)
-        self.compute.pool_slots = self.pool_slots
+        self.replicas = [ComputeSide(split, len(self.memory), device=device,
+                                     graph_tokens=graph_tokens)
+                         for _ in range(num_compute_workers)]
+        for r, c in enumerate(self.replicas):
+            c.vocab_size, c.faults, c.pool_slots = vocab_size, faults, self.pool_slots
+            c.tracer.lane = f"compute{r}"
+        self.compute = self.replicas[0]
         for m in self.memory:
             m.faults = faults
         self.params = self.compute.params
-        self.link = _LocalLink(self.memory, self.params)
+        shared = _Shared([threading.Lock() for _ in self.memory],
+                         [Tracer(f"memory{w}") for w in range(len(self.memory))])
+        self.links = [_LocalLink(self.memory, self.params, shared) for _ in self.replicas]
+        self.link = self.links[0]
+        self._home: dict[int, int] = {}  # sequence -> its replica (fixed)
+        self._pool = (ThreadPoolExecutor(num_compute_workers, "lamina-replica")
+                      if num_compute_workers > 1 else None)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return self.compute.run(plan, self.link)
+        if self._pool is None:
+            return self.compute.run(plan, self.link)
+        if plan.tier_orders:
+            raise ValueError("KV tiers with several compute replicas are not supported")
+        parts = self._split(plan)
+        futures = [self._pool.submit(c.run, p, link)  # released: every replica drops them
+                   for c, p, link in zip(self.replicas, parts, self.links)
+                   if p.seqs or p.released]
+        return _merged(plan, [f.result() for f in futures])
+
+    def _split(self, plan: StepPlan) -> list[StepPlan]:
+        """The plan's sequences by replica (each sequence stays on the first it got);
+        every replica drops the released ones."""
+        for sid in plan.released:
+            self._home.pop(sid, None)
+        load = [0] * len(self.replicas)
+        for home in self._home.values():
+            load[home] += 1
+        mine: list[list[SeqWork]] = [[] for _ in self.replicas]
+        for s in plan.seqs:
+            if s.seq_id not in self._home:
+                r = min(range(len(load)), key=lambda i: (load[i], i))
+                self._home[s.seq_id] = r
+                load[r] += 1
+            mine[self._home[s.seq_id]].append(s)
+        return [StepPlan(plan.step, tuple(m), released=plan.released,
+                         report_dropped=plan.report_dropped) for m in mine]
+
+    def _tracers(self) -> list[Tracer]:
+        return [*(c.tracer for c in self.replicas), *self.link.shared.tracers]
 
     def start_trace(self) -> None:
-        """Record every device's timeline from the next step on (`lamina.trace`): the
-        compute side's lane and each memory side's (attention runs inside the compute
+        """Record every device's timeline from the next step on (`lamina.trace`): each
+        compute replica's lane and each memory side's (attention runs inside the compute
         side's submit here: the memory lanes nest in its submits)."""
-        for tr in (self.compute.tracer, *self.link.tracers):
+        for tr in self._tracers():
             tr.start()
 
     def stop_trace(self) -> list[Span]:
         """The spans since `start_trace`, every lane; tracing off."""
-        return [s for tr in (self.compute.tracer, *self.link.tracers) for s in tr.stop()]
+        return [s for tr in self._tracers() for s in tr.stop()]
 
     def tier_bytes_per_token(self) -> int | None:
         """KV bytes a token takes in the tiers; None when the memory sides keep none."""
@@ -138,3 +198,24 @@ def apply_tiers(memory: list[MemorySide], orders) -> None:
         raise TierMiss([s for e in missed for s in e.seq_ids],
                        [x for e in missed for x in e.entries],
                        "; ".join(str(e) for e in missed))
+
+
+def _merged(plan: StepPlan, results: list[StepResult]) -> StepResult:
+    """The replicas' results as one, its sequences in plan order; timings: each key's
+    largest (the replicas ran at once)."""
+    by: dict[int, tuple] = {}
+    for r in results:
+        none = (None,) * len(r.seq_ids)
+        for sid, toks, lp, plp in zip(r.seq_ids, r.token_ids, r.logprobs or none,
+                                      r.prompt_logprobs or none):
+            by[sid] = (toks, lp, plp)
+    order = [s.seq_id for s in plan.seqs if s.sample and s.seq_id in by]
+    lps = tuple(by[s][1] for s in order) if any(r.logprobs for r in results) else None
+    plps = (tuple(by[s][2] for s in order) if any(r.prompt_logprobs for r in results)
+            else None)
+    timings: dict = {}
+    for r in results:
+        for k, v in (r.timings or {}).items():
+            timings[k] = max(timings.get(k, v), v)
+    return StepResult(plan.step, tuple(order), tuple(by[s][0] for s in order), timings,
+                      lps, plps, tuple(d for r in results for d in r.dropped))

@@ -1,0 +1,61 @@
+"""Compute replicas with the fixed schedule (`num_compute_workers`, pipeline "fixed",
+local executor): greedy tokens equal HF's on the 16 mixed-length prompts, each sequence
+stays on one replica, the replicas run at once while a memory side serves one at a
+time (from the trace), and bad configurations are refused by name."""
+import pytest
+
+from lamina import LLM, SamplingParams
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.engine.messages import StepPlan
+from lamina.executor.local import LocalExecutor
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.trace import lanes, overlapping
+from tests.conftest import HF_NEW
+
+
+def test_fixed_replicas_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy):
+    pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 8192))
+             for _ in range(2)]
+    ex = LocalExecutor(smol_split, [MemorySide(p) for p in pools], num_compute_workers=2)
+    eng = LLMEngine(EngineConfig(num_kv_slots=8192, num_memory_workers=2, pipeline="fixed",
+                                 num_compute_workers=2), ex, smol.tokenizer, smol.config)
+    greedy = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True)
+    ids = [eng.add_request(p, greedy) for p in prompts]
+    done, homes = {}, {}
+    eng.step()  # the prompts
+    ex.start_trace()
+    for _ in range(3):
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+        for sid, r in ex._home.items():
+            assert homes.setdefault(sid, r) == r  # a sequence stays on its replica
+    spans = ex.stop_trace()
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert [done[i].token_ids for i in ids] == hf_greedy
+    assert sorted(homes.values()) == [0] * 8 + [1] * 8  # balanced at admission
+    assert lanes(spans) == ["compute0", "compute1", "memory0", "memory1"]
+    assert overlapping(spans) == []  # a memory side serves one replica at a time
+    slices = {r: [(s.t0, s.t1) for s in spans if s.lane == f"compute{r}" and s.kind == "slice"]
+              for r in (0, 1)}
+    # the replicas ran at once: some slice of one overlaps some slice of the other
+    assert any(a0 < b1 and b0 < a1 for a0, a1 in slices[0] for b0, b1 in slices[1])
+    ex.execute(StepPlan(10 ** 6, (), released=tuple(eng.scheduler._released)))
+    # the next plan releases every finished sequence from its replica
+    assert not ex._home and all(len(c.tables) == 0 for c in ex.replicas)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(num_compute_workers=2), "pipeline 'fixed' runs num_compute_workers >= 2"),
+    (dict(pipeline="fixed"), "pipeline 'fixed' runs num_compute_workers >= 2"),
+    (dict(num_compute_workers=0, pipeline="fixed"), "num_compute_workers must be an int >= 1"),
+])
+def test_bad_replica_configs_refused_by_name(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        EngineConfig(**kw)
+
+
+def test_replicas_on_ray_refused_by_name():
+    with pytest.raises(ValueError, match="runs on the local executor only"):
+        LLM(executor="ray", num_compute_workers=2, pipeline="fixed")
