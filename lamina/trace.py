@@ -72,12 +72,15 @@ class Tracer:
                                time.perf_counter() if t1 is None else t1))
 
 
+def lane_order(lane: str) -> tuple:
+    """A lane's place in drawing order: compute replicas, then memory workers, by index."""
+    name = lane.rstrip("0123456789")
+    return (name != "compute", name, int(lane[len(name):] or 0))
+
+
 def lanes(spans: list[Span]) -> list[str]:
-    """The lanes in drawing order: compute replicas, then memory workers, by index."""
-    def key(lane: str):
-        name = lane.rstrip("0123456789")
-        return (name != "compute", name, int(lane[len(name):] or 0))
-    return sorted({s.lane for s in spans}, key=key)
+    """The lanes of `spans` in drawing order (`lane_order`)."""
+    return sorted({s.lane for s in spans}, key=lane_order)
 
 
 def busy_fractions(spans: list[Span]) -> dict[str, float]:

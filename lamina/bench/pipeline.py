@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from lamina.bench.common import _write, cpu_name
-from lamina.trace import Span, busy_fractions, lanes
+from lamina.trace import Span, busy_fractions, lane_order, lanes
 
 COLORS = {"slice": "tab:blue", "submit": "tab:orange", "wait": "0.85",
           "sample": "tab:purple", "attend": "tab:green"}
@@ -170,8 +170,7 @@ def _cases(llms, batches, contexts, modes, steps, predict, model, workers, execu
 
 
 def _report(rows, shown, costs, modes, model, executor, workers, plot, out_dir) -> dict:
-    names = sorted({k for r in rows for k in r["busy"]}, key=lambda x: lanes(
-        [Span(x, "slice", 0, 0, 0, 0, 0)]))
+    names = sorted({k for r in rows for k in r["busy"]}, key=lane_order)
     pred = ["simulator tok/s"] if costs is not None else []
     table = [["B", "context", "pipeline", "tok/s", "x none", *pred,
               *[f"busy {n}" for n in names]]]

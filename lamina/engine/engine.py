@@ -83,12 +83,13 @@ class LLMEngine:
                        for _ in range(config.num_memory_workers)]
         self.alloc = self.allocs[0]
         self.sessions = self._session_index(config, executor)
+        layers = self._freeing_layers()  # None: no slot is ever given back
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens,
                                                    config.split_kv), self.allocs,
                                    prefix_caching=config.prefix_caching,
-                                   sessions=self.sessions, evict=self._evict_rule(),
+                                   sessions=self.sessions, evict=self._evict_rule(layers),
                                    scores_prompt=self._scores_prompt,
-                                   drops=self._drop_rule())
+                                   drops=self._drop_rule(layers))
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()
@@ -114,18 +115,25 @@ class LLMEngine:
         cfg = self._kv_policy(seq)
         return cfg.enabled and cfg.policy in SCORED
 
-    def _evict_rule(self):
-        """The scheduler's eviction rule: a decoding sequence whose KV policy (its own or
-        the deployment's) is streaming gives back the positions no layer will select
-        again (`evictable`). None where nothing may be evicted: `kv_evict` off, a layer
-        with a sliding window (it attends its window, not the policy's selection), or an
-        executor that does not say its layers."""
+    def _freeing_layers(self) -> list | None:
+        """The executor's layers when slots may be given back at all; None: `kv_evict`
+        off, a layer with a sliding window (it attends its window, not the policy's
+        selection), or an executor that does not say its layers."""
         layers = getattr(self.executor, "params", None)
         if not self.config.kv_evict or not layers:
             return None
         if any((p.sliding_window or -1) > 0 for p in layers):
             log.info("kv_evict: layers with a sliding window attend their window; no "
                      "slots are given back")
+            return None
+        return layers
+
+    def _evict_rule(self, layers: list | None):
+        """The scheduler's eviction rule: a decoding sequence whose KV policy (its own or
+        the deployment's) is streaming gives back the positions no layer will select
+        again (`evictable`). None where nothing may be evicted (`layers` None:
+        `_freeing_layers`)."""
+        if layers is None:
             return None
         shares: dict = {}
 
@@ -139,14 +147,12 @@ class LLMEngine:
 
         return rule
 
-    def _drop_rule(self):
+    def _drop_rule(self, layers: list | None):
         """The scheduler's rule for reported drops: whether a sequence's KV policy (its
         own or the deployment's) is one that drops keys for good on its memory worker
         (h2o, snapkv), whose slots then go back. None where nothing may be given back
-        (as `_evict_rule`)."""
-        layers = getattr(self.executor, "params", None)
-        if (not self.config.kv_evict or not layers
-                or any((p.sliding_window or -1) > 0 for p in layers)):
+        (`layers` None: `_freeing_layers`)."""
+        if layers is None:
             return None
 
         def rule(seq: Sequence) -> bool:

@@ -446,9 +446,9 @@ class Scheduler:
         table = np.asarray(self.allocs[seq.worker].slots(seq.seq_id))
         pos = np.flatnonzero(np.isin(table, seq.pending_drop)).tolist()
         seq.pending_drop = []
-        if pos:
+        if pos:  # ascending
             self.allocs[seq.worker].drop_positions(seq.seq_id, pos)
-            seq.new_drops = tuple(sorted(set(seq.new_drops) | set(pos)))
+            seq.new_drops = tuple(pos)
             seq.first_dropped = pos[0] if seq.first_dropped < 0 else min(seq.first_dropped,
                                                                          pos[0])
 

@@ -51,7 +51,6 @@ class _LocalLink(MemoryLink):
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         self.ready: dict[tuple[int, int], list] = {}
         self.report = False  # this step's `report_dropped`
-        self.tracers = shared.tracers
 
     def begin(self, step, parts, released=(), tier_orders=(), overrides=None,
               report_dropped=False):
@@ -79,7 +78,7 @@ class _LocalLink(MemoryLink):
             t = time.perf_counter()
             out = self.memory[w].attend(layer, self.params[layer], wq, wk, wv, p.new_slots,
                                         p.batch, checked=True, seq_ids=p.seq_ids)
-            self.tracers[w].record("attend", layer, t, step=self.step, mb=mb)
+            self.shared.tracers[w].record("attend", layer, t, step=self.step, mb=mb)
         return out
 
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
