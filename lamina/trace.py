@@ -2,7 +2,9 @@
 memory worker did, and when.
 
 Data in: spans recorded where the work runs. The compute side (`ComputeSide.run`)
-records, per step, layer and micro-batch, its slices (`slice`), its q/k/v handed to the
+records, per step, layer and micro-batch, its slices (`slice`), a micro-batch's context
+arriving from the replica that ran its previous slice (`migrate`, rotational
+pipelining; `peer` names that replica, `nbytes` what moved), its q/k/v handed to the
 memory workers (`submit`), its waits for their outputs (`wait`; where one C++ call does
 both, its sending and its waiting as the two) and sampling (`sample`), and the
 attention of prompts it attends itself (`attend`); whoever runs a memory worker's
@@ -23,7 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-KINDS = ("slice", "submit", "wait", "sample", "attend")
+KINDS = ("slice", "migrate", "submit", "wait", "sample", "attend")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class Span:
     mb: int  # micro-batch
     t0: float  # perf_counter seconds (CLOCK_MONOTONIC)
     t1: float
+    peer: str = ""  # a transfer's other end (`migrate`: the lane it came from)
+    nbytes: int = 0  # a transfer's bytes
 
     @property
     def seconds(self) -> float:
@@ -61,7 +65,8 @@ class Tracer:
         return spans
 
     def record(self, kind: str, layer: int, t0: float, t1: float | None = None,
-               step: int | None = None, mb: int | None = None) -> None:
+               step: int | None = None, mb: int | None = None, peer: str = "",
+               nbytes: int = 0) -> None:
         if not self.enabled:
             return
         if len(self.spans) >= self.limit:
@@ -69,7 +74,7 @@ class Tracer:
             return
         self.spans.append(Span(self.lane, kind, self.step if step is None else step, layer,
                                self.mb if mb is None else mb, t0,
-                               time.perf_counter() if t1 is None else t1))
+                               time.perf_counter() if t1 is None else t1, peer, nbytes))
 
 
 def lane_order(lane: str) -> tuple:

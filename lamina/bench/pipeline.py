@@ -13,10 +13,12 @@ one bar per task) of one traced decode step of each mode, drawn from the recorde
 spans, not from a model.
 
 Per case: B prompts of `context` distinct random tokens are prefilled, a warm-up
-decode step runs, then `steps` decode steps are timed with every lane tracing. "none"
-and "rotational" switch on one engine between cases (the same workers, weights and
-pools); "fixed" (2 compute replicas, each with half the batch; local executor only)
-runs on a second engine.
+decode step runs, then `steps` decode steps are timed with every lane tracing. Modes
+(`MODES`): "none", "rotational" (n = 2 on one compute replica), "rotational3" (n = 3
+over 2 replicas) and "fixed" (2 replicas, each with half the batch); the replica modes
+run on the local executor only. "none" and "rotational" switch on one engine between
+cases (the same workers, weights and pools); each replica mode runs on an engine of
+its own, built after the one before is shut down (one set of pools at a time).
 """
 from __future__ import annotations
 
@@ -30,8 +32,11 @@ import torch
 from lamina.bench.common import _write, cpu_name
 from lamina.trace import Span, busy_fractions, lane_order, lanes
 
-COLORS = {"slice": "tab:blue", "submit": "tab:orange", "wait": "0.85",
+COLORS = {"slice": "tab:blue", "migrate": "tab:red", "submit": "tab:orange", "wait": "0.85",
           "sample": "tab:purple", "attend": "tab:green"}
+# bench mode -> (EngineConfig.pipeline, compute replicas)
+MODES = {"none": ("none", 1), "rotational": ("rotational", 1),
+         "rotational3": ("rotational", 2), "fixed": ("fixed", 2)}
 
 
 def decode_case(llm, batch: int, context: int, mode: str, steps: int = 4,
@@ -41,7 +46,10 @@ def decode_case(llm, batch: int, context: int, mode: str, steps: int = 4,
     from lamina import SamplingParams
 
     eng = llm.engine
-    eng.config = replace(eng.config, pipeline=mode)
+    pipeline, replicas = MODES[mode]
+    if eng.config.pipeline != pipeline:  # one replica: the engine switches
+        assert replicas == 1 == eng.config.num_compute_workers
+        eng.config = replace(eng.config, pipeline=pipeline)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True)
     ids = [eng.add_request([rng.randrange(1000, 20000) for _ in range(context)], params)
@@ -68,7 +76,9 @@ def predicted_tok_s(costs, batch: int, context: int, mode: str, workers: int) ->
     from lamina.costmodel.simulator import SimConfig, step_time
 
     keys = [[context] * (batch // workers + (w < batch % workers)) for w in range(workers)]
-    cfg = SimConfig(memory_per_replica=workers, pipeline=mode, max_batch=batch)
+    pipeline, replicas = MODES[mode]
+    cfg = SimConfig(memory_per_replica=workers, pipeline=pipeline, batches=replicas + 1,
+                    max_batch=batch)
     return batch / step_time(costs, cfg, [], keys, [], batch)[0]
 
 
@@ -113,52 +123,61 @@ def plot_trace(groups: dict[str, list[Span]], path: str | Path) -> Path:
 
 
 def bench_pipeline(model: str | None = None, batches=(8, 32, 64), contexts=(512, 2048),
-                   modes=("none", "rotational", "fixed"), executor: str = "local",
+                   modes=tuple(MODES), executor: str = "local",
                    num_memory_workers: int = 1, steps: int = 4,
                    plot: str | Path | None = None, predict: bool = False,
                    out_dir: str | Path = "benchmarks/results") -> dict:
-    """Each (context, batch, mode) case as `decode_case`. "fixed" runs on an engine of
-    its own with 2 compute replicas (local executor only); the other modes share one."""
+    """Each (context, batch, mode) case as `decode_case`, engine by engine (`MODES`:
+    the one-replica modes share one; each replica mode has its own)."""
     from lamina import LLM
 
-    if executor != "local":
-        modes = tuple(m for m in modes if m != "fixed")  # replicas: local executor only
+    if executor != "local":  # replicas: local executor only
+        modes = tuple(m for m in modes if MODES[m][1] == 1)
     slots = max(batches) * (max(contexts) + steps + 8)
     kw = dict(executor=executor, num_memory_workers=num_memory_workers,
               num_kv_slots=slots // num_memory_workers + 64, prefix_caching=False,
               max_batch=max(batches), max_step_tokens=4096)
-    llms = {}
-    try:
-        for mode in modes:
-            fixed = mode == "fixed"
-            if fixed not in llms:
-                llms[fixed] = LLM(model, **kw, **(dict(num_compute_workers=2,
-                                                       pipeline="fixed") if fixed else {}))
-        rows, shown, costs = _cases(llms, batches, contexts, modes, steps, predict, model,
-                                    num_memory_workers, executor)
-    finally:
-        for llm in llms.values():
+    engines: dict[tuple, list[str]] = {}  # (pipeline, replicas) of the engine -> modes
+    for m in modes:
+        pipeline, replicas = MODES[m]
+        engines.setdefault(("none", 1) if replicas == 1 else MODES[m], []).append(m)
+    rows, shown, costs = [], {}, None
+    for (pipeline, replicas), mine in engines.items():
+        llm = LLM(model, **kw, **(dict(num_compute_workers=replicas, pipeline=pipeline)
+                                  if replicas > 1 else {}))
+        try:
+            if predict and costs is None and replicas == 1:
+                costs = _costs(llm, model, executor)
+            _cases(llm, batches, contexts, mine, steps, costs, num_memory_workers, executor,
+                   rows, shown)
+        finally:
             llm.shutdown()
+    rows.sort(key=lambda r: (r["context"], r["batch"], modes.index(r["mode"])))
     return _report(rows, shown, costs, modes, model, executor, num_memory_workers, plot,
                    out_dir)
 
 
-def _cases(llms, batches, contexts, modes, steps, predict, model, workers, executor):
+def _costs(llm, model, executor):
+    """Per-op costs at 1 thread, as each Ray worker runs (`measure_ops`); the probe
+    writes into the pools' first slots, so it runs before any case."""
     from lamina.bench.sim import measure_ops
     from lamina.costmodel.simulator import MeasuredCosts
 
-    rows, shown, costs = [], {}, None
-    if predict and False in llms:  # the probe writes into the pools' first slots: first
-        threads = torch.get_num_threads()
-        # per-op costs at 1 thread, as each Ray worker runs (`measure_ops`)
-        costs = MeasuredCosts(measure_ops(model, executor=llms[False].executor))
-        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
+    costs = MeasuredCosts(measure_ops(model, executor=llm.executor))
+    torch.set_num_threads(threads)
+    return costs
+
+
+def _cases(llm, batches, contexts, modes, steps, costs, workers, executor, rows, shown):
+    """Every (context, batch) case of `modes` on one engine, into `rows` (and the
+    largest case's last step into `shown`)."""
     for ctx in contexts:
         for b in batches:
             for mode in modes:
-                r = decode_case(llms[mode == "fixed"], b, ctx, mode, steps)
+                r = decode_case(llm, b, ctx, mode, steps)
                 spans = r.pop("spans")
-                if costs is not None and mode != "fixed":  # the simulator has no replicas
+                if costs is not None and mode != "fixed":  # the simulator: no fixed
                     r["predicted_tok_s"] = predicted_tok_s(costs, b, ctx, mode, workers)
                 if b == max(batches) and ctx == max(contexts):
                     shown[f"{mode}: B={b}, context {ctx}, one decode step "
@@ -166,7 +185,6 @@ def _cases(llms, batches, contexts, modes, steps, predict, model, workers, execu
                 rows.append(r)
                 print(f"B={b} ctx={ctx} {mode}: {r['tok_s']:.1f} tok/s, busy "
                       + ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items()), flush=True)
-    return rows, shown, costs
 
 
 def _report(rows, shown, costs, modes, model, executor, workers, plot, out_dir) -> dict:

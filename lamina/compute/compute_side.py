@@ -22,9 +22,11 @@ steps of up to `graph_tokens` tokens replay each slice as a CUDA graph
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -75,6 +77,23 @@ class ComputeSide:
         self.pool_slots: int | None = None  # each memory worker's pool
         self.faults = None  # a lamina.faults.FaultPlan (tests) or None
         self.tracer = Tracer("compute0")  # this replica's timeline (`lamina.trace`), off
+        # rotational pipelining over several replicas (`use_replicas`): each replica's
+        # lane, and the threads that run them
+        self.lanes: list[Tracer] = [self.tracer]
+        self._threads: ThreadPoolExecutor | None = None
+
+    def use_replicas(self, lanes: list[Tracer]) -> None:
+        """Rotational staggered pipelining (paper 5.1) over len(lanes) model replicas:
+        threads of this process over the same slices (weights are read-only; torch ops
+        release the GIL, so the replicas' slices run at once), each recording on its own
+        lane. Slice k of micro-batch j runs on replica (j + k) mod R; the micro-batch's
+        context moves to it from the replica that ran slice k - 1 (`_migrate`)."""
+        if self.graphs is not None and len(lanes) > 1:
+            raise ValueError("CUDA graphs replay on one replica: run several replicas with "
+                             "cuda_graphs=False")
+        self.lanes, self.tracer = list(lanes), lanes[0]
+        self._threads = (ThreadPoolExecutor(len(lanes), "lamina-replica")
+                         if len(lanes) > 1 else None)
 
     def check(self, plan: StepPlan) -> None:
         """Each sequence's new tokens and new slots, before any worker sees the step:
@@ -116,7 +135,8 @@ class ComputeSide:
     def run(self, plan: StepPlan, link: MemoryLink) -> StepResult:
         """One step: check, pack, the slices layer by layer with attention on the memory
         side in between, then sampling."""
-        self.tracer.step = plan.step
+        for lane in self.lanes:
+            lane.step = plan.step
         self.tables.apply(plan)
         self.check(plan)
         groups, mbs = self._pack(plan)
@@ -135,11 +155,15 @@ class ComputeSide:
         host = cuda and link.device.type == "cpu"
         # Slice i of micro-batch j: wait for its layer i-1 attention, run the slice,
         # submit. The memory side attends micro-batch j while this thread runs j+1's
-        # slice (and this step's own prompts' attention).
-        shared = _Layer(link, scratch, at_once, timers, host, cuda and (host or self.sync_timers))
-        for i in range(len(self.params) + 1):
-            for j, mb in enumerate(mbs):
-                self._slice(i, j, mb, shared)
+        # slice (and this step's own prompts' attention). Several replicas: `_rotate`.
+        shared = _Layer(link, scratch, at_once, timers, self.tracer, host,
+                        cuda and (host or self.sync_timers))
+        if self._threads is None:
+            for i in range(len(self.params) + 1):
+                for j, mb in enumerate(mbs):
+                    self._slice(i, j, mb, shared)
+        else:
+            timers = self._rotate(mbs, shared)
         dropped = link.dropped() if plan.report_dropped else ()
         t = time.perf_counter()
         works = [s for g in groups for s in g if s.sample]
@@ -148,6 +172,54 @@ class ComputeSide:
         self.tracer.record("sample", -1, t, t + timers.sample_s, mb=0)
         return replace(_in_plan_order(plan, works, tokens, lps, plps,
                                       timers.report(len(mbs))), dropped=dropped)
+
+    def _rotate(self, mbs: list[_MicroBatch], step: _Layer) -> StepTimers:
+        """Every slice of every micro-batch on its replica's thread (slice k of j on
+        replica (j + k) mod R), each replica taking its slices in the paper's order
+        (k, then j); a slice waits for its micro-batch's previous one. -> the step's
+        timers (each the largest replica's: they ran at once). A failure on one replica
+        stops the others and is raised here."""
+        assert self._threads is not None
+        r_n, order = len(self.lanes), _Order(len(mbs))
+        tasks: list[list[tuple[int, int]]] = [[] for _ in range(r_n)]
+        for i in range(len(self.params) + 1):
+            for j in range(len(mbs)):
+                tasks[(i + j) % r_n].append((i, j))
+        steps = [replace(step, timers=StepTimers(), tracer=lane) for lane in self.lanes]
+        futures = [self._threads.submit(self._replica, r, tasks[r], mbs, steps[r], order)
+                   for r in range(r_n)]
+        for f in futures:
+            f.result()
+        if order.error is not None:
+            raise order.error
+        return StepTimers.largest([s.timers for s in steps])
+
+    @torch.no_grad()  # grad mode is per thread: `run`'s does not reach here
+    def _replica(self, r: int, tasks: list[tuple[int, int]], mbs: list[_MicroBatch],
+                 step: _Layer, order: _Order) -> None:
+        """Replica r's slices of a step, in order (`_rotate`)."""
+        try:
+            for i, j in tasks:
+                if not order.wait(i, j):
+                    return  # another replica failed
+                self._migrate(r, i, j, mbs[j], step)
+                self._slice(i, j, mbs[j], step)
+                order.done(j)
+        except BaseException as e:  # noqa: BLE001 - raised by `_rotate`, on the step's thread
+            order.fail(e)
+
+    def _migrate(self, r: int, i: int, j: int, mb: _MicroBatch, step: _Layer) -> None:
+        """Micro-batch j's context (the splitter's per-cut tensors after slice i - 1)
+        to replica r, where slice i runs. The replicas here are threads sharing one
+        device, so it moves by reference: the span records what a replica on a device of
+        its own would receive (its bytes), from whom (`peer`)."""
+        src = (i - 1 + j) % len(self.lanes)
+        if i == 0 or src == r or not mb.out:
+            return
+        t = time.perf_counter()
+        ctx = mb.out[3:]
+        step.tracer.record("migrate", i, t, mb=j, peer=self.lanes[src].lane,
+                           nbytes=sum(c.nbytes for c in ctx if isinstance(c, torch.Tensor)))
 
     def _pack(self, plan: StepPlan) -> tuple[list[tuple], list[_MicroBatch]]:
         """The plan cut into micro-batches, each packed (rows grouped by worker)."""
@@ -193,7 +265,7 @@ class ComputeSide:
             torch.cuda.current_stream(self.device).synchronize()
         t1 = time.perf_counter()
         step.timers.dense_s += t1 - t
-        self.tracer.record("slice", i, t, t1, mb=j)
+        step.tracer.record("slice", i, t, t1, mb=j)
         if i < n_layers:
             self._submit(i, j, mb, step)
 
@@ -219,7 +291,7 @@ class ComputeSide:
                               mb.packed.merge)
         t1 = time.perf_counter()
         step.timers.wait_s += t1 - t
-        self.tracer.record("wait", layer, t, t1, mb=j)
+        step.tracer.record("wait", layer, t, t1, mb=j)
         o = self._to_device(o, j, step)
         if mb.packed.local is not None and mb.own is not None:  # prompts attended here
             o.index_copy_(0, mb.packed.local.rows.to(o.device), mb.own.to(o.dtype))
@@ -259,20 +331,20 @@ class ComputeSide:
                 timers.submit_s += sent
                 timers.wait_s += t1 - t - sent
                 # one call both ways: its sending, then its wait, as two spans
-                self.tracer.record("submit", layer, t, t + sent, mb=j)
-                self.tracer.record("wait", layer, t + sent, t1, mb=j)
+                step.tracer.record("submit", layer, t, t + sent, mb=j)
+                step.tracer.record("wait", layer, t + sent, t1, mb=j)
                 return
         step.link.submit(layer, j, *qkv, p.parts)
         t1 = time.perf_counter()
         timers.submit_s += t1 - t
-        self.tracer.record("submit", layer, t, t1, mb=j)
+        step.tracer.record("submit", layer, t, t1, mb=j)
         if p.local is not None and step.scratch is not None:  # while the workers attend
             t = time.perf_counter()
             mb.own = step.scratch.attend(layer, self.params[layer], *p.local.take(*dev_qkv),
                                          p.local.new_slots, p.local.batch)[0]
             t1 = time.perf_counter()
             timers.local_s += t1 - t
-            self.tracer.record("attend", layer, t, t1, mb=j)
+            step.tracer.record("attend", layer, t, t1, mb=j)
 
     def _sample(self, works: list[SeqWork], mbs: list[_MicroBatch]):
         """-> (tokens, logprobs or None, prompt logprobs or None), one per sequence of
@@ -386,6 +458,15 @@ class StepTimers:
     sample_s: float = 0.0
     exchanges: int = 0  # layers sent and collected in one `exchange` call
 
+    @staticmethod
+    def largest(timers: list[StepTimers]) -> StepTimers:
+        """Replicas that ran at once as one: each time the largest; exchanges summed."""
+        out = StepTimers()
+        for f in fields(StepTimers):
+            vals = [getattr(t, f.name) for t in timers]
+            setattr(out, f.name, sum(vals) if f.name == "exchanges" else max(vals))
+        return out
+
     def report(self, micro_batches: int) -> dict:
         return {"dense_s": self.dense_s, "submit_s": self.submit_s, "wait_s": self.wait_s,
                 "attention_s": self.submit_s + self.wait_s + self.local_s,
@@ -420,8 +501,36 @@ class _Layer:
     scratch: MemorySide | None  # the local prompts' pool (None: none this step)
     at_once: bool  # `exchange` may submit and collect in one call
     timers: StepTimers
+    tracer: Tracer  # the lane of the replica running the slice
     host: bool = False  # q/k/v and o cross between the GPU and host memory (staging)
     sync: bool = False  # wait for the GPU after each slice
+
+
+class _Order:
+    """A rotational step's progress: how many slices each micro-batch finished, and the
+    first failure (which stops every replica)."""
+
+    def __init__(self, micro_batches: int):
+        self.finished = [0] * micro_batches
+        self.error: BaseException | None = None
+        self._cv = threading.Condition()
+
+    def wait(self, i: int, j: int) -> bool:
+        """Until micro-batch j has finished slice i - 1: True; False if a replica failed."""
+        with self._cv:
+            self._cv.wait_for(lambda: self.finished[j] >= i or self.error is not None)
+            return self.error is None
+
+    def done(self, j: int) -> None:
+        with self._cv:
+            self.finished[j] += 1
+            self._cv.notify_all()
+
+    def fail(self, e: BaseException) -> None:
+        with self._cv:
+            if self.error is None:
+                self.error = e
+            self._cv.notify_all()
 
 
 def _in_plan_order(plan: StepPlan, works: list[SeqWork], tokens: list, lps, plps,

@@ -11,8 +11,9 @@ first, then waiting ones are admitted FIFO while the batch, the step's token bud
 the KV capacity allow (a request reserves prompt + output slots on admission, so the
 simulator never preempts). A step's time comes from the per-op costs: per layer the
 dense part, the network round trip and the attention on each memory device (the slowest
-one counts), in series ("none") or as a two-sub-batch staggered pipeline ("rotational",
-paper 5.1); then the head (final norm + lm_head) and the host's per-step overhead.
+one counts), in series ("none") or as rotational staggered pipelining ("rotational",
+paper 5.1: `batches` = n sub-batches over n - 1 model replicas of the group); then the
+head (final norm + lm_head) and the host's per-step overhead.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class SimConfig:
     replicas: int = 1  # compute groups, each holding the weights
     memory_per_replica: int = 2  # memory devices serving each replica's requests
     pipeline: str = "none"  # "none" | "rotational"
+    batches: int = 2  # rotational: n sub-batches over n - 1 model replicas per group
     max_batch: int = 256
     max_step_tokens: int = 4096
     kv_tokens_per_device: int = 1 << 30
@@ -42,6 +44,8 @@ class SimConfig:
         if self.pipeline not in ("none", "rotational"):
             raise ValueError(f"SimConfig.pipeline must be 'none' or 'rotational', "
                              f"got {self.pipeline!r}")
+        if not isinstance(self.batches, int) or self.batches < 2:
+            raise ValueError(f"SimConfig.batches must be an int >= 2, got {self.batches!r}")
         for f in ("replicas", "memory_per_replica", "max_batch", "max_step_tokens",
                   "kv_tokens_per_device"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
@@ -220,8 +224,8 @@ def step_time(costs, cfg: SimConfig, prefill: list[int], decode_keys: list[list[
     prefill[i] tokens of a new request placed on prefill_dev[i]."""
     w_n = cfg.memory_per_replica
     groups = [(decode_keys, prefill, prefill_dev)]
-    if cfg.pipeline == "rotational":  # two sub-batches, split by request order
-        groups = _halves(decode_keys, prefill, prefill_dev)
+    if cfg.pipeline == "rotational":  # n sub-batches, split by request order
+        groups = _parts(decode_keys, prefill, prefill_dev, cfg.batches)
     per = []  # per group: dense, compute-side exchange, remote side, attention per device
     for dk, pf, pd in groups:
         tokens = sum(len(k) for k in dk) + sum(pf)
@@ -243,24 +247,26 @@ def step_time(costs, cfg: SimConfig, prefill: list[int], decode_keys: list[list[
     if len(per) == 1:
         d, h, r, _, _ = per[0]
         period = d + h + r
-    else:  # two-stage cyclic schedule: the busier side, or one group's chain
-        period = max(sum(p[0] + p[1] for p in per), sum(p[2] for p in per),
-                     *(p[0] + p[1] + p[2] for p in per))
+    else:  # cyclic schedule: the busier side (the compute spread over n - 1
+        # replicas, the memory side serial), or one group's chain
+        period = max(sum(p[0] + p[1] for p in per) / (cfg.batches - 1),
+                     sum(p[2] for p in per), *(p[0] + p[1] + p[2] for p in per))
     dense = L * sum(p[0] for p in per) + head
     attn_dev = [L * sum(p[3][w] for p in per) for w in range(w_n)]
     return L * period + head + over, dense, attn_dev
 
 
-def _halves(decode_keys, prefill, prefill_dev):
+def _parts(decode_keys, prefill, prefill_dev, n: int):
+    """The step's requests as n sub-batches."""
     flat = [(w, k) for w, ks in enumerate(decode_keys) for k in ks]
-    flat.sort(key=lambda x: x[1])  # interleave sizes so the halves balance
+    flat.sort(key=lambda x: x[1])  # interleave sizes so the parts balance
     w_n = len(decode_keys)
     out = []
-    for h in range(2):
+    for h in range(n):
         dk = [[] for _ in range(w_n)]
-        for w, k in flat[h::2]:
+        for w, k in flat[h::n]:
             dk[w].append(k)
-        out.append((dk, prefill[h::2], prefill_dev[h::2]))
+        out.append((dk, prefill[h::n], prefill_dev[h::n]))
     return out
 
 

@@ -14,10 +14,14 @@ from lamina.faults import FaultPlan
 from lamina.memory.sparsity_config import SparsityConfig
 from lamina.memory.tier_orders import TierConfig
 
-# "rotational" is the paper's staggered pipelining (5.1) with n = 2 batches on one
-# compute replica: there rotational and fixed coincide and no context migrates.
+# "rotational" is the paper's rotational staggered pipelining (5.1): n = `num_batches`
+# batches (micro-batches of a step) over n - 1 = `num_compute_workers` model replicas;
+# the k-th slice of batch j runs on replica (j + k) mod (n - 1), so a batch's context
+# (the splitter's per-cut tensors) moves between replicas while its attention runs. With
+# n = 2 (one replica) no context moves and rotational and fixed coincide.
 # "fixed" (5.1): `num_compute_workers` replicas, each with its own batch (a sequence
-# stays on its replica), sharing the memory workers (the local executor only, so far).
+# stays on its replica), sharing the memory workers.
+# Several replicas run on the local executor only, so far (threads of one process).
 PIPELINES = ("none", "rotational", "fixed")
 # The compute side's linears (`lamina.splitter.dense.DENSE_BACKENDS`, which the engine
 # does not import: it never loads the model code; a test keeps the two equal).
@@ -34,7 +38,10 @@ class EngineConfig:
     # are then as many tokens' KV as fit, so kv_dtype='int8' holds ~3.8x fp32's tokens
     kv_pool_bytes: int | None = None
     num_memory_workers: int = 1
-    num_compute_workers: int = 1  # model replicas (> 1: pipeline "fixed")
+    num_compute_workers: int = 1  # model replicas (> 1: pipeline "fixed" or "rotational")
+    # a step's batches under pipelining (n): None derives it (rotational: replicas + 1,
+    # fixed: one per replica, none: 1); given, it must agree with the replicas
+    num_batches: int | None = None
     # the pools' dtype; "int8": each token's keys and values as int8 codes with a scale
     # per token and kv head, keys divided by calibrated channel scales first
     # (kernels/quant.py), ~0.27x fp32's bytes
@@ -49,7 +56,7 @@ class EngineConfig:
     max_batch: int = 64
     max_step_tokens: int = 4096
     seed: int = 0  # seeds requests that bring no seed of their own
-    pipeline: str = "none"  # "rotational": staggered pipelining over 2 micro-batches
+    pipeline: str = "none"  # "none" | "rotational" | "fixed" (see PIPELINES above)
     split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
     max_recoveries: int = 3  # failed steps in a row the executor may recover from (0: none)
     worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
@@ -115,6 +122,35 @@ class EngineConfig:
         device with `cuda_graphs`, steps of up to `max_batch` tokens."""
         cuda = self.compute_device.startswith("cuda")
         return self.max_batch if self.cuda_graphs and cuda else 0
+
+    @property
+    def batches(self) -> int:
+        """A step's batches under the pipeline (n): `num_batches`, or derived from the
+        replicas (kept None so `dataclasses.replace` of the pipeline re-derives it)."""
+        n = self.num_compute_workers
+        return {"none": 1, "fixed": n, "rotational": n + 1}[self.pipeline]
+
+    def _check_pipeline(self) -> None:
+        """The replicas and the batches given agree with the pipeline."""
+        n, mode, b = self.num_compute_workers, self.pipeline, self.num_batches
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"EngineConfig.num_compute_workers must be an int >= 1, got {n!r}")
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"EngineConfig.num_batches must be an int >= 1 or None, got {b!r}")
+        want = self.batches
+        if mode == "none" and n > 1:
+            raise ValueError(f"EngineConfig: {n} compute workers need a pipeline: 'fixed' "
+                             f"(each replica its own batch) or 'rotational' (n batches over "
+                             f"n - 1 replicas)")
+        if mode == "fixed" and n < 2:
+            raise ValueError("EngineConfig: pipeline 'fixed' runs num_compute_workers >= 2 "
+                             "replicas, each with its own batch (got 1)")
+        if b is not None and b != want:
+            rule = {"none": "no pipeline runs 1 batch",
+                    "fixed": "fixed runs one batch per replica",
+                    "rotational": "rotational runs n batches over n - 1 replicas"}[mode]
+            raise ValueError(f"EngineConfig: {rule}: num_batches={b} does not fit "
+                             f"num_compute_workers={n} (it needs num_batches={want})")
 
     def __post_init__(self):
         if not isinstance(self.num_kv_slots, int) or self.num_kv_slots <= 0:
@@ -194,10 +230,4 @@ class EngineConfig:
         if self.pipeline not in PIPELINES:
             raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
                              f"got {self.pipeline!r}")
-        n = self.num_compute_workers
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"EngineConfig.num_compute_workers must be an int >= 1, got {n!r}")
-        if (n > 1) != (self.pipeline == "fixed"):
-            raise ValueError(f"EngineConfig: pipeline 'fixed' runs num_compute_workers >= 2 "
-                             f"replicas, each with its own batch, and only it does (got "
-                             f"pipeline {self.pipeline!r} with {n} compute workers)")
+        self._check_pipeline()

@@ -327,7 +327,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if self.config.pipeline == "rotational" and len(plan.seqs) > 1:
-            plan = replace(plan, micro_batches=2)
+            plan = replace(plan, micro_batches=min(self.config.batches, len(plan.seqs)))
         failed: list[RequestOutput] = []  # requests a SequenceFault failed this step
         result = self._execute(plan, failed)
         if result is None:

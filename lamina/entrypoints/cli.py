@@ -249,6 +249,8 @@ def cmd_bench(args) -> int:
             sizes["batches"] = tuple(args.batches)
         if args.contexts:
             sizes["contexts"] = tuple(args.contexts)
+        if args.pipelines:
+            sizes["modes"] = tuple(args.pipelines)
         bench_pipeline(args.model, executor=args.executor, plot=args.plot, out_dir=args.out,
                        predict=args.predict, **sizes)
         return 0
@@ -531,6 +533,9 @@ def _bench_parser(sub) -> None:
                    help="pipeline: decode batch sizes (8 32 64)")
     b.add_argument("--contexts", type=int, nargs="+", default=None,
                    help="pipeline: prompt lengths (512 2048)")
+    b.add_argument("--pipelines", nargs="+", default=None,
+                   choices=["none", "rotational", "rotational3", "fixed"],
+                   help="pipeline: modes (all four; rotational3: n = 3 over 2 replicas)")
     b.add_argument("--executor", default="local", choices=["local", "ray"],
                    help="pipeline: where the workers run (ray: one process each, local Ray)")
     b.add_argument("--plot", default=None,

@@ -54,8 +54,8 @@ class LLM:
             raise ValueError("address names a Ray cluster: it needs executor='ray'")
         self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
         if executor != "local" and self.config.num_compute_workers > 1:
-            raise ValueError("num_compute_workers > 1 (pipeline 'fixed') runs on the local "
-                             "executor only, so far")
+            raise ValueError(f"num_compute_workers > 1 (pipeline {self.config.pipeline!r}) "
+                             f"runs on the local executor only, so far")
         self.loaded = load(model, dtype=dtype)
         if executor != "local":
             self.split = None
@@ -83,7 +83,7 @@ class LLM:
                              for w in range(num_memory_workers)],
                 vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults,
                 device=cfg.compute_device, graph_tokens=cfg.graph_tokens,
-                num_compute_workers=cfg.num_compute_workers)
+                num_compute_workers=cfg.num_compute_workers, pipeline=cfg.pipeline)
         # the pools' slot count (kv_pool_bytes: as many as fit) is what the engine allocates
         slots = getattr(self.executor, "pool_slots", self.config.num_kv_slots)
         if slots != self.config.num_kv_slots:

@@ -1,8 +1,10 @@
 """`LocalExecutor`: the compute side(s) and the memory sides in this one process.
 
 Data in: `StepPlan`. Data out: `StepResult`. Attention runs inside `submit` (no
-overlap); the same `ComputeSide` runs in `lamina.cluster`'s Ray compute worker, where the
-memory link is the data plane instead.
+overlap), except under rotational pipelining over several replicas, where each memory
+side is a thread of its own (a device doing one attention at a time, in the order
+submitted) so replicas go on while it attends. The same `ComputeSide` runs in
+`lamina.cluster`'s Ray compute worker, where the memory link is the data plane instead.
 
 Compute replicas (`num_compute_workers` > 1, pipeline "fixed", paper 5.1): one
 `ComputeSide` per replica, each run on a thread of its own over the shared slices
@@ -11,12 +13,17 @@ with the fewest sequences when first seen and stays there (its slot table lives
 there). A memory side serves one replica at a time (a lock per memory side: one device
 does one attention at a time), so a replica whose attention is queued waits, the fixed
 schedule's bubbles. torch ops release the GIL, so the replicas' slices do run at once.
+
+Rotational (pipeline "rotational", n batches over R = n - 1 replicas, paper 5.1): one
+`ComputeSide` packs the step into n micro-batches and runs slice k of micro-batch j on
+replica (j + k) mod R, each replica a thread with its own lane (`ComputeSide.use_replicas`);
+the context moves between replicas by reference (one process, one device).
 """
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +45,8 @@ class _Shared:
 
     locks: list[threading.Lock]
     tracers: list[Tracer]
+    # per memory side, its thread (asynchronous memory sides: rotational replicas); None
+    threads: list[ThreadPoolExecutor] | None = None
 
 
 class _LocalLink(MemoryLink):
@@ -55,6 +64,7 @@ class _LocalLink(MemoryLink):
     def begin(self, step, parts, released=(), tier_orders=(), overrides=None,
               report_dropped=False):
         # in-process: whole SlotBatches
+        self.settle()
         self.report, self.step = report_dropped, step
         if tier_orders:
             apply_tiers(self.memory, tier_orders)
@@ -69,9 +79,15 @@ class _LocalLink(MemoryLink):
                         mem.check(mb[w].new_slots, mb[w].batch, mb[w].seq_ids)
 
     def submit(self, layer, mb, q, k, v, parts):
-        self.ready[layer, mb] = [self._attend(w, layer, mb, q, k, v, p) if p.active else None
-                                 for w, p in enumerate(parts)]
+        th = self.shared.threads
+        if th is None:
+            self.ready[layer, mb] = [self._attend(w, layer, mb, q, k, v, p) if p.active
+                                     else None for w, p in enumerate(parts)]
+        else:  # each memory side's thread attends; `collect` waits
+            self.ready[layer, mb] = [th[w].submit(self._attend, w, layer, mb, q, k, v, p)
+                                     if p.active else None for w, p in enumerate(parts)]
 
+    @torch.no_grad()  # on a memory side's thread (grad mode is per thread)
     def _attend(self, w: int, layer: int, mb: int, q, k, v, p: WorkerPart):
         wq, wk, wv = p.take(q, k, v)
         with self.shared.locks[w]:
@@ -82,7 +98,19 @@ class _LocalLink(MemoryLink):
         return out
 
     def collect(self, layer, mb, parts, out_shape, dtype, merge=False):
-        return combine(parts, self.ready.pop((layer, mb)), out_shape, dtype, merge)
+        outs = self.ready.pop((layer, mb))
+        if self.shared.threads is not None:
+            outs = [None if f is None else f.result() for f in outs]
+        return combine(parts, outs, out_shape, dtype, merge)
+
+    def settle(self) -> None:
+        """Wait out attention still in flight (a step that failed part-way), so the
+        next step starts on memory sides at rest; drop its outputs."""
+        for outs in self.ready.values():
+            for f in outs:
+                if isinstance(f, Future):
+                    f.exception()  # waits; the step already failed with its own error
+        self.ready.clear()
 
     def dropped(self) -> tuple[DroppedKeys, ...]:
         if not self.report:
@@ -99,13 +127,17 @@ class _LocalLink(MemoryLink):
 class LocalExecutor(Executor):
     def __init__(self, split: SplitModel, memory: MemorySide | list[MemorySide],
                  vocab_size: int | None = None, faults=None, device: str = "cpu",
-                 graph_tokens: int = 0, num_compute_workers: int = 1):
+                 graph_tokens: int = 0, num_compute_workers: int = 1,
+                 pipeline: str = "fixed"):
+        """`pipeline` says how `num_compute_workers` > 1 replicas share a step: "fixed"
+        (each its own sequences) or "rotational" (each micro-batch's slices rotate)."""
         self.memory = memory if isinstance(memory, list) else [memory]
         # each memory worker's slot count (the engine's allocators take it)
         self.pool_slots = min(m.pool.config.num_slots for m in self.memory)
+        rotating = pipeline == "rotational" and num_compute_workers > 1
         self.replicas = [ComputeSide(split, len(self.memory), device=device,
                                      graph_tokens=graph_tokens)
-                         for _ in range(num_compute_workers)]
+                         for _ in range(1 if rotating else num_compute_workers)]
         for r, c in enumerate(self.replicas):
             c.vocab_size, c.faults, c.pool_slots = vocab_size, faults, self.pool_slots
             c.tracer.lane = f"compute{r}"
@@ -113,13 +145,18 @@ class LocalExecutor(Executor):
         for m in self.memory:
             m.faults = faults
         self.params = self.compute.params
+        if rotating:
+            self.compute.use_replicas([Tracer(f"compute{r}")
+                                       for r in range(num_compute_workers)])
+        threads = ([ThreadPoolExecutor(1, f"lamina-memory{w}") for w in range(len(self.memory))]
+                   if rotating else None)
         shared = _Shared([threading.Lock() for _ in self.memory],
-                         [Tracer(f"memory{w}") for w in range(len(self.memory))])
+                         [Tracer(f"memory{w}") for w in range(len(self.memory))], threads)
         self.links = [_LocalLink(self.memory, self.params, shared) for _ in self.replicas]
         self.link = self.links[0]
         self._home: dict[int, int] = {}  # sequence -> its replica (fixed)
         self._pool = (ThreadPoolExecutor(num_compute_workers, "lamina-replica")
-                      if num_compute_workers > 1 else None)
+                      if len(self.replicas) > 1 else None)
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self._pool is None:
@@ -151,7 +188,8 @@ class LocalExecutor(Executor):
                          report_dropped=plan.report_dropped) for m in mine]
 
     def _tracers(self) -> list[Tracer]:
-        return [*(c.tracer for c in self.replicas), *self.link.shared.tracers]
+        return [*(lane for c in self.replicas for lane in c.lanes),
+                *self.link.shared.tracers]
 
     def start_trace(self) -> None:
         """Record every device's timeline from the next step on (`lamina.trace`): each
@@ -179,6 +217,8 @@ class LocalExecutor(Executor):
         return sum_stats(m.tiers.stats for m in self.memory if m.tiers is not None)
 
     def shutdown(self) -> None:
+        for th in self.link.shared.threads or ():
+            th.shutdown()
         for m in self.memory:
             if m.tiers is not None:
                 m.tiers.close()

@@ -2,6 +2,8 @@
 local executor): greedy tokens equal HF's on the 16 mixed-length prompts, each sequence
 stays on one replica, the replicas run at once while a memory side serves one at a
 time (from the trace), and bad configurations are refused by name."""
+from dataclasses import replace
+
 import pytest
 
 from lamina import LLM, SamplingParams
@@ -47,15 +49,31 @@ def test_fixed_replicas_greedy_identical_to_hf(smol, smol_split, prompts, hf_gre
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(num_compute_workers=2), "pipeline 'fixed' runs num_compute_workers >= 2"),
+    (dict(num_compute_workers=2), "2 compute workers need a pipeline"),
     (dict(pipeline="fixed"), "pipeline 'fixed' runs num_compute_workers >= 2"),
     (dict(num_compute_workers=0, pipeline="fixed"), "num_compute_workers must be an int >= 1"),
+    (dict(pipeline="rotational", num_batches=4), "rotational runs n batches over n - 1 "
+     "replicas: num_batches=4 does not fit num_compute_workers=1 .it needs num_batches=2."),
+    (dict(pipeline="fixed", num_compute_workers=2, num_batches=3),
+     "fixed runs one batch per replica"),
+    (dict(num_batches=2), "no pipeline runs 1 batch"),
+    (dict(pipeline="rotational", num_batches=0), "num_batches must be an int >= 1 or None"),
 ])
 def test_bad_replica_configs_refused_by_name(kw, msg):
     with pytest.raises(ValueError, match=msg):
         EngineConfig(**kw)
 
 
-def test_replicas_on_ray_refused_by_name():
-    with pytest.raises(ValueError, match="runs on the local executor only"):
-        LLM(executor="ray", num_compute_workers=2, pipeline="fixed")
+def test_num_batches_is_derived_from_the_replicas():
+    assert EngineConfig().batches == 1
+    assert EngineConfig(pipeline="rotational").batches == 2
+    assert EngineConfig(pipeline="rotational", num_compute_workers=3).batches == 4
+    assert EngineConfig(pipeline="fixed", num_compute_workers=3).batches == 3
+    # the pipeline replaced: the batches follow (nothing derived is kept)
+    assert replace(EngineConfig(), pipeline="rotational").batches == 2
+
+
+@pytest.mark.parametrize("mode", ["fixed", "rotational"])
+def test_replicas_on_ray_refused_by_name(mode):
+    with pytest.raises(ValueError, match=f"pipeline '{mode}'.* runs on the local executor only"):
+        LLM(executor="ray", num_compute_workers=2, pipeline=mode)

@@ -103,9 +103,9 @@ def test_rotational_runs_one_micro_batch_while_the_other_attends(traced):
 
 
 def test_bench_pipeline_writes_its_table_and_gantt(tmp_path):
-    """`lamina bench pipeline` at its smallest: a row per mode (fixed: two replicas)
-    with tokens/s and busy fractions read from the trace, JSON, Markdown and a Gantt
-    PNG."""
+    """`lamina bench pipeline` at its smallest: a row per mode (rotational3 and fixed:
+    two replicas) with tokens/s and busy fractions read from the trace, JSON, Markdown
+    and a Gantt PNG."""
     import json
 
     from lamina.bench.pipeline import bench_pipeline
@@ -113,13 +113,14 @@ def test_bench_pipeline_writes_its_table_and_gantt(tmp_path):
     res = bench_pipeline(batches=(2,), contexts=(16,), steps=2, plot=tmp_path / "g.png",
                          out_dir=tmp_path)
     assert [(r["batch"], r["context"], r["mode"]) for r in res["rows"]] == [
-        (2, 16, "none"), (2, 16, "rotational"), (2, 16, "fixed")]
+        (2, 16, "none"), (2, 16, "rotational"), (2, 16, "rotational3"), (2, 16, "fixed")]
     for r in res["rows"]:
-        replicas = {"compute0", "compute1"} if r["mode"] == "fixed" else {"compute0"}
+        two = r["mode"] in ("rotational3", "fixed")
+        replicas = {"compute0", "compute1"} if two else {"compute0"}
         assert r["tok_s"] > 0 and set(r["busy"]) == replicas | {"memory0"}
         assert all(0 < r["busy"]["memory0"] < r["busy"][c] <= 1 for c in replicas)
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
-    assert json.loads((tmp_path / "pipeline.json").read_text())["rows"][2]["mode"] == "fixed"
+    assert json.loads((tmp_path / "pipeline.json").read_text())["rows"][3]["mode"] == "fixed"
     assert "| 2 | 16 | fixed |" in (tmp_path / "pipeline.md").read_text()
 
 
@@ -155,3 +156,10 @@ def test_predicted_decode_rate_follows_the_simulators_step():
     # rotational: halves of 2; period max(2 x 0.003, 2 x 0.003, 0.006) = 0.006 a layer,
     # a head per half: 2 x 0.006 + 0.02 + 0.005 = 0.037 s
     assert predicted_tok_s(Costs(), 4, 100, "rotational", 1) == pytest.approx(4 / 0.037)
+    # rotational3: 3 parts of 2 over 2 replicas; a part's compute side 0.002 + 0.001,
+    # remote 2 x 100 x 1e-5 + 0.001 = 0.003: the memory side binds, period 3 x 0.003
+    # = 0.009; 2 x 0.009 + 3 heads 0.03 + 0.005 = 0.053 s for 6 tokens
+    assert predicted_tok_s(Costs(), 6, 100, "rotational3", 1) == pytest.approx(6 / 0.053)
+    # context 10: remote 0.0012 a part; the replicas bind: 3 x 0.003 / 2 = 0.0045 (one
+    # part's chain 0.0042, the memory side 0.0036): 2 x 0.0045 + 0.035 = 0.044 s
+    assert predicted_tok_s(Costs(), 6, 10, "rotational3", 1) == pytest.approx(6 / 0.044)

@@ -1,0 +1,126 @@
+"""Rotational staggered pipelining over several compute replicas (paper 5.1, local
+executor: replicas are threads over the same slices, each memory side a thread of its
+own). n batches over n - 1 replicas: greedy tokens equal HF's on the 16 mixed-length
+prompts; from the trace, slice k of micro-batch j ran on replica (j + k) mod (n - 1),
+every context moved as that rule implies (to the replica of slice k, from that of slice
+k - 1, the residual stream's bytes), no device ran two tasks at once, and the replicas
+and the memory sides worked at once. A failure on a memory side's thread fails its
+request alone; one in a replica's slice stops the step with its error, never a hang."""
+import pytest
+
+from lamina import SamplingParams
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.executor.local import LocalExecutor
+from lamina.faults import FaultPlan
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.trace import lanes, overlapping
+from tests.conftest import HF_NEW
+from tests.lamina.test_isolation import GOOD, MEM_POS, check, poison_run
+
+SLOTS = 8192
+
+
+def engine(smol, split, n: int, faults=None, workers: int = 2):
+    """An engine with rotational pipelining over n batches (n - 1 replicas)."""
+    mems = [MemorySide(KVPool(KVPoolConfig.for_specs(split.attention_specs, SLOTS)))
+            for _ in range(workers)]
+    ex = LocalExecutor(split, mems, vocab_size=smol.config.vocab_size, faults=faults,
+                       num_compute_workers=n - 1, pipeline="rotational")
+    cfg = EngineConfig(num_kv_slots=SLOTS, num_memory_workers=workers, pipeline="rotational",
+                       num_batches=n, num_compute_workers=n - 1, max_step_tokens=2048,
+                       faults=faults)
+    return LLMEngine(cfg, ex, smol.tokenizer, smol.config), ex
+
+
+@pytest.fixture(scope="module", params=[3, 4])
+def traced_run(request, smol, smol_split, prompts):
+    """The 16 prompts greedy to HF_NEW tokens at n batches; one decode step traced."""
+    n = request.param
+    eng, ex = engine(smol, smol_split, n)
+    greedy = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True)
+    ids = [eng.add_request(p, greedy) for p in prompts]
+    done = {}
+    while any(not s.output for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()  # the prompts
+    ex.start_trace()
+    step = eng.scheduler.step
+    eng.step()
+    spans = [s for s in ex.stop_trace() if s.step == step]
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    ex.shutdown()
+    return n, [done[i].token_ids for i in ids], spans, len(ex.params)
+
+
+def test_rotational_greedy_identical_to_hf(traced_run, hf_greedy):
+    n, tokens, _, _ = traced_run
+    assert tokens == hf_greedy
+
+
+def test_trace_follows_the_papers_replica_rule(traced_run, smol):
+    n, _, spans, L = traced_run
+    r_n = n - 1
+    assert lanes(spans) == [*(f"compute{r}" for r in range(r_n)), "memory0", "memory1"]
+    assert overlapping(spans) == []  # no device ran two tasks at once
+    slices = {(s.layer, s.mb): s for s in spans if s.kind == "slice"}
+    assert sorted(slices) == [(k, j) for k in range(L + 1) for j in range(n)]
+    for (k, j), s in slices.items():
+        assert s.lane == f"compute{(j + k) % r_n}"
+    # each context moved where the rule says (with 2+ replicas consecutive slices never
+    # share one), from where the previous slice ran, between the two slices; what moved
+    # is the residual stream: hidden_size floats per token, every decode row once per
+    # layer over the micro-batches
+    migrated = {(s.layer, s.mb): s for s in spans if s.kind == "migrate"}
+    assert sorted(migrated) == [(k, j) for k in range(1, L + 1) for j in range(n)]
+    row = smol.config.hidden_size * 4
+    for (k, j), s in migrated.items():
+        assert s.lane == f"compute{(j + k) % r_n}" and s.peer == f"compute{(j + k - 1) % r_n}"
+        assert slices[k - 1, j].t1 <= s.t0 <= s.t1 <= slices[k, j].t0
+        assert s.nbytes > 0 and s.nbytes % row == 0
+    for k in range(1, L + 1):
+        assert sum(migrated[k, j].nbytes for j in range(n)) == 16 * row
+    # staggered: the replicas' slices overlap in time, and the memory sides attend
+    # while some replica runs a slice
+    work = [s for s in spans if s.kind == "slice"]
+    assert any(a.lane != b.lane and a.t0 < b.t1 and b.t0 < a.t1 for a in work for b in work)
+    attends = [s for s in spans if s.kind == "attend"]
+    assert any(a.t0 < b.t1 and b.t0 < a.t1 for a in attends for b in work)
+
+
+def test_a_memory_fault_on_a_memory_thread_fails_its_request_alone(smol, smol_split,
+                                                                   prompts, hf_greedy):
+    """The fault raises on a memory side's thread, reaches the replica collecting it,
+    which stops the step's other replicas; the engine fails that request alone."""
+    eng, ex = engine(smol, smol_split, 3, FaultPlan(memory_pos=MEM_POS))
+    long = (prompts[8] * 2)[:MEM_POS + 20]  # a query at MEM_POS in its prefill
+    outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(long, GOOD))
+    check(outs, ids, bad, hf_greedy, f"injected memory fault at position {MEM_POS}")
+    ex.shutdown()
+
+
+def test_a_slice_failing_on_one_replica_stops_the_step_with_its_error(smol, smol_split,
+                                                                      prompts, monkeypatch):
+    """An error no sequence is blamed for, raised in a slice on replica 1's thread:
+    the step raises it (the local executor cannot recover workers), no replica waits
+    forever, and no attention is left running."""
+    eng, ex = engine(smol, smol_split, 3)
+    for p in prompts[:6]:
+        eng.add_request(p, GOOD)
+    eng.step()
+    real, slices = ex.compute._slice, []
+
+    def flaky(i, j, mb, step):
+        slices.append((i, j, step.tracer.lane))
+        if i == 5 and step.tracer.lane == "compute1":
+            raise RuntimeError("slice 5 broke")
+        return real(i, j, mb, step)
+
+    monkeypatch.setattr(ex.compute, "_slice", flaky)
+    with pytest.raises(RuntimeError, match="slice 5 broke"):
+        eng.step()
+    assert (5, 0, "compute1") in slices  # (0 + 5) mod 2 = 1
+    ex.link.settle()
+    assert not ex.link.ready
+    ex.shutdown()
