@@ -22,6 +22,7 @@ its own, built after the one before is shut down (one set of pools at a time).
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import replace
@@ -72,14 +73,69 @@ def decode_case(llm, batch: int, context: int, mode: str, steps: int = 4,
 
 def predicted_tok_s(costs, batch: int, context: int, mode: str, workers: int) -> float:
     """The simulator's steady decode tokens/s: `batch` sequences of about `context`
-    keys spread over `workers` memory workers, pipeline `mode`."""
-    from lamina.costmodel.simulator import SimConfig, step_time
+    keys spread over `workers` memory workers, pipeline `mode` (`MODES`)."""
+    from lamina.costmodel.simulator import decode_step_time
 
-    keys = [[context] * (batch // workers + (w < batch % workers)) for w in range(workers)]
     pipeline, replicas = MODES[mode]
-    cfg = SimConfig(memory_per_replica=workers, pipeline=pipeline, batches=replicas + 1,
-                    max_batch=batch)
-    return batch / step_time(costs, cfg, [], keys, [], batch)[0]
+    return batch / decode_step_time(costs, batch, context, workers, pipeline, replicas + 1)
+
+
+# The paper's Table 3 settings: model, A100s holding its weights (tensor parallel)
+PAPER_SETTINGS = (("llama-13b", 1), ("llama-33b", 2), ("llama-65b", 4))
+
+
+def paper_predictions(batches=(128, 256, 512, 1024), contexts=(1024, 4096),
+                      device: str = "a100-80g",
+                      out_dir: str | Path = "benchmarks/results") -> dict:
+    """What the simulator predicts for the paper's hardware (no model runs): its Table
+    3 settings, compute and memory devices both `device` (the paper emulates memory
+    devices with A100s, 200 Gb/s NICs), per-op costs from the catalog
+    (`AnalyticCosts`, default `Efficiency`: the MFU curve Table 3 implies). Per case the
+    memory devices are the balance rule's for n = 2 (`balance_memory_devices`), at
+    least as many as hold the KV; none and rotational n = 2 run on those same devices,
+    rotational n = 3 adds a replica and takes its own balanced count."""
+    from lamina.costmodel.analytic import Efficiency
+    from lamina.costmodel.catalog import load_catalog, model_shape
+    from lamina.costmodel.simulator import (
+        AnalyticCosts,
+        balance_memory_devices,
+        decode_step_time,
+    )
+
+    dev, eff, rows = load_catalog()[device], Efficiency(), []
+    for name, tp in PAPER_SETTINGS:
+        shape = model_shape(name)
+        costs = AnalyticCosts(shape, dev, tp, dev, eff)
+        for ctx in contexts:
+            need = shape.kv_bytes_per_token() * ctx / (dev.memory_gb * 1e9 * eff.mem_usable)
+            for b in batches:
+                fit = math.ceil(b * need)  # memory devices the batch's KV needs
+                m2 = max(fit, balance_memory_devices(costs, b, ctx, 2))
+                m3 = max(fit, balance_memory_devices(costs, b, ctx, 3))
+                none = b / decode_step_time(costs, b, ctx, m2)
+                rot2 = b / decode_step_time(costs, b, ctx, m2, "rotational", 2)
+                rot3 = b / decode_step_time(costs, b, ctx, m3, "rotational", 3)
+                rows.append({"model": name, "tp": tp, "context": ctx, "batch": b,
+                             "memory_devices": m2, "memory_devices_n3": m3,
+                             "none_tok_s": none, "rotational_tok_s": rot2,
+                             "rotational3_tok_s": rot3, "gain": rot2 / none,
+                             # n = 3 runs 2 replicas: its gain per compute device
+                             "gain3_per_replica": rot3 / none / 2})
+    table = [["model", "A100s", "context", "B", "memory devices", "none tok/s",
+              "rotational n=2 tok/s", "x none", "n=3 (2 replicas) tok/s", "n=3 x none",
+              "n=3 memory devices"]]
+    for r in rows:
+        table.append([r["model"], str(r["tp"]), str(r["context"]), str(r["batch"]),
+                      str(r["memory_devices"]), f"{r['none_tok_s']:.0f}",
+                      f"{r['rotational_tok_s']:.0f}", f"{r['gain']:.2f}",
+                      f"{r['rotational3_tok_s']:.0f}",
+                      f"{r['rotational3_tok_s'] / r['none_tok_s']:.2f}",
+                      str(r["memory_devices_n3"])])
+    res = {"device": device, "efficiency": eff.__dict__, "rows": rows}
+    jp, mp = _write(Path(out_dir), "pipeline_paper", res, table)
+    print("\n".join(" | ".join(r) for r in table))
+    print(f"wrote {jp} and {mp}")
+    return res
 
 
 def last_step(spans: list[Span]) -> list[Span]:

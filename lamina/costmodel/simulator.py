@@ -256,6 +256,33 @@ def step_time(costs, cfg: SimConfig, prefill: list[int], decode_keys: list[list[
     return L * period + head + over, dense, attn_dev
 
 
+def decode_step_time(costs, batch: int, context: int, workers: int, pipeline: str = "none",
+                     batches: int = 2) -> float:
+    """Seconds of a steady decode step: `batch` requests of `context` keys spread over
+    `workers` memory devices (request-level partitioning), pipeline none or rotational
+    over `batches` sub-batches (n - 1 replicas)."""
+    keys = [[context] * (batch // workers + (w < batch % workers)) for w in range(workers)]
+    cfg = SimConfig(memory_per_replica=workers, pipeline=pipeline, batches=batches,
+                    max_batch=batch)
+    return step_time(costs, cfg, [], keys, [], batch)[0]
+
+
+def balance_memory_devices(costs, batch: int, context: int, batches: int = 2,
+                           most: int = 256) -> int:
+    """The paper's balance rule (5.1): the fewest memory devices m whose attention of
+    one sub-batch (batch / n requests of `context` keys, split over m devices) and
+    its exchange take no longer than t_m / (n - 1), t_m being the sub-batch's dense
+    layer on one replica. Per-layer times from `costs` (measured or analytic); `most`
+    if even that many are too slow."""
+    sub = max(1, batch // batches)
+    budget = costs.dense_layer(sub) / (batches - 1)
+    for m in range(1, most + 1):
+        per = -(-sub // m)  # the busiest device's requests
+        if costs.attention(per, per * context) + costs.network(sub, m) <= budget:
+            return m
+    return most
+
+
 def _parts(decode_keys, prefill, prefill_dev, n: int):
     """The step's requests as n sub-batches."""
     flat = [(w, k) for w, ks in enumerate(decode_keys) for k in ks]

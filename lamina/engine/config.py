@@ -22,7 +22,9 @@ from lamina.memory.tier_orders import TierConfig
 # "fixed" (5.1): `num_compute_workers` replicas, each with its own batch (a sequence
 # stays on its replica), sharing the memory workers.
 # Several replicas run on the local executor only, so far (threads of one process).
-PIPELINES = ("none", "rotational", "fixed")
+# "auto": none or rotational (n = 2, one replica) per step size, whichever measured
+# faster (engine/auto_pipeline.py).
+PIPELINES = ("none", "rotational", "fixed", "auto")
 # The compute side's linears (`lamina.splitter.dense.DENSE_BACKENDS`, which the engine
 # does not import: it never loads the model code; a test keeps the two equal).
 DENSE_BACKENDS = ("auto", "eager", "onednn")
@@ -56,7 +58,7 @@ class EngineConfig:
     max_batch: int = 64
     max_step_tokens: int = 4096
     seed: int = 0  # seeds requests that bring no seed of their own
-    pipeline: str = "none"  # "none" | "rotational" | "fixed" (see PIPELINES above)
+    pipeline: str = "none"  # "none" | "rotational" | "fixed" | "auto" (see PIPELINES)
     split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
     max_recoveries: int = 3  # failed steps in a row the executor may recover from (0: none)
     worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
@@ -128,7 +130,7 @@ class EngineConfig:
         """A step's batches under the pipeline (n): `num_batches`, or derived from the
         replicas (kept None so `dataclasses.replace` of the pipeline re-derives it)."""
         n = self.num_compute_workers
-        return {"none": 1, "fixed": n, "rotational": n + 1}[self.pipeline]
+        return {"none": 1, "fixed": n, "rotational": n + 1, "auto": 2}[self.pipeline]
 
     def _check_pipeline(self) -> None:
         """The replicas and the batches given agree with the pipeline."""
@@ -142,11 +144,15 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: {n} compute workers need a pipeline: 'fixed' "
                              f"(each replica its own batch) or 'rotational' (n batches over "
                              f"n - 1 replicas)")
+        if mode == "auto" and n > 1:
+            raise ValueError("EngineConfig: pipeline 'auto' chooses between none and "
+                             "rotational on one compute replica (num_compute_workers=1)")
         if mode == "fixed" and n < 2:
             raise ValueError("EngineConfig: pipeline 'fixed' runs num_compute_workers >= 2 "
                              "replicas, each with its own batch (got 1)")
         if b is not None and b != want:
             rule = {"none": "no pipeline runs 1 batch",
+                    "auto": "auto runs 1 or 2 batches",
                     "fixed": "fixed runs one batch per replica",
                     "rotational": "rotational runs n batches over n - 1 replicas"}[mode]
             raise ValueError(f"EngineConfig: {rule}: num_batches={b} does not fit "

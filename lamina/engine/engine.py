@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from lamina.engine.auto_pipeline import AutoPipeline
 from lamina.engine.config import EngineConfig
 from lamina.engine.detokenizer import IncrementalDetokenizer
 from lamina.engine.messages import StepPlan, StepResult
@@ -96,6 +97,7 @@ class LLMEngine:
         self._by_seq: dict[int, tuple[_Request, int]] = {}
         self._reqs: dict[int, _Request] = {}
         self.step_timings: deque[dict] = deque(maxlen=STEP_HISTORY)  # the latest steps
+        self.auto: AutoPipeline | None = None  # pipeline "auto"'s trials and choices
         # the errors of the latest failed steps recovered from, and how many in all
         self.recoveries: deque[str] = deque(maxlen=ERROR_HISTORY)
         self.num_recoveries = 0
@@ -325,11 +327,14 @@ class LLMEngine:
         then apply the drawn tokens: -> the outputs of requests that finished, failed or
         (streamed) progressed."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if self.config.pipeline == "rotational" and len(plan.seqs) > 1:
-            plan = replace(plan, micro_batches=min(self.config.batches, len(plan.seqs)))
+        plan = self._pipelined(self.scheduler.schedule())
         failed: list[RequestOutput] = []  # requests a SequenceFault failed this step
+        t_run = time.perf_counter()
         result = self._execute(plan, failed)
+        if (self.auto is not None and self.config.pipeline == "auto" and result is not None
+                and not failed):
+            self.auto.observe(plan, "none" if plan.micro_batches == 1 else "rotational",
+                              time.perf_counter() - t_run)
         if result is None:
             self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
                                       "step_s": time.perf_counter() - t0, "failed": True,
@@ -345,6 +350,18 @@ class LLMEngine:
         drawn = self._drawn(result)
         self.step_timings[-1]["drawn"] = len(drawn)
         return failed + self._apply(drawn, now)
+
+    def _pipelined(self, plan: StepPlan) -> StepPlan:
+        """The plan cut into the pipeline's batches (micro-batches of the step)."""
+        if len(plan.seqs) < 2:
+            return plan
+        if self.config.pipeline == "auto":
+            if self.auto is None:
+                self.auto = AutoPipeline(self.config.batches)
+            return replace(plan, micro_batches=self.auto.micro_batches(plan))
+        if self.config.pipeline == "rotational":
+            return replace(plan, micro_batches=min(self.config.batches, len(plan.seqs)))
+        return plan
 
     def _execute(self, plan: StepPlan, failed: list[RequestOutput]) -> StepResult | None:
         """The executor's result for `plan`, or None when the step failed and the workers

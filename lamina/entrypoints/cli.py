@@ -244,6 +244,11 @@ def cmd_bench(args) -> int:
     if args.name == "pipeline":
         from lamina.bench.pipeline import bench_pipeline
 
+        if args.paper:
+            from lamina.bench.pipeline import paper_predictions
+
+            paper_predictions(out_dir=args.out)
+            return 0
         sizes = dict(batches=(4,), contexts=(64,), steps=2) if args.quick else {}
         if args.batches:
             sizes["batches"] = tuple(args.batches)
@@ -540,6 +545,9 @@ def _bench_parser(sub) -> None:
                    help="pipeline: where the workers run (ray: one process each, local Ray)")
     b.add_argument("--plot", default=None,
                    help="pipeline: a Gantt chart PNG of one traced decode step per mode")
+    b.add_argument("--paper", action="store_true",
+                   help="pipeline: the simulator only, on the paper's hardware (Table 3's "
+                        "settings on A100s, balanced memory devices): none vs rotational")
     b.add_argument("--predict", action="store_true",
                    help="pipeline: the simulator's tok/s too, calibrated on this machine")
     b.add_argument("--out", default="benchmarks/results")

@@ -121,3 +121,57 @@ def test_config_errors():
         SimConfig(pipeline="zigzag")
     with pytest.raises(ValueError, match="replicas"):
         SimConfig(replicas=0)
+
+
+class _HandCosts:
+    """Per-layer costs set by hand: dense 1 ms a token, attention 10 us a key read."""
+
+    layers = 1
+
+    def dense_layer(self, tokens):
+        return 1e-3 * tokens
+
+    def attention(self, queries, keys):
+        return 1e-5 * keys
+
+    def network(self, tokens, workers):
+        return 0.0
+
+
+def test_balance_rule_picks_the_fewest_memory_devices_that_keep_up():
+    """Paper 5.1: t_a <= t_m / (n - 1). B = 16, n = 2: sub-batches of 8 (t_m 8 ms).
+    300 keys each: one device 24 ms, two 12 ms, three (3 requests on the busiest)
+    9 ms, four 6 ms -> 4. n = 3: sub-batches of 5 (t_m 5 ms, budget 2.5 ms): 5 devices
+    (one request each, 3 ms) are too slow, so the cap; at 200 keys 5 devices (2 ms)."""
+    from lamina.costmodel.simulator import balance_memory_devices
+
+    c = _HandCosts()
+    assert balance_memory_devices(c, 16, 300, 2) == 4
+    assert balance_memory_devices(c, 16, 100, 2) == 1  # 8 ms: exactly t_m
+    assert balance_memory_devices(c, 16, 300, 3, most=9) == 9
+    assert balance_memory_devices(c, 16, 200, 3) == 5
+
+
+def test_paper_predictions_cover_table_3_and_pipelining_pays_at_large_batches(tmp_path):
+    """`lamina bench pipeline --paper`: a row per Table 3 setting, context and batch;
+    none and rotational n = 2 on the same (balanced) memory devices, which hold the
+    batch's KV; rotational's gain grows with the batch (the small sub-batches' MFU
+    costs less), and the Markdown table is written."""
+    import math
+
+    from lamina.bench.pipeline import paper_predictions
+    from lamina.costmodel.catalog import load_catalog, model_shape
+
+    res = paper_predictions(batches=(16, 1024), contexts=(1024,), out_dir=tmp_path)
+    rows = {(r["model"], r["batch"]): r for r in res["rows"]}
+    assert sorted(rows) == [(m, b) for m in ("llama-13b", "llama-33b", "llama-65b")
+                            for b in (16, 1024)]
+    gb = load_catalog()["a100-80g"].memory_gb * 1e9 * 0.9
+    for (m, b), r in rows.items():
+        kv = model_shape(m).kv_bytes_per_token() * 1024 * b
+        assert r["memory_devices"] >= math.ceil(kv / gb)
+        assert r["gain"] == r["rotational_tok_s"] / r["none_tok_s"]
+    for m in ("llama-13b", "llama-33b", "llama-65b"):
+        assert rows[m, 1024]["gain"] > rows[m, 16]["gain"]
+        assert rows[m, 1024]["gain"] > 1.0
+    assert "| llama-65b | 4 | 1024 | 1024 |" in (tmp_path / "pipeline_paper.md").read_text()
