@@ -23,6 +23,7 @@ from lamina.dataplane.paths import native_ext
 from lamina.dataplane.probe import probe_exchange
 from lamina.dataplane.protocol import SocketLink
 from lamina.dataplane.transport import (
+    Channel,
     ShmRing,
     SocketChannel,
     connect_stream,
@@ -93,7 +94,7 @@ class ComputeWorker:
                                    device=spec.compute_device, graph_tokens=spec.graph_tokens)
         self.compute.vocab_size = int(self.loaded.config.vocab_size)
         self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
-        self.channels: list[SocketChannel] = []
+        self.channels: list[Channel] = []
         self._lock = threading.Lock()  # one step at a time (control thread or Ray call)
         self._control = None  # the listening socket of the control channel
         native_ext()  # the C++ data plane (built or loaded now, not in the first step)
@@ -130,12 +131,22 @@ class ComputeWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def connect(self, addresses: list, timeout_s: float | None = None) -> int:
+    def connect(self, addresses: list, timeout_s: float | None = None) -> dict:
         """Open the data plane to each memory worker (replacing any earlier one). A
-        worker that does not answer within `timeout_s` fails the step (`PeerTimeout`)."""
+        worker that does not answer within `timeout_s` fails the step (`PeerTimeout`).
+        -> {"pid", "rdma": {worker index: this end's RDMA endpoint}} (the executor hands
+        each to its memory worker's `accept_rdma`)."""
         self.disconnect()
-        for kind, *addr in addresses:
-            if kind == "unix":
+        mine = {}
+        for i, (kind, *addr) in enumerate(addresses):
+            if kind == "rdma":
+                from lamina.dataplane.rdma import PyverbsVerbs, RdmaChannel, RdmaEndpoint
+
+                verbs = PyverbsVerbs()
+                verbs.connect(RdmaEndpoint.from_wire(addr[0]))
+                mine[i] = verbs.endpoint().to_wire()
+                self.channels.append(RdmaChannel(verbs))
+            elif kind == "unix":
                 rings = {}
                 if len(addr) == 4:  # shared-memory rings: map them before connecting
                     c2m, m2c, cap = addr[1:]
@@ -145,7 +156,7 @@ class ComputeWorker:
             else:
                 self.channels.append(SocketChannel(connect_stream(kind, addr)))
         self.set_timeout(timeout_s)
-        return os.getpid()
+        return {"pid": os.getpid(), "rdma": mine}
 
     def set_timeout(self, seconds: float | None) -> None:
         for ch in self.channels:

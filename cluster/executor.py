@@ -20,7 +20,8 @@ import ray
 
 from lamina import ONEDNN_CACHE
 from lamina.dataplane.control import ControlClient, StepError
-from lamina.dataplane.transport import SocketChannel, connect_stream
+from lamina.dataplane.rdma import RdmaSupport, TransportChoice, choose_transport, probe
+from lamina.dataplane.transport import SocketChannel, connect_stream, shm_enabled
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.executor.base import Executor
@@ -177,20 +178,43 @@ class RayExecutor(Executor):
                                       for w in self.memory], "the memory workers")
         self._rotary = rope is not None
         node = self._get(self.compute.node_id.remote(), "the compute worker")
-        # Memory workers on the compute worker's node use Unix sockets, the rest TCP.
+        # Each pair's transport (`choose_transport`): co-located, a Unix socket (+ shared
+        # memory); across nodes RDMA where both ends can run it, else TCP.
         nodes = self._get([w.__ray_call__.remote(
             lambda s: ray.get_runtime_context().get_node_id()) for w in self.memory],
             "the memory workers")
-        addrs = self._get([w.listen.remote(n == node) for w, n in zip(self.memory, nodes)],
+        choices = self._transports(node, nodes)
+        addrs = self._get([w.listen.remote(c.kind) for w, c in zip(self.memory, choices)],
                           "the memory workers' data plane")
-        self._get(self.compute.connect.remote(addrs, cfg.worker_timeout_s),
-                  "the compute worker's data plane")
+        mine = self._get(self.compute.connect.remote(addrs, cfg.worker_timeout_s),
+                         "the compute worker's data plane")
+        self._get([self.memory[i].accept_rdma.remote(ep) for i, ep in mine["rdma"].items()],
+                  "the memory workers' RDMA queue pairs")
         self.addresses, self.nodes = addrs, {"compute": node, "memory": nodes}
         self.transports = [transport(a) for a in addrs]
-        for i, (n, t) in enumerate(zip(nodes, self.transports)):
-            log.info("compute worker (node %s) <-> memory worker %d (node %s): %s",
-                     node[:8], i, n[:8], t)
+        self.transport_choices = choices
+        for i, (n, t, c) in enumerate(zip(nodes, self.transports, choices)):
+            log.info("compute worker (node %s) <-> memory worker %d (node %s): %s (%s)",
+                     node[:8], i, n[:8], t, c.why)
         self._open_control(node)
+
+    def _transports(self, node: str, nodes: list[str]) -> list[TransportChoice]:
+        """Each memory worker's transport choice; RDMA needs it on both nodes (`probe`
+        runs where each worker runs: devices and pyverbs are per host)."""
+        far = [w for w, n in zip(self.memory, nodes) if n != node]
+        support = {}
+        if far:
+            here = self._get(self.compute.__ray_call__.remote(lambda s: probe()),
+                             "the compute worker")
+            there = self._get([w.__ray_call__.remote(lambda s: probe()) for w in far],
+                              "the memory workers")
+            for w, s in zip(far, there):
+                both = here.ok and s.ok
+                why = s.why if here.ok else f"compute node: {here.why}"
+                support[w] = RdmaSupport(both, s.devices, why if not both else s.why)
+        near = RdmaSupport(False, (), "same node")
+        return [choose_transport(n == node, shm_enabled(), support.get(w, near))
+                for w, n in zip(self.memory, nodes)]
 
     def _get(self, refs, what: str):
         """`ray.get`, bounded: a worker whose bundle sits on a node that is gone waits
@@ -357,6 +381,8 @@ class RayExecutor(Executor):
 
 def transport(address: tuple) -> str:
     """How the compute worker reaches a memory worker at `address` (`MemoryWorker.listen`)."""
+    if address[0] == "rdma":
+        return f"rdma qp {address[1]['qp_num']}"
     if address[0] == "unix":
         return "unix socket + shared memory" if len(address) == 5 else "unix socket"
     return f"tcp {address[1]}:{address[2]}"

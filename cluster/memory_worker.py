@@ -60,13 +60,23 @@ class MemoryWorker:
         return {"backend": self.memory.backend.name, "reason": self.memory.backend.reason,
                 "pool_bytes": pool_config.nbytes, "pid": os.getpid()}
 
-    def listen(self, unix: bool) -> tuple:
-        """Open the data-plane endpoint; serve one compute worker on a thread. Co-located
-        (unix): payloads go through two shared-memory rings, the socket is the doorbell."""
+    def listen(self, kind: str) -> tuple:
+        """Open the data-plane endpoint of transport `kind` (`choose_transport`); serve
+        one compute worker on a thread. Co-located ("unix+shm"): payloads go through two
+        shared-memory rings, the socket is the doorbell. "rdma": a queue pair whose
+        endpoint goes back to the compute worker; serving starts once `accept_rdma` has
+        its peer's."""
         self._rings = None
+        if kind == "rdma":
+            from lamina.dataplane.rdma import PyverbsVerbs
+
+            self._verbs, self._peer = PyverbsVerbs(), threading.Event()
+            threading.Thread(target=self._serve_rdma, daemon=True).start()
+            return ("rdma", self._verbs.endpoint().to_wire())
+        unix = kind in ("unix", "unix+shm")
         self._srv, addr = listen_stream(unix, ray.util.get_node_ip_address(),
                                         f"mem{self.index}")
-        if unix and shm_enabled():
+        if kind == "unix+shm" and shm_enabled():
             base = f"/dev/shm/lamina-{os.getpid()}-{self.index}"
             self._rings = (ShmRing(base + "-c2m", RING_BYTES, create=True),
                            ShmRing(base + "-m2c", RING_BYTES, create=True))
@@ -101,6 +111,22 @@ class MemoryWorker:
         return {"error": s and s.error, "steps": s.steps if s else 0,
                 "bad_seqs": list(s.bad_seqs) if s else [],
                 "sched_batch": getattr(self, "sched_batch", False)}
+
+    def accept_rdma(self, peer: dict) -> None:
+        """The compute worker's RDMA endpoint: this end's queue pair to RTS, then serve."""
+        from lamina.dataplane.rdma import RdmaEndpoint
+
+        self._verbs.connect(RdmaEndpoint.from_wire(peer))
+        self._peer.set()
+
+    def _serve_rdma(self):
+        from lamina.dataplane.rdma import RdmaChannel
+
+        self.sched_batch = batch_policy()
+        self._peer.wait()
+        self.server = MemoryServer(self.memory, self.params, RdmaChannel(self._verbs),
+                                   f"memory worker {self.index}", tracer=self.tracer)
+        self.server.serve()
 
     def _serve(self):
         self.sched_batch = batch_policy()

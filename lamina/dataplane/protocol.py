@@ -45,7 +45,7 @@ from lamina.compute.memory_link import MemoryLink, combine
 from lamina.compute.packing import WorkerPart
 from lamina.dataplane.paths import ComputePaths, memory_native, worker_spans
 from lamina.dataplane.tables import HeldTables, SentTables, TableError
-from lamina.dataplane.transport import FrameError, PeerTimeout, SocketChannel
+from lamina.dataplane.transport import Channel, FrameError, PeerTimeout, SocketChannel
 from lamina.engine.messages import DroppedKeys
 from lamina.errors import SequenceFault
 from lamina.kernels import SlotBatch
@@ -191,9 +191,12 @@ class SocketLink(MemoryLink):
     each layer takes (C++ or Python, one frame or three) is `lamina.dataplane.paths`'
     choice; `native` and `one_frame` only allow or forbid paths."""
 
-    def __init__(self, channels: list[SocketChannel], one_frame: bool = True,
+    def __init__(self, channels: list[Channel], one_frame: bool = True,
                  native: bool = True):
         self.channels = channels
+        # the C++ ends read sockets and shared-memory rings: other channels (RDMA) take
+        # the Python end, which speaks the same frames
+        native = native and all(isinstance(ch, SocketChannel) for ch in channels)
         self.paths = ComputePaths.choose(native, one_frame)
         self._ext = self.paths.ext
         self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
@@ -244,7 +247,7 @@ class SocketLink(MemoryLink):
     def _recv_spans(self, mb, merge):
         """(starts, ends) when a layer's outputs come back through C++, else None."""
         spans = self._spans[mb] if self._ext else None
-        buffered = any(ch.buffered() for ch in self.channels)
+        buffered = spans is not None and any(ch.buffered() for ch in self.channels)
         return spans if self.paths.recv_native(spans, merge, buffered) else None
 
     def submit(self, layer, mb, q, k, v, parts):
@@ -315,7 +318,7 @@ class MemoryServer:
     closes. A malformed frame or a failed step ends it with `error` set (the peer then
     sees the channel close and fails its step); `steps` counts completed steps."""
 
-    def __init__(self, memory: MemorySide, params: list, ch: SocketChannel,
+    def __init__(self, memory: MemorySide, params: list, ch: Channel,
                  name: str = "memory worker", native: bool = True,
                  tracer: Tracer | None = None):
         self.memory, self.params, self.ch, self.name = memory, list(params), ch, name
@@ -329,7 +332,7 @@ class MemoryServer:
         self.bad_seqs: tuple[int, ...] = ()  # the sequences a failed step was blamed on
         # Steps of one micro-batch run their layers in C++ (`serve_step`, GIL released)
         # where `paths.memory_native` allows; else this file's Python loop does.
-        self._native = memory_native(memory, native)
+        self._native = memory_native(memory, native and isinstance(ch, SocketChannel))
         if self._native is not None:
             self._layers = self._native.MemoryLayers()
             pools = [memory.pool.layer(i) for i in range(len(self.params))]

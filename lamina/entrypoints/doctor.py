@@ -10,7 +10,8 @@ Transports, as the Ray executor chooses them for a compute / memory worker pair
 (`lamina.cluster.executor.transport` logs the one each pair uses): co-located workers
 talk over a Unix socket with their payloads in shared memory (`unix+shm`), or the socket
 alone (`unix`, with `LAMINA_SHM=0` or no /dev/shm); workers on other hosts over `tcp`.
-`rdma` (the paper's production transport) is reported with what it would need.
+`rdma` (the paper's production transport: `lamina.dataplane.rdma`) is used between
+hosts where both have a device and pyverbs; else it is reported with what it lacks.
 """
 from __future__ import annotations
 
@@ -49,15 +50,13 @@ def transports(sysfs: Path = RDMA_SYSFS) -> list[Check]:
 
 
 def rdma(sysfs: Path = RDMA_SYSFS) -> Check:
-    """RDMA: a device, pyverbs, and a transport that uses them."""
-    devices = sorted(p.name for p in sysfs.iterdir()) if sysfs.is_dir() else []
-    pyverbs = importlib.util.find_spec("pyverbs") is not None
-    parts = [f"devices: {', '.join(devices)}" if devices else
-             f"no RDMA device ({sysfs} is {'empty' if sysfs.is_dir() else 'absent'})",
-             "pyverbs installed" if pyverbs else "pyverbs not installed (its PyPI "
-             "source builds rdma-core: cmake and a C toolchain)",
-             "this version has no RDMA channel yet: tcp is used between hosts"]
-    return Check("transport rdma", False, "; ".join(parts))
+    """RDMA (`lamina.dataplane.rdma`): a device and pyverbs (`pip install lamina[rdma]`)."""
+    from lamina.dataplane.rdma import probe
+
+    s = probe(sysfs)
+    if s.ok:
+        return Check("transport rdma", True, f"workers on different hosts: {s.why}")
+    return Check("transport rdma", False, f"{s.why}: tcp is used between hosts")
 
 
 def kernels() -> list[Check]:

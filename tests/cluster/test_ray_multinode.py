@@ -155,6 +155,9 @@ def test_workers_on_their_nodes_over_tcp_greedy_equals_hf(cluster, prompts, hf_g
     memory_nodes = sorted(set(ids) - {cluster["head"]})
     assert sorted(ex.nodes["memory"]) == memory_nodes  # SPREAD: one on each
     assert all(t.startswith("tcp ") for t in ex.transports), ex.transports
+    # chosen for a reason that names what RDMA lacks on these hosts
+    assert all(c.kind == "tcp" and c.why.startswith("different nodes; not RDMA: ")
+               for c in ex.transport_choices), ex.transport_choices
     if nets is not None:  # across the veth links, to each namespace's own IP
         hosts = sorted(t.split()[1].rpartition(":")[0] for t in ex.transports)
         assert hosts == [nets.ip(1), nets.ip(2)], ex.transports

@@ -18,15 +18,25 @@ def test_shared_memory_transport_follows_lamina_shm(monkeypatch, tmp_path):
     assert by_name(doctor.transports(tmp_path))["transport unix+shm"].ok
 
 
-def test_rdma_names_its_devices_or_their_absence(tmp_path):
+def test_rdma_names_its_devices_or_their_absence(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pyverbs" else real(name, *a))
     gone = doctor.rdma(tmp_path / "infiniband")
     assert not gone.ok and "no RDMA device" in gone.why and "absent" in gone.why
+    assert gone.why.endswith(": tcp is used between hosts")
     (tmp_path / "infiniband").mkdir()
     assert "is empty" in doctor.rdma(tmp_path / "infiniband").why
     (tmp_path / "infiniband" / "mlx5_0").mkdir()
+    # a device alone is not a transport: pyverbs drives it
     found = doctor.rdma(tmp_path / "infiniband")
-    # a device alone is not a transport: this version has no RDMA channel
-    assert not found.ok and "devices: mlx5_0" in found.why and "no RDMA channel" in found.why
+    assert not found.ok and found.why.startswith("pyverbs not installed")
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "pyverbs" else real(name, *a))
+    ok = doctor.rdma(tmp_path / "infiniband")
+    assert ok.ok and ok.why == "workers on different hosts: devices mlx5_0, pyverbs installed"
 
 
 def test_doctor_command_prints_every_check(capsys):
