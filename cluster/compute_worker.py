@@ -74,6 +74,7 @@ class ComputeWorkerSpec:
     # through pinned host buffers
     compute_device: str = "cpu"
     graph_tokens: int = 0  # decode steps replayed as CUDA graphs up to this size (0: none)
+    stream_groups: int = 1  # q/k/v streamed in this many groups a layer (SocketLink)
 
 
 @ray.remote
@@ -82,6 +83,7 @@ class ComputeWorker:
         # Steps use `threads`, or `wide_threads` where the memory workers sit idle during
         # the dense part (see `step_threads`).
         self.threads, self.wide_threads = spec.threads, spec.wide_threads or spec.threads
+        self.stream_groups = spec.stream_groups
         torch.set_num_threads(spec.threads)
         self.loaded = load(spec.model, dtype=spec.dtype, with_tokenizer=False)
         self._model = spec.model
@@ -205,7 +207,7 @@ class ComputeWorker:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         t = time.perf_counter()
-        result = self.compute.run(plan, SocketLink(self.channels))
+        result = self.compute.run(plan, SocketLink(self.channels, stream=self.stream_groups))
         result.timings["threads"] = n
         result.timings["worker_s"] = time.perf_counter() - t  # the step inside the actor
         return result

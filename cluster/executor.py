@@ -136,7 +136,7 @@ class RayExecutor(Executor):
                                                config.dense_backend, config.max_batch,
                                                config.fuse_pointwise,
                                                "cuda" if compute_gpu else "cpu",
-                                               config.graph_tokens)
+                                               config.graph_tokens, config.stream_groups)
         self.threads, self.wide_threads, self.config = threads, pt, config
         # every worker's resources reserved at once, or a clear error in bounded time
         # placement group names are unique per cluster: one deployment, one name

@@ -102,9 +102,12 @@ class MemoryWorker:
 
     def start_trace(self) -> None:
         self.tracer.start()
+        if self.server is not None:  # its output sender's lane
+            self.server.send_tracer.start()
 
     def stop_trace(self) -> list:
-        return self.tracer.stop()
+        sends = self.server.send_tracer.stop() if self.server is not None else []
+        return self.tracer.stop() + sends
 
     def health(self) -> dict:
         s = self.server

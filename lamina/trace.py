@@ -10,7 +10,8 @@ both, its sending and its waiting as the two) and sampling (`sample`), and the
 attention of prompts it attends itself (`attend`); whoever runs a memory worker's
 attention (the
 local executor's link, a Ray memory worker's `MemoryServer`) records `attend` per layer
-and micro-batch on that worker's lane.
+and micro-batch on that worker's lane; a `MemoryServer`'s output sender records `send`
+on its own lane ("send0" for "memory0": it runs while the worker attends).
 Data out: `Span`s. Times are `time.perf_counter()` seconds, which on Linux is
 CLOCK_MONOTONIC: one clock for every process on a host, so lanes recorded in different
 processes (Ray workers) line up without any offset. `lamina.bench.pipeline` draws them
@@ -25,7 +26,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-KINDS = ("slice", "migrate", "submit", "wait", "sample", "attend")
+KINDS = ("slice", "migrate", "submit", "wait", "sample", "attend", "send")
 
 
 @dataclass(frozen=True)
@@ -103,13 +104,8 @@ def busy_fractions(spans: list[Span]) -> dict[str, float]:
 
 
 def _union(iv: list[tuple[float, float]]) -> float:
-    """Total length of sorted intervals' union."""
-    total, end = 0.0, float("-inf")
-    for a, b in iv:
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
+    """Total length of intervals' union."""
+    return sum(b - a for a, b in _merged(iv))
 
 
 def overlapping(spans: list[Span], slack: float = 0.0) -> list[tuple[Span, Span]]:
@@ -121,4 +117,46 @@ def overlapping(spans: list[Span], slack: float = 0.0) -> list[tuple[Span, Span]
         for a, b in zip(mine, mine[1:]):
             if b.t0 < a.t1 - slack:
                 out.append((a, b))
+    return out
+
+
+def hidden_fraction(spans: list[Span]) -> float | None:
+    """The share of data-plane time spent while a memory worker attends (paper 5.2's
+    communication-attention overlap): the compute side's q/k/v sends (`submit`) and the
+    memory workers' output sends (`send`), measured against the union of `attend`
+    spans on memory lanes. None when the spans hold no transfer."""
+    moves = _transfers(spans)
+    work = _merged([(s.t0, s.t1) for s in spans
+                    if s.kind == "attend" and s.lane.startswith("memory")])
+    total = sum(b - a for a, b in moves)
+    if total <= 0:
+        return None
+    hidden, j = 0.0, 0
+    for a, b in moves:  # both lists sorted and disjoint: one sweep
+        while j < len(work) and work[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(work) and work[k][0] < b:
+            hidden += min(b, work[k][1]) - max(a, work[k][0])
+            k += 1
+    return hidden / total
+
+
+def transfer_seconds(spans: list[Span]) -> float:
+    """Data-plane time: the union of q/k/v sends (`submit`) and output sends (`send`)."""
+    return sum(b - a for a, b in _transfers(spans))
+
+
+def _transfers(spans: list[Span]) -> list[tuple[float, float]]:
+    return _merged([(s.t0, s.t1) for s in spans if s.kind in ("submit", "send")])
+
+
+def _merged(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals as their sorted, disjoint union."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
     return out

@@ -43,7 +43,11 @@ MODES = {"none": ("none", 1), "rotational": ("rotational", 1),
 def decode_case(llm, batch: int, context: int, mode: str, steps: int = 4,
                 seed: int = 0) -> dict:
     """`batch` sequences of `context` prompt tokens decoding under pipeline `mode`:
-    tokens/s over `steps` timed decode steps, busy fractions, and the spans."""
+    tokens/s over `steps` timed decode steps, busy fractions, and the spans. Every
+    timed step decodes all `batch` sequences: the first prompts' sequences decode while
+    the last are prefilled, so their token budget covers the whole prefill (a smaller
+    one let them finish before the timed steps, which then ran short batches); a timed
+    step with fewer is an error, not a number."""
     from lamina import SamplingParams
 
     eng = llm.engine
@@ -52,7 +56,8 @@ def decode_case(llm, batch: int, context: int, mode: str, steps: int = 4,
         assert replicas == 1 == eng.config.num_compute_workers
         eng.config = replace(eng.config, pipeline=pipeline)
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True)
+    chunks = -(-batch * context // eng.config.max_step_tokens)  # prefill steps, at least
+    params = SamplingParams(max_tokens=chunks + steps + 8, temperature=0, ignore_eos=True)
     ids = [eng.add_request([rng.randrange(1000, 20000) for _ in range(context)], params)
            for _ in range(batch)]
     while any(not s.output for s in eng.scheduler.running) or eng.scheduler.waiting:
@@ -64,11 +69,20 @@ def decode_case(llm, batch: int, context: int, mode: str, steps: int = 4,
         eng.step()
     seconds = time.perf_counter() - t0
     spans = llm.executor.stop_trace()
+    short = [t["seqs"] for t in list(eng.step_timings)[-steps:] if t["seqs"] != batch]
     for rid in ids:
         eng.abort(rid)
+    if short:
+        raise RuntimeError(f"B={batch}, context {context}, {mode}: timed steps decoded "
+                           f"{short} sequences, not {batch}")
     return {"batch": batch, "context": context, "mode": mode, "steps": steps,
             "tok_s": batch * steps / seconds, "busy": busy_fractions(spans),
             "spans": spans}
+
+
+def _spare(batches, context: int, steps: int) -> int:
+    """Slots a sequence needs past its prompt in `decode_case` (max_step_tokens 4096)."""
+    return -(-max(batches) * context // 4096) + steps + 8
 
 
 def predicted_tok_s(costs, batch: int, context: int, mode: str, workers: int) -> float:
@@ -189,7 +203,7 @@ def bench_pipeline(model: str | None = None, batches=(8, 32, 64), contexts=(512,
 
     if executor != "local":  # replicas: local executor only
         modes = tuple(m for m in modes if MODES[m][1] == 1)
-    slots = max(batches) * (max(contexts) + steps + 8)
+    slots = max(batches) * (max(contexts) + _spare(batches, max(contexts), steps))
     kw = dict(executor=executor, num_memory_workers=num_memory_workers,
               num_kv_slots=slots // num_memory_workers + 64, prefix_caching=False,
               max_batch=max(batches), max_step_tokens=4096)
@@ -262,4 +276,49 @@ def _report(rows, shown, costs, modes, model, executor, workers, plot, out_dir) 
     jp, mp = _write(Path(out_dir), "pipeline", res, table)
     print("\n".join(" | ".join(r) for r in table))
     print(f"wrote {jp} and {mp}" + (f" and {res['plot']}" if plot else ""))
+    return res
+
+
+def bench_overlap(model: str | None = None, batches=(8, 32, 128), context: int = 512,
+                  groups=(1, 4), num_memory_workers: int = 1, steps: int = 4,
+                  out_dir: str | Path = "benchmarks/results") -> dict:
+    """Communication-attention overlap (paper 5.2, Fig. 16) on the Ray executor: decode
+    at each batch with each worker's q/k/v of a layer in `groups` groups (1: one frame,
+    the C++ data plane; > 1: streamed, `EngineConfig.stream_groups`), traced: tok/s,
+    the data-plane time per step (the union of q/k/v and output sends) and the share
+    of it hidden behind attention (`lamina.trace.hidden_fraction`)."""
+    from lamina import LLM
+    from lamina.trace import hidden_fraction, transfer_seconds
+
+    slots = max(batches) * (context + _spare(batches, context, steps))
+    rows = []
+    for g in groups:
+        llm = LLM(model, executor="ray", num_memory_workers=num_memory_workers,
+                  num_kv_slots=slots // num_memory_workers + 64, prefix_caching=False,
+                  max_batch=max(batches), max_step_tokens=4096, stream_groups=g)
+        try:
+            for b in batches:
+                r = decode_case(llm, b, context, "none", steps)
+                spans = r.pop("spans")
+                r.update(groups=g, hidden=hidden_fraction(spans),
+                         data_plane_ms=1e3 * transfer_seconds(spans) / steps)
+                rows.append(r)
+                print(f"B={b} groups={g}: {r['tok_s']:.1f} tok/s, data plane "
+                      f"{r['data_plane_ms']:.1f} ms/step, hidden {r['hidden'] or 0:.0%}",
+                      flush=True)
+        finally:
+            llm.shutdown()
+    rows.sort(key=lambda r: (r["batch"], r["groups"]))
+    base = {r["batch"]: r["tok_s"] for r in rows if r["groups"] == groups[0]}
+    table = [["B", "context", "groups", "tok/s", f"x groups {groups[0]}",
+              "data plane ms/step", "hidden behind attention"]]
+    for r in rows:
+        table.append([str(r["batch"]), str(context), str(r["groups"]), f"{r['tok_s']:.1f}",
+                      f"{r['tok_s'] / base[r['batch']]:.2f}", f"{r['data_plane_ms']:.1f}",
+                      f"{(r['hidden'] or 0):.0%}"])
+    res = {"model": model or "SmolLM2-135M-Instruct", "cpu": cpu_name(), "executor": "ray",
+           "num_memory_workers": num_memory_workers, "rows": rows}
+    jp, mp = _write(Path(out_dir), "overlap", res, table)
+    print("\n".join(" | ".join(r) for r in table))
+    print(f"wrote {jp} and {mp}")
     return res

@@ -24,6 +24,14 @@ O(batch x context). Then per layer and micro-batch, in the same order on both en
   three frames q [n, Hq, D], k [m, Hkv, D], v [m, Hkv, Dv] (m < n: some request's KV is
   split over workers, and its later rows' k/v live elsewhere);
 - back: [n, Hq, Dv + 1], the output with each row's log-sum-exp as the last column.
+When the count carries a stream width c > 1 (`STREAM_SHIFT`; paper 5.2's
+communication-attention overlap), every micro-batch whose worker stores the k/v of
+exactly its query rows goes as c q|k|v frames a layer instead of one, its requests cut
+into c contiguous groups of about equal rows (`stream_cuts`, computed alike on both
+ends), each answered by its own output frame: the memory end attends a group as soon
+as it has arrived, while the next is in flight, and its output goes back while the
+next group is attended. A request is never cut, and each row attends over all its
+keys in one call, so the outputs are exactly the unstreamed ones (no merge needed).
 After the last layer, when the count carries `DROPPED_FLAG`, one more frame back
 (layer `DROPPED`): the keys its h2o / snapkv sequences left out at every layer for good
 (`encode_dropped`), whose slots the engine then gives back.
@@ -33,6 +41,7 @@ a slice of one q|k|v buffer instead of gathering rows per worker.
 """
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
 import time
@@ -63,7 +72,9 @@ OVERRIDES_FLAG = 1 << 17
 # in the micro-batch count: after the step's last layer, send one DROPPED frame: the
 # keys h2o / snapkv left out at every layer for good (`encode_dropped`)
 DROPPED_FLAG = 1 << 18
-FLAGS = TIERS_FLAG | OVERRIDES_FLAG | DROPPED_FLAG
+# in the micro-batch count: bits 20..23 hold the stream width minus one (module docstring)
+STREAM_SHIFT, MAX_STREAM = 20, 16
+FLAGS = TIERS_FLAG | OVERRIDES_FLAG | DROPPED_FLAG | ((MAX_STREAM - 1) << STREAM_SHIFT)
 DROPPED = -2  # layer tag of that frame
 # What each connection's memory end holds, kept with the connection: a `SocketLink`
 # lives one step (the Ray compute worker makes one per step); a new channel starts empty.
@@ -163,8 +174,40 @@ def decode_dropped(frame: torch.Tensor, worker: int) -> list[DroppedKeys]:
     return out
 
 
+def stream_cuts(cu_q: torch.Tensor, width: int) -> list[tuple[int, int]]:
+    """A micro-batch's requests (query offsets `cu_q` [B+1]) as <= `width` contiguous
+    groups of about equal query rows -> [(first request, past the last)], none empty;
+    both ends of a streamed step compute it from the same `cu_q`."""
+    cu = cu_q.tolist()
+    b_n, n = len(cu) - 1, cu[-1]
+    cuts = [0]
+    for c in range(1, width):
+        r = bisect.bisect_left(cu, -(-n * c // width))  # first request at or past it
+        if cuts[-1] < r < b_n:
+            cuts.append(r)
+    return list(zip(cuts, cuts[1:] + [b_n])) if b_n else []
+
+
+def sub_batch(b: SlotBatch, first: int, end: int) -> SlotBatch:
+    """Requests first..end-1 of `b` as a batch of their own (offsets rebased)."""
+    q0, q1, k0, k1 = (int(x) for x in (b.cu_q[first], b.cu_q[end], b.cu_k[first],
+                                       b.cu_k[end]))
+    return SlotBatch(b.cu_q[first:end + 1] - q0, b.q_pos[q0:q1], b.slots[k0:k1],
+                     b.cu_k[first:end + 1] - k0, b.k_pos0[first:end])
+
+
+def streamed(batch: SlotBatch, new_rows: int, width: int) -> list[tuple[int, int]] | None:
+    """A micro-batch's groups when it is streamed (`stream_cuts`), else None: streamed
+    where the width is > 1 and the worker stores the k/v of exactly its query rows
+    (one q|k|v frame a group)."""
+    if width > 1 and new_rows == batch.num_queries and batch.num_requests:
+        return stream_cuts(batch.cu_q, width)
+    return None
+
+
 def step_meta(live: list[WorkerPart], held: SentTables, tiers: bool = False,
-              overrides: bool = False, dropped: bool = False) -> list[torch.Tensor]:
+              overrides: bool = False, dropped: bool = False,
+              stream: int = 1) -> list[torch.Tensor]:
     """One memory worker's META frames of a step (see the module docstring): its parts
     in the step's micro-batches, slots as diffs against what `held` says it holds;
     `tiers` / `overrides`: a tier-order / an override frame will follow the released one
@@ -173,7 +216,7 @@ def step_meta(live: list[WorkerPart], held: SentTables, tiers: bool = False,
     if len(ids) != sum(p.batch.num_requests for p in live):
         ids = []  # parts built without sequence ids (probes)
     flags = ((TIERS_FLAG if tiers else 0) | (OVERRIDES_FLAG if overrides else 0)
-             | (DROPPED_FLAG if dropped else 0))
+             | (DROPPED_FLAG if dropped else 0) | ((stream - 1) << STREAM_SHIFT))
     frames = [torch.tensor([len(live) | flags, *ids], dtype=torch.int32),
               torch.tensor(held.take_released(), dtype=torch.int32)]
     at = 0
@@ -192,11 +235,16 @@ class SocketLink(MemoryLink):
     choice; `native` and `one_frame` only allow or forbid paths."""
 
     def __init__(self, channels: list[Channel], one_frame: bool = True,
-                 native: bool = True):
+                 native: bool = True, stream: int = 1):
         self.channels = channels
+        if not 1 <= stream <= MAX_STREAM:
+            raise ValueError(f"stream width must be 1..{MAX_STREAM}, got {stream}")
+        # streamed steps send q|k|v groups, one frame each (the Python end)
+        self.stream = stream if one_frame else 1
         # the C++ ends read sockets and shared-memory rings: other channels (RDMA) take
         # the Python end, which speaks the same frames
-        native = native and all(isinstance(ch, SocketChannel) for ch in channels)
+        native = (native and self.stream == 1
+                  and all(isinstance(ch, SocketChannel) for ch in channels))
         self.paths = ComputePaths.choose(native, one_frame)
         self._ext = self.paths.ext
         self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
@@ -209,6 +257,12 @@ class SocketLink(MemoryLink):
             self._peers = _peers(self._ext, self.channels)
             self._spans = [worker_spans(p) for p in parts]
             self._rows = [self._layer_rows(sp, step) for sp in self._spans]
+        # per micro-batch and worker: its stream groups, or None (one frame). A step
+        # with requests that chose their own KV sparsity is not streamed (their policies
+        # select keys per layer over the whole batch).
+        width = 1 if overrides else self.stream
+        self._cuts = [[streamed(p.batch, p.new_slots.numel(), width) if p.active
+                       else None for p in mb] for mb in parts]
         for w, ch in enumerate(self.channels):
             held = sent_tables(ch)
             held.release(released)
@@ -216,7 +270,8 @@ class SocketLink(MemoryLink):
             tiers = encode_orders(o for o in tier_orders if o.worker == w)
             own = held.new_overrides(overrides or {}, [i for p in live for i in p.seq_ids])
             if live:
-                frames = step_meta(live, held, bool(tiers), bool(own), report_dropped)
+                frames = step_meta(live, held, bool(tiers), bool(own), report_dropped,
+                                   width)
                 if report_dropped:
                     self._report.append(w)
             elif held.pending or tiers:  # no rows: what to drop, tier orders (count 0)
@@ -256,6 +311,9 @@ class SocketLink(MemoryLink):
             rows.layer = layer
             _native_call(self._ext.submit_qkv, self._peers, self.channels, rows, q, k, v)
             return
+        if any(self._cuts[mb]):
+            self._submit_streamed(layer, mb, q, k, v, parts)
+            return
         # Every worker's frames are staged before any is woken, then the wake-ups go out
         # back to back: a woken worker can take this process's core (measured: the next
         # worker's gather then waited ~1 ms), so nothing else may sit between them.
@@ -272,6 +330,28 @@ class SocketLink(MemoryLink):
             staged.append((ch, ch.stage([(t, layer, self.step) for t in ts])))
         for ch, views in staged:
             ch.flush(views)
+
+    def _submit_streamed(self, layer, mb, q, k, v, parts):
+        """q|k|v group by group (`stream_cuts`): round g sends every streamed worker's
+        g-th group (staged first, woken back to back), so a worker attends group g while
+        g + 1 is on its way; unstreamed workers get their frames in round 0."""
+        qkv = fuse_qkv(q, k, v)  # [N, F]
+        cuts = self._cuts[mb]
+        for g in range(max(len(c) for c in cuts if c)):
+            staged = []
+            for ch, p, cut in zip(self.channels, parts, cuts):
+                if not p.active or (cut is None and g) or (cut is not None and g >= len(cut)):
+                    continue
+                if cut is None:
+                    ts = ((p.take_rows(qkv),) if self.paths.send_one_frame(p, q, k, v)
+                          else p.take(q, k, v))
+                else:
+                    a, e = cut[g]
+                    cu = p.batch.cu_q
+                    ts = (p.take_rows(qkv)[int(cu[a]):int(cu[e])],)
+                staged.append((ch, ch.stage([(t, layer, self.step) for t in ts])))
+            for ch, views in staged:
+                ch.flush(views)
 
     def exchange(self, layer, mb, q, k, v, parts, out_shape, dtype, merge=False):
         """`submit` then `collect` as one C++ call where both would take the C++ path;
@@ -294,12 +374,15 @@ class SocketLink(MemoryLink):
             _native_call(self._ext.collect_o, self._peers, self.channels, rows, o)
             return o
         outs = []
-        for ch, p in zip(self.channels, parts):
+        for ch, p, cut in zip(self.channels, parts, self._cuts[mb]):
             if not p.active:
                 outs.append(None)
                 continue
-            ol = ch.recv(expect_layer=layer, expect_step=self.step,
-                         expect_shape=(p.rows.numel(), hq, dv + 1))[0]  # o | lse
+            sizes = ([p.rows.numel()] if cut is None else
+                     [int(p.batch.cu_q[e] - p.batch.cu_q[a]) for a, e in cut])
+            ol = [ch.recv(expect_layer=layer, expect_step=self.step,
+                          expect_shape=(n_g, hq, dv + 1))[0] for n_g in sizes]  # o | lse
+            ol = ol[0] if len(ol) == 1 else torch.cat(ol)
             outs.append((ol[..., :dv], ol[..., dv].float()))
         return combine(parts, outs, out_shape, dtype, merge)
 
@@ -325,6 +408,8 @@ class MemoryServer:
         # this worker's timeline (`lamina.trace`): attention per layer and micro-batch
         # (the C++ step loop returns each layer's times)
         self.tracer = tracer or Tracer("memory0")
+        # its output sender's lane ("send0": outputs going back while it attends)
+        self.send_tracer = Tracer(self.tracer.lane.replace("memory", "send"))
         cfg = memory.pool.config
         self.kv_shape = (cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim)
         self.steps, self.native_steps, self.error = 0, 0, None
@@ -366,8 +451,10 @@ class MemoryServer:
     def _send_loop(self):
         try:
             while (item := self._out.get()) is not None:
+                t = time.perf_counter()
                 with self._lock:
                     self.ch.send(*item)
+                self.send_tracer.record("send", item[1], t, step=item[2])
         except OSError as e:
             self.error = self.error or f"{self.name}: send failed: {e}"
         finally:
@@ -381,6 +468,7 @@ class MemoryServer:
         count = int(head[0]) if head.dim() == 1 and head.numel() else -1
         tiers, own, report = (count > 0 and bool(count & f)
                               for f in (TIERS_FLAG, OVERRIDES_FLAG, DROPPED_FLAG))
+        width = ((count >> STREAM_SHIFT) & (MAX_STREAM - 1)) + 1 if count > 0 else 1
         count = count & ~FLAGS
         if not 0 <= count <= MAX_MICRO_BATCHES or (count == 0 and head.numel() > 1):
             raise FrameError(f"step {step}: bad micro-batch count frame {head.tolist()[:4]}")
@@ -422,21 +510,39 @@ class MemoryServer:
         loading = self.memory.tiers is not None and self.memory.tiers.loading
         sparse = self.memory.sparsity is not None and self.memory.sparsity.active
         if (self._native is not None and len(mbs) == 1 and not loading and not sparse
-                and not report):
+                and not report and width == 1):
             self._serve_native(step, *mbs[0][:2])
             return True  # (a step with tier loads copies them layer by layer, below)
+        # per micro-batch: its groups (a streamed one's, else the whole), each as
+        # (new_slots, batch, sequences)
+        groups = [self._groups(new_slots, batch, seqs, width)
+                  for new_slots, batch, seqs in mbs]
+        queued = len(mbs) + (width > 1)  # outputs go out on the send thread
         for layer, params in enumerate(self.params):
-            for j, (new_slots, batch, seqs) in enumerate(mbs):
-                q, k, v = self._recv_qkv(layer, step, batch.num_queries, new_slots.numel())
-                t = time.perf_counter()
-                o, lse = self.memory.attend(layer, params, q, k, v, new_slots, batch,
-                                            checked=True, seq_ids=seqs)
-                self.tracer.record("attend", layer, t, mb=j)
-                frame = (torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step)
-                self._send(frame, len(mbs))
+            for j, mine in enumerate(groups):
+                for new_slots, batch, seqs in mine:
+                    q, k, v = self._recv_qkv(layer, step, batch.num_queries,
+                                             new_slots.numel())
+                    t = time.perf_counter()
+                    o, lse = self.memory.attend(layer, params, q, k, v, new_slots, batch,
+                                                checked=True, seq_ids=seqs)
+                    self.tracer.record("attend", layer, t, mb=j)
+                    frame = (torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step)
+                    self._send(frame, queued)
         if report:  # after the outputs, in order
-            self._send((encode_dropped(self.memory.take_dropped()), DROPPED, step), len(mbs))
+            self._send((encode_dropped(self.memory.take_dropped()), DROPPED, step), queued)
         return True
+
+    @staticmethod
+    def _groups(new_slots, batch: SlotBatch, seqs: tuple, width: int) -> list[tuple]:
+        """A micro-batch's stream groups as (new_slots, batch, sequences) each; one
+        group, itself, where it is not streamed (`streamed`)."""
+        cuts = streamed(batch, new_slots.numel(), width)
+        if cuts is None:
+            return [(new_slots, batch, seqs)]
+        cu = batch.cu_q.tolist()
+        return [(new_slots[cu[a]:cu[e]], sub_batch(batch, a, e), seqs[a:e] if seqs else ())
+                for a, e in cuts]
 
     def _send(self, frame, mbs: int) -> None:
         if mbs == 1:  # the peer reads it before it sends more: no deadlock

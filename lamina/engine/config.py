@@ -60,6 +60,11 @@ class EngineConfig:
     seed: int = 0  # seeds requests that bring no seed of their own
     pipeline: str = "none"  # "none" | "rotational" | "fixed" | "auto" (see PIPELINES)
     split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
+    # Ray executor: each memory worker's q/k/v of a layer go as this many groups of its
+    # requests, each attended as it arrives while the rest is in flight, each output
+    # sent back while the next is attended (paper 5.2's communication-attention overlap;
+    # lamina/dataplane/protocol.py). 1: one frame (the C++ data plane's path).
+    stream_groups: int = 1
     max_recoveries: int = 3  # failed steps in a row the executor may recover from (0: none)
     worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
     # Ray executor: the compute worker answering no step for this long is hung (it is
@@ -237,3 +242,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
                              f"got {self.pipeline!r}")
         self._check_pipeline()
+        g = self.stream_groups
+        if not isinstance(g, int) or isinstance(g, bool) or not 1 <= g <= 16:
+            raise ValueError(f"EngineConfig.stream_groups must be an int in 1..16, got {g!r}")
+        if g > 1 and self.kv_sparsity != "dense":
+            raise ValueError(f"EngineConfig: stream_groups={g} streams q/k/v by groups of "
+                             f"requests, which kv_sparsity={self.kv_sparsity!r}'s per-layer "
+                             f"selection does not follow: use stream_groups=1")

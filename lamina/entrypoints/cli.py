@@ -241,6 +241,16 @@ def cmd_bench(args) -> int:
                 sizes[k] = tuple(v) if isinstance(v, list) else v
         bench_kv_sparsity(args.model, docs=args.docs, out_dir=args.out, **sizes)
         return 0
+    if args.name == "overlap":
+        from lamina.bench.pipeline import bench_overlap
+
+        kw = dict(batches=(4,), context=64, steps=2) if args.quick else {}
+        if args.batches:
+            kw["batches"] = tuple(args.batches)
+        if args.contexts:
+            kw["context"] = args.contexts[0]
+        bench_overlap(args.model, out_dir=args.out, **kw)
+        return 0
     if args.name == "pipeline":
         from lamina.bench.pipeline import bench_pipeline
 
@@ -490,7 +500,7 @@ def _bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="run a benchmark")
     b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "load", "ops",
                                     "plan", "multiturn", "kv-quality", "kv-sparsity",
-                                    "kv-capacity", "sim", "sim-scale", "pipeline"])
+                                    "kv-capacity", "sim", "sim-scale", "pipeline", "overlap"])
     b.add_argument("--model", default=None, help="split: model to split")
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")

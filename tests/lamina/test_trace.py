@@ -163,3 +163,19 @@ def test_predicted_decode_rate_follows_the_simulators_step():
     # context 10: remote 0.0012 a part; the replicas bind: 3 x 0.003 / 2 = 0.0045 (one
     # part's chain 0.0042, the memory side 0.0036): 2 x 0.0045 + 0.035 = 0.044 s
     assert predicted_tok_s(Costs(), 6, 10, "rotational3", 1) == pytest.approx(6 / 0.044)
+
+
+def test_decode_case_times_full_batches_when_prefill_takes_many_steps():
+    """4 prompts of 300 tokens at 512 tokens a step: the first sequences decode while
+    the last are prefilled; every timed step must still decode all 4 (decode_case
+    raises otherwise)."""
+    from lamina import LLM
+    from lamina.bench.pipeline import decode_case
+
+    llm = LLM(num_kv_slots=4 * 400, prefix_caching=False, max_step_tokens=512)
+    try:
+        r = decode_case(llm, 4, 300, "none", steps=4)
+        assert [t["seqs"] for t in list(llm.engine.step_timings)[-5:-1]] == [4] * 4
+        assert r["tok_s"] > 0
+    finally:
+        llm.shutdown()
