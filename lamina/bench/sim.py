@@ -103,14 +103,16 @@ def _attention_costs(sm, repeat: int) -> dict:
 
     spec = sm.attention_specs[0]
     hq, hkv, d, dv = spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
-    mem = MemorySide(KVPool(KVPoolConfig.for_specs(sm.attention_specs[:1], 40000)))
+    mem = MemorySide(KVPool(KVPoolConfig.for_specs(sm.attention_specs[:1], 80000)))
     torch.manual_seed(0)
     mem.pool.k.normal_()
     mem.pool.v.normal_()
     params = attention_params(spec)
     xs, ys = [], []
-    for B, ctx in ((4, 128), (16, 128), (16, 256), (16, 512), (32, 512)):
-        tables = scattered_tables([ctx] * B, 40000, seed=B)
+    # up to 65k keys a step (B=32 at 2048): a line fitted below 16k keys came out 20-35%
+    # under the kernel's time at 65k-131k (scratch probe, 2026-11-26)
+    for B, ctx in ((4, 128), (16, 128), (16, 512), (32, 512), (8, 2048), (32, 2048)):
+        tables = scattered_tables([ctx] * B, 80000, seed=B)
         batch = SlotBatch.decode(tables)
         new = torch.tensor([t[-1] for t in tables], dtype=torch.int32)
         q, k, v = torch.randn(B, hq, d), torch.randn(B, hkv, d), torch.randn(B, hkv, dv)
