@@ -56,7 +56,8 @@ def decode_case(llm, batch: int, context: int, mode: str, steps: int = 4,
         assert replicas == 1 == eng.config.num_compute_workers
         eng.config = replace(eng.config, pipeline=pipeline)
     rng = random.Random(seed)
-    chunks = -(-batch * context // eng.config.max_step_tokens)  # prefill steps, at least
+    # prefill steps: at most one per prompt, or its token count over the step budget
+    chunks = batch + -(-batch * context // eng.config.max_step_tokens)
     params = SamplingParams(max_tokens=chunks + steps + 8, temperature=0, ignore_eos=True)
     ids = [eng.add_request([rng.randrange(1000, 20000) for _ in range(context)], params)
            for _ in range(batch)]
@@ -82,7 +83,7 @@ def decode_case(llm, batch: int, context: int, mode: str, steps: int = 4,
 
 def _spare(batches, context: int, steps: int) -> int:
     """Slots a sequence needs past its prompt in `decode_case` (max_step_tokens 4096)."""
-    return -(-max(batches) * context // 4096) + steps + 8
+    return max(batches) + -(-max(batches) * context // 4096) + steps + 8
 
 
 def predicted_tok_s(costs, batch: int, context: int, mode: str, workers: int) -> float:

@@ -337,18 +337,18 @@ class SocketLink(MemoryLink):
         g + 1 is on its way; unstreamed workers get their frames in round 0."""
         qkv = fuse_qkv(q, k, v)  # [N, F]
         cuts = self._cuts[mb]
+        rows = [p.take_rows(qkv) if c else None for p, c in zip(parts, cuts)]  # [n_w, F]
         for g in range(max(len(c) for c in cuts if c)):
             staged = []
-            for ch, p, cut in zip(self.channels, parts, cuts):
+            for ch, p, cut, x in zip(self.channels, parts, cuts, rows):
                 if not p.active or (cut is None and g) or (cut is not None and g >= len(cut)):
                     continue
-                if cut is None:
+                if cut is None:  # unstreamed (KV split): its frames, in round 0
                     ts = ((p.take_rows(qkv),) if self.paths.send_one_frame(p, q, k, v)
                           else p.take(q, k, v))
                 else:
-                    a, e = cut[g]
                     cu = p.batch.cu_q
-                    ts = (p.take_rows(qkv)[int(cu[a]):int(cu[e])],)
+                    ts = (x[int(cu[cut[g][0]]):int(cu[cut[g][1]])],)
                 staged.append((ch, ch.stage([(t, layer, self.step) for t in ts])))
             for ch, views in staged:
                 ch.flush(views)
