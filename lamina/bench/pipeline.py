@@ -34,7 +34,7 @@ from lamina.bench.common import _write, cpu_name
 from lamina.trace import Span, busy_fractions, lane_order, lanes
 
 COLORS = {"slice": "tab:blue", "migrate": "tab:red", "submit": "tab:orange", "wait": "0.85",
-          "sample": "tab:purple", "attend": "tab:green"}
+          "sample": "tab:purple", "attend": "tab:green", "send": "tab:olive"}
 # bench mode -> (EngineConfig.pipeline, compute replicas)
 MODES = {"none": ("none", 1), "rotational": ("rotational", 1),
          "rotational3": ("rotational", 2), "fixed": ("fixed", 2)}
