@@ -209,9 +209,9 @@ class RayExecutor(Executor):
             there = self._get([w.__ray_call__.remote(lambda s: probe()) for w in far],
                               "the memory workers")
             for w, s in zip(far, there):
-                both = here.ok and s.ok
-                why = s.why if here.ok else f"compute node: {here.why}"
-                support[w] = RdmaSupport(both, s.devices, why if not both else s.why)
+                if s.ok and not here.ok:  # the memory node could, the compute node cannot
+                    s = RdmaSupport(False, s.devices, f"compute node: {here.why}")
+                support[w] = s
         near = RdmaSupport(False, (), "same node")
         return [choose_transport(n == node, shm_enabled(), support.get(w, near))
                 for w, n in zip(self.memory, nodes)]
