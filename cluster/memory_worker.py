@@ -125,14 +125,10 @@ class MemoryWorker:
     def _serve_rdma(self):
         from lamina.dataplane.rdma import RdmaChannel
 
-        self.sched_batch = batch_policy()
         self._peer.wait()
-        self.server = MemoryServer(self.memory, self.params, RdmaChannel(self._verbs),
-                                   f"memory worker {self.index}", tracer=self.tracer)
-        self.server.serve()
+        self._serve_on(RdmaChannel(self._verbs))
 
     def _serve(self):
-        self.sched_batch = batch_policy()
         conn = nodelay(self._srv.accept()[0])
         if self._rings:  # the compute worker mapped them before connecting
             c2m, m2c = self._rings
@@ -141,6 +137,11 @@ class MemoryWorker:
             ch = SocketChannel(conn, ring_out=m2c, ring_in=c2m)
         else:
             ch = SocketChannel(conn)
+        self._serve_on(ch)
+
+    def _serve_on(self, ch) -> None:
+        """Serve the compute worker's steps on `ch` until it closes."""
+        self.sched_batch = batch_policy()
         self.server = MemoryServer(self.memory, self.params, ch,
                                    f"memory worker {self.index}", tracer=self.tracer)
         self.server.serve()

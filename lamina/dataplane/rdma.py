@@ -50,6 +50,7 @@ from lamina.dataplane.transport import (
     check,
     encode,
     parse_header,
+    ring_place,
 )
 
 SYSFS = Path("/sys/class/infiniband")
@@ -57,19 +58,6 @@ SYSFS = Path("/sys/class/infiniband")
 RING_BYTES = int(os.environ.get("LAMINA_RDMA_RING_BYTES", 64 << 20))
 RECV_DEPTH = 256  # receive WRs kept posted (one per WRITE_WITH_IMM in flight)
 WIRE_VERSION = 1
-
-
-def ring_place(pos: int, n: int, cap: int) -> tuple[int, int]:
-    """Where a frame of n bytes goes in a ring of `cap` bytes whose cursor (bytes
-    written since the start, counting skipped tails) is `pos` -> (offset, cursor of the
-    frame's start). A frame that would not fit before the end starts over at 0: the
-    tail is skipped, so every frame is one contiguous run (one RDMA write)."""
-    if not 0 < n <= cap:
-        raise ValueError(f"a {n}-byte frame does not fit a {cap}-byte ring")
-    off = pos % cap
-    if off + n > cap:
-        return 0, pos + cap - off
-    return off, pos
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,20 @@ class Channel(ABC):
         pass
 
 
+def ring_place(pos: int, n: int, cap: int) -> tuple[int, int]:
+    """Where a frame of n bytes goes in a ring of `cap` bytes whose cursor (bytes
+    written since the start, counting skipped tails) is `pos` -> (offset, cursor of the
+    frame's start). A frame that would not fit before the end starts over at 0: the
+    tail is skipped, so every frame is one contiguous run (one copy, one RDMA write).
+    Shared-memory rings and RDMA rings place by it on both ends."""
+    if not 0 < n <= cap:
+        raise ValueError(f"a {n}-byte frame does not fit a {cap}-byte ring")
+    off = pos % cap
+    if off + n > cap:
+        return 0, pos + cap - off
+    return off, pos
+
+
 class ShmRing:
     """One direction of a shared-memory byte ring: a file in /dev/shm mapped by both
     processes. Layout: [consumed u64 | pad to 64][capacity bytes]. The writer appends
@@ -208,10 +222,7 @@ class ShmRing:
         return self.min_bytes <= nbytes <= self.cap // 2
 
     def _place(self, n: int) -> int:
-        off = self.pos % self.cap
-        if off + n > self.cap:  # no wrap inside a payload: jump to the start
-            self.pos += self.cap - off
-            off = 0
+        off, self.pos = ring_place(self.pos, n, self.cap)
         return off
 
     def write(self, t: torch.Tensor) -> None:

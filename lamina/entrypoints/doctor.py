@@ -21,9 +21,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lamina.dataplane.rdma import SYSFS, probe
 from lamina.dataplane.transport import shm_enabled
-
-RDMA_SYSFS = Path("/sys/class/infiniband")
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class Check:
     why: str
 
 
-def transports(sysfs: Path = RDMA_SYSFS) -> list[Check]:
+def transports(sysfs: Path = SYSFS) -> list[Check]:
     out = []
     if shm_enabled():
         out.append(Check("transport unix+shm", True, "co-located workers: a Unix socket "
@@ -49,10 +48,8 @@ def transports(sysfs: Path = RDMA_SYSFS) -> list[Check]:
     return out
 
 
-def rdma(sysfs: Path = RDMA_SYSFS) -> Check:
+def rdma(sysfs: Path = SYSFS) -> Check:
     """RDMA (`lamina.dataplane.rdma`): a device and pyverbs (`pip install lamina[rdma]`)."""
-    from lamina.dataplane.rdma import probe
-
     s = probe(sysfs)
     if s.ok:
         return Check("transport rdma", True, f"workers on different hosts: {s.why}")

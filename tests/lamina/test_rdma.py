@@ -20,9 +20,8 @@ from lamina.dataplane.rdma import (
     TransportChoice,
     choose_transport,
     probe,
-    ring_place,
 )
-from lamina.dataplane.transport import FrameError, PeerTimeout
+from lamina.dataplane.transport import FrameError, PeerTimeout, ring_place
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.executor.base import Executor
@@ -85,7 +84,7 @@ def test_a_sender_a_ring_ahead_waits_for_credit_then_times_out():
 def test_corrupt_or_unexpected_frames_are_refused_by_name():
     ca, cb, _, vb = channels()
     ca.send(torch.ones(8), 3, 7)
-    vb.recv_buf[0:4] = b"XXXX"  # the magic, overwritten in the receiver's ring
+    vb.recv_buf[0:4] = b"JUNK"  # the magic, overwritten in the receiver's ring
     with pytest.raises(FrameError, match="bad magic"):
         cb.recv()
     ca2, cb2, _, vb2 = channels()
