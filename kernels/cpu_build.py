@@ -1,7 +1,8 @@
 """Build (once) and load the C++/OpenMP CPU extension: the kernel in
-`csrc/slot_attention.cpp`, the data plane's C++ ends in `csrc/dataplane.cpp` (whose
-memory end calls the kernel), the dense slices' fused pointwise ops in
-`csrc/pointwise.cpp`, all bound to Python by `csrc/bindings.cpp` alone.
+`csrc/slot_attention.cpp`, topk's page selection in `csrc/page_select.cpp`, the data
+plane's C++ ends in `csrc/dataplane.cpp` (whose memory end calls the kernel), the dense
+slices' fused pointwise ops in `csrc/pointwise.cpp`, all bound to Python by
+`csrc/bindings.cpp` alone.
 
 Data in: the C++ sources beside this file. Data out: the loaded extension module, or a
 `KernelBuildError` saying why it could not be had. Builds go to
@@ -27,8 +28,8 @@ log = logging.getLogger("lamina.kernels")
 CSRC = Path(__file__).parent / "csrc"
 # the kernel, the data plane's C++ ends (lamina.dataplane.protocol), the pointwise ops,
 # and the one file that binds them
-SOURCES = (CSRC / "slot_attention.cpp", CSRC / "dataplane.cpp", CSRC / "pointwise.cpp",
-           CSRC / "bindings.cpp")
+SOURCES = (CSRC / "slot_attention.cpp", CSRC / "page_select.cpp", CSRC / "dataplane.cpp",
+           CSRC / "pointwise.cpp", CSRC / "bindings.cpp")
 HEADERS = (CSRC / "lamina_ext.h",)  # hashed into the build key with the sources
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 

@@ -1,6 +1,7 @@
 // The extension's Python bindings, and nothing else: the functions live in
-// slot_attention.cpp (the kernel, bandwidth probes), dataplane.cpp (the data plane's C++
-// ends) and pointwise.cpp (fused pointwise ops, row argmax); lamina_ext.h declares them.
+// slot_attention.cpp (the kernel, bandwidth probes), page_select.cpp (topk's pages),
+// dataplane.cpp (the data plane's C++ ends) and pointwise.cpp (fused pointwise ops, row
+// argmax); lamina_ext.h declares them.
 #include <torch/extension.h>
 
 #include "lamina_ext.h"
@@ -14,6 +15,7 @@ void bind_attention(py::module& m) {
   m.def("read_sum", &read_sum, "streaming read of a float tensor");
   m.def("simd_paths", &simd_paths, "the SIMD paths compiled in");
   m.def("slot_scores", &slot_scores, "one query's logits against the keys at a slot list");
+  m.def("page_pick", &page_pick, "topk's pages for a step's decode rows (Quest bounds)");
   m.def("read_rows", &read_rows, "read the K/V rows of a slot list (bandwidth ceiling)");
 }
 

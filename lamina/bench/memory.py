@@ -225,8 +225,9 @@ def bench_kv_dtypes(B: int = 32, L: int = 8192, threads: int = 1, repeat: int = 
         name = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}[dt]
         per_tok = KVPoolConfig(**spec, dtype=name).bytes_per_slot
         read = per_tok
-        if frac:  # page bounds (fp32 min and max per page) stay beside the pool
-            bounds = 30 * 2 * HKV * D * 4 / 16
+        if frac:  # page bounds (min and max per page: fp32, or int8 rows over int8 pools:
+            # the codes and each kv head's fp32 scale) stay beside the pool
+            bounds = 30 * (2 * HKV * D + 4 * HKV if dt == "int8" else 2 * HKV * D * 4) / 16
             # rescoring reads the candidates' keys: half of a slot's bytes
             cand = int(rescore or 0) * int(frac) / 100 * per_tok / 2
             per_tok, read = per_tok + bounds, int(frac) / 100 * per_tok + bounds + cand

@@ -19,9 +19,10 @@ what its rows may select, the others may select any stored key again):
   positions); decode rows take the best-scored prompt keys and the recent window; a
   key left out once is evicted for good (the prompt is compressed once, as in SnapKV).
 - `topk` (Quest / HiSparse): pages of `page_size` keys summarized by their channel-wise
-  min and max; each decode row takes the pages whose bound on q.k is highest, plus the
-  sinks and the unfinished last page. With `rescore` r, the pages covering r x the
-  budget are candidates whose keys are scored exactly (`rescored`), the best kept.
+  min and max (int8 rows over int8 pools); each decode row takes the pages whose bound
+  on q.k is highest, plus the sinks and the unfinished last page (the step's rows in one
+  C++ call, `page_picks`). With `rescore` r, the pages covering r x the budget are
+  candidates whose keys are scored exactly (`rescored`), the best kept.
 - `swa` (ALISA's sparse window attention): the recent window, then the keys with the
   largest recent attention mass (a moving sum over about a window's steps).
 A row's selection is shared by its heads (the kernels take one key list per request).
@@ -68,8 +69,9 @@ from lamina.memory.sparsity_config import (  # noqa: F401 - the names callers im
     split_budget,
 )
 
-# topk's page bounds: fp32 (bf16 would halve what scoring reads, but torch's bf16
-# matrix-vector product on the CPU made the selection slower than the bytes it saved)
+# topk's page bounds over float pools: fp32 (int8 pools keep int8 rows, `quantize_bounds`,
+# which the C++ `page_pick` reads; bf16 would halve what scoring reads, but torch's bf16
+# matrix-vector product made the selection slower than the bytes it saved)
 BOUNDS_DTYPE = torch.float32
 
 
@@ -106,6 +108,33 @@ def page_bounds(keys: torch.Tensor, page: int) -> torch.Tensor:
     [:, 0] the min, [:, 1] the max."""
     kp = keys.float().unflatten(0, (-1, page))
     return torch.stack([kp.amin(dim=1), kp.amax(dim=1)], dim=1)
+
+
+def quantize_bounds(b: torch.Tensor) -> torch.Tensor:
+    """fp32 bounds [pages, 2, Hkv, D] -> int8 rows [pages, 2 Hkv D + 4 Hkv] (int8 pools
+    keep them so, a quarter of the bytes): the codes in the same layout, rounded outward
+    (the min down, the max up, so q- . min + q+ . max still bounds q.k from above), then
+    each kv head's fp32 scale, its largest |bound| / 126 (room for the outward step)."""
+    pages, _, hkv, _ = b.shape
+    s = (b.abs().amax(dim=(1, 3)) / 126).clamp(min=torch.finfo(torch.float32).tiny)
+    sb = s[:, None, :, None]
+    x = b / sb  # [pages, 2, Hkv, D]
+    codes = torch.stack([x[:, 0].floor(), x[:, 1].ceil()], 1)
+    # the division rounds: one more step out wherever the code lands inside its bound
+    codes[:, 0] -= (codes[:, 0] * sb[:, 0] > b[:, 0]).float()
+    codes[:, 1] += (codes[:, 1] * sb[:, 0] < b[:, 1]).float()
+    return torch.cat([codes.to(torch.int8).flatten(1),
+                      s.float().contiguous().view(torch.int8).reshape(pages, 4 * hkv)], 1)
+
+
+def dequantize_bounds(rows: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """`quantize_bounds`' int8 rows -> fp32 bounds [pages, 2, Hkv, D] (fp32: as they are)."""
+    if rows.dtype != torch.int8:
+        return rows
+    w = rows.shape[1] - 4 * num_kv_heads
+    s = rows[:, w:].contiguous().view(torch.float32)  # [pages, Hkv]
+    codes = rows[:, :w].float().unflatten(1, (2, num_kv_heads, -1))
+    return codes * s[:, None, :, None]
 
 
 def signed_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -150,6 +179,21 @@ def pick_pages(n: int, t: int, sinks: int, page: int, scores: torch.Tensor,
         parts.append((top[:, None] * page + np.arange(page)).ravel())
     parts.append(np.arange(done, n))
     return torch.from_numpy(np.concatenate(parts))
+
+
+def page_picks(rows: list[_TopkRow]) -> list[torch.Tensor]:
+    """Each topk row's key indices (int64, sorted) by `pick_pages`'s rule: all rows in one
+    C++ call where their bounds are on the CPU (ties to the earlier page), else row by
+    row in torch and NumPy."""
+    ext = _cpu_ext() if rows and all(r.bounds.device.type == "cpu" for r in rows) else None
+    if ext is None:
+        return [pick_pages(r.n, r.c, r.sinks, r.page, page_scores(
+            r.signed, dequantize_bounds(r.bounds, r.num_kv_heads)), r.recent) for r in rows]
+    sq = torch.stack([r.signed for r in rows]).float()  # [R, 2 Hkv D]
+    params = torch.tensor([[r.n, r.c, r.sinks, r.recent, r.page] for r in rows])
+    idx, cu = ext.page_pick(sq.contiguous(), [r.bounds.flatten(1) for r in rows], params)
+    ends = cu.tolist()
+    return [idx[ends[i]:ends[i + 1]] for i in range(len(rows))]
 
 
 def rescored(query: RowQuery, slots, n: int, t: int, sinks: int, recent: int,
@@ -214,6 +258,24 @@ class RowQuery:
     softcap: float = 0.0
 
 
+@dataclass(frozen=True)
+class _TopkRow:
+    """A topk decode row whose pages are picked with the step's other topk rows."""
+
+    st: _LayerState  # its layer state (takes the selection)
+    query: RowQuery
+    signed: torch.Tensor  # its `signed_queries` row [2 Hkv D]
+    num_kv_heads: int
+    slots: np.ndarray  # its table (int32 [n])
+    n: int
+    t: int  # its budget
+    c: int  # keys its pages may cover (> t: the candidates `rescored` chooses among)
+    sinks: int
+    recent: int
+    page: int
+    bounds: torch.Tensor  # [pages, 2, Hkv, D], int8 pools' rows (`Sparsifier._pages`)
+
+
 @dataclass
 class _LayerState:
     """One sequence's state at one layer (indices are key positions within the row)."""
@@ -225,7 +287,7 @@ class _LayerState:
     budget: int = 0  # this step's budget t
     picked: torch.Tensor | None = None  # this step's selection (None: all keys)
     page_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    bounds: torch.Tensor | None = None  # topk: [pages, 2, Hkv, D]
+    bounds: torch.Tensor | None = None  # topk: [pages, 2, Hkv, D] (int8 pools: int8 rows)
 
     def rebase(self, keep: torch.Tensor) -> None:
         """Keys given back: `keep` [old n] bool marks the survivors (their order kept)."""
@@ -377,43 +439,54 @@ class Sparsifier:
         pos0 = batch.k_pos0.tolist()
         table = batch.slots.cpu().numpy()  # per-row work in NumPy: a few us a call
         qpos = batch.q_pos.cpu().numpy()
-        tables, starts, cut = [], [], False
-        signed = None  # what topk's page bounds are scored against, all rows at once
-        for b in range(len(cu_q) - 1):
+        # the decode rows (one query) whose policy may cut them
+        nb = len(cu_q) - 1
+        pols = [self.policy(int(seq_ids[b])) if b < len(seq_ids) else self._base
+                for b in range(nb)]
+        rows = [b for b in range(min(nb, len(seq_ids)))
+                if cu_q[b + 1] - cu_q[b] == 1 and pols[b].config.enabled]
+        if not rows:
+            return None
+        qd = q[[cu_q[b] for b in rows]]  # [R, Hq, D]
+        # what topk's page bounds are scored against, all rows at once [R, 2 Hkv D]
+        sd = (signed_queries(qd, kp.shape[1]).unbind(0)
+              if any(pols[b].config.policy == "topk" for b in rows) else [None] * len(rows))
+        picks: dict[int, torch.Tensor] = {}  # batch entry -> its selected key indices
+        pending: list[_TopkRow] = []  # topk rows: their pages are picked all at once
+        pending_b: list[int] = []  # and their batch entries
+        for b, qrow, srow in zip(rows, qd.unbind(0), sd):
             slots = table[cu_k[b]:cu_k[b + 1]]
             n = len(slots)
-            idx = None
-            pol = self.policy(int(seq_ids[b])) if b < len(seq_ids) else self._base
-            if cu_q[b + 1] - cu_q[b] == 1 and b < len(seq_ids) and pol.config.enabled:
-                # the budget is of the row's context: the engine may have freed slots
-                # the policy will never select again, and the row then lists fewer keys
-                # than its context (streaming: its query's position + 1; h2o / snapkv:
-                # its keys and those given back)
-                ctx = n
-                if pol.config.policy == "streaming":
-                    ctx = int(qpos[cu_q[b]]) - pos0[b] + 1
-                elif pol.config.policy in SCORED:
-                    ctx = n + self._rebase(int(seq_ids[b]), slots, int(qpos[cu_q[b]]),
-                                           batch.slots)
-                t = row_budget(pol.config.budget, float(pol.shares[layer]), max(n, ctx))
-                qs = None
-                if pol.config.policy == "topk":
-                    if signed is None:
-                        signed = signed_queries(q, kp.shape[1])
-                    qs = signed[cu_q[b]]
-                idx = self._decode_row(layer, int(seq_ids[b]),
-                                       RowQuery(q[cu_q[b]], qs, scale, softcap),
-                                       slots, n, t, kp, key_scales, pol.config)
-            if idx is None:
-                tables.append(slots)
-                starts.append(pos0[b])
-                continue
-            tables.append(slots[idx.numpy()])
-            # the kernels read positions only for causality: the row's query sees them all
-            starts.append(int(qpos[cu_q[b]]) - len(idx) + 1)
-            cut = True
-        if not cut:
+            cfg = pols[b].config
+            # the budget is of the row's context: the engine may have freed slots the
+            # policy will never select again, and the row then lists fewer keys than its
+            # context (streaming: its query's position + 1; h2o / snapkv: its keys and
+            # those given back)
+            ctx = n
+            if cfg.policy == "streaming":
+                ctx = int(qpos[cu_q[b]]) - pos0[b] + 1
+            elif cfg.policy in SCORED:
+                ctx = n + self._rebase(int(seq_ids[b]), slots, int(qpos[cu_q[b]]),
+                                       batch.slots)
+            t = row_budget(cfg.budget, float(pols[b].shares[layer]), max(n, ctx))
+            got = self._decode_row(layer, int(seq_ids[b]),
+                                   RowQuery(qrow, srow if cfg.policy == "topk" else None,
+                                            scale, softcap), slots, n, t, kp, key_scales, cfg)
+            if isinstance(got, _TopkRow):
+                pending.append(got)
+                pending_b.append(b)
+            elif got is not None:
+                picks[b] = got
+        picks.update(zip(pending_b, self._topk(pending, kp, key_scales)))
+        if not picks:
             return None
+        tables, starts = [], []
+        for b in range(nb):
+            slots = table[cu_k[b]:cu_k[b + 1]]
+            sel = picks.get(b)
+            tables.append(slots if sel is None else slots[sel.numpy()])
+            # the kernels read positions only for causality: the row's query sees them all
+            starts.append(pos0[b] if sel is None else int(qpos[cu_q[b]]) - len(sel) + 1)
         dev = batch.slots.device
         cu = np.zeros(len(tables) + 1, np.int32)
         np.cumsum([len(t) for t in tables], out=cu[1:])
@@ -422,9 +495,10 @@ class Sparsifier:
                          torch.tensor(starts, dtype=torch.int32, device=dev))
 
     def _decode_row(self, layer: int, sid: int, query: RowQuery, slots, n: int, t: int,
-                    kp, key_scales, cfg: SparsityConfig) -> torch.Tensor | None:
+                    kp, key_scales, cfg: SparsityConfig) -> torch.Tensor | _TopkRow | None:
         """A decode row's selected key indices (None: all of them) into its table `slots`
-        (NumPy int32 [n]) under `cfg`."""
+        (NumPy int32 [n]) under `cfg`; a topk row's are picked later with the step's
+        other topk rows (`_topk`)."""
         pol = cfg.policy
         sinks, recent = split_budget(t, cfg.sinks, cfg.recent)
         if pol == "streaming":
@@ -435,14 +509,12 @@ class Sparsifier:
             return None
         if pol == "topk":
             bounds = self._pages(st, slots, n, kp, key_scales, cfg.page_size)
-            scores = page_scores(query.q if query.signed is None else query.signed, bounds)
             # with `rescore`, pages covering that multiple of t are the candidates
             c = min(n, math.ceil(cfg.rescore * t)) if cfg.rescore >= 1 else t
-            st.picked = pick_pages(n, c, sinks, cfg.page_size, scores, recent)
-            if c > t:
-                st.picked = rescored(query, slots, n, t, sinks, recent, st.picked, kp,
-                                     key_scales)
-            return st.picked
+            signed = (query.signed if query.signed is not None
+                      else signed_queries(query.q[None], kp.shape[1])[0])
+            return _TopkRow(st, query, signed, kp.shape[1], slots, n, t, c, sinks, recent,
+                            cfg.page_size or self.config.page_size, bounds)
         score = _grown(st.score, n)
         if pol == "snapkv":
             score[st.prompt:] = -math.inf  # after the prompt: only the recent window
@@ -454,6 +526,19 @@ class Sparsifier:
             ev[st.picked] = False
             st.evicted = ev
         return st.picked
+
+    @staticmethod
+    def _topk(rows: list[_TopkRow], kp, key_scales) -> list[torch.Tensor]:
+        """topk rows' selections: their pages (`page_picks`), then each rescored row's
+        best keys among its candidates (`rescored`)."""
+        out = []
+        for r, idx in zip(rows, page_picks(rows)):
+            if r.c > r.t:
+                idx = rescored(r.query, r.slots, r.n, r.t, r.sinks, r.recent, idx, kp,
+                               key_scales)
+            r.st.picked = idx
+            out.append(idx)
+        return out
 
     def _pages(self, st: _LayerState, slots, n: int, kp, key_scales, P: int | None = None):
         """topk's page bounds (pages of P keys; None: the deployment's page size) over
@@ -471,7 +556,7 @@ class Sparsifier:
             new = (page_bounds(_keys(kp, torch.from_numpy(slots[same * P:full * P]),
                                      key_scales), P)
                    if same < full else torch.zeros(0, 2, kp.shape[1], head_dim(kp)))
-            new = new.to(BOUNDS_DTYPE)
+            new = quantize_bounds(new) if is_quantized(kp) else new.to(BOUNDS_DTYPE)
             st.bounds = (torch.cat([st.bounds[:same], new]) if same and st.bounds is not None
                          else new)
             st.page_slots = want.copy()

@@ -68,10 +68,11 @@ def test_bench_cli_quick_runs_write_json_and_markdown(tmp_path):
                                              "int8 topk 20% rescore 3"]
     # SmolLM2's bytes per token: 30 layers x 3 kv heads x (K + V) x (64 x 4 B | 64 x 2 B |
     # 64 + a 4-byte scale); lines: aligned float rows, int8 K|V spans of 408 B; topk adds
-    # its page bounds: 30 layers x (min, max) x 3 x 64 fp32 per 16 tokens = 2880 B
+    # its page bounds per 16 tokens: 30 layers x (min, max) x 3 x 64 fp32 = 2880 B, or
+    # over int8 pools 30 x (2 x 3 x 64 codes + 3 x 4 B of scale) / 16 = 742.5 B
     assert [r["bytes_per_token"] for r in kv["rows"]] == [46080, 23040, 12240, 48960,
-                                                          48960, 15120, 15120, 48960,
-                                                          15120]
+                                                          48960, 12982.5, 12982.5, 48960,
+                                                          12982.5]
     assert [r["lines_per_key"] for r in kv["rows"]] == [24, 12, 7.25, 24, 24, 7.25, 7.25, 24,
                                                         7.25]
     assert kv["rows"][4]["read_per_token_vs_fp32"] == pytest.approx(0.1 + 2880 / 46080)
