@@ -132,6 +132,8 @@ class RayExecutor(Executor):
         self._c_opts, self._m_opts = {**c_opts, **env}, {**m_opts, **env}
         # recovery replaces a compute worker that does not answer a ping within this
         self.ping_timeout_s: float = RECOVER_TIMEOUT_S
+        # after a failed step, how long the memory workers get to report
+        self.health_timeout_s: float = HEALTH_TIMEOUT_S
         self._compute_spec = ComputeWorkerSpec(model, dtype, m, threads, pt,
                                                config.dense_backend, config.max_batch,
                                                config.fuse_pointwise,
@@ -324,11 +326,11 @@ class RayExecutor(Executor):
         bounded wait) -> (error texts, the sequences they blamed)."""
         errors, bad = [], []
         refs = [w.health.remote() for w in self.memory]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=HEALTH_TIMEOUT_S)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.health_timeout_s)
         for i, r in enumerate(refs):
             if r not in ready:
                 errors.append(f"memory worker {i} unreachable: no health answer in "
-                              f"{HEALTH_TIMEOUT_S} s")
+                              f"{self.health_timeout_s:g} s")
                 continue
             try:
                 h = ray.get(r)

@@ -263,7 +263,7 @@ def test_hung_compute_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
     eng, pick = llm.engine, [4, 11]
     ex = llm.executor
     ex.control.channel.set_timeout(3.0)  # EngineConfig.step_timeout_s for this one step
-    ex.ping_timeout_s = 5.0  # then recovery's ping finds it hung (default 30 s)
+    ex.ping_timeout_s = 3.0  # then recovery's ping finds it hung (default 30 s)
     before = len(eng.recoveries)
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
     eng.step()
@@ -276,11 +276,13 @@ def test_hung_compute_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
     assert ex.control.channel.sock.gettimeout() == eng.config.step_timeout_s  # reopened
 
 
-def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
+def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy, monkeypatch):
     """A memory worker that stops answering (SIGSTOP: alive, silent) fails the step after
     the worker timeout instead of blocking forever; it is then replaced like a dead one."""
     eng, pick = llm.engine, [1, 6]
     llm.executor.set_worker_timeout(3.0)
+    # how long the stopped worker's health answer is awaited (default 10 s)
+    monkeypatch.setattr(llm.executor, "health_timeout_s", 2.0)
     before = len(eng.recoveries)
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
     eng.step()

@@ -433,12 +433,19 @@ def test_budget_at_or_above_the_context_is_dense(smol, smol_split, prompts, hf_g
         assert done[rid].token_ids == hf_greedy[i], policies[i % 5]
 
 
-def test_rows_under_budget_stay_exact_beside_cut_ones(smol, smol_split, prompts, hf_greedy):
+@pytest.fixture(scope="module")
+def streaming96(smol, smol_split, prompts):
+    """Every prompt's greedy tokens on a deployment whose policy is streaming at 96
+    tokens keeping every slot (the reference three tests compare with)."""
+    return [o.token_ids for o in run(sparse_engine(smol, smol_split,
+                                                   SparsityConfig("streaming", 96)), prompts)]
+
+
+def test_rows_under_budget_stay_exact_beside_cut_ones(streaming96, prompts, hf_greedy):
     """A budget of 96 tokens: the prompts whose context never exceeds it decode exactly
     as HF while the long ones, in the same batches, attend to a selection (and their
     tokens change)."""
-    eng = sparse_engine(smol, smol_split, SparsityConfig("streaming", 96))
-    outs = [o.token_ids for o in run(eng, prompts)]
+    outs = streaming96
     short = [i for i, p in enumerate(prompts) if len(p) + HF_NEW <= 96]
     assert short and all(outs[i] == hf_greedy[i] for i in short)
     long = [i for i, p in enumerate(prompts) if len(p) >= 300]
@@ -526,13 +533,13 @@ def test_kv_override_wire_rows_and_checks():
                                                                        "pyramid", 0.25)
 
 
-def test_request_override_in_a_mixed_batch(smol, smol_split, prompts, hf_greedy):
+def test_request_override_in_a_mixed_batch(smol, smol_split, prompts, hf_greedy,
+                                          streaming96):
     """On a dense deployment, the even prompts ask for streaming at 96 tokens and the odd
     ones take the default, all in the same batches: the even ones decode exactly as on a
-    deployment whose policy is streaming at 96 (the same batches), the odd ones as HF.
-    A budget without a policy on a dense deployment is refused by name."""
-    want = [o.token_ids for o in run(
-        sparse_engine(smol, smol_split, SparsityConfig("streaming", 96)), prompts)]
+    deployment whose policy is streaming at 96, the odd ones as HF. A budget without a
+    policy on a dense deployment is refused by name."""
+    want = streaming96
     eng = sparse_engine(smol, smol_split, SparsityConfig())
     own = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True,
                          kv_sparsity="streaming", kv_budget=96)
@@ -560,7 +567,8 @@ def test_overrides_cross_a_connection_once():
     assert t.new_overrides(ov, [2, 1]) == [ov[1].encode(1)]
 
 
-def test_streaming_gives_back_slots_and_answers_as_keeping_them(smol, smol_split, prompts):
+def test_streaming_gives_back_slots_and_answers_as_keeping_them(smol, smol_split, prompts,
+                                                                streaming96):
     """streaming at 96 tokens: the scheduler gives back the slots of positions 4 up to
     the window (92 keys before the newest) once 64 or more can go, and the answers equal
     those of the same policy keeping every slot (the freed slots are reused for new
@@ -568,8 +576,7 @@ def test_streaming_gives_back_slots_and_answers_as_keeping_them(smol, smol_split
     would hold the prompts' slots until the pool needs them."""
     cfg = SparsityConfig("streaming", 96)
     kw = dict(kv_sparsity="streaming", kv_budget=96, prefix_caching=False)
-    keep = [o.token_ids for o in run(sparse_engine(smol, smol_split, cfg, kv_evict=False,
-                                                   **kw), prompts)]
+    keep = streaming96
     eng = sparse_engine(smol, smol_split, cfg, **kw)
     ids = [eng.add_request(p, GREEDY) for p in prompts]
     done = {}
