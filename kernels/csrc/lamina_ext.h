@@ -98,5 +98,5 @@ double read_sum(at::Tensor x);
 double read_rows(at::Tensor k, at::Tensor v, at::Tensor slots);
 // topk's pages for a step's decode rows (page_select.cpp): {key indices, row offsets}.
 std::vector<at::Tensor> page_pick(at::Tensor sq, std::vector<at::Tensor> bounds,
-                                  at::Tensor params);
+                                  at::Tensor params, c10::optional<at::Tensor> table);
 std::vector<std::string> simd_paths();

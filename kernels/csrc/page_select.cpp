@@ -6,9 +6,12 @@
 //   bounds[r] [pages_r, W] fp32: its pages' channel-wise min then max, the same layout;
 //     or, from int8 pools, int8 rows [pages_r, W + 4 Hkv]: those codes, then each kv
 //     head's fp32 scale (`quantize_bounds`);
-//   params [R, 5] int64: n (keys in the row), c (keys to pick), sinks, recent, page size P.
-// Data out: {idx int64 [sum of picks], cu int64 [R + 1]}: row r's key indices (sorted)
-// are idx[cu[r]:cu[r + 1]].
+//   params [R, 6] int64: n (keys in the row), c (keys to pick), sinks, recent, page size
+//     P, and where the row's n slots start in `table`;
+//   table [S] int32 (optional: empty for none): the step's slot tables, concatenated.
+// Data out: {idx int64 [sum of picks], cu int64 [R + 1], slots int32}: row r's key
+// indices (sorted) are idx[cu[r]:cu[r + 1]], and with a table their slots the same span
+// of slots (else slots is empty).
 //
 // The rule is `pick_pages`'s: the first page when there are sinks, the last pages covering
 // `recent` keys and the keys past the last summarized page, then the pages with the
@@ -252,15 +255,21 @@ void pick_row(const RowPlan& p, int64_t n, int64_t P, const float* sq, const Bou
 }  // namespace
 
 std::vector<at::Tensor> page_pick(at::Tensor sq, std::vector<at::Tensor> bounds,
-                                  at::Tensor params) {
+                                  at::Tensor params, c10::optional<at::Tensor> table_opt) {
   const int64_t R = static_cast<int64_t>(bounds.size());
   TORCH_CHECK(sq.dim() == 2 && sq.size(0) == R && sq.scalar_type() == at::kFloat &&
                   sq.is_contiguous() && sq.device().is_cpu(),
               "page_pick wants signed queries [R, W] fp32 contiguous on the CPU, R = ",
               R, " rows");
-  TORCH_CHECK(params.dim() == 2 && params.size(0) == R && params.size(1) == 5 &&
+  TORCH_CHECK(params.dim() == 2 && params.size(0) == R && params.size(1) == 6 &&
                   params.scalar_type() == at::kLong && params.is_contiguous(),
-              "page_pick wants params [R, 5] int64 (n, c, sinks, recent, page size)");
+              "page_pick wants params [R, 6] int64 (n, c, sinks, recent, page size, table "
+              "offset)");
+  const at::Tensor table = table_opt.has_value() ? *table_opt : at::empty({0}, at::kInt);
+  const bool gather = table.numel() > 0;
+  TORCH_CHECK(!gather || (table.dim() == 1 && table.scalar_type() == at::kInt &&
+                          table.is_contiguous() && table.device().is_cpu()),
+              "page_pick wants the step's slot table [S] int32 contiguous on the CPU");
   const int64_t W = sq.size(1);
   const int64_t* pr = params.data_ptr<int64_t>();
   std::vector<RowPlan> plans(R);
@@ -278,21 +287,29 @@ std::vector<at::Tensor> page_pick(at::Tensor sq, std::vector<at::Tensor> bounds,
                 W, " + 4 Hkv] int8 rows, contiguous on the CPU");
     rows[r] = Bounds{b.data_ptr(), b.size(1) * static_cast<int64_t>(b.element_size()),
                      extra / 4};
-    const int64_t* x = pr + 5 * r;
+    const int64_t* x = pr + 6 * r;
     TORCH_CHECK(x[0] >= 0 && x[1] >= 0 && x[2] >= 0 && x[3] >= 0 && x[4] >= 1 &&
-                    b.size(0) * x[4] <= x[0],
-                "page_pick: row ", r, " has bad params (n, c, sinks, recent, page) = (",
-                x[0], ", ", x[1], ", ", x[2], ", ", x[3], ", ", x[4], ") for ", b.size(0),
-                " pages");
+                    b.size(0) * x[4] <= x[0] &&
+                    (!gather || (x[5] >= 0 && x[5] + x[0] <= table.size(0))),
+                "page_pick: row ", r, " has bad params (n, c, sinks, recent, page, offset) = (",
+                x[0], ", ", x[1], ", ", x[2], ", ", x[3], ", ", x[4], ", ", x[5], ") for ",
+                b.size(0), " pages and a table of ", table.numel());
     plans[r] = plan_row(x[0], x[1], x[2], x[3], x[4], b.size(0));
     c[r + 1] = c[r] + picked(plans[r], x[0], x[4]);
   }
   auto idx = torch::empty({c[R]}, torch::kLong);
+  auto slots = torch::empty({gather ? c[R] : 0}, torch::kInt);
   int64_t* out = idx.data_ptr<int64_t>();
+  int32_t* so = slots.data_ptr<int32_t>();
   const float* s = sq.data_ptr<float>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      pick_row(plans[r], pr[5 * r], pr[5 * r + 4], s + r * W, rows[r], W, out + c[r]);
+    for (int64_t r = r0; r < r1; ++r) {
+      pick_row(plans[r], pr[6 * r], pr[6 * r + 4], s + r * W, rows[r], W, out + c[r]);
+      if (gather) {  // the picked keys' slots, the table the kernels attend with
+        const int32_t* t = table.data_ptr<int32_t>() + pr[6 * r + 5];
+        for (int64_t j = c[r]; j < c[r + 1]; ++j) so[j] = t[out[j]];
+      }
+    }
   });
-  return {idx, cu};
+  return {idx, cu, slots};
 }

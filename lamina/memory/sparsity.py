@@ -128,9 +128,10 @@ def quantize_bounds(b: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_bounds(rows: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """`quantize_bounds`' int8 rows -> fp32 bounds [pages, 2, Hkv, D] (fp32: as they are)."""
+    """Bounds rows as a layer state keeps them ([pages, 2 Hkv D] fp32, or
+    `quantize_bounds`' int8 rows) -> fp32 bounds [pages, 2, Hkv, D]."""
     if rows.dtype != torch.int8:
-        return rows
+        return rows.unflatten(1, (2, num_kv_heads, -1))
     w = rows.shape[1] - 4 * num_kv_heads
     s = rows[:, w:].contiguous().view(torch.float32)  # [pages, Hkv]
     codes = rows[:, :w].float().unflatten(1, (2, num_kv_heads, -1))
@@ -181,19 +182,27 @@ def pick_pages(n: int, t: int, sinks: int, page: int, scores: torch.Tensor,
     return torch.from_numpy(np.concatenate(parts))
 
 
-def page_picks(rows: list[_TopkRow]) -> list[torch.Tensor]:
-    """Each topk row's key indices (int64, sorted) by `pick_pages`'s rule: all rows in one
-    C++ call where their bounds are on the CPU (ties to the earlier page), else row by
-    row in torch and NumPy."""
+def page_picks(rows: list[_TopkRow], signed: torch.Tensor, table: np.ndarray
+               ) -> tuple[list[torch.Tensor], list[np.ndarray | None]]:
+    """Each topk row's key indices (int64, sorted) by `pick_pages`'s rule, and their
+    slots (None where not gathered). `signed` [N, 2 Hkv D]: the step's decode rows'
+    `signed_queries` (a row's is signed[row.row]); `table`: the step's slot tables
+    (int32, a row's at row.offset). All rows in one C++ call where their bounds are on
+    the CPU (ties to the earlier page), else row by row in torch and NumPy."""
     ext = _cpu_ext() if rows and all(r.bounds.device.type == "cpu" for r in rows) else None
     if ext is None:
         return [pick_pages(r.n, r.c, r.sinks, r.page, page_scores(
-            r.signed, dequantize_bounds(r.bounds, r.num_kv_heads)), r.recent) for r in rows]
-    sq = torch.stack([r.signed for r in rows]).float()  # [R, 2 Hkv D]
-    params = torch.tensor([[r.n, r.c, r.sinks, r.recent, r.page] for r in rows])
-    idx, cu = ext.page_pick(sq.contiguous(), [r.bounds.flatten(1) for r in rows], params)
+            signed[r.row], dequantize_bounds(r.bounds, r.num_kv_heads)), r.recent)
+            for r in rows], [None] * len(rows)
+    at = [r.row for r in rows]
+    sq = (signed if at == list(range(len(signed))) else signed[at]).float().contiguous()
+    params = torch.from_numpy(np.array([(r.n, r.c, r.sinks, r.recent, r.page, r.offset)
+                                        for r in rows], np.int64))
+    idx, cu, slots = ext.page_pick(sq, [r.bounds for r in rows], params,
+                                   torch.from_numpy(table))
     ends = cu.tolist()
-    return [idx[ends[i]:ends[i + 1]] for i in range(len(rows))]
+    gathered: list[np.ndarray | None] = list(np.split(slots.numpy(), ends[1:-1]))
+    return list(idx.split([e1 - e0 for e0, e1 in zip(ends, ends[1:])])), gathered
 
 
 def rescored(query: RowQuery, slots, n: int, t: int, sinks: int, recent: int,
@@ -253,7 +262,6 @@ class RowQuery:
     """A decode row's query as the policies read it."""
 
     q: torch.Tensor  # [Hq, D]
-    signed: torch.Tensor | None  # topk: its `signed_queries` row [2 Hkv D]
     scale: float  # the layer's logit scale and soft cap (topk's `rescore`)
     softcap: float = 0.0
 
@@ -264,16 +272,17 @@ class _TopkRow:
 
     st: _LayerState  # its layer state (takes the selection)
     query: RowQuery
-    signed: torch.Tensor  # its `signed_queries` row [2 Hkv D]
+    row: int  # its decode row among the step's (`page_picks`' signed queries)
     num_kv_heads: int
     slots: np.ndarray  # its table (int32 [n])
+    offset: int  # where that table starts in the step's
     n: int
     t: int  # its budget
     c: int  # keys its pages may cover (> t: the candidates `rescored` chooses among)
     sinks: int
     recent: int
     page: int
-    bounds: torch.Tensor  # [pages, 2, Hkv, D], int8 pools' rows (`Sparsifier._pages`)
+    bounds: torch.Tensor  # [pages, 2 Hkv D] fp32 or int8 rows (`Sparsifier._pages`)
 
 
 @dataclass
@@ -287,7 +296,7 @@ class _LayerState:
     budget: int = 0  # this step's budget t
     picked: torch.Tensor | None = None  # this step's selection (None: all keys)
     page_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    bounds: torch.Tensor | None = None  # topk: [pages, 2, Hkv, D] (int8 pools: int8 rows)
+    bounds: torch.Tensor | None = None  # topk: [pages, 2 Hkv D] (int8 pools: int8 rows)
 
     def rebase(self, keep: torch.Tensor) -> None:
         """Keys given back: `keep` [old n] bool marks the survivors (their order kept)."""
@@ -447,14 +456,12 @@ class Sparsifier:
                 if cu_q[b + 1] - cu_q[b] == 1 and pols[b].config.enabled]
         if not rows:
             return None
-        qd = q[[cu_q[b] for b in rows]]  # [R, Hq, D]
-        # what topk's page bounds are scored against, all rows at once [R, 2 Hkv D]
-        sd = (signed_queries(qd, kp.shape[1]).unbind(0)
-              if any(pols[b].config.policy == "topk" for b in rows) else [None] * len(rows))
+        at = [cu_q[b] for b in rows]
+        qd = q if at == list(range(q.shape[0])) else q[at]  # [R, Hq, D]
         picks: dict[int, torch.Tensor] = {}  # batch entry -> its selected key indices
         pending: list[_TopkRow] = []  # topk rows: their pages are picked all at once
         pending_b: list[int] = []  # and their batch entries
-        for b, qrow, srow in zip(rows, qd.unbind(0), sd):
+        for i, (b, qrow) in enumerate(zip(rows, qd.unbind(0))):
             slots = table[cu_k[b]:cu_k[b + 1]]
             n = len(slots)
             cfg = pols[b].config
@@ -469,22 +476,26 @@ class Sparsifier:
                 ctx = n + self._rebase(int(seq_ids[b]), slots, int(qpos[cu_q[b]]),
                                        batch.slots)
             t = row_budget(cfg.budget, float(pols[b].shares[layer]), max(n, ctx))
-            got = self._decode_row(layer, int(seq_ids[b]),
-                                   RowQuery(qrow, srow if cfg.policy == "topk" else None,
-                                            scale, softcap), slots, n, t, kp, key_scales, cfg)
+            got = self._decode_row(layer, int(seq_ids[b]), RowQuery(qrow, scale, softcap),
+                                   slots, n, t, kp, key_scales, cfg, at=(i, cu_k[b]))
             if isinstance(got, _TopkRow):
                 pending.append(got)
                 pending_b.append(b)
             elif got is not None:
                 picks[b] = got
-        picks.update(zip(pending_b, self._topk(pending, kp, key_scales)))
+        # what topk's page bounds are scored against, all rows at once [R, 2 Hkv D]
+        signed = signed_queries(qd, kp.shape[1]) if pending else qd
+        topk, gathered = self._topk(pending, signed, table, kp, key_scales)
+        picks.update(zip(pending_b, topk))
         if not picks:
             return None
+        kept = dict(zip(pending_b, gathered))  # topk rows' selected slots, where gathered
         tables, starts = [], []
         for b in range(nb):
             slots = table[cu_k[b]:cu_k[b + 1]]
-            sel = picks.get(b)
-            tables.append(slots if sel is None else slots[sel.numpy()])
+            sel, own = picks.get(b), kept.get(b)
+            tables.append(slots if sel is None else own if own is not None
+                          else slots[sel.numpy()])
             # the kernels read positions only for causality: the row's query sees them all
             starts.append(pos0[b] if sel is None else int(qpos[cu_q[b]]) - len(sel) + 1)
         dev = batch.slots.device
@@ -495,10 +506,12 @@ class Sparsifier:
                          torch.tensor(starts, dtype=torch.int32, device=dev))
 
     def _decode_row(self, layer: int, sid: int, query: RowQuery, slots, n: int, t: int,
-                    kp, key_scales, cfg: SparsityConfig) -> torch.Tensor | _TopkRow | None:
+                    kp, key_scales, cfg: SparsityConfig, at: tuple[int, int] = (0, 0)
+                    ) -> torch.Tensor | _TopkRow | None:
         """A decode row's selected key indices (None: all of them) into its table `slots`
         (NumPy int32 [n]) under `cfg`; a topk row's are picked later with the step's
-        other topk rows (`_topk`)."""
+        other topk rows (`_topk`; `at`: the row's index among the step's decode rows and
+        where its table starts in the step's)."""
         pol = cfg.policy
         sinks, recent = split_budget(t, cfg.sinks, cfg.recent)
         if pol == "streaming":
@@ -511,10 +524,8 @@ class Sparsifier:
             bounds = self._pages(st, slots, n, kp, key_scales, cfg.page_size)
             # with `rescore`, pages covering that multiple of t are the candidates
             c = min(n, math.ceil(cfg.rescore * t)) if cfg.rescore >= 1 else t
-            signed = (query.signed if query.signed is not None
-                      else signed_queries(query.q[None], kp.shape[1])[0])
-            return _TopkRow(st, query, signed, kp.shape[1], slots, n, t, c, sinks, recent,
-                            cfg.page_size or self.config.page_size, bounds)
+            return _TopkRow(st, query, at[0], kp.shape[1], slots, at[1], n, t, c, sinks,
+                            recent, cfg.page_size or self.config.page_size, bounds)
         score = _grown(st.score, n)
         if pol == "snapkv":
             score[st.prompt:] = -math.inf  # after the prompt: only the recent window
@@ -528,17 +539,19 @@ class Sparsifier:
         return st.picked
 
     @staticmethod
-    def _topk(rows: list[_TopkRow], kp, key_scales) -> list[torch.Tensor]:
-        """topk rows' selections: their pages (`page_picks`), then each rescored row's
-        best keys among its candidates (`rescored`)."""
-        out = []
-        for r, idx in zip(rows, page_picks(rows)):
+    def _topk(rows: list[_TopkRow], signed: torch.Tensor, table: np.ndarray, kp, key_scales
+              ) -> tuple[list[torch.Tensor], list[np.ndarray | None]]:
+        """topk rows' selections and their slots (None: not gathered): their pages
+        (`page_picks`), then each rescored row's best keys among its candidates
+        (`rescored`)."""
+        picks, slots = page_picks(rows, signed, table)
+        for i, r in enumerate(rows):
             if r.c > r.t:
-                idx = rescored(r.query, r.slots, r.n, r.t, r.sinks, r.recent, idx, kp,
-                               key_scales)
-            r.st.picked = idx
-            out.append(idx)
-        return out
+                picks[i] = rescored(r.query, r.slots, r.n, r.t, r.sinks, r.recent, picks[i],
+                                    kp, key_scales)
+                slots[i] = None
+            r.st.picked = picks[i]
+        return picks, slots
 
     def _pages(self, st: _LayerState, slots, n: int, kp, key_scales, P: int | None = None):
         """topk's page bounds (pages of P keys; None: the deployment's page size) over
@@ -556,7 +569,7 @@ class Sparsifier:
             new = (page_bounds(_keys(kp, torch.from_numpy(slots[same * P:full * P]),
                                      key_scales), P)
                    if same < full else torch.zeros(0, 2, kp.shape[1], head_dim(kp)))
-            new = quantize_bounds(new) if is_quantized(kp) else new.to(BOUNDS_DTYPE)
+            new = quantize_bounds(new) if is_quantized(kp) else new.to(BOUNDS_DTYPE).flatten(1)
             st.bounds = (torch.cat([st.bounds[:same], new]) if same and st.bounds is not None
                          else new)
             st.page_slots = want.copy()

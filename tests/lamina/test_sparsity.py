@@ -269,7 +269,7 @@ def test_rescored_ranks_by_the_heads_summed_softmax():
     score = (p / p.sum(-1, keepdims=True)).sum(0)
     score[:2] = score[-3:] = -np.inf  # the sinks and the recent keys are kept anyway
     want = sorted([0, 1, n - 3, n - 2, n - 1, *np.argsort(-score)[:t - 5].tolist()])
-    got = rescored(RowQuery(torch.tensor(q), None, 0.5), np.arange(n, dtype=np.int32), n,
+    got = rescored(RowQuery(torch.tensor(q), 0.5), np.arange(n, dtype=np.int32), n,
                    t, 2, 3, torch.arange(n), torch.tensor(keys), None)
     assert got.tolist() == want
 
@@ -293,7 +293,7 @@ def test_candidate_logits_match_numpy(softcap):
                      np.repeat(keys[slots.long()].numpy(), 3, axis=1)) * 0.3
     if softcap:
         want = softcap * np.tanh(want / softcap)
-    query = RowQuery(torch.tensor(q), None, 0.3, softcap)
+    query = RowQuery(torch.tensor(q), 0.3, softcap)
     got = candidate_logits(query, pool.layer(0)[0], slots, None)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
     channel = tuple(g.uniform(0.5, 2.0, hkv * d).tolist())  # keys' channel scales
@@ -334,7 +334,7 @@ def test_topk_page_bounds_match_numpy_and_follow_changed_slots():
     moved = first.copy()
     moved[8:16] = np.arange(40, 48)
     got = sp._pages(st, moved, 33, kp, None)
-    want = page_bounds(kp[torch.from_numpy(moved[:32]).long()], 8)
+    want = page_bounds(kp[torch.from_numpy(moved[:32]).long()], 8).flatten(1)  # as rows
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

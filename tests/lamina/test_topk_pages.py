@@ -51,13 +51,18 @@ def test_page_pick_equals_the_numpy_rule_row_by_row(hd, int8):
     rng = np.random.default_rng(hd + int8)
     rows = random_rows(rng, hd, 120)
     bounds = [quantize_bounds(b) if int8 else b.flatten(1) for b, _, _ in rows]
-    idx, cu = ext.page_pick(torch.stack([s for _, s, _ in rows]), bounds,
-                            torch.tensor([p for _, _, p in rows]))
+    # each row's slots, one after another in the step's table: the picks' come back too
+    tables = [rng.permutation(1 << 16)[:p[0]].astype(np.int32) for _, _, p in rows]
+    offsets = np.cumsum([0] + [len(t) for t in tables])[:-1].tolist()
+    idx, cu, slots = ext.page_pick(torch.stack([s for _, s, _ in rows]), bounds,
+                                   torch.tensor([(*p, o) for (_, _, p), o in zip(rows, offsets)]),
+                                   torch.from_numpy(np.concatenate(tables)))
     ends = cu.tolist()
     for i, ((b, s, (n, c, sinks, recent, P)), rb) in enumerate(zip(rows, bounds)):
         scored = dequantize_bounds(rb, HKV) if int8 else b
         want = pick_pages(n, c, sinks, P, page_scores(s, scored), recent)
         assert idx[ends[i]:ends[i + 1]].tolist() == want.tolist(), (i, n, c, sinks, recent, P)
+        assert slots[ends[i]:ends[i + 1]].tolist() == tables[i][want.numpy()].tolist()
 
 
 def test_page_pick_ties_go_to_the_earlier_page():
@@ -66,7 +71,7 @@ def test_page_pick_ties_go_to_the_earlier_page():
     b[[1, 3, 4], 1] = 1.0  # pages 1, 3 and 4 tie on the best bound; 2 pages fit
     s = torch.ones(1, 32)
     for rows in (b.flatten(1), quantize_bounds(b)):
-        idx, _ = ext.page_pick(s, [rows], torch.tensor([[4 * 6 + 2, 2 * 4 + 2, 0, 0, 4]]))
+        idx, _, _ = ext.page_pick(s, [rows], torch.tensor([[4 * 6 + 2, 2 * 4 + 2, 0, 0, 4, 0]]))
         assert idx.tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 24, 25]
 
 
@@ -74,9 +79,14 @@ def test_page_pick_refuses_bad_rows_by_name():
     ext = load_cpu_kernel()
     s = torch.zeros(1, 12)
     with pytest.raises(RuntimeError, match="bounds must be \\[pages, 12\\] fp32"):
-        ext.page_pick(s, [torch.zeros(2, 10)], torch.tensor([[40, 8, 0, 0, 16]]))
-    with pytest.raises(RuntimeError, match="row 0 has bad params"):
-        ext.page_pick(s, [torch.zeros(3, 12)], torch.tensor([[40, 8, 0, 0, 16]]))
+        ext.page_pick(s, [torch.zeros(2, 10)], torch.tensor([[40, 8, 0, 0, 16, 0]]))
+    with pytest.raises(RuntimeError, match="row 0 has bad params .* for 3 pages"):
+        ext.page_pick(s, [torch.zeros(3, 12)], torch.tensor([[40, 8, 0, 0, 16, 0]]))
+    with pytest.raises(RuntimeError, match="row 0 has bad params .* a table of 45"):
+        ext.page_pick(s, [torch.zeros(2, 12)], torch.tensor([[40, 8, 0, 0, 16, 6]]),
+                      torch.zeros(45, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="params \\[R, 6\\] int64"):
+        ext.page_pick(s, [torch.zeros(2, 12)], torch.tensor([[40, 8, 0, 0, 16]]))
 
 
 def test_int8_bounds_still_bound_every_key_from_above():
