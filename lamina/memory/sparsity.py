@@ -195,7 +195,7 @@ def page_picks(rows: list[_TopkRow], signed: torch.Tensor, table: np.ndarray
             signed[r.row], dequantize_bounds(r.bounds, r.num_kv_heads)), r.recent)
             for r in rows], [None] * len(rows)
     at = [r.row for r in rows]
-    sq = (signed if at == list(range(len(signed))) else signed[at]).float().contiguous()
+    sq = (signed if len(at) == len(signed) else signed[at]).float().contiguous()  # ascending
     params = torch.from_numpy(np.array([(r.n, r.c, r.sinks, r.recent, r.page, r.offset)
                                         for r in rows], np.int64))
     idx, cu, slots = ext.page_pick(sq, [r.bounds for r in rows], params,
@@ -457,7 +457,7 @@ class Sparsifier:
         if not rows:
             return None
         at = [cu_q[b] for b in rows]
-        qd = q if at == list(range(q.shape[0])) else q[at]  # [R, Hq, D]
+        qd = q if len(at) == q.shape[0] else q[at]  # [R, Hq, D] (at: ascending)
         picks: dict[int, torch.Tensor] = {}  # batch entry -> its selected key indices
         pending: list[_TopkRow] = []  # topk rows: their pages are picked all at once
         pending_b: list[int] = []  # and their batch entries
