@@ -36,34 +36,10 @@
 
 namespace {
 
-// x . y over W floats, in 16 independent partial sums so the compiler vectorizes it
-// without reassociating a single sum.
-inline float dot(const float* x, const float* y, int64_t W) {
-#if defined(__AVX512F__)
-  if (W % 64 == 0) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < W; i += 64) {
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i), a0);
-      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(y + i + 16), a1);
-      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32), _mm512_loadu_ps(y + i + 32), a2);
-      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48), _mm512_loadu_ps(y + i + 48), a3);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-  }
-#endif
-  float acc[16] = {0.f};
-  int64_t i = 0;
-  for (; i + 16 <= W; i += 16)
-    for (int u = 0; u < 16; ++u) acc[u] += x[i + u] * y[i + u];
-  for (; i < W; ++i) acc[i % 16] += x[i] * y[i];
-  float s = 0.f;
-  for (int u = 0; u < 16; ++u) s += acc[u];
-  return s;
-}
-
-// An int8 bounds row (int8 pools): the codes in the fp32 layout, then each kv head's
-// fp32 scale; the score is sum over heads of scale x (q- . min codes + q+ . max codes).
-inline float dot_i8(const float* x, const int8_t* y, int64_t n) {
+// x . y over n values (fp32, or int8 codes widened), in 16 independent partial sums so
+// the compiler vectorizes it without reassociating a single sum.
+template <typename T>
+inline float dot(const float* x, const T* y, int64_t n) {
   float acc[16] = {0.f};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
@@ -74,6 +50,25 @@ inline float dot_i8(const float* x, const int8_t* y, int64_t n) {
   return s;
 }
 
+// A page's fp32 bounds row against the signed query: W floats.
+inline float score_f32(const float* sq, const float* row, int64_t W) {
+#if defined(__AVX512F__)
+  if (W % 64 == 0) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < W; i += 64) {
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(row + i), _mm512_loadu_ps(sq + i), a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(row + i + 16), _mm512_loadu_ps(sq + i + 16), a1);
+      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(row + i + 32), _mm512_loadu_ps(sq + i + 32), a2);
+      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(row + i + 48), _mm512_loadu_ps(sq + i + 48), a3);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  }
+#endif
+  return dot(sq, row, W);
+}
+
+// An int8 bounds row (int8 pools): the codes in the fp32 layout, then each kv head's
+// fp32 scale; the score is sum over heads of scale x (q- . min codes + q+ . max codes).
 inline float score_i8(const float* sq, const int8_t* row, int64_t W, int64_t hkv) {
   const int64_t hd = W / (2 * hkv);  // head_dim
 #if defined(__AVX512F__)
@@ -100,8 +95,8 @@ inline float score_i8(const float* sq, const int8_t* row, int64_t W, int64_t hkv
   for (int64_t h = 0; h < hkv; ++h) {
     float sc;
     std::memcpy(&sc, row + W + 4 * h, 4);
-    s += sc * (dot_i8(sq + h * hd, row + h * hd, hd) +
-               dot_i8(sq + (hkv + h) * hd, row + (hkv + h) * hd, hd));
+    s += sc * (dot(sq + h * hd, row + h * hd, hd) +
+               dot(sq + (hkv + h) * hd, row + (hkv + h) * hd, hd));
   }
   return s;
 }
@@ -163,9 +158,10 @@ struct Bounds {
     const char* base = static_cast<const char*>(data) + p0 * stride;
     if (!hkv) {
       for (int64_t j = 0; j < m; ++j)
-        s[j] = dot(reinterpret_cast<const float*>(base + j * stride), sq, W);
+        s[j] = score_f32(sq, reinterpret_cast<const float*>(base + j * stride), W);
       return;
     }
+    int64_t j = 0;  // int8 rows: four at a time where VNNI is compiled in, then one by one
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if ((W / (2 * hkv)) % 32 == 0) {
       float mx = 0.f;
@@ -173,7 +169,6 @@ struct Bounds {
       const float qs = mx > 0.f ? mx / 32767.f : 1.f;
       std::vector<int16_t> q16(W);
       for (int64_t i = 0; i < W; ++i) q16[i] = static_cast<int16_t>(std::lrintf(sq[i] / qs));
-      int64_t j = 0;
       for (; j + 4 <= m; j += 4) {
         // the pages 16 ahead, into L2: one core's demand misses alone reach ~5 GB/s
         const char* ahead = base + (j + 16) * stride;
@@ -182,12 +177,9 @@ struct Bounds {
         score4_vnni(q16.data(), qs, reinterpret_cast<const int8_t*>(base + j * stride), stride,
                     W, hkv, s + j);
       }
-      for (; j < m; ++j)
-        s[j] = score_i8(sq, reinterpret_cast<const int8_t*>(base + j * stride), W, hkv);
-      return;
     }
 #endif
-    for (int64_t j = 0; j < m; ++j)
+    for (; j < m; ++j)
       s[j] = score_i8(sq, reinterpret_cast<const int8_t*>(base + j * stride), W, hkv);
   }
 };

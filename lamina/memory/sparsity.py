@@ -274,8 +274,7 @@ class _TopkRow:
     query: RowQuery
     row: int  # its decode row among the step's (`page_picks`' signed queries)
     num_kv_heads: int
-    slots: np.ndarray  # its table (int32 [n])
-    offset: int  # where that table starts in the step's
+    offset: int  # where its table (n slots) starts in the step's
     n: int
     t: int  # its budget
     c: int  # keys its pages may cover (> t: the candidates `rescored` chooses among)
@@ -524,8 +523,8 @@ class Sparsifier:
             bounds = self._pages(st, slots, n, kp, key_scales, cfg.page_size)
             # with `rescore`, pages covering that multiple of t are the candidates
             c = min(n, math.ceil(cfg.rescore * t)) if cfg.rescore >= 1 else t
-            return _TopkRow(st, query, at[0], kp.shape[1], slots, at[1], n, t, c, sinks,
-                            recent, cfg.page_size or self.config.page_size, bounds)
+            return _TopkRow(st, query, at[0], kp.shape[1], at[1], n, t, c, sinks, recent,
+                            cfg.page_size or self.config.page_size, bounds)
         score = _grown(st.score, n)
         if pol == "snapkv":
             score[st.prompt:] = -math.inf  # after the prompt: only the recent window
@@ -547,8 +546,8 @@ class Sparsifier:
         picks, slots = page_picks(rows, signed, table)
         for i, r in enumerate(rows):
             if r.c > r.t:
-                picks[i] = rescored(r.query, r.slots, r.n, r.t, r.sinks, r.recent, picks[i],
-                                    kp, key_scales)
+                picks[i] = rescored(r.query, table[r.offset:r.offset + r.n], r.n, r.t,
+                                    r.sinks, r.recent, picks[i], kp, key_scales)
                 slots[i] = None
             r.st.picked = picks[i]
         return picks, slots
