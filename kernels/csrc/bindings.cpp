@@ -16,8 +16,8 @@ void bind_attention(py::module& m) {
   m.def("simd_paths", &simd_paths, "the SIMD paths compiled in");
   m.def("slot_scores", &slot_scores, "one query's logits against the keys at a slot list");
   m.def("page_pick", &page_pick, "topk's pages for a step's decode rows (Quest bounds)",
-        py::arg("sq"), py::arg("bounds"), py::arg("params"),
-        py::arg("table") = py::none());
+        py::arg("q"), py::arg("bounds"), py::arg("params"), py::arg("table") = py::none(),
+        py::arg("page_slots") = std::vector<at::Tensor>());
   m.def("read_rows", &read_rows, "read the K/V rows of a slot list (bandwidth ceiling)");
 }
 

@@ -96,7 +96,9 @@ at::Tensor slot_scores(at::Tensor q, at::Tensor k, at::Tensor slots, double scal
 // slot_attention.cpp: bandwidth probes and the SIMD paths compiled in.
 double read_sum(at::Tensor x);
 double read_rows(at::Tensor k, at::Tensor v, at::Tensor slots);
-// topk's pages for a step's decode rows (page_select.cpp): {key indices, row offsets}.
-std::vector<at::Tensor> page_pick(at::Tensor sq, std::vector<at::Tensor> bounds,
-                                  at::Tensor params, c10::optional<at::Tensor> table);
+// topk's pages for a step's decode rows (page_select.cpp): {key indices, row offsets,
+// slots, stale pages}.
+std::vector<at::Tensor> page_pick(at::Tensor q, std::vector<at::Tensor> bounds,
+                                  at::Tensor params, c10::optional<at::Tensor> table,
+                                  std::vector<at::Tensor> page_slots);
 std::vector<std::string> simd_paths();

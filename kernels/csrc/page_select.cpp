@@ -1,18 +1,21 @@
 // topk's page selection (Quest / HiSparse) for all of a step's decode rows in one call.
 //
 // Data in (per row r of R; lamina/memory/sparsity.py builds them):
-//   signed [R, W] fp32: the row's `signed_queries` (W = 2 Hkv D: per kv head the sums over
-//     its query heads of q- and q+);
+//   q [R, Hq, D] fp32: the rows' queries (or their `signed_queries` [R, W], W = 2 Hkv D:
+//     per kv head the sums over its query heads of q- and q+; from q they are summed here);
 //   bounds[r] [pages_r, W] fp32: its pages' channel-wise min then max, the same layout;
 //     or, from int8 pools, int8 rows [pages_r, W + 4 Hkv]: those codes, then each kv
 //     head's fp32 scale (`quantize_bounds`);
 //   params [R, 6] int64: n (keys in the row), c (keys to pick), sinks, recent, page size
 //     P, and where the row's n slots start in `table`;
-//   table [S] int32 (optional: empty for none): the step's slot tables, concatenated.
-// Data out: {idx int64 [sum of picks], cu int64 [R + 1], slots int32}: row r's key
-// indices (sorted) are idx[cu[r]:cu[r + 1]], and with a table their slots the same span
-// of slots (else slots is empty).
-//
+//   table [S] int32 (optional: empty for none): the step's slot tables, concatenated;
+//   page_slots (optional: empty list, or an empty entry, for none): the slots row r's
+//     bounds summarize, int32 [pages_r * P], checked against its table.
+// Data out: {idx int64 [sum of picks], cu int64 [R + 1], slots int32, stale int64 [R]}:
+// row r's key indices (sorted) are idx[cu[r]:cu[r + 1]], and with a table their slots the
+// same span of slots (else slots is empty); stale[r] is -1, or the first page whose
+// page_slots differ from the table (a fork, a recomputation: the caller rebuilds those
+// bounds and picks the row again; its picks here are of the old bounds).
 // The rule is `pick_pages`'s: the first page when there are sinks, the last pages covering
 // `recent` keys and the keys past the last summarized page, then the pages with the
 // highest bound q- . min + q+ . max while all fit in c. Ties go to the earlier page.
@@ -246,13 +249,44 @@ void pick_row(const RowPlan& p, int64_t n, int64_t P, const float* sq, const Bou
 
 }  // namespace
 
-std::vector<at::Tensor> page_pick(at::Tensor sq, std::vector<at::Tensor> bounds,
-                                  at::Tensor params, c10::optional<at::Tensor> table_opt) {
+// The rows' signed queries [R, W] from q [R, Hq, D] (`signed_queries`'s layout): per kv
+// head h, [q- sums | q+ sums] at (0 * Hkv + h) * D and (1 * Hkv + h) * D.
+at::Tensor signed_rows(const at::Tensor& q, int64_t hkv) {
+  const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2), G = Hq / hkv;
+  auto out = torch::zeros({R, 2 * hkv * D}, torch::kFloat);
+  const float* x = q.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < hkv; ++h) {
+      float* neg = o + (r * 2 * hkv + h) * D;
+      float* pos = neg + hkv * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* v = x + ((r * Hq) + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          neg[d] += std::min(v[d], 0.f);
+          pos[d] += std::max(v[d], 0.f);
+        }
+      }
+    }
+  return out;
+}
+
+// The first page whose slots differ (-1: none).
+int64_t first_stale(const int32_t* have, const int32_t* want, int64_t pages, int64_t P) {
+  if (std::memcmp(have, want, sizeof(int32_t) * pages * P) == 0) return -1;
+  for (int64_t g = 0; g < pages; ++g)
+    if (std::memcmp(have + g * P, want + g * P, sizeof(int32_t) * P) != 0) return g;
+  return -1;
+}
+
+std::vector<at::Tensor> page_pick(at::Tensor q, std::vector<at::Tensor> bounds,
+                                  at::Tensor params, c10::optional<at::Tensor> table_opt,
+                                  std::vector<at::Tensor> page_slots) {
   const int64_t R = static_cast<int64_t>(bounds.size());
-  TORCH_CHECK(sq.dim() == 2 && sq.size(0) == R && sq.scalar_type() == at::kFloat &&
-                  sq.is_contiguous() && sq.device().is_cpu(),
-              "page_pick wants signed queries [R, W] fp32 contiguous on the CPU, R = ",
-              R, " rows");
+  TORCH_CHECK((q.dim() == 2 || q.dim() == 3) && q.size(0) == R &&
+                  q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu(),
+              "page_pick wants queries [R, Hq, D] or signed queries [R, W] fp32 contiguous "
+              "on the CPU, R = ", R, " rows");
   TORCH_CHECK(params.dim() == 2 && params.size(0) == R && params.size(1) == 6 &&
                   params.scalar_type() == at::kLong && params.is_contiguous(),
               "page_pick wants params [R, 6] int64 (n, c, sinks, recent, page size, table "
@@ -262,6 +296,20 @@ std::vector<at::Tensor> page_pick(at::Tensor sq, std::vector<at::Tensor> bounds,
   TORCH_CHECK(!gather || (table.dim() == 1 && table.scalar_type() == at::kInt &&
                           table.is_contiguous() && table.device().is_cpu()),
               "page_pick wants the step's slot table [S] int32 contiguous on the CPU");
+  TORCH_CHECK(page_slots.empty() || (gather && static_cast<int64_t>(page_slots.size()) == R),
+              "page_pick: page_slots needs the step's table and one entry a row");
+  at::Tensor sq = q;
+  if (q.dim() == 3) {
+    TORCH_CHECK(R == 0 || bounds[0].dim() == 2, "page_pick: row 0's bounds must be 2-D");
+    const int64_t w0 = R ? bounds[0].size(1) : 0;
+    // fp32 rows are W = 2 Hkv D wide; int8 rows W + 4 Hkv
+    const int64_t hkv = R == 0 ? 1 : bounds[0].scalar_type() == at::kChar
+        ? w0 / (2 * q.size(2) + 4) : w0 / (2 * q.size(2));
+    TORCH_CHECK(R == 0 || (hkv > 0 && q.size(1) % hkv == 0),
+                "page_pick: ", q.size(1), " query heads do not group over the bounds' ", hkv,
+                " kv heads");
+    sq = signed_rows(q, hkv);
+  }
   const int64_t W = sq.size(1);
   const int64_t* pr = params.data_ptr<int64_t>();
   std::vector<RowPlan> plans(R);
@@ -286,6 +334,12 @@ std::vector<at::Tensor> page_pick(at::Tensor sq, std::vector<at::Tensor> bounds,
                 "page_pick: row ", r, " has bad params (n, c, sinks, recent, page, offset) = (",
                 x[0], ", ", x[1], ", ", x[2], ", ", x[3], ", ", x[4], ", ", x[5], ") for ",
                 b.size(0), " pages and a table of ", table.numel());
+    if (!page_slots.empty() && page_slots[r].numel() > 0)
+      TORCH_CHECK(page_slots[r].dim() == 1 && page_slots[r].scalar_type() == at::kInt &&
+                      page_slots[r].is_contiguous() && page_slots[r].device().is_cpu() &&
+                      page_slots[r].numel() == b.size(0) * x[4],
+                  "page_pick: row ", r, "'s page_slots must be int32 [", b.size(0) * x[4],
+                  "] (its pages' slots), contiguous on the CPU");
     plans[r] = plan_row(x[0], x[1], x[2], x[3], x[4], b.size(0));
     c[r + 1] = c[r] + picked(plans[r], x[0], x[4]);
   }
@@ -293,9 +347,15 @@ std::vector<at::Tensor> page_pick(at::Tensor sq, std::vector<at::Tensor> bounds,
   auto slots = torch::empty({gather ? c[R] : 0}, torch::kInt);
   int64_t* out = idx.data_ptr<int64_t>();
   int32_t* so = slots.data_ptr<int32_t>();
+  auto stale = torch::full({R}, -1, torch::kLong);
+  int64_t* st = stale.data_ptr<int64_t>();
   const float* s = sq.data_ptr<float>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
+      if (!page_slots.empty() && page_slots[r].numel() > 0)
+        st[r] = first_stale(page_slots[r].data_ptr<int32_t>(),
+                            table.data_ptr<int32_t>() + pr[6 * r + 5], bounds[r].size(0),
+                            pr[6 * r + 4]);
       pick_row(plans[r], pr[6 * r], pr[6 * r + 4], s + r * W, rows[r], W, out + c[r]);
       if (gather) {  // the picked keys' slots, the table the kernels attend with
         const int32_t* t = table.data_ptr<int32_t>() + pr[6 * r + 5];
@@ -303,5 +363,5 @@ std::vector<at::Tensor> page_pick(at::Tensor sq, std::vector<at::Tensor> bounds,
       }
     }
   });
-  return {idx, cu, slots};
+  return {idx, cu, slots, stale};
 }

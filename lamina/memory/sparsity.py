@@ -182,27 +182,48 @@ def pick_pages(n: int, t: int, sinks: int, page: int, scores: torch.Tensor,
     return torch.from_numpy(np.concatenate(parts))
 
 
-def page_picks(rows: list[_TopkRow], signed: torch.Tensor, table: np.ndarray
-               ) -> tuple[list[torch.Tensor], list[np.ndarray | None]]:
-    """Each topk row's key indices (int64, sorted) by `pick_pages`'s rule, and their
-    slots (None where not gathered). `signed` [N, 2 Hkv D]: the step's decode rows'
-    `signed_queries` (a row's is signed[row.row]); `table`: the step's slot tables
-    (int32, a row's at row.offset). All rows in one C++ call where their bounds are on
-    the CPU (ties to the earlier page), else row by row in torch and NumPy."""
-    ext = _cpu_ext() if rows and all(r.bounds.device.type == "cpu" for r in rows) else None
-    if ext is None:
-        return [pick_pages(r.n, r.c, r.sinks, r.page, page_scores(
-            signed[r.row], dequantize_bounds(r.bounds, r.num_kv_heads)), r.recent)
-            for r in rows], [None] * len(rows)
-    at = [r.row for r in rows]
-    sq = (signed if len(at) == len(signed) else signed[at]).float().contiguous()  # ascending
-    params = torch.from_numpy(np.array([(r.n, r.c, r.sinks, r.recent, r.page, r.offset)
-                                        for r in rows], np.int64))
-    idx, cu, slots = ext.page_pick(sq, [r.bounds for r in rows], params,
-                                   torch.from_numpy(table))
-    ends = cu.tolist()
-    gathered: list[np.ndarray | None] = list(np.split(slots.numpy(), ends[1:-1]))
-    return list(idx.split([e1 - e0 for e0, e1 in zip(ends, ends[1:])])), gathered
+@dataclass(frozen=True)
+class PagePicks:
+    """A step's topk rows' picks (`page_picks`): row i's key indices (sorted) are
+    idx[cu[i]:cu[i + 1]], their slots the same span of `slots` (None: not gathered)."""
+
+    idx: torch.Tensor  # int64 [sum of picks]
+    cu: np.ndarray  # int64 [R + 1]
+    slots: np.ndarray | None  # int32 [sum of picks]
+    stale: list[int]  # rows whose summarized pages no longer hold their table's slots
+
+    def rows(self) -> list[torch.Tensor]:
+        return list(self.idx.split(np.diff(self.cu).tolist()))
+
+    def row_slots(self, i: int) -> np.ndarray | None:
+        return None if self.slots is None else self.slots[self.cu[i]:self.cu[i + 1]]
+
+
+def page_picks(rows: _TopkRows, q: torch.Tensor, table: np.ndarray) -> PagePicks:
+    """The topk rows' key indices by `pick_pages`' rule, and their slots. q [R, Hq, D]:
+    the rows' queries; `table`: the step's slot tables (int32, row i's at
+    rows.params[i, 5]); a row whose `checks` differ from its table is listed `stale`. All
+    rows in one C++ call where their bounds are on the CPU (ties to the earlier page),
+    else row by row in torch and NumPy."""
+    ext = _cpu_ext() if all(b.device.type == "cpu" for b in rows.bounds) else None
+    if ext is None or not rows.bounds:
+        stale = [i for i, (c, x) in enumerate(zip(rows.checks, rows.plan)) if c is not None
+                 and not np.array_equal(c, table[x[5]:x[5] + len(c)])]
+        signed = signed_queries(q, rows.num_kv_heads)
+        got = [pick_pages(int(x[0]), int(x[1]), int(x[2]), int(x[4]), page_scores(
+            signed[i], dequantize_bounds(b, rows.num_kv_heads)), int(x[3]))
+            for i, (x, b) in enumerate(zip(rows.params, rows.bounds))]
+        cu = np.zeros(len(got) + 1, np.int64)
+        np.cumsum([len(g) for g in got], out=cu[1:])
+        return PagePicks(torch.cat(got) if got else torch.zeros(0, dtype=torch.int64), cu,
+                         None, stale)
+    empty = torch.zeros(0, dtype=torch.int32)
+    checks = [empty if c is None else torch.from_numpy(c) for c in rows.checks]
+    idx, cu, slots, stale = ext.page_pick(
+        q.float().contiguous(), rows.bounds, torch.from_numpy(rows.params),
+        torch.from_numpy(table), checks if any(c is not None for c in rows.checks) else [])
+    return PagePicks(idx, cu.numpy(), slots.numpy(), np.flatnonzero(stale.numpy() >= 0)
+                     .tolist())
 
 
 def rescored(query: RowQuery, slots, n: int, t: int, sinks: int, recent: int,
@@ -267,21 +288,55 @@ class RowQuery:
 
 
 @dataclass(frozen=True)
-class _TopkRow:
-    """A topk decode row whose pages are picked with the step's other topk rows."""
+class _TopkOut:
+    """`Sparsifier._topk`'s selections: per topk row its batch entry, key indices and
+    slots (None: not gathered)."""
 
-    st: _LayerState  # its layer state (takes the selection)
-    query: RowQuery
-    row: int  # its decode row among the step's (`page_picks`' signed queries)
+    entries: list[int]
+    picks: list[torch.Tensor]
+    slots: list[np.ndarray | None]
+    gathered: PagePicks | None  # all of them as one table (none rescored or rebuilt)
+
+
+@dataclass
+class _TopkRows:
+    """A step's topk decode rows at one layer, gathered by `Sparsifier.select` (`add`)
+    and picked in one call (`page_picks`)."""
+
     num_kv_heads: int
-    offset: int  # where its table (n slots) starts in the step's
-    n: int
-    t: int  # its budget
-    c: int  # keys its pages may cover (> t: the candidates `rescored` chooses among)
-    sinks: int
-    recent: int
-    page: int
-    bounds: torch.Tensor  # [pages, 2 Hkv D] fp32 or int8 rows (`Sparsifier._pages`)
+    entries: list[int] = field(default_factory=list)  # each row's batch entry
+    at: list[int] = field(default_factory=list)  # its decode row among the step's
+    states: list[_LayerState] = field(default_factory=list)  # takes the selection
+    budgets: list[int] = field(default_factory=list)  # t
+    bounds: list[torch.Tensor] = field(default_factory=list)  # [pages, 2 Hkv D] (`_pages`)
+    # the slots each row's bounds summarize, still to be compared with its table (None:
+    # compared, or built, this step)
+    checks: list[np.ndarray | None] = field(default_factory=list)
+    plan: list[tuple] = field(default_factory=list)  # params' rows, before `params`
+
+    def add(self, entry: int, at: int, st: _LayerState, t: int, bounds: torch.Tensor,
+            check: np.ndarray | None, n: int, c: int, sinks: int, recent: int, page: int,
+            offset: int) -> None:
+        self.entries.append(entry)
+        self.at.append(at)
+        self.states.append(st)
+        self.budgets.append(t)
+        self.bounds.append(bounds)
+        self.checks.append(check)
+        self.plan.append((n, c, sinks, recent, page, offset))
+
+    @property
+    def params(self) -> np.ndarray:
+        """[R, 6] int64: n, c (keys the pages may cover: > t where rescored), sinks,
+        recent, page size, where the row's n slots start in the step's table."""
+        return np.array(self.plan, np.int64).reshape(-1, 6)
+
+    def subset(self, keep: list[int]) -> "_TopkRows":
+        out = _TopkRows(self.num_kv_heads)
+        for i in keep:
+            out.add(self.entries[i], self.at[i], self.states[i], self.budgets[i],
+                    self.bounds[i], self.checks[i], *self.plan[i])
+        return out
 
 
 @dataclass
@@ -458,9 +513,8 @@ class Sparsifier:
         at = [cu_q[b] for b in rows]
         qd = q if len(at) == q.shape[0] else q[at]  # [R, Hq, D] (at: ascending)
         picks: dict[int, torch.Tensor] = {}  # batch entry -> its selected key indices
-        pending: list[_TopkRow] = []  # topk rows: their pages are picked all at once
-        pending_b: list[int] = []  # and their batch entries
-        for i, (b, qrow) in enumerate(zip(rows, qd.unbind(0))):
+        tk = _TopkRows(kp.shape[1])  # topk rows: their pages are picked all at once
+        for i, b in enumerate(rows):
             slots = table[cu_k[b]:cu_k[b + 1]]
             n = len(slots)
             cfg = pols[b].config
@@ -475,29 +529,34 @@ class Sparsifier:
                 ctx = n + self._rebase(int(seq_ids[b]), slots, int(qpos[cu_q[b]]),
                                        batch.slots)
             t = row_budget(cfg.budget, float(pols[b].shares[layer]), max(n, ctx))
-            got = self._decode_row(layer, int(seq_ids[b]), RowQuery(qrow, scale, softcap),
-                                   slots, n, t, kp, key_scales, cfg, at=(i, cu_k[b]))
-            if isinstance(got, _TopkRow):
-                pending.append(got)
-                pending_b.append(b)
-            elif got is not None:
-                picks[b] = got
-        # what topk's page bounds are scored against, all rows at once [R, 2 Hkv D]
-        signed = signed_queries(qd, kp.shape[1]) if pending else qd
-        topk, gathered = self._topk(pending, signed, table, kp, key_scales)
-        picks.update(zip(pending_b, topk))
-        if not picks:
+            if cfg.policy == "topk":
+                self._topk_row(tk, layer, int(seq_ids[b]), slots, t, kp, key_scales, cfg,
+                               b, i, cu_k[b])
+                continue
+            sel = self._decode_row(layer, int(seq_ids[b]), RowQuery(qd[i], scale, softcap),
+                                   slots, n, t, cfg)
+            if sel is not None:
+                picks[b] = sel
+        got = self._topk(tk, qd, table, kp, key_scales, scale, softcap)
+        dev = batch.slots.device
+        g = got.gathered
+        if g is not None and g.slots is not None and len(got.entries) == nb:
+            # every entry a topk row, their slots gathered: the step's table as it is
+            starts = qpos[cu_q[:-1]].astype(np.int64) - np.diff(g.cu) + 1
+            return SlotBatch(batch.cu_q, batch.q_pos, torch.from_numpy(g.slots).to(dev),
+                             torch.from_numpy(g.cu.astype(np.int32)).to(dev),
+                             torch.from_numpy(starts.astype(np.int32)).to(dev))
+        kept = {b: (sel, own) for b, sel, own in zip(got.entries, got.picks, got.slots)}
+        if not picks and not kept:
             return None
-        kept = dict(zip(pending_b, gathered))  # topk rows' selected slots, where gathered
         tables, starts = [], []
         for b in range(nb):
             slots = table[cu_k[b]:cu_k[b + 1]]
-            sel, own = picks.get(b), kept.get(b)
+            sel, own = kept.get(b, (picks.get(b), None))
             tables.append(slots if sel is None else own if own is not None
                           else slots[sel.numpy()])
             # the kernels read positions only for causality: the row's query sees them all
             starts.append(pos0[b] if sel is None else int(qpos[cu_q[b]]) - len(sel) + 1)
-        dev = batch.slots.device
         cu = np.zeros(len(tables) + 1, np.int32)
         np.cumsum([len(t) for t in tables], out=cu[1:])
         return SlotBatch(batch.cu_q, batch.q_pos, torch.from_numpy(np.concatenate(tables))
@@ -505,12 +564,9 @@ class Sparsifier:
                          torch.tensor(starts, dtype=torch.int32, device=dev))
 
     def _decode_row(self, layer: int, sid: int, query: RowQuery, slots, n: int, t: int,
-                    kp, key_scales, cfg: SparsityConfig, at: tuple[int, int] = (0, 0)
-                    ) -> torch.Tensor | _TopkRow | None:
+                    cfg: SparsityConfig) -> torch.Tensor | None:
         """A decode row's selected key indices (None: all of them) into its table `slots`
-        (NumPy int32 [n]) under `cfg`; a topk row's are picked later with the step's
-        other topk rows (`_topk`; `at`: the row's index among the step's decode rows and
-        where its table starts in the step's)."""
+        (NumPy int32 [n]) under `cfg` (a policy other than topk)."""
         pol = cfg.policy
         sinks, recent = split_budget(t, cfg.sinks, cfg.recent)
         if pol == "streaming":
@@ -519,12 +575,6 @@ class Sparsifier:
         st.rows, st.budget, st.picked = n, t, None
         if t >= n:
             return None
-        if pol == "topk":
-            bounds = self._pages(st, slots, n, kp, key_scales, cfg.page_size)
-            # with `rescore`, pages covering that multiple of t are the candidates
-            c = min(n, math.ceil(cfg.rescore * t)) if cfg.rescore >= 1 else t
-            return _TopkRow(st, query, at[0], kp.shape[1], at[1], n, t, c, sinks, recent,
-                            cfg.page_size or self.config.page_size, bounds)
         score = _grown(st.score, n)
         if pol == "snapkv":
             score[st.prompt:] = -math.inf  # after the prompt: only the recent window
@@ -537,20 +587,55 @@ class Sparsifier:
             st.evicted = ev
         return st.picked
 
-    @staticmethod
-    def _topk(rows: list[_TopkRow], signed: torch.Tensor, table: np.ndarray, kp, key_scales
-              ) -> tuple[list[torch.Tensor], list[np.ndarray | None]]:
-        """topk rows' selections and their slots (None: not gathered): their pages
-        (`page_picks`), then each rescored row's best keys among its candidates
-        (`rescored`)."""
-        picks, slots = page_picks(rows, signed, table)
-        for i, r in enumerate(rows):
-            if r.c > r.t:
-                picks[i] = rescored(r.query, table[r.offset:r.offset + r.n], r.n, r.t,
-                                    r.sinks, r.recent, picks[i], kp, key_scales)
+    def _topk_row(self, tk: _TopkRows, layer: int, sid: int, slots, t: int, kp, key_scales,
+                  cfg: SparsityConfig, entry: int, at: int, offset: int) -> None:
+        """A topk decode row joins the step's `tk` (its pages are picked with the others'
+        in `_topk`); `at`: its index among the step's decode rows, `offset`: where its
+        table `slots` (NumPy int32 [n]) starts in the step's."""
+        n = len(slots)
+        st = self._layer(sid, layer)
+        st.rows, st.budget, st.picked = n, t, None
+        if t >= n:
+            return
+        P = cfg.page_size or self.config.page_size
+        full = (n - 1) // P
+        if st.bounds is not None and st.bounds.shape[0] == full and len(st.page_slots) == full * P:
+            bounds, check = st.bounds, st.page_slots  # as last step: compared in the call
+        else:
+            bounds, check = self._pages(st, slots, n, kp, key_scales, P), None
+        sinks, recent = split_budget(t, cfg.sinks, cfg.recent)
+        # with `rescore`, pages covering that multiple of t are the candidates
+        c = min(n, math.ceil(cfg.rescore * t)) if cfg.rescore >= 1 else t
+        tk.add(entry, at, st, t, bounds, check, n, c, sinks, recent, P, offset)
+
+    def _topk(self, tk: _TopkRows, qd: torch.Tensor, table: np.ndarray, kp, key_scales,
+              scale: float, softcap: float) -> _TopkOut:
+        """The topk rows' selections (`page_picks`; rows whose summarized pages changed
+        slots are rebuilt and picked again), each rescored row's best keys among its
+        candidates (`rescored`). qd [R, Hq, D]: the step's decode rows' queries."""
+        if not tk.entries:
+            return _TopkOut([], [], [], None)
+        got = page_picks(tk, qd if len(tk.at) == len(qd) else qd[tk.at], table)
+        picks = got.rows()
+        slots = [got.row_slots(i) for i in range(len(picks))]
+        for i in got.stale:  # a fork, a recomputation: the bounds are rebuilt
+            n, _, _, _, page, off = tk.plan[i]
+            tk.checks[i] = None
+            tk.bounds[i] = self._pages(tk.states[i], table[off:off + n], n, kp, key_scales, page)
+        if got.stale:
+            again = page_picks(tk.subset(got.stale), qd[[tk.at[i] for i in got.stale]], table)
+            for j, i in enumerate(got.stale):
+                picks[i], slots[i] = again.rows()[j], again.row_slots(j)
+        for i, st in enumerate(tk.states):
+            n, c, sinks, recent, _, off = tk.plan[i]
+            if c > tk.budgets[i]:
+                picks[i] = rescored(RowQuery(qd[tk.at[i]], scale, softcap),
+                                    table[off:off + n], n, tk.budgets[i], sinks, recent,
+                                    picks[i], kp, key_scales)
                 slots[i] = None
-            r.st.picked = picks[i]
-        return picks, slots
+            st.picked = picks[i]
+        whole = not got.stale and all(x is not None for x in slots)
+        return _TopkOut(tk.entries, picks, slots, got if whole else None)
 
     def _pages(self, st: _LayerState, slots, n: int, kp, key_scales, P: int | None = None):
         """topk's page bounds (pages of P keys; None: the deployment's page size) over
