@@ -201,18 +201,20 @@ class PagePicks:
 
 def page_picks(rows: _TopkRows, q: torch.Tensor, table: np.ndarray) -> PagePicks:
     """The topk rows' key indices by `pick_pages`' rule, and their slots. q [R, Hq, D]:
-    the rows' queries; `table`: the step's slot tables (int32, row i's at
-    rows.params[i, 5]); a row whose `checks` differ from its table is listed `stale`. All
+    the rows' queries; `table`: the step's slot tables (int32, row i's at its plan's
+    offset); a row whose `checks` differ from its table is listed `stale`. All
     rows in one C++ call where their bounds are on the CPU (ties to the earlier page),
     else row by row in torch and NumPy."""
     ext = _cpu_ext() if all(b.device.type == "cpu" for b in rows.bounds) else None
     if ext is None or not rows.bounds:
-        stale = [i for i, (c, x) in enumerate(zip(rows.checks, rows.plan)) if c is not None
-                 and not np.array_equal(c, table[x[5]:x[5] + len(c)])]
         signed = signed_queries(q, rows.num_kv_heads)
-        got = [pick_pages(int(x[0]), int(x[1]), int(x[2]), int(x[4]), page_scores(
-            signed[i], dequantize_bounds(b, rows.num_kv_heads)), int(x[3]))
-            for i, (x, b) in enumerate(zip(rows.params, rows.bounds))]
+        got, stale = [], []
+        for i, ((n, c, sinks, recent, page, off), b, check) in enumerate(
+                zip(rows.plan, rows.bounds, rows.checks)):
+            if check is not None and not np.array_equal(check, table[off:off + len(check)]):
+                stale.append(i)
+            got.append(pick_pages(n, c, sinks, page, page_scores(
+                signed[i], dequantize_bounds(b, rows.num_kv_heads)), recent))
         cu = np.zeros(len(got) + 1, np.int64)
         np.cumsum([len(g) for g in got], out=cu[1:])
         return PagePicks(torch.cat(got) if got else torch.zeros(0, dtype=torch.int64), cu,

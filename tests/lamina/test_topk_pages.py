@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lamina.kernels import SlotBatch, load_cpu_kernel
+from lamina.memory import sparsity
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.memory.sparsity import (
     Sparsifier,
@@ -184,11 +185,14 @@ def test_select_over_an_int8_pool_keeps_int8_bounds_and_picks_by_the_rule():
         assert st.picked.tolist() == want.tolist()
 
 
-def test_select_rebuilds_the_pages_of_a_row_whose_slots_moved():
-    """Steps after the first compare each row's summarized pages with its table in the
-    C++ call; a row whose slots moved (a fork, a recomputation) is rebuilt from the page
-    that changed and picked again: every step equals a fresh Sparsifier's selection,
-    and the rows that did not move keep their bounds tensors."""
+@pytest.mark.parametrize("cpp", [True, False])  # False: the torch / NumPy path (GPU pools)
+def test_select_rebuilds_the_pages_of_a_row_whose_slots_moved(cpp, monkeypatch):
+    """Steps after the first compare each row's summarized pages with its table (in the
+    C++ call, or in NumPy); a row whose slots moved (a fork, a recomputation) is rebuilt
+    from the page that changed and picked again: every step equals a fresh Sparsifier's
+    selection, and the rows that did not move keep their bounds tensors."""
+    if not cpp:
+        monkeypatch.setattr(sparsity, "_cpu_ext", lambda: None)
     g = torch.Generator().manual_seed(4)
     pool = KVPool(KVPoolConfig(1, 4096, HKV, 64))
     pool.write(0, torch.arange(4096), torch.randn(4096, HKV, 64, generator=g),
