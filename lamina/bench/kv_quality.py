@@ -197,7 +197,7 @@ def policy_modes(policies, budgets, layer_budgets,
 
 def bench_kv_sparsity(model: str | None = None,
                       policies=("streaming", "h2o", "snapkv", "topk", "swa"),
-                      budgets=(0.5, 0.2, 0.1), layer_budgets=("uniform", "entropy"),
+                      budgets=(0.5, 0.2, 0.1), layer_budgets=("uniform", "concentration"),
                       topk_rescore=(0.0, 3.0),
                       lengths=(1024, 2048, 4096, 8192), trials: int = 50,
                       ppl_context: int = 8192, windows: int = 8, batch: int = 8,
@@ -210,7 +210,7 @@ def bench_kv_sparsity(model: str | None = None,
     retrieval (the prompt attended densely, the answer decoded under the policy). topk
     runs once per `topk_rescore` (`SparsityConfig.rescore`)."""
     from lamina import LLM
-    from lamina.memory.sparsity import SparsityConfig
+    from lamina.memory.sparsity import MEASURED, SparsityConfig
     from lamina.model.prepare import attention_entropy
 
     docs = docs or default_docs()
@@ -225,12 +225,12 @@ def bench_kv_sparsity(model: str | None = None,
         raise ValueError(f"no document has {ppl_context} tokens")
     memory = llm.executor.memory
     entropy = (attention_entropy(llm.loaded.model, tok, memory[0].pool.config.num_layers)
-               if "entropy" in layer_budgets else None)
+               if set(MEASURED) & set(layer_budgets) else None)
     rows = []
     for policy, budget, lb, rescore in policy_modes(policies, budgets, layer_budgets,
                                                     topk_rescore):
         cfg = SparsityConfig(policy, budget, lb, rescore=rescore,
-                             layer_weights=entropy if lb == "entropy" else None)
+                             layer_weights=entropy if lb in MEASURED else None)
         ppl = policy_perplexity(llm, cfg, wins, ppl_context // 2, batch)
         t0 = time.perf_counter()
         acc = passkey(llm, tok, lengths, trials)

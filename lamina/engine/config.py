@@ -99,7 +99,7 @@ class EngineConfig:
     # Attention sparsity on the memory workers (memory/sparsity.py): decode rows attend
     # to kv_budget of their keys (a fraction in (0, 1] or a token count), chosen by
     # kv_sparsity ("dense" | "streaming" | "h2o" | "snapkv" | "topk" | "swa"), spread over
-    # layers by kv_layer_budgets ("uniform" | "pyramid" | "entropy"); every slot stays
+    # layers by kv_layer_budgets ("uniform" | "pyramid" | "entropy" | "concentration")
     kv_sparsity: str = "dense"
     kv_budget: float | int = 1.0
     kv_layer_budgets: str = "uniform"

@@ -32,6 +32,7 @@ from lamina.errors import SequenceFault
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
 from lamina.memory.sparsity_config import (
     FOR_GOOD,
+    MEASURED,
     SCORED,
     SparsityConfig,
     evictable,
@@ -141,8 +142,8 @@ class LLMEngine:
 
         def rule(seq: Sequence) -> tuple[int, int] | None:
             cfg = self._kv_policy(seq)
-            if cfg.policy != "streaming" or not cfg.enabled or cfg.layer_budgets == "entropy":
-                return None  # (entropy weights are measured on the workers, not known here)
+            if cfg.policy != "streaming" or not cfg.enabled or cfg.layer_budgets in MEASURED:
+                return None  # (measured layer weights are known on the workers, not here)
             if cfg not in shares:
                 shares[cfg] = layer_shares(cfg, len(layers))
             return evictable(cfg, shares[cfg], seq.num_tokens)

@@ -373,7 +373,9 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
                         "(0.2) or a token count (2048)")
     p.add_argument("--kv-layer-budgets", default="uniform", choices=list(LAYER_BUDGETS),
                    help="the budget over layers: the same, a pyramid (1.5x at the first "
-                        "layer to 0.5x at the last), or by measured attention entropy")
+                        "layer to 0.5x at the last), in proportion to each layer's measured "
+                        "attention entropy, or to its inverse (concentration: layers that "
+                        "attend to few keys get more)")
     p.add_argument("--kv-topk-rescore", type=float, default=0.0,
                    help="topk: score exactly the keys of the pages covering this multiple "
                         "of the budget and keep the best (3: near dense quality, reads "
@@ -531,7 +533,7 @@ def _bench_parser(sub) -> None:
     b.add_argument("--budgets", nargs="+", type=float, default=None,
                    help="kv-sparsity: budgets as fractions of the context (0.5 0.2 0.1)")
     b.add_argument("--layer-budgets", nargs="+", default=None, choices=list(LAYER_BUDGETS),
-                   help="kv-sparsity: layer budget rules (uniform entropy)")
+                   help="kv-sparsity: layer budget rules (uniform concentration)")
     b.add_argument("--topk-rescore", nargs="+", type=float, default=None,
                    help="kv-sparsity: topk's rescore multiples, a row set each (0 3)")
     b.add_argument("--windows", type=int, default=None,

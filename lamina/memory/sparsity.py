@@ -38,11 +38,13 @@ Prompt scores (`snapkv`, and the initial mass of `h2o` / `swa`) come from the la
 
 Budgets: `budget` in (0, 1] is a fraction of each row's context, an int a token count;
 `layer_budgets` spreads it over layers with weights of mean 1: `uniform`, `pyramid`
-(1.5x at the first layer down to 0.5x at the last) or `entropy` (proportional to each
+(1.5x at the first layer down to 0.5x at the last), `entropy` (proportional to each
 layer's attention entropy on a calibration text, measured at start-up by
-`lamina.model.prepare.attention_entropy`). A budget at or above a row's context selects
-everything: the row is attended exactly as dense. Layers with a sliding window stay
-dense (they are sparse already).
+`lamina.model.prepare.attention_entropy`) or `concentration` (proportional to its
+inverse: a layer whose attention sits on few keys loses most when one is left out;
+better than uniform for every policy on SmolLM2, docs/sparsity.md). A budget at or above
+a row's context selects everything: the row is attended exactly as dense. Layers with a
+sliding window stay dense (they are sparse already).
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from lamina.kernels.quant import dequantize_rows, fold_channels, head_dim, is_qu
 from lamina.memory.sparsity_config import (  # noqa: F401 - the names callers import here
     FOR_GOOD,
     LAYER_BUDGETS,
+    MEASURED,
     POLICIES,
     SCORED,
     WINDOWS,

@@ -14,7 +14,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 POLICIES = ("dense", "streaming", "h2o", "snapkv", "topk", "swa")
-LAYER_BUDGETS = ("uniform", "pyramid", "entropy")
+LAYER_BUDGETS = ("uniform", "pyramid", "entropy", "concentration")
+# the layer rules whose weights are measured on the model (`layer_weights`: each layer's
+# attention entropy, `lamina.model.prepare.attention_entropy`)
+MEASURED = ("entropy", "concentration")
 SCORED = ("h2o", "snapkv", "swa")  # the policies that keep attention scores
 # the policies whose left-out keys never come back: a key every layer left out gives
 # its slot back (`Sparsifier.take_dropped`)
@@ -36,8 +39,9 @@ class SparsityConfig:
 
     policy: str = "dense"
     budget: float | int = 1.0  # fraction of the context in (0, 1], or a token count
-    layer_budgets: str = "uniform"  # "uniform" | "pyramid" | "entropy"
-    # measured per-layer weights for "entropy" (set at start-up; mean 1)
+    layer_budgets: str = "uniform"  # "uniform" | "pyramid" | "entropy" | "concentration"
+    # each layer's measured attention entropy, for "entropy" and "concentration" (set at
+    # start-up, `MEASURED`)
     layer_weights: tuple[float, ...] | None = None
     sinks: int = 4  # first keys always kept (streaming, topk, h2o, snapkv, swa)
     # recent keys always kept: a fraction of the budget, or a token count; None: the
@@ -110,18 +114,22 @@ class SparsityConfig:
                                                and self.budget >= 1.0)
 
     def weights(self, num_layers: int) -> np.ndarray:
-        """Each layer's share of the budget [L], mean 1."""
+        """Each layer's share of the budget [L], mean 1: `entropy` in proportion to the
+        layer's attention entropy (a layer that spreads its attention gets more keys),
+        `concentration` to its inverse (a layer that attends to few keys gets more)."""
         if self.layer_budgets == "uniform":
             return np.ones(num_layers)
         if self.layer_budgets == "pyramid":
             return np.linspace(1.5, 0.5, num_layers) if num_layers > 1 else np.ones(1)
         if self.layer_weights is None:
-            raise ValueError("layer_budgets='entropy' needs the measured layer_weights "
-                             "(lamina.model.prepare.attention_entropy)")
+            raise ValueError(f"layer_budgets={self.layer_budgets!r} needs the measured "
+                             f"layer_weights (lamina.model.prepare.attention_entropy)")
         if len(self.layer_weights) != num_layers:
             raise ValueError(f"{len(self.layer_weights)} layer_weights for {num_layers} "
                              f"layers")
         w = np.asarray(self.layer_weights)
+        if self.layer_budgets == "concentration":
+            w = 1.0 / w
         return w / w.mean()
 
 

@@ -164,14 +164,18 @@ def attention_entropy(model, tokenizer=None, num_layers: int | None = None,
 
 
 def sparsity_for(config, model, tokenizer, num_layers: int):
-    """A deployment's `SparsityConfig` with its `entropy` layer weights measured (once,
-    at start-up); `config` as it is for the other layer budgets."""
-    if not config.enabled or config.layer_budgets != "entropy" or config.layer_weights:
+    """A deployment's `SparsityConfig` with the layer entropies its `entropy` or
+    `concentration` layer budgets need measured (once, at start-up); `config` as it is
+    for the other layer budgets."""
+    from lamina.memory.sparsity_config import MEASURED
+
+    if not config.enabled or config.layer_budgets not in MEASURED or config.layer_weights:
         return config
     weights = attention_entropy(model, tokenizer, num_layers)
     if weights is None:
-        raise ValueError("kv_layer_budgets='entropy': the model gives no per-layer "
-                         "attentions to measure; use 'uniform' or 'pyramid'")
-    log.info("entropy layer budgets: weights %s", [round(w / (sum(weights) / len(weights)),
-                                                          3) for w in weights])
-    return replace(config, layer_weights=weights)
+        raise ValueError(f"kv_layer_budgets={config.layer_budgets!r}: the model gives no "
+                         f"per-layer attentions to measure; use 'uniform' or 'pyramid'")
+    config = replace(config, layer_weights=weights)
+    log.info("%s layer budgets: weights %s", config.layer_budgets,
+             [round(float(w), 3) for w in config.weights(num_layers)])
+    return config

@@ -22,6 +22,7 @@ from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.memory.sparsity import (
     SparsityConfig,
     layer_fractions,
+    layer_shares,
     page_bounds,
     page_scores,
     pick,
@@ -358,6 +359,31 @@ def test_layer_budgets():
     np.testing.assert_allclose(w, [1.0, 0.5, 1.5])
     with pytest.raises(ValueError, match="'entropy' needs the measured layer_weights"):
         SparsityConfig("h2o", 0.2, "entropy").weights(3)
+    # concentration: the inverse entropies (1/2, 1, 1/3), mean 11/18
+    w = SparsityConfig("h2o", 0.2, "concentration", layer_weights=(2.0, 1.0, 3.0)).weights(3)
+    np.testing.assert_allclose(w, [9 / 11, 18 / 11, 6 / 11])
+    with pytest.raises(ValueError, match="'concentration' needs the measured layer_weights"):
+        SparsityConfig("h2o", 0.2, "concentration").weights(3)
+
+
+def test_concentration_budgets_follow_the_inverse_of_each_layers_attention_entropy(smol):
+    """`sparsity_for` measures each layer's attention entropy once (SmolLM2, HF eager
+    attentions) for `concentration`: the layer whose attention is most concentrated gets
+    the largest share, the shares are the inverse entropies scaled to the budget's
+    mean, and a uniform config comes back as it was."""
+    from lamina.model.prepare import attention_entropy, sparsity_for
+
+    L = smol.config.num_hidden_layers
+    ent = np.asarray(attention_entropy(smol.model, smol.tokenizer, L))
+    assert ent.shape == (L,) and ((ent > 0) & (ent <= 1)).all()
+    cfg = sparsity_for(SparsityConfig("topk", 0.2, "concentration"), smol.model,
+                       smol.tokenizer, L)
+    np.testing.assert_allclose(cfg.layer_weights, ent)
+    f = layer_shares(cfg, L)
+    assert abs(f.mean() - 0.2) < 1e-9 and int(np.argmax(f)) == int(np.argmin(ent))
+    np.testing.assert_allclose(f, 0.2 * (1 / ent) / (1 / ent).mean())
+    plain = SparsityConfig("topk", 0.2)
+    assert sparsity_for(plain, smol.model, smol.tokenizer, L) is plain
 
 
 @pytest.mark.parametrize("kw, match", [
