@@ -1,5 +1,5 @@
-"""Layer budget rules beyond `lamina bench kv-sparsity`'s (uniform, pyramid, entropy),
-tried against uniform at the same total: the first layer(s) kept whole (seed 003's
+"""Layer budget rules beyond `lamina bench kv-sparsity`'s (uniform, pyramid, entropy,
+concentration), tried against uniform at the same total: the first layer(s) kept whole (seed 003's
 "full cache in the low layers"), and a greedy allocation that minimizes the summed
 relative error of the layers' attention outputs under an exact shared top-b selection
 (measured on 1024 tokens of a seed paper through HF's eager attention). Each rule is

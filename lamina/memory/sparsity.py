@@ -42,7 +42,8 @@ Budgets: `budget` in (0, 1] is a fraction of each row's context, an int a token 
 layer's attention entropy on a calibration text, measured at start-up by
 `lamina.model.prepare.attention_entropy`) or `concentration` (proportional to its
 inverse: a layer whose attention sits on few keys loses most when one is left out;
-better than uniform for every policy on SmolLM2, docs/sparsity.md). A budget at or above
+on SmolLM2 better than uniform for every policy but topk with `rescore`,
+docs/sparsity.md). A budget at or above
 a row's context selects everything: the row is attended exactly as dense. Layers with a
 sliding window stay dense (they are sparse already).
 """
@@ -543,30 +544,7 @@ class Sparsifier:
             if sel is not None:
                 picks[b] = sel
         got = self._topk(tk, qd, table, kp, key_scales, scale, softcap)
-        dev = batch.slots.device
-        g = got.gathered
-        if g is not None and g.slots is not None and len(got.entries) == nb:
-            # every entry a topk row, their slots gathered: the step's table as it is
-            starts = qpos[cu_q[:-1]].astype(np.int64) - np.diff(g.cu) + 1
-            return SlotBatch(batch.cu_q, batch.q_pos, torch.from_numpy(g.slots).to(dev),
-                             torch.from_numpy(g.cu.astype(np.int32)).to(dev),
-                             torch.from_numpy(starts.astype(np.int32)).to(dev))
-        kept = {b: (sel, own) for b, sel, own in zip(got.entries, got.picks, got.slots)}
-        if not picks and not kept:
-            return None
-        tables, starts = [], []
-        for b in range(nb):
-            slots = table[cu_k[b]:cu_k[b + 1]]
-            sel, own = kept.get(b, (picks.get(b), None))
-            tables.append(slots if sel is None else own if own is not None
-                          else slots[sel.numpy()])
-            # the kernels read positions only for causality: the row's query sees them all
-            starts.append(pos0[b] if sel is None else int(qpos[cu_q[b]]) - len(sel) + 1)
-        cu = np.zeros(len(tables) + 1, np.int32)
-        np.cumsum([len(t) for t in tables], out=cu[1:])
-        return SlotBatch(batch.cu_q, batch.q_pos, torch.from_numpy(np.concatenate(tables))
-                         .to(dev), torch.from_numpy(cu).to(dev),
-                         torch.tensor(starts, dtype=torch.int32, device=dev))
+        return _cut(batch, table, qpos, pos0, picks, got)
 
     def _decode_row(self, layer: int, sid: int, query: RowQuery, slots, n: int, t: int,
                     cfg: SparsityConfig) -> torch.Tensor | None:
@@ -705,6 +683,38 @@ class Sparsifier:
                 idx = st.picked if st.picked is not None else torch.arange(n)
                 score[idx] += p.cpu()
                 st.score = score
+
+
+def _cut(batch: SlotBatch, table: np.ndarray, qpos: np.ndarray, pos0: list[int],
+         picks: dict[int, torch.Tensor], got: _TopkOut) -> SlotBatch | None:
+    """`batch` with each cut row's table replaced by its selection (None: no row cut).
+    `picks`: batch entry -> key indices (the policies other than topk); `got`: the topk
+    rows'. table / qpos: the batch's slots and query positions in NumPy."""
+    cu_q, cu_k, nb = batch.cu_q.tolist(), batch.cu_k.tolist(), batch.num_requests
+    dev = batch.slots.device
+    g = got.gathered
+    if g is not None and g.slots is not None and len(got.entries) == nb:
+        # every entry a topk row, their slots gathered: the step's table as it is
+        starts = qpos[cu_q[:-1]].astype(np.int64) - np.diff(g.cu) + 1
+        return SlotBatch(batch.cu_q, batch.q_pos, torch.from_numpy(g.slots).to(dev),
+                         torch.from_numpy(g.cu.astype(np.int32)).to(dev),
+                         torch.from_numpy(starts.astype(np.int32)).to(dev))
+    kept = {b: (sel, own) for b, sel, own in zip(got.entries, got.picks, got.slots)}
+    if not picks and not kept:
+        return None
+    tables, starts = [], []
+    for b in range(nb):
+        slots = table[cu_k[b]:cu_k[b + 1]]
+        sel, own = kept.get(b, (picks.get(b), None))
+        tables.append(slots if sel is None else own if own is not None
+                      else slots[sel.numpy()])
+        # the kernels read positions only for causality: the row's query sees them all
+        starts.append(pos0[b] if sel is None else int(qpos[cu_q[b]]) - len(sel) + 1)
+    cu = np.zeros(len(tables) + 1, np.int32)
+    np.cumsum([len(t) for t in tables], out=cu[1:])
+    return SlotBatch(batch.cu_q, batch.q_pos, torch.from_numpy(np.concatenate(tables))
+                     .to(dev), torch.from_numpy(cu).to(dev),
+                     torch.tensor(starts, dtype=torch.int32, device=dev))
 
 
 def _grown(x: torch.Tensor, n: int, fill=0.0) -> torch.Tensor:
