@@ -247,8 +247,6 @@ void pick_row(const RowPlan& p, int64_t n, int64_t P, const float* sq, const Bou
   for (int64_t k = p.done; k < n; ++k) out[o++] = k;
 }
 
-}  // namespace
-
 // The rows' signed queries [R, W] from q [R, Hq, D] (`signed_queries`'s layout): per kv
 // head h, [q- sums | q+ sums] at (0 * Hkv + h) * D and (1 * Hkv + h) * D.
 at::Tensor signed_rows(const at::Tensor& q, int64_t hkv) {
@@ -278,6 +276,8 @@ int64_t first_stale(const int32_t* have, const int32_t* want, int64_t pages, int
     if (std::memcmp(have + g * P, want + g * P, sizeof(int32_t) * P) != 0) return g;
   return -1;
 }
+
+}  // namespace
 
 std::vector<at::Tensor> page_pick(at::Tensor q, std::vector<at::Tensor> bounds,
                                   at::Tensor params, c10::optional<at::Tensor> table_opt,
