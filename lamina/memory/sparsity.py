@@ -607,8 +607,8 @@ class Sparsifier:
             tk.bounds[i] = self._pages(tk.states[i], table[off:off + n], n, kp, key_scales, page)
         if got.stale:
             again = page_picks(tk.subset(got.stale), qd[[tk.at[i] for i in got.stale]], table)
-            for j, i in enumerate(got.stale):
-                picks[i], slots[i] = again.rows()[j], again.row_slots(j)
+            for j, (i, sel) in enumerate(zip(got.stale, again.rows())):
+                picks[i], slots[i] = sel, again.row_slots(j)
         for i, st in enumerate(tk.states):
             n, c, sinks, recent, _, off = tk.plan[i]
             if c > tk.budgets[i]:

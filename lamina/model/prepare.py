@@ -15,6 +15,7 @@ import torch
 
 from lamina.compute.device import check_device, move_split
 from lamina.kernels.pointwise import pointwise_ops
+from lamina.memory.sparsity_config import MEASURED
 from lamina.splitter import split_model
 from lamina.splitter.dense import DenseChoice, pack_dense, select_dense_backend
 from lamina.splitter.fuse import fuse_pointwise
@@ -167,8 +168,6 @@ def sparsity_for(config, model, tokenizer, num_layers: int):
     """A deployment's `SparsityConfig` with the layer entropies its `entropy` or
     `concentration` layer budgets need measured (once, at start-up); `config` as it is
     for the other layer budgets."""
-    from lamina.memory.sparsity_config import MEASURED
-
     if not config.enabled or config.layer_budgets not in MEASURED or config.layer_weights:
         return config
     weights = attention_entropy(model, tokenizer, num_layers)
