@@ -8,11 +8,12 @@ submitted) so replicas go on while it attends. The same `ComputeSide` runs in
 
 Compute replicas (`num_compute_workers` > 1, pipeline "fixed", paper 5.1): one
 `ComputeSide` per replica, each run on a thread of its own over the shared slices
-(weights are read-only), each with its own batch: a sequence is placed on the replica
-with the fewest sequences when first seen and stays there (its slot table lives
-there). A memory side serves one replica at a time (a lock per memory side: one device
-does one attention at a time), so a replica whose attention is queued waits, the fixed
-schedule's bubbles. torch ops release the GIL, so the replicas' slices do run at once.
+(weights are read-only), each with its own batch (`lamina.executor.replicas`: a
+sequence is placed on the replica with the fewest sequences when first seen and stays
+there, where its slot table lives). A memory side serves one replica at a time (a lock
+per memory side: one device does one attention at a time), so a replica whose
+attention is queued waits, the fixed schedule's bubbles. torch ops release the GIL,
+so the replicas' slices do run at once.
 
 Rotational (pipeline "rotational", n batches over R = n - 1 replicas, paper 5.1): one
 `ComputeSide` packs the step into n micro-batches and runs slice k of micro-batch j on
@@ -31,8 +32,9 @@ import torch
 from lamina.compute.compute_side import ComputeSide
 from lamina.compute.memory_link import MemoryLink, combine
 from lamina.compute.packing import WorkerPart
-from lamina.engine.messages import DroppedKeys, SeqWork, StepPlan, StepResult
+from lamina.engine.messages import DroppedKeys, StepPlan, StepResult
 from lamina.executor.base import Executor
+from lamina.executor.replicas import ReplicaSplit
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.tier_orders import TierMiss, sum_stats
 from lamina.splitter.split import SplitModel
@@ -154,38 +156,15 @@ class LocalExecutor(Executor):
                          [Tracer(f"memory{w}") for w in range(len(self.memory))], threads)
         self.links = [_LocalLink(self.memory, self.params, shared) for _ in self.replicas]
         self.link = self.links[0]
-        self._home: dict[int, int] = {}  # sequence -> its replica (fixed)
-        self._pool = (ThreadPoolExecutor(num_compute_workers, "lamina-replica")
-                      if len(self.replicas) > 1 else None)
+        # the fixed schedule's sequences by replica (rotational: one ComputeSide)
+        self.split = ReplicaSplit(len(self.replicas)) if len(self.replicas) > 1 else None
 
     def execute(self, plan: StepPlan) -> StepResult:
-        if self._pool is None:
+        if self.split is None:
             return self.compute.run(plan, self.link)
         if plan.tier_orders:
             raise ValueError("KV tiers with several compute replicas are not supported")
-        parts = self._split(plan)
-        futures = [self._pool.submit(c.run, p, link)  # released: every replica drops them
-                   for c, p, link in zip(self.replicas, parts, self.links)
-                   if p.seqs or p.released]
-        return _merged(plan, [f.result() for f in futures])
-
-    def _split(self, plan: StepPlan) -> list[StepPlan]:
-        """The plan's sequences by replica (each sequence stays on the first it got);
-        every replica drops the released ones."""
-        for sid in plan.released:
-            self._home.pop(sid, None)
-        load = [0] * len(self.replicas)
-        for home in self._home.values():
-            load[home] += 1
-        mine: list[list[SeqWork]] = [[] for _ in self.replicas]
-        for s in plan.seqs:
-            if s.seq_id not in self._home:
-                r = min(range(len(load)), key=lambda i: (load[i], i))
-                self._home[s.seq_id] = r
-                load[r] += 1
-            mine[self._home[s.seq_id]].append(s)
-        return [StepPlan(plan.step, tuple(m), released=plan.released,
-                         report_dropped=plan.report_dropped) for m in mine]
+        return self.split.run(plan, lambda r, p: self.replicas[r].run(p, self.links[r]))
 
     def _tracers(self) -> list[Tracer]:
         return [*(lane for c in self.replicas for lane in c.lanes),
@@ -219,6 +198,8 @@ class LocalExecutor(Executor):
     def shutdown(self) -> None:
         for th in self.link.shared.threads or ():
             th.shutdown()
+        if self.split is not None:
+            self.split.shutdown()
         for m in self.memory:
             if m.tiers is not None:
                 m.tiers.close()
@@ -238,23 +219,3 @@ def apply_tiers(memory: list[MemorySide], orders) -> None:
                        [x for e in missed for x in e.entries],
                        "; ".join(str(e) for e in missed))
 
-
-def _merged(plan: StepPlan, results: list[StepResult]) -> StepResult:
-    """The replicas' results as one, its sequences in plan order; timings: each key's
-    largest (the replicas ran at once)."""
-    by: dict[int, tuple] = {}
-    for r in results:
-        none = (None,) * len(r.seq_ids)
-        for sid, toks, lp, plp in zip(r.seq_ids, r.token_ids, r.logprobs or none,
-                                      r.prompt_logprobs or none):
-            by[sid] = (toks, lp, plp)
-    order = [s.seq_id for s in plan.seqs if s.sample and s.seq_id in by]
-    lps = tuple(by[s][1] for s in order) if any(r.logprobs for r in results) else None
-    plps = (tuple(by[s][2] for s in order) if any(r.prompt_logprobs for r in results)
-            else None)
-    timings: dict = {}
-    for r in results:
-        for k, v in (r.timings or {}).items():
-            timings[k] = max(timings.get(k, v), v)
-    return StepResult(plan.step, tuple(order), tuple(by[s][0] for s in order), timings,
-                      lps, plps, tuple(d for r in results for d in r.dropped))

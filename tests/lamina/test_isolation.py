@@ -23,12 +23,15 @@ SLOTS = 3000
 MEM_POS = 700  # past every good request's last position (600 + 12)
 
 
-def engine(smol, split, faults=None, workers=2, slots=SLOTS, caching=True):
+def engine(smol, split, faults=None, workers=2, slots=SLOTS, caching=True, replicas=1):
+    """`replicas` > 1: that many compute replicas under the fixed schedule."""
+    rep = dict(num_compute_workers=replicas, pipeline="fixed") if replicas > 1 else {}
     cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=workers, max_step_tokens=2048,
-                       faults=faults, prefix_caching=caching)
+                       faults=faults, prefix_caching=caching, **rep)
     mems = [MemorySide(KVPool(KVPoolConfig.for_specs(split.attention_specs, slots)))
             for _ in range(workers)]
-    ex = LocalExecutor(split, mems, vocab_size=smol.config.vocab_size, faults=faults)
+    ex = LocalExecutor(split, mems, vocab_size=smol.config.vocab_size, faults=faults,
+                       num_compute_workers=replicas)
     return LLMEngine(cfg, ex, smol.tokenizer, smol.config)
 
 
@@ -94,6 +97,33 @@ def test_memory_fault_on_one_sequence_fails_alone(smol, smol_split, prompts, hf_
     long = (prompts[8] * 2)[:MEM_POS + 20]  # a query at MEM_POS in its prefill
     outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(long, GOOD))
     check(outs, ids, bad, hf_greedy, f"injected memory fault at position {MEM_POS}")
+
+
+@pytest.mark.parametrize("where", ["compute", "memory"])
+def test_a_fault_on_one_compute_replica_fails_alone(smol, smol_split, prompts, hf_greedy,
+                                                    where):
+    """Two replicas (fixed): the poison request's replica fails the step cleanly, the
+    other's part succeeded; the rerun without it must not run that part twice."""
+    tok = unused_token(prompts, hf_greedy)
+    long = (prompts[8] * 2)[:MEM_POS + 20]
+    faults, poison, words = ((FaultPlan(compute_token=tok), [1, 2, tok, 3],
+                              f"injected compute fault on token {tok}") if where == "compute"
+                             else (FaultPlan(memory_pos=MEM_POS), long,
+                                   f"injected memory fault at position {MEM_POS}"))
+    eng = engine(smol, smol_split, faults, replicas=2)
+    runs = []  # (replica, step, its sequences) per replica run
+    for r, c in enumerate(eng.executor.replicas):
+        def run(plan, link, r=r, real=c.run):
+            runs.append((r, plan.step, tuple(s.seq_id for s in plan.seqs)))
+            return real(plan, link)
+        c.run = run
+    outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(poison, GOOD))
+    check(outs, ids, bad, hf_greedy, words)
+    assert eng.num_failed_requests == 1 and not eng.recoveries
+    steps = [(r, step) for r, step, _ in runs]
+    again = {x for x in steps if steps.count(x) > 1}
+    assert len(again) == 1  # the poison's replica ran that step again, without it
+    assert len(set(runs)) == len(runs)  # no replica ran the same part twice
 
 
 def test_sampler_exception_is_put_on_its_row(smol, smol_split, prompts, hf_greedy,

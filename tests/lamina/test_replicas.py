@@ -9,8 +9,10 @@ import pytest
 from lamina import LLM, SamplingParams
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
-from lamina.engine.messages import StepPlan
+from lamina.engine.messages import SeqWork, StepPlan, StepResult
+from lamina.errors import SequenceFault
 from lamina.executor.local import LocalExecutor
+from lamina.executor.replicas import ReplicaSplit
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.trace import lanes, overlapping
@@ -30,7 +32,7 @@ def test_fixed_replicas_greedy_identical_to_hf(smol, smol_split, prompts, hf_gre
     ex.start_trace()
     for _ in range(3):
         done.update((o.request_id, o) for o in eng.step() if o.finished)
-        for sid, r in ex._home.items():
+        for sid, r in ex.split.home.items():
             assert homes.setdefault(sid, r) == r  # a sequence stays on its replica
     spans = ex.stop_trace()
     while eng.has_unfinished():
@@ -45,7 +47,7 @@ def test_fixed_replicas_greedy_identical_to_hf(smol, smol_split, prompts, hf_gre
     assert any(a0 < b1 and b0 < a1 for a0, a1 in slices[0] for b0, b1 in slices[1])
     ex.execute(StepPlan(10 ** 6, (), released=tuple(eng.scheduler._released)))
     # the next plan releases every finished sequence from its replica
-    assert not ex._home and all(len(c.tables) == 0 for c in ex.replicas)
+    assert not ex.split.home and all(len(c.tables) == 0 for c in ex.replicas)
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -78,3 +80,67 @@ def test_num_batches_is_derived_from_the_replicas():
 def test_replicas_on_ray_refused_by_name(mode):
     with pytest.raises(ValueError, match=f"pipeline '{mode}'.* runs on the local executor only"):
         LLM(executor="ray", num_compute_workers=2, pipeline=mode)
+
+
+def _work(*sids):
+    return tuple(SeqWork(s, (s,), 0, (s,)) for s in sids)
+
+
+def _echo(r, sub):
+    """A replica that draws its replica index for every sequence."""
+    return StepResult(sub.step, tuple(s.seq_id for s in sub.seqs),
+                      tuple((r,) for _ in sub.seqs), {"dense": 0.1 * (r + 1)})
+
+
+def test_replica_split_places_by_load_and_keeps_homes():
+    split = ReplicaSplit(3)
+    subs = split.split(StepPlan(0, _work(10, 11, 12, 13)))
+    assert [[s.seq_id for s in p.seqs] for p in subs] == [[10, 13], [11], [12]]
+    # 10 and 11 leave: 14 goes to the emptiest (replica 1), 15 to the lowest of a tie
+    subs = split.split(StepPlan(1, _work(12, 13, 14, 15), released=(10, 11)))
+    assert split.home == {12: 2, 13: 0, 14: 1, 15: 0}
+    assert [[s.seq_id for s in p.seqs] for p in subs] == [[13, 15], [14], [12]]
+    assert all(p.released == (10, 11) for p in subs)  # every replica drops them
+    out = split.run(StepPlan(2, _work(15, 12, 13)), _echo)
+    assert out.seq_ids == (15, 12, 13) and out.token_ids == ((0,), (2,), (0,))
+    assert out.timings == {"dense": pytest.approx(0.3)}  # the slowest replica's
+    split.shutdown()
+
+
+def test_replica_split_rerun_after_a_clean_fault_reuses_the_others():
+    """Replica 1 refuses sequence 11 cleanly; the engine reruns the step without it:
+    replica 0's part is not run twice (its KV is written, its samplers advanced)."""
+    split, calls = ReplicaSplit(2), []
+
+    def run(r, sub):
+        calls.append((r, sub.step, tuple(s.seq_id for s in sub.seqs)))
+        if any(s.seq_id == 11 for s in sub.seqs):
+            raise SequenceFault([11], "bad sequence 11")
+        return _echo(r, sub)
+
+    with pytest.raises(SequenceFault, match="compute replica 1: bad sequence 11") as e:
+        split.run(StepPlan(5, _work(10, 11, 12, 13)), run)
+    assert e.value.seq_ids == (11,) and e.value.clean
+    out = split.run(StepPlan(5, _work(10, 12, 13)), run)
+    assert out.seq_ids == (10, 12, 13) and out.token_ids == ((0,), (0,), (1,))
+    assert sorted(calls) == [(0, 5, (10, 12)), (1, 5, (11, 13)), (1, 5, (13,))]
+    # a hard error keeps nothing: every replica runs the next step afresh
+    calls.clear()
+
+    def broken(r, sub):
+        calls.append(r)
+        if r == 1:
+            raise ConnectionError("replica 1 hung up")
+        return _echo(r, sub)
+
+    with pytest.raises(ConnectionError, match="replica 1 hung up"):
+        split.run(StepPlan(6, _work(10, 12, 13)), broken)
+    split.run(StepPlan(6, _work(10, 12, 13)), _echo)
+    assert sorted(calls) == [0, 1] and split._kept == {}
+    split.shutdown()
+
+
+@pytest.mark.parametrize("bad", [0, 1, "x"])
+def test_replica_split_needs_two_replicas(bad):
+    with pytest.raises(ValueError, match="ReplicaSplit needs >= 2 replicas"):
+        ReplicaSplit(bad)
