@@ -75,6 +75,7 @@ class ComputeWorkerSpec:
     compute_device: str = "cpu"
     graph_tokens: int = 0  # decode steps replayed as CUDA graphs up to this size (0: none)
     stream_groups: int = 1  # q/k/v streamed in this many groups a layer (SocketLink)
+    replica: int = 0  # which model replica it is (its trace lane: "compute<replica>")
 
 
 @ray.remote
@@ -95,6 +96,7 @@ class ComputeWorker:
         self.compute = ComputeSide(prep.split, spec.num_memory_workers,
                                    device=spec.compute_device, graph_tokens=spec.graph_tokens)
         self.compute.vocab_size = int(self.loaded.config.vocab_size)
+        self.compute.tracer.lane = f"compute{spec.replica}"
         self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
         self.channels: list[Channel] = []
         self._lock = threading.Lock()  # one step at a time (control thread or Ray call)

@@ -1,7 +1,13 @@
-"""RayExecutor: places one compute worker and N memory workers on a Ray cluster, wires
+"""RayExecutor: places the compute worker(s) and N memory workers on a Ray cluster, wires
 their data plane, and sends each `StepPlan` to the compute worker over the control
 channel (`lamina.dataplane.control`: a socket, not a Ray call; per-layer tensors never go through
 Ray either). Ray places, configures and supervises the workers.
+
+Compute replicas (`num_compute_workers` = R > 1, pipeline "fixed", paper 5.1): R compute
+workers, each a model replica with its own sequences (`lamina.executor.replicas`), each
+with its own control channel and its own data-plane connection to every memory worker;
+a memory worker serves the R connections over its one pool. A step's sub-plans go out
+at once and their results are merged.
 
 Data in: `StepPlan`s from the engine. Data out: `StepResult`s. A dead worker surfaces
 as an error naming it; `recover` then replaces the workers (the engine recomputes the
@@ -25,6 +31,7 @@ from lamina.dataplane.transport import SocketChannel, connect_stream, shm_enable
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.executor.base import Executor
+from lamina.executor.replicas import ReplicaSplit
 from lamina.memory.sparsity import SCORED
 from lamina.memory.tier_orders import TierMiss, sum_stats
 
@@ -94,7 +101,10 @@ class RayExecutor(Executor):
         # Fractional CPUs so 1 compute + 2 memory workers fit a 2-core node; on a cluster
         # whose nodes advertise lamina_compute / lamina_memory (ray_config.yaml), use them.
         have = ray.cluster_resources()
-        c_opts, m_opts = {"num_cpus": 0.5}, {"num_cpus": 0.5}
+        self.check(config)
+        r_n = config.num_compute_workers
+        # the compute workers share what one would take (a 2-core node still fits)
+        c_opts, m_opts = {"num_cpus": 0.5 / r_n}, {"num_cpus": 0.5}
         if "lamina_compute" in have:
             c_opts["resources"] = {"lamina_compute": 1}
         if "lamina_memory" in have:
@@ -111,7 +121,8 @@ class RayExecutor(Executor):
         compute_gpu = config.compute_device.startswith("cuda")
         if compute_gpu:  # the slices on a GPU of the compute worker's own
             c_opts["num_gpus"] = 1
-        check_fits(have, {"compute worker": (c_opts, 1), "memory workers": (m_opts, m)})
+        check_fits(have, {("compute worker" if r_n == 1 else "compute workers"): (c_opts, r_n),
+                          "memory workers": (m_opts, m)})
         # Idle OpenMP threads spin only briefly (3000 rounds of libgomp's wait loop, some
         # tens of us), then sleep: long enough to carry the compute worker's threads
         # from one linear to the next, short enough that a memory worker woken for a
@@ -143,15 +154,38 @@ class RayExecutor(Executor):
         # every worker's resources reserved at once, or a clear error in bounded time
         # placement group names are unique per cluster: one deployment, one name
         self.placement = place(c_opts, m_opts, m, config.placement_timeout_s,
-                               name or f"lamina-{uuid.uuid4().hex[:8]}")
-        self.compute = self._new_compute()
+                               name or f"lamina-{uuid.uuid4().hex[:8]}", r_n)
+        self.computes = [self._new_compute(r) for r in range(r_n)]
+        self.controls: list[ControlClient | None] = [None] * r_n
+        # the fixed schedule's sequences by replica; None: one compute worker
+        self.split = ReplicaSplit(r_n) if r_n > 1 else None
         self.dense = self._get(self.compute.dense_choice.remote(), "the compute worker")
         self.memory = []
         self._start_memory()
 
-    def _new_compute(self):
-        return ComputeWorker.options(**self._c_opts, **self.placement.compute()).remote(
-            self._compute_spec)
+    @classmethod
+    def check(cls, config) -> None:
+        """Compute replicas run on Ray under the fixed schedule only."""
+        r_n = config.num_compute_workers
+        if r_n > 1 and config.pipeline != "fixed":
+            raise ValueError(
+                f"pipeline {config.pipeline!r} over {r_n} compute replicas runs on the local "
+                "executor only, so far (on Ray each micro-batch's context would migrate "
+                "between compute worker processes, not built yet); pipeline 'fixed' runs "
+                "on Ray")
+
+    @property
+    def compute(self):
+        """The first compute worker (the one that answers model questions)."""
+        return self.computes[0]
+
+    @property
+    def control(self) -> ControlClient | None:
+        return self.controls[0]
+
+    def _new_compute(self, r: int = 0):
+        return ComputeWorker.options(**self._c_opts, **self.placement.compute(r)).remote(
+            replace(self._compute_spec, replica=r))
 
     def _start_memory(self) -> None:
         """Fresh memory workers (empty pools), wired to the compute worker."""
@@ -166,47 +200,61 @@ class RayExecutor(Executor):
         if local_prefill != cfg.local_prefill:
             log.info("kv_sparsity=%r scores prompts on the memory workers: local_prefill "
                      "off", sparsity.policy)
-        pool_cfg, params, sparsity = self._get(self.compute.memory_spec.remote(
+        # every replica sets its own compute side's share (scratch pool, scales) alike
+        pool_cfg, params, sparsity = self._get([c.memory_spec.remote(
             cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, local_prefill, cfg.faults,
-            cfg.kv_pool_bytes, sparsity if sparsity.enabled else None),
-            "the compute worker")
+            cfg.kv_pool_bytes, sparsity if sparsity.enabled else None)
+            for c in self.computes], "the compute workers")[0]
         self.params = list(params)  # per-layer AttentionParams
         self.pool_config = pool_cfg
         self.pool_slots = pool_cfg.num_slots  # kv_pool_bytes may have set it
         tiers = cfg.tiers if cfg.tiers.enabled else None
         rope = self._get(self.compute.rotary.remote(), "the compute worker") if tiers else None
         self.memory_info = self._get([w.setup.remote(pool_cfg, params, cfg.faults, tiers, rope,
-                                                     sparsity)
+                                                     sparsity, len(self.computes))
                                       for w in self.memory], "the memory workers")
         self._rotary = rope is not None
-        node = self._get(self.compute.node_id.remote(), "the compute worker")
-        # Each pair's transport (`choose_transport`): co-located, a Unix socket (+ shared
-        # memory); across nodes RDMA where both ends can run it, else TCP.
         nodes = self._get([w.__ray_call__.remote(
             lambda s: ray.get_runtime_context().get_node_id()) for w in self.memory],
             "the memory workers")
-        choices = self._transports(node, nodes)
+        rdma_seen = [0] * len(self.memory)  # per memory worker, its RDMA connections so far
+        wired = [self._wire(r, nodes, rdma_seen) for r in range(len(self.computes))]
+        # replica 0's pairs (the one compute worker's, without replicas)
+        _, self.addresses, self.transports, self.transport_choices = wired[0]
+        computes = [w[0] for w in wired]
+        self.nodes = {"compute": computes[0], "computes": computes, "memory": nodes}
+
+    def _wire(self, r: int, nodes: list[str], rdma_seen: list[int]) -> tuple:
+        """Connect compute worker `r` to every memory worker and open its control
+        channel. Each pair's transport (`choose_transport`): co-located, a Unix socket
+        (+ shared memory); across nodes RDMA where both ends can run it, else TCP.
+        -> (its node, addresses, transport names, choices)."""
+        cfg, compute = self.config, self.computes[r]
+        node = self._get(compute.node_id.remote(), f"compute worker {r}")
+        choices = self._transports(compute, node, nodes)
         addrs = self._get([w.listen.remote(c.kind) for w, c in zip(self.memory, choices)],
                           "the memory workers' data plane")
-        mine = self._get(self.compute.connect.remote(addrs, cfg.worker_timeout_s),
-                         "the compute worker's data plane")
-        self._get([self.memory[i].accept_rdma.remote(ep) for i, ep in mine["rdma"].items()],
-                  "the memory workers' RDMA queue pairs")
-        self.addresses, self.nodes = addrs, {"compute": node, "memory": nodes}
-        self.transports = [transport(a) for a in addrs]
-        self.transport_choices = choices
-        for i, (n, t, c) in enumerate(zip(nodes, self.transports, choices)):
-            log.info("compute worker (node %s) <-> memory worker %d (node %s): %s (%s)",
-                     node[:8], i, n[:8], t, c.why)
-        self._open_control(node)
+        mine = self._get(compute.connect.remote(addrs, cfg.worker_timeout_s),
+                         f"compute worker {r}'s data plane")
+        self._get([self.memory[i].accept_rdma.remote(ep, rdma_seen[i])
+                   for i, ep in mine["rdma"].items()], "the memory workers' RDMA queue pairs")
+        for i in mine["rdma"]:
+            rdma_seen[i] += 1
+        names = [transport(a) for a in addrs]
+        for i, (n, t, c) in enumerate(zip(nodes, names, choices)):
+            log.info("compute worker %d (node %s) <-> memory worker %d (node %s): %s (%s)",
+                     r, node[:8], i, n[:8], t, c.why)
+        self._open_control(r, node)
+        return node, addrs, names, choices
 
-    def _transports(self, node: str, nodes: list[str]) -> list[TransportChoice]:
-        """Each memory worker's transport choice; RDMA needs it on both nodes (`probe`
-        runs where each worker runs: devices and pyverbs are per host)."""
+    def _transports(self, compute, node: str, nodes: list[str]) -> list[TransportChoice]:
+        """Each memory worker's transport choice for `compute` (on `node`); RDMA needs it
+        on both nodes (`probe` runs where each worker runs: devices and pyverbs are per
+        host)."""
         far = [w for w, n in zip(self.memory, nodes) if n != node]
         support = {}
         if far:
-            here = self._get(self.compute.__ray_call__.remote(lambda s: probe()),
+            here = self._get(compute.__ray_call__.remote(lambda s: probe()),
                              "the compute worker")
             there = self._get([w.__ray_call__.remote(lambda s: probe()) for w in far],
                               "the memory workers")
@@ -229,38 +277,43 @@ class RayExecutor(Executor):
             raise WorkerFailure(f"{what} did not start within {wait:g} s: the cluster has "
                                 "no room for them (see `ray status`)") from None
 
-    def _open_control(self, compute_node: str) -> None:
-        """A fresh control channel to the compute worker (Unix socket when the engine runs
+    def _open_control(self, r: int, compute_node: str) -> None:
+        """A fresh control channel to compute worker `r` (Unix socket when the engine runs
         on its node, else TCP)."""
-        self._close_control()
+        self._close_control(r)
         here = ray.get_runtime_context().get_node_id()
-        addr = ray.get(self.compute.serve_control.remote(here == compute_node))
-        self.control = connect_control(addr)
-        self.control.channel.set_timeout(self.config.step_timeout_s)
+        addr = ray.get(self.computes[r].serve_control.remote(here == compute_node))
+        control = connect_control(addr)
+        control.channel.set_timeout(self.config.step_timeout_s)
+        self.controls[r] = control
 
-    def _close_control(self) -> None:
-        if getattr(self, "control", None) is not None:
-            self.control.close()
-            self.control = None
+    def _close_control(self, r: int | None = None) -> None:
+        """Close compute worker `r`'s control channel (None: every one)."""
+        for i in range(len(self.controls)) if r is None else (r,):
+            if self.controls[i] is not None:
+                self.controls[i].close()
+                self.controls[i] = None
 
     def set_worker_timeout(self, seconds: float | None) -> None:
-        """How long the compute worker waits on a silent memory worker before the step
+        """How long the compute workers wait on a silent memory worker before the step
         fails (then `recover` replaces it)."""
         self.config = replace(self.config, worker_timeout_s=seconds)  # validates
-        ray.get(self.compute.set_timeout.remote(seconds))
+        ray.get([c.set_timeout.remote(seconds) for c in self.computes])
 
     def recover(self, error: BaseException) -> bool:
         """Replace the memory workers (all of them: a step broke off mid-way, so no
-        pool's contents can be trusted) and, if it died, the compute worker; the engine
+        pool's contents can be trusted) and each compute worker that died; the engine
         then recomputes the lost KV. False if the cluster cannot give new workers."""
-        try:
-            ray.get(self.compute.node_id.remote(), timeout=self.ping_timeout_s)
-        except Exception as e:  # noqa: BLE001 - dead or hung: start another
-            log.warning("compute worker lost (%s: %s); starting a new one", type(e).__name__, e)
-            ray.kill(self.compute)
-            self.compute = self._new_compute()
-        else:
-            ray.get(self.compute.disconnect.remote(), timeout=self.ping_timeout_s)
+        for r, compute in enumerate(self.computes):
+            try:
+                ray.get(compute.node_id.remote(), timeout=self.ping_timeout_s)
+            except Exception as e:  # noqa: BLE001 - dead or hung: start another
+                log.warning("compute worker %d lost (%s: %s); starting a new one", r,
+                            type(e).__name__, e)
+                ray.kill(compute)
+                self.computes[r] = self._new_compute(r)
+            else:
+                ray.get(compute.disconnect.remote(), timeout=self.ping_timeout_s)
         self._close_control()
         for w in self.memory:
             ray.kill(w)
@@ -274,22 +327,38 @@ class RayExecutor(Executor):
         what each worker reported. `TierMiss` (clean) when a memory worker cannot serve a
         tier load: asked before the step is sent."""
         self._check_tier_loads(plan)
+        if self.split is not None and plan.tier_orders:
+            raise ValueError("KV tiers with several compute replicas are not supported")
         try:
-            if self.control is None:
-                raise RuntimeError("no control channel to the compute worker (closed after "
-                                   "an earlier failure)")
-            return self.control.call(plan)
+            if self.split is None:
+                return self._call(0, plan)
+            return self.split.run(plan, self._call)
         except SequenceFault:
-            raise  # the compute worker refused them; nothing else broke
+            raise  # a compute worker refused them; nothing else broke
         except Exception as e:  # name the failing worker if one reported
             errors, bad = self._health_errors()
-            if not isinstance(e, StepError):  # the stream may be mid-message: drop it
-                self._close_control()
             what = (f"step {plan.step} failed: {type(e).__name__}: {e}"
                     + ("; " + "; ".join(errors) if errors else ""))
             if bad:  # a memory worker refused these sequences and closed its channel
                 raise SequenceFault(bad, what, clean=False) from e
             raise WorkerFailure(what) from e
+
+    def _call(self, r: int, plan: StepPlan) -> StepResult:
+        """Compute worker `r`'s step; a broken stream closes its control channel."""
+        control, who = self.controls[r], ("the compute worker" if self.split is None
+                                          else f"compute worker {r}")
+        if control is None:
+            raise RuntimeError(f"no control channel to {who} (closed after an earlier "
+                               "failure)")
+        try:
+            return control.call(plan)
+        except (SequenceFault, StepError):
+            raise
+        except Exception as e:  # the stream may be mid-message: drop it
+            self._close_control(r)
+            if self.split is None:
+                raise
+            raise WorkerFailure(f"{who}: {type(e).__name__}: {e}") from e
 
     def _check_tier_loads(self, plan: StepPlan) -> None:
         loads = [o for o in plan.tier_orders if o.op == "load"]
@@ -359,12 +428,12 @@ class RayExecutor(Executor):
         """Every worker records its timeline (`lamina.trace`) from the next step on. The
         lanes line up: the workers of one host share CLOCK_MONOTONIC (workers on other
         hosts do not; their lanes are shifted by the hosts' clock offset)."""
-        self._get([a.start_trace.remote() for a in [self.compute, *self.memory]],
+        self._get([a.start_trace.remote() for a in [*self.computes, *self.memory]],
                   "trace start")
 
     def stop_trace(self) -> list:
         return [s for spans in self._get([a.stop_trace.remote()
-                                          for a in [self.compute, *self.memory]],
+                                          for a in [*self.computes, *self.memory]],
                                          "trace stop") for s in spans]
 
     def shutdown(self) -> None:
@@ -376,8 +445,10 @@ class RayExecutor(Executor):
         if self.config.tiers.enabled:  # their files go with them
             ray.wait([w.close_tiers.remote() for w in self.memory],
                      num_returns=len(self.memory), timeout=HEALTH_TIMEOUT_S)
-        for a in [self.compute, *self.memory]:
+        for a in [*self.computes, *self.memory]:
             ray.kill(a)
+        if self.split is not None:
+            self.split.shutdown()
         self.placement.remove()
 
 

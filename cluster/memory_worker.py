@@ -1,5 +1,7 @@
 """Memory worker: a Ray actor holding one KV pool and computing attention for the
-requests placed on it.
+requests placed on it, for one compute worker or for several (compute replicas under
+the fixed schedule: a connection each, served on threads of their own over the one
+pool; a lock makes the device do one attention at a time).
 
 Data in: the compute worker's frames over the data plane: per step the slot metadata,
 per layer and micro-batch q/k/v (the protocol is `lamina.dataplane.protocol`; its `MemoryServer`
@@ -49,39 +51,48 @@ class MemoryWorker:
     def __init__(self, index: int, threads: int = 1):
         torch.set_num_threads(threads)
         self.index = index
-        self.memory = self.params = self._srv = self.server = None
+        self.memory = self.params = None
+        self.servers: list[MemoryServer] = []  # one per connected compute worker
+        self._rdma: list = []  # per RDMA connection: (its verbs, its peer's endpoint set)
+        self._listened = 0  # socket endpoints opened
+        self._shared = None  # the pool's lock when several compute workers share it
         self.tracer = Tracer(f"memory{index}")  # its timeline (`lamina.trace`), off
 
     def setup(self, pool_config, params, faults=None, tiers=None, rope=None,
-              sparsity=None) -> dict:
+              sparsity=None, connections: int = 1) -> dict:
+        """`connections`: how many compute workers it serves (> 1: they share the pool
+        under a lock)."""
         self.memory = MemorySide(KVPool(pool_config), faults=faults, tiers=tiers,
                                  worker=self.index, rope_inv_freq=rope, sparsity=sparsity)
         self.params = list(params)
+        self._shared = threading.Lock() if connections > 1 else None
         return {"backend": self.memory.backend.name, "reason": self.memory.backend.reason,
                 "pool_bytes": pool_config.nbytes, "pid": os.getpid()}
 
     def listen(self, kind: str) -> tuple:
-        """Open the data-plane endpoint of transport `kind` (`choose_transport`); serve
-        one compute worker on a thread. Co-located ("unix+shm"): payloads go through two
-        shared-memory rings, the socket is the doorbell. "rdma": a queue pair whose
-        endpoint goes back to the compute worker; serving starts once `accept_rdma` has
-        its peer's."""
-        self._rings = None
+        """Open a data-plane endpoint of transport `kind` (`choose_transport`) for one
+        compute worker (called once per compute worker), served on a thread of its own.
+        Co-located ("unix+shm"): payloads go through two shared-memory rings, the socket
+        is the doorbell. "rdma": a queue pair whose endpoint goes back to the compute
+        worker; serving starts once `accept_rdma` has its peer's."""
+        n = len(self._rdma) if kind == "rdma" else self._listened
         if kind == "rdma":
             from lamina.dataplane.rdma import PyverbsVerbs
 
-            self._verbs, self._peer = PyverbsVerbs(), threading.Event()
-            threading.Thread(target=self._serve_rdma, daemon=True).start()
-            return ("rdma", self._verbs.endpoint().to_wire())
+            self._rdma.append((PyverbsVerbs(), threading.Event()))
+            threading.Thread(target=self._serve_rdma, args=(n,), daemon=True).start()
+            return ("rdma", self._rdma[n][0].endpoint().to_wire())
+        self._listened += 1
         unix = kind in ("unix", "unix+shm")
-        self._srv, addr = listen_stream(unix, ray.util.get_node_ip_address(),
-                                        f"mem{self.index}")
+        srv, addr = listen_stream(unix, ray.util.get_node_ip_address(),
+                                  f"mem{self.index}-{n}")
+        rings = None
         if kind == "unix+shm" and shm_enabled():
-            base = f"/dev/shm/lamina-{os.getpid()}-{self.index}"
-            self._rings = (ShmRing(base + "-c2m", RING_BYTES, create=True),
-                           ShmRing(base + "-m2c", RING_BYTES, create=True))
+            base = f"/dev/shm/lamina-{os.getpid()}-{self.index}-{n}"
+            rings = (ShmRing(base + "-c2m", RING_BYTES, create=True),
+                     ShmRing(base + "-m2c", RING_BYTES, create=True))
             addr = (*addr, base + "-c2m", base + "-m2c", RING_BYTES)
-        threading.Thread(target=self._serve, daemon=True).start()
+        threading.Thread(target=self._serve, args=(srv, rings), daemon=True).start()
         return addr
 
     def tier_missing(self, loads: list) -> list[int]:
@@ -102,37 +113,43 @@ class MemoryWorker:
 
     def start_trace(self) -> None:
         self.tracer.start()
-        if self.server is not None:  # its output sender's lane
-            self.server.send_tracer.start()
+        for s in self.servers:  # their output senders' lanes
+            s.send_tracer.start()
 
     def stop_trace(self) -> list:
-        sends = self.server.send_tracer.stop() if self.server is not None else []
+        sends = [x for s in self.servers for x in s.send_tracer.stop()]
         return self.tracer.stop() + sends
 
     def health(self) -> dict:
-        s = self.server
-        return {"error": s and s.error, "steps": s.steps if s else 0,
-                "bad_seqs": list(s.bad_seqs) if s else [],
+        """Its connections' state: the first error, the steps served (summed), every
+        sequence a failed step was blamed on."""
+        ss = self.servers
+        return {"error": next((s.error for s in ss if s.error), None),
+                "steps": sum(s.steps for s in ss),
+                "bad_seqs": sorted({b for s in ss for b in s.bad_seqs}),
                 "sched_batch": getattr(self, "sched_batch", False)}
 
-    def accept_rdma(self, peer: dict) -> None:
-        """The compute worker's RDMA endpoint: this end's queue pair to RTS, then serve."""
+    def accept_rdma(self, peer: dict, connection: int = 0) -> None:
+        """A compute worker's RDMA endpoint for `connection` (the order of the "rdma"
+        `listen` calls): this end's queue pair to RTS, then serve."""
         from lamina.dataplane.rdma import RdmaEndpoint
 
-        self._verbs.connect(RdmaEndpoint.from_wire(peer))
-        self._peer.set()
+        verbs, ready = self._rdma[connection]
+        verbs.connect(RdmaEndpoint.from_wire(peer))
+        ready.set()
 
-    def _serve_rdma(self):
+    def _serve_rdma(self, n: int):
         from lamina.dataplane.rdma import RdmaChannel
 
-        self._peer.wait()
-        self._serve_on(RdmaChannel(self._verbs))
+        verbs, ready = self._rdma[n]
+        ready.wait()
+        self._serve_on(RdmaChannel(verbs))
 
-    def _serve(self):
-        conn = nodelay(self._srv.accept()[0])
-        if self._rings:  # the compute worker mapped them before connecting
-            c2m, m2c = self._rings
-            for r in self._rings:
+    def _serve(self, srv, rings):
+        conn = nodelay(srv.accept()[0])
+        if rings:  # the compute worker mapped them before connecting
+            c2m, m2c = rings
+            for r in rings:
                 r.unlink()
             ch = SocketChannel(conn, ring_out=m2c, ring_in=c2m)
         else:
@@ -140,8 +157,9 @@ class MemoryWorker:
         self._serve_on(ch)
 
     def _serve_on(self, ch) -> None:
-        """Serve the compute worker's steps on `ch` until it closes."""
+        """Serve one compute worker's steps on `ch` until it closes."""
         self.sched_batch = batch_policy()
-        self.server = MemoryServer(self.memory, self.params, ch,
-                                   f"memory worker {self.index}", tracer=self.tracer)
-        self.server.serve()
+        server = MemoryServer(self.memory, self.params, ch, f"memory worker {self.index}",
+                              tracer=self.tracer, shared=self._shared)
+        self.servers.append(server)
+        server.serve()

@@ -1,9 +1,9 @@
 """Placement: one Ray placement group per deployment, reserved before any worker starts.
 
-Data in: the compute worker's and the memory workers' actor options (CPU, GPU, the
+Data in: the compute workers' and the memory workers' actor options (CPU, GPU, the
 `lamina_compute` / `lamina_memory` custom resources their nodes advertise) and the number
-of memory workers. Data out: a `Placement` whose bundles the workers are started in:
-bundle 0 the compute worker, bundle 1 + i memory worker i.
+of each. Data out: a `Placement` whose bundles the workers are started in: bundle r
+compute worker r (a model replica), bundle R + i memory worker i.
 
 The group's strategy is SPREAD: Ray puts the bundles on distinct nodes where it can (the
 memory workers over the memory nodes) and packs them where it cannot (several memory
@@ -43,15 +43,16 @@ def bundle(opts: dict) -> dict[str, float]:
 @dataclass(frozen=True)
 class Placement:
     group: PlacementGroup
-    bundles: tuple  # per bundle its resources: compute worker, then the memory workers
+    bundles: tuple  # per bundle its resources: the compute workers, then the memory workers
+    computes: int = 1  # compute workers (model replicas)
 
-    def compute(self) -> dict:
-        """Actor options starting the compute worker in its bundle."""
-        return self._in(0)
+    def compute(self, r: int = 0) -> dict:
+        """Actor options starting compute worker `r` in its bundle."""
+        return self._in(r)
 
     def memory(self, i: int) -> dict:
         """Actor options starting memory worker `i` in its bundle."""
-        return self._in(1 + i)
+        return self._in(self.computes + i)
 
     def _in(self, index: int) -> dict:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -62,20 +63,22 @@ class Placement:
 
 
 def place(compute_opts: dict, memory_opts: dict, num_memory: int, timeout_s: float,
-          name: str = "") -> Placement:
-    """Reserve a compute bundle and `num_memory` memory bundles; wait at most `timeout_s`."""
-    bundles = (bundle(compute_opts),) + (bundle(memory_opts),) * num_memory
+          name: str = "", num_compute: int = 1) -> Placement:
+    """Reserve `num_compute` compute bundles and `num_memory` memory bundles; wait at most
+    `timeout_s`."""
+    bundles = (bundle(compute_opts),) * num_compute + (bundle(memory_opts),) * num_memory
     group = placement_group(list(bundles), strategy="SPREAD", name=name)
     if not group.wait(timeout_s):
         free = ray.available_resources()
         remove_placement_group(group)
-        raise PlacementTimeout(shortfall(bundles, free, num_memory, timeout_s))
+        raise PlacementTimeout(shortfall(bundles, free, num_memory, timeout_s, num_compute))
     log.info("placement group %s: %d bundles %s", group.id.hex()[:12], len(bundles),
              bundles)
-    return Placement(group, bundles)
+    return Placement(group, bundles, num_compute)
 
 
-def shortfall(bundles: tuple, free: dict, num_memory: int, timeout_s: float) -> str:
+def shortfall(bundles: tuple, free: dict, num_memory: int, timeout_s: float,
+              num_compute: int = 1) -> str:
     """The message of a placement that timed out: each resource the bundles need more of
     than the cluster has free now."""
     need: dict[str, float] = {}
@@ -87,6 +90,7 @@ def shortfall(bundles: tuple, free: dict, num_memory: int, timeout_s: float) -> 
     what = (", ".join(short) if short else
             "enough is free in total, but no node has room for one bundle "
             f"({', '.join(str(b) for b in bundles)})")
-    return (f"could not place 1 compute worker and {num_memory} memory workers within "
+    return (f"could not place {num_compute} compute worker{'s' * (num_compute > 1)} and "
+            f"{num_memory} memory workers within "
             f"{timeout_s:g} s: {what}; other deployments may hold them (see `ray status`; "
             "raise placement_timeout_s to wait longer)")

@@ -108,7 +108,9 @@ class LaminaService:
         kv = [{"worker": i, "free": f, "cached": c.size if c is not None else 0,
                "total": self.config.engine.num_kv_slots}
               for i, (f, c) in enumerate(zip(eng.free_slots(), caches))]
-        workers = [{"role": "compute", "node": ex.nodes["compute"], "transport": "-"}]
+        computes = ex.nodes["computes"]
+        workers = [{"role": "compute" if len(computes) == 1 else f"compute {r}", "node": n,
+                    "transport": "-"} for r, n in enumerate(computes)]
         workers += [{"role": f"memory {i}", "node": n, "transport": t}
                     for i, (n, t) in enumerate(zip(ex.nodes["memory"], ex.transports))]
         return {"name": self.name, "model": self.llm.loaded.source,

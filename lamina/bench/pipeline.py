@@ -15,10 +15,11 @@ spans, not from a model.
 Per case: B prompts of `context` distinct random tokens are prefilled, a warm-up
 decode step runs, then `steps` decode steps are timed with every lane tracing. Modes
 (`MODES`): "none", "rotational" (n = 2 on one compute replica), "rotational3" (n = 3
-over 2 replicas) and "fixed" (2 replicas, each with half the batch); the replica modes
-run on the local executor only. "none" and "rotational" switch on one engine between
-cases (the same workers, weights and pools); each replica mode runs on an engine of
-its own, built after the one before is shut down (one set of pools at a time).
+over 2 replicas; local executor only) and "fixed" (2 replicas, each with half the
+batch; on Ray, two compute worker processes). "none" and "rotational" switch on one
+engine between cases (the same workers, weights and pools); each replica mode runs on
+an engine of its own, built after the one before is shut down (one set of pools at a
+time).
 """
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def predicted_tok_s(costs, batch: int, context: int, mode: str, workers: int) ->
     from lamina.costmodel.simulator import decode_step_time
 
     pipeline, replicas = MODES[mode]
-    return batch / decode_step_time(costs, batch, context, workers, pipeline, replicas + 1)
+    n = replicas if pipeline == "fixed" else replicas + 1  # batches
+    return batch / decode_step_time(costs, batch, context, workers, pipeline, n)
 
 
 # The paper's Table 3 settings: model, A100s holding its weights (tensor parallel)
@@ -202,8 +204,8 @@ def bench_pipeline(model: str | None = None, batches=(8, 32, 64), contexts=(512,
     the one-replica modes share one; each replica mode has its own)."""
     from lamina import LLM
 
-    if executor != "local":  # replicas: local executor only
-        modes = tuple(m for m in modes if MODES[m][1] == 1)
+    if executor != "local":  # rotational replicas: local executor only
+        modes = tuple(m for m in modes if MODES[m] != ("rotational", 2))
     slots = max(batches) * (max(contexts) + _spare(batches, max(contexts), steps))
     kw = dict(executor=executor, num_memory_workers=num_memory_workers,
               num_kv_slots=slots // num_memory_workers + 64, prefix_caching=False,
@@ -248,7 +250,7 @@ def _cases(llm, batches, contexts, modes, steps, costs, workers, executor, rows,
             for mode in modes:
                 r = decode_case(llm, b, ctx, mode, steps)
                 spans = r.pop("spans")
-                if costs is not None and mode != "fixed":  # the simulator: no fixed
+                if costs is not None:
                     r["predicted_tok_s"] = predicted_tok_s(costs, b, ctx, mode, workers)
                 if b == max(batches) and ctx == max(contexts):
                     shown[f"{mode}: B={b}, context {ctx}, one decode step "

@@ -11,9 +11,11 @@ first, then waiting ones are admitted FIFO while the batch, the step's token bud
 the KV capacity allow (a request reserves prompt + output slots on admission, so the
 simulator never preempts). A step's time comes from the per-op costs: per layer the
 dense part, the network round trip and the attention on each memory device (the slowest
-one counts), in series ("none") or as rotational staggered pipelining ("rotational",
-paper 5.1: `batches` = n sub-batches over n - 1 model replicas of the group); then the
-head (final norm + lm_head) and the host's per-step overhead.
+one counts), in series ("none"), as rotational staggered pipelining ("rotational",
+paper 5.1: `batches` = n sub-batches over n - 1 model replicas of the group), or as
+fixed staggered pipelining ("fixed": `batches` = n replicas, each with its own sub-batch
+on its own compute device, all sharing the memory devices, which serve one at a time);
+then the head (final norm + lm_head) and the host's per-step overhead.
 """
 from __future__ import annotations
 
@@ -34,15 +36,17 @@ from lamina.costmodel.workload import sharegpt_like
 class SimConfig:
     replicas: int = 1  # compute groups, each holding the weights
     memory_per_replica: int = 2  # memory devices serving each replica's requests
-    pipeline: str = "none"  # "none" | "rotational"
-    batches: int = 2  # rotational: n sub-batches over n - 1 model replicas per group
+    pipeline: str = "none"  # "none" | "rotational" | "fixed"
+    # rotational: n sub-batches over n - 1 model replicas per group; fixed: n replicas,
+    # a sub-batch each
+    batches: int = 2
     max_batch: int = 256
     max_step_tokens: int = 4096
     kv_tokens_per_device: int = 1 << 30
 
     def __post_init__(self):
-        if self.pipeline not in ("none", "rotational"):
-            raise ValueError(f"SimConfig.pipeline must be 'none' or 'rotational', "
+        if self.pipeline not in ("none", "rotational", "fixed"):
+            raise ValueError(f"SimConfig.pipeline must be 'none', 'rotational' or 'fixed', "
                              f"got {self.pipeline!r}")
         if not isinstance(self.batches, int) or self.batches < 2:
             raise ValueError(f"SimConfig.batches must be an int >= 2, got {self.batches!r}")
@@ -224,7 +228,7 @@ def step_time(costs, cfg: SimConfig, prefill: list[int], decode_keys: list[list[
     prefill[i] tokens of a new request placed on prefill_dev[i]."""
     w_n = cfg.memory_per_replica
     groups = [(decode_keys, prefill, prefill_dev)]
-    if cfg.pipeline == "rotational":  # n sub-batches, split by request order
+    if cfg.pipeline != "none":  # n sub-batches, split by request order
         groups = _parts(decode_keys, prefill, prefill_dev, cfg.batches)
     per = []  # per group: dense, compute-side exchange, remote side, attention per device
     for dk, pf, pd in groups:
@@ -244,23 +248,28 @@ def step_time(costs, cfg: SimConfig, prefill: list[int], decode_keys: list[list[
     # the head (final norm + lm_head) runs on the sampled rows only, as the engine's last
     # slice does: one per decoding request and one per prefill
     head = sum(costs.head(p[4]) for p in per)
+    head_s = head  # of the step's time: fixed replicas run their heads at once
     if len(per) == 1:
         d, h, r, _, _ = per[0]
         period = d + h + r
+    elif cfg.pipeline == "fixed":  # each replica on its own device: the memory side
+        # serial, or one replica's chain (its dense, exchange, then its queued attention)
+        period = max(sum(p[2] for p in per), *(p[0] + p[1] + p[2] for p in per))
+        head_s = max(costs.head(p[4]) for p in per)
     else:  # cyclic schedule: the busier side (the compute spread over n - 1
         # replicas, the memory side serial), or one group's chain
         period = max(sum(p[0] + p[1] for p in per) / (cfg.batches - 1),
                      sum(p[2] for p in per), *(p[0] + p[1] + p[2] for p in per))
     dense = L * sum(p[0] for p in per) + head
     attn_dev = [L * sum(p[3][w] for p in per) for w in range(w_n)]
-    return L * period + head + over, dense, attn_dev
+    return L * period + head_s + over, dense, attn_dev
 
 
 def decode_step_time(costs, batch: int, context: int, workers: int, pipeline: str = "none",
                      batches: int = 2) -> float:
     """Seconds of a steady decode step: `batch` requests of `context` keys spread over
-    `workers` memory devices (request-level partitioning), pipeline none or rotational
-    over `batches` sub-batches (n - 1 replicas)."""
+    `workers` memory devices (request-level partitioning), pipeline none, rotational
+    over `batches` sub-batches (n - 1 replicas) or fixed (`batches` replicas)."""
     keys = [[context] * (batch // workers + (w < batch % workers)) for w in range(workers)]
     cfg = SimConfig(memory_per_replica=workers, pipeline=pipeline, batches=batches,
                     max_batch=batch)

@@ -42,6 +42,7 @@ a slice of one q|k|v buffer instead of gathering rows per worker.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import queue
 import threading
 import time
@@ -403,8 +404,15 @@ class MemoryServer:
 
     def __init__(self, memory: MemorySide, params: list, ch: Channel,
                  name: str = "memory worker", native: bool = True,
-                 tracer: Tracer | None = None):
+                 tracer: Tracer | None = None, shared: threading.Lock | None = None):
+        """`shared`: the lock of a `MemorySide` that several servers (one per compute
+        replica, pipeline "fixed") share; each of its calls takes it, so the device
+        does one attention at a time, and a step's layers run in Python (a C++ step
+        would hold the side for the whole step, and two replicas whose sequences span
+        two workers could then wait on each other for good)."""
         self.memory, self.params, self.ch, self.name = memory, list(params), ch, name
+        self.shared = shared is not None
+        self._mem = shared if shared is not None else contextlib.nullcontext()
         # this worker's timeline (`lamina.trace`): attention per layer and micro-batch
         # (the C++ step loop returns each layer's times)
         self.tracer = tracer or Tracer("memory0")
@@ -417,7 +425,8 @@ class MemoryServer:
         self.bad_seqs: tuple[int, ...] = ()  # the sequences a failed step was blamed on
         # Steps of one micro-batch run their layers in C++ (`serve_step`, GIL released)
         # where `paths.memory_native` allows; else this file's Python loop does.
-        self._native = memory_native(memory, native and isinstance(ch, SocketChannel))
+        self._native = memory_native(memory, native and shared is None
+                                     and isinstance(ch, SocketChannel))
         if self._native is not None:
             self._layers = self._native.MemoryLayers()
             pools = [memory.pool.layer(i) for i in range(len(self.params))]
@@ -476,13 +485,15 @@ class MemoryServer:
         self.tracer.step = step
         released = ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
         self.tables.release(released.tolist())
-        self.memory.release(released.tolist())
+        with self._mem:
+            self.memory.release(released.tolist())
         if tiers:
             self._apply_tiers(step)
         if own:
             rows = ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
             try:
-                self.memory.override(dict(KVOverride.decode(r) for r in rows.view(-1, 4)))
+                with self._mem:
+                    self.memory.override(dict(KVOverride.decode(r) for r in rows.view(-1, 4)))
             except (ValueError, RuntimeError) as e:
                 raise FrameError(f"step {step}: bad KV sparsity overrides: {e}") from None
         if count == 0:
@@ -499,7 +510,8 @@ class MemoryServer:
                 raise FrameError(f"step {step}: bad slot table diff: {e}") from None
             batch = SlotBatch(cu_q, q_pos, slots, cu_k, k_pos0)
             try:  # index scans once per step; per layer only shapes are checked
-                self.memory.check(new_slots, batch, tuple(mine))
+                with self._mem:
+                    self.memory.check(new_slots, batch, tuple(mine))
             except SequenceFault as e:
                 if -1 in e.seq_ids or not mine:
                     raise FrameError(f"step {step}: bad slot metadata: {e}") from None
@@ -523,14 +535,18 @@ class MemoryServer:
                 for new_slots, batch, seqs in mine:
                     q, k, v = self._recv_qkv(layer, step, batch.num_queries,
                                              new_slots.numel())
-                    t = time.perf_counter()
-                    o, lse = self.memory.attend(layer, params, q, k, v, new_slots, batch,
-                                                checked=True, seq_ids=seqs)
-                    self.tracer.record("attend", layer, t, mb=j)
+                    with self._mem:
+                        t = time.perf_counter()
+                        o, lse = self.memory.attend(layer, params, q, k, v, new_slots, batch,
+                                                    checked=True, seq_ids=seqs)
+                        self.tracer.record("attend", layer, t, mb=j)
                     frame = (torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step)
                     self._send(frame, queued)
-        if report:  # after the outputs, in order
-            self._send((encode_dropped(self.memory.take_dropped()), DROPPED, step), queued)
+        if report:  # after the outputs, in order; a shared side: this connection's only
+            mine = [s for m in mbs for s in m[2]] if self.shared else None
+            with self._mem:
+                got = self.memory.take_dropped(mine)
+            self._send((encode_dropped(got), DROPPED, step), queued)
         return True
 
     @staticmethod
@@ -561,7 +577,8 @@ class MemoryServer:
         except ValueError as e:
             raise FrameError(f"step {step}: {e}") from None
         try:
-            self.memory.apply_tiers(orders)
+            with self._mem:
+                self.memory.apply_tiers(orders)
         except TierMiss as e:
             raise RuntimeError(f"step {step}: a checked tier load missed: {e}") from None
 

@@ -53,9 +53,8 @@ class LLM:
         if address is not None and executor == "local":
             raise ValueError("address names a Ray cluster: it needs executor='ray'")
         self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
-        if executor != "local" and self.config.num_compute_workers > 1:
-            raise ValueError(f"num_compute_workers > 1 (pipeline {self.config.pipeline!r}) "
-                             f"runs on the local executor only, so far")
+        if executor != "local":
+            plugin_executor(executor).check(self.config)
         self.loaded = load(model, dtype=dtype)
         if executor != "local":
             self.split = None

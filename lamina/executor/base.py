@@ -57,6 +57,12 @@ class Executor(ABC):
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass
 
+    @classmethod
+    def check(cls, config) -> None:
+        """Refuse, by name, an `EngineConfig` this executor cannot run (before anything
+        is loaded or started). By default: every one runs."""
+        return None
+
 
 # Executors that live in other packages, found by name at run time (so lamina/ never
 # imports them statically; only lamina.cluster imports ray).

@@ -113,10 +113,11 @@ class MemorySide:
         if self.sparsity is not None:
             self.sparsity.release(seq_ids)
 
-    def take_dropped(self) -> dict:
+    def take_dropped(self, seq_ids=None) -> dict:
         """After a step: seq id -> slots (NumPy int32) of keys its h2o / snapkv policy
-        left out at every layer for good, each reported once (`Sparsifier.take_dropped`)."""
-        return self.sparsity.take_dropped() if self.sparsity is not None else {}
+        left out at every layer for good, each reported once (`Sparsifier.take_dropped`);
+        of sequences `seq_ids` only where given (one compute replica's)."""
+        return self.sparsity.take_dropped(seq_ids) if self.sparsity is not None else {}
 
     def apply_tiers(self, orders) -> None:
         """A step's tier orders (`lamina.memory.tiers`), before its layers; raises

@@ -469,11 +469,15 @@ class Sparsifier:
         new.gone += m - kept
         return new.gone
 
-    def take_dropped(self) -> dict[int, np.ndarray]:
+    def take_dropped(self, seq_ids=None) -> dict[int, np.ndarray]:
         """seq id -> slots (int32) of the keys that every layer of an `h2o` / `snapkv`
-        sequence has evicted for good, not reported before (each is reported once)."""
+        sequence has evicted for good, not reported before (each is reported once); of
+        sequences `seq_ids` only where given."""
         out = {}
+        mine = None if seq_ids is None else set(seq_ids)
         for sid, layers in self.state.items():
+            if mine is not None and sid not in mine:
+                continue
             kl = self._keys.get(sid)
             ev = [st.evicted for st in layers if st is not None and st.evicted.numel()]
             if (kl is None or self.policy(sid).config.policy not in FOR_GOOD

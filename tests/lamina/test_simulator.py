@@ -69,6 +69,21 @@ def test_rotational_period_is_the_busier_side():
     assert none == pytest.approx(2 * (4e-3 + 0.5e-3 + 40e-6 + 0.1e-3) + 2e-3)
 
 
+@pytest.mark.parametrize("keys", [10, 1000])
+def test_fixed_period_is_one_replicas_chain_or_the_shared_memory(keys):
+    """Fixed: 2 replicas on their own devices, 2 requests each; the memory device serves
+    them one at a time. Short contexts: one replica's chain (dense, then attention)
+    sets the period; long ones: the memory device's two attentions (the bubbles)."""
+    cfg = SimConfig(memory_per_replica=1, pipeline="fixed", batches=2)
+    t, dense, attn = step_time(FlatCosts(), cfg, [], [[keys] * 4], [], 4)
+    d, a = 2e-3, 0.5e-3 + 2 * keys * 1e-6 + 0.1e-3  # per replica: 2 tokens, 2 x keys
+    period = d + a if keys == 10 else 2 * a
+    assert max(d + a, 2 * a) == period
+    assert t == pytest.approx(2 * period + 2e-3)  # the replicas' heads run at once
+    assert dense == pytest.approx(2 * 2 * d + 2 * 2e-3)
+    assert attn == pytest.approx([2 * 2 * (0.5e-3 + 2 * keys * 1e-6)])
+
+
 def test_kv_capacity_queues_requests_and_loses_none():
     reqs = [Request(0.0, 10, 5), Request(0.0, 10, 5), Request(0.0, 10, 5)]
     cfg = SimConfig(memory_per_replica=1, kv_tokens_per_device=30)  # room for two at a time

@@ -1,0 +1,126 @@
+"""Compute replicas on Ray under the fixed schedule (`num_compute_workers` = 2, pipeline
+"fixed"): two compute worker processes, each a model replica with its own sequences,
+both connected to the same 2 memory workers, which serve the two connections over one
+pool each. Greedy tokens equal HF's on the 16 mixed-length prompts; from the trace, each
+replica's lane runs its own steps' slices at once with the other's, each sequence stays
+on its replica, and a memory worker attends for one replica at a time; a bad request on
+one replica fails alone without the other replica's part running twice; a killed
+replica is replaced and its requests recomputed."""
+import pytest
+import ray
+
+from lamina import LLM, SamplingParams
+from lamina.faults import FaultPlan
+from lamina.trace import lanes, overlapping
+from tests.conftest import HF_NEW
+
+from ..lamina.test_isolation import unused_token
+
+GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def setup(prompts, hf_greedy):
+    tok = unused_token(prompts, hf_greedy)
+    llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096, max_step_tokens=2048,
+              num_compute_workers=2, pipeline="fixed", faults=FaultPlan(compute_token=tok))
+    yield llm, tok
+    llm.shutdown()
+    ray.shutdown()
+
+
+def test_three_replicas_over_one_memory_worker_identical(prompts, hf_greedy):
+    """n = 3 (three replicas, each its own batch), all on one memory worker (first in
+    this file: the other tests' deployment would hold the cores it needs)."""
+    llm = LLM(executor="ray", num_memory_workers=1, num_kv_slots=8192, max_step_tokens=2048,
+              num_compute_workers=3, pipeline="fixed")
+    try:
+        llm.executor.start_trace()
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        spans = llm.executor.stop_trace()
+        assert [o.token_ids for o in outs] == hf_greedy
+        # every replica ran steps; the one memory worker attended for one at a time
+        assert lanes(spans) == ["compute0", "compute1", "compute2", "memory0"]
+        assert overlapping(spans) == []
+        assert len({i["pid"] for i in llm.executor.memory_info}) == 1
+        health = ray.get(llm.executor.memory[0].health.remote())
+        assert health["error"] is None and health["steps"] > 0
+    finally:
+        llm.shutdown()
+
+
+def drain(eng, outs):
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+
+
+def test_fixed_replicas_on_ray_greedy_identical_to_hf(setup, prompts, hf_greedy):
+    llm, _ = setup
+    ex, eng = llm.executor, llm.engine
+    assert len(ex.computes) == 2 and len(set(ex.nodes["computes"])) == 1  # one local node
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    outs, homes = {}, {}
+    eng.step()  # the prompts
+    ex.start_trace()
+    for _ in range(3):
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+        for sid, r in ex.split.home.items():
+            assert homes.setdefault(sid, r) == r  # a sequence stays on its replica
+    spans = ex.stop_trace()
+    drain(eng, outs)
+    assert [outs[i].token_ids for i in ids] == hf_greedy
+    assert sorted(homes.values()) == [0] * 8 + [1] * 8  # balanced at admission
+    assert lanes(spans) == ["compute0", "compute1", "memory0", "memory1"]
+    assert overlapping(spans) == []  # a memory worker attends for one replica at a time
+    # both replicas' steps reached both memory workers: each one served two connections
+    attends = {(s.lane, s.step) for s in spans if s.kind == "attend"}
+    steps = {s.step for s in spans if s.lane == "compute0"}
+    assert steps == {s.step for s in spans if s.lane == "compute1"} and len(steps) == 3
+    assert len([s for s in spans if s.kind == "attend"]) == 2 * 2 * 3 * 30  # 30 layers
+    assert {lane for lane, _ in attends} == {"memory0", "memory1"}
+    health = ray.get([w.health.remote() for w in ex.memory])
+    assert all(h["error"] is None for h in health)
+    assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
+
+
+def test_bad_request_on_one_replica_fails_alone(setup, prompts, hf_greedy):
+    """The compute worker holding the poison request refuses it (a clean fault); the
+    other replica's part of that step succeeded and is not run again."""
+    llm, tok = setup
+    eng = llm.engine
+    recovered = eng.num_recoveries
+    ids = [eng.add_request(p, SamplingParams(max_tokens=NEW, temperature=0))
+           for p in prompts[:6]]
+    outs = {}
+    eng.step()
+    bad = eng.add_request([7, tok, 8], SamplingParams(max_tokens=NEW, temperature=0))
+    drain(eng, outs)
+    assert [outs[i].token_ids for i in ids] == [r[:NEW] for r in hf_greedy[:6]]
+    assert outs[bad].finish_reason == "error"
+    assert f"injected compute fault on token {tok}" in outs[bad].error
+    assert "compute replica" in outs[bad].error  # the replica that refused it
+    assert eng.num_recoveries == recovered  # nothing replaced
+    assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
+
+
+def test_killed_replica_replaced_and_requests_recomputed(setup, prompts, hf_greedy):
+    llm, _ = setup
+    ex, eng = llm.executor, llm.engine
+    before = eng.num_recoveries
+    pick = [1, 4, 6, 11]
+    ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
+    for _ in range(3):
+        eng.step()
+    assert set(ex.split.home.values()) == {0, 1}  # both replicas hold some
+    old = [c._actor_id for c in ex.computes]
+    ray.kill(ex.computes[1])
+    outs = {}
+    drain(eng, outs)
+    assert [outs[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
+    assert eng.num_recoveries == before + 1
+    assert "compute worker 1" in eng.recoveries[-1]
+    new = [c._actor_id for c in ex.computes]
+    assert new[0] == old[0] and new[1] != old[1]  # only the dead one was replaced
+    assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
+
