@@ -18,6 +18,11 @@ LAYER_BUDGETS = ("uniform", "pyramid", "entropy", "concentration")
 # the layer rules whose weights are measured on the model (`layer_weights`: each layer's
 # attention entropy, `lamina.model.prepare.attention_entropy`)
 MEASURED = ("entropy", "concentration")
+# "concentration": each layer's share goes as (1 / entropy) ** this. On SmolLM2 (reduced
+# kv-sparsity runs, benchmarks/RESULTS.md) the square root beat the plain inverse for
+# topk, with and without rescoring, and the plain inverse lost to uniform budgets for
+# rescored topk: the late layers need more keys, but not in full proportion.
+CONCENTRATION_POWER = 0.5
 SCORED = ("h2o", "snapkv", "swa")  # the policies that keep attention scores
 # the policies whose left-out keys never come back: a key every layer left out gives
 # its slot back (`Sparsifier.take_dropped`)
@@ -116,7 +121,8 @@ class SparsityConfig:
     def weights(self, num_layers: int) -> np.ndarray:
         """Each layer's share of the budget [L], mean 1: `entropy` in proportion to the
         layer's attention entropy (a layer that spreads its attention gets more keys),
-        `concentration` to its inverse (a layer that attends to few keys gets more)."""
+        `concentration` to its inverse's `CONCENTRATION_POWER` (a layer that attends to
+        few keys gets more)."""
         if self.layer_budgets == "uniform":
             return np.ones(num_layers)
         if self.layer_budgets == "pyramid":
@@ -129,7 +135,7 @@ class SparsityConfig:
                              f"layers")
         w = np.asarray(self.layer_weights)
         if self.layer_budgets == "concentration":
-            w = 1.0 / w
+            w = w ** -CONCENTRATION_POWER
         return w / w.mean()
 
 

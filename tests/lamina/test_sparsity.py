@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -359,9 +360,13 @@ def test_layer_budgets():
     np.testing.assert_allclose(w, [1.0, 0.5, 1.5])
     with pytest.raises(ValueError, match="'entropy' needs the measured layer_weights"):
         SparsityConfig("h2o", 0.2, "entropy").weights(3)
-    # concentration: the inverse entropies (1/2, 1, 1/3), mean 11/18
+    # concentration: the inverse entropies' square roots (0.70711, 1, 0.57735), mean
+    # 0.76149; at power 1 they would be (1/2, 1, 1/3), mean 11/18
     w = SparsityConfig("h2o", 0.2, "concentration", layer_weights=(2.0, 1.0, 3.0)).weights(3)
-    np.testing.assert_allclose(w, [9 / 11, 18 / 11, 6 / 11])
+    np.testing.assert_allclose(w, [0.928588, 1.313222, 0.758189], rtol=1e-5)
+    with patch("lamina.memory.sparsity_config.CONCENTRATION_POWER", 1.0):
+        w = SparsityConfig("h2o", 0.2, "concentration", layer_weights=(2.0, 1.0, 3.0))
+        np.testing.assert_allclose(w.weights(3), [9 / 11, 18 / 11, 6 / 11])
     with pytest.raises(ValueError, match="'concentration' needs the measured layer_weights"):
         SparsityConfig("h2o", 0.2, "concentration").weights(3)
 
@@ -381,7 +386,8 @@ def test_concentration_budgets_follow_the_inverse_of_each_layers_attention_entro
     np.testing.assert_allclose(cfg.layer_weights, ent)
     f = layer_shares(cfg, L)
     assert abs(f.mean() - 0.2) < 1e-9 and int(np.argmax(f)) == int(np.argmin(ent))
-    np.testing.assert_allclose(f, 0.2 * (1 / ent) / (1 / ent).mean())
+    root = 1 / np.sqrt(ent)  # CONCENTRATION_POWER 0.5
+    np.testing.assert_allclose(f, 0.2 * root / root.mean())
     plain = SparsityConfig("topk", 0.2)
     assert sparsity_for(plain, smol.model, smol.tokenizer, L) is plain
 
