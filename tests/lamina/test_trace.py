@@ -126,7 +126,8 @@ def test_bench_pipeline_writes_its_table_and_gantt(tmp_path):
 
 def test_predicted_decode_rate_follows_the_simulators_step():
     """`predicted_tok_s` on hand-set per-op costs (2 layers): none runs dense, exchange
-    and attention in series; rotational two half-batches staggered (numbers by hand)."""
+    and attention in series; rotational two half-batches staggered; fixed two replicas
+    sharing the memory side (numbers by hand)."""
     from lamina.bench.pipeline import predicted_tok_s
 
     class Costs:
@@ -163,6 +164,13 @@ def test_predicted_decode_rate_follows_the_simulators_step():
     # context 10: remote 0.0012 a part; the replicas bind: 3 x 0.003 / 2 = 0.0045 (one
     # part's chain 0.0042, the memory side 0.0036): 2 x 0.0045 + 0.035 = 0.044 s
     assert predicted_tok_s(Costs(), 6, 10, "rotational3", 1) == pytest.approx(6 / 0.044)
+    # fixed: 2 replicas with 2 each; a replica's chain 0.002 + 0.001 + remote (2 x 100 x
+    # 1e-5 + 0.001 = 0.003) = 0.006, the memory side 2 x 0.003: period 0.006; the heads
+    # at once: 2 x 0.006 + 0.01 + 0.005 = 0.027 s
+    assert predicted_tok_s(Costs(), 4, 100, "fixed", 1) == pytest.approx(4 / 0.027)
+    # context 1000: remote 0.021 a replica, the memory side 0.042 binds (the chain
+    # 0.024): 2 x 0.042 + 0.015 = 0.099 s
+    assert predicted_tok_s(Costs(), 4, 1000, "fixed", 1) == pytest.approx(4 / 0.099)
 
 
 def test_decode_case_times_full_batches_when_prefill_takes_many_steps():
