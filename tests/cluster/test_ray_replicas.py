@@ -15,6 +15,7 @@ from lamina.trace import lanes, overlapping
 from tests.conftest import HF_NEW
 
 from ..lamina.test_isolation import unused_token
+from ..lamina.test_replicas import traced_fixed_run
 
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 NEW = 12
@@ -59,17 +60,8 @@ def test_fixed_replicas_on_ray_greedy_identical_to_hf(setup, prompts, hf_greedy)
     llm, _ = setup
     ex, eng = llm.executor, llm.engine
     assert len(ex.computes) == 2 and len(set(ex.nodes["computes"])) == 1  # one local node
-    ids = [eng.add_request(p, GREEDY) for p in prompts]
-    outs, homes = {}, {}
-    eng.step()  # the prompts
-    ex.start_trace()
-    for _ in range(3):
-        outs.update((o.request_id, o) for o in eng.step() if o.finished)
-        for sid, r in ex.split.home.items():
-            assert homes.setdefault(sid, r) == r  # a sequence stays on its replica
-    spans = ex.stop_trace()
-    drain(eng, outs)
-    assert [outs[i].token_ids for i in ids] == hf_greedy
+    tokens, homes, spans = traced_fixed_run(eng, ex, prompts, GREEDY)
+    assert tokens == hf_greedy
     assert sorted(homes.values()) == [0] * 8 + [1] * 8  # balanced at admission
     assert lanes(spans) == ["compute0", "compute1", "memory0", "memory1"]
     assert overlapping(spans) == []  # a memory worker attends for one replica at a time

@@ -19,14 +19,11 @@ from lamina.trace import lanes, overlapping
 from tests.conftest import HF_NEW
 
 
-def test_fixed_replicas_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy):
-    pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 8192))
-             for _ in range(2)]
-    ex = LocalExecutor(smol_split, [MemorySide(p) for p in pools], num_compute_workers=2)
-    eng = LLMEngine(EngineConfig(num_kv_slots=8192, num_memory_workers=2, pipeline="fixed",
-                                 num_compute_workers=2), ex, smol.tokenizer, smol.config)
-    greedy = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True)
-    ids = [eng.add_request(p, greedy) for p in prompts]
+def traced_fixed_run(eng, ex, prompts, params):
+    """The prompts to the end, 3 decode steps after the prefill traced; checks that
+    each sequence stays on its replica. -> (token ids in prompt order, {sequence: its
+    replica}, the spans)."""
+    ids = [eng.add_request(p, params) for p in prompts]
     done, homes = {}, {}
     eng.step()  # the prompts
     ex.start_trace()
@@ -37,7 +34,18 @@ def test_fixed_replicas_greedy_identical_to_hf(smol, smol_split, prompts, hf_gre
     spans = ex.stop_trace()
     while eng.has_unfinished():
         done.update((o.request_id, o) for o in eng.step() if o.finished)
-    assert [done[i].token_ids for i in ids] == hf_greedy
+    return [done[i].token_ids for i in ids], homes, spans
+
+
+def test_fixed_replicas_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy):
+    pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 8192))
+             for _ in range(2)]
+    ex = LocalExecutor(smol_split, [MemorySide(p) for p in pools], num_compute_workers=2)
+    eng = LLMEngine(EngineConfig(num_kv_slots=8192, num_memory_workers=2, pipeline="fixed",
+                                 num_compute_workers=2), ex, smol.tokenizer, smol.config)
+    greedy = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True)
+    tokens, homes, spans = traced_fixed_run(eng, ex, prompts, greedy)
+    assert tokens == hf_greedy
     assert sorted(homes.values()) == [0] * 8 + [1] * 8  # balanced at admission
     assert lanes(spans) == ["compute0", "compute1", "memory0", "memory1"]
     assert overlapping(spans) == []  # a memory side serves one replica at a time
