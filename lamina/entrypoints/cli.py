@@ -374,8 +374,8 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
     p.add_argument("--kv-layer-budgets", default="uniform", choices=list(LAYER_BUDGETS),
                    help="the budget over layers: the same, a pyramid (1.5x at the first "
                         "layer to 0.5x at the last), in proportion to each layer's measured "
-                        "attention entropy, or to its inverse (concentration: layers that "
-                        "attend to few keys get more)")
+                        "attention entropy, or to its inverse's square root "
+                        "(concentration: layers that attend to few keys get more)")
     p.add_argument("--kv-topk-rescore", type=float, default=0.0,
                    help="topk: score exactly the keys of the pages covering this multiple "
                         "of the budget and keep the best (3: near dense quality, reads "
