@@ -69,13 +69,3 @@ def smol_packed(smol_split):
     assert choice.backend == "onednn"
     return packed
 
-
-def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (`make test`: `-n 2 --dist loadgroup`) the tests that start Ray
-    clusters (tests/cluster) run on one worker, one after another: two local clusters at
-    once would share the 2 cores their timeouts are set for."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if "cluster" in item.path.parts:
-            item.add_marker(pytest.mark.xdist_group("ray"))
