@@ -158,7 +158,7 @@ class RayExecutor(Executor):
         self.computes = [self._new_compute(r) for r in range(r_n)]
         self.controls: list[ControlClient | None] = [None] * r_n
         # the fixed schedule's sequences by replica; None: one compute worker
-        self.split = ReplicaSplit(r_n) if r_n > 1 else None
+        self.replica_split = ReplicaSplit(r_n) if r_n > 1 else None
         self.dense = self._get(self.compute.dense_choice.remote(), "the compute worker")
         self.memory = []
         self._start_memory()
@@ -327,12 +327,12 @@ class RayExecutor(Executor):
         what each worker reported. `TierMiss` (clean) when a memory worker cannot serve a
         tier load: asked before the step is sent."""
         self._check_tier_loads(plan)
-        if self.split is not None and plan.tier_orders:
+        if self.replica_split is not None and plan.tier_orders:
             raise ValueError("KV tiers with several compute replicas are not supported")
         try:
-            if self.split is None:
+            if self.replica_split is None:
                 return self._call(0, plan)
-            return self.split.run(plan, self._call)
+            return self.replica_split.run(plan, self._call)
         except SequenceFault:
             raise  # a compute worker refused them; nothing else broke
         except Exception as e:  # name the failing worker if one reported
@@ -345,8 +345,8 @@ class RayExecutor(Executor):
 
     def _call(self, r: int, plan: StepPlan) -> StepResult:
         """Compute worker `r`'s step; a broken stream closes its control channel."""
-        control, who = self.controls[r], ("the compute worker" if self.split is None
-                                          else f"compute worker {r}")
+        control = self.controls[r]
+        who = "the compute worker" if self.replica_split is None else f"compute worker {r}"
         if control is None:
             raise RuntimeError(f"no control channel to {who} (closed after an earlier "
                                "failure)")
@@ -356,7 +356,7 @@ class RayExecutor(Executor):
             raise
         except Exception as e:  # the stream may be mid-message: drop it
             self._close_control(r)
-            if self.split is None:
+            if self.replica_split is None:
                 raise
             raise WorkerFailure(f"{who}: {type(e).__name__}: {e}") from e
 
@@ -447,8 +447,8 @@ class RayExecutor(Executor):
                      num_returns=len(self.memory), timeout=HEALTH_TIMEOUT_S)
         for a in [*self.computes, *self.memory]:
             ray.kill(a)
-        if self.split is not None:
-            self.split.shutdown()
+        if self.replica_split is not None:
+            self.replica_split.shutdown()
         self.placement.remove()
 
 

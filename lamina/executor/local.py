@@ -157,14 +157,16 @@ class LocalExecutor(Executor):
         self.links = [_LocalLink(self.memory, self.params, shared) for _ in self.replicas]
         self.link = self.links[0]
         # the fixed schedule's sequences by replica (rotational: one ComputeSide)
-        self.split = ReplicaSplit(len(self.replicas)) if len(self.replicas) > 1 else None
+        self.replica_split = (ReplicaSplit(len(self.replicas)) if len(self.replicas) > 1
+                              else None)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        if self.split is None:
+        if self.replica_split is None:
             return self.compute.run(plan, self.link)
         if plan.tier_orders:
             raise ValueError("KV tiers with several compute replicas are not supported")
-        return self.split.run(plan, lambda r, p: self.replicas[r].run(p, self.links[r]))
+        return self.replica_split.run(plan,
+                                      lambda r, p: self.replicas[r].run(p, self.links[r]))
 
     def _tracers(self) -> list[Tracer]:
         return [*(lane for c in self.replicas for lane in c.lanes),
@@ -198,8 +200,8 @@ class LocalExecutor(Executor):
     def shutdown(self) -> None:
         for th in self.link.shared.threads or ():
             th.shutdown()
-        if self.split is not None:
-            self.split.shutdown()
+        if self.replica_split is not None:
+            self.replica_split.shutdown()
         for m in self.memory:
             if m.tiers is not None:
                 m.tiers.close()

@@ -104,7 +104,7 @@ def test_killed_replica_replaced_and_requests_recomputed(setup, prompts, hf_gree
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
     for _ in range(3):
         eng.step()
-    assert set(ex.split.home.values()) == {0, 1}  # both replicas hold some
+    assert set(ex.replica_split.home.values()) == {0, 1}  # both replicas hold some
     old = [c._actor_id for c in ex.computes]
     ray.kill(ex.computes[1])
     outs = {}

@@ -29,7 +29,7 @@ def traced_fixed_run(eng, ex, prompts, params):
     ex.start_trace()
     for _ in range(3):
         done.update((o.request_id, o) for o in eng.step() if o.finished)
-        for sid, r in ex.split.home.items():
+        for sid, r in ex.replica_split.home.items():
             assert homes.setdefault(sid, r) == r  # a sequence stays on its replica
     spans = ex.stop_trace()
     while eng.has_unfinished():
@@ -55,7 +55,7 @@ def test_fixed_replicas_greedy_identical_to_hf(smol, smol_split, prompts, hf_gre
     assert any(a0 < b1 and b0 < a1 for a0, a1 in slices[0] for b0, b1 in slices[1])
     ex.execute(StepPlan(10 ** 6, (), released=tuple(eng.scheduler._released)))
     # the next plan releases every finished sequence from its replica
-    assert not ex.split.home and all(len(c.tables) == 0 for c in ex.replicas)
+    assert not ex.replica_split.home and all(len(c.tables) == 0 for c in ex.replicas)
 
 
 @pytest.mark.parametrize("kw,msg", [
