@@ -327,8 +327,6 @@ class RayExecutor(Executor):
         what each worker reported. `TierMiss` (clean) when a memory worker cannot serve a
         tier load: asked before the step is sent."""
         self._check_tier_loads(plan)
-        if self.replica_split is not None and plan.tier_orders:
-            raise ValueError("KV tiers with several compute replicas are not supported")
         try:
             if self.replica_split is None:
                 return self._call(0, plan)

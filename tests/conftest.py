@@ -68,4 +68,3 @@ def smol_packed(smol_split):
     packed, choice = pack_dense(smol_split, "onednn")
     assert choice.backend == "onednn"
     return packed
-

@@ -163,8 +163,6 @@ class LocalExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         if self.replica_split is None:
             return self.compute.run(plan, self.link)
-        if plan.tier_orders:
-            raise ValueError("KV tiers with several compute replicas are not supported")
         return self.replica_split.run(plan,
                                       lambda r, p: self.replicas[r].run(p, self.links[r]))
 

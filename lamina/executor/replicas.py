@@ -38,6 +38,8 @@ class ReplicaSplit:
     def split(self, plan: StepPlan) -> list[StepPlan]:
         """The plan's sequences by replica (each sequence stays on the first it got);
         every replica drops the released ones."""
+        if plan.tier_orders:  # EngineConfig refuses tiers with replicas
+            raise ValueError("KV tier orders cannot be split over compute replicas")
         for sid in plan.released:
             self.home.pop(sid, None)
         load = [0] * self.replicas
