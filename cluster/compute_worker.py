@@ -4,7 +4,9 @@ data plane (`lamina.dataplane.transport` frames), not through Ray.
 
 Data in: a `StepPlan` per step over the control channel (`lamina.dataplane.control`, served on a
 thread here; Ray only creates and supervises the actor). Data out: the `StepResult`.
-The per-layer protocol is `lamina.dataplane.protocol` (`SocketLink`).
+The per-layer protocol is `lamina.dataplane.protocol` (`SocketLink`). In a rotational
+ring of R replicas (`lamina.compute.ring`) it also holds a connection to the next
+replica (contexts out) and one from the previous (contexts in).
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import ray
 import torch
 
 from lamina.compute.compute_side import ComputeSide
+from lamina.compute.ring import Ring
 from lamina.dataplane.control import serve_control
+from lamina.dataplane.migration import ChannelContextLink
 from lamina.dataplane.paths import native_ext
 from lamina.dataplane.probe import probe_exchange
 from lamina.dataplane.protocol import SocketLink
@@ -41,6 +45,7 @@ from lamina.model.prepare import (
 )
 
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
+RING_ACCEPT_S = 60  # how long a ring endpoint waits for the previous replica
 # Fewer rows than this: a second thread does not pay. MKL's sgemm (eager) barely scales
 # past one thread on skinny shapes; oneDNN's packed kernels do, from one row on.
 WIDE_ROWS = {"eager": 16, "onednn": 1}
@@ -99,6 +104,12 @@ class ComputeWorker:
         self.compute.tracer.lane = f"compute{spec.replica}"
         self.wide_rows = WIDE_ROWS.get(self.dense.backend, WIDE_ROWS["eager"])
         self.channels: list[Channel] = []
+        self.replica = spec.replica
+        # the ring (rotational over compute workers): contexts to the next replica, from
+        # the previous one (accepted on a thread: `listen_ring`)
+        self._ring_out: SocketChannel | None = None
+        self._ring_in: SocketChannel | None = None
+        self._ring_accept: threading.Thread | None = None
         self._lock = threading.Lock()  # one step at a time (control thread or Ray call)
         self._control = None  # the listening socket of the control channel
         native_ext()  # the C++ data plane (built or loaded now, not in the first step)
@@ -163,16 +174,68 @@ class ComputeWorker:
         return {"pid": os.getpid(), "rdma": mine}
 
     def set_timeout(self, seconds: float | None) -> None:
-        for ch in self.channels:
-            ch.set_timeout(seconds)
+        for ch in (*self.channels, self._ring_out, self._ring_in):
+            if ch is not None:
+                ch.set_timeout(seconds)
 
     def disconnect(self) -> None:
-        for ch in self.channels:
+        for ch in (*self.channels, self._ring_out, self._ring_in):
             try:
-                ch.close()
+                if ch is not None:
+                    ch.close()
             except OSError:
                 pass
-        self.channels = []
+        self.channels, self._ring_out, self._ring_in = [], None, None
+        if self.compute.ring is not None:
+            self.compute.ring.link.close()
+            self.compute.ring = None
+
+    def interrupt(self) -> None:
+        """Wake a step blocked on its peers (another replica of its ring failed): shut
+        its data-plane and ring sockets down, so it fails at once; `recover` rewires."""
+        for ch in (*self.channels, self._ring_out, self._ring_in):
+            sock = getattr(ch, "sock", None)
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def listen_ring(self, unix: bool) -> tuple:
+        """Open the endpoint the previous replica of a ring connects to (accepted on a
+        thread); -> its address for that replica's `connect_ring`."""
+        srv, addr = listen_stream(unix, ray.util.get_node_ip_address(),
+                                  f"ring{self.replica}")
+
+        def accept():
+            try:
+                srv.settimeout(RING_ACCEPT_S)
+                self._ring_in = SocketChannel(nodelay(srv.accept()[0]))
+            except OSError:
+                pass  # `connect_ring` reports it
+            finally:
+                srv.close()
+
+        self._ring_accept = threading.Thread(target=accept, daemon=True)
+        self._ring_accept.start()
+        return addr
+
+    def connect_ring(self, index: int, size: int, addr: tuple,
+                     timeout_s: float | None = None) -> None:
+        """Join a ring of `size` replicas as `index`: connect to the next replica's
+        `listen_ring` address and take the previous one's connection (`listen_ring`)."""
+        kind, *where = addr
+        self._ring_out = SocketChannel(connect_stream(kind, where[0] if kind == "unix"
+                                                      else where))
+        if self._ring_accept is not None:
+            self._ring_accept.join(RING_ACCEPT_S)
+        if self._ring_in is None:
+            raise RuntimeError(f"compute worker {index}: the previous replica of the ring "
+                               f"did not connect within {RING_ACCEPT_S} s")
+        for ch in (self._ring_out, self._ring_in):
+            ch.set_timeout(timeout_s)
+        self.compute.ring = Ring(index, size, ChannelContextLink(self._ring_out,
+                                                                 self._ring_in))
 
     def serve_control(self, unix: bool) -> tuple:
         """Open the step control channel (`lamina.dataplane.control`) for one client, served on a
@@ -209,7 +272,9 @@ class ComputeWorker:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         t = time.perf_counter()
-        result = self.compute.run(plan, SocketLink(self.channels, stream=self.stream_groups))
+        ring = self.compute.ring.size if self.compute.ring is not None else 0
+        result = self.compute.run(plan, SocketLink(self.channels, stream=self.stream_groups,
+                                                   ring=ring))
         result.timings["threads"] = n
         result.timings["worker_s"] = time.perf_counter() - t  # the step inside the actor
         return result

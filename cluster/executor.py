@@ -3,11 +3,17 @@ their data plane, and sends each `StepPlan` to the compute worker over the contr
 channel (`lamina.dataplane.control`: a socket, not a Ray call; per-layer tensors never go through
 Ray either). Ray places, configures and supervises the workers.
 
-Compute replicas (`num_compute_workers` = R > 1, pipeline "fixed", paper 5.1): R compute
-workers, each a model replica with its own sequences (`lamina.executor.replicas`), each
-with its own control channel and its own data-plane connection to every memory worker;
-a memory worker serves the R connections over its one pool. A step's sub-plans go out
-at once and their results are merged.
+Compute replicas (`num_compute_workers` = R > 1, paper 5.1): R compute workers, each a
+model replica with its own control channel and its own data-plane connection to every
+memory worker; a memory worker serves the R connections over its one pool.
+- pipeline "fixed": each replica its own sequences (`lamina.executor.replicas`); a
+  step's sub-plans go out at once and their results are merged.
+- pipeline "rotational" (n = R + 1 batches): the replicas form a ring
+  (`lamina.compute.ring`), each connected to the next; every replica gets the whole
+  plan and runs its slices of every micro-batch, contexts move to the next replica
+  over the ring and the memory workers send each layer's output there; each returns
+  the tokens of the micro-batches whose last slice it ran. One replica failing
+  interrupts the others (their sockets shut down), so none waits out its timeout.
 
 Data in: `StepPlan`s from the engine. Data out: `StepResult`s. A dead worker surfaces
 as an error naming it; `recover` then replaces the workers (the engine recomputes the
@@ -20,6 +26,7 @@ import os
 import statistics
 import time
 import uuid
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import replace
 
 import ray
@@ -31,7 +38,7 @@ from lamina.dataplane.transport import SocketChannel, connect_stream, shm_enable
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.executor.base import Executor
-from lamina.executor.replicas import ReplicaSplit
+from lamina.executor.replicas import ReplicaSplit, merged
 from lamina.memory.sparsity import SCORED
 from lamina.memory.tier_orders import TierMiss, sum_stats
 
@@ -157,22 +164,24 @@ class RayExecutor(Executor):
                                name or f"lamina-{uuid.uuid4().hex[:8]}", r_n)
         self.computes = [self._new_compute(r) for r in range(r_n)]
         self.controls: list[ControlClient | None] = [None] * r_n
-        # the fixed schedule's sequences by replica; None: one compute worker
-        self.replica_split = ReplicaSplit(r_n) if r_n > 1 else None
+        # rotational over the replicas: a ring of compute workers (every one runs every
+        # step); fixed: each replica's sequences; neither: one compute worker
+        self.ring = r_n > 1 and config.pipeline == "rotational"
+        self.replica_split = ReplicaSplit(r_n) if r_n > 1 and not self.ring else None
+        self._ring_pool = ThreadPoolExecutor(r_n, "lamina-ring") if self.ring else None
+        self._told_dropped = False  # the ring's one log line about dropped keys
         self.dense = self._get(self.compute.dense_choice.remote(), "the compute worker")
         self.memory = []
         self._start_memory()
 
     @classmethod
     def check(cls, config) -> None:
-        """Compute replicas run on Ray under the fixed schedule only."""
-        r_n = config.num_compute_workers
-        if r_n > 1 and config.pipeline != "fixed":
-            raise ValueError(
-                f"pipeline {config.pipeline!r} over {r_n} compute replicas runs on the local "
-                "executor only, so far (on Ray each micro-batch's context would migrate "
-                "between compute worker processes, not built yet); pipeline 'fixed' runs "
-                "on Ray")
+        """A rotational ring replays no CUDA graphs (each slice runs on another replica
+        than the one before)."""
+        if (config.num_compute_workers > 1 and config.pipeline == "rotational"
+                and config.graph_tokens):
+            raise ValueError("pipeline 'rotational' over compute workers runs without CUDA "
+                             "graphs: pass cuda_graphs=False")
 
     @property
     def compute(self):
@@ -223,6 +232,21 @@ class RayExecutor(Executor):
         _, self.addresses, self.transports, self.transport_choices = wired[0]
         computes = [w[0] for w in wired]
         self.nodes = {"compute": computes[0], "computes": computes, "memory": nodes}
+        if self.ring:
+            self._wire_ring(computes)
+
+    def _wire_ring(self, nodes: list[str]) -> None:
+        """Connect each compute worker to the next (a Unix socket on one node, else TCP):
+        the ring its contexts move on."""
+        r_n, c = len(self.computes), self.computes
+        addrs = self._get([c[r].listen_ring.remote(nodes[r] == nodes[(r - 1) % r_n])
+                           for r in range(r_n)], "the compute workers' ring")
+        self._get([c[r].connect_ring.remote(r, r_n, addrs[(r + 1) % r_n],
+                                            self.config.worker_timeout_s)
+                   for r in range(r_n)], "the compute workers' ring")
+        for r in range(r_n):
+            log.info("compute worker %d -> compute worker %d (contexts): %s", r,
+                     (r + 1) % r_n, transport(addrs[(r + 1) % r_n]))
 
     def _wire(self, r: int, nodes: list[str], rdma_seen: list[int]) -> tuple:
         """Connect compute worker `r` to every memory worker and open its control
@@ -328,6 +352,8 @@ class RayExecutor(Executor):
         tier load: asked before the step is sent."""
         self._check_tier_loads(plan)
         try:
+            if self.ring:
+                return self._ring_step(plan)
             if self.replica_split is None:
                 return self._call(0, plan)
             return self.replica_split.run(plan, self._call)
@@ -341,10 +367,46 @@ class RayExecutor(Executor):
                 raise SequenceFault(bad, what, clean=False) from e
             raise WorkerFailure(what) from e
 
+    def _ring_step(self, plan: StepPlan) -> StepResult:
+        """The whole plan to every replica of the ring at once; -> their results merged.
+        The first replica to fail otherwise than cleanly interrupts the others (they
+        would wait on it until their timeouts). Dropped keys are not asked for: the
+        memory workers could not tell when the last layer of every micro-batch is done
+        (their slots come back when the sequence ends)."""
+        if plan.report_dropped:
+            if not self._told_dropped:
+                log.info("rotational over compute workers: h2o / snapkv dropped keys are "
+                         "not reported; their slots come back when each sequence ends")
+                self._told_dropped = True
+            plan = replace(plan, report_dropped=False)
+        assert self._ring_pool is not None
+        futures = {self._ring_pool.submit(self._call, r, plan): r
+                   for r in range(len(self.computes))}
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in done if f.exception() is not None]
+        if any(not (isinstance(f.exception(), SequenceFault) and f.exception().clean)
+               for f in failed):
+            for c in self.computes:
+                c.interrupt.remote()
+        wait(futures)
+        errors = {futures[f]: f.exception() for f in futures if f.exception() is not None}
+        if not errors:
+            return merged(plan, [f.result() for f in sorted(futures, key=futures.get)])
+        hard = [e for _, e in sorted(errors.items())
+                if not (isinstance(e, SequenceFault) and e.clean)]
+        if hard:  # every replica's error: the others' are often the first one's echo
+            raise WorkerFailure("; ".join(
+                str(e) if str(e).startswith("compute worker") else
+                f"compute worker {r}: {type(e).__name__}: {e}"
+                for r, e in sorted(errors.items()))) from hard[0]
+        bad = sorted({s for e in errors.values() for s in e.seq_ids})
+        raise SequenceFault(bad, "; ".join(f"compute replica {r}: {e}"
+                                           for r, e in sorted(errors.items())))
+
     def _call(self, r: int, plan: StepPlan) -> StepResult:
         """Compute worker `r`'s step; a broken stream closes its control channel."""
         control = self.controls[r]
-        who = "the compute worker" if self.replica_split is None else f"compute worker {r}"
+        who = "the compute worker" if len(self.computes) == 1 else f"compute worker {r}"
         if control is None:
             raise RuntimeError(f"no control channel to {who} (closed after an earlier "
                                "failure)")
@@ -354,7 +416,7 @@ class RayExecutor(Executor):
             raise
         except Exception as e:  # the stream may be mid-message: drop it
             self._close_control(r)
-            if self.replica_split is None:
+            if len(self.computes) == 1:
                 raise
             raise WorkerFailure(f"{who}: {type(e).__name__}: {e}") from e
 
@@ -447,6 +509,8 @@ class RayExecutor(Executor):
             ray.kill(a)
         if self.replica_split is not None:
             self.replica_split.shutdown()
+        if self._ring_pool is not None:
+            self._ring_pool.shutdown(wait=False)
         self.placement.remove()
 
 

@@ -1,7 +1,9 @@
 """Memory worker: a Ray actor holding one KV pool and computing attention for the
-requests placed on it, for one compute worker or for several (compute replicas under
-the fixed schedule: a connection each, served on threads of their own over the one
-pool; a lock makes the device do one attention at a time).
+requests placed on it, for one compute worker or for several (compute replicas: a
+connection each, served on threads of their own over the one pool; a lock makes the
+device do one attention at a time). Under rotational pipelining over the replicas, a
+layer's output goes out on the connection of the replica that runs the next slice
+(`MemoryServer.route`).
 
 Data in: the compute worker's frames over the data plane: per step the slot metadata,
 per layer and micro-batch q/k/v (the protocol is `lamina.dataplane.protocol`; its `MemoryServer`
@@ -53,8 +55,11 @@ class MemoryWorker:
         self.index = index
         self.memory = self.params = None
         self.servers: list[MemoryServer] = []  # one per connected compute worker
+        # by connection: the replica index of the compute worker (the order of `listen`)
+        self.by_replica: dict[int, MemoryServer] = {}
         self._rdma: list = []  # per RDMA connection: (its verbs, its peer's endpoint set)
         self._listened = 0  # socket endpoints opened
+        self._connections = 0  # endpoints of any transport opened
         self._shared = None  # the pool's lock when several compute workers share it
         self.tracer = Tracer(f"memory{index}")  # its timeline (`lamina.trace`), off
 
@@ -76,11 +81,12 @@ class MemoryWorker:
         is the doorbell. "rdma": a queue pair whose endpoint goes back to the compute
         worker; serving starts once `accept_rdma` has its peer's."""
         n = len(self._rdma) if kind == "rdma" else self._listened
+        replica, self._connections = self._connections, self._connections + 1
         if kind == "rdma":
             from lamina.dataplane.rdma import PyverbsVerbs
 
             self._rdma.append((PyverbsVerbs(), threading.Event()))
-            threading.Thread(target=self._serve_rdma, args=(n,), daemon=True).start()
+            threading.Thread(target=self._serve_rdma, args=(n, replica), daemon=True).start()
             return ("rdma", self._rdma[n][0].endpoint().to_wire())
         self._listened += 1
         unix = kind in ("unix", "unix+shm")
@@ -92,7 +98,7 @@ class MemoryWorker:
             rings = (ShmRing(base + "-c2m", RING_BYTES, create=True),
                      ShmRing(base + "-m2c", RING_BYTES, create=True))
             addr = (*addr, base + "-c2m", base + "-m2c", RING_BYTES)
-        threading.Thread(target=self._serve, args=(srv, rings), daemon=True).start()
+        threading.Thread(target=self._serve, args=(srv, rings, replica), daemon=True).start()
         return addr
 
     def tier_missing(self, loads: list) -> list[int]:
@@ -138,14 +144,14 @@ class MemoryWorker:
         verbs.connect(RdmaEndpoint.from_wire(peer))
         ready.set()
 
-    def _serve_rdma(self, n: int):
+    def _serve_rdma(self, n: int, replica: int):
         from lamina.dataplane.rdma import RdmaChannel
 
         verbs, ready = self._rdma[n]
         ready.wait()
-        self._serve_on(RdmaChannel(verbs))
+        self._serve_on(RdmaChannel(verbs), replica)
 
-    def _serve(self, srv, rings):
+    def _serve(self, srv, rings, replica: int):
         conn = nodelay(srv.accept()[0])
         if rings:  # the compute worker mapped them before connecting
             c2m, m2c = rings
@@ -154,12 +160,23 @@ class MemoryWorker:
             ch = SocketChannel(conn, ring_out=m2c, ring_in=c2m)
         else:
             ch = SocketChannel(conn)
-        self._serve_on(ch)
+        self._serve_on(ch, replica)
 
-    def _serve_on(self, ch) -> None:
-        """Serve one compute worker's steps on `ch` until it closes."""
+    def _serve_on(self, ch, replica: int) -> None:
+        """Serve compute worker `replica`'s steps on `ch` until it closes."""
         self.sched_batch = batch_policy()
         server = MemoryServer(self.memory, self.params, ch, f"memory worker {self.index}",
-                              tracer=self.tracer, shared=self._shared)
+                              tracer=self.tracer, shared=self._shared, index=replica,
+                              route=self._route)
         self.servers.append(server)
+        self.by_replica[replica] = server
         server.serve()
+
+    def _route(self, replica: int, frame) -> None:
+        """A frame out on compute worker `replica`'s connection (its send thread, in
+        the order handed over)."""
+        server = self.by_replica.get(replica)
+        if server is None:
+            raise RuntimeError(f"memory worker {self.index}: no connection to compute "
+                               f"worker {replica} to send a ring step's output on")
+        server.send_queued(frame)

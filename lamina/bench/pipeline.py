@@ -15,11 +15,11 @@ spans, not from a model.
 Per case: B prompts of `context` distinct random tokens are prefilled, a warm-up
 decode step runs, then `steps` decode steps are timed with every lane tracing. Modes
 (`MODES`): "none", "rotational" (n = 2 on one compute replica), "rotational3" (n = 3
-over 2 replicas; local executor only) and "fixed" (2 replicas, each with half the
-batch; on Ray, two compute worker processes). "none" and "rotational" switch on one
-engine between cases (the same workers, weights and pools); each replica mode runs on
-an engine of its own, built after the one before is shut down (one set of pools at a
-time).
+over 2 replicas; on Ray, two compute worker processes in a ring) and "fixed" (2
+replicas, each with half the batch; on Ray, two compute worker processes). "none" and
+"rotational" switch on one engine between cases (the same workers, weights and pools);
+each replica mode runs on an engine of its own, built after the one before is shut
+down (one set of pools at a time).
 """
 from __future__ import annotations
 
@@ -204,8 +204,6 @@ def bench_pipeline(model: str | None = None, batches=(8, 32, 64), contexts=(512,
     the one-replica modes share one; each replica mode has its own)."""
     from lamina import LLM
 
-    if executor != "local":  # rotational replicas: local executor only
-        modes = tuple(m for m in modes if MODES[m] != ("rotational", 2))
     slots = max(batches) * (max(contexts) + _spare(batches, max(contexts), steps))
     kw = dict(executor=executor, num_memory_workers=num_memory_workers,
               num_kv_slots=slots // num_memory_workers + 64, prefix_caching=False,

@@ -19,6 +19,12 @@ memory through pinned buffers on a copy stream and the outputs come back the sam
 (`compute/device.py`); memory workers on the same GPU take them as they are. Decode
 steps of up to `graph_tokens` tokens replay each slice as a CUDA graph
 (`compute/graphs.py`).
+
+Rotational pipelining over several replicas runs either on threads of this one
+`ComputeSide` (`use_replicas`, the local executor) or, with `ring` set, as one process
+of a ring of compute workers (`compute/ring.py`): this side then runs only its own
+slices of each micro-batch, takes each one's context from the previous replica and
+hands it to the next, and samples the micro-batches whose last slice ran here.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from lamina.compute.device import HostStaging, check_device
 from lamina.compute.graphs import SliceGraphs
 from lamina.compute.memory_link import MemoryLink
 from lamina.compute.packing import PackedBatch, PromptRows, by_worker, pack, split_micro
+from lamina.compute.ring import Context, Ring
 from lamina.engine.messages import SeqWork, StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.kernels.slots import GrowingSlots
@@ -81,6 +88,9 @@ class ComputeSide:
         # lane, and the threads that run them
         self.lanes: list[Tracer] = [self.tracer]
         self._threads: ThreadPoolExecutor | None = None
+        # rotational pipelining over compute worker processes (`lamina.compute.ring`):
+        # this process's place in the ring; it runs its own slices of every step
+        self.ring: Ring | None = None
 
     def use_replicas(self, lanes: list[Tracer]) -> None:
         """Rotational staggered pipelining (paper 5.1) over len(lanes) model replicas:
@@ -149,7 +159,7 @@ class ComputeSide:
         timers = StepTimers()
         # One micro-batch with no prompts attending here: nothing runs between a layer's
         # submit and collect, so the link may do both in one call (`exchange`).
-        at_once = len(mbs) == 1 and mbs[0].packed.local is None
+        at_once = len(mbs) == 1 and mbs[0].packed.local is None and self.ring is None
         self._place(mbs, at_once)
         cuda = self.device.type == "cuda"
         host = cuda and link.device.type == "cpu"
@@ -158,7 +168,10 @@ class ComputeSide:
         # slice (and this step's own prompts' attention). Several replicas: `_rotate`.
         shared = _Layer(link, scratch, at_once, timers, self.tracer, host,
                         cuda and (host or self.sync_timers))
-        if self._threads is None:
+        here: Sequence[int] = range(len(mbs))  # the micro-batches sampled here
+        if self.ring is not None:
+            here = self._ring_run(plan.step, mbs, shared)
+        elif self._threads is None:
             for i in range(len(self.params) + 1):
                 for j, mb in enumerate(mbs):
                     self._slice(i, j, mb, shared)
@@ -166,8 +179,9 @@ class ComputeSide:
             timers = self._rotate(mbs, shared)
         dropped = link.dropped() if plan.report_dropped else ()
         t = time.perf_counter()
-        works = [s for g in groups for s in g if s.sample]
-        tokens, lps, plps = self._sample(works, mbs) if works else ([], None, None)
+        works = [s for j in here for s in groups[j] if s.sample]
+        tokens, lps, plps = (self._sample(works, [mbs[j] for j in here]) if works
+                             else ([], None, None))
         timers.sample_s = time.perf_counter() - t
         self.tracer.record("sample", -1, t, t + timers.sample_s, mb=0)
         return replace(_in_plan_order(plan, works, tokens, lps, plps,
@@ -220,6 +234,30 @@ class ComputeSide:
         ctx = mb.out[3:]
         step.tracer.record("migrate", i, t, mb=j, peer=self.lanes[src].lane,
                            nbytes=sum(c.nbytes for c in ctx if isinstance(c, torch.Tensor)))
+
+    def _ring_run(self, step_no: int, mbs: list[_MicroBatch], step: _Layer) -> list[int]:
+        """This replica's slices of a step in a ring of compute processes
+        (`lamina.compute.ring`): each one's context comes from the previous replica,
+        its attention output from the memory workers, and its own context goes on to
+        the next replica. -> the micro-batches whose last slice (and sampling) ran here."""
+        ring, last = self.ring, len(self.params)
+        assert ring is not None
+        if self.graphs is not None:
+            raise ValueError("CUDA graphs replay on one replica: a ring runs without them")
+        for k, j in ring.tasks(last + 1, len(mbs)):
+            mb = mbs[j]
+            if k > 0:
+                t = time.perf_counter()
+                ctx = ring.link.recv(step_no, k - 1, j)
+                mb.moved, mb.out, mb.own = ctx, (None, None, None, *ctx.tensors), ctx.own
+                step.tracer.record("migrate", k, t, mb=j,
+                                   peer=f"compute{ring.replica(k - 1, j)}", nbytes=ctx.nbytes)
+            self._slice(k, j, mb, step)
+            mb.moved = None
+            if k < last:  # to the replica running slice k + 1, while the workers attend
+                ring.link.send(step_no, Context(k, j, mb.attn_shape(), mb.out[0].dtype,
+                                                tuple(mb.out[3:]), mb.own))
+        return [j for j in range(len(mbs)) if ring.samples(last + 1, j)]
 
     def _pack(self, plan: StepPlan) -> tuple[list[tuple], list[_MicroBatch]]:
         """The plan cut into micro-batches, each packed (rows grouped by worker)."""
@@ -287,7 +325,8 @@ class ComputeSide:
             o, mb.ready = mb.ready, None
             return self._to_device(o, j, step)
         t = time.perf_counter()
-        o = step.link.collect(layer, j, mb.packed.parts, mb.attn_shape(), mb.out[0].dtype,
+        dtype = mb.moved.dtype if mb.moved is not None else mb.out[0].dtype
+        o = step.link.collect(layer, j, mb.packed.parts, mb.attn_shape(), dtype,
                               mb.packed.merge)
         t1 = time.perf_counter()
         step.timers.wait_s += t1 - t
@@ -486,9 +525,12 @@ class _MicroBatch:
     ids: torch.Tensor | None = None  # packed.input_ids on the compute device
     pos: torch.Tensor | None = None  # packed.positions on the compute device
     graphed: bool = False  # its slices replay the graphs' current bucket
+    moved: Context | None = None  # its context, come from the replica of its last slice
 
     def attn_shape(self) -> tuple[int, int, int]:
         """(N, Hq, Dv) of the layer in flight's attention output."""
+        if self.moved is not None:
+            return self.moved.attn_shape
         q, v = self.out[0], self.out[2]  # [1, Hq, N, D], [1, Hkv, N, Dv]
         return (q.shape[2], q.shape[1], v.shape[-1])
 

@@ -32,6 +32,13 @@ ends), each answered by its own output frame: the memory end attends a group as 
 as it has arrived, while the next is in flight, and its output goes back while the
 next group is attended. A request is never cut, and each row attends over all its
 keys in one call, so the outputs are exactly the unstreamed ones (no merge needed).
+When the count carries `RING_FLAG` (rotational pipelining over R compute workers, each
+on its own connection; paper 5.1), a frame [R, j_0, j_1, ...] follows the overrides:
+the step index of each of the worker's micro-batches. Layer l of micro-batch j then
+comes from replica (l + j) mod R, on that replica's connection only, and its output
+goes to the next replica, (l + j + 1) mod R, which runs slice l + 1: the memory end
+sends it on that replica's connection (`MemoryServer.route`), so each connection still
+carries its frames in one fixed order.
 After the last layer, when the count carries `DROPPED_FLAG`, one more frame back
 (layer `DROPPED`): the keys its h2o / snapkv sequences left out at every layer for good
 (`encode_dropped`), whose slots the engine then gives back.
@@ -73,9 +80,12 @@ OVERRIDES_FLAG = 1 << 17
 # in the micro-batch count: after the step's last layer, send one DROPPED frame: the
 # keys h2o / snapkv left out at every layer for good (`encode_dropped`)
 DROPPED_FLAG = 1 << 18
+# in the micro-batch count: a ring frame follows (rotational over compute workers)
+RING_FLAG = 1 << 19
 # in the micro-batch count: bits 20..23 hold the stream width minus one (module docstring)
 STREAM_SHIFT, MAX_STREAM = 20, 16
-FLAGS = TIERS_FLAG | OVERRIDES_FLAG | DROPPED_FLAG | ((MAX_STREAM - 1) << STREAM_SHIFT)
+FLAGS = (TIERS_FLAG | OVERRIDES_FLAG | DROPPED_FLAG | RING_FLAG
+         | ((MAX_STREAM - 1) << STREAM_SHIFT))
 DROPPED = -2  # layer tag of that frame
 # What each connection's memory end holds, kept with the connection: a `SocketLink`
 # lives one step (the Ray compute worker makes one per step); a new channel starts empty.
@@ -208,16 +218,18 @@ def streamed(batch: SlotBatch, new_rows: int, width: int) -> list[tuple[int, int
 
 def step_meta(live: list[WorkerPart], held: SentTables, tiers: bool = False,
               overrides: bool = False, dropped: bool = False,
-              stream: int = 1) -> list[torch.Tensor]:
+              stream: int = 1, ring: bool = False) -> list[torch.Tensor]:
     """One memory worker's META frames of a step (see the module docstring): its parts
     in the step's micro-batches, slots as diffs against what `held` says it holds;
-    `tiers` / `overrides`: a tier-order / an override frame will follow the released one
-    (flagged in the count); `dropped`: it is to send a DROPPED frame after the step."""
+    `tiers` / `overrides` / `ring`: a tier-order / an override / a ring frame will
+    follow the released one (flagged in the count); `dropped`: it is to send a DROPPED
+    frame after the step."""
     ids = [i if 0 <= i < 2 ** 31 else -1 for p in live for i in p.seq_ids]
     if len(ids) != sum(p.batch.num_requests for p in live):
         ids = []  # parts built without sequence ids (probes)
     flags = ((TIERS_FLAG if tiers else 0) | (OVERRIDES_FLAG if overrides else 0)
-             | (DROPPED_FLAG if dropped else 0) | ((stream - 1) << STREAM_SHIFT))
+             | (DROPPED_FLAG if dropped else 0) | (RING_FLAG if ring else 0)
+             | ((stream - 1) << STREAM_SHIFT))
     frames = [torch.tensor([len(live) | flags, *ids], dtype=torch.int32),
               torch.tensor(held.take_released(), dtype=torch.int32)]
     at = 0
@@ -236,8 +248,12 @@ class SocketLink(MemoryLink):
     choice; `native` and `one_frame` only allow or forbid paths."""
 
     def __init__(self, channels: list[Channel], one_frame: bool = True,
-                 native: bool = True, stream: int = 1):
-        self.channels = channels
+                 native: bool = True, stream: int = 1, ring: int = 0):
+        """`ring` = R > 1: this compute worker is one of R replicas of a rotational
+        ring (module docstring); its steps are not streamed and report no dropped keys."""
+        self.channels, self.ring = channels, ring
+        if ring:
+            stream = 1
         if not 1 <= stream <= MAX_STREAM:
             raise ValueError(f"stream width must be 1..{MAX_STREAM}, got {stream}")
         # streamed steps send q|k|v groups, one frame each (the Python end)
@@ -264,6 +280,9 @@ class SocketLink(MemoryLink):
         width = 1 if overrides else self.stream
         self._cuts = [[streamed(p.batch, p.new_slots.numel(), width) if p.active
                        else None for p in mb] for mb in parts]
+        if self.ring and report_dropped:
+            raise ValueError("a rotational ring's memory workers cannot report dropped keys "
+                             "(the executor asks for none)")
         for w, ch in enumerate(self.channels):
             held = sent_tables(ch)
             held.release(released)
@@ -272,7 +291,11 @@ class SocketLink(MemoryLink):
             own = held.new_overrides(overrides or {}, [i for p in live for i in p.seq_ids])
             if live:
                 frames = step_meta(live, held, bool(tiers), bool(own), report_dropped,
-                                   width)
+                                   width, bool(self.ring))
+                if self.ring:  # R and each live part's micro-batch (tier orders and
+                    # overrides go in before it, below)
+                    js = [j for j, p in enumerate(parts) if p[w].active]
+                    frames.insert(2, torch.tensor([self.ring, *js], dtype=torch.int32))
                 if report_dropped:
                     self._report.append(w)
             elif held.pending or tiers:  # no rows: what to drop, tier orders (count 0)
@@ -404,13 +427,17 @@ class MemoryServer:
 
     def __init__(self, memory: MemorySide, params: list, ch: Channel,
                  name: str = "memory worker", native: bool = True,
-                 tracer: Tracer | None = None, shared: threading.Lock | None = None):
+                 tracer: Tracer | None = None, shared: threading.Lock | None = None,
+                 index: int = 0, route=None):
         """`shared`: the lock of a `MemorySide` that several servers (one per compute
-        replica, pipeline "fixed") share; each of its calls takes it, so the device
-        does one attention at a time, and a step's layers run in Python (a C++ step
-        would hold the side for the whole step, and two replicas whose sequences span
-        two workers could then wait on each other for good)."""
+        replica) share; each of its calls takes it, so the device does one attention at
+        a time, and a step's layers run in Python (a C++ step would hold the side for
+        the whole step, and two replicas whose sequences span two workers could then
+        wait on each other for good). `index`: this connection's replica; `route(r,
+        frame)`: sends a frame on replica r's connection (a ring step's outputs go to
+        the next replica, module docstring)."""
         self.memory, self.params, self.ch, self.name = memory, list(params), ch, name
+        self.index, self.route = index, route
         self.shared = shared is not None
         self._mem = shared if shared is not None else contextlib.nullcontext()
         # this worker's timeline (`lamina.trace`): attention per layer and micro-batch
@@ -475,8 +502,8 @@ class MemoryServer:
         ch = self.ch
         head, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32)
         count = int(head[0]) if head.dim() == 1 and head.numel() else -1
-        tiers, own, report = (count > 0 and bool(count & f)
-                              for f in (TIERS_FLAG, OVERRIDES_FLAG, DROPPED_FLAG))
+        tiers, own, report, ring = (count > 0 and bool(count & f) for f in
+                                    (TIERS_FLAG, OVERRIDES_FLAG, DROPPED_FLAG, RING_FLAG))
         width = ((count >> STREAM_SHIFT) & (MAX_STREAM - 1)) + 1 if count > 0 else 1
         count = count & ~FLAGS
         if not 0 <= count <= MAX_MICRO_BATCHES or (count == 0 and head.numel() > 1):
@@ -496,6 +523,7 @@ class MemoryServer:
                     self.memory.override(dict(KVOverride.decode(r) for r in rows.view(-1, 4)))
             except (ValueError, RuntimeError) as e:
                 raise FrameError(f"step {step}: bad KV sparsity overrides: {e}") from None
+        order = self._ring(step, count) if ring else None
         if count == 0:
             return False
         for _ in range(count):
@@ -522,7 +550,7 @@ class MemoryServer:
         loading = self.memory.tiers is not None and self.memory.tiers.loading
         sparse = self.memory.sparsity is not None and self.memory.sparsity.active
         if (self._native is not None and len(mbs) == 1 and not loading and not sparse
-                and not report and width == 1):
+                and not report and width == 1 and order is None):
             self._serve_native(step, *mbs[0][:2])
             return True  # (a step with tier loads copies them layer by layer, below)
         # per micro-batch: its groups (a streamed one's, else the whole), each as
@@ -532,6 +560,9 @@ class MemoryServer:
         queued = len(mbs) + (width > 1)  # outputs go out on the send thread
         for layer, params in enumerate(self.params):
             for j, mine in enumerate(groups):
+                to = None if order is None else self._ring_next(layer, *order, j)
+                if to is not None and to < 0:
+                    continue  # another replica's layer of this micro-batch
                 for new_slots, batch, seqs in mine:
                     q, k, v = self._recv_qkv(layer, step, batch.num_queries,
                                              new_slots.numel())
@@ -541,13 +572,33 @@ class MemoryServer:
                                                     checked=True, seq_ids=seqs)
                         self.tracer.record("attend", layer, t, mb=j)
                     frame = (torch.cat([o, lse[..., None].to(o.dtype)], -1), layer, step)
-                    self._send(frame, queued)
+                    if to is None:
+                        self._send(frame, queued)
+                    else:
+                        self.route(to, frame)
         if report:  # after the outputs, in order; a shared side: this connection's only
             mine = [s for m in mbs for s in m[2]] if self.shared else None
             with self._mem:
                 got = self.memory.take_dropped(mine)
             self._send((encode_dropped(got), DROPPED, step), queued)
         return True
+
+    def _ring(self, step: int, count: int) -> tuple[int, list[int]]:
+        """A ring step's frame: -> (R, each live micro-batch's index in the step)."""
+        x = self.ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
+        ring, js = int(x[0]), x[1:].tolist()
+        if (self.route is None or not 1 < ring <= MAX_MICRO_BATCHES or len(js) != count
+                or not self.index < ring or any(not 0 <= j < MAX_MICRO_BATCHES for j in js)):
+            raise FrameError(f"step {step}: bad ring frame {x.tolist()[:8]} (connection "
+                             f"{self.index}, {count} micro-batches"
+                             f"{', no routes' if self.route is None else ''})")
+        return ring, js
+
+    def _ring_next(self, layer: int, ring: int, js: list[int], j: int) -> int:
+        """Where a ring step's output of (layer, live micro-batch j) goes: the next
+        replica; -1 when another replica sends this layer."""
+        r = (layer + js[j]) % ring
+        return (r + 1) % ring if r == self.index else -1
 
     @staticmethod
     def _groups(new_slots, batch: SlotBatch, seqs: tuple, width: int) -> list[tuple]:
@@ -559,6 +610,10 @@ class MemoryServer:
         cu = batch.cu_q.tolist()
         return [(new_slots[cu[a]:cu[e]], sub_batch(batch, a, e), seqs[a:e] if seqs else ())
                 for a, e in cuts]
+
+    def send_queued(self, frame) -> None:
+        """A frame out through this connection's send thread, after those queued."""
+        self._out.put(frame)
 
     def _send(self, frame, mbs: int) -> None:
         if mbs == 1:  # the peer reads it before it sends more: no deadlock

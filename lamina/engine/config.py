@@ -21,7 +21,8 @@ from lamina.memory.tier_orders import TierConfig
 # n = 2 (one replica) no context moves and rotational and fixed coincide.
 # "fixed" (5.1): `num_compute_workers` replicas, each with its own batch (a sequence
 # stays on its replica), sharing the memory workers.
-# Several replicas run on the local executor only, so far (threads of one process).
+# Replicas are threads of one process on the local executor, compute worker processes
+# on Ray (rotational: a ring, `lamina.compute.ring`).
 # "auto": none or rotational (n = 2, one replica) per step size, whichever measured
 # faster (engine/auto_pipeline.py).
 PIPELINES = ("none", "rotational", "fixed", "auto")

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from lamina import LLM, SamplingParams
+from lamina import SamplingParams
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.messages import SeqWork, StepPlan, StepResult
@@ -84,17 +84,6 @@ def test_num_batches_is_derived_from_the_replicas():
     assert EngineConfig(pipeline="fixed", num_compute_workers=3).batches == 3
     # the pipeline replaced: the batches follow (nothing derived is kept)
     assert replace(EngineConfig(), pipeline="rotational").batches == 2
-
-
-def test_rotational_replicas_on_ray_refused_by_name():
-    """Refused before the model loads or Ray starts (fixed replicas run on Ray:
-    tests/cluster/test_ray_replicas.py)."""
-    import ray
-
-    with pytest.raises(ValueError, match="pipeline 'rotational' over 2 compute replicas "
-                       "runs on the local executor only"):
-        LLM(executor="ray", num_compute_workers=2, pipeline="rotational")
-    assert not ray.is_initialized()
 
 
 def _work(*sids):

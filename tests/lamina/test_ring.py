@@ -1,0 +1,197 @@
+"""Rotational pipelining over compute processes (`lamina.compute.ring`), without Ray:
+R compute sides, each on a thread of its own with its own data-plane connection to
+every memory worker (socket pairs), contexts moving to the next replica over socket
+pairs (`ChannelContextLink`), and the memory servers sending each layer's output to
+the replica that runs the next slice (`MemoryServer.route`). This is the Ray
+executor's wiring in one process. n batches over n - 1 replicas (n = 3, 4): greedy
+tokens equal HF's on the 16 mixed-length prompts; from the trace, slice k of
+micro-batch j ran on replica (j + k) mod (n - 1), each context came from the replica of
+slice k - 1, and no lane ran two tasks at once. Plus the rule, the context frames and
+their refusals, unit by unit."""
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from lamina import SamplingParams
+from lamina.compute.compute_side import ComputeSide
+from lamina.compute.ring import Context, Ring
+from lamina.dataplane.migration import ChannelContextLink
+from lamina.dataplane.protocol import MemoryServer, SocketLink
+from lamina.dataplane.transport import FrameError, SocketChannel
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.executor.base import Executor
+from lamina.executor.replicas import merged
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.trace import lanes, overlapping
+from tests.conftest import HF_NEW
+
+SLOTS = 8192
+
+
+class RingExecutor(Executor):
+    """R compute sides in a ring (threads standing in for processes) over `workers`
+    memory workers, each serving R connections over one pool under a lock."""
+
+    def __init__(self, split, vocab: int, replicas: int, workers: int = 2):
+        self.r_n = replicas
+        self.computes = [ComputeSide(split, workers) for _ in range(replicas)]
+        for r, c in enumerate(self.computes):
+            c.vocab_size, c.pool_slots, c.tracer.lane = vocab, SLOTS, f"compute{r}"
+        self.params = self.computes[0].params
+        self.links = [[] for _ in range(replicas)]  # per replica, its channel per worker
+        self.servers = []
+        for w in range(workers):
+            mem = MemorySide(KVPool(KVPoolConfig.for_specs(split.attention_specs, SLOTS)))
+            lock, by_replica = threading.Lock(), {}
+            for r in range(replicas):
+                a, b = socket.socketpair()
+                srv = MemoryServer(mem, self.params, SocketChannel(b), f"memory worker {w}",
+                                   shared=lock, index=r,
+                                   route=lambda to, f, by=by_replica: by[to].send_queued(f))
+                by_replica[r] = srv
+                self.servers.append(srv)
+                threading.Thread(target=srv.serve, daemon=True).start()
+                self.links[r].append(SocketChannel(a))
+        # the ring: replica r sends to r + 1 on pair r
+        pairs = [socket.socketpair() for _ in range(replicas)]
+        for r, c in enumerate(self.computes):
+            c.ring = Ring(r, replicas, ChannelContextLink(
+                SocketChannel(pairs[r][0]), SocketChannel(pairs[(r - 1) % replicas][1])))
+        self.pool = ThreadPoolExecutor(replicas)
+
+    def execute(self, plan):
+        futures = [self.pool.submit(c.run, plan, SocketLink(self.links[r], ring=self.r_n))
+                   for r, c in enumerate(self.computes)]
+        return merged(plan, [f.result() for f in futures])
+
+    def start_trace(self):
+        for c in self.computes:
+            c.tracer.start()
+        for s in self.servers:
+            s.tracer.start()
+
+    def stop_trace(self):
+        spans = [x for c in self.computes for x in c.tracer.stop()]
+        return spans + [x for s in self.servers for x in s.tracer.stop()]
+
+    def shutdown(self):
+        for chans in self.links:
+            for ch in chans:
+                ch.close()
+        self.pool.shutdown()
+
+
+@pytest.fixture(scope="module", params=[3, 4])
+def ring_run(request, smol, smol_split, prompts):
+    """The 16 prompts greedy to HF_NEW tokens at n batches over n - 1 replicas in a
+    ring; one decode step traced."""
+    n = request.param
+    ex = RingExecutor(smol_split, smol.config.vocab_size, n - 1)
+    # the memory servers' lanes: one tracer per worker (its connections share it)
+    for w in range(2):
+        shared = ex.servers[w * (n - 1)].tracer
+        shared.lane = f"memory{w}"
+        for s in ex.servers[w * (n - 1):(w + 1) * (n - 1)]:
+            s.tracer = shared
+    cfg = EngineConfig(num_kv_slots=SLOTS, num_memory_workers=2, pipeline="rotational",
+                       num_batches=n, num_compute_workers=n - 1, max_step_tokens=2048)
+    eng = LLMEngine(cfg, ex, smol.tokenizer, smol.config)
+    greedy = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True)
+    ids = [eng.add_request(p, greedy) for p in prompts]
+    done = {}
+    while any(not s.output for s in eng.scheduler.running) or eng.scheduler.waiting:
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    ex.start_trace()
+    step = eng.scheduler.step
+    done.update((o.request_id, o) for o in eng.step() if o.finished)
+    spans = [s for s in ex.stop_trace() if s.step == step]
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    ex.shutdown()
+    return n, [done[i].token_ids for i in ids], spans, len(ex.params)
+
+
+def test_ring_greedy_identical_to_hf(ring_run, hf_greedy):
+    _, tokens, _, _ = ring_run
+    assert tokens == hf_greedy
+
+
+def test_ring_trace_follows_the_papers_replica_rule(ring_run, smol):
+    n, _, spans, L = ring_run
+    r_n = n - 1
+    assert lanes(spans) == [*(f"compute{r}" for r in range(r_n)), "memory0", "memory1"]
+    assert overlapping(spans) == []  # no device ran two tasks at once
+    slices = {(s.layer, s.mb): s for s in spans if s.kind == "slice"}
+    assert sorted(slices) == [(k, j) for k in range(L + 1) for j in range(n)]
+    for (k, j), s in slices.items():
+        assert s.lane == f"compute{(j + k) % r_n}"
+    # every context came over the link from the replica of the slice before, after that
+    # slice and before this one: the residual stream, hidden_size floats a row
+    migrated = {(s.layer, s.mb): s for s in spans if s.kind == "migrate"}
+    assert sorted(migrated) == [(k, j) for k in range(1, L + 1) for j in range(n)]
+    row = smol.config.hidden_size * 4
+    for (k, j), s in migrated.items():
+        assert s.lane == f"compute{(j + k) % r_n}" and s.peer == f"compute{(j + k - 1) % r_n}"
+        assert slices[k - 1, j].t0 <= s.t1 <= slices[k, j].t0
+        assert s.nbytes > 0 and s.nbytes % row == 0
+    for k in range(1, L + 1):
+        assert sum(migrated[k, j].nbytes for j in range(n)) == 16 * row
+    # each memory worker attended every (layer, micro-batch) it holds rows of, once
+    attends = sorted((s.lane, s.layer, s.mb) for s in spans if s.kind == "attend")
+    assert len(attends) == len(set(attends))
+    assert {(a[1], a[2]) for a in attends} == {(k, j) for k in range(L) for j in range(n)}
+
+
+def test_ring_rule_hand_checked():
+    """R = 2, 3 micro-batches, 4 slices: the paper's rotation, written out."""
+    r0, r1 = (Ring(i, 2, link=None) for i in range(2))
+    assert r0.tasks(4, 3) == [(0, 0), (0, 2), (1, 1), (2, 0), (2, 2), (3, 1)]
+    assert r1.tasks(4, 3) == [(0, 1), (1, 0), (1, 2), (2, 1), (3, 0), (3, 2)]
+    assert [j for j in range(3) if r0.samples(4, j)] == [1]
+    assert [j for j in range(3) if r1.samples(4, j)] == [0, 2]
+    r2 = Ring(2, 3, link=None)
+    assert r2.tasks(3, 4) == [(0, 2), (1, 1), (2, 0), (2, 3)]
+
+
+@pytest.mark.parametrize("index,size", [(0, 1), (2, 2), (-1, 3), (0, 2.0)])
+def test_ring_refuses_bad_places(index, size):
+    with pytest.raises(ValueError, match="ring"):
+        Ring(index, size, link=None)
+
+
+def _context_pair():
+    a, b = socket.socketpair()
+    return ChannelContextLink(SocketChannel(a), None), ChannelContextLink(None, SocketChannel(b))
+
+
+def test_context_frames_round_trip_and_refuse_the_wrong_one():
+    out, inp = _context_pair()
+    g = torch.Generator().manual_seed(0)
+    h, pos = torch.randn(1, 5, 8, generator=g), torch.arange(5)[None]
+    own = torch.randn(2, 3, 4, generator=g).bfloat16()
+    out.send(7, Context(3, 1, (5, 3, 4), torch.bfloat16, (h, None, pos), own))
+    got = inp.recv(7, 3, 1)
+    assert (got.layer, got.mb, got.attn_shape, got.dtype) == (3, 1, (5, 3, 4), torch.bfloat16)
+    assert got.tensors[1] is None and torch.equal(got.tensors[0], h)
+    assert torch.equal(got.tensors[2], pos) and torch.equal(got.own, own)
+    assert got.nbytes == h.nbytes + pos.nbytes + own.nbytes
+    out.send(7, Context(4, 0, (5, 3, 4), torch.float32, (h,)))
+    with pytest.raises(FrameError, match="slice 4, micro-batch 0 came where slice 4, "
+                                         "micro-batch 2 was due"):
+        inp.recv(7, 4, 2)
+
+
+def test_a_memory_server_refuses_a_ring_frame_it_cannot_route(smol_split):
+    """A ring step on a connection with no routes (or a replica index past R) fails
+    the step loudly, naming the frame."""
+    mem = MemorySide(KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 64)))
+    srv = MemoryServer(mem, [], SocketChannel(socket.socketpair()[0]), index=0)
+    srv.ch = type("Ch", (), {"recv": lambda self, **k: (torch.tensor([2, 0, 1],
+                                                                     dtype=torch.int32),)})()
+    with pytest.raises(FrameError, match="bad ring frame .* no routes"):
+        srv._ring(5, 2)
