@@ -382,24 +382,28 @@ class RayExecutor(Executor):
         assert self._ring_pool is not None
         futures = {self._ring_pool.submit(self._call, r, plan): r
                    for r in range(len(self.computes))}
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [f for f in done if f.exception() is not None]
-        if any(not (isinstance(f.exception(), SequenceFault) and f.exception().clean)
-               for f in failed):
-            for c in self.computes:
-                c.interrupt.remote()
-        wait(futures)
+
+        def hard(e) -> bool:
+            return e is not None and not (isinstance(e, SequenceFault) and e.clean)
+
+        pending, interrupted = set(futures), False
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            if not interrupted and any(hard(f.exception()) for f in done):
+                for c in self.computes:
+                    c.interrupt.remote()
+                interrupted = True
         errors = {futures[f]: f.exception() for f in futures if f.exception() is not None}
         if not errors:
-            return merged(plan, [f.result() for f in sorted(futures, key=futures.get)])
-        hard = [e for _, e in sorted(errors.items())
-                if not (isinstance(e, SequenceFault) and e.clean)]
-        if hard:  # every replica's error: the others' are often the first one's echo
+            return merged(plan, [f.result() for f in sorted(futures, key=lambda f: futures[f])])
+        first = next((e for _, e in sorted(errors.items()) if hard(e)), None)
+        if first is not None:  # every replica's error: the others' often echo the first
             raise WorkerFailure("; ".join(
                 str(e) if str(e).startswith("compute worker") else
                 f"compute worker {r}: {type(e).__name__}: {e}"
-                for r, e in sorted(errors.items()))) from hard[0]
-        bad = sorted({s for e in errors.values() for s in e.seq_ids})
+                for r, e in sorted(errors.items()))) from first
+        bad = sorted({s for e in errors.values() if isinstance(e, SequenceFault)
+                      for s in e.seq_ids})
         raise SequenceFault(bad, "; ".join(f"compute replica {r}: {e}"
                                            for r, e in sorted(errors.items())))
 
