@@ -41,8 +41,10 @@ def drain(eng, outs):
         outs.update({o.request_id: o for o in eng.step()})
 
 
-def test_compute_and_memory_faults_fail_alone(setup, prompts, hf_greedy):
-    llm, tok = setup
+def faults_fail_alone(llm, tok, prompts, hf_greedy):
+    """A request poisoning the compute side (refused cleanly, nothing replaced) and one
+    poisoning a memory worker (the workers replaced, the other requests recomputed)
+    among the 16 good ones: each fails alone, naming its fault."""
     eng = llm.engine
     ids = [eng.add_request(p, GOOD) for p in prompts[:8]]
     outs = {}
@@ -61,9 +63,13 @@ def test_compute_and_memory_faults_fail_alone(setup, prompts, hf_greedy):
     assert f"injected memory fault at position {MEM_POS}" in outs[bad_m].error
     assert "memory worker" in outs[bad_m].error
     assert eng.num_recoveries == recovered + 1  # only the memory fault replaced workers
-    assert all(f == SLOTS for f in eng.free_slots())
+    assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
     health = ray.get([w.health.remote() for w in llm.executor.memory])
     assert all(h["error"] is None for h in health)  # the replacements are clean
+
+
+def test_compute_and_memory_faults_fail_alone(setup, prompts, hf_greedy):
+    faults_fail_alone(*setup, prompts, hf_greedy)
 
 
 def test_poison_over_http_on_ray(setup, smol, prompts, hf_greedy):

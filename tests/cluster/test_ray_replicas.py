@@ -96,15 +96,17 @@ def test_bad_request_on_one_replica_fails_alone(setup, prompts, hf_greedy):
     assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
 
 
-def test_killed_replica_replaced_and_requests_recomputed(setup, prompts, hf_greedy):
-    llm, _ = setup
+def killed_replica_recovers(llm, prompts, hf_greedy, before_kill=lambda ex: None):
+    """Compute worker 1 killed after a few steps of 4 requests (`before_kill(executor)`
+    checks the state then): the dead one alone is replaced, the requests end with HF's
+    tokens, every slot comes back."""
     ex, eng = llm.executor, llm.engine
     before = eng.num_recoveries
     pick = [1, 4, 6, 11]
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
     for _ in range(3):
         eng.step()
-    assert set(ex.replica_split.home.values()) == {0, 1}  # both replicas hold some
+    before_kill(ex)
     old = [c._actor_id for c in ex.computes]
     ray.kill(ex.computes[1])
     outs = {}
@@ -116,3 +118,9 @@ def test_killed_replica_replaced_and_requests_recomputed(setup, prompts, hf_gree
     assert new[0] == old[0] and new[1] != old[1]  # only the dead one was replaced
     assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
 
+
+def test_killed_replica_replaced_and_requests_recomputed(setup, prompts, hf_greedy):
+    def both_hold_some(ex):
+        assert set(ex.replica_split.home.values()) == {0, 1}
+
+    killed_replica_recovers(setup[0], prompts, hf_greedy, both_hold_some)

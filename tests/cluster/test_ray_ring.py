@@ -12,53 +12,15 @@ import ray
 
 from lamina import LLM, SamplingParams
 from lamina.faults import FaultPlan
-from lamina.trace import lanes, overlapping
 from tests.conftest import HF_NEW
 
 from ..lamina.test_isolation import unused_token
+from ..lamina.test_ring import check_ring
+from ..lamina.test_rotational import traced_decode
+from .test_ray_isolation import MEM_POS, faults_fail_alone
+from .test_ray_replicas import killed_replica_recovers
 
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0, ignore_eos=True)
-NEW = 12
-GOOD = SamplingParams(max_tokens=NEW, temperature=0)
-MEM_POS = 700  # a decode query of the 695-token poison prompt; no good request gets there
-
-
-def traced_ring_run(llm, prompts):
-    """The prompts to the end, one all-decode step traced. -> (tokens in prompt order,
-    that step's spans)."""
-    eng, ex = llm.engine, llm.executor
-    ids = [eng.add_request(p, GREEDY) for p in prompts]
-    done = {}
-    while any(not s.output for s in eng.scheduler.running) or eng.scheduler.waiting:
-        done.update((o.request_id, o) for o in eng.step() if o.finished)
-    ex.start_trace()
-    step = eng.scheduler.step
-    done.update((o.request_id, o) for o in eng.step() if o.finished)
-    spans = [s for s in ex.stop_trace() if s.step == step]
-    while eng.has_unfinished():
-        done.update((o.request_id, o) for o in eng.step() if o.finished)
-    return [done[i].token_ids for i in ids], spans
-
-
-def check_rule(spans, r_n: int, n: int, layers: int, hidden: int, workers: int):
-    """The paper's rotation, read off the trace of one decode step of 16 sequences."""
-    work = [s for s in spans if s.kind != "send"]  # output senders: a thread a connection
-    assert lanes(work) == [*(f"compute{r}" for r in range(r_n)),
-                           *(f"memory{w}" for w in range(workers))]
-    assert overlapping(work) == []
-    slices = {(s.layer, s.mb): s for s in spans if s.kind == "slice"}
-    assert sorted(slices) == [(k, j) for k in range(layers + 1) for j in range(n)]
-    for (k, j), s in slices.items():
-        assert s.lane == f"compute{(j + k) % r_n}"
-    migrated = {(s.layer, s.mb): s for s in spans if s.kind == "migrate"}
-    assert sorted(migrated) == [(k, j) for k in range(1, layers + 1) for j in range(n)]
-    for (k, j), s in migrated.items():
-        assert s.lane == f"compute{(j + k) % r_n}" and s.peer == f"compute{(j + k - 1) % r_n}"
-    for k in range(1, layers + 1):  # the residual stream of the 16 rows, once a layer
-        assert sum(migrated[k, j].nbytes for j in range(n)) == 16 * hidden * 4
-    attends = [(s.lane, s.layer, s.mb) for s in spans if s.kind == "attend"]
-    assert len(attends) == len(set(attends))  # each (layer, micro-batch) attended once
-    assert {(a[1], a[2]) for a in attends} == {(k, j) for k in range(layers) for j in range(n)}
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +41,9 @@ def test_ring_of_three_replicas_over_one_memory_worker_identical(smol, prompts, 
               num_compute_workers=3, pipeline="rotational")
     try:
         assert llm.executor.ring and llm.engine.config.batches == 4
-        tokens, spans = traced_ring_run(llm, prompts)
+        tokens, spans = traced_decode(llm.engine, llm.executor, prompts, GREEDY)
         assert tokens == hf_greedy
-        check_rule(spans, 3, 4, len(llm.executor.params), smol.config.hidden_size, 1)
+        check_ring(spans, 3, 4, len(llm.executor.params), smol.config.hidden_size, 1)
     finally:
         llm.shutdown()
 
@@ -90,68 +52,25 @@ def test_ring_of_two_replicas_greedy_identical_to_hf(setup, smol, prompts, hf_gr
     llm, _ = setup
     ex, eng = llm.executor, llm.engine
     assert ex.ring and ex.replica_split is None and len(ex.computes) == 2
-    tokens, spans = traced_ring_run(llm, prompts)
+    tokens, spans = traced_decode(eng, ex, prompts, GREEDY)
     assert tokens == hf_greedy
-    check_rule(spans, 2, 3, len(ex.params), smol.config.hidden_size, 2)
+    check_ring(spans, 2, 3, len(ex.params), smol.config.hidden_size, 2)
     assert all(h["error"] is None for h in ray.get([w.health.remote() for w in ex.memory]))
     assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
 
 
-def drain(eng, outs):
-    while eng.has_unfinished():
-        outs.update({o.request_id: o for o in eng.step() if o.finished})
-
-
 def test_compute_and_memory_faults_in_a_ring_fail_alone(setup, prompts, hf_greedy):
     """The compute fault: every compute worker refuses the request before anything is
-    sent (a clean fault, the same on each), nothing is replaced. The memory fault: a
-    memory worker fails mid-step on one replica's connection; that replica fails, the
-    other is interrupted, the worker blames the request, the workers are replaced and
-    the other requests recomputed."""
-    llm, tok = setup
-    eng = llm.engine
-    ids = [eng.add_request(p, GOOD) for p in prompts[:8]]
-    outs = {}
-    for _ in range(2):
-        outs.update({o.request_id: o for o in eng.step()})
-    recovered = eng.num_recoveries
-    bad_c = eng.add_request([7, tok, 8], GOOD)
-    bad_m = eng.add_request((prompts[8] * 2)[:MEM_POS - 5], GOOD)
-    ids += [eng.add_request(p, GOOD) for p in prompts[8:]]
-    drain(eng, outs)
-    assert [outs[i].token_ids for i in ids] == [r[:NEW] for r in hf_greedy]
-    assert all(outs[i].error is None for i in ids)
-    assert outs[bad_c].finish_reason == "error"
-    assert f"injected compute fault on token {tok}" in outs[bad_c].error
-    assert outs[bad_m].finish_reason == "error"
-    assert f"injected memory fault at position {MEM_POS}" in outs[bad_m].error
-    assert eng.num_recoveries == recovered + 1  # only the memory fault replaced workers
-    assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
-    health = ray.get([w.health.remote() for w in llm.executor.memory])
-    assert all(h["error"] is None for h in health)
+    sent (a clean fault, the same on each). The memory fault: a memory worker fails
+    mid-step on one worker's connection; that worker fails, the other is interrupted
+    rather than left waiting out its timeout."""
+    faults_fail_alone(*setup, prompts, hf_greedy)
 
 
 def test_killed_ring_replica_replaced_and_requests_recomputed(setup, prompts, hf_greedy):
-    """Compute worker 1 dies between steps: the next step fails on it, the other is
-    interrupted rather than left waiting, the dead one alone is replaced, the ring is
-    rewired, and the requests end with HF's tokens."""
-    llm, _ = setup
-    ex, eng = llm.executor, llm.engine
-    before = eng.num_recoveries
-    pick = [1, 4, 6, 11]
-    ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
-    for _ in range(3):
-        eng.step()
-    old = [c._actor_id for c in ex.computes]
-    ray.kill(ex.computes[1])
-    outs = {}
-    drain(eng, outs)
-    assert [outs[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
-    assert eng.num_recoveries == before + 1
-    assert "compute worker 1" in eng.recoveries[-1]
-    new = [c._actor_id for c in ex.computes]
-    assert new[0] == old[0] and new[1] != old[1]
-    assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
+    """The next step fails on the dead worker, the other is interrupted, the dead one
+    alone is replaced and the ring rewired."""
+    killed_replica_recovers(setup[0], prompts, hf_greedy)
 
 
 def test_a_ring_with_cuda_graphs_refused_by_name():

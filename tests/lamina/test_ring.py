@@ -27,8 +27,9 @@ from lamina.executor.base import Executor
 from lamina.executor.replicas import merged
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
-from lamina.trace import lanes, overlapping
+from lamina.trace import lanes
 from tests.conftest import HF_NEW
+from tests.lamina.test_rotational import check_rotation, traced_decode
 
 SLOTS = 8192
 
@@ -102,18 +103,20 @@ def ring_run(request, smol, smol_split, prompts):
                        num_batches=n, num_compute_workers=n - 1, max_step_tokens=2048)
     eng = LLMEngine(cfg, ex, smol.tokenizer, smol.config)
     greedy = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True)
-    ids = [eng.add_request(p, greedy) for p in prompts]
-    done = {}
-    while any(not s.output for s in eng.scheduler.running) or eng.scheduler.waiting:
-        done.update((o.request_id, o) for o in eng.step() if o.finished)
-    ex.start_trace()
-    step = eng.scheduler.step
-    done.update((o.request_id, o) for o in eng.step() if o.finished)
-    spans = [s for s in ex.stop_trace() if s.step == step]
-    while eng.has_unfinished():
-        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    tokens, spans = traced_decode(eng, ex, prompts, greedy)
     ex.shutdown()
-    return n, [done[i].token_ids for i in ids], spans, len(ex.params)
+    return n, tokens, spans, len(ex.params)
+
+
+def check_ring(spans, r_n: int, n: int, layers: int, hidden: int, workers: int):
+    """The rotation read off one decode step of 16 sequences (`check_rotation`), and
+    each memory worker attending every (layer, micro-batch) it holds rows of once."""
+    assert lanes([s for s in spans if s.kind != "send"]) == [
+        *(f"compute{r}" for r in range(r_n)), *(f"memory{w}" for w in range(workers))]
+    check_rotation(spans, r_n, n, layers, hidden * 4)
+    attends = [(s.lane, s.layer, s.mb) for s in spans if s.kind == "attend"]
+    assert len(attends) == len(set(attends))
+    assert {(a[1], a[2]) for a in attends} == {(k, j) for k in range(layers) for j in range(n)}
 
 
 def test_ring_greedy_identical_to_hf(ring_run, hf_greedy):
@@ -123,28 +126,7 @@ def test_ring_greedy_identical_to_hf(ring_run, hf_greedy):
 
 def test_ring_trace_follows_the_papers_replica_rule(ring_run, smol):
     n, _, spans, L = ring_run
-    r_n = n - 1
-    assert lanes(spans) == [*(f"compute{r}" for r in range(r_n)), "memory0", "memory1"]
-    assert overlapping(spans) == []  # no device ran two tasks at once
-    slices = {(s.layer, s.mb): s for s in spans if s.kind == "slice"}
-    assert sorted(slices) == [(k, j) for k in range(L + 1) for j in range(n)]
-    for (k, j), s in slices.items():
-        assert s.lane == f"compute{(j + k) % r_n}"
-    # every context came over the link from the replica of the slice before, after that
-    # slice and before this one: the residual stream, hidden_size floats a row
-    migrated = {(s.layer, s.mb): s for s in spans if s.kind == "migrate"}
-    assert sorted(migrated) == [(k, j) for k in range(1, L + 1) for j in range(n)]
-    row = smol.config.hidden_size * 4
-    for (k, j), s in migrated.items():
-        assert s.lane == f"compute{(j + k) % r_n}" and s.peer == f"compute{(j + k - 1) % r_n}"
-        assert slices[k - 1, j].t0 <= s.t1 <= slices[k, j].t0
-        assert s.nbytes > 0 and s.nbytes % row == 0
-    for k in range(1, L + 1):
-        assert sum(migrated[k, j].nbytes for j in range(n)) == 16 * row
-    # each memory worker attended every (layer, micro-batch) it holds rows of, once
-    attends = sorted((s.lane, s.layer, s.mb) for s in spans if s.kind == "attend")
-    assert len(attends) == len(set(attends))
-    assert {(a[1], a[2]) for a in attends} == {(k, j) for k in range(L) for j in range(n)}
+    check_ring(spans, n - 1, n, L, smol.config.hidden_size, 2)
 
 
 def test_ring_rule_hand_checked():

@@ -34,24 +34,54 @@ def engine(smol, split, n: int, faults=None, workers: int = 2):
     return LLMEngine(cfg, ex, smol.tokenizer, smol.config), ex
 
 
+def traced_decode(eng, ex, prompts, params):
+    """The prompts to the end, the first step in which all of them decode traced.
+    -> (token ids in prompt order, that step's spans)."""
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = {}
+    while any(not s.output for s in eng.scheduler.running) or eng.scheduler.waiting:
+        done.update((o.request_id, o) for o in eng.step() if o.finished)  # the prompts
+    ex.start_trace()
+    step = eng.scheduler.step
+    done.update((o.request_id, o) for o in eng.step() if o.finished)
+    spans = [s for s in ex.stop_trace() if s.step == step]
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    return [done[i].token_ids for i in ids], spans
+
+
+def check_rotation(spans, r_n: int, n: int, layers: int, row_bytes: int, rows: int = 16):
+    """From one decode step's trace: slice k of micro-batch j ran on replica
+    (j + k) mod r_n; every slice after the first got its micro-batch's context from the
+    replica of the slice before, after that slice and before this one, the bytes of
+    `rows` rows of the residual stream (`row_bytes` each) a layer; no lane ran two tasks
+    at once. -> the slice spans by (slice, micro-batch)."""
+    work = [s for s in spans if s.kind != "send"]  # output senders: a thread a connection
+    assert overlapping(work) == []
+    slices = {(s.layer, s.mb): s for s in spans if s.kind == "slice"}
+    assert sorted(slices) == [(k, j) for k in range(layers + 1) for j in range(n)]
+    for (k, j), s in slices.items():
+        assert s.lane == f"compute{(j + k) % r_n}"
+    migrated = {(s.layer, s.mb): s for s in spans if s.kind == "migrate"}
+    assert sorted(migrated) == [(k, j) for k in range(1, layers + 1) for j in range(n)]
+    for (k, j), s in migrated.items():
+        assert s.lane == f"compute{(j + k) % r_n}" and s.peer == f"compute{(j + k - 1) % r_n}"
+        assert slices[k - 1, j].t0 <= s.t1 <= slices[k, j].t0
+        assert s.nbytes > 0 and s.nbytes % row_bytes == 0
+    for k in range(1, layers + 1):
+        assert sum(migrated[k, j].nbytes for j in range(n)) == rows * row_bytes
+    return slices
+
+
 @pytest.fixture(scope="module", params=[3, 4])
 def traced_run(request, smol, smol_split, prompts):
     """The 16 prompts greedy to HF_NEW tokens at n batches; one decode step traced."""
     n = request.param
     eng, ex = engine(smol, smol_split, n)
     greedy = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True)
-    ids = [eng.add_request(p, greedy) for p in prompts]
-    done = {}
-    while any(not s.output for s in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()  # the prompts
-    ex.start_trace()
-    step = eng.scheduler.step
-    eng.step()
-    spans = [s for s in ex.stop_trace() if s.step == step]
-    while eng.has_unfinished():
-        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    tokens, spans = traced_decode(eng, ex, prompts, greedy)
     ex.shutdown()
-    return n, [done[i].token_ids for i in ids], spans, len(ex.params)
+    return n, tokens, spans, len(ex.params)
 
 
 def test_rotational_greedy_identical_to_hf(traced_run, hf_greedy):
@@ -61,26 +91,12 @@ def test_rotational_greedy_identical_to_hf(traced_run, hf_greedy):
 
 def test_trace_follows_the_papers_replica_rule(traced_run, smol):
     n, _, spans, L = traced_run
-    r_n = n - 1
-    assert lanes(spans) == [*(f"compute{r}" for r in range(r_n)), "memory0", "memory1"]
-    assert overlapping(spans) == []  # no device ran two tasks at once
-    slices = {(s.layer, s.mb): s for s in spans if s.kind == "slice"}
-    assert sorted(slices) == [(k, j) for k in range(L + 1) for j in range(n)]
-    for (k, j), s in slices.items():
-        assert s.lane == f"compute{(j + k) % r_n}"
-    # each context moved where the rule says (with 2+ replicas consecutive slices never
-    # share one), from where the previous slice ran, between the two slices; what moved
-    # is the residual stream: hidden_size floats per token, every decode row once per
-    # layer over the micro-batches
-    migrated = {(s.layer, s.mb): s for s in spans if s.kind == "migrate"}
-    assert sorted(migrated) == [(k, j) for k in range(1, L + 1) for j in range(n)]
-    row = smol.config.hidden_size * 4
-    for (k, j), s in migrated.items():
-        assert s.lane == f"compute{(j + k) % r_n}" and s.peer == f"compute{(j + k - 1) % r_n}"
-        assert slices[k - 1, j].t1 <= s.t0 <= s.t1 <= slices[k, j].t0
-        assert s.nbytes > 0 and s.nbytes % row == 0
-    for k in range(1, L + 1):
-        assert sum(migrated[k, j].nbytes for j in range(n)) == 16 * row
+    assert lanes(spans) == [*(f"compute{r}" for r in range(n - 1)), "memory0", "memory1"]
+    # with 2+ replicas consecutive slices never share one: every context moved
+    slices = check_rotation(spans, n - 1, n, L, smol.config.hidden_size * 4)
+    for s in spans:  # one process: a move is recorded when the slice before has ended
+        if s.kind == "migrate":
+            assert slices[s.layer - 1, s.mb].t1 <= s.t0
     # staggered: the replicas' slices overlap in time, and the memory sides attend
     # while some replica runs a slice
     work = [s for s in spans if s.kind == "slice"]
