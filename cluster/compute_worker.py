@@ -186,9 +186,7 @@ class ComputeWorker:
             except OSError:
                 pass
         self.channels, self._ring_out, self._ring_in = [], None, None
-        if self.compute.ring is not None:
-            self.compute.ring.link.close()
-            self.compute.ring = None
+        self.compute.join_ring(None)
 
     def interrupt(self) -> None:
         """Wake a step blocked on its peers (another replica of its ring failed): shut
@@ -234,8 +232,8 @@ class ComputeWorker:
                                f"did not connect within {RING_ACCEPT_S} s")
         for ch in (self._ring_out, self._ring_in):
             ch.set_timeout(timeout_s)
-        self.compute.ring = Ring(index, size, ChannelContextLink(self._ring_out,
-                                                                 self._ring_in))
+        self.compute.join_ring(Ring(index, size, ChannelContextLink(self._ring_out,
+                                                                    self._ring_in)))
 
     def serve_control(self, unix: bool) -> tuple:
         """Open the step control channel (`lamina.dataplane.control`) for one client, served on a

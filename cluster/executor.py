@@ -38,7 +38,7 @@ from lamina.dataplane.transport import SocketChannel, connect_stream, shm_enable
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.executor.base import Executor
-from lamina.executor.replicas import ReplicaSplit, merged
+from lamina.executor.replicas import ReplicaSplit, merged, replica_faults
 from lamina.memory.sparsity import SCORED
 from lamina.memory.tier_orders import TierMiss, sum_stats
 
@@ -402,10 +402,7 @@ class RayExecutor(Executor):
                 str(e) if str(e).startswith("compute worker") else
                 f"compute worker {r}: {type(e).__name__}: {e}"
                 for r, e in sorted(errors.items()))) from first
-        bad = sorted({s for e in errors.values() if isinstance(e, SequenceFault)
-                      for s in e.seq_ids})
-        raise SequenceFault(bad, "; ".join(f"compute replica {r}: {e}"
-                                           for r, e in sorted(errors.items())))
+        raise replica_faults(errors)
 
     def _call(self, r: int, plan: StepPlan) -> StepResult:
         """Compute worker `r`'s step; a broken stream closes its control channel."""

@@ -58,8 +58,7 @@ class MemoryWorker:
         # by connection: the replica index of the compute worker (the order of `listen`)
         self.by_replica: dict[int, MemoryServer] = {}
         self._rdma: list = []  # per RDMA connection: (its verbs, its peer's endpoint set)
-        self._listened = 0  # socket endpoints opened
-        self._connections = 0  # endpoints of any transport opened
+        self._connections = 0  # endpoints opened, any transport: the next one's replica
         self._shared = None  # the pool's lock when several compute workers share it
         self.tracer = Tracer(f"memory{index}")  # its timeline (`lamina.trace`), off
 
@@ -80,21 +79,20 @@ class MemoryWorker:
         Co-located ("unix+shm"): payloads go through two shared-memory rings, the socket
         is the doorbell. "rdma": a queue pair whose endpoint goes back to the compute
         worker; serving starts once `accept_rdma` has its peer's."""
-        n = len(self._rdma) if kind == "rdma" else self._listened
         replica, self._connections = self._connections, self._connections + 1
         if kind == "rdma":
             from lamina.dataplane.rdma import PyverbsVerbs
 
+            n = len(self._rdma)
             self._rdma.append((PyverbsVerbs(), threading.Event()))
             threading.Thread(target=self._serve_rdma, args=(n, replica), daemon=True).start()
             return ("rdma", self._rdma[n][0].endpoint().to_wire())
-        self._listened += 1
         unix = kind in ("unix", "unix+shm")
         srv, addr = listen_stream(unix, ray.util.get_node_ip_address(),
-                                  f"mem{self.index}-{n}")
+                                  f"mem{self.index}-{replica}")
         rings = None
         if kind == "unix+shm" and shm_enabled():
-            base = f"/dev/shm/lamina-{os.getpid()}-{self.index}-{n}"
+            base = f"/dev/shm/lamina-{os.getpid()}-{self.index}-{replica}"
             rings = (ShmRing(base + "-c2m", RING_BYTES, create=True),
                      ShmRing(base + "-m2c", RING_BYTES, create=True))
             addr = (*addr, base + "-c2m", base + "-m2c", RING_BYTES)

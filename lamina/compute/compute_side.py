@@ -21,7 +21,7 @@ steps of up to `graph_tokens` tokens replay each slice as a CUDA graph
 (`compute/graphs.py`).
 
 Rotational pipelining over several replicas runs either on threads of this one
-`ComputeSide` (`use_replicas`, the local executor) or, with `ring` set, as one process
+`ComputeSide` (`use_replicas`, the local executor) or, after `join_ring`, as one process
 of a ring of compute workers (`compute/ring.py`): this side then runs only its own
 slices of each micro-batch, takes each one's context from the previous replica and
 hands it to the next, and samples the micro-batches whose last slice ran here.
@@ -104,6 +104,15 @@ class ComputeSide:
         self.lanes, self.tracer = list(lanes), lanes[0]
         self._threads = (ThreadPoolExecutor(len(lanes), "lamina-replica")
                          if len(lanes) > 1 else None)
+
+    def join_ring(self, ring: Ring | None) -> None:
+        """Run as one process of a ring of compute workers (`compute/ring.py`), or alone
+        again (None)."""
+        if ring is not None and self.graphs is not None:
+            raise ValueError("CUDA graphs replay on one replica: a ring runs without them")
+        if self.ring is not None and self.ring is not ring:
+            self.ring.link.close()
+        self.ring = ring
 
     def check(self, plan: StepPlan) -> None:
         """Each sequence's new tokens and new slots, before any worker sees the step:
@@ -242,8 +251,6 @@ class ComputeSide:
         the next replica. -> the micro-batches whose last slice (and sampling) ran here."""
         ring, last = self.ring, len(self.params)
         assert ring is not None
-        if self.graphs is not None:
-            raise ValueError("CUDA graphs replay on one replica: a ring runs without them")
         for k, j in ring.tasks(last + 1, len(mbs)):
             mb = mbs[j]
             if k > 0:

@@ -15,7 +15,7 @@ their samplers advanced), so their results are kept and handed back for that rer
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from lamina.engine.messages import SeqWork, StepPlan, StepResult
@@ -84,12 +84,19 @@ class ReplicaSplit:
         if hard:
             raise hard[0]
         self._kept = {r: (subs[r], res) for r, res in results.items()}
-        faults = [e for _, e in sorted(errors.items()) if isinstance(e, SequenceFault)]
-        raise SequenceFault([s for e in faults for s in e.seq_ids],
-                            "; ".join(f"compute replica {r}: {errors[r]}" for r in sorted(errors)))
+        raise replica_faults(errors)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def replica_faults(errors: Mapping[int, BaseException]) -> SequenceFault:
+    """Replicas' clean `SequenceFault`s ({replica: fault}) as one: every sequence any of
+    them blamed (once), each replica's message."""
+    seqs = [s for _, e in sorted(errors.items()) if isinstance(e, SequenceFault)
+            for s in e.seq_ids]
+    return SequenceFault(list(dict.fromkeys(seqs)), "; ".join(
+        f"compute replica {r}: {e}" for r, e in sorted(errors.items())))
 
 
 def merged(plan: StepPlan, results: list[StepResult]) -> StepResult:

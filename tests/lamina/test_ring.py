@@ -61,8 +61,8 @@ class RingExecutor(Executor):
         # the ring: replica r sends to r + 1 on pair r
         pairs = [socket.socketpair() for _ in range(replicas)]
         for r, c in enumerate(self.computes):
-            c.ring = Ring(r, replicas, ChannelContextLink(
-                SocketChannel(pairs[r][0]), SocketChannel(pairs[(r - 1) % replicas][1])))
+            c.join_ring(Ring(r, replicas, ChannelContextLink(
+                SocketChannel(pairs[r][0]), SocketChannel(pairs[(r - 1) % replicas][1]))))
         self.pool = ThreadPoolExecutor(replicas)
 
     def execute(self, plan):
