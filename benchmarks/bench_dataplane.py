@@ -1,5 +1,6 @@
 """The data plane's per-layer exchange, C++ ends against Python ends, without Ray:
-`python benchmarks/bench_dataplane.py [--repeat 5] [--batch 32] [--context 1 256]`.
+`python benchmarks/bench_dataplane.py [--repeat 5] [--batch 32] [--context 1 256]
+[--kv-dtype int8]`.
 
 Two memory-server processes (`lamina.dataplane.protocol.MemoryServer`, forked, one torch
 thread each)
@@ -11,6 +12,8 @@ exchange, median over the steps of a round. Rounds alternate the two paths, fres
 servers each: "python" (both ends' Python per-layer code, `native=False`) and "c++"
 (`serve_step` on the memory end, `submit_qkv` / `collect_o` on the compute end). The
 context length sets the kernel's share (1: almost none, the exchange is pure overhead).
+`--kv-dtype int8`: the pools hold int8 rows (q/k/v still in `--dtype`; the memory end
+quantizes each new row and folds the keys' channel scales into q).
 Writes JSON and Markdown (benchmarks/results/dataplane.*).
 """
 from __future__ import annotations
@@ -38,7 +41,8 @@ def serve(sock, pool_cfg, params, fast: bool) -> None:
     MemoryServer(MemorySide(KVPool(pool_cfg)), params, SocketChannel(sock), native=fast).serve()
 
 
-def one_round(fast: bool, batch: int, ctx: int, dtype: str, steps: int, gap_s: float):
+def one_round(fast: bool, batch: int, ctx: int, dtype: str, steps: int, gap_s: float,
+              kv_dtype: str | None = None):
     """Median seconds of one layer's exchange over `steps` steps (after 2 warm-up)."""
     from lamina.compute.packing import WorkerPart
     from lamina.dataplane.protocol import SocketLink
@@ -47,7 +51,10 @@ def one_round(fast: bool, batch: int, ctx: int, dtype: str, steps: int, gap_s: f
     from lamina.memory.pool import KVPoolConfig
 
     per = batch // WORKERS
-    cfg = KVPoolConfig(LAYERS, per * (ctx + 1) + 8, HKV, D, dtype=dtype)
+    scales = (tuple((torch.rand(LAYERS * HKV * D, generator=torch.Generator().manual_seed(0))
+                     + 0.5).tolist()) if kv_dtype == "int8" else None)
+    cfg = KVPoolConfig(LAYERS, per * (ctx + 1) + 8, HKV, D, dtype=kv_dtype or dtype,
+                       key_scales=scales)
     params = [AttentionParams(D ** -0.5)] * LAYERS
     chans, pids = [], []
     for _ in range(WORKERS):
@@ -101,6 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, nargs="+", default=[1, 256])
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-dtype", default=None, choices=["int8"],
+                    help="the pools' dtype (default: --dtype)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--gap-ms", type=float, default=2.0)
     ap.add_argument("--out", default="benchmarks/results")
@@ -118,17 +127,19 @@ def main(argv=None) -> int:
         for _ in range(args.repeat):
             for name in got:
                 got[name].append(one_round(name == "c++", args.batch, ctx, args.dtype,
-                                           args.steps, args.gap_ms * 1e-3))
+                                           args.steps, args.gap_ms * 1e-3, args.kv_dtype))
         py, cc = (statistics.median(got[n]) for n in ("python", "c++"))
-        rows.append({"batch": args.batch, "context": ctx, "dtype": args.dtype,
+        kv = args.kv_dtype or args.dtype
+        rows.append({"batch": args.batch, "context": ctx, "dtype": args.dtype, "kv_dtype": kv,
                      "python_us": py * 1e6, "cpp_us": cc * 1e6, "speedup": py / cc,
                      "python_rounds_us": [x * 1e6 for x in got["python"]],
                      "cpp_rounds_us": [x * 1e6 for x in got["c++"]]})
-        print(f"B={args.batch} context={ctx} {args.dtype}: one layer's exchange python "
+        print(f"B={args.batch} context={ctx} {args.dtype}, {kv} pools: one layer's exchange python "
               f"{py * 1e6:.0f} us, c++ {cc * 1e6:.0f} us: x{py / cc:.2f}", flush=True)
-    table = [["B", "context", "dtype", "python ends, us/layer", "c++ ends, us/layer",
+    table = [["B", "context", "dtype", "KV", "python ends, us/layer", "c++ ends, us/layer",
               "speedup"]]
-    table += [[str(r["batch"]), str(r["context"]), r["dtype"], f"{r['python_us']:.0f}",
+    table += [[str(r["batch"]), str(r["context"]), r["dtype"], r["kv_dtype"],
+               f"{r['python_us']:.0f}",
                f"{r['cpp_us']:.0f}", f"{r['speedup']:.2f}"] for r in rows]
     jp, mp = _write(Path(args.out), "dataplane", {"args": vars(args), "rows": rows}, table)
     print(f"wrote {jp} and {mp}")

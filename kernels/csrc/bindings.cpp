@@ -31,7 +31,8 @@ void bind_dataplane(py::module& m) {
   py::class_<MemoryLayers>(m, "MemoryLayers", "a memory worker's pools and layer parameters")
       .def(py::init<>()) LAMINA_FIELD(MemoryLayers, k_pools) LAMINA_FIELD(MemoryLayers, v_pools)
       LAMINA_FIELD(MemoryLayers, scales) LAMINA_FIELD(MemoryLayers, windows)
-      LAMINA_FIELD(MemoryLayers, softcaps) LAMINA_FIELD(MemoryLayers, sinks);
+      LAMINA_FIELD(MemoryLayers, softcaps) LAMINA_FIELD(MemoryLayers, sinks)
+      LAMINA_FIELD(MemoryLayers, key_scales);
   py::class_<ServeStep>(m, "ServeStep", "one micro-batch step's inputs on a memory worker")
       .def(py::init<>()) LAMINA_FIELD(ServeStep, fd) LAMINA_FIELD(ServeStep, pending)
       LAMINA_FIELD(ServeStep, timeout_ms) LAMINA_FIELD(ServeStep, step)

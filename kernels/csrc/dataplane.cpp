@@ -306,6 +306,20 @@ Ring make_ring(const c10::optional<at::Tensor>& data, const c10::optional<at::Te
 // pool[idx[i]] = rows[i]: one memcpy a row where the pool's rows and the new ones share
 // a dtype and each row is contiguous (the q|k|v frame's views are); else index_copy_.
 // idx was checked against the pool at the step's start.
+// x [N, H, D] float -> int8 rows [N, H, D + 4]: the same ATen ops, so the same bytes,
+// as lamina.kernels.quant.quantize_rows (codes round(x / c / s), s = max|x / c| / 127
+// per token and head, then s's 4 bytes).
+at::Tensor quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& channel) {
+  at::Tensor xf = x.to(at::kFloat);
+  if (channel.has_value()) xf = xf / *channel;
+  const at::Tensor s = xf.abs().amax({-1}, true) / 127.0;  // [N, H, 1]
+  const at::Tensor codes = at::round(xf / at::where(s > 0, s, at::ones_like(s)));
+  at::Tensor out = at::empty({x.size(0), x.size(1), x.size(2) + 4}, xf.options().dtype(at::kChar));
+  out.narrow(2, 0, x.size(2)).copy_(codes.clamp_(-127, 127).to(at::kChar));
+  out.narrow(2, x.size(2), 4).copy_(s.contiguous().view(at::kChar));
+  return out;
+}
+
 void store_rows(const at::Tensor& pool, const at::Tensor& idx, const at::Tensor& rows) {
   const int64_t row = pool.stride(0), w = rows.size(1) * rows.size(2);
   if (rows.scalar_type() != pool.scalar_type() || rows.stride(2) != 1 ||
@@ -377,7 +391,11 @@ CallStatus serve_step(const MemoryLayers& layers, ServeStep& s) {
     for (size_t layer = 0; layer < layers.k_pools.size(); ++layer) {
       const at::Tensor& kp = layers.k_pools[layer];
       const at::Tensor& vp = layers.v_pools[layer];
-      const int64_t hkv = kp.size(1), d = kp.size(2), dv = vp.size(2);
+      const bool i8 = kp.scalar_type() == at::kChar;  // rows of codes and a scale a head
+      const int64_t hkv = kp.size(1), d = kp.size(2) - (i8 ? 4 : 0), dv = vp.size(2) - (i8 ? 4 : 0);
+      const c10::optional<at::Tensor> no_scales;
+      const auto& channel = i8 && layer < layers.key_scales.size() ? layers.key_scales[layer]
+                                                                 : no_scales;
       const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(layer);
       // a q|k|v frame in the ring is read in place, and released once attended
       const Head hx = recv_head(c, layer, step);
@@ -428,10 +446,13 @@ CallStatus serve_step(const MemoryLayers& layers, ServeStep& s) {
         throw FrameErr(where + ": q/k/v must be floating point");
       if (times) times[2 * layer] = monotonic_s();
       if (m) {
-        store_rows(kp, idx, k);
-        store_rows(vp, idx, v);
+        store_rows(kp, idx, i8 ? quantize_rows(k, channel) : k);
+        store_rows(vp, idx, i8 ? quantize_rows(v, no_scales) : v);
       }
-      const at::Tensor qf = q.to(at::kFloat).contiguous();
+      // an int8 pool's keys are codes x a: q takes their channel scales (fold_channels)
+      const at::Tensor qf = (channel.has_value()
+                                 ? q.to(at::kFloat) * channel->repeat_interleave(q.size(1) / hkv, 0)
+                                 : q.to(at::kFloat)).contiguous();
       auto ol = slot_attention(qf, kp, vp, s.cu_q, s.q_pos, s.slots, s.cu_k, s.k_pos0,
                                layers.scales[layer], layers.windows[layer],
                                layers.softcaps[layer], sinks[layer],

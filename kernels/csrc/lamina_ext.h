@@ -31,6 +31,9 @@ struct MemoryLayers {
   std::vector<int64_t> windows;  // -1: none
   std::vector<double> softcaps;  // 0: none
   std::vector<c10::optional<at::Tensor>> sinks;  // fp32 [Hq] or none
+  // int8 pools ([slots, Hkv, D + 4] rows): the keys' channel scales, fp32 [Hkv, D], or
+  // none (lamina.kernels.quant); empty: no layer has any
+  std::vector<c10::optional<at::Tensor>> key_scales;
 };
 
 // One step of one micro-batch on a memory worker: its connection, the step's slot

@@ -69,12 +69,11 @@ class ComputePaths:
 
 def memory_native(memory, native: bool = True):
     """The memory end's native `serve_step`, or None (the Python loop serves): only the
-    compiled CPU kernel on a host float pool runs it (it stores rows as they come; an
-    int8 pool's rows are quantized by `lamina.kernels.write_kv` in the Python loop; a
-    sparsity policy selects each layer's keys in `MemorySide.attend`)."""
+    compiled CPU kernel on a host pool runs it (float rows stored as they come, int8
+    rows quantized as `lamina.kernels.quant.quantize_rows` does, the same bytes), and
+    no sparsity policy (it selects each layer's keys in `MemorySide.attend`)."""
     ext = getattr(memory.backend, "_ext", None)
     if (native and memory.backend.name == "cpu" and hasattr(ext, "serve_step")
-            and memory.pool.config.dtype != "int8"
             and getattr(memory, "sparsity", None) is None):
         return ext
     return None

@@ -463,6 +463,7 @@ class MemoryServer:
             self._layers.windows = [p.sliding_window for p in self.params]
             self._layers.softcaps = [p.softcap for p in self.params]
             self._layers.sinks = [p.sinks_tensor("cpu") for p in self.params]
+            self._layers.key_scales = list(memory.pool.key_scales[:len(self.params)])
         # With micro-batches, outputs go out on their own thread so this one keeps
         # reading: the compute side sends the next one's q/k/v before it reads this
         # one's output. With one, the output goes out at once (no hand-off).

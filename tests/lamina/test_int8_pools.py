@@ -147,3 +147,29 @@ def test_int8_server_answers_as_the_int8_engine(smol, smol_split, scales, prompt
     finally:
         srv.stop()
         loop.shutdown()
+
+
+def test_int8_over_the_data_plane_answers_as_local(smol, smol_split, scales, prompts):
+    """int8 pools behind the socket data plane on two memory workers: the C++ memory end
+    (it quantizes the rows and folds the channel scales into q itself) and the Python
+    end give the local executor's greedy tokens, each step served by the end asked for."""
+    from tests.lamina.test_link import LinkedExecutor
+
+    def greedy(eng):
+        ids = [eng.add_request(p, SamplingParams(max_tokens=16, temperature=0))
+               for p in prompts[:8]]
+        done = {}
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        return [done[i].token_ids for i in ids]
+
+    want = greedy(int8_engine(smol, smol_split, scales, workers=2, slots=3000))
+    for native in ("both", "none"):
+        pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 3000, "int8",
+                                               key_scales=scales)) for _ in range(2)]
+        ex = LinkedExecutor(smol_split, pools, native=native)
+        cfg = EngineConfig(num_memory_workers=2, num_kv_slots=3000, kv_dtype="int8")
+        assert greedy(LLMEngine(cfg, ex, smol.tokenizer, smol.config)) == want
+        assert all(s.error is None and s.steps > 0 for s in ex.servers)
+        assert all((s.native_steps == s.steps) == (native == "both") for s in ex.servers)
+        ex.shutdown()

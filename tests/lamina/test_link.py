@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from lamina.engine.engine import LLMEngine
 from lamina.engine.messages import SeqWork, StepPlan
 from lamina.executor.base import Executor
 from lamina.kernels import AttentionParams, SlotBatch, reference_slot_attention
+from lamina.kernels.quant import dequantize_rows, quantize_rows
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
@@ -365,8 +367,10 @@ def test_malformed_qkv_frame_fails_the_step_loudly(smol, smol_split, prompts):
 HKV, D, LAYERS = 2, 8, 2
 
 
-def tiny_server(native, dtype=torch.float32, sinks=None):
-    pool = KVPool(KVPoolConfig(LAYERS, 16, HKV, D, dtype=str(dtype).split(".")[1]))
+def tiny_server(native, dtype=torch.float32, sinks=None, key_scales=None):
+    scales = None if key_scales is None else tuple(key_scales.flatten().tolist())
+    pool = KVPool(KVPoolConfig(LAYERS, 16, HKV, D, dtype=str(dtype).split(".")[1],
+                               key_scales=scales))
     params = [AttentionParams(0.3, sinks=sinks),
               AttentionParams(0.3, sliding_window=2, softcap=5.0, sinks=sinks)]
     a, b = socket.socketpair()
@@ -395,26 +399,34 @@ def send_meta(ch, step, tables, new_slots):
     return batch
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_layer_loops_agree_with_reference(dtype):
     """The C++ and the Python layer loop give the same bytes, and they are the
-    reference attention over the pool after the new k/v were written."""
+    reference attention over the pool after the new k/v were written (an int8 pool:
+    the rows are NumPy's quantization of k over the channel scales and of v, and the
+    attention is over their dequantized values)."""
     torch.manual_seed(0)
     tables, new = [[3, 9, 4], [7, 1]], [4, 1]
     q, k, v = torch.randn(2, 6, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
     old = torch.randn(LAYERS, 16, HKV, 2 * D)
+    i8 = dtype == torch.int8
+    c = torch.rand(LAYERS, HKV, D) + 0.5 if i8 else None  # the keys' channel scales
     outs = {}
     for native in (True, False):
-        srv, t, a, pool, params = tiny_server(native, dtype)
+        srv, t, a, pool, params = tiny_server(native, dtype, key_scales=c)
         for i in range(LAYERS):
             kp, vp = pool.layer(i)
-            kp.copy_(old[i, ..., :D])
-            vp.copy_(old[i, ..., D:])
+            if i8:
+                kp.copy_(quantize_rows(old[i, ..., :D], c[i]))
+                vp.copy_(quantize_rows(old[i, ..., D:]))
+            else:
+                kp.copy_(old[i, ..., :D])
+                vp.copy_(old[i, ..., D:])
         ch = SocketChannel(a)
         batch = send_meta(ch, 5, tables, new)
         outs[native] = []
         for layer in range(LAYERS):
-            ch.send(fuse_qkv(q, k, v).to(dtype), layer, 5)
+            ch.send(fuse_qkv(q, k, v).to(torch.float32 if i8 else dtype), layer, 5)
             outs[native].append(ch.recv(expect_layer=layer, expect_step=5,
                                       expect_shape=(2, 6, D + 1))[0])
         ch.close()
@@ -422,15 +434,30 @@ def test_layer_loops_agree_with_reference(dtype):
         assert srv.error is None and srv.steps == 1 and srv.native_steps == int(native)
         for layer in range(LAYERS):
             kp, vp = pool.layer(layer)
-            assert torch.equal(kp[new], k.to(dtype)) and torch.equal(vp[new], v.to(dtype))
-            o, lse = reference_slot_attention(q.to(dtype).float(), kp.float(), vp.float(),
-                                              batch, params[layer])
+            if i8:
+                assert all(np.array_equal(pool_row.numpy(), np_row) for pool_row, np_row in (
+                    (kp[new], np_rows(k, c[layer])), (vp[new], np_rows(v, None))))
+                kf, vf, qf = dequantize_rows(kp, c[layer]), dequantize_rows(vp), q
+            else:
+                assert torch.equal(kp[new], k.to(dtype)) and torch.equal(vp[new], v.to(dtype))
+                kf, vf, qf = kp.float(), vp.float(), q.to(dtype).float()
+            o, lse = reference_slot_attention(qf, kf, vf, batch, params[layer])
             got = outs[native][layer].float()
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-4 if i8 else 1e-5
             torch.testing.assert_close(got[..., :D], o, atol=tol, rtol=tol)
             torch.testing.assert_close(got[..., D], lse, atol=tol, rtol=tol)
     for x, y in zip(outs[True], outs[False]):
         assert torch.equal(x, y)
+
+
+def np_rows(x: torch.Tensor, c: torch.Tensor | None) -> np.ndarray:
+    """int8 rows [N, H, D + 4] of x from the grouping's definition, in NumPy: per token
+    and head, after dividing channels by c, codes round(x / s) with s = max|x| / 127,
+    then s's 4 bytes."""
+    y = x.numpy().astype(np.float32) / (1.0 if c is None else c.numpy())
+    s = (np.abs(y).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    codes = np.rint(y / np.where(s > 0, s, 1)).clip(-127, 127).astype(np.int8)
+    return np.concatenate([codes, s.view(np.int8)], axis=-1)
 
 
 def good_frame(layer=0, step=5, rows=2, width=6 * D + HKV * 2 * D):
