@@ -19,6 +19,8 @@ void bind_attention(py::module& m) {
         py::arg("q"), py::arg("bounds"), py::arg("params"), py::arg("table") = py::none(),
         py::arg("page_slots") = std::vector<at::Tensor>());
   m.def("read_rows", &read_rows, "read the K/V rows of a slot list (bandwidth ceiling)");
+  m.def("quantize_rows", &quantize_rows, "int8 KV rows, as lamina.kernels.quant's",
+        py::arg("x"), py::arg("channel") = py::none());
 }
 
 // A struct's field as a read-write attribute of the same name.

@@ -60,6 +60,10 @@ struct CallStatus {
   double sent_s = 0;
 };
 
+// dataplane.cpp: float rows [N, H, D] -> int8 rows [N, H, D + 4], the same bytes as
+// lamina.kernels.quant.quantize_rows (channel: the keys' scales [H, D], or none).
+at::Tensor quantize_rows(const at::Tensor& x, const c10::optional<at::Tensor>& channel);
+
 // dataplane.cpp: a memory worker's layers of one step (s.ring_in/ring_out.pos moved).
 CallStatus serve_step(const MemoryLayers& layers, ServeStep& s);
 

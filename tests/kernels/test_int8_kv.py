@@ -174,3 +174,17 @@ def test_int8_writes_are_checked():
     with pytest.raises(AttentionInputError, match="k_pool/v_pool dtypes"):
         attend(torch.randn(1, 2, D), kq, vq.float(), SlotBatch.decode([[0]]),
                AttentionParams(D ** -0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_memory_ends_quantizer_writes_quantize_rows_bytes(cpu, dtype):
+    """The C++ data plane's quantizer (a memory worker's step loop stores int8 rows
+    with it) gives `quantize_rows`' bytes, keys over channel scales and values without,
+    on 12k rows of outliers, an all-zero row and values of every magnitude."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4096, 3, D, generator=g) * torch.logspace(-3, 3, 4096)[:, None, None]
+    x[5] = 0.0
+    x = x.to(dtype)
+    c = torch.rand(3, D, generator=g) + 0.5
+    for channel in (c, None):
+        assert torch.equal(cpu._ext.quantize_rows(x, channel), quantize_rows(x, channel))

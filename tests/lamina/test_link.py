@@ -399,17 +399,20 @@ def send_meta(ch, step, tables, new_slots):
     return batch
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_layer_loops_agree_with_reference(dtype):
+@pytest.mark.parametrize("dtype,frames", [(torch.float32, None), (torch.bfloat16, None),
+                                          (torch.int8, torch.float32),
+                                          (torch.int8, torch.bfloat16)])
+def test_layer_loops_agree_with_reference(dtype, frames):
     """The C++ and the Python layer loop give the same bytes, and they are the
     reference attention over the pool after the new k/v were written (an int8 pool:
-    the rows are NumPy's quantization of k over the channel scales and of v, and the
-    attention is over their dequantized values)."""
+    the rows are NumPy's quantization of k over the channel scales and of v, as the
+    `frames` dtype carried them, and the attention is over their dequantized values)."""
     torch.manual_seed(0)
     tables, new = [[3, 9, 4], [7, 1]], [4, 1]
-    q, k, v = torch.randn(2, 6, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
-    old = torch.randn(LAYERS, 16, HKV, 2 * D)
     i8 = dtype == torch.int8
+    frames = frames or dtype  # q|k|v as sent (a float pool: its own dtype)
+    q, k, v = (torch.randn(2, h, D).to(frames).float() for h in (6, HKV, HKV))
+    old = torch.randn(LAYERS, 16, HKV, 2 * D)
     c = torch.rand(LAYERS, HKV, D) + 0.5 if i8 else None  # the keys' channel scales
     outs = {}
     for native in (True, False):
@@ -426,7 +429,7 @@ def test_layer_loops_agree_with_reference(dtype):
         batch = send_meta(ch, 5, tables, new)
         outs[native] = []
         for layer in range(LAYERS):
-            ch.send(fuse_qkv(q, k, v).to(torch.float32 if i8 else dtype), layer, 5)
+            ch.send(fuse_qkv(q, k, v).to(frames), layer, 5)
             outs[native].append(ch.recv(expect_layer=layer, expect_step=5,
                                       expect_shape=(2, 6, D + 1))[0])
         ch.close()
@@ -443,7 +446,7 @@ def test_layer_loops_agree_with_reference(dtype):
                 kf, vf, qf = kp.float(), vp.float(), q.to(dtype).float()
             o, lse = reference_slot_attention(qf, kf, vf, batch, params[layer])
             got = outs[native][layer].float()
-            tol = 2e-2 if dtype == torch.bfloat16 else 1e-4 if i8 else 1e-5
+            tol = 2e-2 if frames == torch.bfloat16 else 1e-4 if i8 else 1e-5
             torch.testing.assert_close(got[..., :D], o, atol=tol, rtol=tol)
             torch.testing.assert_close(got[..., D], lse, atol=tol, rtol=tol)
     for x, y in zip(outs[True], outs[False]):
