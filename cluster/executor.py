@@ -38,7 +38,7 @@ from lamina.dataplane.transport import SocketChannel, connect_stream, shm_enable
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.executor.base import Executor
-from lamina.executor.replicas import ReplicaSplit, merged, replica_faults
+from lamina.executor.replicas import ReplicaSplit, is_hard, merged, replica_faults
 from lamina.memory.sparsity import SCORED
 from lamina.memory.tier_orders import TierMiss, sum_stats
 
@@ -382,21 +382,17 @@ class RayExecutor(Executor):
         assert self._ring_pool is not None
         futures = {self._ring_pool.submit(self._call, r, plan): r
                    for r in range(len(self.computes))}
-
-        def hard(e) -> bool:
-            return e is not None and not (isinstance(e, SequenceFault) and e.clean)
-
         pending, interrupted = set(futures), False
         while pending:
             done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            if not interrupted and any(hard(f.exception()) for f in done):
+            if not interrupted and any(is_hard(f.exception()) for f in done):
                 for c in self.computes:
                     c.interrupt.remote()
                 interrupted = True
         errors = {futures[f]: f.exception() for f in futures if f.exception() is not None}
         if not errors:
             return merged(plan, [f.result() for f in sorted(futures, key=lambda f: futures[f])])
-        first = next((e for _, e in sorted(errors.items()) if hard(e)), None)
+        first = next((e for _, e in sorted(errors.items()) if is_hard(e)), None)
         if first is not None:  # every replica's error: the others' often echo the first
             raise WorkerFailure("; ".join(
                 str(e) if str(e).startswith("compute worker") else

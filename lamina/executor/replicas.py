@@ -79,8 +79,7 @@ class ReplicaSplit:
                 errors[r] = e
         if not errors:
             return merged(plan, [results[r] for r in sorted(results)])
-        hard = [e for e in errors.values()
-                if not (isinstance(e, SequenceFault) and e.clean)]
+        hard = [e for e in errors.values() if is_hard(e)]
         if hard:
             raise hard[0]
         self._kept = {r: (subs[r], res) for r, res in results.items()}
@@ -88,6 +87,12 @@ class ReplicaSplit:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def is_hard(e: BaseException | None) -> bool:
+    """A replica's error that is not a clean `SequenceFault` (nothing of its step ran):
+    the engine must then recover the workers, not fail requests alone."""
+    return e is not None and not (isinstance(e, SequenceFault) and e.clean)
 
 
 def replica_faults(errors: Mapping[int, BaseException]) -> SequenceFault:

@@ -154,15 +154,10 @@ def test_int8_over_the_data_plane_answers_as_local(smol, smol_split, scales, pro
     (it quantizes the rows and folds the channel scales into q itself), with q|k|v as
     one frame and as three, gives the local executor's greedy tokens, every step served
     by it (the Python loop's int8 bytes: test_link's layer-loop test)."""
-    from tests.lamina.test_link import LinkedExecutor
+    from tests.lamina.test_link import LinkedExecutor, generate
 
     def greedy(eng):
-        ids = [eng.add_request(p, SamplingParams(max_tokens=16, temperature=0))
-               for p in prompts[:8]]
-        done = {}
-        while eng.has_unfinished():
-            done.update((o.request_id, o) for o in eng.step() if o.finished)
-        return [done[i].token_ids for i in ids]
+        return generate(eng, prompts[:8], SamplingParams(max_tokens=16, temperature=0))
 
     want = greedy(int8_engine(smol, smol_split, scales, workers=2, slots=3000))
     for native, one_frame in (("both", True), ("memory", False)):
