@@ -42,7 +42,8 @@ void bind_dataplane(py::module& m) {
       LAMINA_FIELD(ServeStep, q_pos) LAMINA_FIELD(ServeStep, slots)
       LAMINA_FIELD(ServeStep, cu_k) LAMINA_FIELD(ServeStep, k_pos0)
       LAMINA_FIELD(ServeStep, ring_in) LAMINA_FIELD(ServeStep, ring_out)
-      LAMINA_FIELD(ServeStep, ring_min_bytes) LAMINA_FIELD(ServeStep, times);
+      LAMINA_FIELD(ServeStep, ring_min_bytes) LAMINA_FIELD(ServeStep, group_ends)
+      LAMINA_FIELD(ServeStep, times);
   py::class_<CallStatus>(m, "CallStatus", "what a data-plane call reports")
       .def_readonly("status", &CallStatus::status)
       .def_readonly("message", &CallStatus::message)
@@ -51,8 +52,9 @@ void bind_dataplane(py::module& m) {
       .def(py::init<>()) LAMINA_FIELD(Peers, fds) LAMINA_FIELD(Peers, timeouts_ms)
       LAMINA_FIELD(Peers, ring_out) LAMINA_FIELD(Peers, ring_in)
       LAMINA_FIELD(Peers, ring_min_bytes);
-  py::class_<LayerRows>(m, "LayerRows", "each worker's packed rows for one layer")
+  py::class_<LayerRows>(m, "LayerRows", "one layer's frames: packed rows, worker, round")
       .def(py::init<>()) LAMINA_FIELD(LayerRows, starts) LAMINA_FIELD(LayerRows, ends)
+      LAMINA_FIELD(LayerRows, workers) LAMINA_FIELD(LayerRows, rounds)
       LAMINA_FIELD(LayerRows, layer) LAMINA_FIELD(LayerRows, step);
   m.def("serve_step", &serve_step, "a memory worker's layers of one step (GIL released)",
         py::arg("layers"), py::arg("step"));

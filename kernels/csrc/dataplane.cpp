@@ -89,8 +89,11 @@ struct Ring {
 };
 
 // The socket end: exact reads (buffered bytes first), gather writes, poll for timeouts.
+// With `drain` set, a write that has to wait reads what arrives meanwhile onto
+// `pending`: a streamed memory end sends a group's output while the compute end may be
+// blocked sending the next group, and with full socket buffers neither would move.
 struct Conn {
-  int fd; int timeout_ms; std::string pending; size_t used = 0;
+  int fd; int timeout_ms; std::string pending; size_t used = 0; bool drain = false;
 
   void wait(short ev, const char* what) {
     pollfd p{fd, ev, 0};
@@ -119,6 +122,26 @@ struct Conn {
       else if (errno != EINTR) throw std::runtime_error(std::string("recv: ") + strerror(errno));
     }
   }
+  // Reads whatever has arrived onto `pending`; -> false once the peer has closed.
+  bool take_arrived() {
+    if (used == pending.size()) { pending.clear(); used = 0; }
+    char buf[1 << 16];
+    for (;;) {
+      const ssize_t r = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+      if (r > 0) { pending.append(buf, size_t(r)); continue; }
+      if (r == 0) return false;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
+      if (errno != EINTR) throw std::runtime_error(std::string("recv: ") + strerror(errno));
+    }
+  }
+  void wait_writable() {
+    if (!drain) return wait(POLLOUT, "read");
+    for (;;) {
+      wait(short(POLLOUT | POLLIN), "read");
+      pollfd p{fd, POLLOUT, 0};
+      if (::poll(&p, 1, 0) > 0 || !take_arrived()) return;  // writable, or closed: send fails
+    }
+  }
   void write(std::vector<iovec> iov) {
     size_t i = 0;
     while (i < iov.size()) {
@@ -127,7 +150,7 @@ struct Conn {
       m.msg_iovlen = iov.size() - i;
       ssize_t r = ::sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
       if (r < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK) { wait(POLLOUT, "read"); continue; }
+        if (errno == EAGAIN || errno == EWOULDBLOCK) { wait_writable(); continue; }
         if (errno == EINTR) continue;
         throw std::runtime_error(std::string("send failed: ") + strerror(errno));
       }
@@ -228,8 +251,11 @@ at::Tensor recv_frame(Conn& c, Ring* ring, int64_t layer, int64_t step,
 // Header into h (HEADER + 8 * ndim bytes) for a payload of `shape` and `dt`, whose size
 // goes to nbytes. -> the ring offset the payload must be written at (the caller writes
 // it, then adds nbytes to ring->pos), or -1: it goes on the socket after the header.
+// A full ring is waited for, or with `wait` false (streamed steps, whose two ends may
+// each be a ring ahead of the other) skipped: the payload goes on the socket.
 int64_t stage_head(Ring* ring, const std::vector<int64_t>& shape, at::ScalarType dt,
-                   int64_t layer, int64_t step, int timeout_ms, uint8_t* h, int64_t& nbytes) {
+                   int64_t layer, int64_t step, int timeout_ms, uint8_t* h, int64_t& nbytes,
+                   bool wait = true) {
   nbytes = int64_t(c10::elementSize(dt));
   for (int64_t d : shape) nbytes *= d;
   std::memcpy(h, "LMNA", 4);
@@ -241,6 +267,11 @@ int64_t stage_head(Ring* ring, const std::vector<int64_t>& shape, at::ScalarType
   std::memcpy(h + 8, &lay, 4); std::memcpy(h + 12, &step, 8); std::memcpy(h + 20, &nb, 8);
   for (size_t i = 0; i < shape.size(); ++i) std::memcpy(h + HEADER + 8 * i, &shape[i], 8);
   if (!ring || nbytes < ring->min_bytes || nbytes > ring->cap / 2 || !nbytes) return -1;
+  if (!wait) {
+    Ring r = *ring;  // room at the place the payload would take?
+    r.place(nbytes);
+    if (r.pos + nbytes - ring->consumed->load(std::memory_order_acquire) > ring->cap) return -1;
+  }
   const int64_t off = ring->place(nbytes);
   const auto t0 = std::chrono::steady_clock::now();
   for (int spins = 0; ring->pos + nbytes - ring->consumed->load(std::memory_order_acquire) >
@@ -257,10 +288,10 @@ int64_t stage_head(Ring* ring, const std::vector<int64_t>& shape, at::ScalarType
 // Header into h, payload of the contiguous t into the ring when it goes there;
 // -> the iovecs a socket write must send (t must stay alive until then).
 std::vector<iovec> stage_frame(Ring* ring, const at::Tensor& t, int64_t layer, int64_t step,
-                               int timeout_ms, uint8_t* h) {
+                               int timeout_ms, uint8_t* h, bool wait) {
   int64_t nbytes = 0;
   const int64_t off = stage_head(ring, t.sizes().vec(), t.scalar_type(), layer, step,
-                                 timeout_ms, h, nbytes);
+                                 timeout_ms, h, nbytes, wait);
   std::vector<iovec> iov{{h, size_t(HEADER + 8 * t.dim())}};
   if (off >= 0) {
     std::memcpy(ring->data + off, t.data_ptr(), nbytes);
@@ -274,7 +305,7 @@ std::vector<iovec> stage_frame(Ring* ring, const at::Tensor& t, int64_t layer, i
 void send_frame(Conn& c, Ring* ring, const at::Tensor& t, int64_t layer, int64_t step,
                 int timeout_ms) {
   uint8_t h[HEADER + 8 * MAX_NDIM];
-  c.write(stage_frame(ring, t, layer, step, timeout_ms, h));
+  c.write(stage_frame(ring, t, layer, step, timeout_ms, h, !c.drain));
 }
 
 // Runs f; -> (0, "") or the error as (status, message): 1 bad frame (FrameError), 2 timeout
@@ -389,103 +420,163 @@ double monotonic_s() {  // the clock Python's perf_counter reads on Linux
 }
 }  // namespace
 
-// One step's layers for one micro-batch: per layer read q|k|v (one frame, or three when
-// the KV rows differ from the query rows), write k/v at new_slots, attend, send o|lse.
-// -> (status, message, ring_in pos, ring_out pos): status 0 done, 1 bad frame
-// (FrameError), 2 timeout (PeerTimeout), 3 other error.
+namespace {
+// One stream group of a step's requests (all of them when the step is not streamed):
+// its n query rows from q0, its m KV rows' slots (idx) and its `SlotBatch`, rebased.
+struct Group {
+  int64_t q0 = 0, n = 0, m = 0;
+  at::Tensor idx, cu_q, q_pos, slots, cu_k, k_pos0;
+};
+
+// The step's groups from `ServeStep.group_ends` (`lamina.dataplane.protocol.stream_cuts`:
+// contiguous whole requests, each answered by its own output frame).
+std::vector<Group> step_groups(const ServeStep& s, const at::Tensor& idx, int64_t n, int64_t m) {
+  if (s.group_ends.empty())
+    return {Group{0, n, m, idx, s.cu_q, s.q_pos, s.slots, s.cu_k, s.k_pos0}};
+  const int64_t b = s.cu_q.numel() - 1;
+  TORCH_CHECK(n == m, "ServeStep.group_ends: a streamed step stores the k/v of exactly its "
+              "query rows (", n, " query, ", m, " KV rows)");
+  const at::Tensor cq = s.cu_q.to(at::kLong).contiguous(), ck = s.cu_k.to(at::kLong).contiguous();
+  const int64_t *cqp = cq.data_ptr<int64_t>(), *ckp = ck.data_ptr<int64_t>();
+  std::vector<Group> out;
+  int64_t a = 0;
+  for (int64_t e : s.group_ends) {
+    TORCH_CHECK(a < e && e <= b, "ServeStep.group_ends must rise to the batch's ", b,
+                " requests, got ", e, " after ", a);
+    const int64_t q0 = cqp[a], q1 = cqp[e], k0 = ckp[a], k1 = ckp[e];
+    out.push_back(Group{q0, q1 - q0, q1 - q0, idx.narrow(0, q0, q1 - q0),
+                        s.cu_q.narrow(0, a, e - a + 1) - q0, s.q_pos.narrow(0, q0, q1 - q0),
+                        s.slots.narrow(0, k0, k1 - k0), s.cu_k.narrow(0, a, e - a + 1) - k0,
+                        s.k_pos0.narrow(0, a, e - a)});
+    a = e;
+  }
+  TORCH_CHECK(a == b, "ServeStep.group_ends end at request ", a, " of ", b);
+  return out;
+}
+
+// One layer's q, k, v for a group (n query, m KV rows): one q|k|v frame x [n, F] split
+// as views, or x as q and two more frames; every shape checked against the pool's.
+void take_qkv(Conn& c, Ring* pin, const at::Tensor& x, int64_t layer, int64_t step,
+              int64_t n, int64_t m, int64_t hkv, int64_t d, int64_t dv, const std::string& where,
+              at::Tensor& q, at::Tensor& k, at::Tensor& v) {
+  if (x.dim() == 2) {  // one q|k|v frame
+    if (n != m || x.size(0) != n)
+      throw FrameErr(where + ": a q|k|v frame of " + std::to_string(x.size(0)) +
+                     " rows, expected " + std::to_string(n) + " query and " +
+                     std::to_string(m) + " KV rows (one frame needs them equal)");
+    const int64_t f = x.size(1), hq_d = f - hkv * (d + dv);
+    if (hq_d <= 0 || hq_d % d || (hq_d / d) % hkv)
+      throw FrameErr(where + " q|k|v frame: row width " + std::to_string(f) +
+                     " is not Hq*D + Hkv*(D+Dv) with D=" + std::to_string(d) + ", Hkv=" +
+                     std::to_string(hkv) + ", Dv=" + std::to_string(dv) +
+                     " and Hq a multiple of Hkv");
+    q = x.narrow(1, 0, hq_d).unflatten(1, {hq_d / d, d});
+    k = x.narrow(1, hq_d, hkv * d).unflatten(1, {hkv, d});
+    v = x.narrow(1, hq_d + hkv * d, hkv * dv).unflatten(1, {hkv, dv});
+    return;
+  }
+  q = x;
+  k = recv_frame(c, pin, layer, step);
+  v = recv_frame(c, pin, layer, step);
+  if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || q.size(0) != n || k.size(0) != m ||
+      v.size(0) != m)
+    throw FrameErr(where + ": q/k/v rows " + std::to_string(q.size(0)) + "/" +
+                   std::to_string(k.size(0)) + "/" + std::to_string(v.size(0)) +
+                   ", expected " + std::to_string(n) + "/" + std::to_string(m) + "/" +
+                   std::to_string(m));
+  if (k.size(1) != hkv || k.size(2) != d || v.size(1) != hkv || v.size(2) != dv)
+    throw FrameErr(where + ": k/v shapes " + shape_str(k.sizes().vec()) + "/" +
+                   shape_str(v.sizes().vec()) + " do not fit the pool's [Hkv, D] = [" +
+                   std::to_string(hkv) + ", " + std::to_string(d) + "]");
+  if (q.size(2) != d || q.size(1) % hkv)
+    throw FrameErr(where + ": q shape " + shape_str(q.sizes().vec()) +
+                   " does not fit head_dim " + std::to_string(d) + " and " +
+                   std::to_string(hkv) + " kv heads");
+}
+
+// One layer of one group: read its q/k/v, write k/v at its new slots, attend, send
+// o|lse. t (or null): the attention's start and end and when the output was sent.
+void serve_group(Conn& c, Ring* pin, Ring* pout, const MemoryLayers& layers, size_t layer,
+                 int64_t step, const Group& g, const std::string& where, double* t) {
+  const at::Tensor& kp = layers.k_pools[layer];
+  const at::Tensor& vp = layers.v_pools[layer];
+  const bool i8 = kp.scalar_type() == at::kChar;  // rows of codes and a scale a head
+  const int64_t hkv = kp.size(1), d = kp.size(2) - (i8 ? 4 : 0), dv = vp.size(2) - (i8 ? 4 : 0);
+  const c10::optional<at::Tensor> no_scales;
+  const auto& channel = i8 && layer < layers.key_scales.size() ? layers.key_scales[layer]
+                                                               : no_scales;
+  const auto& sinks = layers.sinks[layer];
+  // a q|k|v frame in the ring is read in place, and released once attended
+  const Head hx = recv_head(c, layer, step);
+  const uint8_t* in_ring = hx.shape.size() == 2 ? ring_payload(hx, pin) : nullptr;
+  at::Tensor x = in_ring ? at::from_blob(const_cast<uint8_t*>(in_ring), hx.shape,
+                                         at::TensorOptions().dtype(hx.dt))
+                         : payload_tensor(c, pin, hx);
+  at::Tensor q, k, v;
+  take_qkv(c, pin, x, layer, step, g.n, g.m, hkv, d, dv, where, q, k, v);
+  if (sinks.has_value() && sinks->numel() != q.size(1))
+    throw FrameErr(where + ": " + std::to_string(q.size(1)) + " query heads, but layer " +
+                   std::to_string(layer) + " has " + std::to_string(sinks->numel()) + " sinks");
+  if (!at::isFloatingType(q.scalar_type()) || !at::isFloatingType(k.scalar_type()) ||
+      !at::isFloatingType(v.scalar_type()))
+    throw FrameErr(where + ": q/k/v must be floating point");
+  if (t) t[0] = monotonic_s();
+  if (g.m) {
+    store_rows(kp, g.idx, i8 ? quantize_rows(k, channel) : k);
+    store_rows(vp, g.idx, i8 ? quantize_rows(v, no_scales) : v);
+  }
+  // an int8 pool's keys are codes x a: q takes their channel scales (fold_channels)
+  const at::Tensor qf = (channel.has_value()
+                             ? q.to(at::kFloat) * channel->repeat_interleave(q.size(1) / hkv, 0)
+                             : q.to(at::kFloat)).contiguous();
+  auto ol = slot_attention(qf, kp, vp, g.cu_q, g.q_pos, g.slots, g.cu_k, g.k_pos0,
+                           layers.scales[layer], layers.windows[layer], layers.softcaps[layer],
+                           sinks, q.scalar_type() == at::kBFloat16);
+  if (t) t[1] = monotonic_s();
+  if (in_ring) release(hx, pin);  // attended: the writer may reuse it
+  send_frame(c, pout, o_lse(ol[0], ol[1], q.scalar_type()), int64_t(layer), step,
+             c.timeout_ms);
+  if (t) t[2] = monotonic_s();
+}
+}  // namespace
+
+// One step's layers for one micro-batch, group by group when it is streamed (each group
+// attended as it arrives and answered at once, the next meanwhile in flight).
+// -> (status, message): status 0 done, 1 bad frame (FrameError), 2 timeout
+// (PeerTimeout), 3 other error; the ring cursors go back in s.
 CallStatus serve_step(const MemoryLayers& layers, ServeStep& s) {
   pybind11::gil_scoped_release nogil;
-  const int64_t step = s.step, timeout_ms = s.timeout_ms;
-  Conn c{int(s.fd), int(timeout_ms), std::move(s.pending)};
+  const int64_t step = s.step;
+  Conn c{int(s.fd), int(s.timeout_ms), std::move(s.pending)};
+  c.drain = s.group_ends.size() > 1;
   Ring rin = make_ring(s.ring_in.data, s.ring_in.ctrl, s.ring_in.pos, s.ring_min_bytes);
   Ring rout = make_ring(s.ring_out.data, s.ring_out.ctrl, s.ring_out.pos, s.ring_min_bytes);
   Ring* pin = s.ring_in.data.has_value() ? &rin : nullptr;
   Ring* pout = s.ring_out.data.has_value() ? &rout : nullptr;
   const int64_t n = s.cu_q.size(0) ? s.q_pos.size(0) : 0, m = s.new_slots.size(0);
-  const at::Tensor idx = s.new_slots.to(at::kLong);
-  const auto& sinks = layers.sinks;
-  double* times = nullptr;
-  if (s.times.has_value()) {
-    TORCH_CHECK(s.times->scalar_type() == at::kDouble && s.times->is_contiguous() &&
-                    s.times->numel() == int64_t(2 * layers.k_pools.size()),
-                "ServeStep.times must be a contiguous fp64 [layers, 2] tensor");
-    times = s.times->data_ptr<double>();
-  }
+  const size_t nl = layers.k_pools.size();
   auto [status, msg] = guarded([&] {
-    for (size_t layer = 0; layer < layers.k_pools.size(); ++layer) {
-      const at::Tensor& kp = layers.k_pools[layer];
-      const at::Tensor& vp = layers.v_pools[layer];
-      const bool i8 = kp.scalar_type() == at::kChar;  // rows of codes and a scale a head
-      const int64_t hkv = kp.size(1), d = kp.size(2) - (i8 ? 4 : 0), dv = vp.size(2) - (i8 ? 4 : 0);
-      const c10::optional<at::Tensor> no_scales;
-      const auto& channel = i8 && layer < layers.key_scales.size() ? layers.key_scales[layer]
-                                                                 : no_scales;
-      const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(layer);
-      // a q|k|v frame in the ring is read in place, and released once attended
-      const Head hx = recv_head(c, layer, step);
-      const uint8_t* in_ring = hx.shape.size() == 2 ? ring_payload(hx, pin) : nullptr;
-      at::Tensor x = in_ring ? at::from_blob(const_cast<uint8_t*>(in_ring), hx.shape,
-                                             at::TensorOptions().dtype(hx.dt))
-                             : payload_tensor(c, pin, hx);
-      at::Tensor q, k, v;
-      if (x.dim() == 2) {  // one q|k|v frame
-        if (n != m || x.size(0) != n)
-          throw FrameErr(where + ": a q|k|v frame of " + std::to_string(x.size(0)) +
-                         " rows, expected " + std::to_string(n) + " query and " +
-                         std::to_string(m) + " KV rows (one frame needs them equal)");
-        const int64_t f = x.size(1), hq_d = f - hkv * (d + dv);
-        if (hq_d <= 0 || hq_d % d || (hq_d / d) % hkv)
-          throw FrameErr(where + " q|k|v frame: row width " + std::to_string(f) +
-                         " is not Hq*D + Hkv*(D+Dv) with D=" + std::to_string(d) + ", Hkv=" +
-                         std::to_string(hkv) + ", Dv=" + std::to_string(dv) +
-                         " and Hq a multiple of Hkv");
-        q = x.narrow(1, 0, hq_d).unflatten(1, {hq_d / d, d});
-        k = x.narrow(1, hq_d, hkv * d).unflatten(1, {hkv, d});
-        v = x.narrow(1, hq_d + hkv * d, hkv * dv).unflatten(1, {hkv, dv});
-      } else {
-        q = x;
-        k = recv_frame(c, pin, layer, step);
-        v = recv_frame(c, pin, layer, step);
-        if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || q.size(0) != n ||
-            k.size(0) != m || v.size(0) != m)
-          throw FrameErr(where + ": q/k/v rows " + std::to_string(q.size(0)) + "/" +
-                         std::to_string(k.size(0)) + "/" + std::to_string(v.size(0)) +
-                         ", expected " + std::to_string(n) + "/" + std::to_string(m) + "/" +
-                         std::to_string(m));
-        if (k.size(1) != hkv || k.size(2) != d || v.size(1) != hkv || v.size(2) != dv)
-          throw FrameErr(where + ": k/v shapes " + shape_str(k.sizes().vec()) + "/" +
-                         shape_str(v.sizes().vec()) + " do not fit the pool's [Hkv, D] = [" +
-                         std::to_string(hkv) + ", " + std::to_string(d) + "]");
-        if (q.size(2) != d || q.size(1) % hkv)
-          throw FrameErr(where + ": q shape " + shape_str(q.sizes().vec()) +
-                         " does not fit head_dim " + std::to_string(d) + " and " +
-                         std::to_string(hkv) + " kv heads");
-      }
-      if (sinks[layer].has_value() && sinks[layer]->numel() != q.size(1))
-        throw FrameErr(where + ": " + std::to_string(q.size(1)) + " query heads, but layer " +
-                       std::to_string(layer) + " has " + std::to_string(sinks[layer]->numel()) +
-                       " sinks");
-      if (!at::isFloatingType(q.scalar_type()) || !at::isFloatingType(k.scalar_type()) ||
-          !at::isFloatingType(v.scalar_type()))
-        throw FrameErr(where + ": q/k/v must be floating point");
-      if (times) times[2 * layer] = monotonic_s();
-      if (m) {
-        store_rows(kp, idx, i8 ? quantize_rows(k, channel) : k);
-        store_rows(vp, idx, i8 ? quantize_rows(v, no_scales) : v);
-      }
-      // an int8 pool's keys are codes x a: q takes their channel scales (fold_channels)
-      const at::Tensor qf = (channel.has_value()
-                                 ? q.to(at::kFloat) * channel->repeat_interleave(q.size(1) / hkv, 0)
-                                 : q.to(at::kFloat)).contiguous();
-      auto ol = slot_attention(qf, kp, vp, s.cu_q, s.q_pos, s.slots, s.cu_k, s.k_pos0,
-                               layers.scales[layer], layers.windows[layer],
-                               layers.softcaps[layer], sinks[layer],
-                               q.scalar_type() == at::kBFloat16);
-      if (times) times[2 * layer + 1] = monotonic_s();
-      if (in_ring) release(hx, pin);  // attended: the writer may reuse it
-      send_frame(c, pout, o_lse(ol[0], ol[1], q.scalar_type()), int64_t(layer), step,
-                 int(timeout_ms));
+    const std::vector<Group> groups = step_groups(s, s.new_slots.to(at::kLong), n, m);
+    const int64_t ng = int64_t(groups.size());
+    double* times = nullptr;
+    if (s.times.has_value()) {
+      TORCH_CHECK(s.times->scalar_type() == at::kDouble && s.times->is_contiguous() &&
+                      s.times->numel() == int64_t(3 * nl) * ng,
+                  "ServeStep.times must be a contiguous fp64 [layers, groups, 3] tensor");
+      times = s.times->data_ptr<double>();
     }
+    for (size_t layer = 0; layer < nl; ++layer)
+      for (int64_t j = 0; j < ng; ++j) {
+        const std::string where = "step " + std::to_string(step) + " layer " +
+                                  std::to_string(layer) +
+                                  (ng > 1 ? " group " + std::to_string(j) : "");
+        serve_group(c, pin, pout, layers, layer, step, groups[j], where,
+                    times ? times + 3 * (int64_t(layer) * ng + j) : nullptr);
+      }
+    if (c.used < c.pending.size())  // read while sending, but no frame of this step
+      throw FrameErr("step " + std::to_string(step) + ": " +
+                     std::to_string(c.pending.size() - c.used) +
+                     " bytes came past its last layer before its outputs were read");
   });
   s.ring_in.pos = rin.pos;
   s.ring_out.pos = rout.pos;
@@ -514,14 +605,26 @@ struct Ends {  // the compute end's channels, one per memory worker
     return p;
   }
 };
-// One layer's q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, Dv] (any strides): rows
-// starts[w]..ends[w] go to worker w as one q|k|v frame [n_w, Hq*D + Hkv*(D+Dv)]. Every
-// frame is built (and ring payloads written) before the first socket write, then the
-// writes go out back to back (`SocketLink.submit` says why).
+void check_rows(const LayerRows& rows, size_t workers) {
+  const size_t nf = rows.starts.size();
+  if (rows.ends.size() != nf || rows.workers.size() != nf || rows.rounds.size() != nf)
+    throw std::invalid_argument("LayerRows: starts, ends, workers and rounds differ in length");
+  for (size_t i = 0; i < nf; ++i)
+    if (rows.workers[i] < 0 || size_t(rows.workers[i]) >= workers ||
+        (i && rows.rounds[i] < rows.rounds[i - 1]))
+      throw std::invalid_argument("LayerRows: frame " + std::to_string(i) + " names worker " +
+                                  std::to_string(rows.workers[i]) + " of " +
+                                  std::to_string(workers) + ", or its round falls");
+}
+
+// One layer's q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, Dv] (any strides): frame i, rows
+// starts[i]..ends[i], goes to worker workers[i] as one q|k|v frame [n_i, Hq*D +
+// Hkv*(D+Dv)]. A round's frames are all built (and ring payloads written) before its
+// first socket write, then its writes go out back to back (`SocketLink.submit` says
+// why); the next round is built after.
 void send_qkv(Ends& e, const std::vector<int64_t>& timeouts, const at::Tensor& q,
-              const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& starts,
-              const std::vector<int64_t>& ends, int64_t layer, int64_t step) {
-  const size_t nw = e.conns.size();
+              const at::Tensor& k, const at::Tensor& v, const LayerRows& rows) {
+  check_rows(rows, e.conns.size());
   const int64_t hq = q.size(1), d = q.size(2), hkv = k.size(1), dv = v.size(2),
                 es = q.element_size(), f = hq * d + hkv * (d + dv);
   // Each (row, head) of q, k, v is a contiguous run of D (Dv) elements in the slices'
@@ -546,46 +649,49 @@ void send_qkv(Ends& e, const std::vector<int64_t>& timeouts, const at::Tensor& q
       }
     }
   };
-  // stage: headers and payloads; then the socket writes, back to back
-  std::vector<std::vector<uint8_t>> head(nw);
-  std::vector<std::vector<iovec>> iovs(nw);
-  std::vector<at::Tensor> hold(nw);  // socket payloads, alive until written
-  for (size_t w = 0; w < nw; ++w) {
-    const int64_t rows = ends[w] - starts[w];
-    if (rows <= 0) continue;
-    head[w].resize(HEADER + 8 * MAX_NDIM);
-    Ring* ring = e.ring(w);
-    int64_t nbytes = 0;
-    const int64_t off = stage_head(ring, {rows, f}, q.scalar_type(), layer, step,
-                                   int(timeouts[w]), head[w].data(), nbytes);
-    iovs[w] = {{head[w].data(), size_t(HEADER + 8 * 2)}};  // a 2-d frame
-    if (off >= 0) {
-      pack(ring->data + off, starts[w], ends[w]);
-      ring->pos += nbytes;
-    } else if (nbytes) {
-      hold[w] = at::empty({rows, f}, q.options());
-      pack(static_cast<uint8_t*>(hold[w].data_ptr()), starts[w], ends[w]);
-      iovs[w].push_back({hold[w].data_ptr(), size_t(nbytes)});
+  const size_t nf = rows.starts.size();
+  const bool streamed = nf && rows.rounds.back() > 0;
+  std::vector<std::vector<uint8_t>> head(nf);
+  std::vector<std::vector<iovec>> iovs(nf);
+  std::vector<at::Tensor> hold(nf);  // socket payloads, alive until written
+  for (size_t a = 0, b = 0; a < nf; a = b) {
+    for (b = a; b < nf && rows.rounds[b] == rows.rounds[a]; ++b) {  // stage the round
+      const int64_t n = rows.ends[b] - rows.starts[b], w = rows.workers[b];
+      if (n <= 0) continue;
+      head[b].resize(HEADER + 8 * MAX_NDIM);
+      Ring* ring = e.ring(w);
+      int64_t nbytes = 0;
+      const int64_t off = stage_head(ring, {n, f}, q.scalar_type(), rows.layer, rows.step,
+                                     int(timeouts[w]), head[b].data(), nbytes, !streamed);
+      iovs[b] = {{head[b].data(), size_t(HEADER + 8 * 2)}};  // a 2-d frame
+      if (off >= 0) {
+        pack(ring->data + off, rows.starts[b], rows.ends[b]);
+        ring->pos += nbytes;
+      } else if (nbytes) {
+        hold[b] = at::empty({n, f}, q.options());
+        pack(static_cast<uint8_t*>(hold[b].data_ptr()), rows.starts[b], rows.ends[b]);
+        iovs[b].push_back({hold[b].data_ptr(), size_t(nbytes)});
+      }
     }
+    for (size_t i = a; i < b; ++i)  // then its writes
+      if (!iovs[i].empty()) e.conns[rows.workers[i]].write(iovs[i]);
   }
-  for (size_t w = 0; w < nw; ++w)
-    if (!iovs[w].empty()) e.conns[w].write(iovs[w]);
 }
 
-// Each worker w's output frame [n_w, Hq, Dv + 1] for rows starts[w]..ends[w] -> into o
-// [N, Hq, Dv], read worker by worker; shapes, layer and step checked first.
-void recv_o(Ends& e, const std::vector<int64_t>& starts, const std::vector<int64_t>& ends,
-            int64_t layer, int64_t step, at::Tensor& o) {
+// Each frame's output [n_i, Hq, Dv + 1] for rows starts[i]..ends[i] -> into o [N, Hq,
+// Dv], read frame by frame in send order; shapes, layer and step checked first.
+void recv_o(Ends& e, const LayerRows& rows, at::Tensor& o) {
+  check_rows(rows, e.conns.size());
   const int64_t hq = o.size(1), dv = o.size(2);
   std::vector<uint8_t> scratch;
-  for (size_t w = 0; w < e.conns.size(); ++w) {
-    const int64_t rows = ends[w] - starts[w];
-    if (rows <= 0) continue;
-    const std::vector<int64_t> want{rows, hq, dv + 1};
-    const Head h = recv_head(e.conns[w], layer, step, &want);
+  for (size_t i = 0; i < rows.starts.size(); ++i) {
+    const int64_t n = rows.ends[i] - rows.starts[i], w = rows.workers[i];
+    if (n <= 0) continue;
+    const std::vector<int64_t> want{n, hq, dv + 1};
+    const Head h = recv_head(e.conns[w], rows.layer, rows.step, &want);
     if (h.dt != o.scalar_type() || !o.is_contiguous()) {  // converted by copy_
       const at::Tensor f = payload_tensor(e.conns[w], e.ring(w), h);
-      o.narrow(0, starts[w], rows).copy_(f.narrow(2, 0, dv));
+      o.narrow(0, rows.starts[i], n).copy_(f.narrow(2, 0, dv));
       continue;
     }
     // the payload in place in the ring, or read off the socket into scratch; then each
@@ -597,8 +703,8 @@ void recv_o(Ends& e, const std::vector<int64_t>& starts, const std::vector<int64
     }
     const uint8_t* src = ringed ? ringed : scratch.data();
     const int64_t es = o.element_size(), run = dv * es;
-    auto* dst = static_cast<uint8_t*>(o.data_ptr()) + starts[w] * hq * run;
-    for (int64_t r = 0; r < rows * hq; ++r) std::memcpy(dst + r * run, src + r * (run + es), run);
+    auto* dst = static_cast<uint8_t*>(o.data_ptr()) + rows.starts[i] * hq * run;
+    for (int64_t r = 0; r < n * hq; ++r) std::memcpy(dst + r * run, src + r * (run + es), run);
     if (ringed) release(h, e.ring(w));
   }
 }
@@ -610,7 +716,7 @@ CallStatus submit_qkv(Peers& peers, const LayerRows& rows, at::Tensor q, at::Ten
   pybind11::gil_scoped_release nogil;
   Ends e(peers, peers.ring_out, peers.ring_min_bytes);
   auto [status, msg] = guarded([&] {
-    send_qkv(e, peers.timeouts_ms, q, k, v, rows.starts, rows.ends, rows.layer, rows.step);
+    send_qkv(e, peers.timeouts_ms, q, k, v, rows);
   });
   e.store(peers.ring_out);
   return {status, msg, 0.0};
@@ -621,7 +727,7 @@ CallStatus collect_o(Peers& peers, const LayerRows& rows, at::Tensor o) {
   pybind11::gil_scoped_release nogil;
   Ends e(peers, peers.ring_in, 0);
   auto [status, msg] = guarded([&] {
-    recv_o(e, rows.starts, rows.ends, rows.layer, rows.step, o);
+    recv_o(e, rows, o);
   });
   e.store(peers.ring_in);
   return {status, msg, 0.0};
@@ -638,9 +744,9 @@ CallStatus exchange_qkv(Peers& peers, const LayerRows& rows, at::Tensor q, at::T
   double sent_s = 0;
   auto [status, msg] = guarded([&] {
     const auto t0 = std::chrono::steady_clock::now();
-    send_qkv(out, peers.timeouts_ms, q, k, v, rows.starts, rows.ends, rows.layer, rows.step);
+    send_qkv(out, peers.timeouts_ms, q, k, v, rows);
     sent_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    recv_o(in, rows.starts, rows.ends, rows.layer, rows.step, o);
+    recv_o(in, rows, o);
   });
   out.store(peers.ring_out);
   in.store(peers.ring_in);

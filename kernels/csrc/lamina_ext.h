@@ -46,8 +46,12 @@ struct ServeStep {
   at::Tensor new_slots, cu_q, q_pos, slots, cu_k, k_pos0;  // int32, checked per step
   RingArgs ring_in, ring_out;
   int64_t ring_min_bytes = 0;  // payloads this big or more go through a ring
-  // tracing: fp64 [layers, 2], each layer's attention (k/v writes and the kernel) start
-  // and end in CLOCK_MONOTONIC seconds (Python's perf_counter); none: not kept
+  // streamed (paper 5.2): the request index where each group ends, rising to the batch
+  // size (`lamina.dataplane.protocol.stream_cuts`); empty: the step is one group
+  std::vector<int64_t> group_ends;
+  // tracing: fp64 [layers, groups, 3], each group's attention (k/v writes and the kernel)
+  // start and end and its output's send end, in CLOCK_MONOTONIC seconds (Python's
+  // perf_counter); none: not kept
   c10::optional<at::Tensor> times;
 };
 
@@ -75,9 +79,12 @@ struct Peers {
   int64_t ring_min_bytes = 0;
 };
 
-// Which packed rows go to each worker (starts[w]..ends[w]) for one layer of one step.
+// One layer's frames of one step, in send order: frame i carries packed rows
+// starts[i]..ends[i] to worker workers[i]; rounds[i] (rising) groups them, a round's
+// frames built and then written back to back before the next round is built (a
+// streamed worker's g-th group is in round g; paper 5.2).
 struct LayerRows {
-  std::vector<int64_t> starts, ends;
+  std::vector<int64_t> starts, ends, workers, rounds;
   int64_t layer = 0, step = 0;
 };
 

@@ -284,8 +284,8 @@ def bench_overlap(model: str | None = None, batches=(8, 32, 128), context: int =
                   groups=(1, 4), num_memory_workers: int = 1, steps: int = 4,
                   out_dir: str | Path = "benchmarks/results") -> dict:
     """Communication-attention overlap (paper 5.2, Fig. 16) on the Ray executor: decode
-    at each batch with each worker's q/k/v of a layer in `groups` groups (1: one frame,
-    the C++ data plane; > 1: streamed, `EngineConfig.stream_groups`), traced: tok/s,
+    at each batch with each worker's q/k/v of a layer in `groups` groups (1: one frame;
+    > 1: streamed, `EngineConfig.stream_groups`; both through the C++ ends), traced: tok/s,
     the data-plane time per step (the union of q/k/v and output sends) and the share
     of it hidden behind attention (`lamina.trace.hidden_fraction`)."""
     from lamina import LLM

@@ -9,8 +9,8 @@ work and how many frames a worker's q/k/v take:
   worker's rows to be one slice of the packed rows (`WorkerPart.span`: no KV split) and
   q, k, v of one dtype; its receive also needs no LSE merge and no bytes already read
   into a channel's buffer. The memory end's native path serves one-micro-batch steps on
-  a host pool with the compiled kernel. Anything else takes the Python end, which
-  speaks the same bytes.
+  a host pool with the compiled kernel, streamed or not. Anything else takes the Python
+  end, which speaks the same bytes.
 - **one frame or three**. A worker whose query rows are exactly the rows whose k/v it
   stores gets one q|k|v frame a layer; a worker holding only part of a sequence's KV
   (KV split) gets q, k and v as three frames. `one_frame=False` always sends three

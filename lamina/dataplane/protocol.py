@@ -256,12 +256,11 @@ class SocketLink(MemoryLink):
             stream = 1
         if not 1 <= stream <= MAX_STREAM:
             raise ValueError(f"stream width must be 1..{MAX_STREAM}, got {stream}")
-        # streamed steps send q|k|v groups, one frame each (the Python end)
+        # streamed steps send q|k|v groups, one frame each
         self.stream = stream if one_frame else 1
         # the C++ ends read sockets and shared-memory rings: other channels (RDMA) take
         # the Python end, which speaks the same frames
-        native = (native and self.stream == 1
-                  and all(isinstance(ch, SocketChannel) for ch in channels))
+        native = native and all(isinstance(ch, SocketChannel) for ch in channels)
         self.paths = ComputePaths.choose(native, one_frame)
         self._ext = self.paths.ext
         self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
@@ -270,16 +269,17 @@ class SocketLink(MemoryLink):
               report_dropped=False):
         self.step = step
         self._report: list[int] = []  # the workers that send a DROPPED frame
-        if self._ext:  # what the C++ ends need every layer, once a step
-            self._peers = _peers(self._ext, self.channels)
-            self._spans = [worker_spans(p) for p in parts]
-            self._rows = [self._layer_rows(sp, step) for sp in self._spans]
         # per micro-batch and worker: its stream groups, or None (one frame). A step
         # with requests that chose their own KV sparsity is not streamed (their policies
         # select keys per layer over the whole batch).
         width = 1 if overrides else self.stream
         self._cuts = [[streamed(p.batch, p.new_slots.numel(), width) if p.active
                        else None for p in mb] for mb in parts]
+        if self._ext:  # what the C++ ends need every layer, once a step
+            self._peers = _peers(self._ext, self.channels)
+            self._spans = [worker_spans(p) for p in parts]
+            self._rows = [self._layer_rows(sp, mb, cuts, step)
+                          for sp, mb, cuts in zip(self._spans, parts, self._cuts)]
         if self.ring and report_dropped:
             raise ValueError("a rotational ring's memory workers cannot report dropped keys "
                              "(the executor asks for none)")
@@ -309,12 +309,22 @@ class SocketLink(MemoryLink):
                 frames.insert(2 + bool(tiers), torch.tensor(own, dtype=torch.int32))
             ch.send_many([(t, META, step) for t in frames])
 
-    def _layer_rows(self, spans, step: int):
-        """The native `LayerRows` of a micro-batch whose workers' rows are slices."""
+    def _layer_rows(self, spans, parts, cuts, step: int):
+        """The native `LayerRows` of a micro-batch whose workers' rows are slices: a
+        frame per worker, or per stream group (group g in round g, as
+        `_submit_streamed` sends them)."""
         if spans is None:
             return None
+        frames = []  # (round, worker, first row, past the last)
+        for w, (a, e, p, cut) in enumerate(zip(*spans, parts, cuts)):
+            if cut is None:
+                frames.append((0, w, a, e))
+                continue
+            cu = p.batch.cu_q.tolist()
+            frames += [(g, w, a + cu[f], a + cu[t]) for g, (f, t) in enumerate(cut)]
+        frames.sort(key=lambda x: x[:2])
         r = self._ext.LayerRows()
-        r.starts, r.ends = spans
+        r.rounds, r.workers, r.starts, r.ends = (list(c) for c in zip(*frames))
         r.step = step
         return r
 
@@ -373,7 +383,9 @@ class SocketLink(MemoryLink):
                 else:
                     cu = p.batch.cu_q
                     ts = (x[int(cu[cut[g][0]]):int(cu[cut[g][1]])],)
-                staged.append((ch, ch.stage([(t, layer, self.step) for t in ts])))
+                # a full ring is not waited for: the memory end may be sending an
+                # output before it reads on
+                staged.append((ch, ch.stage([(t, layer, self.step) for t in ts], wait=False)))
             for ch, views in staged:
                 ch.flush(views)
 
@@ -551,8 +563,8 @@ class MemoryServer:
         loading = self.memory.tiers is not None and self.memory.tiers.loading
         sparse = self.memory.sparsity is not None and self.memory.sparsity.active
         if (self._native is not None and len(mbs) == 1 and not loading and not sparse
-                and not report and width == 1 and order is None):
-            self._serve_native(step, *mbs[0][:2])
+                and not report and order is None):
+            self._serve_native(step, *mbs[0][:2], width)
             return True  # (a step with tier loads copies them layer by layer, below)
         # per micro-batch: its groups (a streamed one's, else the whole), each as
         # (new_slots, batch, sequences)
@@ -638,17 +650,21 @@ class MemoryServer:
         except TierMiss as e:
             raise RuntimeError(f"step {step}: a checked tier load missed: {e}") from None
 
-    def _serve_native(self, step: int, new_slots, batch) -> None:
-        """The layers of a one-micro-batch step in C++: the same frames and checks."""
+    def _serve_native(self, step: int, new_slots, batch, width: int) -> None:
+        """The layers of a one-micro-batch step in C++: the same frames and checks, and
+        the same stream groups (each answered at once; reads go on while it sends)."""
         ch, rin, rout = self.ch, self.ch.ring_in, self.ch.ring_out
         s = self._native.ServeStep()
         s.fd, s.timeout_ms, s.step = ch.sock.fileno(), ch.timeout_ms(), step
         s.new_slots, s.cu_q, s.q_pos = new_slots, batch.cu_q, batch.q_pos
         s.slots, s.cu_k, s.k_pos0 = batch.slots, batch.cu_k, batch.k_pos0
+        cuts = streamed(batch, new_slots.numel(), width)
+        s.group_ends = [e for _, e in cuts] if cuts else []
         s.ring_in, s.ring_out = _ring_struct(self._native, rin), _ring_struct(self._native, rout)
         s.ring_min_bytes = (rin or rout).min_bytes if (rin or rout) else 0
-        if self.tracer.enabled:  # each layer's attention start and end
-            s.times = torch.zeros(len(self.params), 2, dtype=torch.float64)
+        if self.tracer.enabled:  # each group's attention start and end, output sent
+            s.times = torch.zeros(len(self.params), max(1, len(s.group_ends)), 3,
+                                  dtype=torch.float64)
         with self._lock:
             s.pending = ch.take_pending()
             r = self._native.serve_step(self._layers, s)
@@ -659,8 +675,10 @@ class MemoryServer:
         if r.status:
             _raise(r.status, r.message)
         if s.times is not None:
-            for layer, (t0, t1) in enumerate(s.times.tolist()):
-                self.tracer.record("attend", layer, t0, t1, mb=0)
+            for layer, groups in enumerate(s.times.tolist()):
+                for t0, t1, t2 in groups:
+                    self.tracer.record("attend", layer, t0, t1, mb=0)
+                    self.send_tracer.record("send", layer, t1, t2, step=step)
         self.native_steps += 1
 
     def _recv_qkv(self, layer: int, step: int, n: int, m: int):

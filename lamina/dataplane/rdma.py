@@ -165,9 +165,10 @@ class RdmaChannel(Channel):
     def send(self, t, layer, step):
         self.send_many([(t, layer, step)])
 
-    def stage(self, frames) -> list[tuple[int, int]]:
+    def stage(self, frames, wait: bool = True) -> list[tuple[int, int]]:
         """Copy each frame into the staging ring at its place -> (offset, length)s to
-        write (`flush`)."""
+        write (`flush`). The ring is the only path, so it is always waited for (`wait`
+        is ignored): the memory end that reads it (Python) reads on while it sends."""
         out = []
         for f in frames:
             head, payload = encode(*f)

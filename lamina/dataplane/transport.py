@@ -160,10 +160,11 @@ class Channel(ABC):
         for f in frames:
             self.send(*f)
 
-    def stage(self, frames):
+    def stage(self, frames, wait: bool = True):
         """Prepare frames for `flush` (encode, copy payloads out), so a sender serving
         several peers can wake them all back to back: waking one first can cost the
-        sender its core before it has served the next."""
+        sender its core before it has served the next. `wait` False: do not wait for
+        room in a shared ring where another path exists (`SocketChannel`)."""
         return list(frames)
 
     def flush(self, staged) -> None:
@@ -220,6 +221,10 @@ class ShmRing:
 
     def fits(self, nbytes: int) -> bool:
         return self.min_bytes <= nbytes <= self.cap // 2
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether `write` would find room for it now (without waiting for the reader)."""
+        return ring_place(self.pos, nbytes, self.cap)[1] + nbytes - self._ctrl[0] <= self.cap
 
     def _place(self, n: int) -> int:
         off, self.pos = ring_place(self.pos, n, self.cap)
@@ -297,13 +302,17 @@ class SocketChannel(Channel):
         """Several frames in one gather write (one wake-up for the peer, not one each)."""
         self.flush(self.stage(frames))
 
-    def stage(self, frames) -> list:
+    def stage(self, frames, wait: bool = True) -> list:
         """Encode the frames and put ring payloads in the ring; the socket write (the
-        peer's wake-up) is left to `flush`."""
+        peer's wake-up) is left to `flush`. `wait` False: a payload that finds the ring
+        full goes on the socket instead of waiting for the reader (a streamed step's
+        peer may wait for its own send before it reads the ring)."""
         views = []
         for f in frames:
             head, payload = encode(*f)
-            if self.ring_out is not None and len(payload) and self.ring_out.fits(len(payload)):
+            ring = self.ring_out
+            if (ring is not None and len(payload) and ring.fits(len(payload))
+                    and (wait or ring.has_room(len(payload)))):
                 self.ring_out.write(torch.frombuffer(payload, dtype=torch.uint8))  # encoded
                 head = bytearray(head)
                 head[6] |= IN_RING

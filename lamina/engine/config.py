@@ -64,7 +64,7 @@ class EngineConfig:
     # Ray executor: each memory worker's q/k/v of a layer go as this many groups of its
     # requests, each attended as it arrives while the rest is in flight, each output
     # sent back while the next is attended (paper 5.2's communication-attention overlap;
-    # lamina/dataplane/protocol.py). 1: one frame (the C++ data plane's path).
+    # lamina/dataplane/protocol.py). 1: one frame a layer.
     stream_groups: int = 1
     max_recoveries: int = 3  # failed steps in a row the executor may recover from (0: none)
     worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
