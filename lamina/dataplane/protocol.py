@@ -674,11 +674,13 @@ class MemoryServer:
             rout.pos = s.ring_out.pos
         if r.status:
             _raise(r.status, r.message)
-        if s.times is not None:
+        if s.times is not None:  # output sends as the Python end traces them: in a
+            # streamed step (its send thread's), not in an unstreamed one (inline)
             for layer, groups in enumerate(s.times.tolist()):
                 for t0, t1, t2 in groups:
                     self.tracer.record("attend", layer, t0, t1, mb=0)
-                    self.send_tracer.record("send", layer, t1, t2, step=step)
+                    if width > 1:
+                        self.send_tracer.record("send", layer, t1, t2, step=step)
         self.native_steps += 1
 
     def _recv_qkv(self, layer: int, step: int, n: int, m: int):
