@@ -289,7 +289,6 @@ def bench_overlap(model: str | None = None, batches=(8, 32, 128), context: int =
     the data-plane time per step (the union of q/k/v and output sends) and the share
     of it hidden behind attention (`lamina.trace.hidden_fraction`)."""
     from lamina import LLM
-    from lamina.trace import hidden_fraction, transfer_seconds
 
     slots = max(batches) * (context + _spare(batches, context, steps))
     rows = []
@@ -298,18 +297,33 @@ def bench_overlap(model: str | None = None, batches=(8, 32, 128), context: int =
                   num_kv_slots=slots // num_memory_workers + 64, prefix_caching=False,
                   max_batch=max(batches), max_step_tokens=4096, stream_groups=g)
         try:
-            for b in batches:
-                r = decode_case(llm, b, context, "none", steps)
-                spans = r.pop("spans")
-                r.update(groups=g, hidden=hidden_fraction(spans),
-                         data_plane_ms=1e3 * transfer_seconds(spans) / steps)
-                rows.append(r)
-                print(f"B={b} groups={g}: {r['tok_s']:.1f} tok/s, data plane "
-                      f"{r['data_plane_ms']:.1f} ms/step, hidden {r['hidden'] or 0:.0%}",
-                      flush=True)
+            rows += [overlap_case(llm, b, context, g, steps) for b in batches]
         finally:
             llm.shutdown()
-    rows.sort(key=lambda r: (r["batch"], r["groups"]))
+    res = {"model": model or "SmolLM2-135M-Instruct", "cpu": cpu_name(), "executor": "ray",
+           "num_memory_workers": num_memory_workers, "rows": rows}
+    return overlap_report(res, groups, context, "overlap", out_dir)
+
+
+def overlap_case(llm, batch: int, context: int, groups: int, steps: int) -> dict:
+    """One `bench_overlap` row: `decode_case` with the data-plane time a step and the
+    share of it hidden behind attention, from its trace."""
+    from lamina.trace import hidden_fraction, transfer_seconds
+
+    r = decode_case(llm, batch, context, "none", steps)
+    spans = r.pop("spans")
+    r.update(groups=groups, hidden=hidden_fraction(spans),
+             data_plane_ms=1e3 * transfer_seconds(spans) / steps)
+    print(f"B={batch} groups={groups}: {r['tok_s']:.1f} tok/s, data plane "
+          f"{r['data_plane_ms']:.1f} ms/step, hidden {r['hidden'] or 0:.0%}", flush=True)
+    return r
+
+
+def overlap_report(res: dict, groups, context: int, name: str,
+                   out_dir: str | Path) -> dict:
+    """`res["rows"]` (`overlap_case`s) as a table against the first stream width,
+    written as JSON + Markdown under `name` and printed."""
+    rows = sorted(res["rows"], key=lambda r: (r["batch"], r["groups"]))
     base = {r["batch"]: r["tok_s"] for r in rows if r["groups"] == groups[0]}
     table = [["B", "context", "groups", "tok/s", f"x groups {groups[0]}",
               "data plane ms/step", "hidden behind attention"]]
@@ -317,9 +331,7 @@ def bench_overlap(model: str | None = None, batches=(8, 32, 128), context: int =
         table.append([str(r["batch"]), str(context), str(r["groups"]), f"{r['tok_s']:.1f}",
                       f"{r['tok_s'] / base[r['batch']]:.2f}", f"{r['data_plane_ms']:.1f}",
                       f"{(r['hidden'] or 0):.0%}"])
-    res = {"model": model or "SmolLM2-135M-Instruct", "cpu": cpu_name(), "executor": "ray",
-           "num_memory_workers": num_memory_workers, "rows": rows}
-    jp, mp = _write(Path(out_dir), "overlap", res, table)
+    jp, mp = _write(Path(out_dir), name, {**res, "rows": rows}, table)
     print("\n".join(" | ".join(r) for r in table))
     print(f"wrote {jp} and {mp}")
     return res

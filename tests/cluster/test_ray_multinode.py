@@ -24,61 +24,13 @@ import pytest
 import ray
 
 from lamina import LLM, SamplingParams
+from lamina.bench.netns import Namespaces, make_namespaces, sh
 from tests.conftest import HF_NEW
 
 pytestmark = pytest.mark.multinode
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 PICK = [0, 1, 3, 5, 7, 9, 12, 14]  # 8 prompts of 5-600 tokens
-SUBNET = "10.213"  # 10.213.<n>.1 this host's end of link n, 10.213.<n>.2 the namespace's
 WORKER_TIMEOUT_S = 5.0
-
-
-def sh(*cmd: str) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    if r.returncode:
-        raise OSError(f"{' '.join(cmd)}: {r.stderr.strip()}")
-
-
-class Namespaces:
-    """Network namespaces `n` = 1, 2, ... each joined to this host by a veth pair."""
-
-    def __init__(self, count: int):
-        tag = os.getpid() % 100000
-        self.names = [f"lmt{tag}n{n}" for n in range(1, count + 1)]
-        self.links = [f"lm{tag}v{n}" for n in range(1, count + 1)]  # this host's ends
-        try:
-            for n, (ns, link) in enumerate(zip(self.names, self.links), 1):
-                sh("ip", "netns", "add", ns)
-                sh("ip", "link", "add", link, "type", "veth", "peer", "name", link + "p")
-                sh("ip", "link", "set", link + "p", "netns", ns)
-                sh("ip", "addr", "add", f"{SUBNET}.{n}.1/24", "dev", link)
-                sh("ip", "link", "set", link, "up")
-                for cmd in (("ip", "addr", "add", f"{SUBNET}.{n}.2/24", "dev", link + "p"),
-                            ("ip", "link", "set", link + "p", "up"),
-                            ("ip", "link", "set", "lo", "up"),
-                            ("ip", "route", "add", "default", "via", f"{SUBNET}.{n}.1")):
-                    sh("ip", "netns", "exec", ns, *cmd)
-        except OSError:
-            self.remove()
-            raise
-
-    def ip(self, n: int) -> str:
-        return f"{SUBNET}.{n}.2"
-
-    def remove(self) -> None:
-        for ns, link in zip(self.names, self.links):
-            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-
-
-def make_namespaces(count: int) -> tuple[Namespaces | None, str]:
-    """-> (the namespaces, "") or (None, why they cannot be made here)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return None, "network namespaces need root and iproute2's `ip`"
-    try:
-        return Namespaces(count), ""
-    except OSError as e:
-        return None, f"cannot make network namespaces here: {e}"
 
 
 @pytest.fixture(scope="module")

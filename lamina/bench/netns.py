@@ -1,0 +1,104 @@
+"""Emulated hosts on this machine, for benchmarks and tests that need a real network hop.
+
+Data in: how many hosts, their subnet prefix and, optionally, a link rate. Data out:
+network namespaces, host n joined to this one by a veth pair (`<subnet>.<n>.1` on this
+side, `<subnet>.<n>.2` in the namespace, its default route through this side), both ends
+shaped by `tc tbf` when a rate is given (`tc netem` is not available on these machines;
+tbf is); `listen` makes a TCP server socket inside one. Needs root and iproute2; every
+namespace and link goes with `remove`.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import socket
+import subprocess
+import threading
+
+CLONE_NEWNET = 0x40000000
+
+
+def sh(*cmd: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if r.returncode:
+        raise OSError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+
+class Namespaces:
+    """Network namespaces n = 1, 2, ... each joined to this host by a veth pair."""
+
+    def __init__(self, count: int, subnet: str = "10.213", rate_mbit: int | None = None):
+        tag = os.getpid() % 100000
+        self.subnet = subnet
+        self.names = [f"lmt{tag}n{n}" for n in range(1, count + 1)]
+        self.links = [f"lm{tag}v{n}" for n in range(1, count + 1)]  # this host's ends
+        shape = () if rate_mbit is None else (
+            "tc", "qdisc", "add", "dev", "{dev}", "root", "tbf", "rate", f"{rate_mbit}mbit",
+            "burst", "256kb", "latency", "100ms")
+        try:
+            for n, (ns, link) in enumerate(zip(self.names, self.links), 1):
+                sh("ip", "netns", "add", ns)
+                sh("ip", "link", "add", link, "type", "veth", "peer", "name", link + "p")
+                sh("ip", "link", "set", link + "p", "netns", ns)
+                sh("ip", "addr", "add", f"{self.host_ip(n)}/24", "dev", link)
+                sh("ip", "link", "set", link, "up")
+                if shape:
+                    sh(*(x.format(dev=link) for x in shape))
+                for cmd in (("ip", "addr", "add", f"{self.ip(n)}/24", "dev", link + "p"),
+                            ("ip", "link", "set", link + "p", "up"),
+                            ("ip", "link", "set", "lo", "up"),
+                            ("ip", "route", "add", "default", "via", self.host_ip(n)),
+                            *([tuple(x.format(dev=link + "p") for x in shape)] if shape
+                              else [])):
+                    sh("ip", "netns", "exec", ns, *cmd)
+        except OSError:
+            self.remove()
+            raise
+
+    def ip(self, n: int) -> str:
+        """Host n's address (inside its namespace)."""
+        return f"{self.subnet}.{n}.2"
+
+    def host_ip(self, n: int) -> str:
+        """This side's address on host n's link."""
+        return f"{self.subnet}.{n}.1"
+
+    def listen(self, n: int) -> socket.socket:
+        """A listening TCP socket at host n's address, made inside its namespace (on a
+        thread that joins it: a socket keeps the namespace it was made in)."""
+        out: list = []
+
+        def make():
+            try:
+                fd = os.open(f"/var/run/netns/{self.names[n - 1]}", os.O_RDONLY)
+                try:
+                    if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET):
+                        raise OSError(ctypes.get_errno(), "setns")
+                finally:
+                    os.close(fd)
+                out.append(socket.create_server((self.ip(n), 0)))
+            except OSError as e:
+                out.append(e)
+
+        t = threading.Thread(target=make)
+        t.start()
+        t.join()
+        if isinstance(out[0], OSError):
+            raise out[0]
+        return out[0]
+
+    def remove(self) -> None:
+        for ns, link in zip(self.names, self.links):
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def make_namespaces(count: int, **kw) -> tuple[Namespaces | None, str]:
+    """-> (the namespaces, "") or (None, why they cannot be made here)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return None, "network namespaces need root and iproute2's `ip`"
+    try:
+        return Namespaces(count, **kw), ""
+    except OSError as e:
+        return None, f"cannot make network namespaces here: {e}"
