@@ -86,6 +86,11 @@ struct Ring {
     if (off + n > cap) { pos += cap - off; off = 0; }
     return off;
   }
+  bool has_room(int64_t n) const {  // a payload of n bytes, placed now, overwrites nothing unread
+    Ring r = *this;
+    r.place(n);
+    return r.pos + n - consumed->load(std::memory_order_acquire) <= cap;
+  }
 };
 
 // The socket end: exact reads (buffered bytes first), gather writes, poll for timeouts.
@@ -267,15 +272,10 @@ int64_t stage_head(Ring* ring, const std::vector<int64_t>& shape, at::ScalarType
   std::memcpy(h + 8, &lay, 4); std::memcpy(h + 12, &step, 8); std::memcpy(h + 20, &nb, 8);
   for (size_t i = 0; i < shape.size(); ++i) std::memcpy(h + HEADER + 8 * i, &shape[i], 8);
   if (!ring || nbytes < ring->min_bytes || nbytes > ring->cap / 2 || !nbytes) return -1;
-  if (!wait) {
-    Ring r = *ring;  // room at the place the payload would take?
-    r.place(nbytes);
-    if (r.pos + nbytes - ring->consumed->load(std::memory_order_acquire) > ring->cap) return -1;
-  }
+  if (!wait && !ring->has_room(nbytes)) return -1;
   const int64_t off = ring->place(nbytes);
   const auto t0 = std::chrono::steady_clock::now();
-  for (int spins = 0; ring->pos + nbytes - ring->consumed->load(std::memory_order_acquire) >
-                      ring->cap; ++spins) {  // the reader is a full ring behind
+  for (int spins = 0; !ring->has_room(nbytes); ++spins) {  // the reader is a full ring behind
     if (spins < 100) sched_yield(); else std::this_thread::sleep_for(std::chrono::microseconds(100));
     if (timeout_ms >= 0 && std::chrono::steady_clock::now() - t0 >
                                std::chrono::milliseconds(timeout_ms))
@@ -422,9 +422,9 @@ double monotonic_s() {  // the clock Python's perf_counter reads on Linux
 
 namespace {
 // One stream group of a step's requests (all of them when the step is not streamed):
-// its n query rows from q0, its m KV rows' slots (idx) and its `SlotBatch`, rebased.
+// its n query rows, its m KV rows' slots (idx) and its `SlotBatch`, rebased.
 struct Group {
-  int64_t q0 = 0, n = 0, m = 0;
+  int64_t n = 0, m = 0;
   at::Tensor idx, cu_q, q_pos, slots, cu_k, k_pos0;
 };
 
@@ -432,7 +432,7 @@ struct Group {
 // contiguous whole requests, each answered by its own output frame).
 std::vector<Group> step_groups(const ServeStep& s, const at::Tensor& idx, int64_t n, int64_t m) {
   if (s.group_ends.empty())
-    return {Group{0, n, m, idx, s.cu_q, s.q_pos, s.slots, s.cu_k, s.k_pos0}};
+    return {Group{n, m, idx, s.cu_q, s.q_pos, s.slots, s.cu_k, s.k_pos0}};
   const int64_t b = s.cu_q.numel() - 1;
   TORCH_CHECK(n == m, "ServeStep.group_ends: a streamed step stores the k/v of exactly its "
               "query rows (", n, " query, ", m, " KV rows)");
@@ -444,7 +444,7 @@ std::vector<Group> step_groups(const ServeStep& s, const at::Tensor& idx, int64_
     TORCH_CHECK(a < e && e <= b, "ServeStep.group_ends must rise to the batch's ", b,
                 " requests, got ", e, " after ", a);
     const int64_t q0 = cqp[a], q1 = cqp[e], k0 = ckp[a], k1 = ckp[e];
-    out.push_back(Group{q0, q1 - q0, q1 - q0, idx.narrow(0, q0, q1 - q0),
+    out.push_back(Group{q1 - q0, q1 - q0, idx.narrow(0, q0, q1 - q0),
                         s.cu_q.narrow(0, a, e - a + 1) - q0, s.q_pos.narrow(0, q0, q1 - q0),
                         s.slots.narrow(0, k0, k1 - k0), s.cu_k.narrow(0, a, e - a + 1) - k0,
                         s.k_pos0.narrow(0, a, e - a)});

@@ -33,9 +33,11 @@ class Namespaces:
         self.subnet = subnet
         self.names = [f"lmt{tag}n{n}" for n in range(1, count + 1)]
         self.links = [f"lm{tag}v{n}" for n in range(1, count + 1)]  # this host's ends
-        shape = () if rate_mbit is None else (
-            "tc", "qdisc", "add", "dev", "{dev}", "root", "tbf", "rate", f"{rate_mbit}mbit",
-            "burst", "256kb", "latency", "100ms")
+        def shape(dev: str) -> list[tuple[str, ...]]:  # both ends of a link: tc tbf
+            return [] if rate_mbit is None else [(
+                "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
+                "burst", "256kb", "latency", "100ms")]
+
         try:
             for n, (ns, link) in enumerate(zip(self.names, self.links), 1):
                 sh("ip", "netns", "add", ns)
@@ -43,14 +45,13 @@ class Namespaces:
                 sh("ip", "link", "set", link + "p", "netns", ns)
                 sh("ip", "addr", "add", f"{self.host_ip(n)}/24", "dev", link)
                 sh("ip", "link", "set", link, "up")
-                if shape:
-                    sh(*(x.format(dev=link) for x in shape))
+                for cmd in shape(link):
+                    sh(*cmd)
                 for cmd in (("ip", "addr", "add", f"{self.ip(n)}/24", "dev", link + "p"),
                             ("ip", "link", "set", link + "p", "up"),
                             ("ip", "link", "set", "lo", "up"),
                             ("ip", "route", "add", "default", "via", self.host_ip(n)),
-                            *([tuple(x.format(dev=link + "p") for x in shape)] if shape
-                              else [])):
+                            *shape(link + "p")):
                     sh("ip", "netns", "exec", ns, *cmd)
         except OSError:
             self.remove()

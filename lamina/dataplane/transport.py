@@ -233,14 +233,14 @@ class ShmRing:
     def write(self, t: torch.Tensor) -> None:
         src = t.reshape(-1).view(torch.uint8)
         n = src.numel()
-        off = self._place(n)
         spins, t0 = 0, time.monotonic()
-        while self.pos + n - self._ctrl[0] > self.cap:  # reader a full ring behind
+        while not self.has_room(n):  # reader a full ring behind
             spins += 1
             time.sleep(0 if spins < 100 else 1e-4)
             if self.timeout_s is not None and time.monotonic() - t0 > self.timeout_s:
                 raise PeerTimeout(f"shared-memory ring {self.path}: the peer read nothing "
                                   f"for {self.timeout_s:g} s")
+        off = self._place(n)
         self.data[off:off + n].copy_(src)
         self.pos += n
 
