@@ -1,7 +1,7 @@
 """A model like one traced before in this process (same class, config, dtypes) takes that
 trace rebound to its own weights: its split gives its own HF logits, reads only its own
-tensors, and the first model's split is untouched; another config, or reuse=False,
-traces afresh."""
+tensors, and the first model's split is untouched; another config, a module's forward
+replaced on the instance, or reuse=False, traces afresh."""
 import pytest
 import torch
 
@@ -55,3 +55,15 @@ def test_another_config_or_no_reuse_traces_afresh():
     logits_close(deeper, sm, 3)
     trace(a, reuse=False)
     assert trace_stats["traced"] == before["traced"] + 2
+
+
+def test_a_model_with_a_forward_replaced_on_the_instance_traces_afresh():
+    split_model(tiny_model("llama"))  # its trace is cached
+    b = tiny_model("llama", seed=1)
+    mlp = b.model.layers[0].mlp
+    orig = mlp.forward
+    mlp.forward = lambda x: 2 * orig(x)  # same class and config, another graph
+    before = dict(trace_stats)
+    sb = split_model(b)
+    assert trace_stats["traced"] == before["traced"] + 1
+    logits_close(b, sb, 4)  # the cached graph (no doubling) would miss HF's logits
