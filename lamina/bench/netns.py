@@ -5,12 +5,15 @@ network namespaces, host n joined to this one by a veth pair (`<subnet>.<n>.1` o
 side, `<subnet>.<n>.2` in the namespace, its default route through this side), both ends
 shaped by `tc tbf` when a rate is given (`tc netem` is not available on these machines;
 tbf is); `listen` makes a TCP server socket inside one. Needs root and iproute2; every
-namespace and link goes with `remove`.
+namespace and link goes with `remove`, and those of a process that died before it did
+(a killed test run) go when the next ones are made: their routes would shadow the new
+links of the same subnet.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -29,7 +32,7 @@ class Namespaces:
     """Network namespaces n = 1, 2, ... each joined to this host by a veth pair."""
 
     def __init__(self, count: int, subnet: str = "10.213", rate_mbit: int | None = None):
-        tag = os.getpid() % 100000
+        tag = os.getpid()  # names say whose they are (`remove_stale`)
         self.subnet = subnet
         self.names = [f"lmt{tag}n{n}" for n in range(1, count + 1)]
         self.links = [f"lm{tag}v{n}" for n in range(1, count + 1)]  # this host's ends
@@ -95,11 +98,38 @@ class Namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces (and this side's link ends) of processes no longer alive;
+    -> their names."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                         timeout=30).stdout
+    gone = []
+    for name in (line.split()[0] for line in out.splitlines() if line.strip()):
+        m = re.fullmatch(r"lmt(\d+)n(\d+)", name)
+        if m and not _alive(int(m[1])):
+            subprocess.run(["ip", "link", "del", f"lm{m[1]}v{m[2]}"], capture_output=True,
+                           timeout=30)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            gone.append(name)
+    return gone
+
+
 def make_namespaces(count: int, **kw) -> tuple[Namespaces | None, str]:
     """-> (the namespaces, "") or (None, why they cannot be made here)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return None, "network namespaces need root and iproute2's `ip`"
     try:
+        remove_stale()
         return Namespaces(count, **kw), ""
     except OSError as e:
         return None, f"cannot make network namespaces here: {e}"
