@@ -23,8 +23,10 @@ run: setup
 	  "What is the capital of France?" "Write a haiku about memory." \
 	  "Explain attention in one sentence." "List three prime numbers."
 
+# two xdist workers: the Ray and namespace tests in order on one, every other file whole
+# on either (tests/conftest.py); 15 min against 22 on one worker (2 cores)
 test: setup
-	$(PY) -m pytest -q tests --durations=25
+	$(PY) -m pytest -q tests -n 2 --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -15,7 +15,29 @@ if not torch.cuda.is_available():
 # it on for some processes and not others.
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# Under pytest-xdist (`make test` runs two workers) each worker keeps to one thread, so
+# the two share the cores instead of oversubscribing them.
+_XDIST = "PYTEST_XDIST_WORKER" in os.environ
+torch.set_num_threads(1 if _XDIST else max(1, min(2, torch.get_num_threads())))
+
+# `make test` runs two xdist workers. Tests that start Ray clusters or make network
+# namespaces run one after another on one of them (a second local Ray cluster beside
+# them would fight for the same two cores, and their timeouts are about the cluster's
+# own workers); every other test file runs whole on one worker, so its module fixtures
+# are built once. (xdist's own "loadgroup" marks do not group under pytest 9.2.)
+_SERIAL = ("tests/cluster/", "tests/lamina/test_netns.py")
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent without it
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndOneSerialScope(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return "serial" if path.startswith(_SERIAL) else path
+
+    return FilesAndOneSerialScope(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -68,3 +90,4 @@ def smol_packed(smol_split):
     packed, choice = pack_dense(smol_split, "onednn")
     assert choice.backend == "onednn"
     return packed
+
