@@ -15,16 +15,16 @@ if not torch.cuda.is_available():
 # it on for some processes and not others.
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
-# Under pytest-xdist (`make test` runs two workers) each worker keeps to one thread, so
-# the two share the cores instead of oversubscribing them.
+# `make test` runs two pytest-xdist workers. Each keeps torch to one thread, so the two
+# share the cores instead of oversubscribing them. Tests that start Ray clusters or make
+# network namespaces run one after another on one of them (a second local Ray cluster
+# beside them would fight for the same two cores, and their timeouts are about the
+# cluster's own workers); every other test file runs whole on one worker, so its module
+# fixtures are built once. The scope rule is xdist's own way to group (its LoadFile and
+# LoadGroup schedulers override `_split_scope` alike); its "loadgroup" marks do not group
+# under pytest 9.2, which keeps node ids where xdist no longer writes them.
 _XDIST = "PYTEST_XDIST_WORKER" in os.environ
 torch.set_num_threads(1 if _XDIST else max(1, min(2, torch.get_num_threads())))
-
-# `make test` runs two xdist workers. Tests that start Ray clusters or make network
-# namespaces run one after another on one of them (a second local Ray cluster beside
-# them would fight for the same two cores, and their timeouts are about the cluster's
-# own workers); every other test file runs whole on one worker, so its module fixtures
-# are built once. (xdist's own "loadgroup" marks do not group under pytest 9.2.)
 _SERIAL = ("tests/cluster/", "tests/lamina/test_netns.py")
 
 
@@ -90,4 +90,3 @@ def smol_packed(smol_split):
     packed, choice = pack_dense(smol_split, "onednn")
     assert choice.backend == "onednn"
     return packed
-
