@@ -6,7 +6,7 @@
 #   (default: tune bench kernels). e2e and exact need the default model and two wheels,
 #   carried in by the kit of benchmarks/gpu_kit.sh (its header says how).
 set -u
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: steps cd
 ROOT=$(pwd); PKG=$(mktemp -d)
 mkdir -p "$PKG/lamina"
 for f in "$ROOT"/lamina/*; do ln -s "$f" "$PKG/lamina/"; done
@@ -46,7 +46,7 @@ for s in $steps; do
     tune) timeout 200 python3 benchmarks/tune_triton.py --kernel heads --dtype bf16 \
             --out "$OUT/tune_heads_bf16.json" 2>&1 | tee "$OUT/tune.log" ;;
     bench) (cd "$PKG" && timeout 240 python3 -m lamina.entrypoints.cli bench attention \
-             --device cuda --out "$(realpath "$ROOT/$OUT" 2>/dev/null || echo "$OUT")") \
+             --device cuda --out "$OUT") \
              2>&1 | tee "$OUT/bench.log" ;;
     kernels|tests) (cd "$PKG" && timeout 150 python3 -m pytest -q -p no:cacheprovider \
              --import-mode=append --rootdir="$ROOT" "$ROOT/tests/kernels/test_triton_backend.py") \
@@ -54,7 +54,7 @@ for s in $steps; do
     model) model && (cd "$PKG" && python3 -c "from lamina.model.loader import \
              default_model_path as p; print('model at', p())") ;;
     e2e) model && (cd "$PKG" && timeout 330 python3 -m lamina.entrypoints.cli bench e2e \
-             --device cuda --repeat 2 --out "$(realpath "$ROOT/$OUT")") 2>&1 | tee "$OUT/e2e.log" ;;
+             --device cuda --repeat 2 --out "$OUT") 2>&1 | tee "$OUT/e2e.log" ;;
     exact) model && (cd "$PKG" && timeout 200 python3 -m pytest -q -p no:cacheprovider \
              --import-mode=append --rootdir="$ROOT" "$ROOT/tests/lamina/test_compute_device.py" \
              "$ROOT/tests/lamina/test_gpu_memory.py") 2>&1 | tee "$OUT/exact.log" ;;

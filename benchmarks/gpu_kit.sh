@@ -5,8 +5,11 @@
 # file), and the default model's GGUF (98 MB) cut into two halves, because one call
 # carries at most 64 MiB. benchmarks/gpu_check.sh puts the halves back together.
 #   bash benchmarks/gpu_kit.sh        (here, with `make setup` done)
-# Then two calls, back to back (a machine stays warm ~30 s; the first half stays there):
-#   run(carry=[".gpukit/whl", ".gpukit/a"], command="bash benchmarks/gpu_check.sh tune bench kernels")
+# Then two calls, back to back: a machine goes back 30 s after a call, and the first
+# half must still be there for the second (put both calls in one batch of tool calls).
+# The second call's steps take ~5 min on an H100; 15 min of device time is a session's
+# all, so keep the first call short (the kernel tests, ~2-3 min):
+#   run(carry=[".gpukit/whl", ".gpukit/a"], command="bash benchmarks/gpu_check.sh kernels")
 #   run(carry=[".gpukit/whl", ".gpukit/b"], command="bash benchmarks/gpu_check.sh e2e exact")
 set -euo pipefail
 cd "$(dirname "$0")/.."
