@@ -2,7 +2,7 @@
 # The GPU checks of issue 32 in one go, on a machine with a CUDA GPU, torch and triton
 # (no install: the repo's folders are mapped to the `lamina` package through a shadow
 # tree of links). Writes logs and results under ${OUT:-gpu_out}.
-#   bash benchmarks/gpu_check.sh [tune|bench|kernels|model|e2e|exact ...]
+#   bash benchmarks/gpu_check.sh [tune|bench|kernels|model|e2e|exact|suite ...]
 #   (default: tune bench kernels). e2e and exact need the default model and two wheels,
 #   carried in by the kit of benchmarks/gpu_kit.sh (its header says how).
 set -u
@@ -58,6 +58,11 @@ for s in $steps; do
     exact) model && (cd "$PKG" && timeout 200 python3 -m pytest -q -p no:cacheprovider \
              --import-mode=append --rootdir="$ROOT" "$ROOT/tests/lamina/test_compute_device.py" \
              "$ROOT/tests/lamina/test_gpu_memory.py") 2>&1 | tee "$OUT/exact.log" ;;
+    # the suite but the Ray tests (the image has no ray; its wheel alone is 79 MB), on 8
+    # xdist workers; SUITE overrides what it runs
+    suite) model && (cd "$PKG" && timeout 480 python3 -m pytest -q -p no:cacheprovider \
+             --import-mode=append --rootdir="$ROOT" -n 8 ${SUITE:-"$ROOT/tests" \
+             --ignore="$ROOT/tests/cluster"}) 2>&1 | tee "$OUT/suite.log" ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -2,27 +2,54 @@
 # What the GPU machine lacks for the model-level checks of issue 32, packed here into
 # .gpukit/ (git-ignored) so the device tool's `carry` can take it: the wheels of the
 # packages its image does not hold (msgspec for the step messages, gguf for the model
-# file), and the default model's GGUF (98 MB) cut into two halves, because one call
-# carries at most 64 MiB. benchmarks/gpu_check.sh puts the halves back together.
+# file, fastapi, uvicorn, openai and jsonschema for the server and cost-report tests),
+# and the default model's GGUF (98 MB) cut into two halves, because one call carries at
+# most 64 MiB. benchmarks/gpu_check.sh puts the halves back together.
 #   bash benchmarks/gpu_kit.sh        (here, with `make setup` done)
 # Then two calls, back to back: a machine goes back 30 s after a call, and the first
 # half must still be there for the second (put both calls in one batch of tool calls).
-# The second call's steps take ~5 min on an H100; 15 min of device time is a session's
-# all, so keep the first call short (the kernel tests, ~2-3 min):
-#   run(carry=[".gpukit/whl", ".gpukit/a"], command="bash benchmarks/gpu_check.sh kernels")
-#   run(carry=[".gpukit/whl", ".gpukit/b"], command="bash benchmarks/gpu_check.sh e2e exact")
+# 15 min of device time is a session's all, so the first call only brings the first half
+# (the second call's suite runs the kernel tests too):
+#   run(carry=[".gpukit/a"], command="ls -la .gpukit/a")
+#   run(carry=[".gpukit/whl", ".gpukit/b"], command="bash benchmarks/gpu_check.sh e2e suite")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 KIT=.gpukit
 rm -rf "$KIT" && mkdir -p "$KIT/whl" "$KIT/a" "$KIT/b"
-# the device image's python is 3.12 (KINDS.md; KIT_PY overrides it, to try the kit here);
-# pure-python or manylinux wheels only
+# The wheels: what the package, the model file and the tests import beyond the image's
+# own packages, with everything they need (from this venv's metadata, at this venv's
+# versions), except the large packages the image holds (KINDS.md). They go first on the
+# path there, so a carried one shadows the image's. The device's python is 3.12
+# (KINDS.md; KIT_PY overrides it, to try the kit here); pure-python or manylinux only.
+WHEELS=$("$PY" - <<'PYEOF'
+import importlib.metadata as md
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name as cn
+ROOTS = ["msgspec", "gguf", "fastapi", "uvicorn", "openai", "jsonschema", "httpx", "anyio",
+         "typing-extensions"]
+IMAGE = {cn(n) for n in """torch numpy triton transformers tokenizers huggingface-hub
+    safetensors pyyaml requests tqdm click idna certifi urllib3 charset-normalizer attrs h11
+    packaging filelock fsspec sympy mpmath networkx jinja2 markupsafe setuptools regex pillow
+    hf-xet zipp""".split()}
+seen = {}
+def walk(name):
+    if cn(name) in seen or cn(name) in IMAGE:
+        return
+    dist = md.distribution(name)
+    seen[cn(name)] = dist.version
+    for r in map(Requirement, dist.requires or []):
+        if not r.marker or r.marker.evaluate({"extra": "", "python_version": "3.12"}):
+            walk(r.name)
+for r in ROOTS:
+    walk(r)
+print(" ".join(f"{n}=={v}" for n, v in sorted(seen.items())))
+PYEOF
+)
+# shellcheck disable=SC2086  # one word a wheel
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "${KIT_PY:-3.12}" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$KIT/whl" \
-    "msgspec==$("$PY" -c 'import msgspec; print(msgspec.__version__)')" \
-    "gguf==$("$PY" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+    --platform manylinux2014_x86_64 -d "$KIT/whl" $WHEELS
 GGUF=$("$PY" -c 'from lamina.model.loader import default_model_path; print(default_model_path())')
 size=$(stat -c %s "$GGUF")
 half=$(( (size + 1) / 2 ))
