@@ -3,8 +3,8 @@
 # (no install: the repo's folders are mapped to the `lamina` package through a shadow
 # tree of links). Writes logs and results under ${OUT:-gpu_out}.
 #   bash benchmarks/gpu_check.sh [tune|bench|kernels|model|e2e|exact|suite ...]
-#   (default: tune bench kernels). e2e and exact need the default model and two wheels,
-#   carried in by the kit of benchmarks/gpu_kit.sh (its header says how).
+#   (default: tune bench kernels). model, e2e, exact and suite need the default model
+#   and the wheels that the kit of benchmarks/gpu_kit.sh carries in (its header says how).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: steps cd
 ROOT=$(pwd); PKG=$(mktemp -d)
