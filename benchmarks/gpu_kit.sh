@@ -56,6 +56,5 @@ half=$(( (size + 1) / 2 ))
 head -c "$half" "$GGUF" > "$KIT/a/model.part"
 tail -c +"$(( half + 1 ))" "$GGUF" > "$KIT/b/model.part"
 # the whole file's name and checksum, checked after the halves are joined
-echo "$(sha256sum "$GGUF" | cut -d' ' -f1) $(basename "$GGUF")" | tee "$KIT/a/model.sha256" \
-    > "$KIT/b/model.sha256"
+echo "$(sha256sum "$GGUF" | cut -d' ' -f1) $(basename "$GGUF")" > "$KIT/b/model.sha256"
 du -sh "$KIT"/*

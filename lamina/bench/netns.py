@@ -28,14 +28,27 @@ def sh(*cmd: str) -> None:
         raise OSError(f"{' '.join(cmd)}: {r.stderr.strip()}")
 
 
+def host_names(pid: int, n: int) -> tuple[str, str]:
+    """Host n's namespace and this side's link end, for the process `pid` that made them
+    (`remove_stale` reads the pid back)."""
+    return f"lmt{pid}n{n}", f"lm{pid}v{n}"
+
+
+def delete_host(ns: str, link: str) -> None:
+    """Remove a namespace and this side's end of its link (the peer end goes with it);
+    either may be gone already."""
+    subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
 class Namespaces:
     """Network namespaces n = 1, 2, ... each joined to this host by a veth pair."""
 
     def __init__(self, count: int, subnet: str = "10.213", rate_mbit: int | None = None):
-        tag = os.getpid()  # names say whose they are (`remove_stale`)
         self.subnet = subnet
-        self.names = [f"lmt{tag}n{n}" for n in range(1, count + 1)]
-        self.links = [f"lm{tag}v{n}" for n in range(1, count + 1)]  # this host's ends
+        names = [host_names(os.getpid(), n) for n in range(1, count + 1)]
+        self.names = [ns for ns, _ in names]
+        self.links = [link for _, link in names]  # this host's ends
         def shape(dev: str) -> list[tuple[str, ...]]:  # both ends of a link: tc tbf
             return [] if rate_mbit is None else [(
                 "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
@@ -94,8 +107,7 @@ class Namespaces:
 
     def remove(self) -> None:
         for ns, link in zip(self.names, self.links):
-            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=30)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            delete_host(ns, link)
 
 
 def _alive(pid: int) -> bool:
@@ -117,17 +129,22 @@ def remove_stale() -> list[str]:
     for name in (line.split()[0] for line in out.splitlines() if line.strip()):
         m = re.fullmatch(r"lmt(\d+)n(\d+)", name)
         if m and not _alive(int(m[1])):
-            subprocess.run(["ip", "link", "del", f"lm{m[1]}v{m[2]}"], capture_output=True,
-                           timeout=30)
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            delete_host(*host_names(int(m[1]), int(m[2])))
             gone.append(name)
     return gone
 
 
+def unavailable() -> str:
+    """Why network namespaces cannot be made here; "" where they can be tried."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return "network namespaces need root and iproute2's `ip`"
+    return ""
+
+
 def make_namespaces(count: int, **kw) -> tuple[Namespaces | None, str]:
     """-> (the namespaces, "") or (None, why they cannot be made here)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return None, "network namespaces need root and iproute2's `ip`"
+    if why := unavailable():
+        return None, why
     try:
         remove_stale()
         return Namespaces(count, **kw), ""

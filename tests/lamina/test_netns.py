@@ -10,7 +10,13 @@ import time
 
 import pytest
 
-from lamina.bench.netns import make_namespaces, sh
+from lamina.bench.netns import delete_host, host_names, make_namespaces, sh, unavailable
+
+
+def listed() -> tuple[str, str]:
+    """This host's links and its namespaces, as `ip` lists them."""
+    return tuple(subprocess.run(cmd, capture_output=True, text=True).stdout
+                 for cmd in (["ip", "-o", "link"], ["ip", "netns", "list"]))
 
 
 def test_a_shaped_link_carries_tcp_at_its_rate():
@@ -41,27 +47,23 @@ def test_a_shaped_link_carries_tcp_at_its_rate():
         assert seconds >= 0.8 * len(payload) * 8 / 100e6, seconds  # 100 Mbit/s: 0.34 s
     finally:
         nets.remove()
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links, spaces = listed()
     assert nets.links[0] not in links and nets.names[0] not in spaces
 
 
 def test_what_a_dead_process_left_is_removed_before_new_ones_are_made():
-    none, why = make_namespaces(0)  # nothing made: is it possible here?
-    if none is None:
+    if why := unavailable():
         pytest.skip(why)
     dead = subprocess.Popen(["true"])
     dead.wait()  # its pid names the leftovers, as a killed run's would
-    ns, link = f"lmt{dead.pid}n1", f"lm{dead.pid}v1"
+    ns, link = host_names(dead.pid, 1)
     sh("ip", "netns", "add", ns)
     sh("ip", "link", "add", link, "type", "veth", "peer", "name", link + "p")
     sh("ip", "addr", "add", "10.216.1.1/24", "dev", link)  # the subnet the new ones take
     sh("ip", "link", "set", link, "up")
     nets, why = make_namespaces(1, subnet="10.216")
     try:
-        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-        spaces = subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                text=True).stdout
+        links, spaces = listed()
         assert link not in links and ns not in spaces
         srv = nets.listen(1)  # reachable at its address: no stale route in the way
         with socket.create_connection(srv.getsockname(), timeout=10):
@@ -70,5 +72,4 @@ def test_what_a_dead_process_left_is_removed_before_new_ones_are_made():
     finally:
         if nets is not None:
             nets.remove()
-        subprocess.run(["ip", "link", "del", link], capture_output=True)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        delete_host(ns, link)
