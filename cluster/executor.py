@@ -32,6 +32,7 @@ from dataclasses import replace
 import ray
 
 from lamina import ONEDNN_CACHE
+from lamina.dataplane.collective import Rendezvous, collective_backend
 from lamina.dataplane.control import ControlClient, StepError
 from lamina.dataplane.rdma import RdmaSupport, TransportChoice, choose_transport, probe
 from lamina.dataplane.transport import SocketChannel, connect_stream, shm_enabled
@@ -287,7 +288,8 @@ class RayExecutor(Executor):
                     s = RdmaSupport(False, s.devices, f"compute node: {here.why}")
                 support[w] = s
         near = RdmaSupport(False, (), "same node")
-        return [choose_transport(n == node, shm_enabled(), support.get(w, near))
+        collective = collective_backend(self.config.compute_device, self.config.kv_device)
+        return [choose_transport(n == node, shm_enabled(), support.get(w, near), collective)
                 for w, n in zip(self.memory, nodes)]
 
     def _get(self, refs, what: str):
@@ -515,6 +517,8 @@ def transport(address: tuple) -> str:
     """How the compute worker reaches a memory worker at `address` (`MemoryWorker.listen`)."""
     if address[0] == "rdma":
         return f"rdma qp {address[1]['qp_num']}"
+    if isinstance(address[-1], Rendezvous):  # tensors over a collective path
+        return f"{transport(address[:-1])} + {address[-1].backend}"
     if address[0] == "unix":
         return "unix socket + shared memory" if len(address) == 5 else "unix socket"
     return f"tcp {address[1]}:{address[2]}"

@@ -13,12 +13,20 @@ Ray only creates, configures and supervises it (setup / listen / health calls).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
 import ray
 import torch
 
+from lamina.dataplane.collective import (
+    BACKENDS,
+    CollectiveError,
+    Rendezvous,
+    host_store,
+    open_path,
+)
 from lamina.dataplane.protocol import MemoryServer
 from lamina.dataplane.transport import (
     ShmRing,
@@ -31,6 +39,8 @@ from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool
 from lamina.trace import Tracer
 
+log = logging.getLogger(__name__)
+LOCAL = "127.0.0.1"  # a co-located pair's collective path meets here
 RING_BYTES = 64 << 20  # per direction; larger payloads go inline on the socket
 
 
@@ -87,9 +97,17 @@ class MemoryWorker:
             self._rdma.append((PyverbsVerbs(), threading.Event()))
             threading.Thread(target=self._serve_rdma, args=(n, replica), daemon=True).start()
             return ("rdma", self._rdma[n][0].endpoint().to_wire())
-        unix = kind in ("unix", "unix+shm")
+        base, _, extra = kind.partition("+")
+        unix = base == "unix"
         srv, addr = listen_stream(unix, ray.util.get_node_ip_address(),
                                   f"mem{self.index}-{replica}")
+        if extra in BACKENDS:  # tensors over a collective path: its rendezvous goes along
+            host = LOCAL if unix else ray.util.get_node_ip_address()
+            store, port = host_store(host)
+            rdv = Rendezvous(extra, host, port)
+            threading.Thread(target=self._serve_collective, args=(srv, store, rdv, replica),
+                             daemon=True).start()
+            return (*addr, rdv)
         rings = None
         if kind == "unix+shm" and shm_enabled():
             base = f"/dev/shm/lamina-{os.getpid()}-{self.index}-{replica}"
@@ -126,10 +144,13 @@ class MemoryWorker:
 
     def health(self) -> dict:
         """Its connections' state: the first error, the steps served (summed), every
-        sequence a failed step was blamed on."""
+        sequence a failed step was blamed on, the payloads received on collective
+        paths."""
         ss = self.servers
         return {"error": next((s.error for s in ss if s.error), None),
                 "steps": sum(s.steps for s in ss),
+                "path_payloads": sum(getattr(getattr(s.ch, "peer", None), "received", 0)
+                                     for s in ss),
                 "bad_seqs": sorted({b for s in ss for b in s.bad_seqs}),
                 "sched_batch": getattr(self, "sched_batch", False)}
 
@@ -159,6 +180,19 @@ class MemoryWorker:
         else:
             ch = SocketChannel(conn)
         self._serve_on(ch, replica)
+
+    def _serve_collective(self, srv, store, rdv: Rendezvous, replica: int):
+        """Accept the compute worker, join the path's groups (it joins them after it
+        connects), then serve. A path that cannot open is the compute worker's
+        `connect` error too (its end fails or times out); here it is logged."""
+        conn = nodelay(srv.accept()[0])
+        try:
+            path = open_path(rdv, 1, self.memory.pool.config.device, rdv.host, store=store)
+        except CollectiveError as e:
+            log.error("memory worker %d: %s", self.index, e)
+            conn.close()
+            return
+        self._serve_on(SocketChannel(conn, peer=path), replica)
 
     def _serve_on(self, ch, replica: int) -> None:
         """Serve compute worker `replica`'s steps on `ch` until it closes."""

@@ -103,7 +103,7 @@ def fuse_qkv(q, k, v) -> torch.Tensor:
     """q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, Dv] (any strides) -> [N, F] rows q|k|v."""
     n, hq, d = q.shape
     hkv, dv = k.shape[1], v.shape[2]
-    out = torch.empty(n, hq * d + hkv * (d + dv), dtype=q.dtype)
+    out = torch.empty(n, hq * d + hkv * (d + dv), dtype=q.dtype, device=q.device)
     a, b = hq * d, hq * d + hkv * d
     out[:, :a].unflatten(1, (hq, d)).copy_(q)
     out[:, a:b].unflatten(1, (hkv, d)).copy_(k)
@@ -258,9 +258,15 @@ class SocketLink(MemoryLink):
             raise ValueError(f"stream width must be 1..{MAX_STREAM}, got {stream}")
         # streamed steps send q|k|v groups, one frame each
         self.stream = stream if one_frame else 1
-        # the C++ ends read sockets and shared-memory rings: other channels (RDMA) take
-        # the Python end, which speaks the same frames
-        native = native and all(isinstance(ch, SocketChannel) for ch in channels)
+        # the C++ ends read sockets and shared-memory rings: other channels (RDMA,
+        # collective paths) take the Python end, which speaks the same frames
+        native = native and all(isinstance(ch, SocketChannel) and ch.bytes_only
+                                for ch in channels)
+        # where q/k/v go out from: a GPU when every worker's path takes them from there
+        # (NCCL), else the host (`MemoryLink.device`)
+        devices = {getattr(getattr(ch, "peer", None), "device", None) for ch in channels}
+        if len(devices) == 1 and None not in devices:
+            self.device = devices.pop()
         self.paths = ComputePaths.choose(native, one_frame)
         self._ext = self.paths.ext
         self.exchanges = 0  # layers sent and collected in one C++ call (`exchange`)
@@ -465,7 +471,7 @@ class MemoryServer:
         # Steps of one micro-batch run their layers in C++ (`serve_step`, GIL released)
         # where `paths.memory_native` allows; else this file's Python loop does.
         self._native = memory_native(memory, native and shared is None
-                                     and isinstance(ch, SocketChannel))
+                                     and isinstance(ch, SocketChannel) and ch.bytes_only)
         if self._native is not None:
             self._layers = self._native.MemoryLayers()
             pools = [memory.pool.layer(i) for i in range(len(self.params))]

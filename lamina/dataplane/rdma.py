@@ -42,6 +42,7 @@ import torch
 
 from lamina.dataplane.transport import (
     HEADER,
+    IN_PEER,
     IN_RING,
     Channel,
     FrameError,
@@ -208,8 +209,9 @@ class RdmaChannel(Channel):
         off, start = ring_place(self.pos_in, n, self.cap_in)
         buf = self.v.recv_buf[off:off + n]
         h = parse_header(buf, "RDMA frame")
-        if h.ndim & IN_RING:
-            raise FrameError("RDMA frame says its payload is in a shared-memory ring")
+        if h.ndim & (IN_RING | IN_PEER):
+            raise FrameError("RDMA frame says its payload is elsewhere (a shared-memory "
+                             "ring or a collective path)")
         shape_end = HEADER.size + 8 * h.ndim
         if n < shape_end or n != shape_end + h.nbytes:
             raise FrameError(f"RDMA frame: {n} bytes written, its header says "
@@ -297,14 +299,25 @@ def probe(sysfs: Path = SYSFS) -> RdmaSupport:
 
 @dataclass(frozen=True)
 class TransportChoice:
-    kind: str  # "unix+shm" | "unix" | "rdma" | "tcp"
+    # "unix+shm" | "unix" | "rdma" | "tcp"; with a collective path (the socket carries
+    # the headers and metadata): "unix+nccl" | "tcp+nccl" | "unix+gloo" | "tcp+gloo"
+    kind: str
     why: str
 
 
-def choose_transport(same_node: bool, shm: bool, rdma: RdmaSupport) -> TransportChoice:
-    """A compute / memory worker pair's transport: co-located, a Unix socket (with
-    shared-memory rings where `shm`); on different hosts RDMA where it can run, else
-    TCP. The reason is logged with the choice."""
+def choose_transport(same_node: bool, shm: bool, rdma: RdmaSupport,
+                     collective: str | None = None) -> TransportChoice:
+    """A compute / memory worker pair's transport: with a `collective` backend
+    (`lamina.dataplane.collective.collective_backend`: NCCL where both ends are GPUs),
+    tensors go on it and a Unix socket (co-located) or TCP carries the rest; else
+    co-located, a Unix socket (with shared-memory rings where `shm`); on different hosts
+    RDMA where it can run, else TCP. The reason is logged with the choice."""
+    if collective is not None:
+        base = "unix" if same_node else "tcp"
+        where = "same node" if same_node else "different nodes"
+        how = "GPU to GPU" if collective == "nccl" else "host tensors, LAMINA_COLLECTIVE=gloo"
+        return TransportChoice(f"{base}+{collective}", f"{where}: tensors over {collective} "
+                               f"({how}), the rest on a {base} socket")
     if same_node:
         if shm:
             return TransportChoice("unix+shm", "same node: a Unix socket as the doorbell, "

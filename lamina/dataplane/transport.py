@@ -10,6 +10,8 @@ validation. No pickle: a frame is
 all little-endian. Bit 7 of the ndim byte (`IN_RING`) says the payload is not on the
 stream but in the sender's shared-memory ring (`ShmRing`): co-located workers send
 only headers over the Unix socket (the doorbell) and the bytes through shared memory.
+Bit 6 (`IN_PEER`) says it comes as a torch.distributed point-to-point send
+(`lamina.dataplane.collective`: NCCL from GPU to GPU; gloo on CPU).
 `decode` checks every field (and the layer, step and shape the receiver expects) and
 raises `FrameError` naming what is wrong; nothing malformed reaches the math.
 `SocketChannel` carries frames over a connected stream socket (TCP between hosts, a Unix
@@ -31,6 +33,8 @@ MAGIC, VERSION = b"LMNA", 1
 HEADER = struct.Struct("<4sHBBiqQ")  # magic, version, ndim, dtype, layer, step, nbytes
 MAX_NDIM = 8
 IN_RING = 0x80  # ndim flag: payload in the shared-memory ring
+IN_PEER = 0x40  # ndim flag: payload sent on the channel's collective path
+NDIM = 0x3F  # the ndim byte's dimension count, without the flags
 RECV_BUF = 1 << 18  # receive buffer of a SocketChannel
 DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16, 4: torch.int32,
           5: torch.int64, 6: torch.uint8}
@@ -50,20 +54,26 @@ def encode(t: torch.Tensor, layer: int, step: int) -> list:
     """-> [header bytes, payload memoryview] (send both, in order; no copy of the data).
     Runs for every frame, so plain attribute checks and one numpy view: ~5 us here,
     against 17 for the reshape/view/numpy chain it replaced."""
-    if t.dtype not in CODES:
-        raise FrameError(f"cannot send dtype {t.dtype}")
-    if t.dim() > MAX_NDIM:
-        raise FrameError(f"cannot send a {t.dim()}-D tensor (max {MAX_NDIM})")
+    head = frame_header(t, layer, step)
     if t.requires_grad:
         t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
+    return [head, byte_view(t, t.numel() * t.element_size())]
+
+
+def frame_header(t: torch.Tensor, layer: int, step: int, flags: int = 0) -> bytes:
+    """The header (and shape) of `t`'s frame, `flags` in its ndim byte; `t` may be on
+    any device (its bytes are not touched)."""
+    if t.dtype not in CODES:
+        raise FrameError(f"cannot send dtype {t.dtype}")
+    if t.dim() > MAX_NDIM:
+        raise FrameError(f"cannot send a {t.dim()}-D tensor (max {MAX_NDIM})")
     nbytes = t.numel() * t.element_size()
-    head = HEADER.pack(MAGIC, VERSION, t.dim(), CODES[t.dtype], layer, step, nbytes)
-    head += struct.pack(f"<{t.dim()}q", *t.shape)
-    return [head, byte_view(t, nbytes)]
+    head = HEADER.pack(MAGIC, VERSION, t.dim() | flags, CODES[t.dtype], layer, step, nbytes)
+    return head + struct.pack(f"<{t.dim()}q", *t.shape)
 
 
 def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:
@@ -84,7 +94,7 @@ def shm_enabled() -> bool:
 class FrameHeader:
     """A frame's fixed header, checked (magic, version, dtype code, ndim)."""
 
-    ndim: int  # may carry the IN_RING flag
+    ndim: int  # may carry the IN_RING or IN_PEER flag
     dtype: torch.dtype
     layer: int
     step: int
@@ -102,8 +112,10 @@ def parse_header(buf: bytes, what: str = "frame") -> FrameHeader:
         raise FrameError(f"{what}: version {ver}, this side speaks {VERSION}")
     if code not in DTYPES:
         raise FrameError(f"{what}: unknown dtype code {code}")
-    if ndim & ~IN_RING > MAX_NDIM:
-        raise FrameError(f"{what}: {ndim & ~IN_RING} dims (max {MAX_NDIM})")
+    if ndim & NDIM > MAX_NDIM:
+        raise FrameError(f"{what}: {ndim & NDIM} dims (max {MAX_NDIM})")
+    if ndim & IN_RING and ndim & IN_PEER:
+        raise FrameError(f"{what}: its payload cannot be both in a ring and on a peer path")
     return FrameHeader(ndim, DTYPES[code], layer, step, nbytes)
 
 
@@ -136,6 +148,8 @@ def decode(buf: bytes, **expect) -> tuple[torch.Tensor, int, int]:
     ndim, dtype, layer, step, nbytes = h.ndim, h.dtype, h.layer, h.step, h.nbytes
     if ndim & IN_RING:
         raise FrameError("frame says its payload is in a shared-memory ring; none here")
+    if ndim & IN_PEER:
+        raise FrameError("frame says its payload comes on a collective path; none here")
     off = HEADER.size + 8 * ndim
     if len(buf) < off:
         raise FrameError(f"frame truncated in its shape: {len(buf)} of {off} bytes")
@@ -273,13 +287,22 @@ class SocketChannel(Channel):
     """Frames over a connected stream socket, read through a buffer (one syscall for a
     burst of small frames); big payloads land directly in their tensor. With rings
     (co-located peers) payloads go through shared memory and the socket carries only
-    the headers."""
+    the headers. With a `peer` path (`lamina.dataplane.collective.PeerPath`) the float
+    tensors on its device go as point-to-point sends (GPU to GPU under NCCL), each
+    after its header; the rest stays on the socket."""
 
     def __init__(self, sock: socket.socket, ring_out: ShmRing | None = None,
-                 ring_in: ShmRing | None = None):
-        self.sock, self.ring_out, self.ring_in = sock, ring_out, ring_in
+                 ring_in: ShmRing | None = None, peer=None):
+        self.sock, self.ring_out, self.ring_in, self.peer = sock, ring_out, ring_in, peer
         self._rbuf = bytearray(RECV_BUF)  # received bytes not yet parsed: [_lo, _hi)
         self._rview, self._lo, self._hi = memoryview(self._rbuf), 0, 0
+        self._to_peer: list[torch.Tensor] = []  # staged payloads of the peer path
+
+    @property
+    def bytes_only(self) -> bool:
+        """Whether every payload is bytes on the socket or in a ring: what the C++ ends
+        read (a peer path's payloads are not)."""
+        return self.peer is None
 
     def set_timeout(self, seconds: float | None) -> None:
         """Sends and receives (and ring writes) that wait longer than this raise
@@ -287,6 +310,8 @@ class SocketChannel(Channel):
         self.sock.settimeout(seconds)
         if self.ring_out is not None:
             self.ring_out.timeout_s = seconds
+        if self.peer is not None:
+            self.peer.set_timeout(seconds)
 
     def _recv_into(self, view, what: str) -> int:
         try:
@@ -306,9 +331,14 @@ class SocketChannel(Channel):
         """Encode the frames and put ring payloads in the ring; the socket write (the
         peer's wake-up) is left to `flush`. `wait` False: a payload that finds the ring
         full goes on the socket instead of waiting for the reader (a streamed step's
-        peer may wait for its own send before it reads the ring)."""
+        peer may wait for its own send before it reads the ring). A peer path's
+        payloads are posted by `flush`, after their headers."""
         views = []
         for f in frames:
+            if self.peer is not None and self.peer.takes(f[0]):
+                views.append(memoryview(frame_header(*f, flags=IN_PEER)))
+                self._to_peer.append(f[0])
+                continue
             head, payload = encode(*f)
             ring = self.ring_out
             if (ring is not None and len(payload) and ring.fits(len(payload))
@@ -321,7 +351,8 @@ class SocketChannel(Channel):
         return views
 
     def flush(self, views: list) -> None:
-        """One gather write of staged frames."""
+        """One gather write of staged frames, then the peer path's payloads (NCCL pairs
+        a send with the receive the reader posts once it has the header)."""
         views = list(views)
         while views:
             try:
@@ -334,6 +365,9 @@ class SocketChannel(Channel):
                     n -= len(views.pop(0))
                 else:
                     views[0], n = views[0][n:], 0
+        staged, self._to_peer = self._to_peer, []
+        for t in staged:
+            self.peer.send(t)
 
     def _fill(self, need: int, what: str, done: int = 0) -> None:
         """Read until `need` (<= RECV_BUF) bytes are buffered: one syscall brings a whole
@@ -389,14 +423,23 @@ class SocketChannel(Channel):
     def recv(self, **expect):
         self._fill(HEADER.size, "frame header")
         h = parse_header(self._rview[self._lo:self._lo + HEADER.size])
-        in_ring, ndim, nbytes = bool(h.ndim & IN_RING), h.ndim & ~IN_RING, h.nbytes
+        in_ring, in_peer, ndim = bool(h.ndim & IN_RING), bool(h.ndim & IN_PEER), h.ndim & NDIM
+        nbytes = h.nbytes
         if in_ring and self.ring_in is None:
             raise FrameError("frame says its payload is in a shared-memory ring; this "
+                             "channel has none")
+        if in_peer and self.peer is None:
+            raise FrameError("frame says its payload comes on a collective path; this "
                              "channel has none")
         self._fill(HEADER.size + 8 * ndim, "frame shape")
         shape = struct.unpack_from(f"<{ndim}q", self._rbuf, self._lo + HEADER.size)
         self._lo += HEADER.size + 8 * ndim
         check(shape, h, **expect)
+        if in_peer:
+            out = torch.empty(shape, dtype=h.dtype, device=self.peer.device)
+            if nbytes:
+                self.peer.recv_into(out)
+            return out, h.layer, h.step
         out = torch.empty(shape, dtype=h.dtype)
         if nbytes and in_ring:
             self.ring_in.read_into(out)
@@ -406,7 +449,7 @@ class SocketChannel(Channel):
 
     def close(self):
         self.sock.close()
-        for r in (self.ring_out, self.ring_in):
+        for r in (self.ring_out, self.ring_in, self.peer):
             if r is not None:
                 r.close()
 
