@@ -12,6 +12,9 @@ talk over a Unix socket with their payloads in shared memory (`unix+shm`), or th
 alone (`unix`, with `LAMINA_SHM=0` or no /dev/shm); workers on other hosts over `tcp`.
 `rdma` (the paper's production transport: `lamina.dataplane.rdma`) is used between
 hosts where both have a device and pyverbs; else it is reported with what it lacks.
+A GPU compute worker and GPU memory workers send their tensors over NCCL instead
+(`+nccl`: `lamina.dataplane.collective`), with the socket for the rest; `+gloo` is
+that path on CPU, taken only with `LAMINA_COLLECTIVE=gloo`.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lamina.dataplane.collective import collective_mode
 from lamina.dataplane.rdma import SYSFS, probe
 from lamina.dataplane.transport import shm_enabled
 
@@ -45,7 +49,32 @@ def transports(sysfs: Path = SYSFS) -> list[Check]:
     out.append(Check("transport unix", True, "co-located workers (the fallback of unix+shm)"))
     out.append(Check("transport tcp", True, "workers on different hosts"))
     out.append(rdma(sysfs))
-    return out
+    return out + collective()
+
+
+def collective() -> list[Check]:
+    """The collective paths (`lamina.dataplane.collective`): what they need, and whether
+    `LAMINA_COLLECTIVE` lets the executor choose them."""
+    import torch
+
+    try:
+        mode = collective_mode()
+    except ValueError as e:
+        return [Check("transport +nccl", False, str(e))]
+    dist = torch.distributed.is_available()
+    nccl = dist and torch.distributed.is_nccl_available()
+    if not nccl:
+        why = "this torch has no NCCL (a CPU build): GPU pairs send through the host"
+    elif mode in ("off", "gloo"):
+        why = f"NCCL present, but LAMINA_COLLECTIVE={mode}"
+    else:
+        why = "GPU compute with GPU memory workers: tensors GPU to GPU"
+    gloo = dist and torch.distributed.is_gloo_available()
+    return [Check("transport +nccl", nccl and mode in ("auto", "nccl"), why),
+            Check("transport +gloo", gloo and mode == "gloo",
+                  "every pair's tensors over gloo (LAMINA_COLLECTIVE=gloo)" if mode == "gloo"
+                  else "the same path on CPU, for tests: LAMINA_COLLECTIVE=gloo" if gloo
+                  else "this torch has no gloo")]
 
 
 def rdma(sysfs: Path = SYSFS) -> Check:

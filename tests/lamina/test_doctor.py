@@ -18,6 +18,22 @@ def test_shared_memory_transport_follows_lamina_shm(monkeypatch, tmp_path):
     assert by_name(doctor.transports(tmp_path))["transport unix+shm"].ok
 
 
+def test_collective_paths_follow_lamina_collective_and_the_torch_build(monkeypatch):
+    import torch
+
+    nccl = torch.distributed.is_nccl_available()
+    monkeypatch.delenv("LAMINA_COLLECTIVE", raising=False)
+    t = by_name(doctor.collective())
+    assert t["transport +nccl"].ok == nccl
+    assert ("tensors GPU to GPU" if nccl else "has no NCCL") in t["transport +nccl"].why
+    assert not t["transport +gloo"].ok and "LAMINA_COLLECTIVE=gloo" in t["transport +gloo"].why
+    monkeypatch.setenv("LAMINA_COLLECTIVE", "gloo")
+    t = by_name(doctor.collective())
+    assert t["transport +gloo"].ok and not t["transport +nccl"].ok
+    monkeypatch.setenv("LAMINA_COLLECTIVE", "maybe")
+    assert "must be one of" in by_name(doctor.collective())["transport +nccl"].why
+
+
 def test_rdma_names_its_devices_or_their_absence(tmp_path, monkeypatch):
     import importlib.util
 
