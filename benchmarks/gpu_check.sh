@@ -2,9 +2,10 @@
 # The GPU checks of issue 32 in one go, on a machine with a CUDA GPU, torch and triton
 # (no install: the repo's folders are mapped to the `lamina` package through a shadow
 # tree of links). Writes logs and results under ${OUT:-gpu_out}.
-#   bash benchmarks/gpu_check.sh [tune|bench|kernels|model|e2e|exact|suite ...]
-#   (default: tune bench kernels). model, e2e, exact and suite need the default model
-#   and the wheels that the kit of benchmarks/gpu_kit.sh carries in (its header says how).
+#   bash benchmarks/gpu_check.sh [tune|bench|kernels|model|e2e|exact|suite|ray ...]
+#   (default: tune bench kernels). model, e2e, exact, suite and ray need the default
+#   model and the wheels that the kit of benchmarks/gpu_kit.sh carries in (its header
+#   says how); ray also needs the kit's trimmed Ray.
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: steps cd
 ROOT=$(pwd); PKG=$(mktemp -d)
@@ -36,6 +37,16 @@ model() {
   echo "model: $name joined and checked"
 }
 
+# Ray from the kit (the image has none), unpacked once into the carried-packages path.
+with_ray() {
+  python3 -c "import ray" 2>/dev/null && return 0
+  if [ ! -f .gpukit/ray/ray.tar.xz ]; then
+    echo "ray: .gpukit/ray/ray.tar.xz is missing; carry .gpukit/ray (benchmarks/gpu_kit.sh)"
+    return 1
+  fi
+  tar -C "$SITE" -xJf .gpukit/ray/ray.tar.xz && python3 -c "import ray; print('ray', ray.__version__)"
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$OUT/gpu.txt"
@@ -58,11 +69,15 @@ for s in $steps; do
     exact) model && (cd "$PKG" && timeout 200 python3 -m pytest -q -p no:cacheprovider \
              --import-mode=append --rootdir="$ROOT" "$ROOT/tests/lamina/test_compute_device.py" \
              "$ROOT/tests/lamina/test_gpu_memory.py") 2>&1 | tee "$OUT/exact.log" ;;
-    # the suite but the Ray tests (the image has no ray; its wheel alone is 79 MB), on 8
-    # xdist workers; SUITE overrides what it runs
+    # the suite but the Ray tests (the image has no ray: the `ray` step brings the kit's),
+    # on 8 xdist workers; SUITE overrides what it runs
     suite) model && (cd "$PKG" && timeout 480 python3 -m pytest -q -p no:cacheprovider \
              --import-mode=append --rootdir="$ROOT" -n 8 ${SUITE:-"$ROOT/tests" \
              --ignore="$ROOT/tests/cluster"}) 2>&1 | tee "$OUT/suite.log" ;;
+    # the Ray executor with a GPU compute worker (RAY_TESTS overrides what it runs)
+    ray) model && with_ray && (cd "$PKG" && timeout 400 python3 -m pytest -q \
+             -p no:cacheprovider --import-mode=append --rootdir="$ROOT" \
+             ${RAY_TESTS:-"$ROOT/tests/cluster/test_ray_gpu.py"}) 2>&1 | tee "$OUT/ray.log" ;;
     *) echo "unknown step $s" ;;
   esac
 done

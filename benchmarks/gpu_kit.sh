@@ -12,11 +12,16 @@
 # (the second call's suite runs the kernel tests too):
 #   run(carry=[".gpukit/a"], command="ls -la .gpukit/a")
 #   run(carry=[".gpukit/whl", ".gpukit/b"], command="bash benchmarks/gpu_check.sh e2e suite")
+# Ray is not in the image either: .gpukit/ray holds it trimmed (its wheel less the Java
+# jars, the libraries Lamina does not use and the dashboard's web client), xz-packed, 27
+# MB. A third call on the same warm machine (the earlier calls' kit stays there) runs
+# the Ray tests with a GPU compute worker, where device time is left:
+#   run(carry=[".gpukit/ray"], command="bash benchmarks/gpu_check.sh ray")
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
+PY=${PY:-$PWD/.venv/bin/python}
 KIT=.gpukit
-rm -rf "$KIT" && mkdir -p "$KIT/whl" "$KIT/a" "$KIT/b"
+rm -rf "$KIT" && mkdir -p "$KIT/whl" "$KIT/a" "$KIT/b" "$KIT/ray"
 # The wheels: what the package, the model file and the tests import beyond the image's
 # own packages, with everything they need (from this venv's metadata, at this venv's
 # versions), except the large packages the image holds (KINDS.md). They go first on the
@@ -57,4 +62,23 @@ head -c "$half" "$GGUF" > "$KIT/a/model.part"
 tail -c +"$(( half + 1 ))" "$GGUF" > "$KIT/b/model.part"
 # the whole file's name and checksum, checked after the halves are joined
 echo "$(sha256sum "$GGUF" | cut -d' ' -f1) $(basename "$GGUF")" > "$KIT/b/model.sha256"
+# Ray, at this venv's version, trimmed; its own requirements (click, filelock, msgpack,
+# packaging, protobuf, pyyaml, requests) are in the image, jsonschema in whl/.
+RAY=$("$PY" -c 'import ray; print(ray.__version__)')
+TMP=$(mktemp -d)
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "${KIT_PY:-3.12}" \
+    --implementation cp --platform manylinux2014_x86_64 -d "$TMP" "ray==$RAY"
+"$PY" - "$TMP" <<'PYEOF'
+import glob, os, sys, zipfile
+# unzipped with each file's mode (zipfile's own extraction drops the executable bits
+# of gcs_server and raylet)
+with zipfile.ZipFile(glob.glob(f"{sys.argv[1]}/ray-*.whl")[0]) as z:
+    for info in z.infolist():
+        path = z.extract(info, f"{sys.argv[1]}/x")
+        if info.external_attr >> 16:
+            os.chmod(path, (info.external_attr >> 16) & 0o777)
+PYEOF
+(cd "$TMP/x/ray" && rm -rf jars rllib data serve train tune llm dashboard/client/build air/examples)
+tar -C "$TMP/x" -cJf "$KIT/ray/ray.tar.xz" ray "ray-$RAY.dist-info"
+rm -rf "$TMP"
 du -sh "$KIT"/*

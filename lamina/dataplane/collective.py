@@ -93,8 +93,12 @@ def collective_backend(compute_device: str, kv_device: str) -> str | None:
 
 def path_device(backend: str, device: str | torch.device) -> torch.device:
     """Where a path's tensors must lie to take it: the GPU under NCCL, the host under
-    gloo (whose point-to-point sends take CPU tensors)."""
-    return torch.device(device) if backend == "nccl" else torch.device("cpu")
+    gloo (whose point-to-point sends take CPU tensors). A GPU gets its index: tensors
+    report "cuda:0", and torch.device("cuda") != torch.device("cuda:0")."""
+    dev = torch.device(device) if backend == "nccl" else torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def host_store(host: str, timeout_s: float | None = None):
