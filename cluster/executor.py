@@ -178,7 +178,9 @@ class RayExecutor(Executor):
     @classmethod
     def check(cls, config) -> None:
         """A rotational ring replays no CUDA graphs (each slice runs on another replica
-        than the one before)."""
+        than the one before); `LAMINA_COLLECTIVE` must suit the devices (checked before
+        any worker starts)."""
+        collective_backend(config.compute_device, config.kv_device)
         if (config.num_compute_workers > 1 and config.pipeline == "rotational"
                 and config.graph_tokens):
             raise ValueError("pipeline 'rotational' over compute workers runs without CUDA "

@@ -83,11 +83,16 @@ def collective_backend(compute_device: str, kv_device: str) -> str | None:
     """The backend a compute / memory worker pair's tensors take, or None (bytes on the
     socket or in shared memory). auto: NCCL where the slices and the KV pools are both
     on GPUs. gloo: gloo whatever the devices (the same path on CPU, for tests and
-    debugging; a GPU end's tensors then go through host memory). off: none."""
+    debugging; a GPU end's tensors then go through host memory). nccl: NCCL, which needs
+    both on GPUs. off: none."""
     mode = collective_mode()
+    both = compute_device.startswith("cuda") and kv_device.startswith("cuda")
+    if mode == "nccl" and not both:
+        raise ValueError(f"LAMINA_COLLECTIVE=nccl sends GPU tensors: it needs "
+                         f"compute_device and kv_device on CUDA, not {compute_device!r} "
+                         f"and {kv_device!r}")
     if mode != "auto":
         return None if mode == "off" else mode
-    both = compute_device.startswith("cuda") and kv_device.startswith("cuda")
     return "nccl" if both else None
 
 

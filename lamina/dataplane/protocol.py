@@ -510,7 +510,7 @@ class MemoryServer:
                 with self._lock:
                     self.ch.send(*item)
                 self.send_tracer.record("send", item[1], t, step=item[2])
-        except OSError as e:
+        except (OSError, FrameError) as e:  # a gone peer (a collective path's: FrameError)
             self.error = self.error or f"{self.name}: send failed: {e}"
         finally:
             self.ch.close()

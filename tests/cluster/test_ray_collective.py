@@ -51,3 +51,13 @@ def test_ray_over_gloo_paths_gives_hf_greedy_and_recovers_a_dead_memory_worker(
     assert all(h["error"] is None and h["steps"] > 0 for h in health), health
     # every layer's q/k/v came on the path: at least one payload a layer and step
     assert all(h["path_payloads"] >= 30 * h["steps"] for h in health), health
+
+
+def test_nccl_forced_on_cpu_devices_is_refused_before_any_worker_starts(monkeypatch):
+    from lamina.cluster.executor import RayExecutor
+    from lamina.engine.config import EngineConfig
+
+    monkeypatch.setenv("LAMINA_COLLECTIVE", "nccl")
+    with pytest.raises(ValueError, match="needs compute_device and kv_device on CUDA, not "
+                                         "'cpu' and 'cpu'"):
+        RayExecutor.check(EngineConfig())

@@ -125,6 +125,10 @@ def test_the_backend_follows_the_devices_and_lamina_collective(monkeypatch):
     assert collective_backend("cpu", "cpu") == "gloo"
     monkeypatch.setenv("LAMINA_COLLECTIVE", "off")
     assert collective_backend("cuda", "cuda") is None
+    monkeypatch.setenv("LAMINA_COLLECTIVE", "nccl")
+    assert collective_backend("cuda:0", "cuda") == "nccl"
+    with pytest.raises(ValueError, match="needs compute_device and kv_device on CUDA"):
+        collective_backend("cuda", "cpu")
     monkeypatch.setenv("LAMINA_COLLECTIVE", "yes")
     with pytest.raises(ValueError, match="LAMINA_COLLECTIVE must be one of"):
         collective_backend("cpu", "cpu")
