@@ -81,8 +81,9 @@ def test_float_tensors_take_the_path_and_metadata_stays_on_the_socket():
     assert torch.equal(back, qkv.float() * 2)
     # the C++ ends read bytes only: a channel with a path is not theirs
     assert not ca.bytes_only and SocketChannel(socket.socketpair()[0]).bytes_only
+    ca.send(qkv, 1, 5)  # checked before its payload is read, as on the socket
     with pytest.raises(FrameError, match=r"shape \(33, 96\), expected \(3, 96\)"):
-        ca.send(qkv, 1, 5) or cb.recv(expect_shape=(3, 96))
+        cb.recv(expect_shape=(3, 96))
     for ch in (ca, cb):
         ch.close()
 
