@@ -243,13 +243,16 @@ def _hello(path: PeerPath, rank: int) -> None:
     """One element each way, in the order a step uses them (compute first)."""
     mine = torch.full((1,), HELLO[rank], device=path.device)
     got = torch.empty(1, device=path.device)
-    if rank == 0:
-        path.send(mine)
-        path.recv_into(got)
-    else:
-        path.recv_into(got)
-        path.send(mine)
-    path._reap(every=True)
+    try:
+        if rank == 0:
+            path.send(mine)
+            path.recv_into(got)
+        else:
+            path.recv_into(got)
+            path.send(mine)
+        path._reap(every=True)
+    except (FrameError, PeerTimeout) as e:  # a connect-time failure, as the groups' are
+        raise CollectiveError(f"{path.backend} path: no hello from the peer: {e}") from None
     if got.item() != HELLO[1 - rank]:
         raise CollectiveError(f"{path.backend} path: the peer's hello was {got.item()}, "
                               f"expected {HELLO[1 - rank]}")
