@@ -47,7 +47,10 @@ def cache_root() -> Path:
 
 
 def build_key() -> str:
-    h = hashlib.sha256()
+    """The build's cache folder: the sources' bytes, flags, torch, the CPU, and where
+    the sources lie. ninja records their paths, so two checkouts sharing one folder
+    would rebuild (~1 min) each time the other had built."""
+    h = hashlib.sha256(str(CSRC.resolve()).encode())
     for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())

@@ -150,7 +150,7 @@ class CollectiveExecutor(Executor):
     """The compute side here, two memory servers on threads, every channel with a gloo
     path (as `LAMINA_COLLECTIVE=gloo` wires Ray workers)."""
 
-    def __init__(self, split, pools):
+    def __init__(self, split, pools, stream: int = 1):
         self.compute = ComputeSide(split, len(pools))
         chans, self.servers = [], []
         for i, pool in enumerate(pools):
@@ -159,7 +159,7 @@ class CollectiveExecutor(Executor):
             threading.Thread(target=srv.serve, daemon=True).start()
             chans.append(ca)
             self.servers.append(srv)
-        self.link = SocketLink(chans)
+        self.link = SocketLink(chans, stream=stream)
 
     def execute(self, plan):
         return self.compute.run(plan, self.link)
@@ -169,14 +169,15 @@ class CollectiveExecutor(Executor):
             ch.close()
 
 
-@pytest.mark.parametrize("pipeline", ["none", "rotational"])
+@pytest.mark.parametrize("pipeline,stream", [("none", 1), ("rotational", 1), ("none", 3)])
 def test_the_data_plane_over_gloo_paths_gives_hf_greedy(smol, smol_split, prompts, hf_greedy,
-                                                         pipeline):
+                                                         pipeline, stream):
     """A 600-token prompt over two 400-slot pools (its KV split: three frames a layer),
-    with one micro-batch a step and with two (outputs sent on the memory end's thread
-    while it reads the next micro-batch)."""
+    with one micro-batch a step, with two (outputs sent on the memory end's thread while
+    it reads the next micro-batch), and streamed (each layer's q|k|v in up to three
+    groups, each answered on its own)."""
     pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 400)) for _ in range(2)]
-    ex = CollectiveExecutor(smol_split, pools)
+    ex = CollectiveExecutor(smol_split, pools, stream)
     assert ex.link.paths.ext is None  # the Python ends
     eng = LLMEngine(EngineConfig(num_kv_slots=400, num_memory_workers=2, pipeline=pipeline),
                     ex, smol.tokenizer, smol.config)
