@@ -6,8 +6,8 @@ between "hosts"; elsewhere the memory nodes are plain raylets on this host (said
 skip of the link test). Each worker lands on a node of its kind (asserted from Ray's node
 ids), the compute worker reaches the memory workers over TCP, greedy output equals HF's,
 and a memory node whose link goes down mid-generation is detected within the data-plane
-timeout and replaced, with HF-exact output. (One memory node holding both workers:
-tests/cluster/test_ray_service.py.)"""
+timeout and replaced, with HF-exact output; then collective paths (gloo) between the
+emulated hosts. (One memory node holding both workers: tests/cluster/test_ray_service.py.)"""
 from __future__ import annotations
 
 import os
@@ -146,3 +146,30 @@ def test_a_memory_node_whose_link_goes_down_is_replaced(cluster, prompts, hf_gre
     # both workers now on the node whose link is up, still over TCP to its IP
     assert ex.nodes["memory"] == [kept, kept]
     assert all(t.startswith(f"tcp {ids[kept]}:") for t in ex.transports), ex.transports
+
+
+def test_collective_paths_across_hosts(cluster, prompts, hf_greedy, monkeypatch):
+    """`LAMINA_COLLECTIVE=gloo` across the emulated hosts: each pair's path meets at
+    the memory node's IP (its store), the compute end joins from the head's, and the
+    tensors take it (the code NCCL runs between GPU nodes). Last here: it replaces the
+    module's deployment (the head has room for one compute worker)."""
+    nets = cluster["nets"]
+    if nets is None:
+        pytest.skip(f"no emulated hosts: {cluster['why']}")
+    cluster["llm"].shutdown()
+    monkeypatch.setenv("LAMINA_COLLECTIVE", "gloo")
+    llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096,
+              max_step_tokens=1024, worker_timeout_s=WORKER_TIMEOUT_S)
+    try:
+        ex = llm.executor
+        assert [c.kind for c in ex.transport_choices] == ["tcp+gloo"] * 2
+        hosts = {a[-1].host for a in ex.addresses}  # each rendezvous: a memory node's IP
+        assert hosts <= {nets.ip(1), nets.ip(2)} and hosts, ex.addresses
+        pick = PICK[:4]
+        outs = llm.generate([prompts[i] for i in pick], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [hf_greedy[i] for i in pick]
+        health = ray.get([w.health.remote() for w in ex.memory])
+        assert all(h["error"] is None and h["path_payloads"] >= 30 * h["steps"] > 0
+                   for h in health), health
+    finally:
+        llm.shutdown()
