@@ -52,7 +52,7 @@ def one_round(path: str, batch: int, ctx: int, dtype: str, steps: int, gap_s: fl
     """Median seconds of one layer's exchange over `steps` steps (after 2 warm-up);
     `path`: "python", "c++" or "gloo"."""
     from lamina.compute.packing import WorkerPart
-    from lamina.dataplane.collective import Rendezvous, host_store, open_path
+    from lamina.dataplane.collective import LOOPBACK, Rendezvous, host_store, open_path
     from lamina.dataplane.protocol import SocketLink
     from lamina.dataplane.transport import SocketChannel
     from lamina.kernels import AttentionParams, SlotBatch
@@ -60,8 +60,8 @@ def one_round(path: str, batch: int, ctx: int, dtype: str, steps: int, gap_s: fl
 
     fast = path == "c++"
     # a gloo round's stores, made before the fork (this end joins as their host)
-    stores = [host_store("127.0.0.1") for _ in range(WORKERS)] if path == "gloo" else []
-    rdvs = [Rendezvous("gloo", "127.0.0.1", port) for _, port in stores]
+    stores = [host_store(LOOPBACK) for _ in range(WORKERS)] if path == "gloo" else []
+    rdvs = [Rendezvous("gloo", LOOPBACK, port) for _, port in stores]
 
     per = batch // WORKERS
     scales = (tuple((torch.rand(LAYERS * HKV * D, generator=torch.Generator().manual_seed(0))
@@ -84,7 +84,7 @@ def one_round(path: str, batch: int, ctx: int, dtype: str, steps: int, gap_s: fl
         b.close()
         chans.append(a)
         pids.append(pid)
-    chans = [SocketChannel(a, peer=open_path(rdvs[w], 0, "cpu", "127.0.0.1",
+    chans = [SocketChannel(a, peer=open_path(rdvs[w], 0, "cpu", LOOPBACK,
                                              store=stores[w][0]) if rdvs else None)
              for w, a in enumerate(chans)]
     link = SocketLink(chans, native=fast)

@@ -21,7 +21,7 @@ import torch
 
 from lamina.compute.compute_side import ComputeSide
 from lamina.compute.ring import Ring
-from lamina.dataplane.collective import Rendezvous, open_path
+from lamina.dataplane.collective import LOOPBACK, Rendezvous, open_path
 from lamina.dataplane.control import serve_control
 from lamina.dataplane.migration import ChannelContextLink
 from lamina.dataplane.paths import native_ext
@@ -158,7 +158,7 @@ class ComputeWorker:
             if addr and isinstance(addr[-1], Rendezvous):  # tensors on a collective path
                 rdv, addr = addr[-1], addr[:-1]
                 sock = connect_stream(kind, addr[0] if kind == "unix" else addr)
-                host = "127.0.0.1" if kind == "unix" else ray.util.get_node_ip_address()
+                host = LOOPBACK if kind == "unix" else ray.util.get_node_ip_address()
                 path = open_path(rdv, 0, self.compute.device, host, timeout_s)
                 self.channels.append(SocketChannel(sock, peer=path))
                 continue

@@ -22,6 +22,7 @@ import torch
 
 from lamina.dataplane.collective import (
     BACKENDS,
+    LOOPBACK,
     CollectiveError,
     Rendezvous,
     host_store,
@@ -40,7 +41,6 @@ from lamina.memory.pool import KVPool
 from lamina.trace import Tracer
 
 log = logging.getLogger(__name__)
-LOCAL = "127.0.0.1"  # a co-located pair's collective path meets here
 RING_BYTES = 64 << 20  # per direction; larger payloads go inline on the socket
 
 
@@ -98,11 +98,10 @@ class MemoryWorker:
             threading.Thread(target=self._serve_rdma, args=(n, replica), daemon=True).start()
             return ("rdma", self._rdma[n][0].endpoint().to_wire())
         base, _, extra = kind.partition("+")
-        unix = base == "unix"
-        srv, addr = listen_stream(unix, ray.util.get_node_ip_address(),
-                                  f"mem{self.index}-{replica}")
+        unix, node_ip = base == "unix", ray.util.get_node_ip_address()
+        srv, addr = listen_stream(unix, node_ip, f"mem{self.index}-{replica}")
         if extra in BACKENDS:  # tensors over a collective path: its rendezvous goes along
-            host = LOCAL if unix else ray.util.get_node_ip_address()
+            host = LOOPBACK if unix else node_ip
             store, port = host_store(host)
             rdv = Rendezvous(extra, host, port)
             threading.Thread(target=self._serve_collective, args=(srv, store, rdv, replica),

@@ -48,6 +48,7 @@ BACKENDS = ("nccl", "gloo")
 MODES = ("auto", "off", *BACKENDS)  # LAMINA_COLLECTIVE
 CONNECT_TIMEOUT_S = 120.0  # joining the groups, where the channel has no timeout
 MAX_PENDING = 64  # sends not yet known finished, before the oldest is waited for
+LOOPBACK = "127.0.0.1"  # where a co-located pair's path meets and connects
 HELLO = (1.0, 2.0)  # what the compute end, then the memory end, sends at connect time
 
 

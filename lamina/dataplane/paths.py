@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lamina.dataplane.transport import SocketChannel
 from lamina.kernels import KernelBuildError, load_cpu_kernel
 
 
@@ -29,6 +30,13 @@ def native_ext():
         return load_cpu_kernel()
     except KernelBuildError:
         return None
+
+
+def bytes_channels(*channels) -> bool:
+    """Whether the C++ ends can read these channels: sockets (with rings) whose every
+    payload is bytes; RDMA channels and collective paths take the Python ends, which
+    speak the same frames."""
+    return all(isinstance(ch, SocketChannel) and ch.bytes_only for ch in channels)
 
 
 Spans = tuple[list[int], list[int]]  # each worker's rows as [starts], [ends]

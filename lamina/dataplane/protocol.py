@@ -60,7 +60,7 @@ import torch
 
 from lamina.compute.memory_link import MemoryLink, combine
 from lamina.compute.packing import WorkerPart
-from lamina.dataplane.paths import ComputePaths, memory_native, worker_spans
+from lamina.dataplane.paths import ComputePaths, bytes_channels, memory_native, worker_spans
 from lamina.dataplane.tables import HeldTables, SentTables, TableError
 from lamina.dataplane.transport import Channel, FrameError, PeerTimeout, SocketChannel
 from lamina.engine.messages import DroppedKeys
@@ -258,10 +258,7 @@ class SocketLink(MemoryLink):
             raise ValueError(f"stream width must be 1..{MAX_STREAM}, got {stream}")
         # streamed steps send q|k|v groups, one frame each
         self.stream = stream if one_frame else 1
-        # the C++ ends read sockets and shared-memory rings: other channels (RDMA,
-        # collective paths) take the Python end, which speaks the same frames
-        native = native and all(isinstance(ch, SocketChannel) and ch.bytes_only
-                                for ch in channels)
+        native = native and bytes_channels(*channels)
         # where q/k/v go out from: a GPU when every worker's path takes them from there
         # (NCCL), else the host (`MemoryLink.device`)
         devices = {getattr(getattr(ch, "peer", None), "device", None) for ch in channels}
@@ -471,7 +468,7 @@ class MemoryServer:
         # Steps of one micro-batch run their layers in C++ (`serve_step`, GIL released)
         # where `paths.memory_native` allows; else this file's Python loop does.
         self._native = memory_native(memory, native and shared is None
-                                     and isinstance(ch, SocketChannel) and ch.bytes_only)
+                                     and bytes_channels(ch))
         if self._native is not None:
             self._layers = self._native.MemoryLayers()
             pools = [memory.pool.layer(i) for i in range(len(self.params))]

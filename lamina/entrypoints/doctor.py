@@ -70,11 +70,14 @@ def collective() -> list[Check]:
     else:
         why = "GPU compute with GPU memory workers: tensors GPU to GPU"
     gloo = dist and torch.distributed.is_gloo_available()
+    if not gloo:
+        gloo_why = "this torch has no gloo"
+    elif mode == "gloo":
+        gloo_why = "every pair's tensors over gloo (LAMINA_COLLECTIVE=gloo)"
+    else:
+        gloo_why = "the same path on CPU, for tests: LAMINA_COLLECTIVE=gloo"
     return [Check("transport +nccl", nccl and mode in ("auto", "nccl"), why),
-            Check("transport +gloo", gloo and mode == "gloo",
-                  "every pair's tensors over gloo (LAMINA_COLLECTIVE=gloo)" if mode == "gloo"
-                  else "the same path on CPU, for tests: LAMINA_COLLECTIVE=gloo" if gloo
-                  else "this torch has no gloo")]
+            Check("transport +gloo", gloo and mode == "gloo", gloo_why)]
 
 
 def rdma(sysfs: Path = SYSFS) -> Check:

@@ -9,6 +9,7 @@ import torch
 
 from lamina.compute.compute_side import ComputeSide
 from lamina.dataplane.collective import (
+    LOOPBACK,
     CollectiveError,
     Rendezvous,
     collective_backend,
@@ -34,25 +35,23 @@ from lamina.sampling.params import SamplingParams
 
 from .test_link import generate
 
-LOCAL = "127.0.0.1"
-
 
 def paths(backend: str = "gloo", timeout_s: float = 20.0):
     """(compute end, memory end) of one pair's path, opened as the workers open it: the
     memory end hosts the store and joins on a thread of its own."""
-    store, port = host_store(LOCAL, timeout_s)
-    rdv = Rendezvous(backend, LOCAL, port)
+    store, port = host_store(LOOPBACK, timeout_s)
+    rdv = Rendezvous(backend, LOOPBACK, port)
     got = {}
 
     def memory_end():
         try:
-            got["path"] = open_path(rdv, 1, "cpu", LOCAL, timeout_s, store=store)
+            got["path"] = open_path(rdv, 1, "cpu", LOOPBACK, timeout_s, store=store)
         except CollectiveError as e:
             got["error"] = e
 
     t = threading.Thread(target=memory_end, daemon=True)
     t.start()
-    compute = open_path(rdv, 0, "cpu", LOCAL, timeout_s)
+    compute = open_path(rdv, 0, "cpu", LOOPBACK, timeout_s)
     t.join()
     return compute, got["path"]
 
@@ -134,9 +133,9 @@ def test_the_backend_follows_the_devices_and_lamina_collective(monkeypatch):
     with pytest.raises(ValueError, match="LAMINA_COLLECTIVE must be one of"):
         collective_backend("cpu", "cpu")
     with pytest.raises(ValueError, match="backend must be one of"):
-        Rendezvous("mpi", LOCAL, 1)
+        Rendezvous("mpi", LOOPBACK, 1)
     with pytest.raises(ValueError, match="port must be 1..65535"):
-        Rendezvous("gloo", LOCAL, 0)
+        Rendezvous("gloo", LOOPBACK, 0)
 
 
 @pytest.mark.skipif(torch.distributed.is_nccl_available(),
