@@ -160,146 +160,169 @@ def _server_config(args):
     return replace(server, api_key=key) if key else server
 
 
-def cmd_bench(args) -> int:
-    from lamina.bench import common as bench
+def _sizes(args, quick: dict, flags: dict) -> dict:
+    """A benchmark's keyword sizes: `quick`'s under --quick, then each flag given
+    (`flags`: keyword -> args attribute, all defaulting to None; lists as tuples)."""
+    sizes = dict(quick) if args.quick else {}
+    for key, attr in flags.items():
+        value = getattr(args, attr)
+        if value is not None:
+            sizes[key] = tuple(value) if isinstance(value, list) else value
+    return sizes
 
-    if args.name == "split":
-        bench.bench_split(args.model, repeat=args.repeat or 3, out_dir=args.out)
-        return 0
-    if args.name == "attention" and args.device == "cuda":
-        from lamina.bench import gpu as bench_gpu
+
+def _bench_split(args) -> None:
+    from lamina.bench.common import bench_split
+
+    bench_split(args.model, repeat=args.repeat or 3, out_dir=args.out)
+
+
+def _bench_attention(args) -> None:
+    if args.device == "cuda":
+        from lamina.bench.gpu import bench_attention_gpu
 
         sizes = dict(batches=(8,), lengths=(512,), splits_sweep=(1, 2)) if args.quick else {}
-        bench_gpu.bench_attention_gpu(out_dir=args.out, **sizes)
-        return 0
+        bench_attention_gpu(out_dir=args.out, **sizes)
+        return
     from lamina.bench import memory as bench_memory
 
-    if args.name == "attention":
+    threads, repeat = args.threads or 1, args.repeat or 7
+    if not args.kv_dtypes_only:
         sizes = dict(batches=(8,), lengths=(512,), bw_mib=64) if args.quick else {}
-        if not args.kv_dtypes_only:
-            bench_memory.bench_attention(threads=args.threads or 1, repeat=args.repeat or 7,
-                                         out_dir=args.out, **sizes)
-        bench_memory.bench_kv_dtypes(*((8, 512) if args.quick else (32, 8192)),
-                                     threads=args.threads or 1, repeat=args.repeat or 7,
-                                     out_dir=args.out)
-        return 0
-    if args.name == "e2e" and args.device == "cuda":
+        bench_memory.bench_attention(threads=threads, repeat=repeat, out_dir=args.out, **sizes)
+    bench_memory.bench_kv_dtypes(*((8, 512) if args.quick else (32, 8192)), threads=threads,
+                                 repeat=repeat, out_dir=args.out)
+
+
+def _bench_e2e(args) -> None:
+    new_tokens, repeat = (8, args.repeat or 1) if args.quick else (128, args.repeat or 3)
+    if args.device == "cuda":
         from lamina.bench.e2e_gpu import bench_e2e_gpu
 
-        given = tuple(args.batch) != (1, 8, 32)
+        given = tuple(args.batch) != (1, 8, 32)  # the CPU default: the GPU's is 1, 32, 256
         bench_e2e_gpu(args.model, batches=(1,) if args.quick else
                       tuple(args.batch) if given else (1, 32, 256),
-                      new_tokens=8 if args.quick else 128, out_dir=args.out,
+                      new_tokens=new_tokens, out_dir=args.out,
                       dtype="bfloat16" if len(args.dtype) > 1 else args.dtype[0],
-                      repeat=args.repeat or (1 if args.quick else 3), threads=args.threads)
-        return 0
-    if args.name == "e2e":
-        from lamina.bench import e2e as bench_e2e
+                      repeat=repeat, threads=args.threads)
+        return
+    from lamina.bench.e2e import bench_e2e
 
-        bench_e2e.bench_e2e(args.model, batches=(1,) if args.quick else tuple(args.batch),
-                            new_tokens=8 if args.quick else 128, threads=args.threads or 2,
-                            out_dir=args.out, dtypes=tuple(args.dtype),
-                            repeat=args.repeat or (1 if args.quick else 3),
-                            vllm_python=args.vllm_python, dense_backend=args.dense_backend,
-                            vllm_modes=tuple(args.vllm_mode))
-        return 0
-    if args.name == "plan":
-        from lamina.bench.plan import bench_plan
+    bench_e2e(args.model, batches=(1,) if args.quick else tuple(args.batch),
+              new_tokens=new_tokens, threads=args.threads or 2, out_dir=args.out,
+              dtypes=tuple(args.dtype), repeat=repeat, vllm_python=args.vllm_python,
+              dense_backend=args.dense_backend, vllm_modes=tuple(args.vllm_mode))
 
-        bench_plan(lengths=(128, 1024) if args.quick else (128, 8192), out_dir=args.out)
-        return 0
-    if args.name == "multiturn":
-        from lamina.bench.multiturn import bench_multiturn
 
-        given = {k: getattr(args, a) for k, a in (
-            ("sessions", "sessions"), ("turns", "turns"), ("system", "system_tokens"),
-            ("user", "user_tokens"), ("answer", "answer_tokens"),
-            ("concurrency", "chat_concurrency")) if getattr(args, a) is not None}
-        sizes = (dict(sessions=4, turns=2, system=32, user=48, answer=4, concurrency=2)
-                 if args.quick else {}) | given
-        bench_multiturn(args.model, out_dir=args.out, vllm_python=args.vllm_python, **sizes)
-        return 0
-    if args.name == "kv-quality":
-        from lamina.bench.kv_quality import bench_kv_quality
+def _bench_plan(args) -> None:
+    from lamina.bench.plan import bench_plan
 
-        sizes = (dict(lengths=(256, 512), trials=4, ppl_context=512, max_doc_tokens=1024)
-                 if args.quick else {})
-        for k in ("trials", "lengths", "ppl_context", "max_doc_tokens"):
-            if getattr(args, k):
-                sizes[k] = tuple(args.lengths) if k == "lengths" else getattr(args, k)
-        bench_kv_quality(args.model, docs=args.docs, out_dir=args.out, **sizes)
-        return 0
-    if args.name == "kv-sparsity":
-        from lamina.bench.kv_quality import bench_kv_sparsity
+    bench_plan(lengths=(128, 1024) if args.quick else (128, 8192), out_dir=args.out)
 
-        sizes = (dict(lengths=(256,), trials=2, ppl_context=256, windows=2, budgets=(0.5,))
-                 if args.quick else {})
-        for k in ("trials", "lengths", "ppl_context", "windows", "policies", "budgets",
-                  "layer_budgets", "topk_rescore"):
-            v = getattr(args, k)
-            if v:
-                sizes[k] = tuple(v) if isinstance(v, list) else v
-        bench_kv_sparsity(args.model, docs=args.docs, out_dir=args.out, **sizes)
-        return 0
-    if args.name == "overlap":
-        from lamina.bench.pipeline import bench_overlap
 
-        kw = dict(batches=(4,), context=64, steps=2) if args.quick else {}
-        if args.batches:
-            kw["batches"] = tuple(args.batches)
-        if args.contexts:
-            kw["context"] = args.contexts[0]
-        bench_overlap(args.model, out_dir=args.out, **kw)
-        return 0
-    if args.name == "pipeline":
-        from lamina.bench.pipeline import bench_pipeline
+def _bench_multiturn(args) -> None:
+    from lamina.bench.multiturn import bench_multiturn
 
-        if args.paper:
-            from lamina.bench.pipeline import paper_predictions
+    sizes = _sizes(args, dict(sessions=4, turns=2, system=32, user=48, answer=4, concurrency=2),
+                   dict(sessions="sessions", turns="turns", system="system_tokens",
+                        user="user_tokens", answer="answer_tokens",
+                        concurrency="chat_concurrency"))
+    bench_multiturn(args.model, out_dir=args.out, vllm_python=args.vllm_python, **sizes)
 
-            paper_predictions(out_dir=args.out)
-            return 0
-        sizes = dict(batches=(4,), contexts=(64,), steps=2) if args.quick else {}
-        if args.batches:
-            sizes["batches"] = tuple(args.batches)
-        if args.contexts:
-            sizes["contexts"] = tuple(args.contexts)
-        if args.pipelines:
-            sizes["modes"] = tuple(args.pipelines)
-        bench_pipeline(args.model, executor=args.executor, plot=args.plot, out_dir=args.out,
-                       predict=args.predict, **sizes)
-        return 0
-    if args.name == "kv-capacity":
-        from lamina.bench.kv_capacity import bench_kv_capacity
 
-        sizes = dict(pool_bytes=8 << 20, length=128) if args.quick else {}
-        if args.pool_mib:
-            sizes["pool_bytes"] = args.pool_mib << 20
-        if args.kv_modes:
-            sizes["modes"] = tuple(args.kv_modes)
-        bench_kv_capacity(args.model, out_dir=args.out, **sizes)
-        return 0
-    if args.name == "load":
-        from lamina.bench import load as bench_load
+def _bench_kv_quality(args) -> None:
+    from lamina.bench.kv_quality import bench_kv_quality
 
-        bench_load.bench_load(requests=40 if args.quick else args.requests,
-                              concurrency=8 if args.quick else args.concurrency,
-                              phases=tuple(args.phases), out_dir=args.out)
-        return 0
-    if args.name == "fragmentation":
-        bench_memory.bench_fragmentation(num_requests=40 if args.quick else 400, out_dir=args.out)
-        return 0
-    from lamina.bench import sim as bench_sim
+    sizes = _sizes(args, dict(lengths=(256, 512), trials=4, ppl_context=512, max_doc_tokens=1024),
+                   {k: k for k in ("trials", "lengths", "ppl_context", "max_doc_tokens")})
+    bench_kv_quality(args.model, docs=args.docs, out_dir=args.out, **sizes)
 
-    if args.name == "ops":
-        bench_sim.bench_ops(args.model, out_dir=args.out)
-    elif args.name == "sim":
-        bench_sim.bench_sim(args.model, batches=(8,) if args.quick else (8, 32),
-                            new_tokens=16 if args.quick else 128, repeat=args.repeat or 3,
-                            out_dir=args.out)
-    elif args.name == "sim-scale":
-        bench_sim.bench_sim_scale(n_requests=100 if args.quick else 1000,
-                                  repeat=args.repeat or 3, out_dir=args.out)
+
+def _bench_kv_sparsity(args) -> None:
+    from lamina.bench.kv_quality import bench_kv_sparsity
+
+    sizes = _sizes(args, dict(lengths=(256,), trials=2, ppl_context=256, windows=2,
+                              budgets=(0.5,)),
+                   {k: k for k in ("trials", "lengths", "ppl_context", "windows", "policies",
+                                   "budgets", "layer_budgets", "topk_rescore")})
+    bench_kv_sparsity(args.model, docs=args.docs, out_dir=args.out, **sizes)
+
+
+def _bench_overlap(args) -> None:
+    from lamina.bench.pipeline import bench_overlap
+
+    sizes = _sizes(args, dict(batches=(4,), context=64, steps=2), dict(batches="batches"))
+    if args.contexts:
+        sizes["context"] = args.contexts[0]
+    bench_overlap(args.model, out_dir=args.out, **sizes)
+
+
+def _bench_pipeline(args) -> None:
+    from lamina.bench.pipeline import bench_pipeline, paper_predictions
+
+    if args.paper:
+        paper_predictions(out_dir=args.out)
+        return
+    sizes = _sizes(args, dict(batches=(4,), contexts=(64,), steps=2),
+                   dict(batches="batches", contexts="contexts", modes="pipelines"))
+    bench_pipeline(args.model, executor=args.executor, plot=args.plot, out_dir=args.out,
+                   predict=args.predict, **sizes)
+
+
+def _bench_kv_capacity(args) -> None:
+    from lamina.bench.kv_capacity import bench_kv_capacity
+
+    sizes = _sizes(args, dict(pool_bytes=8 << 20, length=128), dict(modes="kv_modes"))
+    if args.pool_mib:
+        sizes["pool_bytes"] = args.pool_mib << 20
+    bench_kv_capacity(args.model, out_dir=args.out, **sizes)
+
+
+def _bench_load(args) -> None:
+    from lamina.bench.load import bench_load
+
+    bench_load(requests=40 if args.quick else args.requests,
+               concurrency=8 if args.quick else args.concurrency,
+               phases=tuple(args.phases), out_dir=args.out)
+
+
+def _bench_fragmentation(args) -> None:
+    from lamina.bench.memory import bench_fragmentation
+
+    bench_fragmentation(num_requests=40 if args.quick else 400, out_dir=args.out)
+
+
+def _bench_ops(args) -> None:
+    from lamina.bench.sim import bench_ops
+
+    bench_ops(args.model, out_dir=args.out)
+
+
+def _bench_sim(args) -> None:
+    from lamina.bench.sim import bench_sim
+
+    bench_sim(args.model, batches=(8,) if args.quick else (8, 32),
+              new_tokens=16 if args.quick else 128, repeat=args.repeat or 3, out_dir=args.out)
+
+
+def _bench_sim_scale(args) -> None:
+    from lamina.bench.sim import bench_sim_scale
+
+    bench_sim_scale(n_requests=100 if args.quick else 1000, repeat=args.repeat or 3,
+                    out_dir=args.out)
+
+
+# `lamina bench NAME`: what each name runs (its function turns the flags into sizes)
+BENCHES = {"split": _bench_split, "attention": _bench_attention, "e2e": _bench_e2e,
+           "plan": _bench_plan, "multiturn": _bench_multiturn, "kv-quality": _bench_kv_quality,
+           "kv-sparsity": _bench_kv_sparsity, "overlap": _bench_overlap,
+           "pipeline": _bench_pipeline, "kv-capacity": _bench_kv_capacity,
+           "load": _bench_load, "fragmentation": _bench_fragmentation, "ops": _bench_ops,
+           "sim": _bench_sim, "sim-scale": _bench_sim_scale}
+
+
+def cmd_bench(args) -> int:
+    BENCHES[args.name](args)
     return 0
 
 
@@ -500,9 +523,7 @@ def _serve_parser(sub) -> None:
 def _bench_parser(sub) -> None:
     """`lamina bench NAME`."""
     b = sub.add_parser("bench", help="run a benchmark")
-    b.add_argument("name", choices=["split", "attention", "fragmentation", "e2e", "load", "ops",
-                                    "plan", "multiturn", "kv-quality", "kv-sparsity",
-                                    "kv-capacity", "sim", "sim-scale", "pipeline", "overlap"])
+    b.add_argument("name", choices=list(BENCHES))
     b.add_argument("--model", default=None, help="split: model to split")
     b.add_argument("--repeat", type=int, default=None, help="timed runs per case (median)")
     b.add_argument("--quick", action="store_true", help="smallest case only (smoke test)")

@@ -1,5 +1,6 @@
 """The `lamina` CLI: split report, benchmark output files, clear errors."""
 import json
+import re
 
 import pytest
 
@@ -45,7 +46,11 @@ def test_unsplittable_model_is_a_clear_error(tmp_path, capsys):
     cfg = AutoConfig.for_model("bloom", vocab_size=96, hidden_size=64, n_layer=2, n_head=4)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "bloom")
     assert main(["split", "--model", str(tmp_path / "bloom")]) == 2
-    assert "no attention node to cut" in capsys.readouterr().err
+    # (torch 2.11's export refuses bloom's shapes before the splitter looks for attention
+    # nodes; torch 2.13's traces it: either way one line naming the model and the cause)
+    err = capsys.readouterr().err
+    assert re.search(r"lamina: error: (.*no attention node to cut|tracing model 'bloom' with "
+                     r"torch.export failed)", err), err
 
 
 def test_generate_runs_the_engine_on_the_default_model(capsys):
@@ -157,3 +162,40 @@ def test_sparsity_choices_follow_the_library():
     from lamina.memory import sparsity
 
     assert POLICIES == sparsity.POLICIES and LAYER_BUDGETS == sparsity.LAYER_BUDGETS
+
+
+@pytest.mark.parametrize("argv, module, fn, expected", [
+    (["kv-sparsity", "--quick", "--budgets", "0.2", "0.1", "--policies", "topk"],
+     "lamina.bench.kv_quality", "bench_kv_sparsity",
+     dict(lengths=(256,), trials=2, ppl_context=256, windows=2, budgets=(0.2, 0.1),
+          policies=("topk",), docs=None, out_dir="res")),
+    (["multiturn", "--turns", "3", "--answer-tokens", "7"], "lamina.bench.multiturn",
+     "bench_multiturn", dict(turns=3, answer=7, out_dir="res", vllm_python=None)),
+    (["multiturn", "--quick", "--sessions", "9"], "lamina.bench.multiturn", "bench_multiturn",
+     dict(sessions=9, turns=2, system=32, user=48, answer=4, concurrency=2, out_dir="res",
+          vllm_python=None)),
+    (["overlap", "--batches", "8", "32", "--contexts", "512"], "lamina.bench.pipeline",
+     "bench_overlap", dict(batches=(8, 32), context=512, out_dir="res")),
+    (["pipeline", "--quick", "--pipelines", "fixed"], "lamina.bench.pipeline",
+     "bench_pipeline", dict(batches=(4,), contexts=(64,), steps=2, modes=("fixed",),
+                            executor="local", plot=None, out_dir="res", predict=False)),
+    (["kv-capacity", "--pool-mib", "64", "--kv-modes", "int8"], "lamina.bench.kv_capacity",
+     "bench_kv_capacity", dict(pool_bytes=64 << 20, modes=("int8",), out_dir="res")),
+    (["e2e", "--device", "cuda", "--dtype", "float32"], "lamina.bench.e2e_gpu", "bench_e2e_gpu",
+     dict(batches=(1, 32, 256), new_tokens=128, out_dir="res", dtype="float32", repeat=3,
+          threads=None)),
+    (["sim", "--quick"], "lamina.bench.sim", "bench_sim",
+     dict(batches=(8,), new_tokens=16, repeat=3, out_dir="res")),
+])
+def test_bench_flags_reach_the_benchmark(monkeypatch, argv, module, fn, expected):
+    """Each `lamina bench NAME` passes its --quick sizes and the flags given (and only
+    those) to its benchmark function."""
+    import importlib
+
+    calls = []
+    monkeypatch.setattr(importlib.import_module(module), fn,
+                        lambda *a, **kw: calls.append((a, kw)))
+    assert main(["bench", *argv, "--out", "res"]) == 0
+    (args, kwargs), = calls
+    assert kwargs == expected
+    assert args in ((), (None,))  # the model path: the default
