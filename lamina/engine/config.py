@@ -169,88 +169,79 @@ class EngineConfig:
                              f"step's split over replicas does not carry tier orders)")
 
     def __post_init__(self):
-        if not isinstance(self.num_kv_slots, int) or self.num_kv_slots <= 0:
-            raise ValueError(f"EngineConfig.num_kv_slots must be a positive int, "
-                             f"got {self.num_kv_slots!r}")
-        b = self.kv_pool_bytes
-        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b <= 0):
-            raise ValueError(f"EngineConfig.kv_pool_bytes must be a positive int or None, "
-                             f"got {b!r}")
-        if not isinstance(self.num_memory_workers, int) or self.num_memory_workers < 1:
-            raise ValueError(f"EngineConfig.num_memory_workers must be an int >= 1, "
-                             f"got {self.num_memory_workers!r}")
+        self._check_fields()
         SchedulerConfig(self.max_batch, self.max_step_tokens, self.split_kv)  # validates
-        if (not isinstance(self.max_recoveries, int) or isinstance(self.max_recoveries, bool)
-                or self.max_recoveries < 0):
-            raise ValueError(f"EngineConfig.max_recoveries must be an int >= 0, "
-                             f"got {self.max_recoveries!r}")
+        self.tiers  # noqa: B018 - TierConfig checks the kv_* tier fields
+        try:
+            _ = self.sparsity
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.kv_sparsity/kv_budget/kv_layer_budgets/"
+                             f"kv_topk_rescore: {e}") from None
+        self._check_pipeline()
+        self._check_combinations()
+
+    def _check_fields(self) -> None:
+        """Each field on its own: its type and range."""
+        _need_int(self, "num_kv_slots", 1, "a positive int")
+        _need_int(self, "kv_pool_bytes", 1, "a positive int or None", optional=True)
+        _need_int(self, "num_memory_workers", 1, "an int >= 1")
+        _need_int(self, "max_recoveries", 0, "an int >= 0")
+        _need_int(self, "stream_groups", 1, "an int in 1..16", high=16)
         for name in ("worker_timeout_s", "step_timeout_s"):
-            t = getattr(self, name)
-            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
-                                  or not t > 0 or t == float("inf")):
-                raise ValueError(f"EngineConfig.{name} must be a positive number of "
-                                 f"seconds or None, got {t!r}")
-        t = self.placement_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-            raise ValueError(f"EngineConfig.placement_timeout_s must be a positive number of "
-                             f"seconds, got {t!r}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"EngineConfig.kv_dtype must be one of {KV_DTYPES}, "
-                             f"got {self.kv_dtype!r}")
+            _need_seconds(self, name, "a positive number of seconds or None", optional=True)
+        _need_seconds(self, "placement_timeout_s", "a positive number of seconds")
+        for name in ("cuda_graphs", "local_prefill", "fuse_pointwise", "prefix_caching",
+                     "kv_evict", "truncation_reuse", "clamp_max_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, "
+                                 f"got {getattr(self, name)!r}")
+        for name, allowed in (("kv_dtype", KV_DTYPES), ("dense_backend", DENSE_BACKENDS),
+                              ("pipeline", PIPELINES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"EngineConfig.{name} must be one of {allowed}, "
+                                 f"got {getattr(self, name)!r}")
         for name in ("kv_device", "compute_device"):
             d = getattr(self, name)
             if not isinstance(d, str) or not re.fullmatch(DEVICE_NAME, d):
                 raise ValueError(f"EngineConfig.{name} must be 'cpu' or 'cuda[:i]', "
                                  f"got {d!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"EngineConfig.cuda_graphs must be a bool, "
-                             f"got {self.cuda_graphs!r}")
-        if self.dense_backend not in DENSE_BACKENDS:
-            raise ValueError(f"EngineConfig.dense_backend must be one of {DENSE_BACKENDS}, "
-                             f"got {self.dense_backend!r}")
-        if not isinstance(self.local_prefill, bool):
-            raise ValueError(f"EngineConfig.local_prefill must be a bool, "
-                             f"got {self.local_prefill!r}")
-        if not isinstance(self.fuse_pointwise, bool):
-            raise ValueError(f"EngineConfig.fuse_pointwise must be a bool, "
-                             f"got {self.fuse_pointwise!r}")
-        for name in ("prefix_caching", "kv_evict"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"EngineConfig.{name} must be a bool, "
-                                 f"got {getattr(self, name)!r}")
-        self.tiers  # noqa: B018 - TierConfig checks the kv_* tier fields
-        if not isinstance(self.truncation_reuse, bool):
-            raise ValueError(f"EngineConfig.truncation_reuse must be a bool, "
-                             f"got {self.truncation_reuse!r}")
+        if self.faults is not None and not isinstance(self.faults, FaultPlan):
+            raise ValueError(f"EngineConfig.faults must be a FaultPlan or None, "
+                             f"got {type(self.faults).__name__}")
+
+    def _check_combinations(self) -> None:
+        """The rules between fields (each field is valid on its own by now)."""
         if self.truncation_reuse and not self.kv_host_bytes:
             raise ValueError("EngineConfig.truncation_reuse needs the session tiers "
                              "(kv_host_bytes > 0): they hold the KV it reuses")
-        try:
-            _ = self.sparsity
-        except ValueError as e:
-            raise ValueError(f"EngineConfig.kv_sparsity/kv_budget/kv_layer_budgets/"
-                             f"kv_topk_rescore: {e}") \
-                from None
         if self.truncation_reuse and self.kv_dtype == "int8":
             raise ValueError("EngineConfig.truncation_reuse re-rotates saved float keys; "
                              "it is not offered with kv_dtype='int8'")
         if self.kv_host_bytes and not self.prefix_caching:
             raise ValueError("EngineConfig.kv_host_bytes needs prefix_caching (the tiers "
                              "keep what the pool's prefix cache evicts)")
-        if not isinstance(self.clamp_max_tokens, bool):
-            raise ValueError(f"EngineConfig.clamp_max_tokens must be a bool, "
-                             f"got {self.clamp_max_tokens!r}")
-        if self.faults is not None and not isinstance(self.faults, FaultPlan):
-            raise ValueError(f"EngineConfig.faults must be a FaultPlan or None, "
-                             f"got {type(self.faults).__name__}")
-        if self.pipeline not in PIPELINES:
-            raise ValueError(f"EngineConfig.pipeline must be one of {PIPELINES}, "
-                             f"got {self.pipeline!r}")
-        self._check_pipeline()
         g = self.stream_groups
-        if not isinstance(g, int) or isinstance(g, bool) or not 1 <= g <= 16:
-            raise ValueError(f"EngineConfig.stream_groups must be an int in 1..16, got {g!r}")
         if g > 1 and self.kv_sparsity != "dense":
             raise ValueError(f"EngineConfig: stream_groups={g} streams q/k/v by groups of "
                              f"requests, which kv_sparsity={self.kv_sparsity!r}'s per-layer "
                              f"selection does not follow: use stream_groups=1")
+
+
+def _need_int(cfg: EngineConfig, name: str, low: int, what: str, optional: bool = False,
+              high: int | None = None) -> None:
+    """`cfg.name` is an int (not a bool) in low..high (or None where optional)."""
+    v = getattr(cfg, name)
+    if v is None and optional:
+        return
+    if (not isinstance(v, int) or isinstance(v, bool) or v < low
+            or (high is not None and v > high)):
+        raise ValueError(f"EngineConfig.{name} must be {what}, got {v!r}")
+
+
+def _need_seconds(cfg: EngineConfig, name: str, what: str, optional: bool = False) -> None:
+    """`cfg.name` is a finite positive number of seconds (or None where optional)."""
+    t = getattr(cfg, name)
+    if t is None and optional:
+        return
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+        raise ValueError(f"EngineConfig.{name} must be {what}, got {t!r}")
