@@ -55,6 +55,7 @@ import threading
 import time
 import traceback
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -435,6 +436,25 @@ class SocketLink(MemoryLink):
         return tuple(out)
 
 
+@dataclass(frozen=True)
+class _StepHead:
+    """What a step's first frames say (`MemoryServer._step_head`)."""
+    step: int
+    count: int  # micro-batches (0: a release-only step)
+    ids: list[int]  # every micro-batch's sequences, in order
+    width: int  # stream groups of each micro-batch
+    report: bool  # send the sparsity policies' dropped keys after the outputs
+    order: tuple[int, list[int]] | None  # a ring step's (R, micro-batch indices)
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """One micro-batch of a step on the memory end, its metadata checked."""
+    new_slots: torch.Tensor  # [m] int32: where this step's k/v rows go
+    batch: SlotBatch
+    seqs: tuple[int, ...]  # each batch entry's sequence
+
+
 class MemoryServer:
     """The memory end of one compute worker's channel: `serve` runs steps until the peer
     closes. A malformed frame or a failed step ends it with `error` set (the peer then
@@ -515,6 +535,29 @@ class MemoryServer:
     def step(self) -> bool:
         """One step's frames; -> False for a release-only one (a micro-batch count of 0:
         no rows this step, only sequences whose tables to drop)."""
+        head = self._step_head()
+        step = head.step
+        if head.count == 0:
+            return False
+        mbs = self._micro_batches(step, head.count, head.ids)
+        loading = self.memory.tiers is not None and self.memory.tiers.loading
+        sparse = self.memory.sparsity is not None and self.memory.sparsity.active
+        if (self._native is not None and len(mbs) == 1 and not loading and not sparse
+                and not head.report and head.order is None):
+            self._serve_native(step, mbs[0].new_slots, mbs[0].batch, head.width)
+            return True  # (a step with tier loads copies them layer by layer, below)
+        queued = len(mbs) + (head.width > 1)  # outputs go out on the send thread
+        self._serve_layers(step, mbs, head.width, head.order, queued)
+        if head.report:  # after the outputs, in order; a shared side: this connection's only
+            mine = [s for m in mbs for s in m.seqs] if self.shared else None
+            with self._mem:
+                got = self.memory.take_dropped(mine)
+            self._send((encode_dropped(got), DROPPED, step), queued)
+        return True
+
+    def _step_head(self) -> _StepHead:
+        """A step's first frames: its micro-batch count and flags, the sequences it
+        releases (dropped at once), its tier orders, KV overrides and ring frame."""
         ch = self.ch
         head, _, step = ch.recv(expect_layer=META, expect_dtype=torch.int32)
         count = int(head[0]) if head.dim() == 1 and head.numel() else -1
@@ -524,7 +567,6 @@ class MemoryServer:
         count = count & ~FLAGS
         if not 0 <= count <= MAX_MICRO_BATCHES or (count == 0 and head.numel() > 1):
             raise FrameError(f"step {step}: bad micro-batch count frame {head.tolist()[:4]}")
-        ids, mbs = head[1:].tolist(), []
         self.tracer.step = step
         released = ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
         self.tables.release(released.tolist())
@@ -540,11 +582,15 @@ class MemoryServer:
             except (ValueError, RuntimeError) as e:
                 raise FrameError(f"step {step}: bad KV sparsity overrides: {e}") from None
         order = self._ring(step, count) if ring else None
-        if count == 0:
-            return False
+        return _StepHead(step, count, head[1:].tolist(), width, report, order)
+
+    def _micro_batches(self, step: int, count: int, ids: list[int]) -> list[_MicroBatch]:
+        """Each micro-batch's seven metadata frames, checked; the slot tables take the
+        step's diffs."""
+        mbs = []
         for _ in range(count):
             new_slots, cu_q, q_pos, keep, tail, cu_k, k_pos0 = [
-                ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
+                self.ch.recv(expect_layer=META, expect_step=step, expect_dtype=torch.int32)[0]
                 for _ in range(7)]
             n = cu_k.numel() - 1
             mine, ids = ids[:n], ids[n:]
@@ -562,18 +608,17 @@ class MemoryServer:
                 raise
             except ValueError as e:
                 raise FrameError(f"step {step}: bad slot metadata: {e}") from None
-            mbs.append((new_slots, batch, tuple(mine)))
-        loading = self.memory.tiers is not None and self.memory.tiers.loading
-        sparse = self.memory.sparsity is not None and self.memory.sparsity.active
-        if (self._native is not None and len(mbs) == 1 and not loading and not sparse
-                and not report and order is None):
-            self._serve_native(step, *mbs[0][:2], width)
-            return True  # (a step with tier loads copies them layer by layer, below)
+            mbs.append(_MicroBatch(new_slots, batch, tuple(mine)))
+        return mbs
+
+    def _serve_layers(self, step: int, mbs: list[_MicroBatch], width: int, order,
+                      queued: int) -> None:
+        """The Python layer loop: each layer's q/k/v of each micro-batch (of each of its
+        stream groups) attended as it arrives; the output sent back (or on along the
+        ring to the replica running the micro-batch's next slice)."""
         # per micro-batch: its groups (a streamed one's, else the whole), each as
         # (new_slots, batch, sequences)
-        groups = [self._groups(new_slots, batch, seqs, width)
-                  for new_slots, batch, seqs in mbs]
-        queued = len(mbs) + (width > 1)  # outputs go out on the send thread
+        groups = [self._groups(m.new_slots, m.batch, m.seqs, width) for m in mbs]
         for layer, params in enumerate(self.params):
             for j, mine in enumerate(groups):
                 to = None if order is None else self._ring_next(layer, *order, j)
@@ -592,12 +637,6 @@ class MemoryServer:
                         self._send(frame, queued)
                     else:
                         self.route(to, frame)
-        if report:  # after the outputs, in order; a shared side: this connection's only
-            mine = [s for m in mbs for s in m[2]] if self.shared else None
-            with self._mem:
-                got = self.memory.take_dropped(mine)
-            self._send((encode_dropped(got), DROPPED, step), queued)
-        return True
 
     def _ring(self, step: int, count: int) -> tuple[int, list[int]]:
         """A ring step's frame: -> (R, each live micro-batch's index in the step)."""
