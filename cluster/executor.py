@@ -100,37 +100,45 @@ def check_fits(have: dict, asks: dict[str, tuple[dict, int]]) -> None:
                          + " (its total resources; see `ray status`)")
 
 
+def worker_options(config, have: dict) -> tuple[dict, dict]:
+    """The Ray options of a compute worker and of a memory worker on a cluster with
+    resources `have`; a clear error where the cluster cannot hold them all."""
+    m, r_n = config.num_memory_workers, config.num_compute_workers
+    # Fractional CPUs so 1 compute + 2 memory workers fit a 2-core node (the compute
+    # workers share what one would take); on a cluster whose nodes advertise
+    # lamina_compute / lamina_memory (ray_config.yaml), use them.
+    c_opts: dict = {"num_cpus": 0.5 / r_n}
+    m_opts: dict = {"num_cpus": 0.5}
+    if "lamina_compute" in have:
+        c_opts["resources"] = {"lamina_compute": 1}
+    if "lamina_memory" in have:
+        m_opts["resources"] = {"lamina_memory": 1}
+    # A GPU pool: each memory worker holds one GPU of its own (Ray sets its
+    # CUDA_VISIBLE_DEVICES, so inside the worker it is "cuda").
+    if config.kv_device.startswith("cuda"):
+        if have.get("GPU", 0) < m:
+            raise ValueError(f"kv_device={config.kv_device!r} puts each of the {m} memory "
+                             f"workers on a GPU of its own, but the Ray cluster has "
+                             f"{int(have.get('GPU', 0))} GPU(s)")
+        m_opts["num_gpus"] = 1
+    if config.compute_device.startswith("cuda"):  # the slices on a GPU of their own
+        c_opts["num_gpus"] = 1
+    check_fits(have, {("compute worker" if r_n == 1 else "compute workers"): (c_opts, r_n),
+                      "memory workers": (m_opts, m)})
+    return c_opts, m_opts
+
+
 class RayExecutor(Executor):
     def __init__(self, model, dtype, config, threads: int = 1, address: str | None = None,
                  wide_threads: int | None = None, name: str | None = None):
         if not ray.is_initialized():
             connect_ray(address)
-        m = config.num_memory_workers
-        # Fractional CPUs so 1 compute + 2 memory workers fit a 2-core node; on a cluster
-        # whose nodes advertise lamina_compute / lamina_memory (ray_config.yaml), use them.
+        m, r_n = config.num_memory_workers, config.num_compute_workers
         have = ray.cluster_resources()
         self.check(config)
-        r_n = config.num_compute_workers
-        # the compute workers share what one would take (a 2-core node still fits)
-        c_opts, m_opts = {"num_cpus": 0.5 / r_n}, {"num_cpus": 0.5}
-        if "lamina_compute" in have:
-            c_opts["resources"] = {"lamina_compute": 1}
-        if "lamina_memory" in have:
-            m_opts["resources"] = {"lamina_memory": 1}
-        # A GPU pool: each memory worker holds one GPU of its own (Ray sets its
-        # CUDA_VISIBLE_DEVICES, so inside the worker it is "cuda").
+        c_opts, m_opts = worker_options(config, have)
         self._pool_device = "cuda" if config.kv_device.startswith("cuda") else "cpu"
-        if self._pool_device == "cuda":
-            if have.get("GPU", 0) < m:
-                raise ValueError(f"kv_device={config.kv_device!r} puts each of the {m} memory "
-                                 f"workers on a GPU of its own, but the Ray cluster has "
-                                 f"{int(have.get('GPU', 0))} GPU(s)")
-            m_opts["num_gpus"] = 1
         compute_gpu = config.compute_device.startswith("cuda")
-        if compute_gpu:  # the slices on a GPU of the compute worker's own
-            c_opts["num_gpus"] = 1
-        check_fits(have, {("compute worker" if r_n == 1 else "compute workers"): (c_opts, r_n),
-                          "memory workers": (m_opts, m)})
         # Idle OpenMP threads spin only briefly (3000 rounds of libgomp's wait loop, some
         # tens of us), then sleep: long enough to carry the compute worker's threads
         # from one linear to the next, short enough that a memory worker woken for a

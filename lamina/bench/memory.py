@@ -214,36 +214,13 @@ def bench_kv_dtypes(B: int = 32, L: int = 8192, threads: int = 1, repeat: int = 
            for dt in pools}
     fns.update(_topk_fns(q, queries, pools, kv_pools, batch, params, backend))
     t = _interleaved_medians(fns, repeat)
-    rows, table = [], [["KV", "ms", "x vs fp32", "x vs dense same dtype",
-                        "bytes/token (SmolLM2)", "x fp32 bytes", "read/token x fp32",
-                        "64 B lines per key (K+V)"]]
-    spec = dict(num_layers=30, num_slots=1, num_kv_heads=HKV, head_dim=D)
-    base = KVPoolConfig(**spec).bytes_per_slot
-    for key in fns:
-        dt, _, frac = key.partition("-topk")
-        frac, _, rescore = frac.partition("r")
-        name = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}[dt]
-        per_tok = KVPoolConfig(**spec, dtype=name).bytes_per_slot
-        read = per_tok
-        if frac:  # page bounds (min and max per page: fp32, or int8 rows over int8 pools:
-            # the codes and each kv head's fp32 scale) stay beside the pool
-            bounds = 30 * (2 * HKV * D + 4 * HKV if dt == "int8" else 2 * HKV * D * 4) / 16
-            # rescoring reads the candidates' keys: half of a slot's bytes
-            cand = int(rescore or 0) * int(frac) / 100 * per_tok / 2
-            per_tok, read = per_tok + bounds, int(frac) / 100 * per_tok + bounds + cand
-        lines = _lines_per_key(pools[dt][0])
-        label = f"{name} topk {frac}%" + (f" rescore {rescore}" if rescore else "")
-        r = {"kv": label if frac else name, "kv_dtype": name,
-             "budget": int(frac) / 100 if frac else 1.0,
-             "rescore": int(rescore or 0), "ms": t[key] * 1e3,
-             "speedup_vs_fp32": t["fp32"] / t[key], "speedup_vs_dense": t[dt] / t[key],
-             "bytes_per_token": per_tok, "bytes_vs_fp32": per_tok / base,
-             "read_per_token_vs_fp32": read / base, "lines_per_key": lines}
-        rows.append(r)
-        table.append([r["kv"], f"{r['ms']:.2f}", f"{r['speedup_vs_fp32']:.2f}",
-                      f"{r['speedup_vs_dense']:.2f}", f"{per_tok:.0f}",
-                      f"{r['bytes_vs_fp32']:.3f}", f"{r['read_per_token_vs_fp32']:.3f}",
-                      f"{lines:.2f}"])
+    rows = [_kv_dtype_row(key, t, pools[key.partition("-topk")[0]][0]) for key in fns]
+    table = [["KV", "ms", "x vs fp32", "x vs dense same dtype", "bytes/token (SmolLM2)",
+              "x fp32 bytes", "read/token x fp32", "64 B lines per key (K+V)"]]
+    table += [[r["kv"], f"{r['ms']:.2f}", f"{r['speedup_vs_fp32']:.2f}",
+               f"{r['speedup_vs_dense']:.2f}", f"{r['bytes_per_token']:.0f}",
+               f"{r['bytes_vs_fp32']:.3f}", f"{r['read_per_token_vs_fp32']:.3f}",
+               f"{r['lines_per_key']:.2f}"] for r in rows]
     res = {"B": B, "L": L, "threads": threads, "repeat": repeat, "cpu": cpu_name(),
            "simd": list(load_cpu_kernel().simd_paths()), "rows": rows,
            "goals": {"int8_bytes_vs_fp32_max": 0.27, "int8_speedup_min": 2.5,
@@ -252,6 +229,33 @@ def bench_kv_dtypes(B: int = 32, L: int = 8192, threads: int = 1, repeat: int = 
     print("\n".join(" | ".join(r) for r in table))
     print(f"B={B} L={L}, {threads} thread(s), {cpu_name()}; wrote {jp} and {mp}")
     return res
+
+
+def _kv_dtype_row(key: str, t: dict, k_pool) -> dict:
+    """One row of `bench_kv_dtypes` from its median times `t` (by key: "fp32", "bf16",
+    "int8", or "<dtype>-topk<percent>[r<rescore>]"): speed against fp32 and against dense
+    of its dtype, KV bytes per token (SmolLM2, all layers) and what a decode step reads."""
+    from lamina.memory.pool import KVPoolConfig
+
+    dt, _, frac = key.partition("-topk")
+    frac, _, rescore = frac.partition("r")
+    name = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}[dt]
+    spec = dict(num_layers=30, num_slots=1, num_kv_heads=HKV, head_dim=D)
+    base = KVPoolConfig(**spec).bytes_per_slot
+    per_tok = read = KVPoolConfig(**spec, dtype=name).bytes_per_slot
+    if frac:  # page bounds (min and max per page: fp32, or int8 rows over int8 pools:
+        # the codes and each kv head's fp32 scale) stay beside the pool
+        bounds = 30 * (2 * HKV * D + 4 * HKV if dt == "int8" else 2 * HKV * D * 4) / 16
+        # rescoring reads the candidates' keys: half of a slot's bytes
+        cand = int(rescore or 0) * int(frac) / 100 * per_tok / 2
+        per_tok, read = per_tok + bounds, int(frac) / 100 * per_tok + bounds + cand
+    label = f"{name} topk {frac}%" + (f" rescore {rescore}" if rescore else "")
+    return {"kv": label if frac else name, "kv_dtype": name,
+            "budget": int(frac) / 100 if frac else 1.0, "rescore": int(rescore or 0),
+            "ms": t[key] * 1e3, "speedup_vs_fp32": t["fp32"] / t[key],
+            "speedup_vs_dense": t[dt] / t[key], "bytes_per_token": per_tok,
+            "bytes_vs_fp32": per_tok / base, "read_per_token_vs_fp32": read / base,
+            "lines_per_key": _lines_per_key(k_pool)}
 
 
 def _topk_fns(q, queries, pools, kv_pools, batch, params, backend) -> dict:

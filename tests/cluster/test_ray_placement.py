@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from lamina.cluster.executor import check_fits
+from lamina.cluster.executor import check_fits, worker_options
+from lamina.engine.config import EngineConfig
 from tests.tiny_models import tiny_model
 
 SCRIPT = """
@@ -102,3 +103,25 @@ def test_check_fits_counts_every_resource(have, ok):
     else:
         with pytest.raises(ValueError, match="cannot hold 1 compute worker, 2 memory workers"):
             check_fits(have, asks)
+
+
+def test_worker_options_ask_for_what_each_worker_holds():
+    """A worker's Ray options: fractional CPUs (compute replicas share one half), the
+    role resources the nodes advertise, a GPU where its slices or pool live on one."""
+    two = EngineConfig(num_memory_workers=2)
+    assert worker_options(two, {"CPU": 2.0}) == ({"num_cpus": 0.5}, {"num_cpus": 0.5})
+    roles = {"CPU": 8.0, "lamina_compute": 1.0, "lamina_memory": 2.0}
+    assert worker_options(two, roles) == (
+        {"num_cpus": 0.5, "resources": {"lamina_compute": 1}},
+        {"num_cpus": 0.5, "resources": {"lamina_memory": 1}})
+    gpus = EngineConfig(num_memory_workers=2, compute_device="cuda", kv_device="cuda")
+    assert worker_options(gpus, {"CPU": 4.0, "GPU": 3.0}) == (
+        {"num_cpus": 0.5, "num_gpus": 1}, {"num_cpus": 0.5, "num_gpus": 1})
+    with pytest.raises(ValueError, match="each of the 2 memory workers on a GPU of its own, "
+                                         "but the Ray cluster has 1 GPU"):
+        worker_options(gpus, {"CPU": 4.0, "GPU": 1.0})
+    with pytest.raises(ValueError, match="cannot hold 1 compute worker, 2 memory workers: "
+                                         "GPU: needs 3, the cluster has 2"):
+        worker_options(gpus, {"CPU": 4.0, "GPU": 2.0})
+    replicas = EngineConfig(num_compute_workers=2, pipeline="fixed")
+    assert worker_options(replicas, {"CPU": 2.0})[0] == {"num_cpus": 0.25}
