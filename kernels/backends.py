@@ -150,6 +150,22 @@ class CpuBackend(AttentionBackend):
         return (o if q.dtype == torch.float32 else o.to(q.dtype)), lse
 
 
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("+")[0].split(".")[:2])
+
+
+def _check_interpreter(triton_version: str) -> None:
+    """Triton's interpreter before 3.7 turns 1-element NumPy arrays into ints, which
+    NumPy 2.4 refuses: refuse that pair by name instead of failing inside a kernel."""
+    import numpy
+
+    if _version(triton_version) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        raise BackendUnavailable(
+            f"Triton {triton_version}'s interpreter cannot run on NumPy {numpy.__version__} "
+            f"(it converts 1-element arrays to ints, an error since NumPy 2.4; fixed in "
+            f"Triton 3.7): install triton>=3.7 or numpy<2.4 to interpret the kernels")
+
+
 class TritonBackend(AttentionBackend):
     """Triton kernels (`triton_slot`) for pools on a CUDA GPU. `interpret=True` runs the
     same kernels in Triton's interpreter on CPU tensors (slow; for tests without a GPU;
@@ -187,6 +203,8 @@ class TritonBackend(AttentionBackend):
         if not interpret and not torch.cuda.is_available():
             raise BackendUnavailable("the triton backend needs a CUDA GPU, and torch sees "
                                      "none")
+        if interpret:
+            _check_interpreter(triton_slot.triton.__version__)
         for name, val in (("splits", splits), ("kv_heads_per_program", kv_heads_per_program),
                           ("programs_per_sm", programs_per_sm)):
             if val is not None and (not isinstance(val, int) or val < 1):

@@ -25,6 +25,11 @@ from .test_slot_attention import GQA, D, decode_case, params_for, pools, queries
 
 REF = ReferenceBackend()
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEV.type == "cpu":  # an interpreter that cannot run here says why (on a GPU: a failure)
+    try:
+        TritonBackend(interpret=True)
+    except BackendUnavailable as e:
+        pytest.skip(f"Triton's interpreter: {e}", allow_module_level=True)
 
 
 def backend(splits=None):
