@@ -141,3 +141,22 @@ def test_select_backend_env_and_errors(monkeypatch):
     assert b.name == "reference" and "no attention kernel for meta" in b.reason
     with pytest.raises(BackendUnavailable, match="cannot serve a pool on meta"):
         select_backend("cpu", device="meta")
+
+
+@pytest.mark.parametrize("triton_v, numpy_v, refused", [
+    ("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False),
+    ("3.9.0+git1a2b", "2.10.0", False), ("3.4.0", "1.26.4", False),
+])
+def test_an_interpreter_that_cannot_run_is_refused_by_name(monkeypatch, triton_v, numpy_v,
+                                                             refused):
+    """Triton < 3.7's interpreter converts 1-element arrays to ints, which NumPy 2.4
+    refuses: that pair is a BackendUnavailable naming both versions and the way out."""
+    import numpy
+
+    monkeypatch.setattr(numpy, "__version__", numpy_v)
+    if refused:
+        with pytest.raises(BackendUnavailable, match=f"Triton {triton_v}'s interpreter cannot "
+                                                     f"run on NumPy {numpy_v}.*triton>=3.7"):
+            backends._check_interpreter(triton_v)
+    else:
+        backends._check_interpreter(triton_v)
