@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from lamina.engine.scheduler import SchedulerConfig
 from lamina.faults import FaultPlan
@@ -113,11 +114,13 @@ class EngineConfig:
     kv_evict: bool = True
     faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
 
-    @property
+    # (cached: the engine asks for each sequence's policy every step; a frozen
+    # dataclass's fields never change, and eq, hash and replace read only the fields)
+    @cached_property
     def tiers(self) -> TierConfig:
         return TierConfig(self.kv_host_bytes, self.kv_disk_dir, self.kv_disk_bytes)
 
-    @property
+    @cached_property
     def sparsity(self) -> SparsityConfig:
         """The memory workers' sparsity config (entropy weights are measured at start-up
         and added by whoever builds the memory sides)."""
