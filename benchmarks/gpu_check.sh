@@ -84,9 +84,9 @@ for s in $steps; do
              "$ROOT/tests/lamina/test_gpu_memory.py") 2>&1 | tee "$OUT/exact.log" ;;
     # the suite but the Ray tests (the image has no ray: the `ray` step brings the kit's),
     # on WORKERS (12) xdist workers of the machine's 16 cores, for at most SUITE_S (480)
-    # seconds; SUITE overrides what it runs
+    # seconds; SUITE overrides what it runs; suite.xml: each test's time, for planning
     suite) model && (cd "$PKG" && timeout "$(limit "${SUITE_S:-480}")" python3 -m pytest -q -p no:cacheprovider \
-             --import-mode=append --rootdir="$ROOT" -n "${WORKERS:-12}" --durations=30 ${SUITE:-"$ROOT/tests" \
+             --import-mode=append --rootdir="$ROOT" -n "${WORKERS:-12}" --durations=30 --junitxml="$OUT/suite.xml" ${SUITE:-"$ROOT/tests" \
              --ignore="$ROOT/tests/cluster"}) 2>&1 | tee "$OUT/suite.log" ;;
     # the Ray executor with a GPU compute worker (RAY_TESTS overrides what it runs)
     ray) model && with_ray && (cd "$PKG" && timeout "$(limit 400)" python3 -m pytest -q \
