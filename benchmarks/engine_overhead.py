@@ -5,18 +5,43 @@ while the GPU waits. Local executor, default model, B prompts of ~16 tokens, gre
     python benchmarks/engine_overhead.py --batch 256 --steps 12 --rounds 3
 
 Prints, per round, the median over the decode steps of the whole `LLMEngine.step`, of
-the engine side (the step less `executor.execute`) and the step's own breakdown
-(`engine.step_timings`: dense, attention, sample), and the median over the rounds.
+the engine side (the step less `executor.execute`), of the compute side's per-step
+bookkeeping inside `execute` (slot tables, packing, the link's step start) and the
+step's own breakdown (`engine.step_timings`: dense, attention, sample), and the median
+over the rounds.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import platform
 import statistics
 import time
 
+# the compute side's per-step bookkeeping, by what it is called here
+PIECES = {"tables": ("tables", "apply"), "pack": (None, "_pack"), "begin": ("link", "begin")}
 
-def one_round(llm, B: int, steps: int) -> dict:
+
+def _timed_pieces(llm) -> dict[str, list[float]]:
+    """Wrap the compute side's bookkeeping calls with timers; -> their times by piece."""
+    compute, link = llm.executor.compute, llm.executor.link
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for name, (owner, method) in PIECES.items():
+        obj = {"tables": compute.tables, "link": link, None: compute}[owner]
+        inner = getattr(obj, method)
+
+        def wrapped(*a, _inner=inner, _name=name, **kw):
+            t = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                times[_name].append(time.perf_counter() - t)
+
+        setattr(obj, method, wrapped)
+    return times
+
+
+def one_round(llm, B: int, steps: int, pieces: dict[str, list[float]]) -> dict:
     from lamina import SamplingParams
 
     eng, ex = llm.engine, llm.executor
@@ -37,6 +62,8 @@ def one_round(llm, B: int, steps: int) -> dict:
     eng.step()  # the prefill
     spent.clear()
     eng.step_timings.clear()
+    for v in pieces.values():
+        v.clear()
     total = []
     while eng.has_unfinished():
         t = time.perf_counter()
@@ -47,6 +74,7 @@ def one_round(llm, B: int, steps: int) -> dict:
     decode = [s for s in eng.step_timings if s["tokens"] == B]
     ms = {k: 1e3 * statistics.median(s.get(f"{k}_s", 0.0) for s in decode)
           for k in ("dense", "attention", "sample")}
+    ms |= {k: 1e3 * statistics.median(v) for k, v in pieces.items() if v}
     return {"step_ms": 1e3 * statistics.median(total),
             "engine_ms": 1e3 * statistics.median(a - b for a, b in zip(total, spent)), **ms}
 
@@ -62,14 +90,16 @@ def main() -> None:
 
     B = args.batch
     llm = LLM(num_kv_slots=B * (args.steps + 40), max_batch=B, max_step_tokens=B * 64)
-    one_round(llm, min(B, 8), 2)  # warm-up
-    rows = [one_round(llm, B, args.steps) for _ in range(args.rounds)]
+    pieces = _timed_pieces(llm)
+    one_round(llm, min(B, 8), 2, pieces)  # warm-up
+    rows = [one_round(llm, B, args.steps, pieces) for _ in range(args.rounds)]
     for r in rows:
         print(" ".join(f"{k}={v:.2f}" for k, v in r.items()))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(f"B={B}, {args.steps} decode steps x {args.rounds} rounds, {cpu_name()} "
           f"({platform.machine()}): median step {med['step_ms']:.1f} ms, engine side "
-          f"{med['engine_ms']:.2f} ms")
+          f"{med['engine_ms']:.2f} ms; in execute: slot tables {med['tables']:.2f} ms, "
+          f"packing {med['pack']:.2f} ms, the link's step start {med['begin']:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False,
     mine, merge = _PartRows(), False  # the compute side's own part
     for s in plan.seqs:
         seg = s.placement
-        if any(not 0 <= w < num_workers for w, _ in seg):
+        if not all(0 <= w < num_workers for w, _ in seg):
             raise ValueError(f"seq {s.seq_id} placed on memory workers {[w for w, _ in seg]} "
                              f"of {num_workers}")
         n, r0, p0 = len(s.token_ids), len(ids), s.start_pos
@@ -199,6 +199,11 @@ def _place(s, table: np.ndarray, r0: int, per: list[_PartRows],
     `changed`: the first position that became a hole with this plan (what the worker
     holds differs from there on)."""
     n, p0, seg = len(s.token_ids), s.start_pos, s.placement
+    if len(seg) == 1 and not holes:  # the common case: all its KV on one worker
+        r = range(r0, r0 + n)
+        per[seg[0][0]].add(r, r, table[p0:p0 + n].tolist(), table, range(p0, p0 + n), 0,
+                           s.seq_id, min(s.slots_from, len(table)))
+        return
     if holes:
         live = table >= 0
         upto = s.slots_from if changed is None else min(s.slots_from, changed)
