@@ -18,16 +18,15 @@ import platform
 import statistics
 import time
 
-# the compute side's per-step bookkeeping, by what it is called here
-PIECES = {"tables": ("tables", "apply"), "pack": (None, "_pack"), "begin": ("link", "begin")}
-
 
 def _timed_pieces(llm) -> dict[str, list[float]]:
-    """Wrap the compute side's bookkeeping calls with timers; -> their times by piece."""
-    compute, link = llm.executor.compute, llm.executor.link
+    """Wrap the compute side's per-step bookkeeping (slot tables, packing, the link's
+    step start) with timers; -> their times by piece."""
+    compute = llm.executor.compute
+    pieces = {"tables": (compute.tables, "apply"), "pack": (compute, "_pack"),
+              "begin": (llm.executor.link, "begin")}
     times: dict[str, list[float]] = collections.defaultdict(list)
-    for name, (owner, method) in PIECES.items():
-        obj = {"tables": compute.tables, "link": link, None: compute}[owner]
+    for name, (obj, method) in pieces.items():
         inner = getattr(obj, method)
 
         def wrapped(*a, _inner=inner, _name=name, **kw):

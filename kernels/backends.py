@@ -150,16 +150,14 @@ class CpuBackend(AttentionBackend):
         return (o if q.dtype == torch.float32 else o.to(q.dtype)), lse
 
 
-def _version(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in v.split("+")[0].split(".")[:2])
-
-
 def _check_interpreter(triton_version: str) -> None:
     """Triton's interpreter before 3.7 turns 1-element NumPy arrays into ints, which
     NumPy 2.4 refuses: refuse that pair by name instead of failing inside a kernel."""
     import numpy
+    from packaging.version import Version
 
-    if _version(triton_version) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+    triton_v, numpy_v = (Version(v).release[:2] for v in (triton_version, numpy.__version__))
+    if triton_v < (3, 7) and numpy_v >= (2, 4):
         raise BackendUnavailable(
             f"Triton {triton_version}'s interpreter cannot run on NumPy {numpy.__version__} "
             f"(it converts 1-element arrays to ints, an error since NumPy 2.4; fixed in "

@@ -199,27 +199,27 @@ def _place(s, table: np.ndarray, r0: int, per: list[_PartRows],
     `changed`: the first position that became a hole with this plan (what the worker
     holds differs from there on)."""
     n, p0, seg = len(s.token_ids), s.start_pos, s.placement
-    if len(seg) == 1 and not holes:  # the common case: all its KV on one worker
-        r = range(r0, r0 + n)
-        per[seg[0][0]].add(r, r, table[p0:p0 + n].tolist(), table, range(p0, p0 + n), 0,
-                           s.seq_id, min(s.slots_from, len(table)))
+    if len(seg) == 1:  # all its KV on one worker: its queries see the whole table
+        keys, held = table, min(s.slots_from, len(table))
+        if holes:
+            live = table >= 0
+            upto = s.slots_from if changed is None else min(s.slots_from, changed)
+            keys = table[live]
+            held = int(np.count_nonzero(live[:upto]))  # the worker's copy: its keys up to there
+        rows = range(r0, r0 + n)
+        per[seg[0][0]].add(rows, rows, table[p0:p0 + n].tolist(), keys, range(p0, p0 + n), 0,
+                           s.seq_id, held)
         return
     if holes:
-        live = table >= 0
-        upto = s.slots_from if changed is None else min(s.slots_from, changed)
-        held = int(np.count_nonzero(live[:upto]))  # the worker's copy: its keys up to there
-        (w, _), = seg
-        per[w].add(range(r0, r0 + n), range(r0, r0 + n), table[p0:p0 + n].tolist(),
-                   table[live], range(p0, p0 + n), 0, s.seq_id, held)
-        return
+        raise ValueError(f"seq {s.seq_id}: a table with holes must lie on one memory worker")
     ends = [a for _, a in seg[1:]] + [len(table)]
     for (w, a), b in zip(seg, ends):
-        q0 = max(a, p0)  # queries at positions >= a see keys in this range
+        q0 = max(a, p0)  # queries (and new k/v) at positions >= a fall in this range
         if q0 >= p0 + n:
             continue
-        kv0, kv1 = max(a, p0), min(b, p0 + n)  # new positions stored here
-        per[w].add(range(r0 + q0 - p0, r0 + n), range(r0 + kv0 - p0, r0 + kv1 - p0),
-                   table[kv0:kv1].tolist(), table[a:b], range(q0, p0 + n), a, s.seq_id,
+        kv1 = min(b, p0 + n)  # new positions stored here: q0 .. kv1
+        per[w].add(range(r0 + q0 - p0, r0 + n), range(r0 + q0 - p0, r0 + kv1 - p0),
+                   table[q0:kv1].tolist(), table[a:b], range(q0, p0 + n), a, s.seq_id,
                    max(0, min(s.slots_from, b) - a))
 
 
