@@ -11,8 +11,11 @@ cache dir (`$LAMINA_CACHE_DIR`, default `~/.cache/lamina`); later loads read tha
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -80,9 +83,29 @@ def cache_dir() -> Path:
 
 
 def _gguf_cache_path(gguf_path: Path, dtype: torch.dtype) -> Path:
+    """The converted folder's path, keyed by the GGUF's content: a reinstalled package
+    (same bytes, new file times) finds the folder it converted before."""
     st = gguf_path.stat()
-    key = f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}-{str(dtype).split('.')[-1]}"
-    return cache_dir() / "hf" / key
+    key = f"{gguf_path.stem}-{_digest(gguf_path, st.st_size, st.st_mtime_ns)}"
+    return cache_dir() / "hf" / f"{key}-{str(dtype).split('.')[-1]}"
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(path: Path, size: int, mtime_ns: int) -> str:
+    """A file's SHA-256 prefix (~0.1 s for SmolLM2's 98 MB); size and mtime key the
+    memo, so a changed file is hashed again."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+
+
+def _drop_stale(gguf_path: Path, dtype: torch.dtype) -> None:
+    """Remove folders of the same GGUF converted under the earlier key (stem, size,
+    file mtime): each reinstall of the model's package made a new one (~0.5 GB)."""
+    size, tail = gguf_path.stat().st_size, str(dtype).split(".")[-1]
+    stale = re.compile(rf"{re.escape(gguf_path.stem)}-{size}-\d+-{tail}")
+    for old in (cache_dir() / "hf").glob(f"{gguf_path.stem}-*"):
+        if stale.fullmatch(old.name):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _from_pretrained(folder: Path, gguf: str | None, dtype, need_tokenizer: bool):
@@ -147,6 +170,7 @@ def load(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.floa
             if cached is not None:
                 try:
                     export_hf_folder(m, tok, cached)
+                    _drop_stale(folder / gguf, dtype)
                 except OSError:  # read-only home etc.: loading still worked
                     pass
     except (OSError, ValueError, KeyError) as e:

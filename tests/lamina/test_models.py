@@ -1,4 +1,6 @@
 """lamina.model.loader.load: default GGUF model, the converted-folder cache, HF folders, errors."""
+import os
+
 import pytest
 import torch
 
@@ -70,3 +72,35 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path):
     f.write_bytes(b"not a gguf file")
     with pytest.raises(ModelLoadError, match="could not load model from .*broken.gguf"):
         load(f, cache=False)
+
+
+def test_gguf_cache_is_keyed_by_content(tmp_path, monkeypatch):
+    """A reinstalled package (same bytes, new file times) finds the folder it converted
+    before; changed bytes get a new one; folders of the earlier key (stem, size, mtime)
+    are dropped when the file is converted again."""
+    from lamina.model import loader
+
+    monkeypatch.setenv("LAMINA_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "a" / "m.gguf"
+    src.parent.mkdir()
+    src.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    first = loader._gguf_cache_path(src, torch.float32)
+    copy = tmp_path / "b" / "m.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(src.read_bytes())
+    os.utime(copy, ns=(1, 1))
+    assert copy.stat().st_mtime_ns != src.stat().st_mtime_ns
+    assert loader._gguf_cache_path(copy, torch.float32) == first
+    assert loader._gguf_cache_path(src, torch.bfloat16) != first
+    src.write_bytes(b"GGUF" + bytes(range(256)) * 63 + bytes(256))  # same size, new bytes
+    os.utime(src, ns=(2, 2))
+    assert loader._gguf_cache_path(src, torch.float32) != first
+    size = src.stat().st_size
+    hf = tmp_path / "cache" / "hf"
+    old = [hf / f"m-{size}-{t}-float32" for t in (17, 18)]
+    keep = [hf / f"m-{size}-17-bfloat16", hf / f"m-{size + 1}-17-float32", first]
+    for d in old + keep:
+        d.mkdir(parents=True)
+    loader._drop_stale(src, torch.float32)
+    assert [d.exists() for d in old] == [False, False]
+    assert all(d.exists() for d in keep)
