@@ -203,7 +203,7 @@ class LLMEngine:
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
                              f"{self.max_len}")
-        if (len(ids) + params.max_tokens > self.max_len
+        if (params.max_tokens is not None and len(ids) + params.max_tokens > self.max_len
                 and not self.config.clamp_max_tokens):
             raise ValueError(f"max_tokens {params.max_tokens} + the prompt's {len(ids)} "
                              f"tokens = {len(ids) + params.max_tokens} exceed the model's "
@@ -272,7 +272,8 @@ class LLMEngine:
         digits, . _ : @ -; a new one starts a session)."""
         check_session_id(session_id)
         ids = self.validate(prompt, params)
-        if len(ids) + params.max_tokens > self.max_len:  # clamp_max_tokens (validated)
+        # None, or past the context with clamp_max_tokens (validated): what it leaves
+        if params.max_tokens is None or len(ids) + params.max_tokens > self.max_len:
             params = replace(params, max_tokens=self.max_len - len(ids))
         rid = next(self._rid)
         seed = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
@@ -535,7 +536,9 @@ class LLMEngine:
         p, tok, d = seq.params, seq.output[-1], req.detok[i]
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
-        length = len(seq.output) >= p.max_tokens or len(seq.tokens) >= self.max_len
+        # max_tokens None (resolved when the request came) would end at the context
+        length = ((p.max_tokens is not None and len(seq.output) >= p.max_tokens)
+                  or len(seq.tokens) >= self.max_len)
         if length and d is not None:
             d.flush(seq.output)  # a stop string may sit in a held-back tail
         if p.stop and d is not None:

@@ -1,10 +1,12 @@
 """OpenAI-compatible HTTP server (FastAPI on uvicorn): `lamina serve`.
 
 Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fields,
-echo, penalties and logit_bias included, plus top_k, seed, stop_token_ids, ignore_eos,
-repetition_penalty and prompt_logprobs). Data out: completion JSON with text, token ids,
-logprobs, finish reasons and usage; with `stream: true`, server-sent events of text
-deltas, then `data: [DONE]`; Prometheus metrics on /metrics. Requests go to one
+echo, penalties, logit_bias, chat's text content parts and max_completion_tokens
+included, plus vLLM's top_k, seed, stop_token_ids, ignore_eos, repetition_penalty,
+prompt_logprobs and stream_options.continuous_usage_stats). Data out: completion JSON
+with text, token ids, logprobs, finish reasons and usage; with `stream: true`,
+server-sent events of text deltas, then `data: [DONE]`; Prometheus metrics on /metrics.
+Real clients run against it in the tests: openai, guidellm and lm-eval. Requests go to one
 `EngineLoop`, so concurrent HTTP requests batch together in the engine. A client that
 disconnects (streaming or not) has its request aborted and its KV freed.
 
@@ -20,8 +22,8 @@ import asyncio
 import hmac
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -86,7 +88,15 @@ class ServerConfig:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: bool = False  # OpenAI's: a last event with the request's usage
+    # vLLM's (with include_usage): every event carries its choice's usage so far
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"] = Field(description="only plain text: this server has no "
+                                              "structured (JSON) output")
 
 
 class _Sampling(BaseModel):
@@ -115,6 +125,7 @@ class _Sampling(BaseModel):
     session_id: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     def num_logprobs(self) -> int | None:
         return None
@@ -162,13 +173,48 @@ class CompletionRequest(_Sampling):
 
 class ChatMessage(BaseModel):
     role: str
-    content: str
+    # a string, or OpenAI's content parts, of which this server reads text parts
+    content: str | list[dict[str, Any]] | None
+    name: str | None = None
+
+    def for_template(self, i: int) -> dict:
+        """The message as the chat template reads it (text parts joined by newlines,
+        as vLLM joins them); ValueError naming a part this server cannot read."""
+        content = self.content
+        if content is None:  # OpenAI allows it for an assistant's tool-call turn
+            if self.role != "assistant":
+                raise ValueError(f"messages.{i}.content: null is allowed only for the "
+                                 f"assistant, not {self.role!r}")
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages.{i}.content.{j}: a {kind!r} part; this "
+                                     "server takes text parts ({'type': 'text', 'text': "
+                                     "...}) only")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        msg = {"role": self.role, "content": content}
+        return msg if self.name is None else {**msg, "name": self.name}
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    # chat's default: as many tokens as the model's context leaves (OpenAI's); the
+    # current name of the cap is max_completion_tokens, max_tokens its older one
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+    def params(self) -> SamplingParams:
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"max_completion_tokens: {b} given with max_tokens {a}; "
+                             "give one of them")
+        return replace(super().params(), max_tokens=b if b is not None else a)
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -262,6 +308,7 @@ class _Api:
     def __init__(self, loop: EngineLoop, model_name: str, tokenizer, config: ServerConfig):
         self.loop, self.model_name = loop, model_name
         self.tokenizer, self.config = tokenizer, config
+        self.created = int(time.time())  # the model's `created` on /v1/models
 
     async def health(self):
         if not self.loop.alive:
@@ -276,7 +323,7 @@ class _Api:
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                            "owned_by": "lamina"}]}
+                                            "created": self.created, "owned_by": "lamina"}]}
 
     def _params(self, body: _Sampling, n: int) -> SamplingParams | JSONResponse:
         """The request's sampling parameters, or the error answering it."""
@@ -328,9 +375,11 @@ class _Api:
         if isinstance(futs, JSONResponse):
             return futs
         if chunk:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            opts = body.stream_options or StreamOptions()
             return StreamingResponse(
-                sse_events(self.loop, futs, updates, chunk, _usage if include_usage else None),
+                sse_events(self.loop, futs, updates, chunk,
+                           _usage if opts.include_usage else None,
+                           opts.include_usage and opts.continuous_usage_stats),
                 media_type="text/event-stream")
         return await self._wait(futs, request)
 
@@ -379,8 +428,11 @@ class _Api:
         tok = self.tokenizer
         if tok is None or getattr(tok, "chat_template", None) is None:
             return _error(400, "this model has no chat template", "messages")
-        prompt = tok.apply_chat_template([m.model_dump() for m in body.messages],
-                                         tokenize=False, add_generation_prompt=True)
+        try:
+            messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        except ValueError as e:
+            return _error(400, str(e), "messages")
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": now, "model": self.model_name}
 

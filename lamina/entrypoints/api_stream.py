@@ -20,9 +20,12 @@ def _event(obj) -> str:
 
 
 async def sse_events(loop, futs: list[Future], updates: asyncio.Queue, chunk: Callable,
-                     usage: Callable | None) -> AsyncIterator[str]:
+                     usage: Callable | None, continuous: bool = False
+                     ) -> AsyncIterator[str]:
     """chunk(prompt index, CompletionOutput, new text, new logprobs or None, tokens sent
-    before) -> the event's JSON; usage(final outputs) -> the usage JSON."""
+    before) -> the event's JSON; usage(final outputs) -> the usage JSON of the last
+    event (the others then carry `usage: null`, as OpenAI's do, or with `continuous`
+    their choice's usage so far, as vLLM's `continuous_usage_stats`)."""
     aloop = asyncio.get_running_loop()
     for i, f in enumerate(futs):
         f.add_done_callback(
@@ -49,7 +52,10 @@ async def sse_events(loop, futs: list[Future], updates: asyncio.Queue, chunk: Ca
                 if fin or (len(c.token_ids) == n_tok and not c.finish_reason):
                     continue
                 lps = None if c.logprobs is None else c.logprobs[n_tok:]
-                yield _event(chunk(i, c, c.text[n_chr:], lps, n_tok))
+                ev = chunk(i, c, c.text[n_chr:], lps, n_tok)
+                if usage is not None:
+                    ev["usage"] = _so_far(out, c) if continuous else None
+                yield _event(ev)
                 sent[i, c.index] = (len(c.token_ids), max(n_chr, len(c.text)),
                                     bool(c.finish_reason))
         else:
@@ -60,6 +66,12 @@ async def sse_events(loop, futs: list[Future], updates: asyncio.Queue, chunk: Ca
     finally:  # done, failed, or the client went away: stop whatever still runs
         for f in futs:
             loop.abort(f)
+
+
+def _so_far(out, c) -> dict:
+    """One choice's usage so far: its prompt's tokens and the tokens it has drawn."""
+    p, n = len(out.prompt_token_ids), len(c.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
 
 def completion_logprobs(lps, decode: Callable, offset: int = 0, ids=None) -> dict:

@@ -24,7 +24,7 @@ MAX_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as the model's context leaves
     temperature: float = 1.0  # 0 = greedy
     top_k: int = -1  # -1 or 0: off
     top_p: float = 1.0  # (0, 1]; 1 = off
@@ -50,8 +50,10 @@ class SamplingParams:
         def bad(field, why):
             raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            bad("max_tokens", "must be a positive int")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens <= 0):
+            bad("max_tokens", "must be a positive int or None (up to the model's context)")
         t = self.temperature
         if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
             bad("temperature", "must be a finite number >= 0")

@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -204,6 +205,82 @@ def test_chat_stream_and_logprobs(server):
     assert "".join(d["content"] for d in deltas) == plain["choices"][0]["message"]["content"]
     status, out = server.post("/v1/chat/completions", {**body, "logprobs": False})
     assert status == 400 and "top_logprobs" in out["error"]["message"]
+
+
+def test_chat_content_parts_and_max_completion_tokens(server):
+    """What current OpenAI clients send (guidellm among them): text content parts (joined
+    by newlines, as vLLM joins them) and `max_completion_tokens`, max_tokens' new name."""
+    def chat(content, **kw):
+        return server.post("/v1/chat/completions", {
+            "messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": content, "name": "ann"}],
+            "temperature": 0, "ignore_eos": True, **kw})
+
+    status, plain = chat("Name a colour.\nThen a fruit.", max_tokens=6)
+    assert status == 200 and len(plain["choices"][0]["token_ids"]) == 6
+    parts = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "Then a fruit."}]
+    for kw in ({"max_tokens": 6}, {"max_completion_tokens": 6},
+               {"max_tokens": 6, "max_completion_tokens": 6}):
+        status, out = chat(parts, **kw)
+        assert status == 200 and out["choices"][0]["token_ids"] == \
+            plain["choices"][0]["token_ids"], kw
+    for content, kw, param, words in [
+            (parts, {"max_tokens": 6, "max_completion_tokens": 5}, "max_completion_tokens",
+             "give one of them"),
+            ([{"type": "image_url", "image_url": {"url": "x"}}], {}, "messages",
+             "messages.1.content.0: a 'image_url' part"),
+            ([{"type": "text"}], {}, "messages", "text parts"),
+            (None, {}, "messages", "null is allowed only for the assistant"),
+            ("hi", {"response_format": {"type": "json_object"}}, "response_format", "text")]:
+        status, out = chat(content, **kw)
+        assert status == 400 and out["error"]["param"] == param, out
+        assert words in out["error"]["message"], out
+    status, out = chat("hi", max_tokens=2, response_format={"type": "text"})
+    assert status == 200 and len(out["choices"][0]["token_ids"]) == 2
+    model = server.get("/v1/models")[1]["data"][0]
+    assert isinstance(model["created"], int) and model["created"] <= time.time()
+
+
+def test_chat_without_a_cap_runs_to_the_models_context(smol, smol_split):
+    """OpenAI's chat default: no max_tokens means as many as the context leaves (the
+    engine resolves None when it takes the request), not completions' 16."""
+    from lamina.entrypoints.api_server import ChatRequest
+
+    body = ChatRequest(messages=[{"role": "user", "content": "hi"}])
+    assert body.params().max_tokens is None
+    eng = _engine(smol, smol_split)
+    rid = eng.add_request([1, 2, 3], body.params())
+    assert eng._reqs[rid].seqs[0].params.max_tokens == eng.max_len - 3 == 8189
+    rid = eng.add_request([1, 2, 3], replace(body.params(), max_tokens=5))
+    assert eng._reqs[rid].seqs[0].params.max_tokens == 5
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_usage_every_event(server, prompts, path):
+    """include_usage: events carry `usage: null` and a last event the request's usage;
+    with vLLM's continuous_usage_stats each event carries its choice's usage so far."""
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2,
+            **({"prompt": prompts[1]} if path == "/v1/completions" else
+               {"messages": [{"role": "user", "content": "Count to ten."}]})}
+    status, plain = server.post(path, body)
+    assert status == 200
+    n_prompt = plain["usage"]["prompt_tokens"]  # one prompt (n counts choices)
+    for continuous in (False, True):
+        events = server.stream(path, {**body, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": continuous}})
+        assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+        assert events[-2]["usage"]["completion_tokens"] == 12  # both choices
+        drawn = {0: 0, 1: 0}
+        for e in events[:-2]:
+            c = e["choices"][0]
+            drawn[c["index"]] += len(c["token_ids"])
+            assert e["usage"] == ({"prompt_tokens": n_prompt,
+                                   "completion_tokens": drawn[c["index"]],
+                                   "total_tokens": n_prompt + drawn[c["index"]]}
+                                  if continuous else None)
+        assert drawn == {0: 6, 1: 6}
+    events = server.stream(path, body)  # no stream_options: no usage anywhere
+    assert all("usage" not in e for e in events[:-1])
 
 
 @pytest.mark.parametrize("stream", [True, False])
