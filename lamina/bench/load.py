@@ -47,21 +47,25 @@ def _free_port() -> int:
 
 
 class Server:
-    """`lamina serve` in its own session; `stop` ends it and every process under it."""
+    """`lamina serve --executor ray` (or `cmd`, any HTTP server with /health; `env`
+    its environment) in its own session; `stop` ends it and every process under it."""
 
-    def __init__(self, port: int, extra: list[str], timeout_s: float = 300):
+    def __init__(self, port: int, extra: list[str], timeout_s: float = 300,
+                 cmd: list[str] | None = None, env: dict | None = None):
         self.port, self.url = port, f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "lamina.entrypoints.cli", "serve", "--executor", "ray",
-               "--memory-workers", "2", "--port", str(port), "--served-model-name", "smol",
-               *extra]
+        cmd = cmd or [sys.executable, "-m", "lamina.entrypoints.cli", "serve", "--executor",
+                      "ray", "--memory-workers", "2", "--port", str(port),
+                      "--served-model-name", "smol"]
         self.log = open(f"/tmp/lamina-load-{port}.log", "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen([*cmd, *extra], stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=env)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"lamina serve exited with {self.proc.returncode}; see "
-                                   f"{self.log.name}")
+                self.log.flush()
+                raise RuntimeError(f"{' '.join(cmd[:4])} ... exited with "
+                                   f"{self.proc.returncode}; see {self.log.name}: "
+                                   f"{Path(self.log.name).read_text()[-1500:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -69,7 +73,7 @@ class Server:
             except OSError:
                 time.sleep(1)
         self.stop()
-        raise TimeoutError(f"lamina serve not healthy after {timeout_s} s")
+        raise TimeoutError(f"the server ({self.log.name}) not healthy after {timeout_s} s")
 
     def metric(self, name: str) -> float:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:

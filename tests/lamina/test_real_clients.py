@@ -154,3 +154,18 @@ def test_lm_eval_loglikelihoods_and_generations_equal_hf(served, smol, tmp_path)
                                       pad_token_id=tok.eos_token_id)[0, ids.shape[1]:]
         want = tok.decode(ref, skip_special_tokens=True).split("\n")[0]
         assert s["resps"][0][0] == want, (context, s["resps"], want)
+
+
+def test_bench_serve_quick(tmp_path):
+    """`lamina bench serve --quick`: `lamina serve` in its own process, warmed up, then
+    guidellm at 2 streams; its JSON and Markdown say what ran."""
+    from lamina.entrypoints.cli import main
+
+    assert main(["bench", "serve", "--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "serve.json").read_text())
+    [row] = result["rows"]
+    assert (row["server"], row["concurrency"], row["ok"], row["failed"]) == \
+        ("lamina local", 2, 4, 0)
+    assert row["output_tokens"] == [8] * 4 and row["tok_s"] > 0
+    assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"] and row["itl_p50_ms"] > 0
+    assert "| lamina local | 2 | 4 / 0 |" in (tmp_path / "serve.md").read_text()
