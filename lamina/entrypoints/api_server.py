@@ -39,6 +39,7 @@ from lamina.entrypoints.api_stream import (
     vllm_prompt_logprobs,
 )
 from lamina.entrypoints.engine_loop import EngineLoop
+from lamina.entrypoints.llm import template_message
 from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
 from lamina.sampling.params import SamplingParams
 
@@ -178,26 +179,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def for_template(self, i: int) -> dict:
-        """The message as the chat template reads it (text parts joined by newlines,
-        as vLLM joins them); ValueError naming a part this server cannot read."""
-        content = self.content
-        if content is None:  # OpenAI allows it for an assistant's tool-call turn
-            if self.role != "assistant":
-                raise ValueError(f"messages.{i}.content: null is allowed only for the "
-                                 f"assistant, not {self.role!r}")
-            content = ""
-        elif isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                kind = part.get("type")
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"messages.{i}.content.{j}: a {kind!r} part; this "
-                                     "server takes text parts ({'type': 'text', 'text': "
-                                     "...}) only")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        msg = {"role": self.role, "content": content}
-        return msg if self.name is None else {**msg, "name": self.name}
+        """The message as the chat template reads it (`template_message`)."""
+        return template_message(self.model_dump(), i)
 
 
 class ChatRequest(_Sampling):

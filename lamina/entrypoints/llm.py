@@ -137,12 +137,39 @@ class LLM:
         return results
 
     def chat(self, messages, params: SamplingParams | None = None, **kw) -> list[RequestOutput]:
-        """messages: one conversation (list of {role, content}) or a list of them."""
+        """messages: one conversation (list of {role, content}) or a list of them; a
+        content may be OpenAI's list of text parts (`template_message`)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.loaded.tokenizer
-        prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+        prompts = [tok.apply_chat_template([template_message(m, i) for i, m in enumerate(c)],
+                                           tokenize=False, add_generation_prompt=True)
                    for c in convs]
         return self.generate(prompts, params, **kw)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def template_message(msg: dict, i: int = 0) -> dict:
+    """Message `i` of a chat as chat templates read it: its content a string, OpenAI's
+    text parts joined by newlines (as vLLM joins them), null only for an assistant's
+    (tool-call) turn; ValueError naming what it cannot read."""
+    role, content = msg.get("role"), msg.get("content")
+    if content is None:
+        if role != "assistant":
+            raise ValueError(f"messages.{i}.content: null is allowed only for the "
+                             f"assistant, not {role!r}")
+        content = ""
+    elif isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages.{i}.content.{j}: a {kind!r} part; text parts "
+                                 "({'type': 'text', 'text': ...}) only")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise ValueError(f"messages.{i}.content: a string or a list of text parts, got "
+                         f"{type(content).__name__}")
+    return {**{k: v for k, v in msg.items() if v is not None}, "content": content}

@@ -88,6 +88,48 @@ def test_stateless_draws_per_seed_and_position():
     assert np.all(freq[ref == 0] == 0) and np.abs(freq - ref).max() < 0.03
 
 
+@pytest.mark.parametrize("first", [256, 2])  # 2: the nucleus widens 2 -> 8 over 8 tokens
+def test_draws_follow_numpy_over_seeds(monkeypatch, first):
+    """sample_rows' draws (inverse CDF, one uniform per (seed, position)) over many seeds
+    follow the NumPy distribution for each kind of row, top_k ties included."""
+    from lamina.sampling import sampler
+
+    monkeypatch.setattr(sampler, "NUCLEUS_FIRST", first)
+    tied = torch.tensor([2.0, 1.0, 1.0, 1.0, -1.0, 3.0, 0.0, 1.0])  # 3rd logit shared 4 times
+    for logits, (t, k, p) in [(LOGITS, (1.0, -1, 1.0)), (LOGITS, (0.8, -1, 0.7)),
+                              (LOGITS, (1.2, 3, 0.95)), (tied, (1.0, 3, 1.0)),
+                              (tied, (0.9, 2, 0.6))]:
+        params = SamplingParams(temperature=t, top_k=k, top_p=p)
+        draws = [x for row in sample_rows(logits[None], [params], [tuple(range(6000))], [1])
+                 for x in row]
+        freq = np.bincount(draws, minlength=8) / 6000
+        ref = numpy_probs(logits.numpy(), t, k, p)
+        assert np.all(freq[ref == 0] == 0), (t, k, p)
+        assert np.abs(freq - ref).max() < 0.025, (t, k, p)  # 6000 draws: 3 sigma ~ 0.02
+
+
+def test_a_draw_does_not_depend_on_the_rest_of_the_batch():
+    """Rows drawn together (grouped by their parameters, worked on a few at a time) draw
+    what each draws alone, on a 49k bf16 vocabulary: ties at the k-th logit, flat rows
+    whose top_p set needs thousands of tokens, penalized and greedy rows mixed in."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(11, 49152, generator=g) * 3).to(torch.bfloat16)
+    logits[2, :300] = logits[2].max()  # 300 tokens tie for the top: top_k 50 keeps all
+    logits[5] = torch.randn(49152, generator=g).to(torch.bfloat16) * 0.1  # nearly flat
+    kinds = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=50),
+             SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0),
+             SamplingParams(temperature=0.8, top_k=40, top_p=0.8),
+             SamplingParams(temperature=1.0, repetition_penalty=1.2)]
+    params = [kinds[i] for i in (0, 1, 1, 3, 2, 2, 4, 0, 5, 1, 2)]  # row 2: ties; 5: flat
+    seeds = [(i, 100 + i) for i in range(11)]
+    hist = [((1, 2, 3), 1) if p.penalized else None for p in params]
+    together = sample_rows(logits, params, seeds, list(range(11)), hist)
+    alone = [sample_rows(logits[r:r + 1], [params[r]], [seeds[r]], [r], [hist[r]])[0]
+             for r in range(11)]
+    assert together == alone
+    assert together[2][0] < 300 and together[2][1] < 300  # from the tied top tokens
+
+
 def test_bf16_logits_draw_what_their_fp32_copy_draws():
     """The compute side hands sample_rows the model's bf16 logits: greedy rows take the
     compiled argmax over them, drawn and penalized rows work in fp32 (as HF's logits
