@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -498,21 +500,55 @@ def _checked(prompts: list, loop: EngineLoop, params: SamplingParams) -> list:
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           config: ServerConfig | None = None, **uvicorn_kw: Any) -> None:
-    """Serve an `LLM` until interrupted."""
+    """Serve an `LLM` until interrupted: its engine runs on this thread (the one that
+    built the model; `EngineLoop.run` says why), HTTP on another."""
     from lamina.entrypoints.metrics import EngineMetrics
 
-    serve_loop(EngineLoop(llm.engine, EngineMetrics()), model_name or llm.loaded.source,
-               llm.loaded.tokenizer, host, port, config, **uvicorn_kw)
+    serve_loop(EngineLoop(llm.engine, EngineMetrics(), thread=False),
+               model_name or llm.loaded.source, llm.loaded.tokenizer, host, port, config,
+               **uvicorn_kw)
 
 
 def serve_loop(loop, model_name: str, tokenizer, host: str = "127.0.0.1", port: int = 8000,
                config: ServerConfig | None = None, **uvicorn_kw: Any) -> None:
     """Serve an engine loop (`EngineLoop`, or a service's `ServiceLoop`) until
-    interrupted."""
+    interrupted. A loop made with thread=False runs here, and uvicorn in a thread."""
     import uvicorn
 
     app = build_app(loop, model_name, tokenizer, config)
+    if getattr(loop, "_thread", True) is not None:
+        try:
+            uvicorn.run(app, host=host, port=port, **uvicorn_kw)
+        finally:
+            loop.shutdown()
+        return
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **uvicorn_kw))
+    http = threading.Thread(target=_run_http, args=(server,), name="lamina-http",
+                            daemon=True)
+    http.start()
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # as Ctrl-C
     try:
-        uvicorn.run(app, host=host, port=port, **uvicorn_kw)
+        loop.run(keep_going=http.is_alive)
+    except KeyboardInterrupt:
+        pass
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+        server.should_exit = True
+        http.join(30)
         loop.shutdown()
+    if not server.started:
+        raise RuntimeError(f"the HTTP server could not serve on {host}:{port} (its error "
+                           "is logged above)")
+
+
+def _run_http(server) -> None:
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's way out when it cannot bind; it logged why
+        pass
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt

@@ -33,10 +33,13 @@ __all__ = ["EngineDead", "EngineLoop", "EngineOverloaded", "RequestFailed"]
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, metrics=None, max_waiting: int | None = None):
+    def __init__(self, engine: LLMEngine, metrics=None, max_waiting: int | None = None,
+                 thread: bool = True):
         """`metrics`: an `EngineMetrics` this loop keeps up to date (or None).
         `max_waiting`: requests queued (submitted, not yet running) before `submit`
-        refuses more; None: no bound."""
+        refuses more; None: no bound. `thread`: run in a thread of its own; False: the
+        caller runs it (`run`), e.g. on the thread that built the model, where a local
+        executor's steps are fastest (see `run`)."""
         if max_waiting is not None and (not isinstance(max_waiting, int)
                                         or isinstance(max_waiting, bool) or max_waiting < 1):
             raise ValueError(f"max_waiting must be an int >= 1 or None, got {max_waiting!r}")
@@ -50,8 +53,11 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = False
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="lamina-engine", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="lamina-engine",
+                                            daemon=True)
+            self._thread.start()
 
     def submit(self, prompt, params: SamplingParams, validated: bool = False,
                on_update: Callable[[RequestOutput], None] | None = None,
@@ -68,7 +74,7 @@ class EngineLoop:
         fut: Future = Future()
         self._inbox.put(("add", prompt, params, fut, on_update, session_id))
         self._wake.set()
-        if self.error is not None or not self._thread.is_alive():
+        if not self.alive:
             self._drain(EngineDead(f"engine stopped: {self.error}"))  # lost the race
         return fut
 
@@ -99,12 +105,29 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self.error is None and (self._thread.is_alive() if self._thread is not None
+                                       else not self._stop)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
+        """Serve in the calling thread (a loop made with thread=False) until `shutdown`
+        or until `keep_going()` turns false (checked between steps). Why: with libgomp,
+        torch's intra-op threads spin between parallel regions only while the process
+        has no more OpenMP threads than cores; a second thread running torch (the
+        engine beside the thread that built the model) makes them sleep instead, and a
+        B=16 bf16 decode step on 2 cores took 57-61 ms there against 37-39 ms."""
+        if self._thread is not None:
+            raise RuntimeError("this EngineLoop runs in its own thread already")
+        self._keep_going = keep_going
+        try:
+            self._run()
+        finally:
+            self._stop = True  # also after an interrupt mid-step
 
     # -- the loop thread --
     def _admit(self) -> None:
@@ -146,7 +169,8 @@ class EngineLoop:
             fut.set_result(out)
 
     def _run(self) -> None:
-        while not self._stop:
+        keep_going = getattr(self, "_keep_going", lambda: True)
+        while not self._stop and keep_going():
             self._admit()
             if not self.engine.has_unfinished():
                 self._wake.wait(0.05)
@@ -176,6 +200,7 @@ class EngineLoop:
                     self._updates[out.request_id](out)
                 except Exception:  # a broken listener must not stop serving
                     log.exception("on_update for request %d failed", out.request_id)
+        self._stop = True  # before the drain: a submit from now on fails at once
         gone = EngineDead("engine loop shut down")
         for fut in self._futures.values():
             fut.set_exception(gone)

@@ -21,9 +21,11 @@ from lamina.engine.engine import LLMEngine
 from lamina.entrypoints.api_server import build_app
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
+from lamina.errors import EngineDead
 from lamina.executor.local import LocalExecutor
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.sampling.params import SamplingParams
 from tests.conftest import HF_NEW
 
 
@@ -449,3 +451,52 @@ def test_request_kv_sparsity_reaches_the_engine(server, prompts, hf_greedy):
     status, out = server.post("/v1/completions", {**body, "kv_sparsity": "streaming",
                                                   "kv_budget": 16})
     assert status == 200 and out["choices"][0]["token_ids"] != hf_greedy[4][:6]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_runs_the_engine_on_the_calling_thread(smol, smol_split, prompts, hf_greedy):
+    """`serve` runs the engine loop on the thread that calls it (the one that built the
+    model) and HTTP on another; `shutdown` ends both, and a port already taken is an
+    error naming it instead of an engine that serves nobody."""
+    from lamina.entrypoints.api_server import serve_loop
+
+    loop = EngineLoop(_engine(smol, smol_split), thread=False)
+    port, ran, done = _free_port(), [], threading.Event()
+    real_run = loop.run
+
+    def run(**kw):
+        ran.append(threading.current_thread().name)
+        real_run(**kw)
+
+    loop.run = run
+    caller = threading.Thread(target=lambda: (serve_loop(loop, "smollm2", smol.tokenizer,
+                                                         port=port, log_level="warning"),
+                                              done.set()), name="the-caller")
+    caller.start()
+    body = json.dumps({"prompt": prompts[0], "max_tokens": 6, "temperature": 0}).encode()
+    for _ in range(300):
+        try:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                out = json.loads(r.read())
+            break
+        except urllib.error.URLError:
+            time.sleep(0.1)
+    assert out["choices"][0]["token_ids"] == hf_greedy[0][:6] and ran == ["the-caller"]
+    loop.shutdown()
+    assert done.wait(30) and not loop.alive
+    with pytest.raises(EngineDead):  # failed at once, not left waiting
+        loop.submit(prompts[0], SamplingParams(max_tokens=2)).result(5)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"could not serve on 127.0.0.1:{busy}"):
+            serve_loop(EngineLoop(_engine(smol, smol_split), thread=False), "smollm2",
+                       smol.tokenizer, port=busy, log_level="critical")
