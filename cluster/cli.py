@@ -116,11 +116,16 @@ def _print_status(s: dict, as_json: bool) -> int:
 
 def cmd_batch(args) -> int:
     from lamina.entrypoints.batch import read_input, run_batch
+    from lamina.entrypoints.engine_loop import beside
 
     read_input(args.input)  # a malformed file is refused before any engine starts
-    app, stop = _batch_app(args)
+    app, stop, here = _batch_app(args)
     try:
-        r = run_batch(app, args.input, args.output, progress=not args.no_progress)
+        def answer():
+            return run_batch(app, args.input, args.output, progress=not args.no_progress)
+
+        # a local engine runs on this thread, the one that built it (EngineLoop.run)
+        r = beside(here, answer) if here is not None else answer()
     finally:
         stop()
     print(f"{args.output}: {r.done} answered now ({r.failed} with an error status), "
@@ -129,7 +134,8 @@ def cmd_batch(args) -> int:
 
 
 def _batch_app(args):
-    """The server app over the running service, else over a local engine -> (app, stop)."""
+    """The server app over the running service, else over a local engine -> (app, stop,
+    the local engine's loop, for this thread to run, or None)."""
     from lamina.entrypoints.api_server import build_app
 
     client = None if args.local else _service_if_any(args)
@@ -138,20 +144,20 @@ def _batch_app(args):
 
         loop = ServiceLoop(client)
         print(f"batch through the Lamina service {args.name!r}", file=sys.stderr)
-        return build_app(loop, client.model(), client.tokenizer()), loop.shutdown
+        return build_app(loop, client.model(), client.tokenizer()), loop.shutdown, None
     from lamina.entrypoints.deploy_config import LaminaConfig
     from lamina.entrypoints.engine_loop import EngineLoop
     from lamina.entrypoints.llm import LLM
 
     llm = LLM.from_config(LaminaConfig.from_yaml(args.config) if args.config
                           else LaminaConfig())
-    loop = EngineLoop(llm.engine)
+    loop = EngineLoop(llm.engine, thread=False)
     print("batch on a local engine (no Lamina service runs)", file=sys.stderr)
 
     def stop():
         loop.shutdown()
         llm.shutdown()
-    return build_app(loop, llm.loaded.source, llm.loaded.tokenizer), stop
+    return build_app(loop, llm.loaded.source, llm.loaded.tokenizer), stop, loop
 
 
 def _service_if_any(args):

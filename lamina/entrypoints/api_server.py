@@ -40,7 +40,7 @@ from lamina.entrypoints.api_stream import (
     sse_events,
     vllm_prompt_logprobs,
 )
-from lamina.entrypoints.engine_loop import EngineLoop
+from lamina.entrypoints.engine_loop import EngineLoop, beside
 from lamina.entrypoints.llm import template_message
 from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
 from lamina.sampling.params import SamplingParams
@@ -523,20 +523,16 @@ def serve_loop(loop, model_name: str, tokenizer, host: str = "127.0.0.1", port: 
             loop.shutdown()
         return
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **uvicorn_kw))
-    http = threading.Thread(target=_run_http, args=(server,), name="lamina-http",
-                            daemon=True)
-    http.start()
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # as Ctrl-C
     try:
-        loop.run(keep_going=http.is_alive)
+        beside(loop, lambda: _run_http(server), stop=lambda: setattr(server, "should_exit",
+                                                                      True))
     except KeyboardInterrupt:
         pass
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-        server.should_exit = True
-        http.join(30)
         loop.shutdown()
     if not server.started:
         raise RuntimeError(f"the HTTP server could not serve on {host}:{port} (its error "

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, TypeVar
 
 from lamina.engine.engine import LLMEngine
 from lamina.engine.outputs import RequestOutput
@@ -29,7 +29,8 @@ from lamina.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineDead", "EngineLoop", "EngineOverloaded", "RequestFailed"]
+__all__ = ["EngineDead", "EngineLoop", "EngineOverloaded", "RequestFailed", "beside"]
+T = TypeVar("T")
 
 
 class EngineLoop:
@@ -126,8 +127,8 @@ class EngineLoop:
         self._keep_going = keep_going
         try:
             self._run()
-        finally:
-            self._stop = True  # also after an interrupt mid-step
+        finally:  # also after an interrupt mid-step: nobody is left waiting
+            self._fail_all(EngineDead("engine loop interrupted"))
 
     # -- the loop thread --
     def _admit(self) -> None:
@@ -180,12 +181,7 @@ class EngineLoop:
                 outs = self.engine.step()
             except Exception as e:  # noqa: BLE001 - fail every waiter loudly, then stop
                 self.error = e
-                for fut in self._futures.values():
-                    fut.set_exception(e)
-                self._futures.clear()
-                self._rids.clear()
-                self._updates.clear()
-                self._drain(e)
+                self._fail_all(e)
                 return
             if self.metrics is not None:
                 self.metrics.step(self.engine, self.engine.step_timings[-1]["drawn"])
@@ -200,14 +196,18 @@ class EngineLoop:
                     self._updates[out.request_id](out)
                 except Exception:  # a broken listener must not stop serving
                     log.exception("on_update for request %d failed", out.request_id)
-        self._stop = True  # before the drain: a submit from now on fails at once
-        gone = EngineDead("engine loop shut down")
+        self._fail_all(EngineDead("engine loop shut down"))
+
+    def _fail_all(self, e: BaseException) -> None:
+        """Stop taking work and fail every request still waiting or running with `e`."""
+        self._stop = True  # first: a submit from now on fails at once
         for fut in self._futures.values():
-            fut.set_exception(gone)
+            if not fut.done():
+                fut.set_exception(e)
         self._futures.clear()
         self._rids.clear()
         self._updates.clear()
-        self._drain(gone)
+        self._drain(e)
 
     def _drain(self, e: BaseException) -> None:
         while True:
@@ -217,3 +217,30 @@ class EngineLoop:
                 return
             if msg[0] == "add" and msg[3].set_running_or_notify_cancel():
                 msg[3].set_exception(e)
+
+
+def beside(loop: EngineLoop, fn: Callable[[], T], stop: Callable[[], None] | None = None,
+           join_s: float = 30.0) -> T:
+    """Run `fn` on a new thread while this thread runs `loop` (made with thread=False;
+    `EngineLoop.run` says why) until `fn` returns -> its result, or its exception. On
+    the way out (`fn` done, the loop stopped, Ctrl-C), `stop()` asks `fn` to finish and
+    the loop fails whatever still waits on it."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["err"] = e
+
+    worker = threading.Thread(target=target, name="lamina-client", daemon=True)
+    worker.start()
+    try:
+        loop.run(keep_going=worker.is_alive)
+    finally:
+        if stop is not None:
+            stop()
+        worker.join(join_s)
+    if "err" in box:
+        raise box["err"]
+    return box.get("out")  # type: ignore[return-value]

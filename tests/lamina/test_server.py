@@ -500,3 +500,24 @@ def test_serve_runs_the_engine_on_the_calling_thread(smol, smol_split, prompts, 
         with pytest.raises(RuntimeError, match=f"could not serve on 127.0.0.1:{busy}"):
             serve_loop(EngineLoop(_engine(smol, smol_split), thread=False), "smollm2",
                        smol.tokenizer, port=busy, log_level="critical")
+
+
+def test_beside_returns_or_raises_what_the_client_thread_did(smol, smol_split, prompts,
+                                                              hf_greedy):
+    """`beside`: the engine loop on this thread, `fn` on another; fn's result comes back,
+    or its exception, and the loop is stopped either way (later submits fail at once)."""
+    from lamina.entrypoints.engine_loop import beside
+
+    loop = EngineLoop(_engine(smol, smol_split), thread=False)
+    got = beside(loop, lambda: loop.generate(prompts[1], SamplingParams(max_tokens=5,
+                                                                        temperature=0)))
+    assert got.outputs[0].token_ids == hf_greedy[1][:5] and not loop.alive
+    loop = EngineLoop(_engine(smol, smol_split), thread=False)
+
+    def broken():
+        raise ValueError("the client's own error")
+
+    with pytest.raises(ValueError, match="the client's own error"):
+        beside(loop, broken)
+    with pytest.raises(EngineDead):
+        loop.submit(prompts[0], SamplingParams(max_tokens=2)).result(5)
