@@ -121,7 +121,8 @@ class EngineLoop:
         torch's intra-op threads spin between parallel regions only while the process
         has no more OpenMP threads than cores; a second thread running torch (the
         engine beside the thread that built the model) makes them sleep instead, and a
-        B=16 bf16 decode step on 2 cores took 57-61 ms there against 37-39 ms."""
+        B=16 bf16 decode step on 2 cores took 1.4-1.5x longer there
+        (benchmarks/engine_thread_probe.py)."""
         if self._thread is not None:
             raise RuntimeError("this EngineLoop runs in its own thread already")
         self._keep_going = keep_going
