@@ -516,7 +516,7 @@ def serve_loop(loop, model_name: str, tokenizer, host: str = "127.0.0.1", port: 
     import uvicorn
 
     app = build_app(loop, model_name, tokenizer, config)
-    if getattr(loop, "_thread", True) is not None:
+    if not isinstance(loop, EngineLoop) or loop.threaded:
         try:
             uvicorn.run(app, host=host, port=port, **uvicorn_kw)
         finally:

@@ -54,6 +54,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = False
         self.error: BaseException | None = None
+        self._keep_going: Callable[[], bool] = lambda: True  # `run`'s condition
         self._thread: threading.Thread | None = None
         if thread:
             self._thread = threading.Thread(target=self._run, name="lamina-engine",
@@ -103,6 +104,11 @@ class EngineLoop:
     def generate(self, prompt, params: SamplingParams, timeout: float | None = None
                  ) -> RequestOutput:
         return self.submit(prompt, params).result(timeout)
+
+    @property
+    def threaded(self) -> bool:
+        """Whether this loop runs in a thread of its own (else the caller runs it)."""
+        return self._thread is not None
 
     @property
     def alive(self) -> bool:
@@ -171,8 +177,7 @@ class EngineLoop:
             fut.set_result(out)
 
     def _run(self) -> None:
-        keep_going = getattr(self, "_keep_going", lambda: True)
-        while not self._stop and keep_going():
+        while not self._stop and self._keep_going():
             self._admit()
             if not self.engine.has_unfinished():
                 self._wake.wait(0.05)
