@@ -116,12 +116,12 @@ def bench_serve(model=None, executors=("local", "ray"), concurrency=(1, 4, 16),
 
     from lamina.model.loader import export_hf_folder, load
 
-    loaded = load(model, dtype=getattr(torch, dtype))
     tmp = Path(tempfile.mkdtemp(prefix="lamina-bench-serve-"))
-    tok_dir = tmp / "tokenizer"
+    tok_dir, model_dir = tmp / "tokenizer", tmp / "model"
+    loaded = load(model)  # fp32: the cached conversion, for the tokenizer
     loaded.tokenizer.save_pretrained(tok_dir)
-    model_dir = tmp / "model"
-    if vllm_python:
+    if vllm_python:  # vLLM reads an HF folder of the weights in `dtype`
+        loaded = load(model, dtype=getattr(torch, dtype))
         export_hf_folder(loaded.model, loaded.tokenizer, model_dir)
     levels = [(c, requests or max(8, 2 * c)) for c in concurrency]
     rows = []

@@ -2,9 +2,10 @@
 its own process the way a user runs it:
 
 - guidellm (`guidellm run`): its default request shape (chat, streamed, content parts,
-  `max_completion_tokens`, `continuous_usage_stats`, `ignore_eos`) and its completions
-  shape; every request must succeed with exactly the tokens it asked for, and
-  guidellm's own count of the prompt tokens must equal the server's usage.
+  `max_completion_tokens`, `continuous_usage_stats`, `ignore_eos`); every request must
+  succeed with exactly the tokens it asked for, and guidellm's own count of the prompt
+  tokens must equal the server's usage. Its completions shape drives
+  `lamina bench serve`, run here with --quick.
 - lm-eval (`lm_eval --model local-completions`) on a task from local files: its
   loglikelihoods (echo + logprobs over token ids) must equal HF's on the same tokens,
   and its greedy generations (stop at a newline) HF greedy's.
@@ -51,12 +52,14 @@ def _run(args: list[str], cwd) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.parametrize("request_format", ["/v1/chat/completions", "/v1/completions"])
-def test_guidellm_benchmark_runs_clean(served, tmp_path, request_format):
+def test_guidellm_benchmark_runs_clean(served, tmp_path):
+    """guidellm's default shape, chat; its completions shape runs in
+    `test_bench_serve_quick`."""
     srv, tok_dir = served
     out = tmp_path / "guidellm.json"
     _run(["guidellm", "run",
-          "--backend", f"kind=openai_http,target={srv.url},request_format={request_format}",
+          "--backend", f"kind=openai_http,target={srv.url},"
+                       "request_format=/v1/chat/completions",
           "--profile", "kind=concurrent,streams=4",
           "--constraint", "kind=max_requests,count=8",
           "--data", "kind=synthetic_text,prompt_tokens=48,output_tokens=12",
@@ -74,11 +77,8 @@ def test_guidellm_benchmark_runs_clean(served, tmp_path, request_format):
         # guidellm's own count of what it sent equals the server's usage
         assert r["input_metrics"]["text_tokens"] == r["prompt_tokens"]
         assert r["time_to_first_token_ms"] > 0 and r["inter_token_latency_ms"] > 0
-        if request_format == "/v1/chat/completions":
-            assert body["max_completion_tokens"] == 12
-            assert isinstance(body["messages"][0]["content"], list)  # content parts
-        else:
-            assert r["prompt_tokens"] == 48
+        assert body["max_completion_tokens"] == 12
+        assert isinstance(body["messages"][0]["content"], list)  # content parts
 
 
 MC_DOCS = [
@@ -158,10 +158,12 @@ def test_lm_eval_loglikelihoods_and_generations_equal_hf(served, smol, tmp_path)
 
 def test_bench_serve_quick(tmp_path):
     """`lamina bench serve --quick`: `lamina serve` in its own process, warmed up, then
-    guidellm at 2 streams; its JSON and Markdown say what ran."""
+    guidellm at 2 streams; its JSON and Markdown say what ran (fp32: the model
+    conversion the other tests cached)."""
     from lamina.entrypoints.cli import main
 
-    assert main(["bench", "serve", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "serve", "--quick", "--dtype", "float32", "--out",
+                 str(tmp_path)]) == 0
     result = json.loads((tmp_path / "serve.json").read_text())
     [row] = result["rows"]
     assert (row["server"], row["concurrency"], row["ok"], row["failed"]) == \
