@@ -46,6 +46,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def lamina_serve_cmd(executor: str = "ray", memory_workers: int = 2,
+                     *extra: str) -> list[str]:
+    """`lamina serve` as a command line (this python), the model served as "smol"."""
+    return [sys.executable, "-m", "lamina.entrypoints.cli", "serve", "--executor", executor,
+            "--memory-workers", str(memory_workers), "--served-model-name", "smol", *extra]
+
+
 class Server:
     """`lamina serve --executor ray` (or `cmd`, any HTTP server with /health; `env`
     its environment) in its own session; `stop` ends it and every process under it."""
@@ -53,9 +60,7 @@ class Server:
     def __init__(self, port: int, extra: list[str], timeout_s: float = 300,
                  cmd: list[str] | None = None, env: dict | None = None):
         self.port, self.url = port, f"http://127.0.0.1:{port}"
-        cmd = cmd or [sys.executable, "-m", "lamina.entrypoints.cli", "serve", "--executor",
-                      "ray", "--memory-workers", "2", "--port", str(port),
-                      "--served-model-name", "smol"]
+        cmd = cmd or lamina_serve_cmd("ray", 2, "--port", str(port))
         self.log = open(f"/tmp/lamina-load-{port}.log", "w")
         self.proc = subprocess.Popen([*cmd, *extra], stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=env)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from lamina.bench.common import _write, cpu_name
-from lamina.bench.load import Server, _free_port
+from lamina.bench.load import Server, _free_port, lamina_serve_cmd
 
 CLIENT_TIMEOUT_S = 3600
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -31,10 +31,10 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 
 def guidellm(url: str, tok_dir: str, concurrency: int, requests: int, prompt_tokens: int,
-             output_tokens: int, out: Path) -> dict:
-    """One guidellm run at `concurrency` streams -> its benchmark's record."""
+             output_tokens: int, out: Path, route: str = "/v1/completions") -> dict:
+    """One guidellm run at `concurrency` streams on `route` -> its benchmark's record."""
     cmd = [sys.executable, "-m", "guidellm", "run",
-           "--backend", f"kind=openai_http,target={url},request_format=/v1/completions",
+           "--backend", f"kind=openai_http,target={url},request_format={route}",
            "--profile", f"kind=concurrent,streams={concurrency}",
            "--constraint", f"kind=max_requests,count={requests}",
            "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},"
@@ -73,9 +73,7 @@ def _servers(executors, dtype: str, memory_workers: int, vllm_python: str | None
     """{name: how to start it (command, environment)}."""
     out = {}
     for ex in executors:
-        out[f"lamina {ex}"] = ([sys.executable, "-m", "lamina.entrypoints.cli", "serve",
-                                "--executor", ex, "--memory-workers", str(memory_workers),
-                                "--dtype", dtype, "--served-model-name", "smol"], None)
+        out[f"lamina {ex}"] = (lamina_serve_cmd(ex, memory_workers, "--dtype", dtype), None)
     if vllm_python:
         from lamina.bench.e2e import vllm_env
 

@@ -180,10 +180,6 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None
     name: str | None = None
 
-    def for_template(self, i: int) -> dict:
-        """The message as the chat template reads it (`template_message`)."""
-        return template_message(self.model_dump(), i)
-
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -414,7 +410,8 @@ class _Api:
         if tok is None or getattr(tok, "chat_template", None) is None:
             return _error(400, "this model has no chat template", "messages")
         try:
-            messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+            messages = [template_message(m.model_dump(), i)
+                        for i, m in enumerate(body.messages)]
         except ValueError as e:
             return _error(400, str(e), "messages")
         prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 
+from lamina.bench.serve import OFFLINE, guidellm
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
 from tests.lamina.test_server import _engine, _Server
@@ -27,8 +28,6 @@ from tests.lamina.test_server import _engine, _Server
 pytest.importorskip("guidellm", reason="guidellm is in the dev extras (make setup)")
 pytest.importorskip("lm_eval", reason="lm-eval[api] is in the dev extras (make setup)")
 
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
 CLIENT_TIMEOUT_S = 300
 
 
@@ -56,16 +55,8 @@ def test_guidellm_benchmark_runs_clean(served, tmp_path):
     """guidellm's default shape, chat; its completions shape runs in
     `test_bench_serve_quick`."""
     srv, tok_dir = served
-    out = tmp_path / "guidellm.json"
-    _run(["guidellm", "run",
-          "--backend", f"kind=openai_http,target={srv.url},"
-                       "request_format=/v1/chat/completions",
-          "--profile", "kind=concurrent,streams=4",
-          "--constraint", "kind=max_requests,count=8",
-          "--data", "kind=synthetic_text,prompt_tokens=48,output_tokens=12",
-          "--tokenizer", f"kind=huggingface_auto,model={tok_dir}",
-          "--output", f"kind=json,path={out}", "--disable-progress"], tmp_path)
-    requests = json.loads(out.read_text())["benchmarks"][0]["requests"]
+    requests = guidellm(srv.url, tok_dir, 4, 8, 48, 12, tmp_path / "guidellm.json",
+                        route="/v1/chat/completions")["requests"]
     errors = [r["info"]["error"] for r in requests["errored"] + requests["incomplete"]]
     assert not errors, errors[:2]
     done = requests["successful"]
