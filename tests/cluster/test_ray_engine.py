@@ -47,6 +47,9 @@ def test_ray_greedy_identical_to_hf(llm, prompts, hf_greedy):
     llm.engine.step_timings.clear()
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_greedy
+    # 3446 prompt tokens against 1024 a step: the 8th prompt (450 tokens) is fed in
+    # chunks, the first from the 262 tokens the 7 before it leave
+    assert llm.engine.step_timings[0]["tokens"] == 1024
     assert llm.dense.backend == "onednn"  # the compute worker's linears run prepacked
     # one micro-batch per step and oneDNN linears: the compute worker took every core
     used = {s["threads"] for s in llm.engine.step_timings}

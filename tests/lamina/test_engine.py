@@ -9,7 +9,7 @@ from lamina.executor.local import LocalExecutor
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
-from tests.conftest import HF_NEW
+from tests.conftest import HF_NEW, TEXT
 
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 
@@ -130,13 +130,17 @@ def test_two_memory_workers_partition_requests_and_match(smol, smol_split, promp
     assert {t["micro_batches"] for t in eng.step_timings} == {want}
 
 
-@pytest.mark.parametrize("slots,pick,pipeline", [
-    (400, [8, 0], "none"),  # 600-token prompt: prefill split over both workers' pools
-    (256, [14, 0], "rotational"),  # 250 tokens + 64 new: decode spills onto worker 1
+@pytest.mark.parametrize("slots,pick,pipeline,budget", [
+    (400, [8, 0], "none", 4096),  # 600-token prompt: prefill split over both workers' pools
+    (256, [14, 0], "rotational", 4096),  # 250 tokens + 64 new: decode spills onto worker 1
+    # the same fed 96 / 64 tokens a step: chunks, the later ones reaching worker 1
+    (400, [8, 0], "none", 96),
+    (256, [14, 0], "rotational", 64),
 ])
 def test_kv_split_over_workers_merges_exactly(smol, smol_split, prompts, hf_greedy, slots,
-                                              pick, pipeline):
-    cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=2, pipeline=pipeline)
+                                              pick, pipeline, budget):
+    cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=2, pipeline=pipeline,
+                       max_step_tokens=budget)
     pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, slots))
              for _ in range(2)]
     eng = LLMEngine(cfg, LocalExecutor(smol_split, [MemorySide(p) for p in pools]),
@@ -152,6 +156,31 @@ def test_kv_split_over_workers_merges_exactly(smol, smol_split, prompts, hf_gree
     assert sum(o.metrics["preemptions"] for o in out.values()) == 0
     assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
     assert eng.free_slots() == [slots, slots]
+
+
+def test_a_prompt_longer_than_a_step_is_fed_in_chunks(smol, smol_split):
+    """A 5000-token prompt (the model's context is 8192) against the default step budget
+    of 4096 tokens: fed over two steps, its greedy tokens equal HF's; a request that needs
+    its prompt in one step (prompt logprobs) is refused by name, and nothing else
+    changes."""
+    ids = (smol.tokenizer(TEXT)["input_ids"] * 8)[:5000]
+    with torch.no_grad():
+        t = torch.tensor([ids])
+        want = smol.model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
+                                   max_new_tokens=8)[0, 5000:].tolist()
+    eng = engine(smol, smol_split)
+    assert eng.config.max_step_tokens == 4096
+    with pytest.raises(ValueError, match="prompt_logprobs needs the prompt in one step: it "
+                                         "has 5000 tokens, a step takes 4096"):
+        eng.add_request(ids, SamplingParams(max_tokens=2, prompt_logprobs=1))
+    rid = eng.add_request(ids, SamplingParams(max_tokens=8, temperature=0))
+    fed = []
+    while eng.has_unfinished():
+        outs = eng.step()
+        fed.append(eng.step_timings[-1]["tokens"])
+    assert fed[:2] == [4096, 904] and outs[0].request_id == rid
+    assert outs[0].token_ids == want
+    assert eng.free_slots() == [eng.config.num_kv_slots]
 
 
 def test_split_micro_contiguous_and_balanced():

@@ -43,15 +43,24 @@ def test_a_decode_plan_does_not_grow_with_the_context():
 
 
 def _whole_table(s: Scheduler, seq: Sequence) -> list[int]:
-    return [x for w in seq.workers for x in s.allocs[w].slots(seq.seq_id)]
+    """seq's table as far as it was fed (a prompt fed in chunks has later slots too)."""
+    fed = seq.num_tokens - seq.pending
+    return [x for w in seq.workers for x in s.allocs[w].slots(seq.seq_id)][:fed]
+
+
+def _held_ranges(s: Scheduler, seq: Sequence, w: int) -> dict[int, list[int]]:
+    """seq's KV ranges on worker w, as far as they were fed, less their holes."""
+    fed = seq.num_tokens - seq.pending
+    return {a: [x for x in s.allocs[w].slots(seq.seq_id)[:fed - a] if x >= 0]
+            for ww, a in seq.segments if ww == w and a < fed}
 
 
 def _random_run(seed: int, drops: bool = False):
-    """Random prompts, n = 1 or 2, small pools on 2 workers (KV split and preemption
-    happen), random finishes: yields (scheduler, plan, live sequences by id) per step;
-    the step's tokens are drawn after each yield. `drops`: after each step, random keys
-    of the decoding sequences are reported dropped for good (as h2o's memory workers
-    would), given back 2 or more at a time."""
+    """Random prompts, n = 1 or 2, small pools on 2 workers (KV split, preemption and
+    prompts fed in chunks happen), random finishes: yields (scheduler, plan, live
+    sequences by id) per step; the step's tokens are drawn after each yield. `drops`:
+    after each step, random keys of the decoding sequences are reported dropped for good
+    (as h2o's memory workers would), given back 2 or more at a time."""
     rng = random.Random(seed)
     allocs = [KVAllocator(KVAllocatorConfig(40)) for _ in range(2)]
     s = Scheduler(SchedulerConfig(6, 64, True, evict_chunk=2), allocs,
@@ -73,7 +82,7 @@ def _random_run(seed: int, drops: bool = False):
             s.note_dropped(_report(rng, s, plan))
         for w in plan.seqs:
             seq = live[w.seq_id]
-            if seq.status != "running":
+            if seq.status != "running" or not w.sample:
                 continue
             seq.output.append(rng.randrange(5, 90))
             for kid in s.fork(seq) if seq.forks else []:
@@ -106,7 +115,7 @@ def test_slot_tables_rebuild_every_whole_table_exactly(seed, drops):
     step re-run after a clean fault): each sequence's rebuilt table equals the
     allocators' table (holes included, with `drops`), and the tables of gone sequences
     are dropped."""
-    tables, seen = SlotTables(), {"split": 0, "preempted": 0, "diffs": 0}
+    tables, seen = SlotTables(), {"split": 0, "preempted": 0, "diffs": 0, "chunks": 0}
     for step, (s, plan, live) in enumerate(_random_run(seed, drops)):
         tables.apply(plan)
         if step % 2:
@@ -116,8 +125,9 @@ def test_slot_tables_rebuild_every_whole_table_exactly(seed, drops):
             seq = live[w.seq_id]
             assert tables.table(w.seq_id).tolist() == _whole_table(s, seq)
             seen["split"] += len(seq.segments) > 1
+            seen["chunks"] += not w.sample
         seen["preempted"] = sum(q.num_preemptions for q in live.values())
-    assert seen["split"] and seen["preempted"] and seen["diffs"], seen
+    assert seen["split"] and seen["preempted"] and seen["diffs"] and seen["chunks"], seen
     tables.apply(StepPlan(10**6, (), released=tuple(s._released)))
     assert len(tables) == 0  # every finished sequence's table was dropped
 
@@ -155,9 +165,7 @@ def test_memory_ends_hold_the_allocators_tables(seed, drops):
             for sid in part.seq_ids:
                 seq = live[sid]
                 got = held[w].slots(sid)
-                assert {a: x for a, x in got.items()} == {
-                    a: [x for x in s.allocs[w].slots(sid) if x >= 0]
-                    for ww, a in seq.segments if ww == w}
+                assert {a: x for a, x in got.items()} == _held_ranges(s, seq, w)
                 stats["holes"] += s.allocs[w].slots(sid).count(-1)
     # (keys given back every few steps, anywhere: the tables are re-sent from the hole)
     assert stats["replaced"] and stats["sent"] < stats["whole"] / (2 if drops else 3), stats

@@ -44,20 +44,89 @@ def test_fifo_no_overtaking_and_batch_and_budget_limits():
     for q in seqs:
         s.add(q)
     plan = s.schedule()
-    assert [w.seq_id for w in plan.seqs] == [0]  # seq 1 (8) exceeds the 6 left; 2 waits behind it
-    for q in s.running:
-        q.output.append(5)
+    # seq 1 (8) gets the 6 tokens left of the budget, drawing nothing yet; the batch is
+    # full (2), so seq 2 waits behind it
+    assert [(w.seq_id, len(w.token_ids), w.sample) for w in plan.seqs] == [
+        (0, 4, True), (1, 6, False)]
+    seqs[0].output.append(5)
     plan = s.schedule()
-    assert [w.seq_id for w in plan.seqs] == [0, 1]  # decode 0, admit 1 (1 + 8 <= 10)
+    assert [(w.seq_id, len(w.token_ids), w.sample) for w in plan.seqs] == [
+        (0, 1, True), (1, 2, True)]  # decode 0; the rest of 1's prompt, then it draws
     for q in s.running:
         q.output.append(5)
     plan = s.schedule()
     assert [w.seq_id for w in plan.seqs] == [0, 1]  # batch full (2)
 
 
+def test_long_prompt_fed_in_chunks_exact_slots():
+    s = make(num_slots=20, budget=4)
+    a, b = Sequence(0, [1, 2, 3], P), Sequence(1, list(range(10, 20)), P)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()  # b: all 10 slots at admission (3..12), 1 token of budget left
+    assert plan.seqs == (SeqWork(0, (1, 2, 3), 0, (0, 1, 2), params=P),
+                         SeqWork(1, (10,), 0, (3,), sample=False, params=P))
+    assert s.alloc.slots(1) == list(range(3, 13)) and b.pending == 9
+    a.output.append(4)
+    plan = s.schedule()  # a decodes into slot 13; b's next 3 positions, their slots only
+    assert plan.seqs == (SeqWork(0, (4,), 3, (13,), params=P, slots_from=3),
+                         SeqWork(1, (11, 12, 13), 1, (4, 5, 6), sample=False, params=P,
+                                 slots_from=1))
+    a.output.append(5)
+    s.schedule()
+    a.output.append(6)
+    plan = s.schedule()
+    assert plan.seqs[1] == SeqWork(1, (17, 18, 19), 7, (10, 11, 12), params=P, slots_from=7)
+    assert b.pending == 0
+    a.output.append(7)
+    b.output.append(20)
+    plan = s.schedule()  # both decode now
+    assert plan.seqs == (SeqWork(0, (7,), 6, (16,), params=P, slots_from=6),
+                         SeqWork(1, (20,), 10, (17,), params=P, slots_from=10))
+
+
+def test_chunks_of_a_prompt_split_over_workers_name_the_ranges_they_reach():
+    s = make(num_slots=6, budget=4, workers=2)
+    q = Sequence(0, list(range(10)), P)
+    s.add(q)
+    assert s.schedule().seqs == (SeqWork(0, (0, 1, 2, 3), 0, (0, 1, 2, 3), sample=False,
+                                         params=P),)
+    assert q.segments == [(0, 0), (1, 6)]
+    assert s.schedule().seqs == (SeqWork(0, (4, 5, 6, 7), 4, (4, 5, 0, 1), sample=False,
+                                         params=P, segments=((0, 0), (1, 6)), slots_from=4),)
+    assert s.schedule().seqs == (SeqWork(0, (8, 9), 8, (2, 3), params=P,
+                                         segments=((0, 0), (1, 6)), slots_from=8),)
+
+
+def test_a_prompt_that_may_not_be_chunked_waits_for_a_whole_step():
+    s = make(num_slots=20, budget=4)
+    whole = SamplingParams(max_tokens=8, prompt_logprobs=1)  # its rows come from one step
+    s.add(Sequence(0, [1, 2], P))
+    s.add(Sequence(1, [1] * 3, whole))
+    plan = s.schedule()  # 2 left after seq 0: seq 1 (3) waits for a step with room
+    assert [(w.seq_id, len(w.token_ids)) for w in plan.seqs] == [(0, 2)]
+    s.running[0].output.append(5)
+    plan = s.schedule()
+    assert [(w.seq_id, len(w.token_ids), w.sample) for w in plan.seqs] == [(0, 1, True),
+                                                                           (1, 3, True)]
+
+
+def test_aborting_a_prompt_midway_caches_only_the_positions_fed():
+    s = Scheduler(SchedulerConfig(4, 4), KVAllocator(KVAllocatorConfig(12)),
+                  prefix_caching=True)
+    q = Sequence(0, list(range(10)), P)
+    s.add(q)
+    s.schedule()
+    s.schedule()  # positions 0..7 fed, 8..9 not yet
+    s.abort(q)
+    assert not s.running and s.schedule().released == (0,)
+    assert s.caches[0].match(list(range(10))) == list(range(8))
+    assert s.alloc.num_free() == 4  # the other 8 held by the cache alone
+
+
 def test_unschedulable_sequence_is_reported_not_dropped():
     s = make(num_slots=8, budget=3)
-    s.add(Sequence(0, [1] * 5, P))
+    s.add(Sequence(0, [1] * 5, SamplingParams(max_tokens=2, prompt_logprobs=1)))
     with pytest.raises(RuntimeError, match="cannot be scheduled"):
         s.schedule()
     assert len(s.waiting) == 1

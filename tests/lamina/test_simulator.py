@@ -55,6 +55,21 @@ def test_single_request_timeline_exact():
     assert r.memory_util_by_device == pytest.approx((attn / r.makespan_s,))
 
 
+def test_a_prompt_longer_than_the_step_budget_is_fed_in_chunks_exact():
+    """A 10-token prompt, 4 tokens a step: chunks of 4, 4, 2 (the last draws the first
+    token), each attending the keys fed before it, then one decode step over 11 keys."""
+    cfg = SimConfig(replicas=1, memory_per_replica=1, max_step_tokens=4)
+    r = simulate(FlatCosts(), cfg, [Request(0.0, 10, 2)])
+    # keys read: chunk 0..3: 1+2+3+4; chunk 4..7: 5+6+7+8; chunk 8..9: 9+10
+    chunks = [2 * (n * 1e-3 + 0.5e-3 + k * 1e-6 + 0.1e-3) for n, k in ((4, 10), (4, 26),
+                                                                       (2, 19))]
+    ttft = sum(chunks) + 2e-3  # the head runs on the last chunk's row only
+    dec = 2 * (1e-3 + 0.5e-3 + 11e-6 + 0.1e-3) + 2e-3
+    assert r.ttft_s["p50"] == pytest.approx(ttft)
+    assert r.makespan_s == pytest.approx(ttft + dec)
+    assert r.steps == 4 and r.output_tokens == 2
+
+
 def test_rotational_period_is_the_busier_side():
     cfg = SimConfig(memory_per_replica=1, pipeline="rotational")
     t, dense, attn = step_time(FlatCosts(), cfg, [], [[10, 10, 10, 10]], [], 4)
