@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from . import prompt_sdpa
 from .cpu_build import KernelBuildError, load_cpu_kernel
 from .quant import head_dim, is_quantized
 from .reference import reference_slot_attention
@@ -140,8 +141,29 @@ class CpuBackend(AttentionBackend):
         self.reason = "compiled C++/OpenMP kernel built"
 
     def attend(self, q, k_pool, v_pool, batch, params):
+        """Requests with many queries (prompts) through torch's flash kernel where they
+        can (`prompt_sdpa`), the rest through the slot kernel."""
         if q.device.type != "cpu":
             raise BackendUnavailable(f"the cpu backend cannot read tensors on {q.device}")
+        taken = prompt_sdpa.take(batch) if prompt_sdpa.takes_layer(k_pool, v_pool,
+                                                                   params) else {}
+        if not taken:
+            return self._slots(q, k_pool, v_pool, batch, params)
+        o = torch.empty(*q.shape[:2], v_pool.shape[-1], dtype=torch.float32)  # [Nq, Hq, Dv]
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        rest = [b for b in range(batch.num_requests) if b not in taken]
+        if rest:
+            sub, rows = batch.only(rest)
+            o_rest, lse[rows] = self._slots(q[rows], k_pool, v_pool, sub, params)
+            o[rows] = o_rest.float()
+        cu_q = batch.cu_q.tolist()
+        for b, own in taken.items():
+            a, e = cu_q[b], cu_q[b + 1]
+            o[a:e], lse[a:e] = prompt_sdpa.attend_taken(q, k_pool, v_pool, batch, params,
+                                                        b, own)
+        return (o if q.dtype == torch.float32 else o.to(q.dtype)), lse
+
+    def _slots(self, q, k_pool, v_pool, batch, params):
         qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
         o, lse = self._ext.slot_attention(
             qf, k_pool, v_pool, batch.cu_q, batch.q_pos, batch.slots, batch.cu_k,

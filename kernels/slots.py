@@ -96,6 +96,19 @@ class SlotBatch:
         return SlotBatch(*(t.to(device) for t in (self.cu_q, self.q_pos, self.slots,
                                                   self.cu_k, self.k_pos0)))
 
+    def only(self, requests: Sequence[int]) -> tuple["SlotBatch", torch.Tensor]:
+        """The batch of just these requests (in this order) -> (it, the rows of the
+        queries it keeps [n] int64)."""
+        cu_q, cu_k = self.cu_q.tolist(), self.cu_k.tolist()
+        rows = torch.cat([torch.arange(cu_q[b], cu_q[b + 1]) for b in requests])
+        keys = torch.cat([torch.arange(cu_k[b], cu_k[b + 1]) for b in requests])
+        nq = [cu_q[b + 1] - cu_q[b] for b in requests]
+        nk = [cu_k[b + 1] - cu_k[b] for b in requests]
+        sub = SlotBatch(_i32(np.concatenate([[0], np.cumsum(nq)])), self.q_pos[rows],
+                        self.slots[keys], _i32(np.concatenate([[0], np.cumsum(nk)])),
+                        self.k_pos0[torch.tensor(requests, dtype=torch.int64)])
+        return sub, rows
+
     @staticmethod
     def build(tables: Sequence[Sequence[int]], num_queries: Sequence[int],
               start: Sequence[int] | None = None,

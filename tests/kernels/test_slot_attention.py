@@ -255,3 +255,48 @@ def test_bf16_queries_on_bf16_pools(cpu, rep, softcap, window):
     ulp = o_ref.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7
     assert ((o.float() - o_ref.float()).abs() <= ulp).all()
     assert set(cpu._ext.simd_paths()) <= {"avx2", "avx512", "avx512bf16", "avx512vnni"}
+
+
+def _prompt_batch(S=4000, seed=0):
+    """A decode row; a 300-token prompt; a 100-token chunk after 500 tokens; one KV
+    range of 200 keys before its 80 queries (a sequence split over workers); a 40-token
+    prompt (too few queries); 70 queries at every other position."""
+    perm = torch.randperm(S, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = [perm[:50], perm[50:350], perm[350:950], perm[950:1150], perm[1150:1190],
+              perm[1190:1330]]
+    q_pos = [[49], list(range(300)), list(range(500, 600)), list(range(200, 280)),
+             list(range(40)), list(range(1, 140, 2))]
+    return SlotBatch.build(tables, [len(p) for p in q_pos], q_pos=q_pos)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+def test_prompts_through_flash_attention_match_reference(cpu, dtype, tol):
+    """Requests with many queries go through torch's flash kernel (`prompt_sdpa`), the
+    rest through the slot kernel, in one call; both against the reference."""
+    from lamina.kernels import prompt_sdpa
+
+    b = _prompt_batch()
+    assert prompt_sdpa.take(b) == {1: 300, 2: 100, 3: 0}
+    k, v = pools(4000, 3, dtype)
+    q = queries(b.num_queries, 9, dtype=dtype)
+    o, lse = cpu.attend(q, k, v, b, PARAMS["plain"])
+    o_ref, lse_ref = REF.attend(q, k, v, b, PARAMS["plain"])
+    assert o.dtype == dtype
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=tol, rtol=0)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("pname", ["window", "softcap", "sinks"])
+def test_layers_flash_cannot_express_stay_with_the_slot_kernel(cpu, pname):
+    from lamina.kernels import prompt_sdpa
+
+    k, v = pools(4000, 3)
+    params = params_for(pname, 9)
+    assert not prompt_sdpa.takes_layer(k, v, params)
+    assert prompt_sdpa.takes_layer(k, v, PARAMS["plain"])
+    assert not prompt_sdpa.takes_layer(k.to(torch.int8), v.to(torch.int8), PARAMS["plain"])
+    b = _prompt_batch()
+    q = queries(b.num_queries, 9)
+    o, lse = cpu.attend(q, k, v, b, params)
+    o_ref, lse_ref = REF.attend(q, k, v, b, params)
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=0)

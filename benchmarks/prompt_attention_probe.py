@@ -1,0 +1,57 @@
+"""One layer's prompt attention on a CPU pool: the slot kernel against torch's flash
+kernel over the gathered keys (`lamina.kernels.prompt_sdpa`, what `CpuBackend` now runs
+for requests with many queries).
+
+    python benchmarks/prompt_attention_probe.py [--repeat 7]
+
+SmolLM2's heads (9 query, 3 kv, D = 64), one request on scattered slots of an 8192-slot
+pool: a whole 3072-token prompt, then chunks (queries after `start` keys). Median of
+`repeat` calls each; prints ms and the ratio. Nothing is written.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from lamina.bench.common import cpu_name
+from lamina.kernels import AttentionParams, CpuBackend, SlotBatch, prompt_sdpa
+
+HQ, HKV, D, SLOTS = 9, 3, 64, 8192
+
+
+def _ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeat", type=int, default=7)
+    args = ap.parse_args()
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads")
+    backend, params = CpuBackend(), AttentionParams(D ** -0.5)
+    g = torch.Generator().manual_seed(0)
+    for queries, start in ((3072, 0), (1024, 2048), (256, 2816)):
+        table = torch.randperm(SLOTS, generator=g)[:start + queries].tolist()
+        batch = SlotBatch.build([table], [queries])
+        for dtype in (torch.float32, torch.bfloat16):
+            k = torch.randn(SLOTS, HKV, D, generator=g).to(dtype)
+            v = torch.randn(SLOTS, HKV, D, generator=g).to(dtype)
+            q = torch.randn(queries, HQ, D, generator=g).to(dtype)
+            slot = _ms(lambda: backend._slots(q, k, v, batch, params), args.repeat)
+            flash = _ms(lambda: prompt_sdpa.attend_taken(q, k, v, batch, params, 0, queries),
+                        args.repeat)
+            print(f"{queries} queries after {start} keys, {str(dtype)[6:]} pool: slot kernel "
+                  f"{slot:.1f} ms, flash {flash:.1f} ms ({slot / flash:.2f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
