@@ -9,7 +9,7 @@ Why: the slot kernel scores a prompt row by row with vector FMAs; a request with
 hundreds of queries is a matrix product, which torch's CPU flash kernel runs in GEMM
 blocks (AMX / AVX-512 BF16 for bf16). One layer of a 3072-token prompt, SmolLM2's heads,
 on a 2-vCPU Xeon (`python benchmarks/prompt_attention_probe.py`): the slot kernel
-121 / 133 ms (fp32 / bf16 pool), this 63 / 24 ms. The request's keys are gathered from
+118 / 154 ms (fp32 / bf16 pool), this 70 / 25 ms. The request's keys are gathered from
 their slots first (one copy of its K/V per layer).
 
 A request is taken when it has at least `MIN_QUERIES` queries at consecutive positions,

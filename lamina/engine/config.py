@@ -58,7 +58,7 @@ class EngineConfig:
     # as a CUDA graph (compute/graphs.py); False: eager launches
     cuda_graphs: bool = True
     max_batch: int = 64
-    max_step_tokens: int = 4096
+    max_step_tokens: int = 4096  # tokens a step feeds; longer prompts go in chunks
     seed: int = 0  # seeds requests that bring no seed of their own
     pipeline: str = "none"  # "none" | "rotational" | "fixed" | "auto" (see PIPELINES)
     split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)

@@ -8,8 +8,11 @@ KV bytes balanced.
 
 Each step every running sequence decodes one token (one new slot). Waiting sequences
 are admitted in policy order (FIFO by default) while the batch has room and
-`can_allocate` says their KV fits; an admitted sequence feeds all its tokens (prompt,
-plus any tokens it generated before a preemption). When a running sequence cannot get
+`can_allocate` says their KV fits; an admitted sequence feeds its tokens (prompt, plus
+any tokens it generated before a preemption) within the step's token budget
+(`max_step_tokens`): a prompt longer than the budget left is fed in chunks over the next
+steps (`Sequence.pending`), before any new admission, and draws after its last chunk
+only. Its slots are all allocated at admission. When a running sequence cannot get
 its next slot, the newest running sequences are preempted: their slots are freed and
 they wait at the front of the queue, to be recomputed later. Nothing is dropped.
 
@@ -51,7 +54,7 @@ from lamina.sampling.params import SamplingParams
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch: int = 64  # running sequences
-    max_step_tokens: int = 4096  # tokens fed per step (prefill budget)
+    max_step_tokens: int = 4096  # tokens fed per step (longer prompts: in chunks)
     split_kv: bool = True  # a sequence's KV may span memory workers
     # evicted positions are given back this many at a time (fewer, larger table changes:
     # the memory workers' held tables are re-sent from the hole on when it grows)
