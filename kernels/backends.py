@@ -145,8 +145,8 @@ class CpuBackend(AttentionBackend):
         can (`prompt_sdpa`), the rest through the slot kernel."""
         if q.device.type != "cpu":
             raise BackendUnavailable(f"the cpu backend cannot read tensors on {q.device}")
-        taken = prompt_sdpa.take(batch) if prompt_sdpa.takes_layer(k_pool, v_pool,
-                                                                   params) else {}
+        taken = (prompt_sdpa.take(batch) if batch.most_queries >= prompt_sdpa.MIN_QUERIES
+                 and prompt_sdpa.takes_layer(k_pool, v_pool, params) else {})
         if not taken:
             return self._slots(q, k_pool, v_pool, batch, params)
         o = torch.empty(*q.shape[:2], v_pool.shape[-1], dtype=torch.float32)  # [Nq, Hq, Dv]

@@ -40,6 +40,8 @@ def takes_layer(k_pool: torch.Tensor, v_pool: torch.Tensor, params: AttentionPar
 def take(batch: SlotBatch) -> dict[int, int]:
     """The requests this module attends -> how many of their last keys are their own
     queries' positions (0: every key lies before the queries)."""
+    if batch.most_queries < MIN_QUERIES:
+        return {}  # a decode step: no loop over its requests, layer after layer
     cu_q, cu_k, k0 = batch.cu_q.tolist(), batch.cu_k.tolist(), batch.k_pos0.tolist()
     out = {}
     for b in range(len(cu_q) - 1):

@@ -9,6 +9,7 @@ sits at absolute position `k_pos0[b] + j`, query n at `q_pos[n]`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -91,6 +92,11 @@ class SlotBatch:
     @property
     def num_keys(self) -> int:
         return int(self.slots.numel())
+
+    @cached_property
+    def most_queries(self) -> int:
+        """The most queries one request has (once per batch: its layers share it)."""
+        return int(torch.diff(self.cu_q).max()) if self.num_requests > 0 else 0
 
     def to(self, device) -> "SlotBatch":
         return SlotBatch(*(t.to(device) for t in (self.cu_q, self.q_pos, self.slots,
