@@ -421,8 +421,8 @@ class Scheduler:
         w, hit = self._hit(seq, k)
         w, hit, tier = self._tier_hit(seq, k, w, hit)
         reuse = tier.upto if tier is not None else len(hit)  # positions not computed
-        if not self.chunks(seq) and n - reuse > budget:
-            return 0
+        if not self.chunks(seq) and n - reuse > budget and work:
+            return 0  # (alone in a step it goes whole: a recompute past the budget)
         place = None if reuse else self._place(n + k)  # room for each fork's first slot
         if not (reuse or place):
             return 0

@@ -124,14 +124,26 @@ def test_aborting_a_prompt_midway_caches_only_the_positions_fed():
     assert s.alloc.num_free() == 4  # the other 8 held by the cache alone
 
 
-def test_unschedulable_sequence_is_reported_not_dropped():
+def test_a_whole_prompt_past_the_budget_goes_alone_and_kv_shortage_is_reported():
+    """A prompt that may not be chunked and is longer than the budget (a recompute: the
+    engine refuses such a new request) is fed whole in a step of its own, not never."""
     s = make(num_slots=8, budget=3)
-    s.add(Sequence(0, [1] * 5, SamplingParams(max_tokens=2, prompt_logprobs=1)))
+    whole = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    s.add(Sequence(0, [1] * 2, P))
+    s.add(Sequence(1, [1] * 5, whole))
+    assert [(w.seq_id, len(w.token_ids)) for w in s.schedule().seqs] == [(0, 2)]
+    s.running[0].output.append(5)
+    s.finish(s.running[0], "length")
+    assert [(w.seq_id, len(w.token_ids)) for w in s.schedule().seqs] == [(1, 5)]
+    s.running[0].output.append(5)
+    s.add(Sequence(2, [1] * 4, P))  # 2 slots left: it cannot be placed, nothing runs it
+    s.finish(s.running[0], "length")
+    s.allocs[0].allocate("held", 6)
     with pytest.raises(RuntimeError, match="cannot be scheduled"):
         s.schedule()
     assert len(s.waiting) == 1
     with pytest.raises(ValueError, match="needs 9 KV slots"):
-        s.add(Sequence(1, [1] * 9, P))
+        s.add(Sequence(3, [1] * 9, P))
 
 
 def test_config_validation():
