@@ -139,26 +139,31 @@ class CpuBackend(AttentionBackend):
     def __init__(self):
         self._ext = load_cpu_kernel()  # raises KernelBuildError
         self.reason = "compiled C++/OpenMP kernel built"
+        # (the last batch, its `prompt_sdpa.Split`): a step's layers share one batch, so
+        # it is cut once a step; one tuple, so threads sharing the backend never mix them
+        self._cut: tuple = (None, None)
 
     def attend(self, q, k_pool, v_pool, batch, params):
         """Requests with many queries (prompts) through torch's flash kernel where they
         can (`prompt_sdpa`), the rest through the slot kernel."""
         if q.device.type != "cpu":
             raise BackendUnavailable(f"the cpu backend cannot read tensors on {q.device}")
-        taken = (prompt_sdpa.take(batch) if batch.most_queries >= prompt_sdpa.MIN_QUERIES
-                 and prompt_sdpa.takes_layer(k_pool, v_pool, params) else {})
-        if not taken:
+        if (batch.most_queries < prompt_sdpa.MIN_QUERIES
+                or not prompt_sdpa.takes_layer(k_pool, v_pool, params)):
+            return self._slots(q, k_pool, v_pool, batch, params)
+        cut = self._cut
+        if cut[0] is not batch:
+            cut = self._cut = (batch, prompt_sdpa.split(batch))
+        sp = cut[1]
+        if not sp.taken:
             return self._slots(q, k_pool, v_pool, batch, params)
         o = torch.empty(*q.shape[:2], v_pool.shape[-1], dtype=torch.float32)  # [Nq, Hq, Dv]
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
-        rest = [b for b in range(batch.num_requests) if b not in taken]
-        if rest:
-            sub, rows = batch.only(rest)
-            o_rest, lse[rows] = self._slots(q[rows], k_pool, v_pool, sub, params)
-            o[rows] = o_rest.float()
-        cu_q = batch.cu_q.tolist()
-        for b, own in taken.items():
-            a, e = cu_q[b], cu_q[b + 1]
+        if sp.rest is not None:
+            o_rest, lse[sp.rows] = self._slots(q[sp.rows], k_pool, v_pool, sp.rest, params)
+            o[sp.rows] = o_rest.float()
+        for b, own in sp.taken.items():
+            a, e = int(batch.cu_q[b]), int(batch.cu_q[b + 1])
             o[a:e], lse[a:e] = prompt_sdpa.attend_taken(q, k_pool, v_pool, batch, params,
                                                         b, own)
         return (o if q.dtype == torch.float32 else o.to(q.dtype)), lse

@@ -22,6 +22,8 @@ fp32, or bf16 products and probabilities with fp32 sums.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .merge import merge_attention
@@ -61,6 +63,24 @@ def take(batch: SlotBatch) -> dict[int, int]:
             continue
         out[b] = own
     return out
+
+
+@dataclass(frozen=True)
+class Split:
+    """A batch cut once for all its layers: what `take` takes, and the other requests
+    as a batch of their own for the slot kernel, with their query rows (None: none)."""
+    taken: dict[int, int]
+    rest: SlotBatch | None = None
+    rows: torch.Tensor | None = None  # [n] int64
+
+
+def split(batch: SlotBatch) -> Split:
+    taken = take(batch)
+    rest = [b for b in range(batch.num_requests) if b not in taken]
+    if not taken or not rest:
+        return Split(taken)
+    sub, rows = batch.only(rest)
+    return Split(taken, sub, rows)
 
 
 def attend_taken(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

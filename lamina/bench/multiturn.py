@@ -212,23 +212,20 @@ def run_vllm_multiturn(python: str, model, sys_ids, msgs, answer: int, concurren
                        kv_tokens: int) -> list[list[dict]]:
     """The same turns through vLLM (its own venv and process, prefix caching on, a KV
     cache of `kv_tokens`) -> records as `run_mode`'s."""
-    from lamina.bench.e2e import vllm_env
-    from lamina.model.loader import export_hf_folder, load
+    from lamina.bench.e2e import peer_folder, run_peer
+    from lamina.model.loader import load
 
     loaded = load(model)
-    folder = Path(tempfile.mkdtemp(prefix="lamina-hf-")) / "model"
-    export_hf_folder(loaded.model, loaded.tokenizer, folder)
+    folder = peer_folder(loaded.model, loaded.tokenizer)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"system": sys_ids, "msgs": msgs, "answer": answer,
                    "concurrency": concurrency, "kv_tokens": kv_tokens}, f)
-    peer = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_multiturn_peer.py"
-    r = subprocess.run([python, str(peer), "--model", str(folder), "--workload", f.name],
-                       capture_output=True, text=True, env=vllm_env(python, 2), timeout=3600)
-    os.unlink(f.name)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"vllm peer failed (exit {r.returncode}): {r.stderr[-2000:]}")
-    return json.loads(line[len("VLLM_RESULT "):])["turns"]
+    try:
+        return run_peer(python, "vllm_multiturn_peer.py",
+                        ["--model", str(folder), "--workload", f.name], 2,
+                        timeout=3600)["turns"]
+    finally:
+        os.unlink(f.name)
 
 
 def _plot(res: dict, path: Path) -> None:

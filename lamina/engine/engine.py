@@ -90,7 +90,7 @@ class LLMEngine:
                                                    config.split_kv), self.allocs,
                                    prefix_caching=config.prefix_caching,
                                    sessions=self.sessions, evict=self._evict_rule(layers),
-                                   scores_prompt=self._scores_prompt,
+                                   scores_prompt=lambda seq: self._scores_prompt(seq.params),
                                    drops=self._drop_rule(layers))
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
@@ -112,10 +112,10 @@ class LLMEngine:
         ov = params.kv_override
         return self.config.sparsity if ov is None else ov.resolve(self.config.sparsity)
 
-    def _scores_prompt(self, seq: Sequence) -> bool:
-        """Whether seq's KV policy scores its prompt on the memory workers (h2o, snapkv,
-        swa): a cached prefix would skip that scoring."""
-        cfg = self._kv_policy(seq.params)
+    def _scores_prompt(self, params: SamplingParams) -> bool:
+        """Whether a request's KV policy scores its prompt on the memory workers (h2o,
+        snapkv, swa): a cached prefix would skip that scoring, chunks would split it."""
+        cfg = self._kv_policy(params)
         return cfg.enabled and cfg.policy in SCORED
 
     def _freeing_layers(self) -> list | None:
@@ -248,10 +248,10 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             raise ValueError(f"prompt_logprobs needs the prompt in one step: it has {n} "
                              f"tokens, a step takes {budget} (max_step_tokens)")
-        policy = self._kv_policy(params)
-        if policy.enabled and policy.policy in SCORED:
-            raise ValueError(f"kv_sparsity {policy.policy!r} scores the prompt in one step: "
-                             f"it has {n} tokens, a step takes {budget} (max_step_tokens)")
+        if self._scores_prompt(params):
+            raise ValueError(f"kv_sparsity {self._kv_policy(params).policy!r} scores the "
+                             f"prompt in one step: it has {n} tokens, a step takes {budget} "
+                             f"(max_step_tokens)")
 
     def _prompt_ids(self, prompt) -> list[int]:
         """A text prompt's token ids, or token ids checked against the vocabulary."""
