@@ -1,4 +1,5 @@
 """Shared fixtures: the real default model (loaded and split once per session)."""
+import json
 import os
 
 import pytest
@@ -68,9 +69,7 @@ def prompts(smol):
     return [ids[:n] for n in LENGTHS]
 
 
-@pytest.fixture(scope="session")
-def hf_greedy(smol, prompts):
-    """HF generate(do_sample=False), HF_NEW new tokens, one prompt at a time (no padding)."""
+def _hf_greedy(smol, prompts) -> list[list[int]]:
     eos = smol.tokenizer.eos_token_id
     refs = []
     with torch.no_grad():
@@ -80,6 +79,30 @@ def hf_greedy(smol, prompts):
                                             do_sample=False, max_new_tokens=HF_NEW,
                                             pad_token_id=eos)[0, len(p):].tolist())
     return refs
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(smol, prompts, tmp_path_factory):
+    """HF generate(do_sample=False), HF_NEW new tokens, one prompt at a time (no padding).
+    Under xdist it is computed once a run: the first worker to need it writes it to the
+    run's shared temporary folder (on both cores: the other worker waits for it, or
+    soon will), the other reads it."""
+    if not _XDIST:
+        return _hf_greedy(smol, prompts)
+    from filelock import FileLock
+
+    path = tmp_path_factory.getbasetemp().parent / "hf_greedy.json"
+    with FileLock(f"{path}.lock"):
+        if path.exists():
+            return json.loads(path.read_text())
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            refs = _hf_greedy(smol, prompts)
+        finally:
+            torch.set_num_threads(threads)
+        path.write_text(json.dumps(refs))
+        return refs
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,22 @@ def guidellm(url: str, tok_dir: str, concurrency: int, requests: int, prompt_tok
     return json.loads(out.read_text())["benchmarks"][0]
 
 
+def warm_up(url: str, prompt_tokens: int) -> None:
+    """Two short completions straight over HTTP (the first request pays for the server's
+    lazy setup; a guidellm process to send them would cost more than they do)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": "hello " * prompt_tokens,
+                       "max_tokens": 4}).encode()
+    for _ in range(2):
+        req = urllib.request.Request(url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as r:
+            json.load(r)
+
+
 def summarize(bench: dict) -> dict:
     """A guidellm benchmark record -> the row's numbers."""
     reqs, m = bench["requests"], bench["metrics"]
@@ -89,7 +105,7 @@ def _levels(name, cmd, env, levels, tok_dir, prompt_tokens, output_tokens, tmp) 
     server = Server(port, [], timeout_s=900, cmd=[*cmd, "--port", str(port)], env=env)
     rows = []
     try:
-        guidellm(server.url, tok_dir, 1, 2, prompt_tokens, 4, tmp / "warmup.json")
+        warm_up(server.url, prompt_tokens)
         for c, n in levels:
             bench = guidellm(server.url, tok_dir, c, n, prompt_tokens, output_tokens,
                              tmp / f"{name.replace(' ', '-')}-{c}.json")

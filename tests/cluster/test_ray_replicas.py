@@ -5,7 +5,10 @@ pool each. Greedy tokens equal HF's on the 16 mixed-length prompts; from the tra
 replica's lane runs its own steps' slices at once with the other's, each sequence stays
 on its replica, and a memory worker attends for one replica at a time; a bad request on
 one replica fails alone without the other replica's part running twice; a killed
-replica is replaced and its requests recomputed."""
+replica is replaced and its requests recomputed. Three replicas over one memory worker
+run locally (tests/lamina/test_replicas.py) and, as a ring, on Ray
+(tests/cluster/test_ray_ring.py) only: four processes take tens of seconds to start on
+two cores."""
 import pytest
 import ray
 
@@ -29,26 +32,6 @@ def setup(prompts, hf_greedy):
     yield llm, tok
     llm.shutdown()
     ray.shutdown()
-
-
-def test_three_replicas_over_one_memory_worker_identical(prompts, hf_greedy):
-    """n = 3 (three replicas, each its own batch), all on one memory worker (first in
-    this file: the other tests' deployment would hold the cores it needs)."""
-    llm = LLM(executor="ray", num_memory_workers=1, num_kv_slots=8192, max_step_tokens=2048,
-              num_compute_workers=3, pipeline="fixed")
-    try:
-        llm.executor.start_trace()
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        spans = llm.executor.stop_trace()
-        assert [o.token_ids for o in outs] == hf_greedy
-        # every replica ran steps; the one memory worker attended for one at a time
-        assert lanes(spans) == ["compute0", "compute1", "compute2", "memory0"]
-        assert overlapping(spans) == []
-        assert len({i["pid"] for i in llm.executor.memory_info}) == 1
-        health = ray.get(llm.executor.memory[0].health.remote())
-        assert health["error"] is None and health["steps"] > 0
-    finally:
-        llm.shutdown()
 
 
 def drain(eng, outs):

@@ -159,26 +159,26 @@ def test_kv_split_over_workers_merges_exactly(smol, smol_split, prompts, hf_gree
 
 
 def test_a_prompt_longer_than_a_step_is_fed_in_chunks(smol, smol_split):
-    """A 5000-token prompt (the model's context is 8192) against the default step budget
-    of 4096 tokens: fed over two steps, its greedy tokens equal HF's; a request that needs
-    its prompt in one step (prompt logprobs) is refused by name, and nothing else
-    changes."""
-    ids = (smol.tokenizer(TEXT)["input_ids"] * 8)[:5000]
+    """A prompt longer than the step budget (1300 tokens, 1024 a step; by default 4096
+    of the model's 8192): fed over two steps, its greedy tokens equal HF's; a request
+    that needs its prompt in one step (prompt logprobs) is refused by name, and nothing
+    else changes."""
+    assert EngineConfig().max_step_tokens == 4096 < smol.config.max_position_embeddings
+    ids = (smol.tokenizer(TEXT)["input_ids"] * 2)[:1300]
     with torch.no_grad():
         t = torch.tensor([ids])
         want = smol.model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
-                                   max_new_tokens=8)[0, 5000:].tolist()
-    eng = engine(smol, smol_split)
-    assert eng.config.max_step_tokens == 4096
+                                   max_new_tokens=8)[0, 1300:].tolist()
+    eng = engine(smol, smol_split, max_step_tokens=1024)
     with pytest.raises(ValueError, match="prompt_logprobs needs the prompt in one step: it "
-                                         "has 5000 tokens, a step takes 4096"):
+                                         "has 1300 tokens, a step takes 1024"):
         eng.add_request(ids, SamplingParams(max_tokens=2, prompt_logprobs=1))
     rid = eng.add_request(ids, SamplingParams(max_tokens=8, temperature=0))
     fed = []
     while eng.has_unfinished():
         outs = eng.step()
         fed.append(eng.step_timings[-1]["tokens"])
-    assert fed[:2] == [4096, 904] and outs[0].request_id == rid
+    assert fed[:2] == [1024, 276] and outs[0].request_id == rid
     assert outs[0].token_ids == want
     assert eng.free_slots() == [eng.config.num_kv_slots]
 

@@ -1,7 +1,8 @@
 """Compute replicas with the fixed schedule (`num_compute_workers`, pipeline "fixed",
-local executor): greedy tokens equal HF's on the 16 mixed-length prompts, each sequence
-stays on one replica, the replicas run at once while a memory side serves one at a
-time (from the trace), and bad configurations are refused by name."""
+local executor; two replicas over two memory sides, three over one): greedy tokens
+equal HF's on the 16 mixed-length prompts, each sequence stays on one replica, the
+replicas run at once while a memory side serves one at a time (from the trace), and bad
+configurations are refused by name."""
 from dataclasses import replace
 
 import pytest
@@ -37,17 +38,25 @@ def traced_fixed_run(eng, ex, prompts, params):
     return [done[i].token_ids for i in ids], homes, spans
 
 
-def test_fixed_replicas_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy):
+@pytest.mark.parametrize("replicas,memory", [(2, 2), (3, 1)])
+def test_fixed_replicas_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy,
+                                              replicas, memory):
+    """Two replicas over two memory sides, and three over one (which then serves three
+    replicas, one at a time)."""
     pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 8192))
-             for _ in range(2)]
-    ex = LocalExecutor(smol_split, [MemorySide(p) for p in pools], num_compute_workers=2)
-    eng = LLMEngine(EngineConfig(num_kv_slots=8192, num_memory_workers=2, pipeline="fixed",
-                                 num_compute_workers=2), ex, smol.tokenizer, smol.config)
+             for _ in range(memory)]
+    ex = LocalExecutor(smol_split, [MemorySide(p) for p in pools],
+                       num_compute_workers=replicas)
+    eng = LLMEngine(EngineConfig(num_kv_slots=8192, num_memory_workers=memory,
+                                 pipeline="fixed", num_compute_workers=replicas),
+                    ex, smol.tokenizer, smol.config)
     greedy = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True)
     tokens, homes, spans = traced_fixed_run(eng, ex, prompts, greedy)
     assert tokens == hf_greedy
-    assert sorted(homes.values()) == [0] * 8 + [1] * 8  # balanced at admission
-    assert lanes(spans) == ["compute0", "compute1", "memory0", "memory1"]
+    # balanced at admission: the 16 in turn to the least loaded (ties: the lowest)
+    assert sorted(homes.values()) == sorted(i % replicas for i in range(16))
+    assert lanes(spans) == ([f"compute{r}" for r in range(replicas)]
+                            + [f"memory{w}" for w in range(memory)])
     assert overlapping(spans) == []  # a memory side serves one replica at a time
     slices = {r: [(s.t0, s.t1) for s in spans if s.lane == f"compute{r}" and s.kind == "slice"]
               for r in (0, 1)}
