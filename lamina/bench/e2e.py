@@ -161,14 +161,17 @@ def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, th
         any_llm = next(iter(llms.values()))
         tok, hf = any_llm.loaded.tokenizer, any_llm.loaded.model
         prompts = {B: _prompts(tok, B, prompt_len) for B in batches}
-        vllm = _vllm_runs(vllm_python, hf, tok, prompts, dtype, new_tokens, repeat, threads,
-                          vllm_modes)
-        for B in batches:
-            row = _row(dtype, B, llms, hf, prompts[B], new_tokens, repeat, vllm)
-            rows.append(row)
-            print(_line(row), flush=True)
+        ours = [_row(dtype, B, llms, hf, prompts[B], new_tokens, repeat) for B in batches]
         for llm in llms.values():
             llm.shutdown()
+        # vLLM after ours: our engine measured right after a vLLM run stepped up to 1.5x
+        # slower (an AMD EPYC VM, 2026-11-28); vLLM starts afresh in its own process
+        vllm = _vllm_runs(vllm_python, hf, tok, prompts, dtype, new_tokens, repeat, threads,
+                          vllm_modes)
+        for row in ours:
+            _with_vllm(row, vllm, llms)
+            rows.append(row)
+            print(_line(row), flush=True)
         if vllm:
             rows[-1].setdefault("notes", {})["vllm"] = {
                 m: {k: v for k, v in r.items() if not k.startswith("tokens_")}
@@ -187,8 +190,8 @@ def bench_e2e(model=None, batches=(1, 8, 32), prompt_len=128, new_tokens=128, th
     return res
 
 
-def _row(dtype, B, llms, hf, prompts, new_tokens, repeat, vllm) -> dict:
-    """One (dtype, batch) row: HF, each of our executors, and each vLLM mode."""
+def _row(dtype, B, llms, hf, prompts, new_tokens, repeat) -> dict:
+    """One (dtype, batch) row: HF and each of our executors."""
     hf_tps, ref = _hf(hf, prompts, new_tokens, repeat)
     row = {"dtype": dtype, "B": B, "hf_tok_s": hf_tps}
     for ex, llm in llms.items():
@@ -208,15 +211,19 @@ def _row(dtype, B, llms, hf, prompts, new_tokens, repeat, vllm) -> dict:
                                    "data_plane": plane, "sample": r["sample"],
                                    "step": r["step"]}
         row["ray_data_plane_frac"] = plane / r["step"]
-    for mode, res in vllm.items():  # "compiled" is the column users compare with
-        key = "vllm" if mode == "compiled" else f"vllm_{mode}"
-        if str(B) in res:
-            row[f"{key}_tok_s"] = res[str(B)]
-            for ex in llms:
-                row[f"{ex}_x_{key}"] = row[f"{ex}_tok_s"] / res[str(B)]
     row["dense"] = {ex: f"{llm.dense.backend} ({llm.dense.reason})"
                     for ex, llm in llms.items()}
     return row
+
+
+def _with_vllm(row: dict, vllm: dict, executors) -> None:
+    """Each vLLM mode's tok/s at the row's batch, and ours over it."""
+    for mode, res in vllm.items():  # "compiled" is the column users compare with
+        key = "vllm" if mode == "compiled" else f"vllm_{mode}"
+        if str(row["B"]) in res:
+            row[f"{key}_tok_s"] = res[str(row["B"])]
+            for ex in executors:
+                row[f"{ex}_x_{key}"] = row[f"{ex}_tok_s"] / res[str(row["B"])]
 
 
 def _table(rows: list[dict], modes) -> list[list[str]]:
