@@ -31,6 +31,16 @@ pytest.importorskip("lm_eval", reason="lm-eval[api] is in the dev extras (make s
 CLIENT_TIMEOUT_S = 300
 
 
+@pytest.fixture(autouse=True)
+def one_thread_a_process(monkeypatch):
+    """Under xdist the processes these tests start (the clients, `lamina serve`) share
+    the two cores with the other worker: one OpenMP thread each, as each worker runs.
+    With two, a server's threads spin against that worker (`test_bench_serve_quick`
+    beside a busy core: 57 s, one thread 31 s)."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 @pytest.fixture(scope="module")
 def served(smol, smol_split, tmp_path_factory):
     """The server, and a folder holding the model's tokenizer for the clients."""
