@@ -23,6 +23,7 @@ import torch
 from lamina.bench.serve import OFFLINE, guidellm
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
+from tests.conftest import _XDIST
 from tests.lamina.test_server import _engine, _Server
 
 pytest.importorskip("guidellm", reason="guidellm is in the dev extras (make setup)")
@@ -37,7 +38,7 @@ def one_thread_a_process(monkeypatch):
     the two cores with the other worker: one OpenMP thread each, as each worker runs.
     With two, a server's threads spin against that worker (`test_bench_serve_quick`
     beside a busy core: 57 s, one thread 31 s)."""
-    if "PYTEST_XDIST_WORKER" in os.environ:
+    if _XDIST:
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
