@@ -1,6 +1,7 @@
 """One layer's prompt attention on a CPU pool: the slot kernel against torch's flash
-kernel over the gathered keys (`lamina.kernels.prompt_sdpa`, what `CpuBackend` now runs
-for requests with many queries).
+kernel over the gathered keys and, for bf16 pools on CPUs with AVX512-BF16, our bf16
+prompt kernel (`lamina.kernels.prompt_sdpa`: what `CpuBackend` runs for requests with
+many queries, `bf16_kernel` says which of the two for bf16).
 
     python benchmarks/prompt_attention_probe.py [--repeat 7]
 
@@ -18,6 +19,7 @@ import torch
 
 from lamina.bench.common import cpu_name
 from lamina.kernels import AttentionParams, CpuBackend, SlotBatch, prompt_sdpa
+from lamina.kernels.cpu_build import load_cpu_kernel
 
 HQ, HKV, D, SLOTS = 9, 3, 64, 8192
 
@@ -37,6 +39,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads")
+    ours_built = load_cpu_kernel().prompt_flash_compiled()
+    print(f"bf16 prompt kernel built in: {ours_built}; used for bf16 pools: "
+          f"{prompt_sdpa.bf16_kernel() is not None}")
     backend, params = CpuBackend(), AttentionParams(D ** -0.5)
     g = torch.Generator().manual_seed(0)
     for queries, start in ((3072, 0), (1024, 2048), (256, 2816)):
@@ -47,10 +52,15 @@ def main() -> None:
             v = torch.randn(SLOTS, HKV, D, generator=g).to(dtype)
             q = torch.randn(queries, HQ, D, generator=g).to(dtype)
             slot = _ms(lambda: backend._slots(q, k, v, batch, params), args.repeat)
-            flash = _ms(lambda: prompt_sdpa.attend_taken(q, k, v, batch, params, 0, queries),
-                        args.repeat)
-            print(f"{queries} queries after {start} keys, {str(dtype)[6:]} pool: slot kernel "
-                  f"{slot:.1f} ms, flash {flash:.1f} ms ({slot / flash:.2f}x)", flush=True)
+            flash = _ms(lambda: prompt_sdpa.attend_taken(q, k, v, batch, params, 0, queries,
+                                                         ours=False), args.repeat)
+            line = (f"{queries} queries after {start} keys, {str(dtype)[6:]} pool: slot kernel "
+                    f"{slot:.1f} ms, torch flash {flash:.1f} ms ({slot / flash:.2f}x)")
+            if dtype == torch.bfloat16 and ours_built:
+                ours = _ms(lambda: prompt_sdpa.attend_taken(q, k, v, batch, params, 0, queries,
+                                                            ours=True), args.repeat)
+                line += f", ours {ours:.1f} ms ({slot / ours:.2f}x; {flash / ours:.2f}x torch's)"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

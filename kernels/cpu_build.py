@@ -1,7 +1,8 @@
 """Build (once) and load the C++/OpenMP CPU extension: the kernel in
 `csrc/slot_attention.cpp`, topk's page selection in `csrc/page_select.cpp`, the data
 plane's C++ ends in `csrc/dataplane.cpp` (whose memory end calls the kernel), the dense
-slices' fused pointwise ops in `csrc/pointwise.cpp`, all bound to Python by
+slices' fused pointwise ops in `csrc/pointwise.cpp`, bf16 prompt attention in
+`csrc/prompt_flash.cpp`, all bound to Python by
 `csrc/bindings.cpp` alone.
 
 Data in: the C++ sources beside this file. Data out: the loaded extension module, or a
@@ -12,6 +13,7 @@ change to any of those rebuilds. The first build takes about a minute on 2 cores
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -29,7 +31,7 @@ CSRC = Path(__file__).parent / "csrc"
 # the kernel, the data plane's C++ ends (lamina.dataplane.protocol), the pointwise ops,
 # and the one file that binds them
 SOURCES = (CSRC / "slot_attention.cpp", CSRC / "page_select.cpp", CSRC / "dataplane.cpp",
-           CSRC / "pointwise.cpp", CSRC / "bindings.cpp")
+           CSRC / "pointwise.cpp", CSRC / "prompt_flash.cpp", CSRC / "bindings.cpp")
 HEADERS = (CSRC / "lamina_ext.h",)  # hashed into the build key with the sources
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
@@ -68,6 +70,18 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def load_cpu_kernel():

@@ -1,7 +1,7 @@
 // The extension's Python bindings, and nothing else: the functions live in
 // slot_attention.cpp (the kernel, bandwidth probes), page_select.cpp (topk's pages),
-// dataplane.cpp (the data plane's C++ ends) and pointwise.cpp (fused pointwise ops, row
-// argmax); lamina_ext.h declares them.
+// dataplane.cpp (the data plane's C++ ends), pointwise.cpp (fused pointwise ops, row
+// argmax) and prompt_flash.cpp (bf16 prompt attention); lamina_ext.h declares them.
 #include <torch/extension.h>
 
 #include "lamina_ext.h"
@@ -18,6 +18,10 @@ void bind_attention(py::module& m) {
   m.def("page_pick", &page_pick, "topk's pages for a step's decode rows (Quest bounds)",
         py::arg("q"), py::arg("bounds"), py::arg("params"), py::arg("table") = py::none(),
         py::arg("page_slots") = std::vector<at::Tensor>());
+  m.def("prompt_flash_bf16", &prompt_flash_bf16,
+        "bf16 prompt attention over contiguous k / v (AVX512-BF16)");
+  m.def("prompt_flash_compiled", &prompt_flash_compiled,
+        "whether this build has prompt_flash_bf16 (the CPU has AVX512-BF16)");
   m.def("read_rows", &read_rows, "read the K/V rows of a slot list (bandwidth ceiling)");
   m.def("quantize_rows", &quantize_rows, "int8 KV rows, as lamina.kernels.quant's",
         py::arg("x"), py::arg("channel") = py::none());

@@ -15,6 +15,13 @@ std::vector<at::Tensor> slot_attention(at::Tensor q, at::Tensor k_pool, at::Tens
                                        int64_t window, double softcap,
                                        c10::optional<at::Tensor> sinks, bool q_bf16);
 
+// Prompt attention over contiguous bf16 k / v [m, Hkv, D] (prompt_flash.cpp): q
+// [n, Hq, D] bf16 -> {o [n, Hq, D] fp32, lse [n, Hq] fp32}; causal: q are the last n of
+// the m key positions. Compiled in only with AVX512-BF16 (prompt_flash_compiled()).
+std::vector<at::Tensor> prompt_flash_bf16(at::Tensor q, at::Tensor k, at::Tensor v,
+                                          bool causal, double scale);
+bool prompt_flash_compiled();
+
 // One direction of a channel's shared-memory ring; absent (no data) when the channel
 // has none. `pos` is the cursor, moved by the call and handed back.
 struct RingArgs {
