@@ -48,8 +48,8 @@ from lamina.model.prepare import (
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
 RING_ACCEPT_S = 60  # how long a ring endpoint waits for the previous replica
 # Fewer rows than this: a second thread does not pay. MKL's sgemm (eager) barely scales
-# past one thread on skinny shapes; oneDNN's packed kernels do, from one row on.
-WIDE_ROWS = {"eager": 16, "onednn": 1}
+# past one thread on skinny shapes; oneDNN's packed kernels and ours do, from one row on.
+WIDE_ROWS = {"eager": 16, "onednn": 1, "avx512bf16": 1}
 
 
 def step_threads(num_tokens: int, micro_batches: int, threads: int, wide: int,

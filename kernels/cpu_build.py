@@ -2,7 +2,7 @@
 `csrc/slot_attention.cpp`, topk's page selection in `csrc/page_select.cpp`, the data
 plane's C++ ends in `csrc/dataplane.cpp` (whose memory end calls the kernel), the dense
 slices' fused pointwise ops in `csrc/pointwise.cpp`, bf16 prompt attention in
-`csrc/prompt_flash.cpp`, all bound to Python by
+`csrc/prompt_flash.cpp`, bf16 linears in `csrc/linear_bf16.cpp`, all bound to Python by
 `csrc/bindings.cpp` alone.
 
 Data in: the C++ sources beside this file. Data out: the loaded extension module, or a
@@ -31,7 +31,8 @@ CSRC = Path(__file__).parent / "csrc"
 # the kernel, the data plane's C++ ends (lamina.dataplane.protocol), the pointwise ops,
 # and the one file that binds them
 SOURCES = (CSRC / "slot_attention.cpp", CSRC / "page_select.cpp", CSRC / "dataplane.cpp",
-           CSRC / "pointwise.cpp", CSRC / "prompt_flash.cpp", CSRC / "bindings.cpp")
+           CSRC / "pointwise.cpp", CSRC / "prompt_flash.cpp", CSRC / "linear_bf16.cpp",
+           CSRC / "bindings.cpp")
 HEADERS = (CSRC / "lamina_ext.h",)  # hashed into the build key with the sources
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 

@@ -1,9 +1,12 @@
-"""Dense kernels for the slices: linears on weights prepacked once for oneDNN.
+"""Dense kernels for the slices: linears on weights prepacked once for oneDNN, or for
+a given bf16 linear kernel (`lamina.kernels.linear`: AVX512-BF16 pair dot products).
 
 Data in: a `SplitModel` whose slices are aten-level FX graphs; each linear reads its
-weight from the model by `get_attr`. Data out: a new `SplitModel` (`pack_dense`) whose
-slices call `mkldnn._linear_pointwise` on weights reordered once into oneDNN's blocked
-layout, or the same model when the eager backend is chosen. The compute side runs them.
+weight from the model by `get_attr`; optionally the bf16 linear kernel's ops
+(`LinearOps`-like: `pack(w)`, `linear(x, packed, out_features, bias)`). Data out: a new
+`SplitModel` (`pack_dense`) whose slices call `mkldnn._linear_pointwise` on weights
+reordered once into oneDNN's blocked layout, or the kernel's `linear` on weights it
+packed, or the same model when the eager backend is chosen. The compute side runs them.
 
 Why: on CPU, `aten.linear` goes to MKL sgemm, which re-packs the weight on every call,
 barely scales past one thread, and loses most on the skinny decode shapes. Measured on
@@ -18,6 +21,11 @@ output back to the model's dtype. bf16 x bf16 products are exact in fp32, so thi
 from an eager bf16 linear (also fp32 sums, rounded once) only in summation order: measured
 here, 99.99% of outputs bitwise equal, the rest 1 ulp, at 1/6.6 of the time (32 x 576 ->
 1536, 1 thread). The packed copies then take twice the bf16 weight bytes.
+
+bf16 weights on a CPU with AVX512-BF16 but no AMX go, under "auto", to the given bf16
+kernel (backend "avx512bf16") where one is given: there oneDNN's bf16 GEMM reached
+15-17 GB/s of weights at decode's 8 rows and 300-380 GFLOP/s at 256-3072 rows, the
+kernel 22-23 GB/s and 380-430 (2-vCPU AMD EPYC, `python benchmarks/linear_probe.py`).
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from .slices import Slice
 
 log = logging.getLogger("lamina.dense")
 
-DENSE_BACKENDS = ("auto", "eager", "onednn")
+DENSE_BACKENDS = ("auto", "eager", "onednn", "avx512bf16")
 _LINEAR = torch.ops.aten.linear.default
 
 
@@ -49,7 +57,7 @@ _NEEDS = {torch.bfloat16: "AVX512-BF16 or AMX", torch.float16: "AVX512-FP16 or A
 
 @dataclass(frozen=True)
 class DenseChoice:
-    backend: str  # "eager" | "onednn"
+    backend: str  # "eager" | "onednn" | "avx512bf16"
     reason: str
 
 
@@ -70,14 +78,27 @@ def math_dtype(dtype: torch.dtype) -> tuple[torch.dtype | None, str]:
                            f"back to {name}")
 
 
-def select_dense_backend(name: str, dtype: torch.dtype, device: torch.device | str) -> DenseChoice:
-    """`auto`: oneDNN for CPU weights it packs fast, else eager; `onednn` demands it."""
+def select_dense_backend(name: str, dtype: torch.dtype, device: torch.device | str,
+                         linear_ops=None, linear_why: str = "no bf16 linear kernel given"
+                         ) -> DenseChoice:
+    """`auto`: the bf16 linear kernel for bf16 CPU weights where `linear_ops` is given
+    (None: `linear_why` says why not), else oneDNN for CPU weights it packs fast, else
+    eager; `onednn` and `avx512bf16` demand theirs."""
     if name not in DENSE_BACKENDS:
         raise ValueError(f"dense backend must be one of {DENSE_BACKENDS}, got {name!r}")
     if name == "eager":
         return DenseChoice("eager", "requested")
-    math, why = (None, f"the weights are on {device}") if torch.device(device).type != "cpu" \
-        else math_dtype(dtype)
+    on_cpu = torch.device(device).type == "cpu"
+    if name in ("auto", "avx512bf16"):
+        why = (f"the weights are on {device}" if not on_cpu else
+               f"the weights are {str(dtype).removeprefix('torch.')}, not bfloat16"
+               if dtype != torch.bfloat16 else linear_why)
+        if on_cpu and dtype == torch.bfloat16 and linear_ops is not None:
+            return DenseChoice("avx512bf16", "bfloat16 CPU weights packed for Lamina's "
+                                             "AVX512-BF16 linear kernel")
+        if name == "avx512bf16":
+            raise DenseBackendError(f"dense backend 'avx512bf16' cannot run: {why}")
+    math, why = (None, f"the weights are on {device}") if not on_cpu else math_dtype(dtype)
     if math is not None:
         return DenseChoice("onednn", why)
     if name == "onednn":
@@ -117,13 +138,43 @@ def _groups(gm: torch.fx.GraphModule) -> list[list]:
     return list(by_input.values())
 
 
-def _pack_slice(s: Slice, packed: dict, batch_hint: int,
-                fuse: bool = True) -> tuple[Slice, int]:
+@dataclass(frozen=True)
+class _OneDnn:
+    """Packs for `mkldnn._linear_pointwise` (weights in oneDNN's math dtype)."""
+    batch_hint: int
+
+    def math(self, w: torch.Tensor) -> torch.dtype | None:
+        return math_dtype(w.dtype)[0]
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(w, self.batch_hint)
+
+    def call(self, g: torch.fx.Graph, x, attr, bias, out_features: int):
+        return g.call_function(torch.ops.mkldnn._linear_pointwise.default,
+                               (x, attr, bias, "none", [], ""))
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """Packs for the given bf16 linear kernel (bf16 weights of even in-features only)."""
+    ops: object  # LinearOps-like: pack(w), linear(x, packed, out_features, bias)
+
+    def math(self, w: torch.Tensor) -> torch.dtype | None:
+        return w.dtype if w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 else None
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        return self.ops.pack(w)
+
+    def call(self, g: torch.fx.Graph, x, attr, bias, out_features: int):
+        return g.call_function(self.ops.linear, (x, attr, out_features, bias))
+
+
+def _pack_slice(s: Slice, packed: dict, packer, fuse: bool = True) -> tuple[Slice, int]:
     """A copy of slice `s` with its packable linears rewritten; (slice, linears packed).
 
     Where the math dtype differs from the weight's: linear(x, w, b) becomes
     to(linear_pointwise(to(x, math), packed(w as math), b as math), w.dtype). Linears on
-    one input (`_groups`) become one linear_pointwise over the concatenated weights whose
+    one input (`_groups`) become one packed linear over the concatenated weights whose
     output is sliced per original linear: each output column is the same dot product
     (outputs bitwise equal to separate packed linears, measured on SmolLM2's q/k/v and
     gate/up at 32 rows), with one call and one weight stream instead of several."""
@@ -131,47 +182,9 @@ def _pack_slice(s: Slice, packed: dict, batch_hint: int,
     g.output(g.graph_copy(s.module.graph, {}))
     gm = torch.fx.GraphModule(s.module, g, class_name=type(s.module).__name__)
     n = count = 0
-    groups = _groups(gm)
+    groups = [grp for grp in _groups(gm) if packer.math(grp[0][1]) is not None]
     for group in groups if fuse else [[m] for grp in groups for m in grp]:
-        first, w0 = group[0]
-        math = math_dtype(w0.dtype)[0]
-        upcast = math != w0.dtype
-        ws = [w for _, w in group]
-        key = tuple((w.data_ptr(), tuple(w.shape), w.dtype) for w in ws)
-        if key not in packed:  # a weight read by several slices is packed once
-            packed[key] = torch.ops.mkldnn._reorder_linear_weight(
-                torch.cat([w.detach().to(math) for w in ws]), batch_hint)
-        gm.register_buffer(f"_lamina_packed_{n}", packed[key], persistent=False)
-        x, bias = first.args[0], _bias_of(first)
-        with gm.graph.inserting_before(first):
-            attr = gm.graph.get_attr(f"_lamina_packed_{n}")
-            if upcast:
-                x = _cast(gm.graph, x, math)
-            if len(group) > 1 and bias is not None:  # parameter biases, concatenated
-                gm.register_buffer(f"_lamina_bias_{n}", torch.cat(
-                    [_weight_of(gm, _bias_of(nd)).detach().to(math) for nd, _ in group]),
-                    persistent=False)
-                bias = gm.graph.get_attr(f"_lamina_bias_{n}")
-            elif upcast and bias is not None:
-                b = _weight_of(gm, bias)
-                if b is not None:  # a parameter bias: one cast copy, kept like the weight
-                    gm.register_buffer(f"_lamina_bias_{n}", b.detach().to(math),
-                                       persistent=False)
-                    bias = gm.graph.get_attr(f"_lamina_bias_{n}")
-                else:
-                    bias = _cast(gm.graph, bias, math)
-            out = gm.graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
-                                         (x, attr, bias, "none", [], ""))
-            if upcast:
-                out = _cast(gm.graph, out, w0.dtype)
-            col = 0
-            for node, w in group:
-                y = out if len(group) == 1 else gm.graph.call_function(
-                    torch.ops.aten.slice.Tensor, (out, -1, col, col + w.shape[0]))
-                col += w.shape[0]
-                node.replace_all_uses_with(y)
-        for node, _ in group:
-            gm.graph.erase_node(node)
+        _rewrite_group(gm, group, n, packed, packer)
         n += 1
         count += len(group)
     gm.graph.eliminate_dead_code()
@@ -179,27 +192,71 @@ def _pack_slice(s: Slice, packed: dict, batch_hint: int,
     return replace(s, module=gm), count
 
 
-def pack_dense(split, backend: str = "auto", batch_hint: int = 32, fuse: bool = True):
+def _rewrite_group(gm: torch.fx.GraphModule, group: list, n: int, packed: dict,
+                   packer) -> None:
+    """Linears of `group` ((node, weight) pairs on one input) -> one packed call."""
+    first, w0 = group[0]
+    math = packer.math(w0)
+    upcast = math != w0.dtype
+    ws = [w for _, w in group]
+    key = tuple((w.data_ptr(), tuple(w.shape), w.dtype) for w in ws)
+    if key not in packed:  # a weight read by several slices is packed once
+        packed[key] = packer.pack(torch.cat([w.detach().to(math) for w in ws]))
+    gm.register_buffer(f"_lamina_packed_{n}", packed[key], persistent=False)
+    x, bias = first.args[0], _bias_of(first)
+    with gm.graph.inserting_before(first):
+        attr = gm.graph.get_attr(f"_lamina_packed_{n}")
+        if upcast:
+            x = _cast(gm.graph, x, math)
+        if len(group) > 1 and bias is not None:  # parameter biases, concatenated
+            gm.register_buffer(f"_lamina_bias_{n}", torch.cat(
+                [_weight_of(gm, _bias_of(nd)).detach().to(math) for nd, _ in group]),
+                persistent=False)
+            bias = gm.graph.get_attr(f"_lamina_bias_{n}")
+        elif upcast and bias is not None:
+            b = _weight_of(gm, bias)
+            if b is not None:  # a parameter bias: one cast copy, kept like the weight
+                gm.register_buffer(f"_lamina_bias_{n}", b.detach().to(math), persistent=False)
+                bias = gm.graph.get_attr(f"_lamina_bias_{n}")
+            else:
+                bias = _cast(gm.graph, bias, math)
+        out = packer.call(gm.graph, x, attr, bias, sum(w.shape[0] for w in ws))
+        if upcast:
+            out = _cast(gm.graph, out, w0.dtype)
+        col = 0
+        for node, w in group:
+            y = out if len(group) == 1 else gm.graph.call_function(
+                torch.ops.aten.slice.Tensor, (out, -1, col, col + w.shape[0]))
+            col += w.shape[0]
+            node.replace_all_uses_with(y)
+    for node, _ in group:
+        gm.graph.erase_node(node)
+
+
+def pack_dense(split, backend: str = "auto", batch_hint: int = 32, fuse: bool = True,
+               linear_ops=None, linear_why: str = "no bf16 linear kernel given"):
     """Return (split with packed linears or `split` itself, DenseChoice).
 
     `batch_hint` is the row count oneDNN tunes the blocked layout for (any count runs);
-    `fuse=False` packs every linear alone (no shared calls for linears on one input)."""
+    `fuse=False` packs every linear alone (no shared calls for linears on one input);
+    `linear_ops` / `linear_why`: the bf16 linear kernel, or why there is none."""
     if not isinstance(batch_hint, int) or batch_hint < 1:
         raise ValueError(f"batch_hint must be a positive int, got {batch_hint!r}")
     first = next((p for s in split.slices for p in s.module.parameters()), None)
     dtype = first.dtype if first is not None else torch.float32
     device = first.device if first is not None else torch.device("cpu")
-    choice = select_dense_backend(backend, dtype, device)
+    choice = select_dense_backend(backend, dtype, device, linear_ops, linear_why)
     log.info("dense backend: %s (%s)", choice.backend, choice.reason)
     if choice.backend == "eager":
         return split, choice
+    packer = _Kernel(linear_ops) if choice.backend == "avx512bf16" else _OneDnn(batch_hint)
     packed: dict = {}
     slices, count = [], 0
     for s in split.slices:
-        ps, n = _pack_slice(s, packed, batch_hint, fuse)
+        ps, n = _pack_slice(s, packed, packer, fuse)
         slices.append(ps)
         count += n
     if count == 0:
         return split, DenseChoice("eager", "no linear reads a packable weight")
     return replace(split, slices=slices), DenseChoice(
-        "onednn", f"{choice.reason}: {count} linears, {len(packed)} packed weights")
+        choice.backend, f"{choice.reason}: {count} linears, {len(packed)} packed weights")

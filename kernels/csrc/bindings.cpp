@@ -1,7 +1,8 @@
 // The extension's Python bindings, and nothing else: the functions live in
 // slot_attention.cpp (the kernel, bandwidth probes), page_select.cpp (topk's pages),
 // dataplane.cpp (the data plane's C++ ends), pointwise.cpp (fused pointwise ops, row
-// argmax) and prompt_flash.cpp (bf16 prompt attention); lamina_ext.h declares them.
+// argmax), prompt_flash.cpp (bf16 prompt attention) and linear_bf16.cpp (bf16 linears);
+// lamina_ext.h declares them.
 #include <torch/extension.h>
 
 #include "lamina_ext.h"
@@ -75,6 +76,11 @@ void bind_pointwise(py::module& m) {
   m.def("rms_norm", &fused_rms_norm, "weight * to(x32 * rsqrt(mean(x32^2) + eps), x.dtype)");
   m.def("rope", &fused_rope, "x * cos + rotate_half(x) * sin, rounded as eager");
   m.def("silu_mul", &fused_silu_mul, "silu(gate) * up, rounded as eager");
+  m.def("pack_linear_bf16", &pack_linear_bf16, "a bf16 weight [out, in] packed for linear_bf16");
+  m.def("linear_bf16", &linear_bf16, "x . w^T + bias on a packed bf16 weight (AVX512-BF16)",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("linear_bf16_compiled", &linear_bf16_compiled,
+        "whether this build has linear_bf16 (the CPU has AVX512-BF16)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (NaN counts as max)");
 }
 

@@ -22,6 +22,13 @@ std::vector<at::Tensor> prompt_flash_bf16(at::Tensor q, at::Tensor k, at::Tensor
                                           bool causal, double scale);
 bool prompt_flash_compiled();
 
+// bf16 linears (linear_bf16.cpp): a weight [O, I] packed once, then y [..., O] bf16 =
+// x [..., I] . w^T + bias. Compiled in only with AVX512-BF16 (linear_bf16_compiled()).
+at::Tensor pack_linear_bf16(const at::Tensor& w);
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias);
+bool linear_bf16_compiled();
+
 // One direction of a channel's shared-memory ring; absent (no data) when the channel
 // has none. `pos` is the cursor, moved by the call and handed back.
 struct RingArgs {

@@ -29,7 +29,7 @@ from lamina.memory.tier_orders import TierConfig
 PIPELINES = ("none", "rotational", "fixed", "auto")
 # The compute side's linears (`lamina.splitter.dense.DENSE_BACKENDS`, which the engine
 # does not import: it never loads the model code; a test keeps the two equal).
-DENSE_BACKENDS = ("auto", "eager", "onednn")
+DENSE_BACKENDS = ("auto", "eager", "onednn", "avx512bf16")
 KV_DTYPES = ("float32", "bfloat16", "int8")
 # a device name EngineConfig takes (kv_device, compute_device)
 DEVICE_NAME = r"cpu|cuda(:\d+)?"
@@ -75,7 +75,7 @@ class EngineConfig:
     # Ray executor: how long the workers' placement group may wait for its resources
     # (busy with other deployments) before the deployment fails naming what is missing
     placement_timeout_s: float = 30.0
-    dense_backend: str = "auto"  # compute side's linears: "auto" | "eager" | "onednn"
+    dense_backend: str = "auto"  # compute side's linears: one of DENSE_BACKENDS
     fuse_pointwise: bool = True  # RMSNorm / rotary / SiLU x up chains as one C++ op each
     # Ray executor: fresh prompts attend on the compute worker, which ships only their
     # KV to the memory workers (paper 5.6); False: the memory workers attend them too

@@ -386,8 +386,8 @@ def cmd_cost_report(args) -> int:
 def _dense_backend_arg(p, help: str) -> None:
     """--dense-backend (the names of `lamina.splitter.dense.DENSE_BACKENDS`; not imported
     here, so `--help` does not load torch)."""
-    p.add_argument("--dense-backend", default="auto", choices=["auto", "eager", "onednn"],
-                   help=help)
+    p.add_argument("--dense-backend", default="auto",
+                   choices=["auto", "eager", "onednn", "avx512bf16"], help=help)
 
 
 def _engine_args(p, executor: str, memory_workers: int) -> None:
@@ -403,8 +403,9 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
     p.add_argument("--compute-device", default="cpu",
                    help="the dense slices' and sampling's device: cpu or cuda[:i] (decode "
                         "steps as CUDA graphs)")
-    _dense_backend_arg(p, "compute side's linears: oneDNN-prepacked weights (auto: on CPU) "
-                       "or torch eager")
+    _dense_backend_arg(p, "compute side's linears: auto (bf16 on a CPU with AVX512-BF16 "
+                       "and no AMX: our avx512bf16 kernel; else oneDNN-prepacked weights on "
+                       "CPU), eager, onednn or avx512bf16")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="model weights and KV pool dtype (bfloat16 on a CPU without a bf16 "
                         "GEMM: linears on float32 oneDNN copies, see --dense-backend)")

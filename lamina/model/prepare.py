@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from lamina.compute.device import check_device, move_split
+from lamina.kernels.linear import linear_ops
 from lamina.kernels.pointwise import pointwise_ops
 from lamina.memory.sparsity_config import MEASURED
 from lamina.splitter import split_model
@@ -39,8 +40,10 @@ def prepare_split(model: torch.nn.Module, dense_backend: str = "auto", batch_hin
     the model and the slices there: eager linears (cuBLAS), no CPU-fused chains."""
     dev = check_device(device)
     if dev.type == "cpu":
-        split, dense = pack_dense(split_model(model), dense_backend, batch_hint)
-    else:  # "auto" -> eager there; "onednn" is refused naming the device
+        ops, why = linear_ops() if dense_backend in ("auto", "avx512bf16") else (None, "")
+        split, dense = pack_dense(split_model(model), dense_backend, batch_hint,
+                                  linear_ops=ops, linear_why=why)
+    else:  # "auto" -> eager there; "onednn" / "avx512bf16" are refused naming the device
         dtype = next(model.parameters()).dtype
         split, dense = split_model(model), select_dense_backend(dense_backend, dtype, dev)
     fused, why = {}, "fuse_pointwise=False"

@@ -1,5 +1,6 @@
-"""The dense transform (`pack_dense`): linears on oneDNN-prepacked weights, checked
-against the unsplit HF model on tiny architectures and on SmolLM2's real weights."""
+"""The dense transform (`pack_dense`): linears on oneDNN-prepacked weights or on a given
+bf16 linear kernel, checked against the unsplit HF model on tiny architectures and on
+SmolLM2's real weights."""
 from dataclasses import dataclass
 
 import pytest
@@ -46,6 +47,16 @@ def test_smollm2_packed_decode_matches_hf_cache(smol, smol_packed):
 
 
 def test_backend_selection_and_errors():
+    ops = _standin_ops()
+    assert select_dense_backend("auto", torch.bfloat16, "cpu", ops).backend == "avx512bf16"
+    assert select_dense_backend("auto", torch.float32, "cpu", ops).backend == "onednn"
+    assert select_dense_backend("auto", torch.bfloat16, "cpu").backend == "onednn"
+    with pytest.raises(DenseBackendError, match="avx512bf16' cannot run: this CPU has AMX"):
+        select_dense_backend("avx512bf16", torch.bfloat16, "cpu", None, "this CPU has AMX")
+    with pytest.raises(DenseBackendError, match="float32, not bfloat16"):
+        select_dense_backend("avx512bf16", torch.float32, "cpu", ops)
+    with pytest.raises(DenseBackendError, match="on cuda"):
+        select_dense_backend("avx512bf16", torch.bfloat16, "cuda", ops)
     assert select_dense_backend("eager", torch.float32, "cpu").backend == "eager"
     assert select_dense_backend("auto", torch.float32, "cpu").backend == "onednn"
     gpu = select_dense_backend("auto", torch.float32, "cuda")
@@ -82,6 +93,49 @@ def test_bf16_packed_split_matches_hf_bf16(mt):
     assert _count(packed, TO) - _count(sm, TO) == (0 if NATIVE_BF16 else 2 * calls)
     if not NATIVE_BF16:
         assert "float32 copies" in choice.reason and "AVX512-BF16" in choice.reason
+    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    out = packed.run_local(ids)
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref.float()).abs() <= 4 * _bf16_ulp(ref.float().abs().max())).all()
+
+
+def _standin_linear(x, packed, out_features, bias):
+    """A stand-in bf16 linear kernel in plain torch (any CPU), on weights packed by
+    copying."""
+    assert packed.shape[0] == out_features
+    return torch.nn.functional.linear(x, packed, bias)
+
+
+def _standin_ops():
+    from lamina.kernels.linear import LinearOps
+
+    return LinearOps(torch.clone, _standin_linear)
+
+
+def _kernel_ops():
+    from lamina.kernels.linear import linear_ops
+
+    ops, why = linear_ops()
+    if ops is None:
+        pytest.skip(f"no bf16 linear kernel here: {why}")
+    return ops
+
+
+@pytest.mark.parametrize("kernel", ["stand-in", "compiled"])
+@pytest.mark.parametrize("mt", ["llama", "gpt2", "opt"])  # no bias, fused bias, bias
+def test_bf16_kernel_split_matches_hf_bf16(mt, kernel):
+    """Every linear onto the given kernel's calls (q/k/v, gate/up fused as with oneDNN),
+    biases carried; within a few bf16 ulps of HF's own bf16 forward."""
+    ops = _standin_ops() if kernel == "stand-in" else _kernel_ops()
+    model = tiny_model(mt).to(torch.bfloat16)
+    sm = split_model(model)
+    n_linear = _count(sm, LINEAR)
+    packed, choice = pack_dense(sm, "avx512bf16", linear_ops=ops)
+    assert choice.backend == "avx512bf16" and f": {n_linear} linears" in choice.reason
+    assert _count(packed, LINEAR) == 0 and 0 < _count(packed, ops.linear) <= n_linear
+    assert _count(packed, PACKED) == 0 and _count(packed, TO) == _count(sm, TO)
     ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(ids).logits
