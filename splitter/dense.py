@@ -23,9 +23,9 @@ here, 99.99% of outputs bitwise equal, the rest 1 ulp, at 1/6.6 of the time (32 
 1536, 1 thread). The packed copies then take twice the bf16 weight bytes.
 
 bf16 weights on a CPU with AVX512-BF16 but no AMX go, under "auto", to the given bf16
-kernel (backend "avx512bf16") where one is given: there oneDNN's bf16 GEMM reached
-15-17 GB/s of weights at decode's 8 rows and 300-380 GFLOP/s at 256-3072 rows, the
-kernel 22-23 GB/s and 380-430 (2-vCPU AMD EPYC, `python benchmarks/linear_probe.py`).
+kernel (backend "avx512bf16") where one is given: there oneDNN's bf16 GEMM streamed
+SmolLM2's weights at 15 GB/s at 1-8 rows and reached 365-386 GFLOP/s at 256-3072 rows,
+the kernel 18-28 GB/s and 405 (2-vCPU AMD EPYC, `python benchmarks/linear_probe.py`).
 """
 from __future__ import annotations
 

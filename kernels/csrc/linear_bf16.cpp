@@ -9,8 +9,8 @@
 // linear; only the summation order differs.
 //
 // Why not oneDNN's bf16 GEMM: on a 2-core AMD EPYC it streamed SmolLM2's decode weights
-// at 15-17 GB/s (8 rows) where this reaches 22-23 GB/s of the VM's ~27, and at 256-3072
-// rows it reached 300-380 GFLOP/s against 380-430 here (benchmarks/linear_probe.py). One
+// at 15 GB/s (1-8 rows) where this reaches 18-28 GB/s of the VM's ~27, and at 256-3072
+// rows it reached 365-386 GFLOP/s against 405 here (benchmarks/linear_probe.py). One
 // kernel for every row count: 8 rows x 32 outputs a micro-tile (16 accumulators; each
 // weight vector feeds 8 rows, each broadcast x pair 2 vectors), threads split the work
 // by (256-row chunk, 32 outputs) so a chunk's rows stay in a core's L2 while weight
