@@ -60,6 +60,9 @@ def build_key() -> str:
     h.update(torch.__version__.encode())
     h.update(platform.machine().encode())
     h.update(_cpu_model().encode())
+    # -march=native builds for these: a "model name" alone (here "AMD EPYC") can stand
+    # for CPUs with and without AVX-512, and a build for one crashes on the other
+    h.update(" ".join(sorted(cpu_flags())).encode())
     return h.hexdigest()[:16]
 
 

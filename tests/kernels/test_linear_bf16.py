@@ -85,3 +85,14 @@ def test_given_only_without_amx(cpu, monkeypatch):
     monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     ops, why = linear_ops()
     assert (ops is not None) == built
+
+
+def test_build_key_follows_the_cpu_flags(monkeypatch):
+    """Builds are -march=native: a CPU with other features (same model name) gets a
+    build of its own, not one whose instructions it may lack."""
+    from lamina.kernels import cpu_build
+
+    key = cpu_build.build_key()
+    assert cpu_build.build_key() == key
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu_build.build_key() != key
