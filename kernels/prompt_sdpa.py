@@ -8,7 +8,7 @@ the slot kernel does the rest of the batch.
 
 Why: the slot kernel scores a prompt row by row with vector FMAs; a request with
 hundreds of queries is a matrix product, which torch's CPU flash kernel runs in GEMM
-blocks (AMX / AVX-512 BF16 for bf16). One layer of a 3072-token prompt, SmolLM2's heads,
+blocks (on AMX for bf16). One layer of a 3072-token prompt, SmolLM2's heads,
 on a 2-vCPU Xeon (`python benchmarks/prompt_attention_probe.py`): the slot kernel
 118 / 154 ms (fp32 / bf16 pool), this 70 / 25 ms. The request's keys are gathered from
 their slots first (one copy of its K/V per layer).
@@ -23,10 +23,11 @@ fp32, or bf16 products and probabilities with fp32 sums.
 
 Which kernel for bf16 pools (`bf16_kernel`): torch's runs bf16 on AMX tiles where the CPU
 has them (the Xeon above), but at its fp32 speed where it has only AVX512-BF16. There
-ours, which keeps the products in bf16 (vdpbf16ps), is 2.1-2.3x faster on a 2-vCPU AMD
-EPYC (3072-token prompt 40 against 92 ms, a 1024-token chunk after 2048 keys 22 / 46;
+ours, which keeps the products in bf16 (vdpbf16ps), is 2.4x faster on a 2-vCPU AMD
+EPYC (3072-token prompt 37 against 90 ms, a 1024-token chunk after 2048 keys 21 / 50;
 `python benchmarks/prompt_attention_probe.py`), and takes the keys before the queries
-and their own in one call.
+and their own in one call. Below `MIN_QUERIES` it is no faster than the slot kernel
+(a scratch probe: 8-32 queries 0.5-1.5x).
 """
 from __future__ import annotations
 
