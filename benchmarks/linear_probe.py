@@ -12,27 +12,15 @@ writes benchmarks/results/linear_probe.{json,md}.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from lamina.bench.common import _write, cpu_name
+from lamina.bench.common import _write, cpu_name, median_ms
 from lamina.kernels.linear import linear_ops
 
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in)
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
-
-
-def _ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -54,10 +42,10 @@ def main() -> None:
                             "oneDNN GFLOP/s", "ours GFLOP/s", "ours x oneDNN"]]
     for m in args.rows:
         xs = {i: torch.randn(1, m, i, generator=g).bfloat16() for i in (576, 1536)}
-        a = _ms(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none",
+        a = median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none",
                                                             [], "") for w, p in zip(ws, onednn)],
                 args.repeat)
-        b = _ms(lambda: [ops.linear(xs[w.shape[1]], p, w.shape[0], None)
+        b = median_ms(lambda: [ops.linear(xs[w.shape[1]], p, w.shape[0], None)
                          for w, p in zip(ws, ours)], args.repeat)
         flops = 2 * m * nbytes / 2
         row = {"rows": m, "onednn_ms": a, "ours_ms": b, "ratio": a / b}

@@ -12,26 +12,14 @@ pool: a whole 3072-token prompt, then chunks (queries after `start` keys). Media
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from lamina.bench.common import cpu_name
+from lamina.bench.common import cpu_name, median_ms
 from lamina.kernels import AttentionParams, CpuBackend, SlotBatch, prompt_sdpa
 from lamina.kernels.cpu_build import load_cpu_kernel
 
 HQ, HKV, D, SLOTS = 9, 3, 64, 8192
-
-
-def _ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -51,14 +39,15 @@ def main() -> None:
             k = torch.randn(SLOTS, HKV, D, generator=g).to(dtype)
             v = torch.randn(SLOTS, HKV, D, generator=g).to(dtype)
             q = torch.randn(queries, HQ, D, generator=g).to(dtype)
-            slot = _ms(lambda: backend._slots(q, k, v, batch, params), args.repeat)
-            flash = _ms(lambda: prompt_sdpa.attend_taken(q, k, v, batch, params, 0, queries,
-                                                         ours=False), args.repeat)
+            slot = median_ms(lambda: backend._slots(q, k, v, batch, params), args.repeat)
+            def taken(ours):
+                return prompt_sdpa.attend_taken(q, k, v, batch, params, 0, queries, ours=ours)
+
+            flash = median_ms(lambda: taken(False), args.repeat)
             line = (f"{queries} queries after {start} keys, {str(dtype)[6:]} pool: slot kernel "
                     f"{slot:.1f} ms, torch flash {flash:.1f} ms ({slot / flash:.2f}x)")
             if dtype == torch.bfloat16 and ours_built:
-                ours = _ms(lambda: prompt_sdpa.attend_taken(q, k, v, batch, params, 0, queries,
-                                                            ours=True), args.repeat)
+                ours = median_ms(lambda: taken(True), args.repeat)
                 line += f", ours {ours:.1f} ms ({slot / ours:.2f}x; {flash / ours:.2f}x torch's)"
             print(line, flush=True)
 

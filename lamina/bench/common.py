@@ -35,6 +35,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def median_ms(fn, repeat: int) -> float:
+    """fn's median wall time over `repeat` calls after one warm-up call, in ms."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
 def pct(xs, q):
     """The q-quantile of xs (Nones dropped; nearest rank), or None when empty."""
     xs = sorted(x for x in xs if x is not None)

@@ -78,6 +78,16 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
 
 
+def _assert_near_hf_bf16(model, packed):
+    """packed's logits within 4 bf16 ulps (at the largest logit) of HF's bf16 forward."""
+    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    out = packed.run_local(ids)
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref.float()).abs() <= 4 * _bf16_ulp(ref.float().abs().max())).all()
+
+
 @pytest.mark.parametrize("mt", ["llama", "gpt2", "opt"])  # no bias, fused bias, bias
 def test_bf16_packed_split_matches_hf_bf16(mt):
     """Packed natively where the CPU has a bf16 GEMM, else as fp32 copies with casts
@@ -93,12 +103,7 @@ def test_bf16_packed_split_matches_hf_bf16(mt):
     assert _count(packed, TO) - _count(sm, TO) == (0 if NATIVE_BF16 else 2 * calls)
     if not NATIVE_BF16:
         assert "float32 copies" in choice.reason and "AVX512-BF16" in choice.reason
-    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = model(ids).logits
-    out = packed.run_local(ids)
-    assert out.dtype == torch.bfloat16
-    assert ((out.float() - ref.float()).abs() <= 4 * _bf16_ulp(ref.float().abs().max())).all()
+    _assert_near_hf_bf16(model, packed)
 
 
 def _standin_linear(x, packed, out_features, bias):
@@ -136,12 +141,7 @@ def test_bf16_kernel_split_matches_hf_bf16(mt, kernel):
     assert choice.backend == "avx512bf16" and f": {n_linear} linears" in choice.reason
     assert _count(packed, LINEAR) == 0 and 0 < _count(packed, ops.linear) <= n_linear
     assert _count(packed, PACKED) == 0 and _count(packed, TO) == _count(sm, TO)
-    ids = torch.randint(3, 90, (2, 11), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = model(ids).logits
-    out = packed.run_local(ids)
-    assert out.dtype == torch.bfloat16
-    assert ((out.float() - ref.float()).abs() <= 4 * _bf16_ulp(ref.float().abs().max())).all()
+    _assert_near_hf_bf16(model, packed)
 
 
 def test_upcast_linear_rounds_like_a_bf16_linear(monkeypatch):
