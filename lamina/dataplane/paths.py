@@ -9,8 +9,9 @@ work and how many frames a worker's q/k/v take:
   worker's rows to be one slice of the packed rows (`WorkerPart.span`: no KV split) and
   q, k, v of one dtype; its receive also needs no LSE merge and no bytes already read
   into a channel's buffer. The memory end's native path serves one-micro-batch steps on
-  a host pool with the compiled kernel, streamed or not. Anything else takes the Python
-  end, which speaks the same bytes.
+  a host pool with the compiled kernel, streamed or not, but for a step with prompts
+  on bf16 pools where our bf16 prompt kernel runs (`prompts_in_python`). Anything else
+  takes the Python end, which speaks the same bytes.
 - **one frame or three**. A worker whose query rows are exactly the rows whose k/v it
   stores gets one q|k|v frame a layer; a worker holding only part of a sequence's KV
   (KV split) gets q, k and v as three frames. `one_frame=False` always sends three
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from lamina.dataplane.transport import SocketChannel
-from lamina.kernels import KernelBuildError, load_cpu_kernel
+from lamina.kernels import KernelBuildError, load_cpu_kernel, prompt_sdpa
 
 
 def native_ext():
@@ -73,6 +76,18 @@ class ComputePaths:
         """The Python end's frame count for one worker: True for one q|k|v frame."""
         return (self.one_frame and part.kv_rows.numel() == part.rows.numel()
                 and q.dtype == k.dtype == v.dtype)
+
+
+def prompts_in_python(memory, batch) -> bool:
+    """Whether a one-micro-batch step that the C++ loop could serve goes to the Python
+    loop for its prompts: `serve_step` attends with the slot kernel alone, while on bf16
+    pools, where the CPU runs our bf16 prompt kernel (`prompt_sdpa.bf16_kernel`), the
+    Python loop's backend sends requests of `MIN_QUERIES`+ queries (a chunk after its
+    earlier keys, a prompt after a prefix-cache hit) through it: one 1024-token chunk
+    after 2048 keys 21 against 45 ms a layer (benchmarks/prompt_attention_probe.py).
+    The Python loop's own cost, ~0.1 ms a layer, is small beside that."""
+    return (batch.most_queries >= prompt_sdpa.MIN_QUERIES
+            and memory.pool.k.dtype == torch.bfloat16 and prompt_sdpa.bf16_kernel() is not None)
 
 
 def memory_native(memory, native: bool = True):

@@ -61,7 +61,13 @@ import torch
 
 from lamina.compute.memory_link import MemoryLink, combine
 from lamina.compute.packing import WorkerPart
-from lamina.dataplane.paths import ComputePaths, bytes_channels, memory_native, worker_spans
+from lamina.dataplane.paths import (
+    ComputePaths,
+    bytes_channels,
+    memory_native,
+    prompts_in_python,
+    worker_spans,
+)
 from lamina.dataplane.tables import HeldTables, SentTables, TableError
 from lamina.dataplane.transport import Channel, FrameError, PeerTimeout, SocketChannel
 from lamina.engine.messages import DroppedKeys
@@ -543,7 +549,8 @@ class MemoryServer:
         loading = self.memory.tiers is not None and self.memory.tiers.loading
         sparse = self.memory.sparsity is not None and self.memory.sparsity.active
         if (self._native is not None and len(mbs) == 1 and not loading and not sparse
-                and not head.report and head.order is None):
+                and not head.report and head.order is None
+                and not prompts_in_python(self.memory, mbs[0].batch)):
             self._serve_native(step, mbs[0].new_slots, mbs[0].batch, head.width)
             return True  # (a step with tier loads copies them layer by layer, below)
         queued = len(mbs) + (head.width > 1)  # outputs go out on the send thread
