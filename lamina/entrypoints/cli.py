@@ -308,7 +308,8 @@ def _bench_chunked(args) -> None:
     if args.repeat or args.quick:
         sizes["repeat"] = 1 if args.quick else args.repeat
     bench_chunked(args.model, dtype=args.dtype[0] if len(args.dtype) == 1 else "bfloat16",
-                  vllm_python=args.vllm_python, out_dir=args.out, **sizes)
+                  vllm_python=args.vllm_python, out_dir=args.out, executor=args.executor,
+                  **sizes)
 
 
 def _bench_fragmentation(args) -> None:
@@ -620,7 +621,8 @@ def _bench_parser(sub) -> None:
                    choices=["none", "rotational", "rotational3", "fixed"],
                    help="pipeline: modes (all four; rotational3: n = 3 over 2 replicas)")
     b.add_argument("--executor", default="local", choices=["local", "ray"],
-                   help="pipeline: where the workers run (ray: one process each, local Ray)")
+                   help="pipeline, chunked: where the workers run (ray: one process each, "
+                        "local Ray)")
     b.add_argument("--plot", default=None,
                    help="pipeline: a Gantt chart PNG of one traced decode step per mode")
     b.add_argument("--paper", action="store_true",
