@@ -113,3 +113,15 @@ def smol_packed(smol_split):
     packed, choice = pack_dense(smol_split, "onednn")
     assert choice.backend == "onednn"
     return packed
+
+
+@pytest.fixture(scope="session")
+def smol_bf16(smol):
+    """(SmolLM2 in bf16, a copy; its split with eager linears): the bf16 tests pack it
+    for the backend they check (`pack_dense` leaves its input as it was)."""
+    import copy
+
+    from lamina.splitter import split_model
+
+    hf = copy.deepcopy(smol.model).to(torch.bfloat16)
+    return hf, split_model(hf)

@@ -293,24 +293,21 @@ def test_logit_bias_forces_a_token_and_bad_ids_are_rejected(smol, smol_split, pr
 
 
 @pytest.mark.parametrize("backend", ["onednn", "avx512bf16"])
-def test_bf16_greedy_tracks_hf_bf16(smol, prompts, backend):
+def test_bf16_greedy_tracks_hf_bf16(smol, smol_bf16, prompts, backend):
     """SmolLM2 in bf16 with a bf16 KV pool, on oneDNN-packed linears (fp32 copies where
     this CPU has no bf16 GEMM) or on our bf16 linear kernel, as `LLM(dtype="bfloat16")`
     runs them. bf16 rounds
     differently in every engine (here even the eager split drifts from HF), so as vLLM
     checks its bf16 runs: tokens equal HF bf16 greedy's until the first difference, and
     there ours is one of HF's own top-2 choices (a near tie), never an unrelated token."""
-    import copy
-
     from lamina.kernels.linear import linear_ops
-    from lamina.splitter import split_model
     from lamina.splitter.dense import pack_dense
 
     ops, why = linear_ops()
     if backend == "avx512bf16" and ops is None:
         pytest.skip(f"no bf16 linear kernel here: {why}")
-    hf = copy.deepcopy(smol.model).to(torch.bfloat16)
-    split, choice = pack_dense(split_model(hf), backend, linear_ops=ops)
+    hf, unpacked = smol_bf16
+    split, choice = pack_dense(unpacked, backend, linear_ops=ops)
     assert choice.backend == backend
     eng = engine(smol, split, num_kv_slots=2048, kv_dtype="bfloat16")
     pick = [prompts[i] for i in (0, 2, 4, 6)]  # 5, 40, 128, 300 tokens

@@ -284,29 +284,26 @@ def test_memory_ends_hold_each_running_sequences_table(smol, smol_split, prompts
     ex.shutdown()
 
 
-def test_bf16_prompts_on_memory_ends_take_the_prompt_kernel(smol, prompts):
+def test_bf16_prompts_on_memory_ends_take_the_prompt_kernel(smol, smol_bf16, prompts):
     """bf16 pools where our bf16 prompt kernel runs: a memory end serves a step with a
     prompt in its Python loop (whose backend sends the prompt through that kernel; the
     C++ loop has only the slot kernel) and decode steps in C++; the tokens are those of
     Python ends throughout, which attend every row the same way."""
-    import copy
-
     from lamina.kernels import prompt_sdpa
-    from lamina.splitter import split_model
     from lamina.splitter.dense import pack_dense
 
     if prompt_sdpa.bf16_kernel() is None:
         pytest.skip("no bf16 prompt kernel on this CPU: the C++ loop serves every step")
-    split, _ = pack_dense(split_model(copy.deepcopy(smol.model).to(torch.bfloat16)), "onednn")
+    split, _ = pack_dense(smol_bf16[1], "onednn")
     pick = [prompts[4], prompts[6]]  # 128 and 300 tokens: one on each worker
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     got = {}
     for native in ("both", "none"):
         eng, ex = linked_engine(smol, split, 3000, native=native, kv_dtype="bfloat16")
         got[native] = generate(eng, pick, params)
-        assert all(s.error is None and s.steps == 6 for s in ex.servers)
+        assert all(s.error is None and s.steps == 4 for s in ex.servers)
         python_steps = [s.steps - s.native_steps for s in ex.servers]
-        assert python_steps == ([1, 1] if native == "both" else [6, 6])
+        assert python_steps == ([1, 1] if native == "both" else [4, 4])
         ex.shutdown()
     assert got["both"] == got["none"]
 
