@@ -121,8 +121,7 @@ def attend_taken(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if k_pool.dtype == torch.bfloat16 and k.shape[-1] in _BF16_HEAD_SIZES:
         ext = bf16_kernel() if ours is None else load_cpu_kernel() if ours else None
         if ext is not None:  # one call: causal over its own keys, all keys before them
-            o, lse = ext.prompt_flash_bf16(qq, k, v, own > 0, float(params.scale))
-            return o, lse
+            return tuple(ext.prompt_flash_bf16(qq, k, v, own > 0, float(params.scale)))
     parts = []
     if nk > own:  # keys before the queries: all seen
         parts.append(_flash(qq, k[:nk - own], v[:nk - own], False, params.scale))

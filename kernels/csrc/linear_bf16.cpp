@@ -41,14 +41,18 @@ constexpr int64_t CHUNK = 256; // rows a work item
 
 #if LAMINA_LINEAR_BF16
 // rows 0..M-1 of x (stride I) . one tile's two 16-output blocks -> y (stride O), `valid`
-// of the tile's 32 outputs stored; bias (fp32 [32] of this tile) or nullptr.
+// of the tile's 32 outputs stored; bias (fp32, this tile's `valid` outputs) or nullptr.
 template <int M>
 inline void tile(const uint16_t* x, int64_t I, const uint16_t* wp, const float* bias,
                  uint16_t* y, int64_t O, int64_t valid) {
+  const __mmask16 k0 = static_cast<__mmask16>((1u << std::min<int64_t>(valid, 16)) - 1u);
+  const __mmask16 k1 = static_cast<__mmask16>((1u << std::clamp<int64_t>(valid - 16, 0, 16)) - 1u);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(k1, bias + 16) : _mm512_setzero_ps();
   __m512 acc[M][2];
   for (int m = 0; m < M; ++m) {
-    acc[m][0] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    acc[m][1] = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    acc[m][0] = b0;
+    acc[m][1] = b1;
   }
   const int64_t bs = (I / 2) * 32;  // elements of one 16-output block
   for (int64_t c = 0; c < I / 2; ++c) {
@@ -63,8 +67,6 @@ inline void tile(const uint16_t* x, int64_t I, const uint16_t* wp, const float* 
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
     }
   }
-  const __mmask16 k0 = static_cast<__mmask16>((1u << std::min<int64_t>(valid, 16)) - 1u);
-  const __mmask16 k1 = static_cast<__mmask16>((1u << std::clamp<int64_t>(valid - 16, 0, 16)) - 1u);
   for (int m = 0; m < M; ++m) {
     auto* out = reinterpret_cast<__m256i*>(y + m * O);
     _mm256_mask_storeu_epi16(out, k0, (__m256i)_mm512_cvtneps_pbh(acc[m][0]));
@@ -131,12 +133,11 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   auto y = at::empty(shape, x.options());
   if (M == 0) return y;
   const int64_t tiles = (O + TILE - 1) / TILE, chunks = (M + CHUNK - 1) / CHUNK;
-  at::Tensor b32;  // fp32 [tiles * 32], zeros past O
+  at::Tensor b32;  // fp32 [O] (a copy only for a bias of another dtype)
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == O, "linear_bf16: bias of ", bias->numel(), " for ", O,
                 " outputs");
-    b32 = at::zeros({tiles * TILE}, x.options().dtype(at::kFloat));
-    b32.narrow(0, 0, O).copy_(bias->reshape({O}));
+    b32 = bias->reshape({O}).to(at::kFloat).contiguous();
   }
   const auto* xs = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());

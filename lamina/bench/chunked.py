@@ -80,9 +80,8 @@ def bench_chunked(model: str | None = None, streams: int = 8, prompt_tokens: int
     every = (prompt_tokens + streams, *budgets)
     name = "lamina" if executor == "local" else f"lamina ({executor})"
     for budget in every:
-        llm = LLM(model, executor=executor, dtype=dtype, kv_dtype=dtype,
-                  max_step_tokens=budget, prefix_caching=False,
-                  **({"num_memory_workers": 1} if executor == "ray" else {}))
+        llm = LLM(model, executor=executor, num_memory_workers=1, dtype=dtype, kv_dtype=dtype,
+                  max_step_tokens=budget, prefix_caching=False)
         try:
             runs = [stall(llm, streams, prompt_tokens, seed=r) for r in range(repeat)]
         finally:
