@@ -2,7 +2,7 @@
 # The GPU checks of issue 32 in one go, on a machine with a CUDA GPU, torch and triton
 # (no install: the repo's folders are mapped to the `lamina` package through a shadow
 # tree of links). Writes logs and results under ${OUT:-gpu_out}.
-#   bash benchmarks/gpu_check.sh [tune|bench|kernels|model|e2e|exact|suite|ray ...]
+#   bash benchmarks/gpu_check.sh [tune|bench|kernels|model|e2e|exact|suite|crash|ray ...]
 #   (default: tune bench kernels). model, e2e, exact, suite and ray need the default
 #   model and the wheels that the kit of benchmarks/gpu_kit.sh carries in (its header
 #   says how); ray also needs the kit's trimmed Ray.
@@ -60,6 +60,25 @@ with_ray() {
   tar -C "$SITE" -xJf .gpukit/ray/ray.tar.xz && python3 -c "import ray; print('ray', ray.__version__)"
 }
 
+# The suite a file a process: results.txt gets "file rc=N passed/failed/skipped" as each
+# file ends (so a run cut short still says what it finished); logs and junit files of
+# every file go into suite_files.tgz. Slow files first (the 2026-11-28 run's order).
+suite_files() {
+  local logs="$OUT/files" first="test_compute_device test_gpu_memory test_triton_backend
+      test_engine test_link test_server test_isolation test_auto_pipeline test_int8_pools"
+  mkdir -p "$logs"; : > "$OUT/results.txt"
+  local files; files=$(if [ -n "${SUITE:-}" ]; then printf "$ROOT/%s\n" $SUITE; else
+      (for f in $first; do ls "$ROOT"/tests/*/"$f".py; done
+       ls "$ROOT"/tests/test_*.py "$ROOT"/tests/*/test_*.py | grep -v "^$ROOT/tests/cluster/") | awk '!seen[$0]++'; fi)
+  export ROOT logs RESULTS="$OUT/results.txt" OMP_NUM_THREADS=2
+  (cd "$PKG" && printf '%s\n' $files | timeout "$(limit "${SUITE_S:-480}")" xargs -P "${WORKERS:-12}" -I{} \
+      sh -c 'n=$(basename {} .py); timeout ${FILE_S:-300} python3 -m pytest -q -p no:cacheprovider \
+          --import-mode=append --rootdir="$ROOT" --junitxml="$logs/$n.xml" {} > "$logs/$n.log" 2>&1
+          echo "{} rc=$? $(tail -1 "$logs/$n.log")" >> "$RESULTS"')
+  tar -C "$logs" -czf "$OUT/suite_files.tgz" . && rm -rf "$logs"
+  sort "$OUT/results.txt" | sed "s|$ROOT/||"
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$OUT/gpu.txt"
@@ -78,16 +97,22 @@ for s in $steps; do
     model) model && (cd "$PKG" && python3 -c "from lamina.model.loader import \
              default_model_path as p; print('model at', p())") ;;
     e2e) model && (cd "$PKG" && timeout "$(limit 330)" python3 -m lamina.entrypoints.cli bench e2e \
-             --device cuda --repeat 2 --out "$OUT") 2>&1 | tee "$OUT/e2e.log" ;;
+             --device cuda --repeat "${E2E_REPEAT:-2}" ${E2E_ARGS:-} --out "$OUT") 2>&1 | tee "$OUT/e2e.log" ;;
     exact) model && (cd "$PKG" && timeout "$(limit 200)" python3 -m pytest -q -p no:cacheprovider \
              --import-mode=append --rootdir="$ROOT" "$ROOT/tests/lamina/test_compute_device.py" \
              "$ROOT/tests/lamina/test_gpu_memory.py") 2>&1 | tee "$OUT/exact.log" ;;
     # the suite but the Ray tests (the image has no ray: the `ray` step brings the kit's),
-    # on WORKERS (12) xdist workers of the machine's 16 cores, for at most SUITE_S (480)
-    # seconds; SUITE overrides what it runs; suite.xml: each test's time, for planning
-    suite) model && (cd "$PKG" && timeout "$(limit "${SUITE_S:-480}")" python3 -m pytest -q -p no:cacheprovider \
-             --import-mode=append --rootdir="$ROOT" -n "${WORKERS:-12}" --durations=30 --junitxml="$OUT/suite.xml" ${SUITE:-"$ROOT/tests" \
-             --ignore="$ROOT/tests/cluster"}) 2>&1 | tee "$OUT/suite.log" ;;
+    # one pytest process a test file (a crash then takes its file, not the run: xdist's
+    # scheduler failed outright once a crashed worker's stand-in collected other tests),
+    # WORKERS (12) at a time of the machine's 16 cores, each file at most FILE_S (300)
+    # seconds, all of them at most SUITE_S (480); SUITE (repo-relative paths) overrides
+    # the files.
+    suite) model && suite_files ;;
+    # whether the compiled kernel's refusals come back as RuntimeErrors here
+    # (benchmarks/exception_probe.py; cuda-gdb for a crash's backtrace: there is no gdb)
+    crash) (cd "$PKG" && timeout "$(limit 400)" python3 "$ROOT/benchmarks/exception_probe.py" \
+             --out "$OUT" --timeout 150 --gdb "$(command -v gdb || command -v cuda-gdb)") \
+             2>&1 | tee "$OUT/crash.log" ;;
     # the Ray executor with a GPU compute worker (RAY_TESTS overrides what it runs)
     ray) model && with_ray && (cd "$PKG" && timeout "$(limit 400)" python3 -m pytest -q \
              -p no:cacheprovider --import-mode=append --rootdir="$ROOT" \

@@ -8,15 +8,19 @@
 #   bash benchmarks/gpu_kit.sh        (here, with `make setup` done)
 # Then, on one warm machine, calls back to back (put them in one batch of tool calls: a
 # machine goes back 30 s after a call, and what the first call brought must still be
-# there). 15 min of device time is a session's all, its start included, and one call
-# runs at most 600 s (gpu_check.sh cuts its steps to fit), so in order of what issue 32
-# still needs:
+# there). 15 min of device time is a session's all, its start included (~30 s on
+# 2026-11-28), and one call runs at most 600 s (gpu_check.sh cuts its steps to fit), so
+# in order of what issue 32 still needs:
 #   1. run(carry=[".gpukit/a"], command="ls -la .gpukit/a")   (the model's first half)
-#   2. run(carry=[".gpukit/whl", ".gpukit/b"], command="bash benchmarks/gpu_check.sh suite")
-#      (acceptance 4: the suite but the Ray tests, 12 xdist workers; on this repo's 2-core
-#      machine the same files took 10 min on 2 workers, ~1160 worker-seconds)
-#   3. run(command="bash benchmarks/gpu_check.sh e2e")   (acceptance 2, the kit stays)
-#   4. where time is left: run(carry=[".gpukit/ray"], command="bash benchmarks/gpu_check.sh ray")
+#   2. run(carry=[".gpukit/whl", ".gpukit/b"], command="bash benchmarks/gpu_check.sh crash suite")
+#      (why the kernel's refusals crashed there, ~2 min with two rebuilds; then acceptance
+#      4: the suite but the Ray tests, a pytest process a file, 12 at a time; the
+#      2026-11-28 run did two thirds of it in 164 s on 14 xdist workers)
+#   3. run(carry=[".gpukit/ray"], command="DEADLINE_S=300 bash benchmarks/gpu_check.sh ray")
+#      (the Ray executor with the compute worker on the GPU: cut at its 130 s on
+#      2026-11-28 as our generate was returning, before its comparison with HF's)
+#   4. where time is left: E2E_ARGS="--setups host-kv-1 host-kv-2" gpu_check.sh e2e
+#      (acceptance 2's host rows; the GPU-KV rows were re-measured on 2026-11-28)
 # Ray is not in the image: .gpukit/ray holds it trimmed (its wheel less the Java jars,
 # the libraries Lamina does not use and the dashboard's web client), xz-packed, 27 MB.
 # The image's torch (2.11) and transformers (5.17) are older than this repo's pins; the

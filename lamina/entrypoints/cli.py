@@ -198,14 +198,15 @@ def _bench_attention(args) -> None:
 def _bench_e2e(args) -> None:
     new_tokens, repeat = (8, args.repeat or 1) if args.quick else (128, args.repeat or 3)
     if args.device == "cuda":
-        from lamina.bench.e2e_gpu import bench_e2e_gpu
+        from lamina.bench.e2e_gpu import SETUPS, bench_e2e_gpu
 
         given = tuple(args.batch) != (1, 8, 32)  # the CPU default: the GPU's is 1, 32, 256
         bench_e2e_gpu(args.model, batches=(1,) if args.quick else
                       tuple(args.batch) if given else (1, 32, 256),
                       new_tokens=new_tokens, out_dir=args.out,
                       dtype="bfloat16" if len(args.dtype) > 1 else args.dtype[0],
-                      repeat=repeat, threads=args.threads)
+                      repeat=repeat, threads=args.threads,
+                      setups=tuple(args.setups or SETUPS))
         return
     from lamina.bench.e2e import bench_e2e
 
@@ -636,6 +637,9 @@ def _bench_parser(sub) -> None:
                         "cuda runs the slices on the GPU (batches 1 32 256, bfloat16 unless "
                         "given; KV on the GPU and in host DRAM)")
     b.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="e2e: batch sizes")
+    b.add_argument("--setups", nargs="+", default=None,
+                   choices=["gpu-kv", "host-kv-1", "host-kv-2"],
+                   help="e2e --device cuda: where the KV lives (default: all three)")
     b.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
                    choices=["float32", "bfloat16"],
                    help="e2e: dtypes; serve, chunked: the one given (else bfloat16)")
