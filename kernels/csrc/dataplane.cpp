@@ -13,7 +13,8 @@
 // compute end) and stays byte-compatible: the tests run Python and C++ ends against
 // each other. Every frame is validated as `wire.check` does; errors come back as
 // (status, message) and nothing is computed from a bad frame.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <pybind11/pybind11.h>  // gil_scoped_release
 
 #include <poll.h>
 #include <sched.h>

@@ -2,7 +2,7 @@
 // from another or bound in bindings.cpp: the kernel (slot_attention.cpp), the data
 // plane's C++ ends (dataplane.cpp) and the pointwise ops (pointwise.cpp).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <string>
 #include <tuple>

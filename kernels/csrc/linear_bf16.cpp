@@ -15,7 +15,7 @@
 // weight vector feeds 8 rows, each broadcast x pair 2 vectors), threads split the work
 // by (256-row chunk, 32 outputs) so a chunk's rows stay in a core's L2 while weight
 // tiles stream past.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "lamina_ext.h"

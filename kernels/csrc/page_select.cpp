@@ -22,7 +22,7 @@
 // Per row: one pass over its bounds (a page's score is a dot product of W floats) and a
 // partial sort of its page ids. In Python this was a torch product and NumPy calls per row,
 // ~100 us each; here a row of 512 pages takes a few us when its bounds are in cache.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "lamina_ext.h"
@@ -251,7 +251,7 @@ void pick_row(const RowPlan& p, int64_t n, int64_t P, const float* sq, const Bou
 // head h, [q- sums | q+ sums] at (0 * Hkv + h) * D and (1 * Hkv + h) * D.
 at::Tensor signed_rows(const at::Tensor& q, int64_t hkv) {
   const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2), G = Hq / hkv;
-  auto out = torch::zeros({R, 2 * hkv * D}, torch::kFloat);
+  auto out = at::zeros({R, 2 * hkv * D}, at::kFloat);
   const float* x = q.data_ptr<float>();
   float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r)
@@ -313,7 +313,7 @@ std::vector<at::Tensor> page_pick(at::Tensor q, std::vector<at::Tensor> bounds,
   const int64_t W = sq.size(1);
   const int64_t* pr = params.data_ptr<int64_t>();
   std::vector<RowPlan> plans(R);
-  auto cu = torch::zeros({R + 1}, torch::kLong);
+  auto cu = at::zeros({R + 1}, at::kLong);
   int64_t* c = cu.data_ptr<int64_t>();
   std::vector<Bounds> rows(R);
   for (int64_t r = 0; r < R; ++r) {
@@ -343,11 +343,11 @@ std::vector<at::Tensor> page_pick(at::Tensor q, std::vector<at::Tensor> bounds,
     plans[r] = plan_row(x[0], x[1], x[2], x[3], x[4], b.size(0));
     c[r + 1] = c[r] + picked(plans[r], x[0], x[4]);
   }
-  auto idx = torch::empty({c[R]}, torch::kLong);
-  auto slots = torch::empty({gather ? c[R] : 0}, torch::kInt);
+  auto idx = at::empty({c[R]}, at::kLong);
+  auto slots = at::empty({gather ? c[R] : 0}, at::kInt);
   int64_t* out = idx.data_ptr<int64_t>();
   int32_t* so = slots.data_ptr<int32_t>();
-  auto stale = torch::full({R}, -1, torch::kLong);
+  auto stale = at::full({R}, -1, at::kLong);
   int64_t* st = stale.data_ptr<int64_t>();
   const float* s = sq.data_ptr<float>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {

@@ -11,8 +11,7 @@
 // contracted into FMAs, so rope is bitwise equal to the chain; rms_norm sums squares in
 // another order and silu_mul's exp is its own (within 2 ulp), so those two can differ from
 // the chain in the last bit of an fp32 intermediate (rarely visible after bf16 rounding).
-#pragma GCC optimize("fp-contract=off")
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "lamina_ext.h"
@@ -27,6 +26,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+// No FMA contraction in this file's own functions (after the includes, so the headers'
+// inline functions are compiled as everywhere else).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 
 namespace {
 
@@ -332,3 +336,5 @@ at::Tensor argmax_rows(at::Tensor x) {
   });
   return out;
 }
+
+#pragma GCC pop_options

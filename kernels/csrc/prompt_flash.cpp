@@ -16,7 +16,7 @@
 // output rows in L2 while it walks the key blocks it can see with an online softmax.
 // Math: bf16 products summed in fp32, probabilities rounded to bf16 for the values'
 // products (as torch's bf16 flash kernel does), sums and the output in fp32.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "lamina_ext.h"

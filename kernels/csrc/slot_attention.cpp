@@ -11,7 +11,7 @@
 // Keys are read in place from their slots (no gathered copy), in blocks of BK with
 // an online softmax. With AVX2
 // the GQA query rows of a kv head share every K/V load; elsewhere plain loops run.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "lamina_ext.h"
