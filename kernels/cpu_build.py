@@ -19,6 +19,7 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -50,14 +51,15 @@ def cache_root() -> Path:
 
 
 def build_key() -> str:
-    """The build's cache folder: the sources' bytes, flags, torch, the CPU, and where
-    the sources lie. ninja records their paths, so two checkouts sharing one folder
-    would rebuild (~1 min) each time the other had built."""
+    """The build's cache folder: the sources' bytes, flags, torch, the compiler, the CPU,
+    and where the sources lie. ninja records their paths, so two checkouts sharing one
+    folder would rebuild (~1 min) each time the other had built."""
     h = hashlib.sha256(str(CSRC.resolve()).encode())
     for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
+    h.update(compiler_version().encode())
     h.update(platform.machine().encode())
     h.update(_cpu_model().encode())
     # -march=native builds for these: a "model name" alone (here "AMD EPYC") can stand
@@ -74,6 +76,18 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+@functools.lru_cache(maxsize=1)
+def compiler_version() -> str:
+    """The first line of `$CXX --version` (torch builds with $CXX, else c++); "" where
+    it cannot run. Part of the build key: another compiler builds anew."""
+    try:
+        out = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.splitlines()[0] if out else ""
 
 
 @functools.lru_cache(maxsize=1)

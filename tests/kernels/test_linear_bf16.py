@@ -96,3 +96,13 @@ def test_build_key_follows_the_cpu_flags(monkeypatch):
     assert cpu_build.build_key() == key
     monkeypatch.setattr(cpu_build, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert cpu_build.build_key() != key
+
+
+def test_build_key_follows_the_compiler(monkeypatch):
+    """Another compiler (a new gcc, $CXX) builds anew instead of loading the old build."""
+    from lamina.kernels import cpu_build
+
+    key = cpu_build.build_key()
+    assert "(" in cpu_build.compiler_version() or "version" in cpu_build.compiler_version()
+    monkeypatch.setattr(cpu_build, "compiler_version", lambda: "g++ (Other) 99.1.0")
+    assert cpu_build.build_key() != key
