@@ -106,18 +106,19 @@ def run_case(name: str, case: dict, cache: Path, timeout_s: float, gdb: str | No
     if case["cflags"] is not None:  # its own build, beside the shared one
         env["PROBE_CFLAGS"] = json.dumps(case["cflags"])
         env["LAMINA_CACHE_DIR"] = str(cache / name)
-    row = _child(name, [sys.executable, "-c", CHILD], env, timeout_s)
+    row = {"case": name, **_child([sys.executable, "-c", CHILD], env, timeout_s)}
     if gdb and row["result"] in {s.name for s in signal.Signals}:
         cmd = [gdb, "-batch", "-ex", "run", "-ex", "bt 40", "--args", sys.executable, "-c", CHILD]
-        row["backtrace"] = _child(name, cmd, env, timeout_s, lines=60)["tail"]
+        row["backtrace"] = _child(cmd, env, timeout_s, lines=60)["tail"]
     return row
 
 
-def _child(name: str, cmd: list[str], env: dict, timeout_s: float, lines: int = 8) -> dict:
+def _child(cmd: list[str], env: dict, timeout_s: float, lines: int = 8) -> dict:
+    """Run one child: {"result": "raised" | a signal's name | "exit N, k/2 raised", "tail"}."""
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return {"case": name, "result": f"no answer in {timeout_s:.0f} s", "tail": ""}
+        return {"result": f"no answer in {timeout_s:.0f} s", "tail": ""}
     out = (p.stdout + p.stderr).strip().splitlines()
     raised = sum(1 for ln in p.stdout.splitlines() if " raised " in ln)
     if p.returncode == 0 and raised == 2:
@@ -126,7 +127,7 @@ def _child(name: str, cmd: list[str], env: dict, timeout_s: float, lines: int = 
         result = signal.Signals(-p.returncode).name
     else:
         result = f"exit {p.returncode}, {raised}/2 raised"
-    return {"case": name, "result": result, "tail": "\n".join(out[-lines:])}
+    return {"result": result, "tail": "\n".join(out[-lines:])}
 
 
 def main() -> None:
