@@ -155,10 +155,11 @@ class SplitModel:
         return "\n".join(lines)
 
 
-def split_model(model: torch.nn.Module) -> SplitModel:
-    """Trace `model`, cut it at every attention operator, and build the slices."""
+def split_model(model: torch.nn.Module, reuse: bool = True) -> SplitModel:
+    """Trace `model`, cut it at every attention operator, and build the slices. `reuse`:
+    take the graph of a model traced alike before (`trace`), else export afresh."""
     t0 = time.perf_counter()
-    traced = trace(model)
+    traced = trace(model, reuse=reuse)
     t1 = time.perf_counter()
     dg = build_graph(traced.gm)
     part = decide_partition(dg)

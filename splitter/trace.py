@@ -13,14 +13,15 @@ stays a single opaque node with symbolic shapes.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch.export import Dim, export
 
+from . import trace_store
 from .attention_op import ATTN_IMPL, UnsupportedAttentionError, register_with_transformers
+from .trace_store import _CachedTrace, attr_of, copy_graph
 
 ATTENTION_OP = torch.ops.lamina.attention.default
 
@@ -124,23 +125,13 @@ def _check_config(name: str, config) -> None:
             f"model '{name}' uses an unsupported attention feature: ALiBi position bias")
 
 
-@dataclass(frozen=True)
-class _CachedTrace:
-    """A canonical traced graph without the weights it was traced with: what a model of
-    the same class, config, dtypes and devices traces to (torch.export reads shapes, not
-    values). `constants`: get_attr targets that are not the model's own tensors."""
-
-    graph: torch.fx.Graph
-    constants: dict
-
-
 # Traces kept in this process, by `_trace_key` (oldest dropped past TRACE_CACHE_SIZE). A
 # second engine of the same model (a bench's modes, a service's deployments, the tests)
 # then takes a copy of the graph rebound to its model's tensors (its whole split ~0.3 s)
 # instead of tracing again (SmolLM2: ~5 s).
 TRACE_CACHE_SIZE = 8
 _TRACES: OrderedDict[str, _CachedTrace] = OrderedDict()
-trace_stats = {"traced": 0, "reused": 0}
+trace_stats = {"traced": 0, "reused": 0, "loaded": 0}  # exported; from _TRACES; from the store
 
 
 def _trace_key(model: torch.nn.Module) -> str:
@@ -155,33 +146,23 @@ def _trace_key(model: torch.nn.Module) -> str:
                      str(len(tensors))])
 
 
-def _attr(root, target: str):
-    for part in target.split("."):
-        root = getattr(root, part, None)
-        if root is None:
-            return None
-    return root
+def _remember(key: str, cached: _CachedTrace) -> None:
+    _TRACES[key] = cached
+    while len(_TRACES) > TRACE_CACHE_SIZE:
+        _TRACES.popitem(last=False)
 
 
-def _copy_graph(g: torch.fx.Graph) -> torch.fx.Graph:
-    """A copy of `g` with its own nodes (meta dicts copied, values shared) and codegen."""
-    new = torch.fx.Graph()
-    new.output(new.graph_copy(g, {}))
-    new._codegen = copy.copy(g._codegen)
-    return new
-
-
-def _cache_trace(key: str, gm: torch.fx.GraphModule, model: torch.nn.Module) -> None:
+def _cache_trace(key: str, gm: torch.fx.GraphModule, model: torch.nn.Module) -> _CachedTrace:
     own = _LogitsWrapper(model)
     consts = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
-            t = _attr(gm, n.target)
-            if _attr(own, n.target) is not t:
+            t = attr_of(gm, n.target)
+            if attr_of(own, n.target) is not t:
                 consts[n.target] = t
-    _TRACES[key] = _CachedTrace(_copy_graph(gm.graph), consts)
-    while len(_TRACES) > TRACE_CACHE_SIZE:
-        _TRACES.popitem(last=False)
+    cached = _CachedTrace(copy_graph(gm.graph), consts)
+    _remember(key, cached)
+    return cached
 
 
 def _rebound(cached: _CachedTrace, model: torch.nn.Module) -> torch.fx.GraphModule | None:
@@ -190,28 +171,50 @@ def _rebound(cached: _CachedTrace, model: torch.nn.Module) -> torch.fx.GraphModu
     for n in cached.graph.nodes:
         if n.op == "get_attr" and n.target not in root:
             t = cached.constants.get(n.target)
-            t = _attr(own, n.target) if t is None else t
+            t = attr_of(own, n.target) if t is None else t
             if t is None:
                 return None
             root[n.target] = t
-    return torch.fx.GraphModule(root, _copy_graph(cached.graph))
+    return torch.fx.GraphModule(root, copy_graph(cached.graph))
+
+
+def _reused(key: str, model: torch.nn.Module) -> torch.fx.GraphModule | None:
+    """The graph traced for `key` before, in this process or in the store, over `model`'s
+    tensors; None when there is none (or it names a tensor `model` lacks)."""
+    source = "reused" if key in _TRACES else "loaded"
+    if source == "loaded":
+        stored = trace_store.load(key)
+        if stored is None:
+            return None
+        _remember(key, stored)
+    gm = _rebound(_TRACES[key], model)
+    if gm is not None:
+        _TRACES.move_to_end(key)
+        trace_stats[source] += 1
+    return gm
 
 
 def trace(model: torch.nn.Module, reuse: bool = True) -> Traced:
     """Export `model` as `(input_ids[B,T], position_ids[B,T]) -> logits[B,T,V]`; with
-    `reuse`, a model like one traced before in this process takes that graph, rebound
-    to its own tensors."""
+    `reuse`, a model like one traced before, in this process or on this machine
+    (`trace_store`), takes that graph, rebound to its own tensors."""
     name = getattr(model.config, "model_type", type(model).__name__)
     _check_config(name, model.config)
     if model.training:
         raise SplitError(f"model '{name}' is in training mode; call model.eval() first")
     key = _trace_key(model) if reuse else ""
-    if key and key in _TRACES:
-        gm = _rebound(_TRACES[key], model)
-        if gm is not None:
-            _TRACES.move_to_end(key)
-            trace_stats["reused"] += 1
-            return Traced(gm=gm, model_name=name)
+    gm = _reused(key, model) if key else None
+    if gm is None:
+        gm = _export(model, name)
+        trace_stats["traced"] += 1
+        if key:
+            trace_store.save(key, _cache_trace(key, gm, model), gm)
+    return Traced(gm=gm, model_name=name)
+
+
+def _export(model: torch.nn.Module, name: str) -> torch.fx.GraphModule:
+    """torch.export's graph of `model`, canonical (`_canonicalize`), checked to hold an
+    attention node."""
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     ids = torch.randint(0, min(vocab, 100), (2, 7))
     pos = torch.arange(7).expand(2, 7).contiguous()
@@ -233,7 +236,4 @@ def trace(model: torch.nn.Module, reuse: bool = True) -> Traced:
             f"model '{name}' has no attention node to cut: its attention does not go "
             "through transformers' AttentionInterface (attn_implementation), so Lamina "
             "cannot offload it")
-    trace_stats["traced"] += 1
-    if key:
-        _cache_trace(key, gm, model)
-    return Traced(gm=gm, model_name=name)
+    return gm

@@ -1,13 +1,34 @@
-"""A model like one traced before in this process (same class, config, dtypes) takes that
-trace rebound to its own weights: its split gives its own HF logits, reads only its own
-tensors, and the first model's split is untouched; another config, a module's forward
-replaced on the instance, or reuse=False, traces afresh."""
+"""A model like one traced before (same class, config, dtypes) takes that trace rebound to
+its own weights, from this process's copies or from the on-disk store a fresh process
+reads: its split gives its own HF logits, reads only its own tensors, and the first
+model's split is untouched; another config, a module's forward replaced on the instance,
+or reuse=False, traces afresh. The store: keyed by config and torch version, a broken
+file is dropped and rewritten, LAMINA_TRACE_CACHE=0 writes nothing, the newest
+STORE_FILES kept."""
+import sys
+from collections import OrderedDict
+
 import pytest
 import torch
 
-from lamina.splitter import split_model
+from lamina.splitter import split_model, trace_store
 from lamina.splitter.trace import trace, trace_stats
 from tests.tiny_models import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def own_store(tmp_path, monkeypatch):
+    """An empty store and no in-process copies per test (the suite's shared store holds
+    what other tests traced)."""
+    monkeypatch.setenv("LAMINA_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LAMINA_TRACE_CACHE", raising=False)
+    fresh_process(monkeypatch)
+    return tmp_path / "traces"
+
+
+def fresh_process(monkeypatch):
+    """This process's trace copies dropped, as in a process that never traced."""
+    monkeypatch.setattr(sys.modules["lamina.splitter.trace"], "_TRACES", OrderedDict())
 
 
 def logits_close(model, sm, seed: int) -> None:
@@ -67,3 +88,68 @@ def test_a_model_with_a_forward_replaced_on_the_instance_traces_afresh():
     sb = split_model(b)
     assert trace_stats["traced"] == before["traced"] + 1
     logits_close(b, sb, 4)  # the cached graph (no doubling) would miss HF's logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_oss"])
+def test_a_fresh_process_takes_the_stored_trace(arch, own_store, monkeypatch):
+    a = tiny_model(arch, seed=0)
+    sa = split_model(a)
+    [stored] = own_store.glob("*.pkl")
+    fresh_process(monkeypatch)
+    b = tiny_model(arch, seed=1)
+    before = dict(trace_stats)
+    sb = split_model(b)
+    assert trace_stats["loaded"] == before["loaded"] + 1
+    assert trace_stats["traced"] == before["traced"]
+    logits_close(b, sb, 5)
+    own_a = {t.data_ptr() for t in [*a.parameters(), *a.buffers()]}
+    assert tensor_ptrs(sb) & {t.data_ptr() for t in b.parameters()} and \
+        not tensor_ptrs(sb) & own_a
+    assert [s.module.code for s in sa.slices] == [s.module.code for s in sb.slices]
+    assert sa.context_bytes_expr == sb.context_bytes_expr  # symbolic shapes survive
+    assert stored.stat().st_size < 1 << 20  # the graph only, no weights
+
+
+def test_the_store_keys_on_config_and_torch_version(own_store, monkeypatch):
+    split_model(tiny_model("llama"))
+    other = tiny_model("llama")
+    other.config.rope_theta = 500.0  # another config: another file
+    split_model(other)
+    assert len(list(own_store.glob("*.pkl"))) == 2
+    fresh_process(monkeypatch)
+    monkeypatch.setattr(torch, "__version__", "0.0.0+another")
+    before = dict(trace_stats)
+    split_model(tiny_model("llama", seed=2))  # the file of another torch is not read
+    assert trace_stats["traced"] == before["traced"] + 1
+    assert len(list(own_store.glob("*.pkl"))) == 3
+
+
+def test_a_broken_stored_file_is_dropped_and_traced_afresh(own_store, monkeypatch, caplog):
+    split_model(tiny_model("llama"))
+    [stored] = own_store.glob("*.pkl")
+    stored.write_bytes(b"not a pickle")
+    fresh_process(monkeypatch)
+    before = dict(trace_stats)
+    b = tiny_model("llama", seed=1)
+    logits_close(b, split_model(b), 6)
+    assert trace_stats["traced"] == before["traced"] + 1
+    assert trace_stats["loaded"] == before["loaded"]
+    assert "trace store: dropping" in caplog.text
+    fresh_process(monkeypatch)  # rewritten whole: the next process loads it
+    split_model(tiny_model("llama", seed=2))
+    assert trace_stats["loaded"] == before["loaded"] + 1
+
+
+def test_the_store_off_writes_nothing_and_keeps_the_newest(own_store, monkeypatch):
+    monkeypatch.setenv("LAMINA_TRACE_CACHE", "0")
+    split_model(tiny_model("llama"))
+    assert not own_store.exists()
+    monkeypatch.delenv("LAMINA_TRACE_CACHE")
+    monkeypatch.setattr(trace_store, "STORE_FILES", 2)
+    names = []
+    for theta in (1e4, 2e4, 3e4):
+        m = tiny_model("llama")
+        m.config.rope_theta = theta
+        split_model(m)
+        names.append({p.name for p in own_store.glob("*.pkl")})
+    assert len(names[-1]) == 2 and names[0] <= names[1] and not names[0] <= names[2]

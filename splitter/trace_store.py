@@ -1,0 +1,159 @@
+"""Canonical traces kept on disk, so a process's first split of a model this machine has
+traced before skips torch.export.
+
+Data in: a `_CachedTrace` (the canonical graph, its node metadata with fake tensors and
+symbolic shapes, and the constants that are not the model's own tensors) and the key that
+says what makes models trace alike (`trace._trace_key`).
+Data out: the same `_CachedTrace` in a later process, or None (no file, another torch,
+transformers, Python or splitter source, or a file that does not load).
+
+Every compute worker, its replacement after a failure, and every CLI run splits the model
+in a fresh process: exporting SmolLM2 costs ~5 s there, unpickling its graph ~1.7 s.
+The graph goes through torch's own `GraphPickler` (what inductor's FX graph cache uses to
+send graphs with fake tensors and SymInts to its compile workers); the weights stay out
+of the file (the graph is pickled over meta tensors of their shapes) and are rebound to
+the model at hand, as for the in-process cache. Files live under
+`$LAMINA_CACHE_DIR/traces` (default `~/.cache/lamina/traces`), the newest `STORE_FILES`
+kept; `LAMINA_TRACE_CACHE=0` turns the store off. A file is a pickle: the folder is as
+trusted as the rest of that cache (the kernels built there are loaded as code).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import pickle
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("lamina.splitter")
+STORE_FILES = 128  # models x dtypes x configs; a file ~2.5 MB for SmolLM2's 30 layers
+FORMAT = 1  # bump when the file's layout changes
+_SOURCES = ("trace.py", "trace_store.py", "attention_op.py")  # what shapes the graph
+
+
+@dataclass(frozen=True)
+class _CachedTrace:
+    """A canonical traced graph without the weights it was traced with: what a model of
+    the same class, config, dtypes and devices traces to (torch.export reads shapes, not
+    values). `constants`: get_attr targets that are not the model's own tensors."""
+
+    graph: torch.fx.Graph
+    constants: dict
+
+
+def store_dir() -> Path | None:
+    """The store's folder, or None when `LAMINA_TRACE_CACHE=0` turns it off."""
+    if os.environ.get("LAMINA_TRACE_CACHE", "1").strip().lower() in ("0", "off", "false"):
+        return None
+    base = os.environ.get("LAMINA_CACHE_DIR") or Path.home() / ".cache" / "lamina"
+    return Path(base) / "traces"
+
+
+def _file_for(key: str) -> Path | None:
+    folder = store_dir()
+    if folder is None:
+        return None
+    import transformers
+
+    h = hashlib.sha256()
+    for part in (str(FORMAT), key, torch.__version__, transformers.__version__,
+                 sys.version.split()[0]):
+        h.update(part.encode() + b"\0")
+    here = Path(__file__).parent
+    for name in _SOURCES:
+        h.update((here / name).read_bytes())
+    return folder / f"{h.hexdigest()[:32]}.pkl"
+
+
+def _pickler():
+    # private torch API (stable in shape since 2.6); an import error turns the store off
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    # every op may appear (ours: lamina.attention), each pickled by its qualified name
+    return GraphPickler, Options(ops_filter=None)
+
+
+def save(key: str, cached: _CachedTrace, traced: torch.fx.GraphModule) -> None:
+    """Write `cached` for `key` (atomically: concurrent workers may race); any failure is
+    logged and leaves no file."""
+    path = _file_for(key) if key else None
+    if path is None:
+        return
+    try:
+        pickler, options = _pickler()
+        # the graph over meta tensors of the weights' shapes: no weight bytes in the file
+        root = {}
+        for n in cached.graph.nodes:
+            if n.op == "get_attr" and n.target not in root:
+                t = attr_of(traced, n.target)
+                root[n.target] = (torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                  if isinstance(t, torch.Tensor) else t)
+        shell = torch.fx.GraphModule(root, copy_graph(cached.graph))
+        blob = pickle.dumps({"key": key, "graph": pickler.dumps(shell, options),
+                             "constants": cached.constants})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+            f.write(blob)
+        os.replace(f.name, path)
+        _prune(path.parent)
+    except Exception as e:  # noqa: BLE001 - the store is an optimisation only
+        log.warning("trace store: could not save %s (%s: %s)", path, type(e).__name__, e)
+
+
+def load(key: str) -> _CachedTrace | None:
+    """The trace stored for `key`, or None; a file that does not load is removed."""
+    path = _file_for(key) if key else None
+    if path is None or not path.exists():
+        return None
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        pickler, _ = _pickler()
+        data = pickle.loads(path.read_bytes())
+        if data["key"] != key:  # a digest collision, or a file from elsewhere
+            return None
+        with warnings.catch_warnings():  # dill's FutureWarning on torch's pytree specs
+            warnings.simplefilter("ignore", FutureWarning)
+            shell = pickler.loads(data["graph"], FakeTensorMode(shape_env=ShapeEnv()))
+        os.utime(path)  # recently used: kept by `_prune`
+        return _CachedTrace(shell.graph, data["constants"])
+    except Exception as e:  # noqa: BLE001 - traced afresh, and the file rewritten
+        log.warning("trace store: dropping %s (%s: %s)", path, type(e).__name__, e)
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _prune(folder: Path) -> None:
+    """Keep the newest STORE_FILES files, and no temporary file of a writer killed
+    mid-write (older than an hour)."""
+    files = sorted(folder.glob("*.pkl"), key=lambda p: p.stat().st_mtime, reverse=True)
+    stale = [*files[STORE_FILES:],
+             *(t for t in folder.glob("*.tmp") if t.stat().st_mtime < time.time() - 3600)]
+    for old in stale:
+        old.unlink(missing_ok=True)
+
+
+def attr_of(root, target: str):
+    """`root.a.b.c` for target "a.b.c", or None where a part is missing."""
+    for part in target.split("."):
+        root = getattr(root, part, None)
+        if root is None:
+            return None
+    return root
+
+
+def copy_graph(g: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of `g` with its own nodes (meta dicts copied, values shared) and codegen."""
+    new = torch.fx.Graph()
+    new.output(new.graph_copy(g, {}))
+    new._codegen = copy.copy(g._codegen)
+    return new
