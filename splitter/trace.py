@@ -21,7 +21,7 @@ from torch.export import Dim, export
 
 from . import trace_store
 from .attention_op import ATTN_IMPL, UnsupportedAttentionError, register_with_transformers
-from .trace_store import _CachedTrace, attr_of, copy_graph
+from .trace_store import CachedTrace, attr_of, copy_graph
 
 ATTENTION_OP = torch.ops.lamina.attention.default
 
@@ -130,7 +130,7 @@ def _check_config(name: str, config) -> None:
 # then takes a copy of the graph rebound to its model's tensors (its whole split ~0.3 s)
 # instead of tracing again (SmolLM2: ~5 s).
 TRACE_CACHE_SIZE = 8
-_TRACES: OrderedDict[str, _CachedTrace] = OrderedDict()
+_TRACES: OrderedDict[str, CachedTrace] = OrderedDict()
 trace_stats = {"traced": 0, "reused": 0, "loaded": 0}  # exported; from _TRACES; from the store
 
 
@@ -146,13 +146,13 @@ def _trace_key(model: torch.nn.Module) -> str:
                      str(len(tensors))])
 
 
-def _remember(key: str, cached: _CachedTrace) -> None:
+def _remember(key: str, cached: CachedTrace) -> None:
     _TRACES[key] = cached
     while len(_TRACES) > TRACE_CACHE_SIZE:
         _TRACES.popitem(last=False)
 
 
-def _cache_trace(key: str, gm: torch.fx.GraphModule, model: torch.nn.Module) -> _CachedTrace:
+def _cache_trace(key: str, gm: torch.fx.GraphModule, model: torch.nn.Module) -> CachedTrace:
     own = _LogitsWrapper(model)
     consts = {}
     for n in gm.graph.nodes:
@@ -160,12 +160,12 @@ def _cache_trace(key: str, gm: torch.fx.GraphModule, model: torch.nn.Module) -> 
             t = attr_of(gm, n.target)
             if attr_of(own, n.target) is not t:
                 consts[n.target] = t
-    cached = _CachedTrace(copy_graph(gm.graph), consts)
+    cached = CachedTrace(copy_graph(gm.graph), consts)
     _remember(key, cached)
     return cached
 
 
-def _rebound(cached: _CachedTrace, model: torch.nn.Module) -> torch.fx.GraphModule | None:
+def _rebound(cached: CachedTrace, model: torch.nn.Module) -> torch.fx.GraphModule | None:
     """The cached graph over `model`'s own tensors; None if a target is not found."""
     own, root = _LogitsWrapper(model), {}
     for n in cached.graph.nodes:

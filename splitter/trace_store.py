@@ -1,10 +1,10 @@
 """Canonical traces kept on disk, so a process's first split of a model this machine has
 traced before skips torch.export.
 
-Data in: a `_CachedTrace` (the canonical graph, its node metadata with fake tensors and
+Data in: a `CachedTrace` (the canonical graph, its node metadata with fake tensors and
 symbolic shapes, and the constants that are not the model's own tensors) and the key that
 says what makes models trace alike (`trace._trace_key`).
-Data out: the same `_CachedTrace` in a later process, or None (no file, another torch,
+Data out: the same `CachedTrace` in a later process, or None (no file, another torch,
 transformers, Python or splitter source, or a file that does not load).
 
 Every compute worker, its replacement after a failure, and every CLI run splits the model
@@ -40,7 +40,7 @@ _SOURCES = ("trace.py", "trace_store.py", "attention_op.py")  # what shapes the 
 
 
 @dataclass(frozen=True)
-class _CachedTrace:
+class CachedTrace:
     """A canonical traced graph without the weights it was traced with: what a model of
     the same class, config, dtypes and devices traces to (torch.export reads shapes, not
     values). `constants`: get_attr targets that are not the model's own tensors."""
@@ -81,7 +81,7 @@ def _pickler():
     return GraphPickler, Options(ops_filter=None)
 
 
-def save(key: str, cached: _CachedTrace, traced: torch.fx.GraphModule) -> None:
+def save(key: str, cached: CachedTrace, traced: torch.fx.GraphModule) -> None:
     """Write `cached` for `key` (atomically: concurrent workers may race); any failure is
     logged and leaves no file."""
     path = _file_for(key) if key else None
@@ -108,7 +108,7 @@ def save(key: str, cached: _CachedTrace, traced: torch.fx.GraphModule) -> None:
         log.warning("trace store: could not save %s (%s: %s)", path, type(e).__name__, e)
 
 
-def load(key: str) -> _CachedTrace | None:
+def load(key: str) -> CachedTrace | None:
     """The trace stored for `key`, or None; a file that does not load is removed."""
     path = _file_for(key) if key else None
     if path is None or not path.exists():
@@ -125,7 +125,7 @@ def load(key: str) -> _CachedTrace | None:
             warnings.simplefilter("ignore", FutureWarning)
             shell = pickler.loads(data["graph"], FakeTensorMode(shape_env=ShapeEnv()))
         os.utime(path)  # recently used: kept by `_prune`
-        return _CachedTrace(shell.graph, data["constants"])
+        return CachedTrace(shell.graph, data["constants"])
     except Exception as e:  # noqa: BLE001 - traced afresh, and the file rewritten
         log.warning("trace store: dropping %s (%s: %s)", path, type(e).__name__, e)
         path.unlink(missing_ok=True)
