@@ -183,7 +183,7 @@ def _reused(key: str, model: torch.nn.Module) -> torch.fx.GraphModule | None:
     tensors; None when there is none (or it names a tensor `model` lacks)."""
     source = "reused" if key in _TRACES else "loaded"
     if source == "loaded":
-        stored = trace_store.load(key)
+        stored = trace_store.load(key, type(model))
         if stored is None:
             return None
         _remember(key, stored)
@@ -208,7 +208,7 @@ def trace(model: torch.nn.Module, reuse: bool = True) -> Traced:
         gm = _export(model, name)
         trace_stats["traced"] += 1
         if key:
-            trace_store.save(key, _cache_trace(key, gm, model), gm)
+            trace_store.save(key, type(model), _cache_trace(key, gm, model), gm)
     return Traced(gm=gm, model_name=name)
 
 

@@ -2,9 +2,9 @@
 its own weights, from this process's copies or from the on-disk store a fresh process
 reads: its split gives its own HF logits, reads only its own tensors, and the first
 model's split is untouched; another config, a module's forward replaced on the instance,
-or reuse=False, traces afresh. The store: keyed by config and torch version, a broken
-file is dropped and rewritten, LAMINA_TRACE_CACHE=0 writes nothing, the newest
-STORE_FILES kept."""
+or reuse=False, traces afresh. The store: keyed by config, torch version and the model's
+modeling file, a broken file is dropped and rewritten, LAMINA_TRACE_CACHE=0 writes
+nothing, the newest STORE_FILES kept."""
 import sys
 from collections import OrderedDict
 
@@ -122,6 +122,31 @@ def test_the_store_keys_on_config_and_torch_version(own_store, monkeypatch):
     split_model(tiny_model("llama", seed=2))  # the file of another torch is not read
     assert trace_stats["traced"] == before["traced"] + 1
     assert len(list(own_store.glob("*.pkl"))) == 3
+
+
+def test_an_edited_modeling_file_is_traced_afresh(own_store, tmp_path, monkeypatch):
+    """A model class from a file (remote code, a transformers checkout) keys the store by
+    that file's bytes: the same class name and config after an edit is not the old
+    graph."""
+    import importlib
+
+    src = tmp_path / "my_llama.py"
+    src.write_text("from transformers import LlamaForCausalLM\n\n"
+                   "class MyLlama(LlamaForCausalLM):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_llama", raising=False)
+    config = tiny_model("llama").config
+    split_model(importlib.import_module("my_llama").MyLlama(config).eval())
+    fresh_process(monkeypatch)
+    before = dict(trace_stats)
+    split_model(importlib.import_module("my_llama").MyLlama(config).eval())
+    assert trace_stats["loaded"] == before["loaded"] + 1  # the same file: the stored graph
+    src.write_text(src.read_text() + "# edited\n")
+    fresh_process(monkeypatch)
+    m = importlib.reload(sys.modules["my_llama"]).MyLlama(config).eval()
+    logits_close(m, split_model(m), 7)
+    assert trace_stats["traced"] == before["traced"] + 1
+    assert len(list(own_store.glob("*.pkl"))) == 2
 
 
 def test_a_broken_stored_file_is_dropped_and_traced_afresh(own_store, monkeypatch, caplog):
