@@ -20,6 +20,7 @@ trusted as the rest of that cache (the kernels built there are loaded as code).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import inspect
 import logging
@@ -61,9 +62,11 @@ def store_dir() -> Path | None:
 def _file_for(key: str, model_cls: type) -> Path | None:
     """The file for `key`: its digest with what else shapes the graph (torch's,
     transformers' and Python's versions, the splitter's sources, and the model class's
-    own source file: an edited or remote-code modeling file gets its own entry)."""
+    own source file: an edited or remote-code modeling file gets its own entry). None
+    when the store is off, this torch has no GraphPickler, or a source cannot be read
+    (nothing is stored for such a model)."""
     folder = store_dir()
-    if folder is None:
+    if folder is None or not key or _pickler() is None:
         return None
     import transformers
 
@@ -72,17 +75,23 @@ def _file_for(key: str, model_cls: type) -> Path | None:
                  sys.version.split()[0]):
         h.update(part.encode() + b"\0")
     here = Path(__file__).parent
-    sources = [here / name for name in _SOURCES]
-    model_file = inspect.getsourcefile(model_cls)
-    for path in [*sources, *([Path(model_file)] if model_file else [])]:
-        h.update(path.read_bytes())
+    try:
+        model_file = inspect.getsourcefile(model_cls)
+        for path in [*(here / name for name in _SOURCES), *([model_file] if model_file else [])]:
+            h.update(Path(path).read_bytes())
+    except (OSError, TypeError):
+        return None
     return folder / f"{h.hexdigest()[:32]}.pkl"
 
 
+@functools.cache
 def _pickler():
-    # private torch API (stable in shape since 2.6); an import error turns the store off
-    from torch.fx._graph_pickler import GraphPickler, Options
-
+    """torch's GraphPickler and its options, or None where this torch lacks it (a private
+    API, stable in shape since torch 2.6): then nothing is stored."""
+    try:
+        from torch.fx._graph_pickler import GraphPickler, Options
+    except ImportError:
+        return None
     # every op may appear (ours: lamina.attention), each pickled by its qualified name
     return GraphPickler, Options(ops_filter=None)
 
@@ -91,7 +100,7 @@ def save(key: str, model_cls: type, cached: CachedTrace,
          traced: torch.fx.GraphModule) -> None:
     """Write `cached` for `key` and a model of class `model_cls` (atomically: concurrent
     workers may race); any failure is logged and leaves no file."""
-    path = _file_for(key, model_cls) if key else None
+    path = _file_for(key, model_cls)
     if path is None:
         return
     try:
@@ -118,7 +127,7 @@ def save(key: str, model_cls: type, cached: CachedTrace,
 def load(key: str, model_cls: type) -> CachedTrace | None:
     """The trace stored for `key` and a model of class `model_cls`, or None; a file that
     does not load is removed."""
-    path = _file_for(key, model_cls) if key else None
+    path = _file_for(key, model_cls)
     if path is None or not path.exists():
         return None
     try:
@@ -143,9 +152,15 @@ def load(key: str, model_cls: type) -> CachedTrace | None:
 def _prune(folder: Path) -> None:
     """Keep the newest STORE_FILES files, and no temporary file of a writer killed
     mid-write (older than an hour)."""
-    files = sorted(folder.glob("*.pkl"), key=lambda p: p.stat().st_mtime, reverse=True)
+    def mtime(p: Path) -> float:  # another process may prune it meanwhile
+        try:
+            return p.stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    files = sorted(folder.glob("*.pkl"), key=mtime, reverse=True)
     stale = [*files[STORE_FILES:],
-             *(t for t in folder.glob("*.tmp") if t.stat().st_mtime < time.time() - 3600)]
+             *(t for t in folder.glob("*.tmp") if mtime(t) < time.time() - 3600)]
     for old in stale:
         old.unlink(missing_ok=True)
 

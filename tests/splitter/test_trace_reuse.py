@@ -149,6 +149,17 @@ def test_an_edited_modeling_file_is_traced_afresh(own_store, tmp_path, monkeypat
     assert len(list(own_store.glob("*.pkl"))) == 2
 
 
+def test_a_model_whose_source_cannot_be_read_is_split_and_not_stored(own_store,
+                                                                     monkeypatch):
+    def unreadable(obj):
+        raise TypeError("built in")
+
+    monkeypatch.setattr(trace_store.inspect, "getsourcefile", unreadable)
+    m = tiny_model("llama")
+    logits_close(m, split_model(m), 8)
+    assert not own_store.exists()
+
+
 def test_a_broken_stored_file_is_dropped_and_traced_afresh(own_store, monkeypatch, caplog):
     split_model(tiny_model("llama"))
     [stored] = own_store.glob("*.pkl")
