@@ -90,10 +90,11 @@ def _pickler():
     API, stable in shape since torch 2.6): then nothing is stored."""
     try:
         from torch.fx._graph_pickler import GraphPickler, Options
-    except ImportError:
+
+        # every op may appear (ours: lamina.attention), each pickled by its qualified name
+        return GraphPickler, Options(ops_filter=None)
+    except (ImportError, AttributeError, TypeError):
         return None
-    # every op may appear (ours: lamina.attention), each pickled by its qualified name
-    return GraphPickler, Options(ops_filter=None)
 
 
 def save(key: str, model_cls: type, cached: CachedTrace,

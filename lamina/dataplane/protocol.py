@@ -509,9 +509,11 @@ class MemoryServer:
         # reading: the compute side sends the next one's q/k/v before it reads this
         # one's output. With one, the output goes out at once (no hand-off).
         self._out, self._lock = queue.SimpleQueue(), threading.Lock()
+        # ends after `serve` does, once the outputs queued before are sent (or failed)
+        self.send_thread = threading.Thread(target=self._send_loop, daemon=True)
 
     def serve(self) -> None:
-        threading.Thread(target=self._send_loop, daemon=True).start()
+        self.send_thread.start()
         try:
             while True:
                 if self.step():

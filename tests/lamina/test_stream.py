@@ -78,8 +78,14 @@ def test_streamed_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy, n
     done = {}
     while eng.has_unfinished():
         done.update((o.request_id, o) for o in eng.step() if o.finished)
-    spans = [s for tr in tracers for s in tr.stop()]
+    # a step's last output reaches the compute end before its sender records the span
+    # (the C++ memory end's spans are recorded after its step returns): the servers and
+    # their send threads end first, then the spans are read
     ex.shutdown()
+    for th in [*ex.threads, *(srv.send_thread for srv in ex.servers)]:
+        th.join(30)
+        assert not th.is_alive()
+    spans = [s for tr in tracers for s in tr.stop()]
     assert [done[i].token_ids for i in ids] == hf_greedy
     for srv in ex.servers:
         assert srv.steps > 10 and srv.native_steps == (srv.steps if native != "none" else 0)
