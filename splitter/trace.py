@@ -146,6 +146,12 @@ def _trace_key(model: torch.nn.Module) -> str:
                      str(len(tensors))])
 
 
+def forget_traces() -> None:
+    """Drop this process's trace copies (the store keeps its files): the next split of
+    each model reads the store, as a fresh process's does."""
+    _TRACES.clear()
+
+
 def _remember(key: str, cached: CachedTrace) -> None:
     _TRACES[key] = cached
     while len(_TRACES) > TRACE_CACHE_SIZE:
@@ -181,12 +187,13 @@ def _rebound(cached: CachedTrace, model: torch.nn.Module) -> torch.fx.GraphModul
 def _reused(key: str, model: torch.nn.Module) -> torch.fx.GraphModule | None:
     """The graph traced for `key` before, in this process or in the store, over `model`'s
     tensors; None when there is none (or it names a tensor `model` lacks)."""
-    source = "reused" if key in _TRACES else "loaded"
-    if source == "loaded":
+    source = "reused"
+    if key not in _TRACES:
         stored = trace_store.load(key, type(model))
         if stored is None:
             return None
         _remember(key, stored)
+        source = "loaded"
     gm = _rebound(_TRACES[key], model)
     if gm is not None:
         _TRACES.move_to_end(key)

@@ -56,14 +56,14 @@ def _split_from_store(model, repeat: int) -> list[float]:
     """Seconds of `split_model` taking its graph from the on-disk trace store, as a fresh
     process does (the in-process copies dropped first); [] when the store is off."""
     from lamina.splitter import split_model, trace_store
-    from lamina.splitter.trace import _TRACES
+    from lamina.splitter.trace import forget_traces
 
     if trace_store.store_dir() is None:
         return []
     split_model(model)  # stored now, if it was not
     times = []
     for _ in range(repeat):
-        _TRACES.clear()
+        forget_traces()
         t = time.perf_counter()
         split_model(model)
         times.append(time.perf_counter() - t)
