@@ -114,6 +114,11 @@ class ComputeSide:
             self.ring.link.close()
         self.ring = ring
 
+    def reset(self) -> None:
+        """Forget every sequence's slot table (the engine recovered the workers: each
+        sequence's next plan sends its whole table)."""
+        self.tables = SlotTables()
+
     def check(self, plan: StepPlan) -> None:
         """Each sequence's new tokens and new slots, before any worker sees the step:
         -> SequenceFault(clean) naming every bad one. Only new data is scanned (earlier

@@ -68,6 +68,10 @@ class EngineConfig:
     # lamina/dataplane/protocol.py). 1: one frame a layer.
     stream_groups: int = 1
     max_recoveries: int = 3  # failed steps in a row the executor may recover from (0: none)
+    # Steps failing past max_recoveries in a row with no sequence named: bisect the
+    # requests they held to the one behind them, which then fails alone (engine/culprit.py);
+    # False: the engine stops there
+    find_culprits: bool = True
     worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
     # Ray executor: the compute worker answering no step for this long is hung (it is
     # then replaced); None waits forever. Longer than any step may take.
@@ -194,7 +198,7 @@ class EngineConfig:
             _need_seconds(self, name, "a positive number of seconds or None", optional=True)
         _need_seconds(self, "placement_timeout_s", "a positive number of seconds")
         for name in ("cuda_graphs", "local_prefill", "fuse_pointwise", "prefix_caching",
-                     "kv_evict", "truncation_reuse", "clamp_max_tokens"):
+                     "find_culprits", "kv_evict", "truncation_reuse", "clamp_max_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")

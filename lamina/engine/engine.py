@@ -10,7 +10,9 @@ and nothing is lost (up to `EngineConfig.max_recoveries` failed steps in a row);
 otherwise the error propagates. A step that fails because of particular sequences (a
 `SequenceFault` naming them) fails only their requests: each ends with finish reason
 "error" and `RequestOutput.error` saying why, its KV is freed, and the step runs again
-for the others (after `recover` when the fault left the workers mid-step).
+for the others (after `recover` when the fault left the workers mid-step). Steps that
+keep failing with no sequence named (past `max_recoveries` in a row) are narrowed to the
+one request behind them (`engine/culprit.py`), which then fails alone the same way.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from lamina.engine.auto_pipeline import AutoPipeline
 from lamina.engine.config import EngineConfig
+from lamina.engine.culprit import CulpritSearch
 from lamina.engine.detokenizer import IncrementalDetokenizer
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -91,7 +94,7 @@ class LLMEngine:
                                    prefix_caching=config.prefix_caching,
                                    sessions=self.sessions, evict=self._evict_rule(layers),
                                    scores_prompt=lambda seq: self._scores_prompt(seq.params),
-                                   drops=self._drop_rule(layers))
+                                   drops=self._drop_rule(layers), admits=self._admits)
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()
@@ -105,6 +108,10 @@ class LLMEngine:
         self.last_recovery_s: float | None = None  # how long the latest recover took
         self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
+        # the search for the request behind steps that keep failing (`_narrow`), or None
+        self._search: CulpritSearch | None = None
+        self._named: int | None = None  # the last culprit named, while no step ran since
+        self.culprits: deque[str] = deque(maxlen=ERROR_HISTORY)  # why each was named
 
     def _kv_policy(self, params: SamplingParams) -> SparsityConfig:
         """A request's KV sparsity: its own (`SamplingParams.kv_sparsity` / `kv_budget`)
@@ -343,6 +350,7 @@ class LLMEngine:
         then apply the drawn tokens: -> the outputs of requests that finished, failed or
         (streamed) progressed."""
         t0 = time.perf_counter()
+        self._search_can_go_on()
         plan = self._pipelined(self.scheduler.schedule())
         failed: list[RequestOutput] = []  # requests a SequenceFault failed this step
         t_run = time.perf_counter()
@@ -356,7 +364,7 @@ class LLMEngine:
                                       "step_s": time.perf_counter() - t0, "failed": True,
                                       "drawn": 0})
             return failed  # nothing drawn; any lost KV is recomputed from the next step on
-        self._failed_in_row = 0
+        self._failed_in_row, self._named = 0, None
         self._check_result(plan, result)
         if result.dropped:
             self.scheduler.note_dropped(result.dropped)
@@ -365,6 +373,8 @@ class LLMEngine:
                                   "step_s": now - t0, **(result.timings or {})})
         drawn = self._drawn(result)
         self.step_timings[-1]["drawn"] = len(drawn)
+        if self._search is not None:
+            failed += self._searched(drawn, plan.step)
         return failed + self._apply(drawn, now)
 
     def _pipelined(self, plan: StepPlan) -> StepPlan:
@@ -404,7 +414,7 @@ class LLMEngine:
                     continue  # the workers kept their state: run the rest of the step
                 return None
             except Exception as e:
-                if not self._recover(plan, e):
+                if not self._recover(plan, e, failed):
                     raise
                 return None
 
@@ -510,15 +520,22 @@ class LLMEngine:
         self.num_failed_requests += len(outs)
         return outs
 
-    def _recover(self, plan, error: BaseException) -> bool:
+    def _recover(self, plan, error: BaseException,
+                 failed: list[RequestOutput] | None = None) -> bool:
         """A failed step (a dead worker, a broken data plane): if the executor can bring
         its workers back, every running sequence is preempted (its KV is gone) and will be
         recomputed from its prompt and the tokens it already drew, so no request is lost
-        and no drawn token changes. False (the caller re-raises) when recovery is off, the
-        steps keep failing (more than max_recoveries in a row), or recovery fails."""
+        and no drawn token changes. `failed` is given when no sequence was named: steps
+        failing past max_recoveries in a row are then narrowed to one request (`_narrow`),
+        failed alone into it. False (the caller re-raises) when recovery is off, the
+        steps keep failing and no one request is behind them, or recovery fails."""
         what = f"step {plan.step} failed: {type(error).__name__}: {error}"
         self._failed_in_row += 1
-        if self._failed_in_row > self.config.max_recoveries:  # it keeps failing: give up
+        if failed is not None and (self._search is not None
+                                   or self._failed_in_row > self.config.max_recoveries):
+            if not self._narrow(plan, what, failed):
+                return False
+        elif self._failed_in_row > self.config.max_recoveries:  # it keeps failing: give up
             log.error("%s; %d failed steps in a row (max_recoveries=%d)", what,
                       self._failed_in_row, self.config.max_recoveries)
             return False
@@ -541,10 +558,102 @@ class LLMEngine:
         self.recoveries.append(what)
         self.num_recoveries += 1
         self.last_recovery_s = time.perf_counter() - t
-        log.warning("%s; workers recovered in %.1f s (%d in a row, at most %d), %d sequences "
-                    "will be recomputed", what, self.last_recovery_s, self._failed_in_row,
-                    self.config.max_recoveries, n)
+        search = self._search
+        row = (f"{self._failed_in_row} in a row, at most {self.config.max_recoveries}"
+               if search is None else f"searching: {len(search.probe)} of the "
+               f"{len(search.suspects)} requests still suspected run next")
+        log.warning("%s; workers recovered in %.1f s (%s), %d sequences will be recomputed",
+                    what, self.last_recovery_s, row, n)
         return True
+
+    # -- the request behind steps that keep failing (engine/culprit.py) --
+    def _admits(self, seq: Sequence) -> bool:
+        """The scheduler's gate: while a culprit search runs, only its probe and the
+        requests it cleared are admitted."""
+        return self._search is None or self._search.admits(self._by_seq[seq.seq_id][0].rid)
+
+    def _narrow(self, plan: StepPlan, what: str, failed: list[RequestOutput]) -> bool:
+        """A step failed with no sequence named, past max_recoveries in a row or while a
+        search runs: start the search, narrow it, or name the request behind the failures
+        (it fails alone, into `failed`). False: give up (the engine stops)."""
+        cfg, search = self.config, self._search
+        gave_up = f"{what}; {self._failed_in_row} failed steps in a row"
+        if cfg.max_recoveries == 0 or not cfg.find_culprits:
+            log.error("%s (max_recoveries=%d)", gave_up, cfg.max_recoveries)
+            return False
+        rids = {self._by_seq[s.seq_id][0].rid for s in plan.seqs if s.seq_id in self._by_seq}
+        if not rids:  # a step of no request's: nobody to look for
+            self._search = None
+            log.error("%s (max_recoveries=%d)", gave_up, cfg.max_recoveries)
+            return False
+        if search is None:
+            self._search = CulpritSearch(rids)
+            self._search.error = what
+            log.warning("%s: looking for the request behind them among the %d in the step",
+                        gave_up, len(rids))
+            return True
+        search.error = what
+        if search.accused is not None:
+            log.error("%s: they fail whatever runs (request %d was named just before, and "
+                      "the others failed without it)", gave_up, search.accused)
+            self._search = None
+            return False
+        culprit = search.failed(rids)
+        if culprit is None:
+            if search.done:
+                self._search = None
+                log.warning("%s, without the requests being tried: not one request's "
+                            "doing; the search ends", what)
+                return self._failed_in_row <= cfg.max_recoveries
+            return True
+        if self._named is not None:  # no step ran since the last one named
+            if not search.alibi(culprit, [r for r in self._reqs if r != culprit]):
+                log.error("%s: request %d fails alone, but so did request %d before it "
+                          "with no step run since, and no other request can show the "
+                          "steps run without it", gave_up, culprit, self._named)
+                self._search = None
+                return False
+            return True
+        failed += self._convict(culprit, plan.step)
+        return True
+
+    def _searched(self, drawn: list[_Draw], step: int) -> list[RequestOutput]:
+        """A step ran while a search goes on: its drawers are cleared, or, when it was
+        an accused request's alibi, that request is named."""
+        search = self._search
+        assert search is not None
+        if search.accused is not None:  # the others ran without it
+            return self._convict(search.accused, step)
+        search.drew({self._by_seq[d.seq.seq_id][0].rid for d in drawn})
+        if search.done:
+            self._search = None
+            log.warning("every request the failed steps held ran again: not one request's "
+                        "doing; the search ends")
+        return []
+
+    def _search_can_go_on(self) -> None:
+        """Before a step: end a search that cannot go on (its requests left)."""
+        search = self._search
+        if search is None:
+            return
+        if search.accused is not None and search.accused not in self._reqs:
+            self._search = None  # the accused request left (aborted) before its alibi
+        elif search.done or not (self.scheduler.running or any(
+                self._admits(q) for q in self.scheduler.waiting)):
+            self._search = None
+
+    def _convict(self, rid: int, step: int) -> list[RequestOutput]:
+        """Name `rid` as the request behind the failed steps: it fails alone; the search
+        ends and failures are counted afresh."""
+        search = self._search
+        assert search is not None
+        self._search, self._named, self._failed_in_row = None, rid, 0
+        why = (f"every step it ran in failed ({self.config.max_recoveries + 1 + search.failures}"
+               f" failed steps, narrowed to this request by running parts of the batch "
+               f"alone); the last: {search.error}")
+        self.culprits.append(f"request {rid}: {why}")
+        req = self._reqs[rid]
+        return self._fail(SequenceFault([s.seq_id for s in req.seqs], why), step)
 
     def _finish_reason(self, seq: Sequence, req: _Request, i: int) -> str | None:
         p, tok, d = seq.params, seq.output[-1], req.detok[i]
@@ -589,6 +698,8 @@ class LLMEngine:
         if not final:
             return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, finished=False,
                                  prompt_logprobs=plp)
+        if self._search is not None:
+            self._search.forget(req.rid)
         n_out = sum(len(s.output) for s in req.seqs)
         ttft = None if req.first_token is None else req.first_token - req.arrival
         metrics = {"ttft_s": ttft, "e2e_s": now - req.arrival,

@@ -138,7 +138,8 @@ class Scheduler:
                  sessions: SessionIndex | None = None,
                  evict: Callable[[Sequence], tuple[int, int] | None] | None = None,
                  scores_prompt: Callable[[Sequence], bool] | None = None,
-                 drops: Callable[[Sequence], bool] | None = None):
+                 drops: Callable[[Sequence], bool] | None = None,
+                 admits: Callable[[Sequence], bool] | None = None):
         self.allocs = allocators if isinstance(allocators, list) else [allocators]
         self.config, self.policy = config, policy
         # whether a sequence's KV policy scores its whole prompt where it is stored
@@ -151,6 +152,9 @@ class Scheduler:
         # slots may go back when reported); None: none does
         self.drops = drops
         self.sessions = sessions  # sessions' KV beyond the pools; None: no tiers
+        # whether a waiting sequence may be admitted now (the engine's culprit search
+        # holds the others back; they keep their place); None: every one
+        self.admits = admits
         # one radix tree per memory worker (`prefix_cache`); None: no caching
         self.caches = [RadixCache(a) for a in self.allocs] if prefix_caching else None
         self.waiting: deque[Sequence] = deque()
@@ -393,14 +397,19 @@ class Scheduler:
         for seq in self.running:
             if seq.pending and budget > 0:
                 budget -= self._feed(seq, seq.num_tokens - seq.pending, budget, work)
-        # 3. Admit waiting sequences in policy order while they fit.
+        # 3. Admit waiting sequences in policy order while they fit (those `admits`
+        #    holds back are passed over).
+        held = (set() if self.admits is None
+                else {s.seq_id for s in self.waiting if not self.admits(s)})
         for seq in self.policy(self.waiting):
+            if seq.seq_id in held:
+                continue
             fed = self._admit(seq, budget, work)
             if not fed:
                 break  # keep order: no overtaking
             budget -= fed
-        if not work and self.waiting:
-            seq = self.waiting[0]
+        if not work and len(self.waiting) > len(held):
+            seq = next(s for s in self.waiting if s.seq_id not in held)
             raise RuntimeError(f"sequence {seq.seq_id} ({len(seq.tokens)} tokens) cannot be "
                                f"scheduled: step token budget {self.config.max_step_tokens}, "
                                f"{[a.num_free() for a in self.allocs]} free KV slots")

@@ -166,6 +166,22 @@ class LocalExecutor(Executor):
         return self.replica_split.run(plan,
                                       lambda r, p: self.replicas[r].run(p, self.links[r]))
 
+    def recover(self, error: BaseException) -> bool:
+        """A step failed part-way in this process (an error no check caught: a bug, data
+        a kernel refuses). Nothing died, but what the step half did and what is kept per
+        sequence cannot be trusted: attention in flight is waited out, and every
+        replica's slot tables and every memory side's per-sequence state (selections,
+        tiers) are dropped. The pools' bytes stay; the engine recomputes what they held."""
+        for link in self.links:
+            link.settle()
+        for c in self.replicas:
+            c.reset()
+        for m in self.memory:
+            m.reset()
+        if self.replica_split is not None:
+            self.replica_split.reset()
+        return True
+
     def _tracers(self) -> list[Tracer]:
         return [*(lane for c in self.replicas for lane in c.lanes),
                 *self.link.shared.tracers]

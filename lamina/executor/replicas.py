@@ -85,6 +85,12 @@ class ReplicaSplit:
         self._kept = {r: (subs[r], res) for r, res in results.items()}
         raise replica_faults(errors)
 
+    def reset(self) -> None:
+        """Forget every sequence's replica and any kept results (the workers were
+        recovered: every sequence starts afresh)."""
+        self.home.clear()
+        self._kept = {}
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)
 

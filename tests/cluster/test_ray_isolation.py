@@ -29,9 +29,11 @@ SLOTS = 3000
 @pytest.fixture(scope="module")
 def setup(prompts, hf_greedy):
     tok = unused_token(prompts, hf_greedy)
+    layer_tok = unused_token(prompts, hf_greedy, 1)
     llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=SLOTS, max_step_tokens=2048,
-              faults=FaultPlan(compute_token=tok, memory_pos=MEM_POS))
-    yield llm, tok
+              faults=FaultPlan(compute_token=tok, memory_pos=MEM_POS, compute_layer=2,
+                               layer_token=layer_tok))
+    yield llm, tok, layer_tok
     llm.shutdown()
     ray.shutdown()
 
@@ -69,11 +71,31 @@ def faults_fail_alone(llm, tok, prompts, hf_greedy):
 
 
 def test_compute_and_memory_faults_fail_alone(setup, prompts, hf_greedy):
-    faults_fail_alone(*setup, prompts, hf_greedy)
+    faults_fail_alone(*setup[:2], prompts, hf_greedy)
+
+
+def test_a_request_every_step_fails_on_is_found_on_ray(setup, prompts, hf_greedy):
+    """A fault no sequence is blamed for: layer 2 raises in the compute worker in every
+    step feeding the poison token. The engine replaces the workers max_recoveries times,
+    then bisects: the poison request fails alone, the others keep HF's tokens (recomputed
+    on the new workers), every slot comes back."""
+    llm, _, layer_tok = setup
+    eng = llm.engine
+    recovered = eng.num_recoveries
+    good = [eng.add_request(prompts[i], GOOD) for i in (0, 1, 2)]
+    bad = eng.add_request(prompts[3] + [layer_tok], GOOD)
+    outs = {}
+    drain(eng, outs)
+    assert [outs[i].token_ids for i in good] == [hf_greedy[i][:NEW] for i in (0, 1, 2)]
+    assert outs[bad].finish_reason == "error"
+    assert "every step it ran in failed" in outs[bad].error
+    assert "injected fault in layer 2 (no sequence named)" in outs[bad].error
+    assert 5 <= eng.num_recoveries - recovered <= 4 + 2 + 2  # 4 in a row, log2(4) + 2
+    assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
 
 
 def test_poison_over_http_on_ray(setup, smol, prompts, hf_greedy):
-    llm, tok = setup
+    llm, tok, _ = setup
     loop = EngineLoop(llm.engine, EngineMetrics())
     srv = _KeyServer(loop, smol.tokenizer, None)
     try:

@@ -4,6 +4,8 @@ handling of one sequence, in the sampler, in a memory side's), that request ends
 finish reason "error" and a message naming the problem, every other request gives HF's
 greedy tokens, and the allocators' free counts return to their start. The Ray path is
 in tests/cluster/test_ray_isolation.py, HTTP in test_server_limits.py."""
+import math
+
 import pytest
 
 import lamina.compute.compute_side as executor_mod
@@ -12,7 +14,7 @@ from lamina.engine.engine import LLMEngine
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.errors import RequestFailed, SequenceFault
 from lamina.executor.local import LocalExecutor
-from lamina.faults import FaultPlan
+from lamina.faults import FaultPlan, InjectedFault
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
@@ -35,10 +37,10 @@ def engine(smol, split, faults=None, workers=2, slots=SLOTS, caching=True, repli
     return LLMEngine(cfg, ex, smol.tokenizer, smol.config)
 
 
-def unused_token(prompts, hf_greedy) -> int:
-    """A token id no good request feeds (prompt or drawn)."""
+def unused_token(prompts, hf_greedy, nth: int = 0) -> int:
+    """A token id no good request feeds (prompt or drawn); `nth` > 0: another one."""
     seen = {t for p in prompts for t in p} | {t for r in hf_greedy for t in r}
-    return max(set(range(1000, 2000)) - seen)
+    return sorted(set(range(1000, 2000)) - seen)[-1 - nth]
 
 
 def poison_run(eng, prompts, add_poison):
@@ -97,6 +99,81 @@ def test_memory_fault_on_one_sequence_fails_alone(smol, smol_split, prompts, hf_
     long = (prompts[8] * 2)[:MEM_POS + 20]  # a query at MEM_POS in its prefill
     outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(long, GOOD))
     check(outs, ids, bad, hf_greedy, f"injected memory fault at position {MEM_POS}")
+
+
+def test_a_request_every_step_fails_on_is_found_and_fails_alone(smol, smol_split, prompts,
+                                                                hf_greedy):
+    """A fault no sequence is blamed for: layer 2's dense slice raises in every step
+    that feeds the poison token. After max_recoveries recoveries the engine bisects the
+    failed step's 17 requests: the poison one fails alone, naming the search and the
+    fault; the others give HF's tokens (recomputed after each recovery); every slot is
+    back and the engine runs on."""
+    tok = unused_token(prompts, hf_greedy)
+    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok))
+    outs, ids, bad = poison_run(eng, prompts,
+                                lambda e: e.add_request(prompts[3] + [tok], GOOD))
+    check(outs, ids, bad, hf_greedy, "every step it ran in failed")
+    assert "injected fault in layer 2 (no sequence named)" in outs[bad].error
+    assert eng.num_failed_requests == 1 and len(eng.culprits) == 1
+    # 4 failures in a row start the search; it takes at most log2(17) + 2 more
+    assert 5 <= len(eng.recoveries) <= 4 + math.ceil(math.log2(17)) + 2
+    assert all("injected fault in layer 2" in r for r in eng.recoveries)
+    rid = eng.add_request(prompts[0], GOOD)  # and after it
+    while eng.has_unfinished():
+        done = {o.request_id: o for o in eng.step()}
+    assert done[rid].token_ids == hf_greedy[0][:NEW]
+
+
+def test_two_such_requests_each_fail_alone(smol, smol_split, prompts, hf_greedy):
+    """Two poison requests ahead of four good ones: the first is named; the second is
+    found with no step run since, so its alibi is checked (the good ones run a step
+    without it) before it is named too. The good ones give HF's tokens."""
+    tok = unused_token(prompts, hf_greedy)
+    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
+    bad = [eng.add_request(prompts[i] + [tok], GOOD) for i in (0, 1)]
+    good = [eng.add_request(prompts[i], GOOD) for i in (2, 3, 4, 5)]
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert [outs[i].token_ids for i in good] == [hf_greedy[i][:NEW] for i in (2, 3, 4, 5)]
+    assert all(outs[i].error is None for i in good)
+    for i in bad:
+        assert outs[i].finish_reason == "error"
+        assert "every step it ran in failed" in outs[i].error
+    assert eng.num_failed_requests == 2 and eng.free_slots() == [SLOTS]
+
+
+def test_steps_failing_whatever_runs_stop_the_engine(smol, smol_split, prompts, caplog):
+    """A fault in every step that feeds the text's first token, which every prompt has:
+    not one request's doing. The first request the search finds fails alone (nothing
+    shows otherwise yet); the second is found with no step run since and nobody else
+    to run, so the engine stops with the step's error, as it did before searching."""
+    first = prompts[0][0]
+    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=first),
+                 workers=1)
+    a, b = (eng.add_request(prompts[i], GOOD) for i in (1, 2))
+    outs = {}
+    with caplog.at_level("ERROR", logger="lamina.engine.engine"):
+        with pytest.raises(InjectedFault, match="injected fault in layer 2"):
+            for _ in range(50):
+                outs.update({o.request_id: o for o in eng.step()})
+    assert list(outs) == [a] and "every step it ran in failed" in outs[a].error
+    assert any(f"request {b} fails alone, but so did request {a} before it" in r.message
+               for r in caplog.records)
+
+
+def test_culprit_search_off_stops_the_engine(smol, smol_split, prompts, hf_greedy):
+    tok = unused_token(prompts, hf_greedy)
+    cfg = EngineConfig(num_kv_slots=SLOTS, find_culprits=False,
+                       faults=FaultPlan(compute_layer=2, layer_token=tok))
+    mem = MemorySide(KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, SLOTS)))
+    ex = LocalExecutor(smol_split, [mem], faults=cfg.faults)
+    eng = LLMEngine(cfg, ex, smol.tokenizer, smol.config)
+    eng.add_request(prompts[0] + [tok], GOOD)
+    with pytest.raises(InjectedFault):
+        for _ in range(5):
+            eng.step()
+    assert len(eng.recoveries) == 3  # max_recoveries, then it stops
 
 
 @pytest.mark.parametrize("where", ["compute", "memory"])
@@ -214,7 +291,8 @@ def test_abort_running_waiting_and_preempted_frees_every_slot(smol, smol_split, 
 @pytest.mark.parametrize("kw,words", [
     ({"compute_token": -1}, "compute_token"),
     ({"memory_pos": 1.5}, "memory_pos"),
-    ({"compute_layer": 2}, "needs compute_token"),
+    ({"compute_layer": 2}, "compute_layer and layer_token go together"),
+    ({"layer_token": 5}, "compute_layer and layer_token go together"),
 ])
 def test_fault_plan_validated(kw, words):
     with pytest.raises(ValueError, match=words):

@@ -99,8 +99,10 @@ def test_parallel_samples_recovered_after_fork(smol, smol_split, prompts):
 
 
 def test_recovery_used_up_or_refused_raises_the_step_error(smol, smol_split, prompts):
-    # max_recoveries counts failed steps in a row: a step that runs resets it
-    eng = flaky_engine(smol, smol_split, fail_on={2, 4, 5}, max_recoveries=1)
+    # max_recoveries counts failed steps in a row: a step that runs resets it (no
+    # culprit search: past max_recoveries the engine stops)
+    eng = flaky_engine(smol, smol_split, fail_on={2, 4, 5}, max_recoveries=1,
+                       find_culprits=False)
     eng.add_request(prompts[1], GREEDY)
     eng.step()
     assert eng.step() == [] and len(eng.recoveries) == 1  # call 2: recovered
@@ -121,6 +123,24 @@ def test_recovery_used_up_or_refused_raises_the_step_error(smol, smol_split, pro
     with pytest.raises(WorkerGone):
         eng.step()
     assert not eng.recoveries
+
+
+def test_a_burst_past_max_recoveries_that_no_request_explains_runs_on(
+        smol, smol_split, prompts, hf_greedy, caplog):
+    """Calls 2-5 fail (max_recoveries 3), whatever they hold: the culprit search starts
+    at the fourth, sees each half of the requests run again, names no one, and the
+    engine runs on with HF's tokens."""
+    eng = flaky_engine(smol, smol_split, fail_on={2, 3, 4, 5})
+    ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
+    with caplog.at_level(logging.WARNING, logger="lamina.engine.engine"):
+        outs = drain(eng, ids)
+    assert [o.token_ids for o in outs] == [hf_greedy[i] for i in PICK]
+    assert eng.executor.recovered == 4 and eng.num_failed_requests == 0
+    assert not eng.culprits and eng._search is None
+    msgs = [r.message for r in caplog.records]
+    assert sum("looking for the request behind them among the 4 in the step" in m
+               for m in msgs) == 1
+    assert sum("not one request's doing; the search ends" in m for m in msgs) == 1
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])

@@ -58,6 +58,32 @@ def test_fifo_no_overtaking_and_batch_and_budget_limits():
     assert [w.seq_id for w in plan.seqs] == [0, 1]  # batch full (2)
 
 
+def test_held_sequences_keep_their_place_while_others_are_admitted():
+    """`admits` (the engine's culprit search) passes over held sequences; they wait in
+    place and are admitted once let through. All held: an empty plan, not an error."""
+    s = make(num_slots=100)
+    seqs = [Sequence(i, [i + 1] * 2, P) for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    held = {1}
+    s.admits = lambda q: q.seq_id not in held
+    plan = s.schedule()
+    assert plan.seqs == (SeqWork(0, (1, 1), 0, (0, 1), params=P),
+                         SeqWork(2, (3, 3), 0, (2, 3), params=P))
+    assert list(s.waiting) == [seqs[1]]
+    held.clear()
+    seqs[0].output.append(5)
+    seqs[2].output.append(6)
+    plan = s.schedule()
+    assert plan.seqs == (SeqWork(0, (5,), 2, (4,), params=P, slots_from=2),
+                         SeqWork(2, (6,), 2, (5,), params=P, slots_from=2),
+                         SeqWork(1, (2, 2), 0, (6, 7), params=P))
+    s = make()
+    s.add(Sequence(0, [1], P))
+    s.admits = lambda q: False
+    assert s.schedule().seqs == () and len(s.waiting) == 1
+
+
 def test_long_prompt_fed_in_chunks_exact_slots():
     s = make(num_slots=20, budget=4)
     a, b = Sequence(0, [1, 2, 3], P), Sequence(1, list(range(10, 20)), P)

@@ -417,3 +417,39 @@ def test_truncation_reuse_is_refused_without_rotary_positions():
     with pytest.raises(ValueError, match="not rotary"):
         LLMEngine(EngineConfig(kv_host_bytes=1 << 20, truncation_reuse=True), NoRotary(),
                   None, None)
+
+
+def test_a_local_recovery_drops_the_tiers_and_computes_the_next_turn(smol, smol_split):
+    """A step that fails part-way on the local executor is recovered: its memory side
+    drops the saved sessions with the engine's index (a new, empty tier store), so the
+    next turn is computed, not loaded, and gives the tokens a fresh engine gives."""
+    tok = smol.tokenizer
+    eng = _engine(smol, smol_split, 200, tiers=TierConfig(1 << 26))
+    ids = tok(SYSTEM + "Tell me about Rome.")["input_ids"]
+    out = _run(eng, [(ids, GREEDY, "r")])[0]
+    _run(eng, [([1, 2, 3], GREEDY, None)])  # a step carries the save
+    mem = eng.executor.memory[0]
+    old = mem.tiers
+    assert old.host and "r" in eng.sessions.sessions
+    real, calls = eng.executor.execute, []
+
+    def once(plan):
+        calls.append(plan.step)
+        if len(calls) == 1:
+            raise RuntimeError("broke mid-step")
+        return real(plan)
+
+    eng.executor.execute = once
+    hist = ids + out.outputs[0].token_ids + tok(" And its food?",
+                                                add_special_tokens=False)["input_ids"]
+    rid = eng.add_request(hist, GREEDY, session_id="r")
+    assert eng.step() == [] and "broke mid-step" in eng.recoveries[-1]
+    assert mem.tiers is not old and not mem.tiers.host and not eng.sessions.sessions
+    done = {}
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert done[rid].metrics["tier_cached_tokens"] == 0
+    fresh = _engine(smol, smol_split, 200)
+    want = _run(fresh, [(hist, GREEDY, None)])[0]
+    assert done[rid].outputs[0].token_ids == want.outputs[0].token_ids
+    eng.executor.shutdown()
