@@ -535,7 +535,8 @@ class LLMEngine:
                                    or self._failed_in_row > self.config.max_recoveries):
             if not self._narrow(plan, what, failed):
                 return False
-        elif self._failed_in_row > self.config.max_recoveries:  # it keeps failing: give up
+        elif self._search is None and self._failed_in_row > self.config.max_recoveries:
+            # it keeps failing: give up (a search's narrowing failures are its own count)
             log.error("%s; %d failed steps in a row (max_recoveries=%d)", what,
                       self._failed_in_row, self.config.max_recoveries)
             return False

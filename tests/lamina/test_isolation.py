@@ -105,18 +105,26 @@ def test_a_request_every_step_fails_on_is_found_and_fails_alone(smol, smol_split
                                                                 hf_greedy):
     """A fault no sequence is blamed for: layer 2's dense slice raises in every step
     that feeds the poison token. After max_recoveries recoveries the engine bisects the
-    failed step's 17 requests: the poison one fails alone, naming the search and the
-    fault; the others give HF's tokens (recomputed after each recovery); every slot is
-    back and the engine runs on."""
+    failed step's 12 requests (6 decoding, the poison one and 5 more prompts): the
+    poison one fails alone, naming the search and the fault; the others give HF's tokens
+    (recomputed after each recovery); every slot is back and the engine runs on."""
     tok = unused_token(prompts, hf_greedy)
     eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok))
-    outs, ids, bad = poison_run(eng, prompts,
-                                lambda e: e.add_request(prompts[3] + [tok], GOOD))
-    check(outs, ids, bad, hf_greedy, "every step it ran in failed")
+    first, then = [0, 1, 2, 3, 4, 5], [9, 10, 11, 12, 13]  # the prompts of <= 200 tokens
+    ids = [eng.add_request(prompts[i], GOOD) for i in first]
+    outs = {}
+    for _ in range(2):
+        outs.update({o.request_id: o for o in eng.step()})
+    bad = eng.add_request(prompts[3] + [tok], GOOD)
+    ids += [eng.add_request(prompts[i], GOOD) for i in then]
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    check(outs, ids, bad, [hf_greedy[i] for i in first + then], "every step it ran in failed")
     assert "injected fault in layer 2 (no sequence named)" in outs[bad].error
+    assert eng.free_slots() == [SLOTS, SLOTS] and not eng.scheduler.waiting
     assert eng.num_failed_requests == 1 and len(eng.culprits) == 1
-    # 4 failures in a row start the search; it takes at most log2(17) + 2 more
-    assert 5 <= len(eng.recoveries) <= 4 + math.ceil(math.log2(17)) + 2
+    # 4 failures in a row start the search; it takes at most log2(12) + 2 more
+    assert 5 <= len(eng.recoveries) <= 4 + math.ceil(math.log2(12)) + 2
     assert all("injected fault in layer 2" in r for r in eng.recoveries)
     rid = eng.add_request(prompts[0], GOOD)  # and after it
     while eng.has_unfinished():
@@ -140,6 +148,38 @@ def test_two_such_requests_each_fail_alone(smol, smol_split, prompts, hf_greedy)
     for i in bad:
         assert outs[i].finish_reason == "error"
         assert "every step it ran in failed" in outs[i].error
+    assert eng.num_failed_requests == 2 and eng.free_slots() == [SLOTS]
+
+
+def test_a_named_fault_during_a_search_fails_its_request_and_the_search_goes_on(
+        smol, smol_split, prompts, hf_greedy):
+    """While the search runs (past max_recoveries failed steps in a row), a fault that
+    names a good request and leaves the workers mid-step (as a Ray memory worker's does)
+    fails that request alone and is recovered; it does not stop the engine, and the
+    search still names the poison request."""
+    tok = unused_token(prompts, hf_greedy)
+    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
+    real, hit = eng.executor.execute, []
+
+    def execute(plan):
+        good = [x.seq_id for x in plan.seqs if x.seq_id != bad_seq]
+        if eng._search is not None and not hit and good:
+            hit.append(good[0])
+            raise SequenceFault(good[:1], "memory worker 0: bad slots", clean=False)
+        return real(plan)
+
+    eng.executor.execute = execute
+    bad = eng.add_request(prompts[0] + [tok], GOOD)
+    bad_seq = eng._reqs[bad].seqs[0].seq_id
+    good = [eng.add_request(prompts[i], GOOD) for i in (1, 2, 3)]
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    failed = [r for r in good if outs[r].error is not None]
+    assert len(hit) == 1 and len(failed) == 1 and "bad slots" in outs[failed[0]].error
+    assert [outs[r].token_ids for r in good if r not in failed] == [
+        hf_greedy[i][:NEW] for i, r in zip((1, 2, 3), good) if r not in failed]
+    assert "every step it ran in failed" in outs[bad].error
     assert eng.num_failed_requests == 2 and eng.free_slots() == [SLOTS]
 
 

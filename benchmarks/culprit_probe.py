@@ -1,0 +1,92 @@
+"""What finding the request behind failing steps costs (`lamina/engine/culprit.py`).
+
+    python benchmarks/culprit_probe.py [--batch 8 32] [--repeat 3] [--out DIR]
+
+SmolLM2 on the local executor (`LLM`, CPU, one memory worker). B good requests (64-token
+prompts cut from one text at different offsets, 32 new tokens, greedy) and, after two
+steps, one poison request: its prompt holds a token that makes layer 2's dense slice
+raise in every step that feeds it (`FaultPlan(compute_layer=2, layer_token=...)`), an
+error that names no sequence. Per B, side by side: the wall time to finish every request
+without the poison and with it (medians of --repeat), the failed steps (each a recovery:
+max_recoveries of them before the search, then the search's own) and whether the good
+requests' tokens are the same in both runs (they must be: recovery recomputes them).
+Nothing here is a target; it says what a poison request costs the others. Writes
+culprit_probe.json and .md into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lamina import LLM, SamplingParams
+from lamina.bench.common import _write, cpu_name
+from lamina.faults import FaultPlan
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable "
+        "type changed how knowledge spread across Europe. ") * 40
+NEW = 32
+
+
+def run(llm: LLM, prompts: list[list[int]], poison: list[int] | None) -> tuple[float, list]:
+    """-> (seconds to finish every request, the good requests' token ids)."""
+    eng, p = llm.engine, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    ids = [eng.add_request(x, p) for x in prompts]
+    outs: dict = {}
+    for _ in range(2):
+        outs.update({o.request_id: o for o in eng.step()})
+    if poison is not None:
+        eng.add_request(poison, p)
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    return time.perf_counter() - t, [outs[i].token_ids for i in ids]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    bad = 1999  # a token id the good prompts do not hold (checked below)
+    kw = dict(num_kv_slots=8192, max_batch=64, max_step_tokens=4096)
+    clean = LLM(**kw)
+    poisoned = LLM(faults=FaultPlan(compute_layer=2, layer_token=bad), **kw)
+    ids = clean.loaded.tokenizer(TEXT)["input_ids"]
+    rows, table = [], [["B", "clean s", "with poison s", "x", "failed steps",
+                        "of them the search's", "same tokens"]]
+    for b in args.batch:
+        prompts = [ids[i:i + 64] for i in range(b)]
+        assert all(bad not in x for x in prompts)
+        poison = prompts[0][:63] + [bad]
+        t_clean, t_poison, failed, searched, same = [], [], [], [], True
+        for _ in range(args.repeat):
+            s, want = run(clean, prompts, None)
+            t_clean.append(s)
+            n0, max_rec = poisoned.engine.num_recoveries, poisoned.engine.config.max_recoveries
+            s, got = run(poisoned, prompts, poison)
+            t_poison.append(s)
+            failed.append(poisoned.engine.num_recoveries - n0)
+            searched.append(failed[-1] - (max_rec + 1))
+            same &= got == want
+        c, p = statistics.median(t_clean), statistics.median(t_poison)
+        rows.append({"batch": b, "clean_s": c, "poison_s": p, "ratio": p / c,
+                     "failed_steps": failed, "search_failed_steps": searched,
+                     "same_tokens": same})
+        table.append([str(b), f"{c:.2f}", f"{p:.2f}", f"{p / c:.2f}",
+                      str(statistics.median(failed)), str(statistics.median(searched)),
+                      "yes" if same else "NO"])
+        print(" | ".join(table[-1]), flush=True)
+    result = {"cpu": cpu_name(), "threads": 1, "new_tokens": NEW, "repeat": args.repeat,
+              "rows": rows}
+    for path in _write(Path(args.out), "culprit_probe", result, table):
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
