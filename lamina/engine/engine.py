@@ -112,6 +112,7 @@ class LLMEngine:
         self._search: CulpritSearch | None = None
         self._named: int | None = None  # the last culprit named, while no step ran since
         self.culprits: deque[str] = deque(maxlen=ERROR_HISTORY)  # why each was named
+        self.num_culprits = 0
 
     def _kv_policy(self, params: SamplingParams) -> SparsityConfig:
         """A request's KV sparsity: its own (`SamplingParams.kv_sparsity` / `kv_budget`)
@@ -568,6 +569,11 @@ class LLMEngine:
         return True
 
     # -- the request behind steps that keep failing (engine/culprit.py) --
+    @property
+    def searching(self) -> bool:
+        """Whether a culprit search runs (only some waiting requests are admitted)."""
+        return self._search is not None
+
     def _admits(self, seq: Sequence) -> bool:
         """The scheduler's gate: while a culprit search runs, only its probe and the
         requests it cleared are admitted."""
@@ -653,6 +659,7 @@ class LLMEngine:
                f" failed steps, narrowed to this request by running parts of the batch "
                f"alone); the last: {search.error}")
         self.culprits.append(f"request {rid}: {why}")
+        self.num_culprits += 1
         req = self._reqs[rid]
         return self._fail(SequenceFault([s.seq_id for s in req.seqs], why), step)
 

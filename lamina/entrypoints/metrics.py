@@ -38,6 +38,13 @@ class EngineMetrics:
         self._recovered = 0
         self.recovery_s = Gauge("lamina_last_recovery_seconds", "How long the latest "
                                 "recovery took (workers replaced)", registry=r)
+        self.culprits = Counter("lamina_culprits", "Requests found behind steps that kept "
+                                "failing with no request named (each failed alone)",
+                                registry=r)
+        self._culprits = 0
+        self.searching = Gauge("lamina_culprit_search", "1 while the engine looks for the "
+                               "request behind failing steps (admission restricted)",
+                               registry=r)
         self.running = Gauge("lamina_sequences_running", "Sequences holding KV",
                              registry=r)
         self.waiting = Gauge("lamina_sequences_waiting", "Sequences queued", registry=r)
@@ -76,6 +83,10 @@ class EngineMetrics:
             self.recoveries.inc(engine.num_recoveries - self._recovered)
             self._recovered = engine.num_recoveries
             self.recovery_s.set(engine.last_recovery_s or 0.0)
+        if engine.num_culprits > self._culprits:
+            self.culprits.inc(engine.num_culprits - self._culprits)
+            self._culprits = engine.num_culprits
+        self.searching.set(1 if engine.searching else 0)
         sched = engine.scheduler
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))

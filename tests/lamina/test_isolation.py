@@ -294,6 +294,37 @@ def test_engine_loop_raises_request_failed_and_serves_on(smol, smol_split, promp
         loop.shutdown()
 
 
+def test_engine_loop_serves_on_past_a_request_every_step_fails_on(smol, smol_split, prompts,
+                                                                  hf_greedy):
+    """Through the threaded loop (the HTTP server's): a request that sets off a fault no
+    sequence is blamed for raises RequestFailed naming the search, the loop stays alive,
+    the good requests give HF's tokens, and /metrics counts it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lamina.entrypoints.metrics import EngineMetrics
+
+    tok = unused_token(prompts, hf_greedy)
+    metrics = EngineMetrics()
+    loop = EngineLoop(engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok)),
+                      metrics)
+    try:
+        futs = [loop.submit(prompts[i], GOOD) for i in range(4)]
+        bad = loop.submit([tok, 9, 9], GOOD)
+        with pytest.raises(RequestFailed, match="every step it ran in failed"):
+            bad.result(300)
+        assert [f.result(300).token_ids for f in futs] == [r[:NEW] for r in hf_greedy[:4]]
+        assert loop.alive and loop.stats["failed"] == 1
+        assert loop.submit(prompts[0], GOOD).result(300).token_ids == hf_greedy[0][:NEW]
+        got = {(x.name, tuple(x.labels.items())): x.value for fam in
+               text_string_to_metric_families(metrics.render().decode()) for x in fam.samples}
+        assert got[("lamina_culprits_total", ())] == 1
+        assert got[("lamina_culprit_search", ())] == 0
+        assert got[("lamina_requests_total", (("finish", "error"),))] == 1
+        assert got[("lamina_recoveries_total", ())] >= 5
+    finally:
+        loop.shutdown()
+
+
 def test_a_fault_naming_no_sequence_of_the_step_is_an_engine_error(smol, smol_split,
                                                                   prompts):
     """An executor that blames sequences outside the step is a bug: loud, not a loop."""
