@@ -183,6 +183,26 @@ def test_a_named_fault_during_a_search_fails_its_request_and_the_search_goes_on(
     assert eng.num_failed_requests == 2 and eng.free_slots() == [SLOTS]
 
 
+def test_aborting_the_poison_request_mid_search_ends_it_naming_no_one(
+        smol, smol_split, prompts, hf_greedy):
+    """The client of the poison request goes away while the search runs: it leaves the
+    suspects, the others each run again, the search ends with no one named, and every
+    slot is back."""
+    tok = unused_token(prompts, hf_greedy)
+    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
+    bad = eng.add_request(prompts[0] + [tok], GOOD)
+    good = [eng.add_request(prompts[i], GOOD) for i in (1, 2, 3)]
+    outs = {}
+    while not eng.searching:
+        outs.update({o.request_id: o for o in eng.step()})
+    assert eng.abort(bad).finish_reason == "abort"
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert [outs[r].token_ids for r in good] == [hf_greedy[i][:NEW] for i in (1, 2, 3)]
+    assert not eng.searching and not eng.culprits and eng.num_failed_requests == 0
+    assert len(eng.recoveries) == 4 and eng.free_slots() == [SLOTS]
+
+
 def test_steps_failing_whatever_runs_stop_the_engine(smol, smol_split, prompts, caplog):
     """A fault in every step that feeds the text's first token, which every prompt has:
     not one request's doing. The first request the search finds fails alone (nothing
