@@ -203,6 +203,31 @@ def test_aborting_the_poison_request_mid_search_ends_it_naming_no_one(
     assert len(eng.recoveries) == 4 and eng.free_slots() == [SLOTS]
 
 
+def test_a_poison_request_with_parallel_samples_is_found_and_all_end(smol, smol_split,
+                                                                     prompts, hf_greedy):
+    """n=3: the poison request's samples are forked after its prefill (the test then
+    makes the token each drew the poison one) and preempted one by one at each recovery;
+    the search admits and names them as one request, all three end with "error", every
+    reference is freed, and the good ones give HF's tokens."""
+    tok = unused_token(prompts, hf_greedy)
+    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
+    good = [eng.add_request(prompts[i], GOOD) for i in (1, 2)]
+    p = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=3)
+    bad = eng.add_request(prompts[3], p)
+    outs = {}
+    outs.update({o.request_id: o for o in eng.step()})  # prefilled: forked
+    assert len(eng._reqs[bad].seqs) == 3 and all(s.status == "running"
+                                                 for s in eng._reqs[bad].seqs)
+    for s in eng._reqs[bad].seqs:  # its samples draw the poison token next
+        s.output[-1] = tok
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert [c.finish_reason for c in outs[bad].outputs] == ["error"] * 3
+    assert "every step it ran in failed" in outs[bad].error and len(eng.culprits) == 1
+    assert [outs[r].token_ids for r in good] == [hf_greedy[i][:NEW] for i in (1, 2)]
+    assert eng.free_slots() == [SLOTS] and all(a.stats().shared == 0 for a in eng.allocs)
+
+
 def test_steps_failing_whatever_runs_stop_the_engine(smol, smol_split, prompts, caplog):
     """A fault in every step that feeds the text's first token, which every prompt has:
     not one request's doing. The first request the search finds fails alone (nothing
