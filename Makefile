@@ -24,7 +24,7 @@ run: setup
 	  "Explain attention in one sentence." "List three prime numbers."
 
 # two xdist workers: the Ray and namespace tests in order on one, every other file whole
-# on either (tests/conftest.py); 15 min against 22 on one worker (2 cores)
+# on either (tests/conftest.py); its time on 2 cores is in benchmarks/RESULTS.md
 test: setup
 	$(PY) -m pytest -q tests -n 2 --durations=25
 
