@@ -105,6 +105,7 @@ def test_bad_sampling_params(kw, words):
     (lambda: EngineConfig(num_memory_workers=0), "num_memory_workers"),
     (lambda: EngineConfig(max_batch=-1), "max_batch"),
     (lambda: EngineConfig(max_recoveries=-1), "max_recoveries"),
+    (lambda: EngineConfig(find_culprits="yes"), "find_culprits must be a bool"),
     (lambda: EngineConfig(step_timeout_s=math.inf), "step_timeout_s"),
     (lambda: EngineConfig(worker_timeout_s=0), "worker_timeout_s"),
     (lambda: EngineConfig(placement_timeout_s=None), "placement_timeout_s"),
