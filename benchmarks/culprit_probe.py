@@ -3,15 +3,15 @@
     python benchmarks/culprit_probe.py [--batch 8 32] [--repeat 3] [--out DIR]
 
 SmolLM2 on the local executor (`LLM`, CPU, one memory worker). B good requests (64-token
-prompts cut from one text at different offsets, 32 new tokens, greedy) and, after two
-steps, one poison request: its prompt holds a token that makes layer 2's dense slice
-raise in every step that feeds it (`FaultPlan(compute_layer=2, layer_token=...)`), an
-error that names no sequence. Per B, side by side: the wall time to finish every request
-without the poison and with it (medians of --repeat), the failed steps (each a recovery:
-max_recoveries of them before the search, then the search's own) and whether the good
-requests' tokens are the same in both runs (they must be: recovery recomputes them).
-Nothing here is a target; it says what a poison request costs the others. Writes
-culprit_probe.json and .md into --out.
+prompts cut from `lamina bench e2e`'s text at different offsets, 32 new tokens, greedy)
+and, after two steps, one poison request: its prompt holds a token that makes layer 2's
+dense slice raise in every step that feeds it (`FaultPlan(compute_layer=2,
+layer_token=...)`), an error that names no sequence. Per B, side by side: the wall time
+to finish every request without the poison and with it (medians of --repeat), the failed
+steps (each a recovery: max_recoveries of them before the search, then the search's own)
+and whether the good requests' tokens are the same in both runs (they must be: recovery
+recomputes them). Nothing here is a target; it says what a poison request costs the
+others. Writes culprit_probe.json and .md into --out.
 """
 from __future__ import annotations
 
@@ -24,10 +24,9 @@ import torch
 
 from lamina import LLM, SamplingParams
 from lamina.bench.common import _write, cpu_name
+from lamina.bench.e2e import _prompts
 from lamina.faults import FaultPlan
 
-TEXT = ("The history of the printing press begins in the fifteenth century, when movable "
-        "type changed how knowledge spread across Europe. ") * 40
 NEW = 32
 
 
@@ -57,11 +56,10 @@ def main() -> None:
     kw = dict(num_kv_slots=8192, max_batch=64, max_step_tokens=4096)
     clean = LLM(**kw)
     poisoned = LLM(faults=FaultPlan(compute_layer=2, layer_token=bad), **kw)
-    ids = clean.loaded.tokenizer(TEXT)["input_ids"]
     rows, table = [], [["B", "clean s", "with poison s", "x", "failed steps",
                         "of them the search's", "same tokens"]]
     for b in args.batch:
-        prompts = [ids[i:i + 64] for i in range(b)]
+        prompts = _prompts(clean.loaded.tokenizer, b, 64)
         assert all(bad not in x for x in prompts)
         poison = prompts[0][:63] + [bad]
         t_clean, t_poison, failed, searched, same = [], [], [], [], True

@@ -574,10 +574,14 @@ class LLMEngine:
         """Whether a culprit search runs (only some waiting requests are admitted)."""
         return self._search is not None
 
+    def _rid_of(self, seq_id: int) -> int:
+        """The id of the request a sequence belongs to."""
+        return self._by_seq[seq_id][0].rid
+
     def _admits(self, seq: Sequence) -> bool:
         """The scheduler's gate: while a culprit search runs, only its probe and the
         requests it cleared are admitted."""
-        return self._search is None or self._search.admits(self._by_seq[seq.seq_id][0].rid)
+        return self._search is None or self._search.admits(self._rid_of(seq.seq_id))
 
     def _narrow(self, plan: StepPlan, what: str, failed: list[RequestOutput]) -> bool:
         """A step failed with no sequence named, past max_recoveries in a row or while a
@@ -585,11 +589,8 @@ class LLMEngine:
         (it fails alone, into `failed`). False: give up (the engine stops)."""
         cfg, search = self.config, self._search
         gave_up = f"{what}; {self._failed_in_row} failed steps in a row"
-        if cfg.max_recoveries == 0 or not cfg.find_culprits:
-            log.error("%s (max_recoveries=%d)", gave_up, cfg.max_recoveries)
-            return False
-        rids = {self._by_seq[s.seq_id][0].rid for s in plan.seqs if s.seq_id in self._by_seq}
-        if not rids:  # a step of no request's: nobody to look for
+        rids = {self._rid_of(s.seq_id) for s in plan.seqs if s.seq_id in self._by_seq}
+        if cfg.max_recoveries == 0 or not cfg.find_culprits or not rids:  # nobody to look for
             self._search = None
             log.error("%s (max_recoveries=%d)", gave_up, cfg.max_recoveries)
             return False
@@ -631,7 +632,7 @@ class LLMEngine:
         assert search is not None
         if search.accused is not None:  # the others ran without it
             return self._convict(search.accused, step)
-        search.drew({self._by_seq[d.seq.seq_id][0].rid for d in drawn})
+        search.drew({self._rid_of(d.seq.seq_id) for d in drawn})
         if search.done:
             self._search = None
             log.warning("every request the failed steps held ran again: not one request's "

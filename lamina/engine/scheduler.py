@@ -399,18 +399,17 @@ class Scheduler:
                 budget -= self._feed(seq, seq.num_tokens - seq.pending, budget, work)
         # 3. Admit waiting sequences in policy order while they fit (those `admits`
         #    holds back are passed over).
-        held = (set() if self.admits is None
-                else {s.seq_id for s in self.waiting if not self.admits(s)})
+        admits = self.admits or (lambda seq: True)
         for seq in self.policy(self.waiting):
-            if seq.seq_id in held:
+            if not admits(seq):
                 continue
             fed = self._admit(seq, budget, work)
             if not fed:
                 break  # keep order: no overtaking
             budget -= fed
-        if not work and len(self.waiting) > len(held):
-            seq = next(s for s in self.waiting if s.seq_id not in held)
-            raise RuntimeError(f"sequence {seq.seq_id} ({len(seq.tokens)} tokens) cannot be "
+        stuck = None if work else next((s for s in self.waiting if admits(s)), None)
+        if stuck is not None:
+            raise RuntimeError(f"sequence {stuck.seq_id} ({len(stuck.tokens)} tokens) cannot be "
                                f"scheduled: step token budget {self.config.max_step_tokens}, "
                                f"{[a.num_free() for a in self.allocs]} free KV slots")
         orders = self.sessions.take_orders() if self.sessions is not None else ()

@@ -57,7 +57,6 @@ class MemorySide:
         # session KV beyond the pool (host DRAM, disk): orders arrive with a step's
         # metadata (`apply_tiers`), loads are copied layer by layer in `attend`;
         # `rope_inv_freq`: the model's rotary frequencies, for loads at shifted positions
-        self._tier_args = (worker, rope_inv_freq)
         self.tiers = (TierStore(tiers, pool, worker, rope_inv_freq)
                       if tiers is not None and tiers.enabled else None)
         self.device = pool.k.device
@@ -98,9 +97,7 @@ class MemorySide:
         self._step = None
         self.set_sparsity(self._config)
         if self.tiers is not None:
-            self.tiers.close()
-            worker, rope = self._tier_args
-            self.tiers = TierStore(self.tiers.config, self.pool, worker, rope)
+            self.tiers = self.tiers.renewed()
 
     def set_sparsity(self, config: SparsityConfig | None) -> None:
         """Decode rows attend to what `config` selects from now on (None or dense: all);

@@ -60,6 +60,7 @@ class TierStore:
     def __init__(self, config: TierConfig, pool, worker: int = 0,
                  rope_inv_freq: tuple[float, ...] | None = None):
         self.config, self.pool, self.worker = config, pool, worker
+        self._rope = rope_inv_freq  # as given (`renewed` makes a store like this one)
         # the model's rotary frequencies (rotate-half convention, the first 2 * len
         # dims of each head rotate): what a shifted load re-rotates keys with; None: the
         # model's positions are not rotary, and shifted loads are refused
@@ -157,6 +158,12 @@ class TierStore:
     def loading(self) -> bool:
         """This step has loads to copy layer by layer."""
         return bool(self._loads)
+
+    def renewed(self) -> TierStore:
+        """This store closed (its saved sessions and files dropped) and an empty one
+        with the same settings in its place."""
+        self.close()
+        return TierStore(self.config, self.pool, self.worker, self._rope)
 
     def close(self) -> None:
         self._bg.shutdown(wait=True)
