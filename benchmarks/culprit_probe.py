@@ -1,17 +1,20 @@
 """What finding the request behind failing steps costs (`lamina/engine/culprit.py`).
 
-    python benchmarks/culprit_probe.py [--batch 8 32] [--repeat 3] [--out DIR]
+    python benchmarks/culprit_probe.py [--batch 8 32] [--repeat 3] [--executor local|ray]
+                                       [--out DIR]
 
-SmolLM2 on the local executor (`LLM`, CPU, one memory worker). B good requests (64-token
+SmolLM2 on the local executor (`LLM`, CPU, one memory worker) or on the Ray executor
+(one compute worker, two memory workers, a local Ray cluster). B good requests (64-token
 prompts cut from `lamina bench e2e`'s text at different offsets, 32 new tokens, greedy)
 and, after two steps, one poison request: its prompt holds a token that makes layer 2's
 dense slice raise in every step that feeds it (`FaultPlan(compute_layer=2,
 layer_token=...)`), an error that names no sequence. Per B, side by side: the wall time
 to finish every request without the poison and with it (medians of --repeat), the failed
-steps (each a recovery: max_recoveries of them before the search, then the search's own)
-and whether the good requests' tokens are the same in both runs (they must be: recovery
-recomputes them). Nothing here is a target; it says what a poison request costs the
-others. Writes culprit_probe.json and .md into --out.
+steps (each a recovery: max_recoveries of them before the search, then the search's own),
+the median time one `recover` took, and whether the good requests' tokens are the same
+in both runs (they must be: recovery recomputes them). Nothing here is a target; it says
+what a poison request costs the others. Writes culprit_probe.json (culprit_probe_ray.json
+on Ray) and .md into --out.
 """
 from __future__ import annotations
 
@@ -49,15 +52,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--executor", choices=["local", "ray"], default="local")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     torch.set_num_threads(1)
     bad = 1999  # a token id the good prompts do not hold (checked below)
-    kw = dict(num_kv_slots=8192, max_batch=64, max_step_tokens=4096)
-    clean = LLM(**kw)
-    poisoned = LLM(faults=FaultPlan(compute_layer=2, layer_token=bad), **kw)
+    kw = dict(num_kv_slots=8192, max_batch=64, max_step_tokens=4096, executor=args.executor,
+              num_memory_workers=2 if args.executor == "ray" else 1)
+    # one engine for both runs: the fault only fires on steps that feed the poison token
+    poisoned = clean = LLM(faults=FaultPlan(compute_layer=2, layer_token=bad), **kw)
+    recover_s = timed(poisoned.executor)
     rows, table = [], [["B", "clean s", "with poison s", "x", "failed steps",
-                        "of them the search's", "same tokens"]]
+                        "of them the search's", "recover s", "same tokens"]]
     for b in args.batch:
         prompts = _prompts(clean.loaded.tokenizer, b, 64)
         assert all(bad not in x for x in prompts)
@@ -73,17 +79,36 @@ def main() -> None:
             searched.append(failed[-1] - (max_rec + 1))
             same &= got == want
         c, p = statistics.median(t_clean), statistics.median(t_poison)
+        r = statistics.median(recover_s)
+        recover_s.clear()
         rows.append({"batch": b, "clean_s": c, "poison_s": p, "ratio": p / c,
                      "failed_steps": failed, "search_failed_steps": searched,
-                     "same_tokens": same})
+                     "recover_s": r, "same_tokens": same})
         table.append([str(b), f"{c:.2f}", f"{p:.2f}", f"{p / c:.2f}",
                       str(statistics.median(failed)), str(statistics.median(searched)),
-                      "yes" if same else "NO"])
+                      f"{r:.3f}", "yes" if same else "NO"])
         print(" | ".join(table[-1]), flush=True)
     result = {"cpu": cpu_name(), "threads": 1, "new_tokens": NEW, "repeat": args.repeat,
-              "rows": rows}
-    for path in _write(Path(args.out), "culprit_probe", result, table):
+              "executor": args.executor, "rows": rows}
+    name = "culprit_probe" + ("_ray" if args.executor == "ray" else "")
+    for path in _write(Path(args.out), name, result, table):
         print("wrote", path)
+    poisoned.shutdown()
+
+
+def timed(executor) -> list[float]:
+    """Every `executor.recover` call's seconds, appended to the list returned."""
+    took, recover = [], executor.recover
+
+    def timed_recover(error):
+        t = time.perf_counter()
+        try:
+            return recover(error)
+        finally:
+            took.append(time.perf_counter() - t)
+
+    executor.recover = timed_recover
+    return took
 
 
 if __name__ == "__main__":

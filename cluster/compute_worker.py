@@ -196,6 +196,21 @@ class ComputeWorker:
         self.channels, self._ring_out, self._ring_in = [], None, None
         self.compute.join_ring(None)
 
+    def reset(self, timeout_s: float) -> bool:
+        """Hang up on the memory workers and forget every sequence's slot table, for a
+        recovery (the engine recomputes every sequence). Waits up to `timeout_s` for a
+        step still running (the hang-up makes it fail at once); False if it does not
+        end: the executor replaces this worker."""
+        self.interrupt()  # a step blocked on a socket wakes (closing it would not)
+        self.disconnect()
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            self.compute.reset()
+        finally:
+            self._lock.release()
+        return True
+
     def interrupt(self) -> None:
         """Wake a step blocked on its peers (another replica of its ring failed): shut
         its data-plane and ring sockets down, so it fails at once; `recover` rewires."""

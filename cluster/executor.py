@@ -16,8 +16,8 @@ memory worker; a memory worker serves the R connections over its one pool.
   interrupts the others (their sockets shut down), so none waits out its timeout.
 
 Data in: `StepPlan`s from the engine. Data out: `StepResult`s. A dead worker surfaces
-as an error naming it; `recover` then replaces the workers (the engine recomputes the
-lost KV), or the engine fails loudly when it cannot.
+as an error naming it; `recover` then resets the live workers and replaces the others
+(the engine recomputes the lost KV), or the engine fails loudly when it cannot.
 """
 from __future__ import annotations
 
@@ -207,11 +207,16 @@ class RayExecutor(Executor):
         return ComputeWorker.options(**self._c_opts, **self.placement.compute(r)).remote(
             replace(self._compute_spec, replica=r))
 
-    def _start_memory(self) -> None:
-        """Fresh memory workers (empty pools), wired to the compute worker."""
+    def _new_memory(self, i: int):
+        return MemoryWorker.options(**self._m_opts, **self.placement.memory(i)).remote(
+            i, self.threads)
+
+    def _start_memory(self, kept: frozenset[int] = frozenset()) -> None:
+        """Fresh memory workers (empty pools) in every place but `kept` (workers `reset`
+        by a recovery, already set up), all wired to the compute workers."""
         cfg = self.config
-        self.memory = [MemoryWorker.options(**self._m_opts, **self.placement.memory(i))
-                       .remote(i, self.threads) for i in range(cfg.num_memory_workers)]
+        if not self.memory:
+            self.memory = [self._new_memory(i) for i in range(cfg.num_memory_workers)]
         sparsity = cfg.sparsity
         # prompts whose last queries score their keys (snapkv, h2o, swa) attend on the
         # memory workers, which keep those scores
@@ -225,14 +230,19 @@ class RayExecutor(Executor):
             cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, local_prefill, cfg.faults,
             cfg.kv_pool_bytes, sparsity if sparsity.enabled else None)
             for c in self.computes], "the compute workers")[0]
+        if kept and (pool_cfg != self.pool_config or list(params) != self.params):
+            kept = frozenset()  # a new compute worker's differ: set every pool up again
         self.params = list(params)  # per-layer AttentionParams
         self.pool_config = pool_cfg
         self.pool_slots = pool_cfg.num_slots  # kv_pool_bytes may have set it
         tiers = cfg.tiers if cfg.tiers.enabled else None
         rope = self._get(self.compute.rotary.remote(), "the compute worker") if tiers else None
-        self.memory_info = self._get([w.setup.remote(pool_cfg, params, cfg.faults, tiers, rope,
-                                                     sparsity, len(self.computes))
-                                      for w in self.memory], "the memory workers")
+        fresh = [i for i in range(len(self.memory)) if i not in kept]
+        info = self._get([self.memory[i].setup.remote(pool_cfg, params, cfg.faults, tiers,
+                                                      rope, sparsity, len(self.computes))
+                          for i in fresh], "the memory workers")
+        self.memory_info = [info[fresh.index(i)] if i in fresh else self.memory_info[i]
+                            for i in range(len(self.memory))]
         self._rotary = rope is not None
         nodes = self._get([w.__ray_call__.remote(
             lambda s: ray.get_runtime_context().get_node_id()) for w in self.memory],
@@ -337,24 +347,49 @@ class RayExecutor(Executor):
         ray.get([c.set_timeout.remote(seconds) for c in self.computes])
 
     def recover(self, error: BaseException) -> bool:
-        """Replace the memory workers (all of them: a step broke off mid-way, so no
-        pool's contents can be trusted) and each compute worker that died; the engine
-        then recomputes the lost KV. False if the cluster cannot give new workers."""
+        """After a step broke off mid-way: every worker that is alive and done with the
+        step is reset and kept (its slot tables and per-sequence state dropped, as if
+        new; the pools' bytes stay), every other one (dead, hung, or still stuck in the
+        step) replaced; all are wired afresh and the engine recomputes every sequence's
+        KV. Keeping a worker saves its start (a process, the model, a pool): seconds
+        each. False if the cluster cannot give new workers."""
         for r, compute in enumerate(self.computes):
-            try:
-                ray.get(compute.node_id.remote(), timeout=self.ping_timeout_s)
-            except Exception as e:  # noqa: BLE001 - dead or hung: start another
-                log.warning("compute worker %d lost (%s: %s); starting a new one", r,
-                            type(e).__name__, e)
+            if not self._reset(compute, f"compute worker {r}", self.ping_timeout_s):
                 ray.kill(compute)
                 self.computes[r] = self._new_compute(r)
-            else:
-                ray.get(compute.disconnect.remote(), timeout=self.ping_timeout_s)
         self._close_control()
-        for w in self.memory:
-            ray.kill(w)
-        self._start_memory()
+        if self.replica_split is not None:
+            self.replica_split.reset()
+        # a memory worker's serving ends once its compute workers hung up (above)
+        wait = self.health_timeout_s
+        refs = [w.reset.remote(wait / 2) for w in self.memory]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+        kept = set()
+        for i, ref in enumerate(refs):
+            if ref in ready and self._reset(ref, f"memory worker {i}"):
+                kept.add(i)
+            else:
+                ray.kill(self.memory[i])
+                self.memory[i] = self._new_memory(i)
+        log.info("recovery: memory workers %s kept, %s replaced", sorted(kept),
+                 sorted(set(range(len(self.memory))) - kept))
+        self._start_memory(frozenset(kept))
         return True
+
+    @staticmethod
+    def _reset(target, who: str, timeout: float | None = None) -> bool:
+        """A worker's `reset` answer (`target`: the worker, asked here with `timeout`,
+        or the reference of a call already made and answered) -> True if it was reset;
+        False (logged) if it died, hung or could not reset."""
+        try:  # (the worker's own wait is the shorter, so its answer comes in time)
+            ref = target if timeout is None else target.reset.remote(timeout / 2)
+            if ray.get(ref, timeout=timeout):
+                return True
+            why = "still inside the failed step"
+        except Exception as e:  # noqa: BLE001 - dead or hung: start another
+            why = f"{type(e).__name__}: {e}"
+        log.warning("%s not reusable (%s); starting a new one", who, why)
+        return False
 
     def execute(self, plan: StepPlan) -> StepResult:
         """A failed step raises `SequenceFault` when the compute worker or a memory worker

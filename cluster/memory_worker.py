@@ -13,9 +13,12 @@ Ray only creates, configures and supervises it (setup / listen / health calls).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import threading
+import time
 
 import ray
 import torch
@@ -70,6 +73,8 @@ class MemoryWorker:
         self._rdma: list = []  # per RDMA connection: (its verbs, its peer's endpoint set)
         self._connections = 0  # endpoints opened, any transport: the next one's replica
         self._shared = None  # the pool's lock when several compute workers share it
+        self._listening: list = []  # every stream endpoint opened (closed by `reset`)
+        self._threads: list[threading.Thread] = []  # each endpoint's serving thread
         self.tracer = Tracer(f"memory{index}")  # its timeline (`lamina.trace`), off
 
     def setup(self, pool_config, params, faults=None, tiers=None, rope=None,
@@ -95,17 +100,17 @@ class MemoryWorker:
 
             n = len(self._rdma)
             self._rdma.append((PyverbsVerbs(), threading.Event()))
-            threading.Thread(target=self._serve_rdma, args=(n, replica), daemon=True).start()
+            self._start(self._serve_rdma, n, replica)
             return ("rdma", self._rdma[n][0].endpoint().to_wire())
         base, _, extra = kind.partition("+")
         unix, node_ip = base == "unix", ray.util.get_node_ip_address()
         srv, addr = listen_stream(unix, node_ip, f"mem{self.index}-{replica}")
+        self._listening.append(srv)
         if extra in BACKENDS:  # tensors over a collective path: its rendezvous goes along
             host = LOOPBACK if unix else node_ip
             store, port = host_store(host)
             rdv = Rendezvous(extra, host, port)
-            threading.Thread(target=self._serve_collective, args=(srv, store, rdv, replica),
-                             daemon=True).start()
+            self._start(self._serve_collective, srv, store, rdv, replica)
             return (*addr, rdv)
         rings = None
         if kind == "unix+shm" and shm_enabled():
@@ -113,8 +118,38 @@ class MemoryWorker:
             rings = (ShmRing(base + "-c2m", RING_BYTES, create=True),
                      ShmRing(base + "-m2c", RING_BYTES, create=True))
             addr = (*addr, base + "-c2m", base + "-m2c", RING_BYTES)
-        threading.Thread(target=self._serve, args=(srv, rings, replica), daemon=True).start()
+        self._start(self._serve, srv, rings, replica)
         return addr
+
+    def _start(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def reset(self, timeout_s: float) -> bool:
+        """Make this worker as good as a new one for a recovery (its compute workers
+        hung up first), keeping its process and pool: every endpoint closed, every
+        connection's serving ended, every sequence's state dropped (`MemorySide.reset`;
+        the pool's bytes stay, the engine recomputes what they held). Much faster than
+        a new worker (no process, model metadata or pool to set up). False when a
+        connection is still being served after `timeout_s` (stuck inside a step): the
+        executor replaces this worker instead."""
+        for srv in self._listening:  # wakes an `accept` still waiting (Linux: EINVAL)
+            _close_endpoint(srv)
+        for s in self.servers:  # wakes a read or write still blocked on the socket
+            _shut(getattr(s.ch, "sock", None))
+        deadline = time.monotonic() + timeout_s
+        threads = self._threads + [s.send_thread for s in self.servers]
+        for t in threads:
+            if t.ident is not None:  # (a send thread whose serving never began)
+                t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            return False
+        self.servers, self.by_replica, self._rdma = [], {}, []
+        self._listening, self._threads, self._connections = [], [], 0
+        if self.memory is not None:
+            self.memory.reset()
+        return True
 
     def tier_missing(self, loads: list) -> list[int]:
         """Of a step's tier loads (before it is sent), the sequences whose saved KV this
@@ -170,7 +205,9 @@ class MemoryWorker:
         self._serve_on(RdmaChannel(verbs), replica)
 
     def _serve(self, srv, rings, replica: int):
-        conn = nodelay(srv.accept()[0])
+        conn = _accept(srv)
+        if conn is None:
+            return
         if rings:  # the compute worker mapped them before connecting
             c2m, m2c = rings
             for r in rings:
@@ -184,7 +221,9 @@ class MemoryWorker:
         """Accept the compute worker, join the path's groups (it joins them after it
         connects), then serve. A path that cannot open is the compute worker's
         `connect` error too (its end fails or times out); here it is logged."""
-        conn = nodelay(srv.accept()[0])
+        conn = _accept(srv)
+        if conn is None:
+            return
         try:
             path = open_path(rdv, 1, self.memory.pool.config.device, rdv.host, store=store)
         except CollectiveError as e:
@@ -211,3 +250,35 @@ class MemoryWorker:
             raise RuntimeError(f"memory worker {self.index}: no connection to compute "
                                f"worker {replica} to send a ring step's output on")
         server.send_queued(frame)
+
+
+def _accept(srv: socket.socket) -> socket.socket | None:
+    """The one peer of a `listen_stream` endpoint; its Unix socket file (and the temp
+    folder made for it) removed once connected. None when `reset` closed the endpoint
+    before a peer came."""
+    try:
+        conn = nodelay(srv.accept()[0])
+    except OSError:
+        return None
+    _close_endpoint(srv)
+    return conn
+
+
+def _close_endpoint(srv: socket.socket) -> None:
+    """A listening socket shut, its Unix socket file and folder removed, closed (a
+    second call does nothing)."""
+    if srv.fileno() < 0:
+        return
+    path = srv.getsockname() if srv.family == socket.AF_UNIX else None
+    _shut(srv)
+    srv.close()
+    if path:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+            os.rmdir(os.path.dirname(path))
+
+
+def _shut(sock: socket.socket | None) -> None:
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)

@@ -564,7 +564,7 @@ class LLMEngine:
         row = (f"{self._failed_in_row} in a row, at most {self.config.max_recoveries}"
                if search is None else f"searching: {len(search.probe)} of the "
                f"{len(search.suspects)} requests still suspected run next")
-        log.warning("%s; workers recovered in %.1f s (%s), %d sequences will be recomputed",
+        log.warning("%s; workers recovered in %.2f s (%s), %d sequences will be recomputed",
                     what, self.last_recovery_s, row, n)
         return True
 

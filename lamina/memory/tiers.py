@@ -6,7 +6,9 @@ step before its layers (`TierStore.apply`): save (pool slots -> a host entry), d
 verified), drop, load (host entry -> pool slots). A load is staged at `apply` and copied
 one layer at a time as the step's attention reaches that layer (`load_layer`), so on a
 memory worker the copy of layer i+1 waits only for layer i's attention, not the whole entry.
-Data out: KV rows in the pool; files under `<disk_dir>/lamina-kv-<pid>-<tag>/`;
+Data out: KV rows in the pool; files under `<disk_dir>/lamina-kv-<machine>-<pid>-<tag>/`
+(`machine`: this kernel boot and pid namespace, so a new store removes the folders of
+dead processes of the same machine: a killed memory worker's files do not pile up);
 `TierMiss` naming the sequences whose entry is missing, short or fails its checksum (the
 engine recomputes them: a bad file is a cache miss, never a wrong answer).
 
@@ -16,8 +18,10 @@ queue); this store only carries orders out, and checks what it reads.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -35,6 +39,53 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"LAMINAKV1\n"
 PREFETCH_WAIT_S = 60.0  # a load waits this long for its entry's disk read
+
+
+def _machine() -> str:
+    """12 hex digits naming this kernel boot and pid namespace: only a process of the
+    same can tell from a store folder's pid whether its owner is gone. Random (matching
+    no other process) where the OS does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            key = f"{f.read().strip()} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return uuid.uuid4().hex[:12]
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+MACHINE = _machine()
+_STORE_DIR = re.compile(r"lamina-kv-([0-9a-f]{12})-(\d+)-[0-9a-f]{8}")
+
+
+def sweep(disk_dir: str) -> list[str]:
+    """Remove the store folders under `disk_dir` whose process, of this machine, is gone
+    (a memory worker killed or crashed: its saved sessions died with it and nothing
+    else reads them); -> their names. Folders of other machines (a shared disk, another
+    container) and of live processes stay."""
+    gone: list[str] = []
+    try:
+        names = os.listdir(disk_dir)
+    except OSError:
+        return gone
+    for name in names:
+        m = _STORE_DIR.fullmatch(name)
+        if m and m.group(1) == MACHINE and not _alive(int(m.group(2))):
+            shutil.rmtree(os.path.join(disk_dir, name), ignore_errors=True)
+            gone.append(name)
+    if gone:
+        log.info("KV disk tier %r: removed %d folders of memory workers that are gone",
+                 disk_dir, len(gone))
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 @dataclass
@@ -82,7 +133,7 @@ class TierStore:
         then live in the host tier only) when it cannot be created or written."""
         if disk_dir is None:
             return None
-        path = os.path.join(disk_dir, f"lamina-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        path = os.path.join(disk_dir, f"lamina-kv-{MACHINE}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                             f"w{self.worker}")
         try:
             os.makedirs(path, exist_ok=True)
@@ -94,6 +145,7 @@ class TierStore:
             log.warning("KV disk tier %r is not writable (%s): memory worker %d keeps "
                         "session KV in its host tier only", disk_dir, e, self.worker)
             return None
+        sweep(disk_dir)
         return path
 
     # -- orders, once a step --

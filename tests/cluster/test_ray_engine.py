@@ -3,6 +3,8 @@ Unix sockets. Greedy tokens identical to HF; a dead memory worker is replaced an
 requests recomputed, or (recovery off) the step fails loudly."""
 import os
 import signal
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -196,8 +198,9 @@ def test_ray_trace_lines_up_the_processes_lanes(llm, prompts, hf_greedy):
 
 
 def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_greedy):
-    """A memory worker killed mid-decode: the step fails, the executor starts fresh
-    memory workers, the engine recomputes the lost KV, and every request still ends with
+    """A memory worker killed mid-decode: the step fails, the executor starts a fresh
+    memory worker in its place and resets the live one (same process, its sequences'
+    state dropped), the engine recomputes the lost KV, and every request still ends with
     HF's greedy tokens."""
     eng, pick = llm.engine, [0, 3, 5, 9]
     eng.clear_prefix_cache()  # placement by free slots alone: both workers get some
@@ -216,8 +219,11 @@ def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_gr
     assert len(eng.recoveries) == 1 and "WorkerFailure" in eng.recoveries[0]
     assert all(out[i].metrics["preemptions"] == 1 for i in ids)
     new = [w._actor_id for w in llm.executor.memory]
-    assert not set(old) & set(new)
-    assert not set(old_pids) & {i["pid"] for i in llm.executor.memory_info}
+    assert new[0] == old[0] and new[1] != old[1]
+    pids = [i["pid"] for i in llm.executor.memory_info]
+    assert pids[0] == old_pids[0] and pids[1] != old_pids[1]
+    assert pids == [ray.get(w.__ray_call__.remote(lambda _: os.getpid()))
+                    for w in llm.executor.memory]
     assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
     # and it keeps serving
     assert llm.generate([prompts[2]], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy[2]
@@ -233,6 +239,7 @@ def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_g
     for _ in range(3):
         eng.step()
     old = llm.executor.compute._actor_id
+    memory = [w._actor_id for w in llm.executor.memory]
     ray.kill(llm.executor.compute)
     out = {}
     while eng.has_unfinished():
@@ -242,6 +249,59 @@ def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_g
     assert len(eng.recoveries) == before + 1 and "WorkerFailure" in eng.recoveries[-1]
     assert "compute worker hung up" in eng.recoveries[-1]
     assert llm.executor.compute._actor_id != old
+    assert [w._actor_id for w in llm.executor.memory] == memory  # alive: reset, kept
+
+
+def _stuck(worker) -> None:
+    """A serving thread that does not end (as one stuck inside a step would)."""
+    def plant(w):
+        w.unstick = threading.Event()
+        t = threading.Thread(target=w.unstick.wait, args=(60,), daemon=True)
+        t.start()
+        w._threads.append(t)
+    ray.get(worker.__ray_call__.remote(plant))
+
+
+def test_a_memory_worker_resets_for_reuse_unless_a_connection_is_stuck(llm):
+    """`MemoryWorker.reset`: endpoints nobody connected to are closed at once (their
+    socket files gone) and it answers ready; a serving thread still running past the
+    timeout makes it answer False (recovery then replaces it)."""
+    from lamina.cluster.memory_worker import MemoryWorker
+    from lamina.dataplane.transport import connect_stream
+    from lamina.kernels import AttentionParams
+    from lamina.memory.pool import KVPoolConfig
+
+    w = MemoryWorker.options(num_cpus=0).remote(7)
+    ray.get(w.setup.remote(KVPoolConfig(2, 16, 2, 4), [AttentionParams(0.5)] * 2))
+    unix, tcp = ray.get([w.listen.remote("unix"), w.listen.remote("tcp")])
+    t = time.monotonic()
+    assert ray.get(w.reset.remote(5.0)) is True
+    assert time.monotonic() - t < 2  # the waiting accepts woke at once
+    assert not os.path.exists(unix[1])
+    for kind, where in (("unix", unix[1]), ("tcp", tcp[1:])):
+        with pytest.raises(OSError):
+            connect_stream(kind, where).recv(1)  # refused, or closed at once
+    assert ray.get(w.__ray_call__.remote(
+        lambda s: (s._threads, s._listening, s._connections, s.servers))) == ([], [], 0, [])
+    _stuck(w)
+    assert ray.get(w.reset.remote(0.3)) is False
+    ray.get(w.__ray_call__.remote(lambda s: s.unstick.set()))
+    assert ray.get(w.reset.remote(5.0)) is True
+    ray.kill(w)
+
+
+def test_recovery_replaces_only_a_memory_worker_stuck_in_its_step(llm, prompts, hf_greedy,
+                                                                  monkeypatch):
+    ex, eng = llm.executor, llm.engine
+    monkeypatch.setattr(ex, "health_timeout_s", 1.0)  # the stuck one's reset: 0.5 s
+    pids = [i["pid"] for i in ex.memory_info]
+    _stuck(ex.memory[0])
+    assert ex.recover(RuntimeError("a drill")) is True
+    now = [i["pid"] for i in ex.memory_info]
+    assert now[0] != pids[0] and now[1] == pids[1]
+    eng.clear_prefix_cache()  # (what the engine's own recovery does)
+    out = llm.generate([prompts[3], prompts[8]], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in out] == [hf_greedy[3], hf_greedy[8]]
 
 
 def run_with_stopped(eng, pid: int) -> dict:
@@ -290,12 +350,13 @@ def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy, m
     before = len(eng.recoveries)
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
     eng.step()
-    hung = llm.executor.memory_info[0]["pid"]
+    hung, live = (i["pid"] for i in llm.executor.memory_info)
     out = run_with_stopped(eng, hung)
     assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
     assert len(eng.recoveries) == before + 1
     assert "PeerTimeout" in eng.recoveries[-1] and "within 3 s" in eng.recoveries[-1]
     assert "memory worker 0 unreachable: no health answer" in eng.recoveries[-1]
+    assert [i["pid"] for i in llm.executor.memory_info][1:] == [live]  # only it replaced
     assert hung not in {i["pid"] for i in llm.executor.memory_info}
 
 

@@ -2,7 +2,8 @@
 a fault in the compute worker's handling of one sequence comes back over the control
 channel naming it (the step re-runs without it, no worker replaced); a fault in a memory
 worker's handling of one sequence closes that worker's channel, its health names the
-sequence, the engine fails that request, replaces the workers and recomputes the rest.
+sequence, the engine fails that request, recovers the workers (reset: the same processes
+serve on) and recomputes the rest.
 Every other request keeps HF's greedy tokens; every KV slot comes back. Through the
 Python API and through HTTP (the openai client)."""
 import time
@@ -45,10 +46,11 @@ def drain(eng, outs):
 
 
 def faults_fail_alone(llm, tok, prompts, hf_greedy):
-    """A request poisoning the compute side (refused cleanly, nothing replaced) and one
-    poisoning a memory worker (the workers replaced, the other requests recomputed)
-    among the 16 good ones: each fails alone, naming its fault."""
+    """A request poisoning the compute side (refused cleanly, nothing recovered) and one
+    poisoning a memory worker (the workers reset, the other requests recomputed) among
+    the 16 good ones: each fails alone, naming its fault."""
     eng = llm.engine
+    workers = [w._actor_id for w in [*llm.executor.computes, *llm.executor.memory]]
     ids = [eng.add_request(p, GOOD) for p in prompts[:8]]
     outs = {}
     for _ in range(2):
@@ -65,10 +67,11 @@ def faults_fail_alone(llm, tok, prompts, hf_greedy):
     assert outs[bad_m].finish_reason == "error"
     assert f"injected memory fault at position {MEM_POS}" in outs[bad_m].error
     assert "memory worker" in outs[bad_m].error
-    assert eng.num_recoveries == recovered + 1  # only the memory fault replaced workers
+    assert eng.num_recoveries == recovered + 1  # only the memory fault recovered workers
     assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
     health = ray.get([w.health.remote() for w in llm.executor.memory])
-    assert all(h["error"] is None for h in health)  # the replacements are clean
+    assert all(h["error"] is None for h in health)  # reset: the fault's error is gone
+    assert [w._actor_id for w in [*llm.executor.computes, *llm.executor.memory]] == workers
 
 
 def test_compute_and_memory_faults_fail_alone(setup, prompts, hf_greedy):
@@ -77,9 +80,9 @@ def test_compute_and_memory_faults_fail_alone(setup, prompts, hf_greedy):
 
 def test_a_request_every_step_fails_on_is_found_on_ray(setup, prompts, hf_greedy):
     """A fault no sequence is blamed for: layer 2 raises in the compute worker in every
-    step feeding the poison token. The engine replaces the workers max_recoveries times
+    step feeding the poison token. The engine recovers the workers max_recoveries times
     (1 here, to keep the test short), then bisects: the poison request fails alone, the
-    others keep HF's tokens (recomputed on the new workers), every slot comes back."""
+    others keep HF's tokens (recomputed on the reset workers), every slot comes back."""
     llm, _, layer_tok = setup
     eng = llm.engine
     recovered, config = eng.num_recoveries, eng.config

@@ -99,6 +99,37 @@ def test_store_loads_back_what_it_saved_through_host_and_disk(tmp_path, dtype):
     assert not os.listdir(tmp_path)  # its directory goes with it
 
 
+def test_a_new_store_removes_the_folders_of_dead_processes_of_this_machine(tmp_path):
+    """A memory worker killed with sessions on disk leaves its folder; the next store
+    opened on that disk removes it, and only such folders: not a live process's, not
+    another machine's (a shared disk), not what it did not make."""
+    import subprocess
+    import sys
+
+    from lamina.memory.tiers import MACHINE
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid names no process now
+    other = "0123456789ab" if MACHINE != "0123456789ab" else "ba9876543210"
+    names = {"dead": f"lamina-kv-{MACHINE}-{child.pid}-0000abcd",
+             "live": f"lamina-kv-{MACHINE}-{os.getppid()}-0000abcd",
+             "other machine": f"lamina-kv-{other}-{child.pid}-0000abcd",
+             "not ours": f"lamina-kv-{MACHINE}-{child.pid}-notatag",
+             "a file": "lamina-kv-bench-notes"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    (tmp_path / names["a file"]).rmdir()
+    (tmp_path / names["a file"]).write_text("x")
+    (tmp_path / names["dead"] / "w0").mkdir()
+    (tmp_path / names["dead"] / "w0" / "e1.kv").write_bytes(b"kv")
+    store, _ = _store(tmp_path)
+    left = set(os.listdir(tmp_path))
+    assert names["dead"] not in left
+    assert {names[k] for k in ("live", "other machine", "not ours", "a file")} < left
+    assert os.path.basename(os.path.dirname(store.dir)) in left  # its own
+    store.close()
+
+
 @pytest.mark.parametrize("fault", ["truncate", "corrupt", "delete"])
 def test_store_treats_a_bad_file_as_a_miss(tmp_path, caplog, fault):
     store, _ = _store(tmp_path)
