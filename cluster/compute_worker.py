@@ -31,6 +31,7 @@ from lamina.dataplane.transport import (
     Channel,
     ShmRing,
     SocketChannel,
+    close_endpoint,
     connect_stream,
     listen_stream,
     nodelay,
@@ -235,7 +236,7 @@ class ComputeWorker:
             except OSError:
                 pass  # `connect_ring` reports it
             finally:
-                srv.close()
+                close_endpoint(srv)
 
         self._ring_accept = threading.Thread(target=accept, daemon=True)
         self._ring_accept.start()
@@ -263,11 +264,7 @@ class ComputeWorker:
         thread; a second call replaces the first. -> ("unix", path) or ("tcp", host,
         port) for `lamina.cluster.executor.connect_control`."""
         if self._control is not None:  # wake its accept, if still waiting
-            try:
-                self._control.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._control.close()
+            close_endpoint(self._control)
         srv, addr = listen_stream(unix, ray.util.get_node_ip_address(), "control")
         self._control = srv
         threading.Thread(target=self._serve_control, args=(srv,), daemon=True).start()
@@ -279,7 +276,7 @@ class ComputeWorker:
         except OSError:
             return  # replaced before a client came
         finally:
-            srv.close()
+            close_endpoint(srv)
         serve_control(SocketChannel(nodelay(conn)), self.execute)
 
     def execute(self, plan: StepPlan):

@@ -35,6 +35,7 @@ from lamina.dataplane.protocol import MemoryServer
 from lamina.dataplane.transport import (
     ShmRing,
     SocketChannel,
+    close_endpoint,
     listen_stream,
     nodelay,
     shm_enabled,
@@ -81,6 +82,7 @@ class MemoryWorker:
               sparsity=None, connections: int = 1) -> dict:
         """`connections`: how many compute workers it serves (> 1: they share the pool
         under a lock)."""
+        self.close_tiers()  # a second setup (a recovery's): the earlier store goes
         self.memory = MemorySide(KVPool(pool_config), faults=faults, tiers=tiers,
                                  worker=self.index, rope_inv_freq=rope, sparsity=sparsity)
         self.params = list(params)
@@ -135,7 +137,7 @@ class MemoryWorker:
         connection is still being served after `timeout_s` (stuck inside a step): the
         executor replaces this worker instead."""
         for srv in self._listening:  # wakes an `accept` still waiting (Linux: EINVAL)
-            _close_endpoint(srv)
+            close_endpoint(srv)
         for s in self.servers:  # wakes a read or write still blocked on the socket
             _shut(getattr(s.ch, "sock", None))
         deadline = time.monotonic() + timeout_s
@@ -260,22 +262,8 @@ def _accept(srv: socket.socket) -> socket.socket | None:
         conn = nodelay(srv.accept()[0])
     except OSError:
         return None
-    _close_endpoint(srv)
+    close_endpoint(srv)
     return conn
-
-
-def _close_endpoint(srv: socket.socket) -> None:
-    """A listening socket shut, its Unix socket file and folder removed, closed (a
-    second call does nothing)."""
-    if srv.fileno() < 0:
-        return
-    path = srv.getsockname() if srv.family == socket.AF_UNIX else None
-    _shut(srv)
-    srv.close()
-    if path:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-            os.rmdir(os.path.dirname(path))
 
 
 def _shut(sock: socket.socket | None) -> None:

@@ -470,6 +470,26 @@ def listen_stream(unix: bool, host: str, name: str) -> tuple[socket.socket, tupl
     return srv, addr
 
 
+def close_endpoint(srv: socket.socket) -> None:
+    """A `listen_stream` socket shut (waking an `accept` still waiting: EINVAL on Linux),
+    closed, and its Unix socket file and the folder made for it removed. A second call
+    does nothing."""
+    if srv.fileno() < 0:
+        return
+    path = srv.getsockname() if srv.family == socket.AF_UNIX else None
+    try:
+        srv.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    srv.close()
+    if path:
+        try:
+            os.remove(path)
+            os.rmdir(os.path.dirname(path))
+        except OSError:
+            pass
+
+
 def nodelay(conn: socket.socket) -> socket.socket:
     """TCP sockets send small frames at once (no Nagle delay); Unix ones as they are."""
     if conn.family == socket.AF_INET:

@@ -225,3 +225,31 @@ def test_dropped_keys_frame_round_trips_and_refuses_a_bad_one():
     for bad in ([9, 3, 4, 2], [9], [9, -1]):  # a count past the end, no count, negative
         with pytest.raises(FrameError, match="memory worker 1: bad dropped-keys frame"):
             decode_dropped(torch.tensor(bad, dtype=torch.int32), 1)
+
+
+@pytest.mark.parametrize("unix", [True, False])
+def test_closing_an_endpoint_wakes_its_accept_and_leaves_no_file(unix):
+    """`close_endpoint`: an `accept` still waiting ends at once (a recovery closes the
+    endpoints nobody connected to), and a Unix endpoint's socket file and folder go."""
+    import os
+    import threading
+
+    from lamina.dataplane.transport import close_endpoint, listen_stream
+
+    srv, addr = listen_stream(unix, "127.0.0.1", "probe")
+    woke = []
+
+    def accept():
+        try:
+            srv.accept()
+        except OSError as e:
+            woke.append(e)
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    close_endpoint(srv)
+    t.join(5)
+    assert not t.is_alive() and len(woke) == 1
+    if unix:
+        assert not os.path.exists(addr[1]) and not os.path.exists(os.path.dirname(addr[1]))
+    close_endpoint(srv)  # again: nothing
