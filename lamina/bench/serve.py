@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -130,23 +131,27 @@ def bench_serve(model=None, executors=("local", "ray"), concurrency=(1, 4, 16),
 
     from lamina.model.loader import export_hf_folder, load
 
+    # the tokenizer, vLLM's copy of the weights and guidellm's reports: gone at the end
     tmp = Path(tempfile.mkdtemp(prefix="lamina-bench-serve-"))
     tok_dir, model_dir = tmp / "tokenizer", tmp / "model"
-    loaded = load(model)  # fp32: the cached conversion, for the tokenizer
-    loaded.tokenizer.save_pretrained(tok_dir)
-    if vllm_python:  # vLLM reads an HF folder of the weights in `dtype`
-        loaded = load(model, dtype=getattr(torch, dtype))
-        export_hf_folder(loaded.model, loaded.tokenizer, model_dir)
-    levels = [(c, requests or max(8, 2 * c)) for c in concurrency]
-    rows = []
-    for name, (cmd, env) in _servers(executors, dtype, memory_workers, vllm_python,
-                                     str(model_dir)).items():
-        try:
-            rows += _levels(name, cmd, env, levels, str(tok_dir), prompt_tokens,
-                            output_tokens, tmp)
-        except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, OSError) as e:
-            rows.append({"server": name, "error": str(e)[-800:]})
-            print(f"{name}: {rows[-1]['error']}", flush=True)
+    rows: list[dict] = []
+    try:
+        loaded = load(model)  # fp32: the cached conversion, for the tokenizer
+        loaded.tokenizer.save_pretrained(tok_dir)
+        if vllm_python:  # vLLM reads an HF folder of the weights in `dtype`
+            loaded = load(model, dtype=getattr(torch, dtype))
+            export_hf_folder(loaded.model, loaded.tokenizer, model_dir)
+        levels = [(c, requests or max(8, 2 * c)) for c in concurrency]
+        for name, (cmd, env) in _servers(executors, dtype, memory_workers, vllm_python,
+                                         str(model_dir)).items():
+            try:
+                rows += _levels(name, cmd, env, levels, str(tok_dir), prompt_tokens,
+                                output_tokens, tmp)
+            except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, OSError) as e:
+                rows.append({"server": name, "error": str(e)[-800:]})
+                print(f"{name}: {rows[-1]['error']}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     _ratios(rows)
     result = {"when": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
               "cores": os.cpu_count(), "dtype": dtype, "prompt_tokens": prompt_tokens,
