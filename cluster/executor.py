@@ -179,6 +179,7 @@ class RayExecutor(Executor):
         self.replica_split = ReplicaSplit(r_n) if r_n > 1 and not self.ring else None
         self._ring_pool = ThreadPoolExecutor(r_n, "lamina-ring") if self.ring else None
         self._told_dropped = False  # the ring's one log line about dropped keys
+        self._replaced = {"compute": 0, "memory": 0}  # by recoveries, so far
         self.dense = self._get(self.compute.dense_choice.remote(), "the compute worker")
         self.memory = []
         self._start_memory()
@@ -357,6 +358,7 @@ class RayExecutor(Executor):
             if not self._reset(compute, f"compute worker {r}", self.ping_timeout_s):
                 ray.kill(compute)
                 self.computes[r] = self._new_compute(r)
+                self._replaced["compute"] += 1
         self._close_control()
         if self.replica_split is not None:
             self.replica_split.reset()
@@ -371,10 +373,14 @@ class RayExecutor(Executor):
             else:
                 ray.kill(self.memory[i])
                 self.memory[i] = self._new_memory(i)
+                self._replaced["memory"] += 1
         log.info("recovery: memory workers %s kept, %s replaced", sorted(kept),
                  sorted(set(range(len(self.memory))) - kept))
         self._start_memory(frozenset(kept))
         return True
+
+    def workers_replaced(self) -> dict[str, int]:
+        return dict(self._replaced)
 
     @staticmethod
     def _reset(target, who: str, timeout: float | None = None) -> bool:

@@ -33,11 +33,18 @@ class EngineMetrics:
         self.steps = Counter("lamina_engine_steps", "Engine steps run", registry=r)
         self.preemptions = Counter("lamina_preemptions", "Sequences preempted and "
                                    "recomputed later", registry=r)
-        self.recoveries = Counter("lamina_recoveries", "Failed steps recovered (workers "
-                                  "replaced, running sequences recomputed)", registry=r)
+        self.recoveries = Counter("lamina_recoveries", "Failed steps recovered (live "
+                                  "workers reset, dead or stuck ones replaced; running "
+                                  "sequences recomputed)", registry=r)
         self._recovered = 0
         self.recovery_s = Gauge("lamina_last_recovery_seconds", "How long the latest "
-                                "recovery took (workers replaced)", registry=r)
+                                "recovery of the workers took", registry=r)
+        self.replaced = Counter("lamina_workers_replaced", "Workers recoveries replaced "
+                                "(dead, hung, or stuck in a failed step)", ["role"],
+                                registry=r)
+        self._replaced: dict[str, int] = {}
+        for role in ("compute", "memory"):  # both series from the start, at 0
+            self.replaced.labels(role)
         self.culprits = Counter("lamina_culprits", "Requests found behind steps that kept "
                                 "failing with no request named (each failed alone)",
                                 registry=r)
@@ -83,6 +90,10 @@ class EngineMetrics:
             self.recoveries.inc(engine.num_recoveries - self._recovered)
             self._recovered = engine.num_recoveries
             self.recovery_s.set(engine.last_recovery_s or 0.0)
+            for role, n in engine.executor.workers_replaced().items():
+                if n > self._replaced.get(role, 0):
+                    self.replaced.labels(role).inc(n - self._replaced.get(role, 0))
+                    self._replaced[role] = n
         if engine.num_culprits > self._culprits:
             self.culprits.inc(engine.num_culprits - self._culprits)
             self._culprits = engine.num_culprits

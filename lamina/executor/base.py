@@ -41,10 +41,17 @@ class Executor(ABC):
         return {}
 
     def recover(self, error: BaseException) -> bool:
-        """After `execute` raised `error`: bring the workers back (replacing dead ones) so
-        steps can run again. True if it did; every memory worker's KV is then empty, and
-        the engine recomputes what it held. False (the default): not recoverable."""
+        """After `execute` raised `error`: bring the workers back (resetting live ones,
+        replacing dead ones) so steps can run again. True if it did; the engine then
+        recomputes every running sequence's KV. False (the default): not recoverable."""
         return False
+
+    def workers_replaced(self) -> dict[str, int]:
+        """How many workers recoveries have replaced so far, by role ("compute",
+        "memory"): processes that died, hung, or stuck inside a failed step (an
+        operator's sign of failing hardware, not of failing requests). Empty when the
+        executor has no processes of its own to replace."""
+        return {}
 
     def start_trace(self) -> None:
         """Record every device's timeline (`lamina.trace`) from the next step on."""

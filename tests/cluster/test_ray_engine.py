@@ -210,6 +210,7 @@ def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_gr
     assert {s.worker for s in eng.scheduler.running} == {0, 1}  # both hold KV
     old = [w._actor_id for w in llm.executor.memory]
     old_pids = [i["pid"] for i in llm.executor.memory_info]
+    replaced = llm.executor.workers_replaced()
     ray.kill(llm.executor.memory[1])
     out = {}
     while eng.has_unfinished():
@@ -220,6 +221,8 @@ def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_gr
     assert all(out[i].metrics["preemptions"] == 1 for i in ids)
     new = [w._actor_id for w in llm.executor.memory]
     assert new[0] == old[0] and new[1] != old[1]
+    assert llm.executor.workers_replaced() == {"compute": replaced["compute"],
+                                               "memory": replaced["memory"] + 1}
     pids = [i["pid"] for i in llm.executor.memory_info]
     assert pids[0] == old_pids[0] and pids[1] != old_pids[1]
     assert pids == [ray.get(w.__ray_call__.remote(lambda _: os.getpid()))
@@ -240,6 +243,7 @@ def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_g
         eng.step()
     old = llm.executor.compute._actor_id
     memory = [w._actor_id for w in llm.executor.memory]
+    replaced = llm.executor.workers_replaced()
     ray.kill(llm.executor.compute)
     out = {}
     while eng.has_unfinished():
@@ -250,6 +254,8 @@ def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_g
     assert "compute worker hung up" in eng.recoveries[-1]
     assert llm.executor.compute._actor_id != old
     assert [w._actor_id for w in llm.executor.memory] == memory  # alive: reset, kept
+    assert llm.executor.workers_replaced() == {"compute": replaced["compute"] + 1,
+                                               "memory": replaced["memory"]}
 
 
 def _stuck(worker) -> None:

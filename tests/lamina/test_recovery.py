@@ -48,6 +48,9 @@ class FlakyExecutor(LocalExecutor):
         self.recovered += 1
         return True
 
+    def workers_replaced(self):
+        return {"memory": self.recovered, "compute": 0}  # as if memory worker 1 came back
+
 
 def flaky_engine(smol, smol_split, fail_on, workers=2, slots=2000, **kw):
     cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=workers, **kw)
@@ -176,6 +179,8 @@ def test_engine_loop_keeps_serving_through_a_recovery(smol, smol_split, prompts,
         assert loop.alive and loop.stats["finished"] == len(PICK)
         value = metrics.registry.get_sample_value
         assert value("lamina_recoveries_total") == 1
+        assert value("lamina_workers_replaced_total", {"role": "memory"}) == 1
+        assert value("lamina_workers_replaced_total", {"role": "compute"}) == 0
         assert value("lamina_generation_tokens_total") == 16 * len(PICK)
         # nothing running: every live slot is a cached prefix
         assert value("lamina_kv_slots_used", {"memory_worker": "0"}) == value(
