@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from lamina import LLM, SamplingParams
-from lamina.bench.common import _write, cpu_name
+from lamina.bench.common import _write, clocked, cpu_name
 from lamina.bench.e2e import _prompts
 from lamina.faults import FaultPlan
 
@@ -61,7 +61,7 @@ def main() -> None:
               num_memory_workers=2 if args.executor == "ray" else 1)
     # one engine for both runs: the fault only fires on steps that feed the poison token
     poisoned = clean = LLM(faults=FaultPlan(compute_layer=2, layer_token=bad), **kw)
-    recover_s = timed(poisoned.executor)
+    recover_s = clocked(poisoned.executor, "recover")
     rows, table = [], [["B", "clean s", "with poison s", "x", "failed steps",
                         "of them the search's", "recover s", "same tokens"]]
     for b in args.batch:
@@ -94,21 +94,6 @@ def main() -> None:
     for path in _write(Path(args.out), name, result, table):
         print("wrote", path)
     poisoned.shutdown()
-
-
-def timed(executor) -> list[float]:
-    """Every `executor.recover` call's seconds, appended to the list returned."""
-    took, recover = [], executor.recover
-
-    def timed_recover(error):
-        t = time.perf_counter()
-        try:
-            return recover(error)
-        finally:
-            took.append(time.perf_counter() - t)
-
-    executor.recover = timed_recover
-    return took
 
 
 if __name__ == "__main__":

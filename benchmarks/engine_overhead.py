@@ -13,7 +13,6 @@ over the rounds.
 from __future__ import annotations
 
 import argparse
-import collections
 import platform
 import statistics
 import time
@@ -22,38 +21,22 @@ import time
 def _timed_pieces(llm) -> dict[str, list[float]]:
     """Wrap the compute side's per-step bookkeeping (slot tables, packing, the link's
     step start) with timers; -> their times by piece."""
+    from lamina.bench.common import clocked
+
     compute = llm.executor.compute
     pieces = {"tables": (compute.tables, "apply"), "pack": (compute, "_pack"),
               "begin": (llm.executor.link, "begin")}
-    times: dict[str, list[float]] = collections.defaultdict(list)
-    for name, (obj, method) in pieces.items():
-        inner = getattr(obj, method)
-
-        def wrapped(*a, _inner=inner, _name=name, **kw):
-            t = time.perf_counter()
-            try:
-                return _inner(*a, **kw)
-            finally:
-                times[_name].append(time.perf_counter() - t)
-
-        setattr(obj, method, wrapped)
-    return times
+    return {name: clocked(obj, method) for name, (obj, method) in pieces.items()}
 
 
 def one_round(llm, B: int, steps: int, pieces: dict[str, list[float]]) -> dict:
     from lamina import SamplingParams
 
     eng, ex = llm.engine, llm.executor
-    inner, spent = ex.execute, []
+    from lamina.bench.common import clocked
 
-    def timed(plan):
-        t = time.perf_counter()
-        try:
-            return inner(plan)
-        finally:
-            spent.append(time.perf_counter() - t)
-
-    ex.execute = timed
+    inner = ex.execute  # put back after this round (rounds repeat)
+    spent = clocked(ex, "execute")
     tok = llm.loaded.tokenizer
     sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=0.0)
     for i in range(B):

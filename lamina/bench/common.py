@@ -46,6 +46,22 @@ def median_ms(fn, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def clocked(obj, method: str) -> list[float]:
+    """Wrap `obj.method` so every call's seconds (raised or not) are appended to the list
+    returned (a probe's view of one stage, e.g. an executor's `execute` or `recover`)."""
+    took, inner = [], getattr(obj, method)
+
+    def timed(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kw)
+        finally:
+            took.append(time.perf_counter() - t)
+
+    setattr(obj, method, timed)
+    return took
+
+
 def pct(xs, q):
     """The q-quantile of xs (Nones dropped; nearest rank), or None when empty."""
     xs = sorted(x for x in xs if x is not None)
