@@ -354,48 +354,47 @@ class RayExecutor(Executor):
         step) replaced; all are wired afresh and the engine recomputes every sequence's
         KV. Keeping a worker saves its start (a process, the model, a pool): seconds
         each. False if the cluster cannot give new workers."""
-        for r, compute in enumerate(self.computes):
-            if not self._reset(compute, f"compute worker {r}", self.ping_timeout_s):
-                ray.kill(compute)
-                self.computes[r] = self._new_compute(r)
-                self._replaced["compute"] += 1
+        for r in self._reset_all("compute", self.ping_timeout_s):
+            ray.kill(self.computes[r])
+            self.computes[r] = self._new_compute(r)
         self._close_control()
         if self.replica_split is not None:
             self.replica_split.reset()
         # a memory worker's serving ends once its compute workers hung up (above)
-        wait = self.health_timeout_s
-        refs = [w.reset.remote(wait / 2) for w in self.memory]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
-        kept = set()
-        for i, ref in enumerate(refs):
-            if ref in ready and self._reset(ref, f"memory worker {i}"):
-                kept.add(i)
-            else:
-                ray.kill(self.memory[i])
-                self.memory[i] = self._new_memory(i)
-                self._replaced["memory"] += 1
-        log.info("recovery: memory workers %s kept, %s replaced", sorted(kept),
-                 sorted(set(range(len(self.memory))) - kept))
-        self._start_memory(frozenset(kept))
+        lost = self._reset_all("memory", self.health_timeout_s)
+        for i in lost:
+            ray.kill(self.memory[i])
+            self.memory[i] = self._new_memory(i)
+        self._start_memory(frozenset(range(len(self.memory))) - lost)
         return True
 
     def workers_replaced(self) -> dict[str, int]:
         return dict(self._replaced)
 
-    @staticmethod
-    def _reset(target, who: str, timeout: float | None = None) -> bool:
-        """A worker's `reset` answer (`target`: the worker, asked here with `timeout`,
-        or the reference of a call already made and answered) -> True if it was reset;
-        False (logged) if it died, hung or could not reset."""
-        try:  # (the worker's own wait is the shorter, so its answer comes in time)
-            ref = target if timeout is None else target.reset.remote(timeout / 2)
-            if ray.get(ref, timeout=timeout):
-                return True
-            why = "still inside the failed step"
-        except Exception as e:  # noqa: BLE001 - dead or hung: start another
-            why = f"{type(e).__name__}: {e}"
-        log.warning("%s not reusable (%s); starting a new one", who, why)
-        return False
+    def _reset_all(self, role: str, wait: float) -> frozenset[int]:
+        """Ask every worker of `role` ("compute", "memory") to `reset`, all at once, each
+        with half of `wait` for its own part; -> the indices of those that did not (dead,
+        hung, or still inside the failed step; logged and counted: the caller replaces
+        them)."""
+        workers = self.computes if role == "compute" else self.memory
+        refs = [w.reset.remote(wait / 2) for w in workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+        lost = set()
+        for i, ref in enumerate(refs):
+            why = f"no answer within {wait:g} s"
+            if ref in ready:
+                try:
+                    if ray.get(ref):
+                        continue
+                    why = "still inside the failed step"
+                except Exception as e:  # noqa: BLE001 - dead: start another
+                    why = f"{type(e).__name__}: {e}"
+            log.warning("%s worker %d not reusable (%s); starting a new one", role, i, why)
+            lost.add(i)
+        self._replaced[role] += len(lost)
+        log.info("recovery: %s workers %s reset and kept, %s replaced", role,
+                 sorted(set(range(len(workers))) - lost), sorted(lost))
+        return frozenset(lost)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """A failed step raises `SequenceFault` when the compute worker or a memory worker
