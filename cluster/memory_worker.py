@@ -200,6 +200,8 @@ class MemoryWorker:
         ready.set()
 
     def _serve_rdma(self, n: int, replica: int):
+        # (its thread waits for `accept_rdma`, and a connected one on its queue pair: a
+        # `reset` cannot end either, so a recovery replaces a worker serving RDMA)
         from lamina.dataplane.rdma import RdmaChannel
 
         verbs, ready = self._rdma[n]
@@ -208,12 +210,16 @@ class MemoryWorker:
 
     def _serve(self, srv, rings, replica: int):
         conn = _accept(srv)
+        # the rings' names go now: the compute worker mapped them before it connected
+        # (or never will: `reset` closed the endpoint first)
+        for r in rings or ():
+            r.unlink()
+            if conn is None:
+                r.close()
         if conn is None:
             return
-        if rings:  # the compute worker mapped them before connecting
+        if rings:
             c2m, m2c = rings
-            for r in rings:
-                r.unlink()
             ch = SocketChannel(conn, ring_out=m2c, ring_in=c2m)
         else:
             ch = SocketChannel(conn)

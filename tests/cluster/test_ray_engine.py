@@ -270,8 +270,8 @@ def _stuck(worker) -> None:
 
 def test_a_memory_worker_resets_for_reuse_unless_a_connection_is_stuck(llm):
     """`MemoryWorker.reset`: endpoints nobody connected to are closed at once (their
-    socket files gone) and it answers ready; a serving thread still running past the
-    timeout makes it answer False (recovery then replaces it)."""
+    socket files and shared-memory rings gone) and it answers ready; a serving thread
+    still running past the timeout makes it answer False (recovery then replaces it)."""
     from lamina.cluster.memory_worker import MemoryWorker
     from lamina.dataplane.transport import connect_stream
     from lamina.kernels import AttentionParams
@@ -279,11 +279,13 @@ def test_a_memory_worker_resets_for_reuse_unless_a_connection_is_stuck(llm):
 
     w = MemoryWorker.options(num_cpus=0).remote(7)
     ray.get(w.setup.remote(KVPoolConfig(2, 16, 2, 4), [AttentionParams(0.5)] * 2))
-    unix, tcp = ray.get([w.listen.remote("unix"), w.listen.remote("tcp")])
+    unix, tcp, shm = ray.get([w.listen.remote(k) for k in ("unix", "tcp", "unix+shm")])
+    rings = shm[2:4] if len(shm) == 5 else ()  # (none where shared memory is off)
+    assert all(os.path.exists(r) for r in rings)
     t = time.monotonic()
     assert ray.get(w.reset.remote(5.0)) is True
     assert time.monotonic() - t < 2  # the waiting accepts woke at once
-    assert not os.path.exists(unix[1])
+    assert not any(os.path.exists(p) for p in (unix[1], shm[1], *rings))
     for kind, where in (("unix", unix[1]), ("tcp", tcp[1:])):
         with pytest.raises(OSError):
             connect_stream(kind, where).recv(1)  # refused, or closed at once
