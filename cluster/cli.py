@@ -111,6 +111,9 @@ def _print_status(s: dict, as_json: bool) -> int:
     print(f"  queue: {s['waiting']} waiting, {s['running']} running; finished "
           f"{s['finished']}, aborted {s['aborted']}, failed {s['failed']}, "
           f"rejected {s['rejected']}")
+    replaced = ", ".join(f"{n} {role}" for role, n in s["workers_replaced"].items())
+    print(f"  recoveries: {s['recoveries']} failed steps recovered; workers replaced: "
+          f"{replaced}")
     return 0
 
 

@@ -102,7 +102,8 @@ class LaminaService:
         return True
 
     def status(self) -> dict:
-        """Workers and their nodes, KV use per memory worker, queue, counters."""
+        """Workers and their nodes, KV use per memory worker, queue, counters (failed
+        steps recovered, workers replaced by role)."""
         eng, ex = self.llm.engine, self.llm.executor
         caches = eng.scheduler.caches or [None] * len(eng.allocs)
         kv = [{"worker": i, "free": f, "cached": c.size if c is not None else 0,
@@ -119,6 +120,7 @@ class LaminaService:
                 "uptime_s": round(time.time() - self.started, 1), "pid": os.getpid(),
                 "workers": workers, "kv": kv, "waiting": self.loop.waiting(),
                 "running": len(eng.scheduler.running), **self.loop.stats,
+                "recoveries": eng.num_recoveries, "workers_replaced": ex.workers_replaced(),
                 "placement_group": ex.placement.group.id.hex()}
 
     def tokenizer(self):

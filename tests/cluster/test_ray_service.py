@@ -167,6 +167,31 @@ def test_abort_frees_the_requests_kv(cluster, prompts):
     assert client.status()["aborted"] >= 1
 
 
+def test_killed_memory_workers_are_replaced_under_the_service(cluster, prompts, hf_greedy):
+    """Deployed once, the service recovers by itself: both memory workers killed (kill
+    -9) mid-generation are replaced, the request still ends with HF's greedy tokens, and
+    `status` counts the recovery and the replacements."""
+    from ray.util.state import list_actors
+
+    client = lamina.connect(cluster["cluster"].address)
+    before = client.status()
+    pids = [a.pid for a in list_actors(filters=[("state", "=", "ALIVE"),
+                                                ("class_name", "=", "MemoryWorker")])]
+    assert len(pids) == 2
+    h = client.submit(prompts[8], SamplingParams(max_tokens=HF_NEW, temperature=0))
+    next(iter(h))  # running: its prompt's KV is on the workers
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    assert h.result().token_ids == hf_greedy[8]
+    s = client.status()
+    assert s["alive"] and s["recoveries"] == before["recoveries"] + 1
+    assert s["workers_replaced"] == {"compute": before["workers_replaced"]["compute"],
+                                     "memory": before["workers_replaced"]["memory"] + 2}
+    n = s["workers_replaced"]
+    assert (f"workers replaced: {n['compute']} compute, {n['memory']} memory"
+            in lamina_cmd(cluster, "status").stdout)
+
+
 @pytest.fixture(scope="module")
 def local_greedy():
     """`LLM.generate` in this process (local executor): the reference for job outputs."""
