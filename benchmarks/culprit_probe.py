@@ -60,22 +60,22 @@ def main() -> None:
     kw = dict(num_kv_slots=8192, max_batch=64, max_step_tokens=4096, executor=args.executor,
               num_memory_workers=2 if args.executor == "ray" else 1)
     # one engine for both runs: the fault only fires on steps that feed the poison token
-    poisoned = clean = LLM(faults=FaultPlan(compute_layer=2, layer_token=bad), **kw)
-    recover_s = clocked(poisoned.executor, "recover")
+    llm = LLM(faults=FaultPlan(compute_layer=2, layer_token=bad), **kw)
+    eng, recover_s = llm.engine, clocked(llm.executor, "recover")
     rows, table = [], [["B", "clean s", "with poison s", "x", "failed steps",
                         "of them the search's", "recover s", "same tokens"]]
     for b in args.batch:
-        prompts = _prompts(clean.loaded.tokenizer, b, 64)
+        prompts = _prompts(llm.loaded.tokenizer, b, 64)
         assert all(bad not in x for x in prompts)
         poison = prompts[0][:63] + [bad]
         t_clean, t_poison, failed, searched, same = [], [], [], [], True
         for _ in range(args.repeat):
-            s, want = run(clean, prompts, None)
+            s, want = run(llm, prompts, None)
             t_clean.append(s)
-            n0, max_rec = poisoned.engine.num_recoveries, poisoned.engine.config.max_recoveries
-            s, got = run(poisoned, prompts, poison)
+            n0, max_rec = eng.num_recoveries, eng.config.max_recoveries
+            s, got = run(llm, prompts, poison)
             t_poison.append(s)
-            failed.append(poisoned.engine.num_recoveries - n0)
+            failed.append(eng.num_recoveries - n0)
             searched.append(failed[-1] - (max_rec + 1))
             same &= got == want
         c, p = statistics.median(t_clean), statistics.median(t_poison)
@@ -93,7 +93,7 @@ def main() -> None:
     name = "culprit_probe" + ("_ray" if args.executor == "ray" else "")
     for path in _write(Path(args.out), name, result, table):
         print("wrote", path)
-    poisoned.shutdown()
+    llm.shutdown()
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from lamina.dataplane.transport import (
     connect_stream,
     listen_stream,
     nodelay,
+    shut,
 )
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.memory.pool import KVPoolConfig
@@ -216,12 +217,7 @@ class ComputeWorker:
         """Wake a step blocked on its peers (another replica of its ring failed): shut
         its data-plane and ring sockets down, so it fails at once; `recover` rewires."""
         for ch in (*self.channels, self._ring_out, self._ring_in):
-            sock = getattr(ch, "sock", None)
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            shut(getattr(ch, "sock", None))
 
     def listen_ring(self, unix: bool) -> tuple:
         """Open the endpoint the previous replica of a ring connects to (accepted on a

@@ -239,10 +239,11 @@ class RayExecutor(Executor):
         tiers = cfg.tiers if cfg.tiers.enabled else None
         rope = self._get(self.compute.rotary.remote(), "the compute worker") if tiers else None
         fresh = [i for i in range(len(self.memory)) if i not in kept]
-        info = self._get([self.memory[i].setup.remote(pool_cfg, params, cfg.faults, tiers,
-                                                      rope, sparsity, len(self.computes))
-                          for i in fresh], "the memory workers")
-        self.memory_info = [info[fresh.index(i)] if i in fresh else self.memory_info[i]
+        info = dict(zip(fresh, self._get(
+            [self.memory[i].setup.remote(pool_cfg, params, cfg.faults, tiers, rope, sparsity,
+                                         len(self.computes)) for i in fresh],
+            "the memory workers")))
+        self.memory_info = [info[i] if i in info else self.memory_info[i]
                             for i in range(len(self.memory))]
         self._rotary = rope is not None
         nodes = self._get([w.__ray_call__.remote(
@@ -381,16 +382,11 @@ class RayExecutor(Executor):
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
         lost = set()
         for i, ref in enumerate(refs):
-            why = f"no answer within {wait:g} s"
-            if ref in ready:
-                try:
-                    if ray.get(ref):
-                        continue
-                    why = "still inside the failed step"
-                except Exception as e:  # noqa: BLE001 - dead: start another
-                    why = f"{type(e).__name__}: {e}"
-            log.warning("%s worker %d not reusable (%s); starting a new one", role, i, why)
-            lost.add(i)
+            why = _not_reset(ref) if ref in ready else f"no answer within {wait:g} s"
+            if why is not None:
+                log.warning("%s worker %d not reusable (%s); starting a new one", role, i,
+                            why)
+                lost.add(i)
         self._replaced[role] += len(lost)
         log.info("recovery: %s workers %s reset and kept, %s replaced", role,
                  sorted(set(range(len(workers))) - lost), sorted(lost))
@@ -561,6 +557,14 @@ class RayExecutor(Executor):
         if self._ring_pool is not None:
             self._ring_pool.shutdown(wait=False)
         self.placement.remove()
+
+
+def _not_reset(ref) -> str | None:
+    """Why a worker's answered `reset` call did not reset it (None: it did)."""
+    try:
+        return None if ray.get(ref) else "still inside the failed step"
+    except Exception as e:  # noqa: BLE001 - it died: the caller starts another
+        return f"{type(e).__name__}: {e}"
 
 
 def transport(address: tuple) -> str:

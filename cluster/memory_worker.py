@@ -13,7 +13,6 @@ Ray only creates, configures and supervises it (setup / listen / health calls).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -39,6 +38,7 @@ from lamina.dataplane.transport import (
     listen_stream,
     nodelay,
     shm_enabled,
+    shut,
 )
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool
@@ -139,7 +139,7 @@ class MemoryWorker:
         for srv in self._listening:  # wakes an `accept` still waiting (Linux: EINVAL)
             close_endpoint(srv)
         for s in self.servers:  # wakes a read or write still blocked on the socket
-            _shut(getattr(s.ch, "sock", None))
+            shut(getattr(s.ch, "sock", None))
         deadline = time.monotonic() + timeout_s
         threads = self._threads + [s.send_thread for s in self.servers]
         for t in threads:
@@ -270,9 +270,3 @@ def _accept(srv: socket.socket) -> socket.socket | None:
         return None
     close_endpoint(srv)
     return conn
-
-
-def _shut(sock: socket.socket | None) -> None:
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)

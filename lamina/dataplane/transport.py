@@ -470,6 +470,17 @@ def listen_stream(unix: bool, host: str, name: str) -> tuple[socket.socket, tupl
     return srv, addr
 
 
+def shut(sock: socket.socket | None) -> None:
+    """Shut a socket down both ways (None: nothing), waking a thread blocked reading,
+    writing or accepting on it; closing it would not. Already shut or closed: nothing."""
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def close_endpoint(srv: socket.socket) -> None:
     """A `listen_stream` socket shut (waking an `accept` still waiting: EINVAL on Linux),
     closed, and its Unix socket file and the folder made for it removed. A second call
@@ -477,10 +488,7 @@ def close_endpoint(srv: socket.socket) -> None:
     if srv.fileno() < 0:
         return
     path = srv.getsockname() if srv.family == socket.AF_UNIX else None
-    try:
-        srv.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
+    shut(srv)
     srv.close()
     if path:
         try:
