@@ -112,8 +112,8 @@ def _print_status(s: dict, as_json: bool) -> int:
           f"{s['finished']}, aborted {s['aborted']}, failed {s['failed']}, "
           f"rejected {s['rejected']}")
     replaced = ", ".join(f"{n} {role}" for role, n in s["workers_replaced"].items())
-    print(f"  recoveries: {s['recoveries']} failed steps recovered; workers replaced: "
-          f"{replaced}")
+    print(f"  recoveries: {s['recoveries']} failed steps recovered, the KV of "
+          f"{s['kv_kept_tokens']} positions kept through them; workers replaced: {replaced}")
     return 0
 
 

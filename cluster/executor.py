@@ -180,6 +180,7 @@ class RayExecutor(Executor):
         self._ring_pool = ThreadPoolExecutor(r_n, "lamina-ring") if self.ring else None
         self._told_dropped = False  # the ring's one log line about dropped keys
         self._replaced = {"compute": 0, "memory": 0}  # by recoveries, so far
+        self._kv_kept: frozenset[int] = frozenset()  # pools the latest recovery kept
         self.dense = self._get(self.compute.dense_choice.remote(), "the compute worker")
         self.memory = []
         self._start_memory()
@@ -212,9 +213,10 @@ class RayExecutor(Executor):
         return MemoryWorker.options(**self._m_opts, **self.placement.memory(i)).remote(
             i, self.threads)
 
-    def _start_memory(self, kept: frozenset[int] = frozenset()) -> None:
+    def _start_memory(self, kept: frozenset[int] = frozenset()) -> frozenset[int]:
         """Fresh memory workers (empty pools) in every place but `kept` (workers `reset`
-        by a recovery, already set up), all wired to the compute workers."""
+        by a recovery, already set up), all wired to the compute workers; -> the workers
+        whose pools were kept (`kept`, or none when every pool had to be set up again)."""
         cfg = self.config
         if not self.memory:
             self.memory = [self._new_memory(i) for i in range(cfg.num_memory_workers)]
@@ -257,6 +259,7 @@ class RayExecutor(Executor):
         self.nodes = {"compute": computes[0], "computes": computes, "memory": nodes}
         if self.ring:
             self._wire_ring(computes)
+        return kept
 
     def _wire_ring(self, nodes: list[str]) -> None:
         """Connect each compute worker to the next (a Unix socket on one node, else TCP):
@@ -352,9 +355,10 @@ class RayExecutor(Executor):
         """After a step broke off mid-way: every worker that is alive and done with the
         step is reset and kept (its slot tables and per-sequence state dropped, as if
         new; the pools' bytes stay), every other one (dead, hung, or still stuck in the
-        step) replaced; all are wired afresh and the engine recomputes every sequence's
-        KV. Keeping a worker saves its start (a process, the model, a pool): seconds
-        each. False if the cluster cannot give new workers."""
+        step) replaced; all are wired afresh. A kept memory worker keeps its pool's bytes
+        (`kv_kept`), so the engine recomputes only the KV that was on replaced ones.
+        Keeping a worker saves its start (a process, the model, a pool): seconds each.
+        False if the cluster cannot give new workers."""
         for r in self._reset_all("compute", self.ping_timeout_s):
             ray.kill(self.computes[r])
             self.computes[r] = self._new_compute(r)
@@ -366,11 +370,14 @@ class RayExecutor(Executor):
         for i in lost:
             ray.kill(self.memory[i])
             self.memory[i] = self._new_memory(i)
-        self._start_memory(frozenset(range(len(self.memory))) - lost)
+        self._kv_kept = self._start_memory(frozenset(range(len(self.memory))) - lost)
         return True
 
     def workers_replaced(self) -> dict[str, int]:
         return dict(self._replaced)
+
+    def kv_kept(self) -> frozenset[int]:
+        return self._kv_kept
 
     def _reset_all(self, role: str, wait: float) -> frozenset[int]:
         """Ask every worker of `role` ("compute", "memory") to `reset`, all at once, each

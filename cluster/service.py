@@ -120,7 +120,8 @@ class LaminaService:
                 "uptime_s": round(time.time() - self.started, 1), "pid": os.getpid(),
                 "workers": workers, "kv": kv, "waiting": self.loop.waiting(),
                 "running": len(eng.scheduler.running), **self.loop.stats,
-                "recoveries": eng.num_recoveries, "workers_replaced": ex.workers_replaced(),
+                "recoveries": eng.num_recoveries, "kv_kept_tokens": eng.kv_kept_tokens,
+                "workers_replaced": ex.workers_replaced(),
                 "placement_group": ex.placement.group.id.hex()}
 
     def tokenizer(self):

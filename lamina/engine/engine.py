@@ -5,8 +5,9 @@ Data out: `RequestOutput`s when requests finish, and for streamed requests a par
 (`finished=False`) every step they draw a token. Bad requests are rejected in
 `add_request` before anything is scheduled; other requests keep running. `abort` drops a
 request (a client went away) and frees its KV. A failed step (a dead worker) is
-recovered when the executor can replace its workers: the running sequences are recomputed
-and nothing is lost (up to `EngineConfig.max_recoveries` failed steps in a row);
+recovered when the executor can replace its workers: the running sequences keep the KV
+their workers' kept pools hold and recompute the rest, and nothing is lost (up to
+`EngineConfig.max_recoveries` failed steps in a row);
 otherwise the error propagates. A step that fails because of particular sequences (a
 `SequenceFault` naming them) fails only their requests: each ends with finish reason
 "error" and `RequestOutput.error` saying why, its KV is freed, and the step runs again
@@ -106,6 +107,7 @@ class LLMEngine:
         self.recoveries: deque[str] = deque(maxlen=ERROR_HISTORY)
         self.num_recoveries = 0
         self.last_recovery_s: float | None = None  # how long the latest recover took
+        self.kv_kept_tokens = 0  # positions whose KV recoveries kept (not recomputed)
         self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
         # the search for the request behind steps that keep failing (`_narrow`), or None
@@ -549,24 +551,47 @@ class LLMEngine:
             return False
         if not ok:
             return False
-        n = self.scheduler.preempt_all()
-        self.scheduler.clear_cache()  # the pools it indexed are gone
-        if self.sessions is not None:  # and the workers' tiers with them
+        kept = self.executor.kv_kept()
+        self.scheduler.clear_cache(set(range(len(self.allocs))) - kept)  # pools gone
+        n, total = len(self.scheduler.running), sum(s.num_tokens for s in self.scheduler.running)
+        kept_tokens = self.scheduler.preempt_all(self._intact(plan, kept))
+        if self.sessions is not None:  # the workers' tiers were dropped (reset or gone)
             for w in range(len(self.allocs)):
                 self.sessions.lost_worker(w)
-        leaked = [a.config.num_slots - a.num_free() for a in self.allocs]
-        if any(leaked):
-            raise RuntimeError(f"KV slots still held after recovery: {leaked}")
+        self._check_released()
         self.recoveries.append(what)
         self.num_recoveries += 1
+        self.kv_kept_tokens += kept_tokens
         self.last_recovery_s = time.perf_counter() - t
         search = self._search
         row = (f"{self._failed_in_row} in a row, at most {self.config.max_recoveries}"
                if search is None else f"searching: {len(search.probe)} of the "
                f"{len(search.suspects)} requests still suspected run next")
-        log.warning("%s; workers recovered in %.2f s (%s), %d sequences will be recomputed",
-                    what, self.last_recovery_s, row, n)
+        log.warning("%s; workers recovered in %.2f s (%s); %d sequences back to the queue, "
+                    "the KV of %d of their %d positions kept, the rest to be recomputed",
+                    what, self.last_recovery_s, row, n, kept_tokens, total)
         return True
+
+    def _intact(self, plan: StepPlan, kept: frozenset[int]) -> dict[int, int]:
+        """{sequence id: positions whose KV is written} for each running sequence held
+        whole by a pool the recovery kept: the positions before its work in the failed
+        step (that step may have written some of its own, not all), or before its
+        unfed prompt. Not a sequence whose tier load the step carried (the load may not
+        have finished)."""
+        start = {w.seq_id: w.start_pos for w in plan.seqs}
+        loading = {o.seq_id for o in plan.tier_orders if o.op == "load"}
+        return {s.seq_id: start.get(s.seq_id, s.num_tokens - max(1, s.pending))
+                for s in self.scheduler.running
+                if len(s.segments) == 1 and s.worker in kept and s.seq_id not in loading}
+
+    def _check_released(self) -> None:
+        """After a recovery every slot is free but those the prefix cache holds: a slot
+        held by no one would leak for good."""
+        caches = self.scheduler.caches
+        held = [a.config.num_slots - a.num_free() - (caches[w].size if caches else 0)
+                for w, a in enumerate(self.allocs)]
+        if any(held):
+            raise RuntimeError(f"KV slots still held after recovery: {held}")
 
     # -- the request behind steps that keep failing (engine/culprit.py) --
     @property

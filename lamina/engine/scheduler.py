@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -82,7 +83,7 @@ class Sequence:
     seed: int = 0  # this sequence's sampling seed (draws are keyed by seed and position)
     forks: list["Sequence"] = field(default_factory=list)  # siblings not yet forked off
     logprobs: list = field(default_factory=list)  # per output token, if asked for
-    cached: int = 0  # prompt tokens its last admission reused (prefix cache or tiers)
+    cached: int = 0  # prompt tokens its first admission reused (prefix cache or tiers)
     session: str | None = None  # the conversation it continues (engine/sessions.py)
     tier_cached: int = 0  # of `cached`, the positions loaded from the session's tiers
     # positions whose KV slots the executor holds in its table of this sequence (0: it
@@ -92,6 +93,7 @@ class Sequence:
     # is fed in chunks; its slots are all allocated at admission)
     pending: int = 0
     evicted: tuple[int, int] = (0, 0)  # positions [a, b) whose slots were given back
+    kept: int = 0  # positions of its own KV a recovery kept (cached) for its readmission
     # h2o / snapkv: slots its memory worker reported left out at every layer for good
     # (`note_dropped`), given back `evict_chunk` or more at a time; the positions given
     # back with the next plan; the first position given back so (-1: none)
@@ -232,7 +234,9 @@ class Scheduler:
         for slots, w in hits:
             # Keep the workers balanced: reuse on w only if w is left no fuller than the
             # most-free worker would be holding the whole sequence (else recompute there)
-            if (slots and len(slots) >= most - self.allocs[w].num_free()
+            # (or the sequence's own KV that a recovery kept: it was placed there)
+            if (slots and (len(slots) >= most - self.allocs[w].num_free()
+                           or 0 < seq.kept <= len(slots))
                     and self._room_keeping(w, n - len(slots) + extra, slots)):
                 return w, slots
         return -1, []
@@ -275,20 +279,24 @@ class Scheduler:
         finally:
             a.release(keep)
 
-    def cache(self, seq: Sequence, upto: int) -> None:
+    def cache(self, seq: Sequence, upto: int) -> int:
         """Cache seq's first `upto` positions (their KV is written): after its prefill,
-        and when it finishes. Only a sequence held by one worker, and only up to its
-        first position given back."""
+        when it finishes, and when a recovery kept its pool. Only a sequence held by one
+        worker, and only up to its first position given back. -> the positions cached
+        (0: none)."""
         if seq.holes_from is not None:
             upto = min(upto, seq.holes_from)
-        if self.caches is not None and len(seq.segments) == 1 and upto > 0:
-            w = seq.worker
-            self.caches[w].insert(seq.tokens[:upto], self.allocs[w].slots(seq.seq_id)[:upto])
+        if self.caches is None or len(seq.segments) != 1 or upto <= 0:
+            return 0
+        w = seq.worker
+        self.caches[w].insert(seq.tokens[:upto], self.allocs[w].slots(seq.seq_id)[:upto])
+        return upto
 
-    def clear_cache(self) -> int:
-        """Drop every cached prefix (the memory workers lost their pools, or on request);
-        -> slots freed."""
-        return sum(c.clear() for c in self.caches or [])
+    def clear_cache(self, workers=None) -> int:
+        """Drop every cached prefix of `workers` (None: all) (their memory workers lost
+        their pools, or on request); -> slots freed."""
+        return sum(c.clear() for w, c in enumerate(self.caches or [])
+                   if workers is None or w in workers)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -309,14 +317,19 @@ class Scheduler:
         seq.status, seq.num_preemptions = "waiting", seq.num_preemptions + 1
         self.waiting.appendleft(seq)
 
-    def preempt_all(self) -> int:
+    def preempt_all(self, keep: Mapping[int, int] | None = None) -> int:
         """Every running sequence back to the waiting queue, in admission order ahead of
-        the ones already waiting, its KV freed (the memory workers lost it). Returns how
-        many."""
-        victims = list(self.running)
-        for seq in reversed(victims):  # newest first, so the oldest ends up in front
+        the ones already waiting, its slots freed (a recovery dropped the memory workers'
+        tables). `keep`: {sequence id: positions} whose KV its worker's pool still holds
+        (the recovery kept that pool): they are cached first (`cache`), so its
+        readmission reuses them and computes only the rest. -> the positions cached."""
+        kept = 0
+        for seq in reversed(list(self.running)):  # newest first: the oldest ends in front
+            if keep and seq.seq_id in keep:
+                seq.kept = self.cache(seq, keep[seq.seq_id])
+                kept += seq.kept
             self._preempt(seq)
-        return len(victims)
+        return kept
 
     def _grow(self, seq: Sequence) -> bool:
         """One more slot for seq's next position; False if seq itself was preempted."""
@@ -435,7 +448,9 @@ class Scheduler:
         if not (reuse or place):
             return 0
         self.waiting.remove(seq)
-        seq.cached, seq.tier_cached = reuse, reuse - len(hit)
+        seq.kept = 0
+        if not seq.num_preemptions:  # what its prompt reused, not a readmission's own KV
+            seq.cached, seq.tier_cached = reuse, reuse - len(hit)
         if reuse:
             self.allocs[w].adopt(seq.seq_id, hit, n - len(hit))
             seq.segments.append((w, 0))

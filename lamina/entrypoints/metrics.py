@@ -35,8 +35,12 @@ class EngineMetrics:
                                    "recomputed later", registry=r)
         self.recoveries = Counter("lamina_recoveries", "Failed steps recovered (live "
                                   "workers reset, dead or stuck ones replaced; running "
-                                  "sequences recomputed)", registry=r)
+                                  "sequences requeued)", registry=r)
         self._recovered = 0
+        self.kv_kept = Counter("lamina_recovery_kv_kept_tokens", "Positions whose KV "
+                               "recoveries kept in the pools they kept (the rest of the "
+                               "requeued sequences' KV is recomputed)", registry=r)
+        self._kv_kept = 0
         self.recovery_s = Gauge("lamina_last_recovery_seconds", "How long the latest "
                                 "recovery of the workers took", registry=r)
         self.replaced = Counter("lamina_workers_replaced", "Workers recoveries replaced "
@@ -90,6 +94,8 @@ class EngineMetrics:
             self.recoveries.inc(engine.num_recoveries - self._recovered)
             self._recovered = engine.num_recoveries
             self.recovery_s.set(engine.last_recovery_s or 0.0)
+            self.kv_kept.inc(engine.kv_kept_tokens - self._kv_kept)
+            self._kv_kept = engine.kv_kept_tokens
             for role, n in engine.executor.workers_replaced().items():
                 if n > self._replaced.get(role, 0):
                     self.replaced.labels(role).inc(n - self._replaced.get(role, 0))

@@ -43,8 +43,17 @@ class Executor(ABC):
     def recover(self, error: BaseException) -> bool:
         """After `execute` raised `error`: bring the workers back (resetting live ones,
         replacing dead ones) so steps can run again. True if it did; the engine then
-        recomputes every running sequence's KV. False (the default): not recoverable."""
+        recomputes the KV no kept pool holds (`kv_kept`). False (the default): not
+        recoverable."""
         return False
+
+    def kv_kept(self) -> frozenset[int]:
+        """The memory workers whose pools the latest `recover` kept with their bytes
+        (reset, not replaced), by index: the KV of every position computed before the
+        failed step is still there (a step writes only the slots of the positions it
+        computes), so the engine keeps it for the sequences it holds. Default: none
+        (every pool is presumed new, everything is recomputed)."""
+        return frozenset()
 
     def workers_replaced(self) -> dict[str, int]:
         """How many workers recoveries have replaced so far, by role ("compute",

@@ -171,7 +171,8 @@ class LocalExecutor(Executor):
         a kernel refuses). Nothing died, but what the step half did and what is kept per
         sequence cannot be trusted: attention in flight is waited out, and every
         replica's slot tables and every memory side's per-sequence state (selections,
-        tiers) are dropped. The pools' bytes stay; the engine recomputes what they held."""
+        tiers) are dropped. The pools' bytes stay (`kv_kept`): the engine keeps the KV of
+        the positions computed before the failed step."""
         for link in self.links:
             link.settle()
         for c in self.replicas:
@@ -181,6 +182,9 @@ class LocalExecutor(Executor):
         if self.replica_split is not None:
             self.replica_split.reset()
         return True
+
+    def kv_kept(self) -> frozenset[int]:
+        return frozenset(range(len(self.memory)))
 
     def _tracers(self) -> list[Tracer]:
         return [*(lane for c in self.replicas for lane in c.lanes),

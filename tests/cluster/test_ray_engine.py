@@ -200,8 +200,8 @@ def test_ray_trace_lines_up_the_processes_lanes(llm, prompts, hf_greedy):
 def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_greedy):
     """A memory worker killed mid-decode: the step fails, the executor starts a fresh
     memory worker in its place and resets the live one (same process, its sequences'
-    state dropped), the engine recomputes the lost KV, and every request still ends with
-    HF's greedy tokens."""
+    state dropped, its pool's bytes kept), the engine recomputes the lost KV and keeps
+    the live worker's, and every request still ends with HF's greedy tokens."""
     eng, pick = llm.engine, [0, 3, 5, 9]
     eng.clear_prefix_cache()  # placement by free slots alone: both workers get some
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
@@ -211,6 +211,8 @@ def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_gr
     old = [w._actor_id for w in llm.executor.memory]
     old_pids = [i["pid"] for i in llm.executor.memory_info]
     replaced = llm.executor.workers_replaced()
+    kept_before = eng.kv_kept_tokens
+    on_0 = sum(s.num_tokens - 1 for s in eng.scheduler.running if s.worker == 0)
     ray.kill(llm.executor.memory[1])
     out = {}
     while eng.has_unfinished():
@@ -219,6 +221,8 @@ def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_gr
     assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
     assert len(eng.recoveries) == 1 and "WorkerFailure" in eng.recoveries[0]
     assert all(out[i].metrics["preemptions"] == 1 for i in ids)
+    assert llm.executor.kv_kept() == frozenset({0})
+    assert eng.kv_kept_tokens - kept_before >= on_0 > 0  # (a step may run before it dies)
     new = [w._actor_id for w in llm.executor.memory]
     assert new[0] == old[0] and new[1] != old[1]
     assert llm.executor.workers_replaced() == {"compute": replaced["compute"],
@@ -243,7 +247,7 @@ def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_g
         eng.step()
     old = llm.executor.compute._actor_id
     memory = [w._actor_id for w in llm.executor.memory]
-    replaced = llm.executor.workers_replaced()
+    replaced, kept = llm.executor.workers_replaced(), eng.kv_kept_tokens
     ray.kill(llm.executor.compute)
     out = {}
     while eng.has_unfinished():
@@ -254,6 +258,7 @@ def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_g
     assert "compute worker hung up" in eng.recoveries[-1]
     assert llm.executor.compute._actor_id != old
     assert [w._actor_id for w in llm.executor.memory] == memory  # alive: reset, kept
+    assert llm.executor.kv_kept() == frozenset({0, 1}) and eng.kv_kept_tokens > kept
     assert llm.executor.workers_replaced() == {"compute": replaced["compute"] + 1,
                                                "memory": replaced["memory"]}
 

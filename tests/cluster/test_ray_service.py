@@ -185,6 +185,7 @@ def test_killed_memory_workers_are_replaced_under_the_service(cluster, prompts, 
     assert h.result().token_ids == hf_greedy[8]
     s = client.status()
     assert s["alive"] and s["recoveries"] == before["recoveries"] + 1
+    assert s["kv_kept_tokens"] == before["kv_kept_tokens"]  # both pools were new
     assert s["workers_replaced"] == {"compute": before["workers_replaced"]["compute"],
                                      "memory": before["workers_replaced"]["memory"] + 2}
     n = s["workers_replaced"]

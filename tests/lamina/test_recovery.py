@@ -1,8 +1,9 @@
 """Recovery from a failed step (a dead worker): the engine preempts every running
 sequence, the executor brings fresh workers with empty pools, and the lost KV is
-recomputed, so every request still ends with HF's greedy tokens. Without recovery (off,
-used up, or refused) the step's error propagates. Local executor with injected faults;
-the Ray path (a killed memory worker) is in tests/cluster."""
+recomputed, so every request still ends with HF's greedy tokens; the KV in pools the
+recovery kept is reused, not recomputed. Without recovery (off, used up, or refused)
+the step's error propagates. Local executor with injected faults; the Ray path (a killed
+memory worker) is in tests/cluster."""
 import logging
 
 import pytest
@@ -25,15 +26,19 @@ class WorkerGone(ConnectionError):
 
 class FlakyExecutor(LocalExecutor):
     """Raises on the listed `execute` calls, as a dead worker would. `recover` poisons
-    every pool with NaN (a replacement worker knows nothing), so an output equal to HF's
-    proves the KV was recomputed, not reused."""
+    every pool but those it says it `keep`s with NaN (a replacement worker knows
+    nothing), so an output equal to HF's proves the KV was recomputed, not reused, and
+    that the kept pools' KV was read only where it was written. `plans`: every plan."""
 
-    def __init__(self, split, memory, fail_on: set[int], recoverable: bool = True):
+    def __init__(self, split, memory, fail_on: set[int], recoverable: bool = True,
+                 keep: frozenset[int] = frozenset()):
         super().__init__(split, memory)
         self.fail_on, self.recoverable, self.calls, self.recovered = fail_on, recoverable, 0, 0
+        self.keep, self.plans = keep, []
 
     def execute(self, plan):
         self.calls += 1
+        self.plans.append(plan)
         if self.calls in self.fail_on:
             raise WorkerGone(f"memory worker 1 gone at call {self.calls}")
         return super().execute(plan)
@@ -42,21 +47,26 @@ class FlakyExecutor(LocalExecutor):
         assert isinstance(error, WorkerGone)
         if not self.recoverable:
             return False
-        for mem in self.memory:
-            mem.pool.k.fill_(float("nan"))
-            mem.pool.v.fill_(float("nan"))
+        super().recover(error)  # the kept pools' workers are reset, as the Ray ones are
+        for w, mem in enumerate(self.memory):
+            if w not in self.keep:
+                mem.pool.k.fill_(float("nan"))
+                mem.pool.v.fill_(float("nan"))
         self.recovered += 1
         return True
+
+    def kv_kept(self):
+        return self.keep
 
     def workers_replaced(self):
         return {"memory": self.recovered, "compute": 0}  # as if memory worker 1 came back
 
 
-def flaky_engine(smol, smol_split, fail_on, workers=2, slots=2000, **kw):
+def flaky_engine(smol, smol_split, fail_on, workers=2, slots=2000, keep=frozenset(), **kw):
     cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=workers, **kw)
     pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, slots))
              for _ in range(workers)]
-    ex = FlakyExecutor(smol_split, [MemorySide(p) for p in pools], set(fail_on))
+    ex = FlakyExecutor(smol_split, [MemorySide(p) for p in pools], set(fail_on), keep=keep)
     return LLMEngine(cfg, ex, smol.tokenizer, smol.config)
 
 
@@ -84,6 +94,53 @@ def test_failed_steps_are_recovered_with_hf_tokens(smol, smol_split, prompts, hf
     assert [o.metrics["preemptions"] for o in outs] == [2, 2, 2, 2]
     assert eng.free_slots() == [2000] * len(eng.allocs)
     assert all(a.stats().shared == 0 for a in eng.allocs)
+
+
+def _run_to_call(eng, call: int) -> None:
+    while eng.executor.calls < call:
+        eng.step()
+
+
+def test_a_kept_pool_keeps_its_kv_through_a_recovery(smol, smol_split, prompts, hf_greedy,
+                                                     caplog):
+    """Worker 1 is replaced (its pool poisoned) and worker 0 kept, mid-decode: worker 0's
+    sequences are readmitted onto their own KV and compute only the position the failed
+    step was computing, worker 1's cached prefixes are dropped; every output is HF's."""
+    eng = flaky_engine(smol, smol_split, fail_on={20}, keep=frozenset({0}))
+    ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
+    with caplog.at_level(logging.WARNING, logger="lamina.engine.engine"):
+        _run_to_call(eng, 20)
+    failed = eng.executor.plans[19]
+    kept = {w.seq_id: w.start_pos for w in failed.seqs if w.worker == 0}
+    lost = {w.seq_id for w in failed.seqs if w.worker == 1}
+    assert kept and lost and all(len(w.token_ids) == 1 for w in failed.seqs)  # decodes
+    assert eng.kv_kept_tokens == sum(kept.values())
+    assert eng.scheduler.caches[1].size == 0 and eng.scheduler.caches[0].size >= max(
+        kept.values())
+    assert f"the KV of {sum(kept.values())} of their" in caplog.records[-1].message
+    outs = drain(eng, ids)
+    assert [o.token_ids for o in outs] == [hf_greedy[i] for i in PICK]
+    again = {w.seq_id: w for w in eng.executor.plans[20].seqs}
+    for sid, start in kept.items():  # fed from the failed step's position on
+        assert (again[sid].start_pos, len(again[sid].token_ids)) == (start, 1)
+    assert [o.metrics["cached_tokens"] for o in outs] == [0] * len(PICK)  # first admission
+    assert eng.free_slots() == [2000] * len(eng.allocs)
+
+
+def test_a_prompt_fed_in_chunks_keeps_its_fed_chunks(smol, smol_split, prompts, hf_greedy):
+    """A 300-token prompt fed 64 tokens a step: the step feeding its third chunk fails
+    with both pools kept; its readmission feeds from position 128 on (the first two
+    chunks' KV kept), and its output is HF's."""
+    eng = flaky_engine(smol, smol_split, fail_on={3}, keep=frozenset({0, 1}),
+                       max_step_tokens=64)
+    rid = eng.add_request(prompts[6], GREEDY)
+    _run_to_call(eng, 3)
+    assert [w.start_pos for w in eng.executor.plans[2].seqs] == [128]
+    assert eng.kv_kept_tokens == 128
+    out = drain(eng, [rid])[0]
+    assert out.token_ids == hf_greedy[6]
+    assert [(w.start_pos, len(w.token_ids)) for w in eng.executor.plans[3].seqs] == [(128, 64)]
+    assert out.metrics["preemptions"] == 1
 
 
 def test_parallel_samples_recovered_after_fork(smol, smol_split, prompts):
@@ -168,7 +225,7 @@ def test_engine_loop_keeps_serving_through_a_recovery(smol, smol_split, prompts,
     from lamina.entrypoints.engine_loop import EngineLoop
     from lamina.entrypoints.metrics import EngineMetrics
 
-    eng = flaky_engine(smol, smol_split, fail_on={3})
+    eng = flaky_engine(smol, smol_split, fail_on={3}, keep=frozenset({0}))
     metrics = EngineMetrics()
     loop = EngineLoop(eng, metrics=metrics)
     try:
@@ -182,6 +239,7 @@ def test_engine_loop_keeps_serving_through_a_recovery(smol, smol_split, prompts,
         assert value("lamina_workers_replaced_total", {"role": "memory"}) == 1
         assert value("lamina_workers_replaced_total", {"role": "compute"}) == 0
         assert value("lamina_generation_tokens_total") == 16 * len(PICK)
+        assert value("lamina_recovery_kv_kept_tokens_total") == eng.kv_kept_tokens > 0
         # nothing running: every live slot is a cached prefix
         assert value("lamina_kv_slots_used", {"memory_worker": "0"}) == value(
             "lamina_kv_slots_cached", {"memory_worker": "0"}) > 0
