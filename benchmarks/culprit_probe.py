@@ -11,8 +11,10 @@ dense slice raise in every step that feeds it (`FaultPlan(compute_layer=2,
 layer_token=...)`), an error that names no sequence. Per B, side by side: the wall time
 to finish every request without the poison and with it (medians of --repeat), the failed
 steps (each a recovery: max_recoveries of them before the search, then the search's own),
-the median time one `recover` took, and whether the good requests' tokens are the same
-in both runs (they must be: recovery recomputes them). Nothing here is a target; it says
+the median time one `recover` took, the positions whose KV the recoveries kept in the
+pools they kept (`LLMEngine.kv_kept_tokens`, per poisoned run: the rest of the requeued
+sequences' KV is recomputed), and whether the good requests' tokens are the same in both
+runs (they must be). Nothing here is a target; it says
 what a poison request costs the others. Writes culprit_probe.json (culprit_probe_ray.json
 on Ray) and .md into --out.
 """
@@ -63,19 +65,21 @@ def main() -> None:
     llm = LLM(faults=FaultPlan(compute_layer=2, layer_token=bad), **kw)
     eng, recover_s = llm.engine, clocked(llm.executor, "recover")
     rows, table = [], [["B", "clean s", "with poison s", "x", "failed steps",
-                        "of them the search's", "recover s", "same tokens"]]
+                        "of them the search's", "recover s", "KV kept", "same tokens"]]
     for b in args.batch:
         prompts = _prompts(llm.loaded.tokenizer, b, 64)
         assert all(bad not in x for x in prompts)
         poison = prompts[0][:63] + [bad]
-        t_clean, t_poison, failed, searched, same = [], [], [], [], True
+        t_clean, t_poison, failed, searched, kept, same = [], [], [], [], [], True
         for _ in range(args.repeat):
             s, want = run(llm, prompts, None)
             t_clean.append(s)
             n0, max_rec = eng.num_recoveries, eng.config.max_recoveries
+            k0 = getattr(eng, "kv_kept_tokens", 0)  # (0 on engines that kept none)
             s, got = run(llm, prompts, poison)
             t_poison.append(s)
             failed.append(eng.num_recoveries - n0)
+            kept.append(getattr(eng, "kv_kept_tokens", 0) - k0)
             searched.append(failed[-1] - (max_rec + 1))
             same &= got == want
         c, p = statistics.median(t_clean), statistics.median(t_poison)
@@ -83,10 +87,10 @@ def main() -> None:
         recover_s.clear()
         rows.append({"batch": b, "clean_s": c, "poison_s": p, "ratio": p / c,
                      "failed_steps": failed, "search_failed_steps": searched,
-                     "recover_s": r, "same_tokens": same})
+                     "recover_s": r, "kv_kept_tokens": kept, "same_tokens": same})
         table.append([str(b), f"{c:.2f}", f"{p:.2f}", f"{p / c:.2f}",
                       str(statistics.median(failed)), str(statistics.median(searched)),
-                      f"{r:.3f}", "yes" if same else "NO"])
+                      f"{r:.3f}", str(statistics.median(kept)), "yes" if same else "NO"])
         print(" | ".join(table[-1]), flush=True)
     result = {"cpu": cpu_name(), "threads": 1, "new_tokens": NEW, "repeat": args.repeat,
               "executor": args.executor, "rows": rows}
