@@ -14,7 +14,9 @@ any tokens it generated before a preemption) within the step's token budget
 steps (`Sequence.pending`), before any new admission, and draws after its last chunk
 only. Its slots are all allocated at admission. When a running sequence cannot get
 its next slot, the newest running sequences are preempted: their slots are freed and
-they wait at the front of the queue, to be recomputed later. Nothing is dropped.
+they wait at the front of the queue, to be recomputed later. Nothing is dropped. With
+prefix caching a preempted sequence's KV stays cached (evictable, from its end first,
+as others need the slots), so its readmission recomputes only what was taken.
 
 Parallel sampling (n > 1): only the first sequence of a request is queued; its n - 1
 siblings ride along as `forks`. The prompt is prefilled once, n tokens are drawn from
@@ -93,7 +95,9 @@ class Sequence:
     # is fed in chunks; its slots are all allocated at admission)
     pending: int = 0
     evicted: tuple[int, int] = (0, 0)  # positions [a, b) whose slots were given back
-    kept: int = 0  # positions of its own KV a recovery kept (cached) for its readmission
+    # positions of its own KV cached when it was preempted (by a full pool or a
+    # recovery), which its readmission takes back on that worker
+    kept: int = 0
     # h2o / snapkv: slots its memory worker reported left out at every layer for good
     # (`note_dropped`), given back `evict_chunk` or more at a time; the positions given
     # back with the next plan; the first position given back so (-1: none)
@@ -189,7 +193,8 @@ class Scheduler:
                 return [(w, n)]
         if not self.config.split_kv:
             return None
-        if self.caches is not None and sum(a.num_free() for a in self.allocs) < n:
+        if self.caches is not None and sum(a.num_free() for a in self.allocs) < n <= sum(
+                a.num_free() + c.evictable() for a, c in zip(self.allocs, self.caches)):
             for c in self.caches:  # a prompt no one worker holds: the cache yields
                 c.evict(c.evictable())
         plan, left = [], n
@@ -234,7 +239,7 @@ class Scheduler:
         for slots, w in hits:
             # Keep the workers balanced: reuse on w only if w is left no fuller than the
             # most-free worker would be holding the whole sequence (else recompute there)
-            # (or the sequence's own KV that a recovery kept: it was placed there)
+            # (or the sequence's own KV, cached when it was preempted: it was placed there)
             if (slots and (len(slots) >= most - self.allocs[w].num_free()
                            or 0 < seq.kept <= len(slots))
                     and self._room_keeping(w, n - len(slots) + extra, slots)):
@@ -281,9 +286,8 @@ class Scheduler:
 
     def cache(self, seq: Sequence, upto: int) -> int:
         """Cache seq's first `upto` positions (their KV is written): after its prefill,
-        when it finishes, and when a recovery kept its pool. Only a sequence held by one
-        worker, and only up to its first position given back. -> the positions cached
-        (0: none)."""
+        when it finishes, and when it is preempted. Only a sequence held by one worker,
+        and only up to its first position given back. -> the positions cached (0: none)."""
         if seq.holes_from is not None:
             upto = min(upto, seq.holes_from)
         if self.caches is None or len(seq.segments) != 1 or upto <= 0:
@@ -311,7 +315,14 @@ class Scheduler:
             self._released.append(seq.seq_id)
             seq.sent = 0
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, written: int | None = None) -> None:
+        """seq back to the front of the queue, its slots freed. With prefix caching its
+        first `written` positions (default: every position fed before this step) are
+        cached first: their slots stay evictable until others need them, and its
+        readmission takes back what is left of them (`Sequence.kept`)."""
+        if written is None:
+            written = seq.num_tokens - max(1, seq.pending)
+        seq.kept = self.cache(seq, written)
         self._release(seq)
         self.running.remove(seq)
         seq.status, seq.num_preemptions = "waiting", seq.num_preemptions + 1
@@ -325,10 +336,8 @@ class Scheduler:
         readmission reuses them and computes only the rest. -> the positions cached."""
         kept = 0
         for seq in reversed(list(self.running)):  # newest first: the oldest ends in front
-            if keep and seq.seq_id in keep:
-                seq.kept = self.cache(seq, keep[seq.seq_id])
-                kept += seq.kept
-            self._preempt(seq)
+            self._preempt(seq, (keep or {}).get(seq.seq_id, 0))
+            kept += seq.kept
         return kept
 
     def _grow(self, seq: Sequence) -> bool:

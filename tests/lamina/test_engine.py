@@ -49,10 +49,21 @@ def test_unknown_dense_backend_is_rejected():
 def test_preemption_completes_with_same_tokens(smol, smol_split, prompts, hf_greedy):
     pick = [1, 3, 4, 10, 11, 12]  # 12..128-token prompts: 392 prompt + 192 new tokens
     eng = engine(smol, smol_split, num_kv_slots=400)
+    plans, execute = [], eng.executor.execute
+    eng.executor.execute = lambda plan: (plans.append(plan), execute(plan))[1]
     outs = run(eng, [prompts[i] for i in pick], GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy[i] for i in pick]
     assert sum(o.metrics["preemptions"] for o in outs) > 0
     assert eng.free_slots()[0] == 400  # everything returned
+    # a readmitted sequence takes back the KV it left cached (prefix caching, on by
+    # default): in this schedule none of it was evicted meanwhile, so each comes back
+    # exactly where it stopped and computes one position
+    written, back = {}, []
+    for w in (w for plan in plans for w in plan.seqs):
+        if w.slots_from == 0 and w.seq_id in written:
+            back.append((w.start_pos, written[w.seq_id]))
+        written[w.seq_id] = w.start_pos + len(w.token_ids)
+    assert back and all(start == had for start, had in back)
 
 
 def test_seeded_sampling_reproducible_and_n(smol, smol_split, prompts):

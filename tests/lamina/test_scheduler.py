@@ -294,3 +294,34 @@ def test_eviction_gives_back_slots_in_chunks_exact():
     s.preempt_all()
     assert a.evicted == (0, 0) and s.alloc.stats().used == 0
     s.cache(a, 9)  # no cache: a no-op, and never of positions past a hole
+
+
+def test_a_preempted_sequence_keeps_its_kv_in_the_cache_exact():
+    """With prefix caching, a preempted sequence's written positions stay cached: their
+    slots are evictable, taken from its end one at a time as others need them; readmitted,
+    it takes back what is left (on its worker, whatever the balance) and computes only
+    the rest."""
+    s = Scheduler(SchedulerConfig(4, 100), KVAllocator(KVAllocatorConfig(8)),
+                  prefix_caching=True)
+    a, b = Sequence(0, [10, 11, 12], P), Sequence(1, [20, 21, 22, 23], P)
+    s.add(a)
+    s.add(b)
+    s.schedule()  # a: slots 0-2, b: 3-6
+    a.output.append(13)
+    b.output.append(24)
+    plan = s.schedule()  # a takes the last free slot (7); b has none: preempted
+    assert plan.seqs == (SeqWork(0, (13,), 3, (7,), params=P, slots_from=3),)
+    assert b.status == "waiting" and b.num_preemptions == 1 and b.kept == 4
+    assert s.caches[0].match([20, 21, 22, 23]) == [3, 4, 5, 6]  # its 4 written positions
+    assert s.alloc.num_free() == 0 and s.caches[0].evictable() == 4
+    a.output.append(14)
+    plan = s.schedule()  # a's next slot is b's last cached one (its end goes first)
+    assert plan.seqs == (SeqWork(0, (14,), 4, (6,), params=P, slots_from=4),)
+    assert s.caches[0].match([20, 21, 22, 23]) == [3, 4, 5] and list(s.waiting) == [b]
+    a.output.append(15)
+    s.finish(a, "length")
+    plan = s.schedule()  # b comes back onto slots 3-5 and computes positions 3 and 4
+    (work,) = plan.seqs
+    assert (work.seq_id, work.token_ids, work.start_pos) == (1, (23, 24), 3)
+    assert work.slots[:3] == (3, 4, 5) and b.kept == 0 and b.cached == 0
+    assert len(set(work.slots)) == 5
