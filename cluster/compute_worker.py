@@ -200,7 +200,7 @@ class ComputeWorker:
 
     def reset(self, timeout_s: float) -> bool:
         """Hang up on the memory workers and forget every sequence's slot table, for a
-        recovery (the engine recomputes every sequence). Waits up to `timeout_s` for a
+        recovery (the engine resends every sequence's table). Waits up to `timeout_s` for a
         step still running (the hang-up makes it fail at once); False if it does not
         end: the executor replaces this worker."""
         self.interrupt()  # a step blocked on a socket wakes (closing it would not)

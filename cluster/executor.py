@@ -17,7 +17,8 @@ memory worker; a memory worker serves the R connections over its one pool.
 
 Data in: `StepPlan`s from the engine. Data out: `StepResult`s. A dead worker surfaces
 as an error naming it; `recover` then resets the live workers and replaces the others
-(the engine recomputes the lost KV), or the engine fails loudly when it cannot.
+(the engine keeps the KV of the pools kept and recomputes the rest), or the engine
+fails loudly when it cannot.
 """
 from __future__ import annotations
 

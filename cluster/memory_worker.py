@@ -132,7 +132,7 @@ class MemoryWorker:
         """Make this worker as good as a new one for a recovery (its compute workers
         hung up first), keeping its process and pool: every endpoint closed, every
         connection's serving ended, every sequence's state dropped (`MemorySide.reset`;
-        the pool's bytes stay, the engine recomputes what they held). Much faster than
+        the pool's bytes stay, and the engine keeps the KV they hold). Much faster than
         a new worker (no process, model metadata or pool to set up). False when a
         connection is still being served after `timeout_s` (stuck inside a step): the
         executor replaces this worker instead."""

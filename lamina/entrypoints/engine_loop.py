@@ -9,7 +9,7 @@ thread. `abort(future)` stops a request (its client went away) and frees its KV;
 future then resolves with finish reason "abort". Only the loop thread touches the
 engine. A request the engine failed alone (`RequestOutput.error`) resolves its future
 with `RequestFailed`; the others go on. A failed step the engine recovers from (workers
-replaced, KV recomputed) is invisible here; one it cannot recover from fails every
+replaced, KV kept or recomputed) is invisible here; one it cannot recover from fails every
 request in flight with that error, loudly, and the loop stops taking new work
 (`EngineDead`). With `max_waiting`, `submit` refuses a request (`EngineOverloaded`) while
 that many are queued and not yet running.

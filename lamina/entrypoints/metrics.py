@@ -31,8 +31,9 @@ class EngineMetrics:
         self.generation_tokens = Counter("lamina_generation_tokens",
                                          "Tokens drawn, all samples", registry=r)
         self.steps = Counter("lamina_engine_steps", "Engine steps run", registry=r)
-        self.preemptions = Counter("lamina_preemptions", "Sequences preempted and "
-                                   "recomputed later", registry=r)
+        self.preemptions = Counter("lamina_preemptions", "Sequences preempted (back "
+                                   "to the queue; their cached KV taken back at "
+                                   "readmission, the rest recomputed)", registry=r)
         self.recoveries = Counter("lamina_recoveries", "Failed steps recovered (live "
                                   "workers reset, dead or stuck ones replaced; running "
                                   "sequences requeued)", registry=r)
