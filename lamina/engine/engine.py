@@ -580,7 +580,7 @@ class LLMEngine:
         have finished)."""
         start = {w.seq_id: w.start_pos for w in plan.seqs}
         loading = {o.seq_id for o in plan.tier_orders if o.op == "load"}
-        return {s.seq_id: start.get(s.seq_id, s.num_tokens - max(1, s.pending))
+        return {s.seq_id: start.get(s.seq_id, s.written)
                 for s in self.scheduler.running
                 if len(s.segments) == 1 and s.worker in kept and s.seq_id not in loading}
 

@@ -114,6 +114,12 @@ class Sequence:
         return len(self.prompt) + len(self.output)  # O(1): decode steps use it, not tokens
 
     @property
+    def written(self) -> int:
+        """Positions whose KV earlier steps wrote: every position fed but the last drawn
+        token's (not yet fed) and the prompt's unfed rest."""
+        return self.num_tokens - max(1, self.pending)
+
+    @property
     def last_token(self) -> int:
         return self.output[-1] if self.output else self.prompt[-1]
 
@@ -320,9 +326,7 @@ class Scheduler:
         first `written` positions (default: every position fed before this step) are
         cached first: their slots stay evictable until others need them, and its
         readmission takes back what is left of them (`Sequence.kept`)."""
-        if written is None:
-            written = seq.num_tokens - max(1, seq.pending)
-        seq.kept = self.cache(seq, written)
+        seq.kept = self.cache(seq, seq.written if written is None else written)
         self._release(seq)
         self.running.remove(seq)
         seq.status, seq.num_preemptions = "waiting", seq.num_preemptions + 1
@@ -567,7 +571,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = "finished", reason
         if reason != "error":  # every position fed but the last drawn token's has KV
-            self.cache(seq, len(seq.tokens) - max(1, seq.pending))
+            self.cache(seq, seq.written)
         self._release(seq)
         self.running.remove(seq)
 
