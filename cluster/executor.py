@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import statistics
 import time
 import uuid
@@ -172,8 +173,24 @@ class RayExecutor(Executor):
         # placement group names are unique per cluster: one deployment, one name
         self.placement = place(c_opts, m_opts, m, config.placement_timeout_s,
                                name or f"lamina-{uuid.uuid4().hex[:8]}", r_n)
-        self.computes = [self._new_compute(r) for r in range(r_n)]
+        self.computes: list = []  # actor handles, filled by `_start`
+        self.memory: list = []
         self.controls: list[ControlClient | None] = [None] * r_n
+        self.replica_split: ReplicaSplit | None = None
+        self._ring_pool: ThreadPoolExecutor | None = None
+        try:
+            self._start(r_n)
+        except BaseException:
+            # a deployment that cannot start gives back what it took: its workers and
+            # its placement group (else they stay reserved on a shared cluster and the
+            # next deployment waits out its placement timeout)
+            self.shutdown()
+            raise
+
+    def _start(self, r_n: int) -> None:
+        """The workers, in the placement's bundles, and their wiring."""
+        config = self.config
+        self.computes = [self._new_compute(r) for r in range(r_n)]
         # rotational over the replicas: a ring of compute workers (every one runs every
         # step); fixed: each replica's sequences; neither: one compute worker
         self.ring = r_n > 1 and config.pipeline == "rotational"
@@ -183,7 +200,6 @@ class RayExecutor(Executor):
         self._replaced = {"compute": 0, "memory": 0}  # by recoveries, so far
         self._kv_kept: frozenset[int] = frozenset()  # pools the latest recovery kept
         self.dense = self._get(self.compute.dense_choice.remote(), "the compute worker")
-        self.memory = []
         self._start_memory()
 
     @classmethod
@@ -328,6 +344,11 @@ class RayExecutor(Executor):
         except ray.exceptions.GetTimeoutError:
             raise WorkerFailure(f"{what} did not start within {wait:g} s: the cluster has "
                                 "no room for them (see `ray status`)") from None
+        except ray.exceptions.RayActorError as e:
+            if not e.actor_init_failed:
+                raise
+            # Ray's message is the worker's whole traceback; its last line is the error
+            raise WorkerFailure(f"{what} could not start: {_last_line(str(e))}") from e
 
     def _open_control(self, r: int, compute_node: str) -> None:
         """A fresh control channel to compute worker `r` (Unix socket when the engine runs
@@ -555,7 +576,7 @@ class RayExecutor(Executor):
             return
         self._shut = True
         self._close_control()
-        if self.config.tiers.enabled:  # their files go with them
+        if self.config.tiers.enabled and self.memory:  # their files go with them
             ray.wait([w.close_tiers.remote() for w in self.memory],
                      num_returns=len(self.memory), timeout=HEALTH_TIMEOUT_S)
         for a in [*self.computes, *self.memory]:
@@ -565,6 +586,12 @@ class RayExecutor(Executor):
         if self._ring_pool is not None:
             self._ring_pool.shutdown(wait=False)
         self.placement.remove()
+
+
+def _last_line(text: str) -> str:
+    """The last non-blank line of `text`, without terminal colour codes."""
+    lines = [x.strip() for x in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines()]
+    return next((x for x in reversed(lines) if x), text)
 
 
 def _not_reset(ref) -> str | None:

@@ -86,6 +86,13 @@ class LLM:
                 vocab_size=int(lm.config.vocab_size), faults=self.config.faults,
                 device=cfg.compute_device, graph_tokens=cfg.graph_tokens,
                 num_compute_workers=cfg.num_compute_workers, pipeline=cfg.pipeline)
+        try:
+            self._start_engine()
+        except BaseException:
+            self.executor.shutdown()  # a Ray deployment's workers and placement with it
+            raise
+
+    def _start_engine(self) -> None:
         # the pools' slot count (kv_pool_bytes: as many as fit) is what the engine allocates
         slots = getattr(self.executor, "pool_slots", self.config.num_kv_slots)
         if slots != self.config.num_kv_slots:

@@ -207,7 +207,7 @@ def load(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.floa
                     _drop_stale(folder / gguf, dtype)
                 except OSError:  # read-only home etc.: loading still worked
                     pass
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # transformers, safetensors and gguf raise types of their own
         raise ModelLoadError(f"could not load model from {source}: {e}") from e
     m.eval()
     return LoadedModel(model=m, tokenizer=tok if with_tokenizer else None, config=config,

@@ -1,9 +1,11 @@
 """A deployment the cluster can never hold is refused at once, naming the resource; one
 whose resources other deployments hold fails after the placement timeout, naming what
-is missing; neither waits forever."""
+is missing; neither waits forever. A deployment placed but unable to start (its workers
+cannot load the weights) fails naming why and gives its resources back."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,6 +60,11 @@ except PlacementTimeout as e:
     print("TIMEOUT", round(time.perf_counter() - t, 1), e)
 print("SERVES", [o.finish_reason for o in other.generate(
     [[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)])
+t = time.perf_counter()
+try:  # placed, but its compute worker cannot load the weights (sys.argv[2]'s are torn)
+    LLM(sys.argv[2], executor="ray", num_memory_workers=1)
+except Exception as e:
+    print("BROKEN", round(time.perf_counter() - t, 1), type(e).__name__, "|", e)
 for _ in range(100):  # the removed group's resources come back through the raylet
     free = ray.available_resources()
     if free.get("lamina_memory", 0) >= 1:
@@ -73,10 +80,13 @@ def test_busy_resources_fail_after_the_placement_timeout_naming_them(smol, tmp_p
     model = tmp_path / "tiny"
     tiny_model("llama").save_pretrained(model, safe_serialization=True)
     smol.tokenizer.save_pretrained(model)  # its first 96 ids decode
+    broken = tmp_path / "torn"  # its config and tokenizer, its weights file torn
+    shutil.copytree(model, broken)
+    (broken / "model.safetensors").write_bytes(b"torn")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "disabled"
-    r = subprocess.run([sys.executable, "-c", BUSY, str(model)], env=env, capture_output=True,
-                       text=True, timeout=240)
+    r = subprocess.run([sys.executable, "-c", BUSY, str(model), str(broken)], env=env,
+                       capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     line = next((x for x in r.stdout.splitlines() if x.startswith("TIMEOUT")), None)
     assert line is not None, r.stdout[-1000:] + r.stderr[-2000:]
@@ -85,8 +95,17 @@ def test_busy_resources_fail_after_the_placement_timeout_naming_them(smol, tmp_p
     # the failed deployment's group is removed and what it held is free again (another
     # one-memory-worker deployment fits); the other deployment stays and serves
     assert "SERVES ['length']" in r.stdout, r.stdout
+    # the placed deployment whose worker died loading the weights: the error says so
+    # (the worker's own), and its workers and group are gone (both groups removed, the
+    # resources back as the timed-out one left them)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("BROKEN")), None)
+    assert line is not None, r.stdout[-1000:] + r.stderr[-2000:]
+    assert line.split()[2] == "WorkerFailure" and line.split(" | ")[1].startswith(
+        f"the compute worker could not start: lamina.model.loader.ModelLoadError: could "
+        f"not load model from {broken}: "), line
+    assert float(line.split()[1]) < 120, line  # the worker's own error, not a timeout
     assert "FREE 1.0 1.0" in r.stdout, r.stdout
-    assert "GROUPS ['CREATED', 'REMOVED']" in r.stdout, r.stdout
+    assert "GROUPS ['CREATED', 'REMOVED', 'REMOVED']" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("have, ok", [
