@@ -199,6 +199,9 @@ class RayExecutor(Executor):
         self._told_dropped = False  # the ring's one log line about dropped keys
         self._replaced = {"compute": 0, "memory": 0}  # by recoveries, so far
         self._kv_kept: frozenset[int] = frozenset()  # pools the latest recovery kept
+        # memory workers that gave no health answer after the failed step: the recovery
+        # replaces them without waiting on them a second time
+        self._silent: frozenset[int] = frozenset()
         self.dense = self._get(self.compute.dense_choice.remote(), "the compute worker")
         self._start_memory()
 
@@ -388,7 +391,8 @@ class RayExecutor(Executor):
         if self.replica_split is not None:
             self.replica_split.reset()
         # a memory worker's serving ends once its compute workers hung up (above)
-        lost = self._reset_all("memory", self.health_timeout_s)
+        lost = self._reset_all("memory", self.health_timeout_s, self._silent)
+        self._silent = frozenset()
         for i in lost:
             ray.kill(self.memory[i])
             self.memory[i] = self._new_memory(i)
@@ -401,17 +405,22 @@ class RayExecutor(Executor):
     def kv_kept(self) -> frozenset[int]:
         return self._kv_kept
 
-    def _reset_all(self, role: str, wait: float) -> frozenset[int]:
-        """Ask every worker of `role` ("compute", "memory") to `reset`, all at once, each
-        with half of `wait` for its own part; -> the indices of those that did not (dead,
-        hung, or still inside the failed step; logged and counted: the caller replaces
-        them)."""
+    def _reset_all(self, role: str, wait: float,
+                   silent: frozenset[int] = frozenset()) -> frozenset[int]:
+        """Ask every worker of `role` ("compute", "memory") but the `silent` ones (no
+        health answer after the failed step) to `reset`, all at once, each with half of
+        `wait` for its own part; -> the indices of those that did not and the silent ones
+        (dead, hung, or still inside the failed step; logged and counted: the caller
+        replaces them)."""
         workers = self.computes if role == "compute" else self.memory
-        refs = [w.reset.remote(wait / 2) for w in workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+        refs = {i: w.reset.remote(wait / 2) for i, w in enumerate(workers) if i not in silent}
+        ready = ray.wait(list(refs.values()), num_returns=len(refs),
+                         timeout=wait)[0] if refs else []
         lost = set()
-        for i, ref in enumerate(refs):
-            why = _not_reset(ref) if ref in ready else f"no answer within {wait:g} s"
+        for i in range(len(workers)):
+            ref = refs.get(i)
+            why = ("no health answer after the failed step" if ref is None else
+                   _not_reset(ref) if ref in ready else f"no answer within {wait:g} s")
             if why is not None:
                 log.warning("%s worker %d not reusable (%s); starting a new one", role, i,
                             why)
@@ -526,14 +535,16 @@ class RayExecutor(Executor):
 
     def _health_errors(self) -> tuple[list[str], list[int]]:
         """After a failed step: what each memory worker reports (asked all at once, one
-        bounded wait) -> (error texts, the sequences they blamed)."""
-        errors, bad = [], []
+        bounded wait) -> (error texts, the sequences they blamed). Those that did not
+        answer are remembered: `recover` replaces them without asking again."""
+        errors, bad, silent = [], [], set()
         refs = [w.health.remote() for w in self.memory]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.health_timeout_s)
         for i, r in enumerate(refs):
             if r not in ready:
                 errors.append(f"memory worker {i} unreachable: no health answer in "
                               f"{self.health_timeout_s:g} s")
+                silent.add(i)
                 continue
             try:
                 h = ray.get(r)
@@ -543,6 +554,7 @@ class RayExecutor(Executor):
             if h["error"]:
                 errors.append(h["error"])
             bad += h.get("bad_seqs", [])
+        self._silent = frozenset(silent)
         return errors, bad
 
     def probe(self, tokens, repeat: int = 20) -> dict:

@@ -353,9 +353,11 @@ def test_hung_compute_worker_times_out_and_is_replaced(llm, prompts, hf_greedy):
     assert ex.control.channel.sock.gettimeout() == eng.config.step_timeout_s  # reopened
 
 
-def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy, monkeypatch):
+def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy, monkeypatch,
+                                                     caplog):
     """A memory worker that stops answering (SIGSTOP: alive, silent) fails the step after
-    the worker timeout instead of blocking forever; it is then replaced like a dead one."""
+    the worker timeout instead of blocking forever; it is then replaced like a dead one,
+    without the recovery waiting on it again (it gave no health answer)."""
     eng, pick = llm.engine, [1, 6]
     llm.executor.set_worker_timeout(3.0)
     # how long the stopped worker's health answer is awaited (default 10 s)
@@ -369,6 +371,8 @@ def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy, m
     assert len(eng.recoveries) == before + 1
     assert "PeerTimeout" in eng.recoveries[-1] and "within 3 s" in eng.recoveries[-1]
     assert "memory worker 0 unreachable: no health answer" in eng.recoveries[-1]
+    assert "memory worker 0 not reusable (no health answer after the failed step)" \
+        in caplog.text
     assert [i["pid"] for i in llm.executor.memory_info][1:] == [live]  # only it replaced
     assert hung not in {i["pid"] for i in llm.executor.memory_info}
 
