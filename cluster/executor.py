@@ -184,7 +184,11 @@ class RayExecutor(Executor):
             # a deployment that cannot start gives back what it took: its workers and
             # its placement group (else they stay reserved on a shared cluster and the
             # next deployment waits out its placement timeout)
-            self.shutdown()
+            try:
+                self.shutdown()
+            except Exception as e:  # noqa: BLE001 - the start's own error is the one raised
+                log.warning("could not clean up the failed deployment: %s: %s",
+                            type(e).__name__, e)
             raise
 
     def _start(self, r_n: int) -> None:

@@ -1,0 +1,108 @@
+"""Where a deployment's start goes: the phases of a fresh process's model preparation,
+and `LLM(...)` on the local and the Ray executor.
+
+    python benchmarks/start_probe.py [--repeat 3] [--memory-workers 2] [--no-ray]
+                                     [--out DIR]
+
+Every start pays the compute side's preparation in a fresh process: the local executor
+in the caller's, each Ray compute worker (and its replacement after a failure) in its
+own. Each measurement below runs in a new child process (nothing warm from an earlier
+one but the OS page cache and the on-disk caches: the converted model folder, the trace
+store, the built kernels), one after another, nothing else running:
+
+- `phases`: importing torch and lamina, `load` (the cached HF conversion of the GGUF),
+  `prepare_split` (trace, min-cut split, dense packing, pointwise fusion), one torch
+  thread: what a compute worker does before it answers.
+- `local`: `LLM(num_memory_workers=N)` whole (the phases plus the pools).
+- `ray`: `LLM(executor="ray", num_memory_workers=N)` whole: a local Ray instance
+  started (`ray_init`), the placement group, the workers started and wired.
+
+Medians of --repeat per number. Nothing here is a target. Writes start_probe.json and
+.md into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from lamina.bench.common import _write, cpu_name
+
+PHASES = r'''
+import json, time
+t0 = time.perf_counter()
+import torch
+torch.set_num_threads(1)
+from lamina.model.loader import load
+from lamina.model.prepare import prepare_split
+t1 = time.perf_counter()
+lm = load(None, with_tokenizer=False)
+t2 = time.perf_counter()
+prepare_split(lm.model)
+t3 = time.perf_counter()
+print("RESULT", json.dumps({"import": t1 - t0, "load": t2 - t1, "prepare_split": t3 - t2}))
+'''
+
+LLM_START = r'''
+import json, sys, time
+t0 = time.perf_counter()
+import ray
+from lamina import LLM
+executor, m = sys.argv[1], int(sys.argv[2])
+t1 = time.perf_counter()
+out = {"import": t1 - t0}
+if executor == "ray":
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    out["ray_init"] = time.perf_counter() - t1
+t2 = time.perf_counter()
+llm = LLM(executor=executor, num_memory_workers=m)
+out["llm"] = time.perf_counter() - t2
+llm.shutdown()
+print("RESULT", json.dumps(out))
+'''
+
+
+def child(code: str, *args: str) -> dict:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                       env=env, timeout=900)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if r.returncode != 0 or line is None:
+        raise RuntimeError(f"child failed (exit {r.returncode}): {r.stderr[-2000:]}")
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def medians(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--memory-workers", type=int, default=2)
+    ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    m = str(args.memory_workers)
+    result = {"cpu": cpu_name(), "cores": os.cpu_count(), "repeat": args.repeat,
+              "memory_workers": args.memory_workers,
+              "phases": medians([child(PHASES) for _ in range(args.repeat)]),
+              "local": medians([child(LLM_START, "local", m) for _ in range(args.repeat)])}
+    if not args.no_ray:
+        result["ray"] = medians([child(LLM_START, "ray", m) for _ in range(args.repeat)])
+    table = [["what", "part", "s"]]
+    for what in ("phases", "local", "ray"):
+        for part, s in result.get(what, {}).items():
+            table.append([what, part, f"{s:.2f}"])
+            print(" | ".join(table[-1]), flush=True)
+    for path in _write(Path(args.out), "start_probe", result, table):
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
