@@ -50,13 +50,13 @@ print("RESULT", json.dumps({"import": t1 - t0, "load": t2 - t1, "prepare_split":
 LLM_START = r'''
 import json, sys, time
 t0 = time.perf_counter()
-import ray
 from lamina import LLM
+from lamina.cluster.executor import connect_ray
 executor, m = sys.argv[1], int(sys.argv[2])
 t1 = time.perf_counter()
 out = {"import": t1 - t0}
 if executor == "ray":
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    connect_ray()  # the local instance the executor would start
     out["ray_init"] = time.perf_counter() - t1
 t2 = time.perf_counter()
 llm = LLM(executor=executor, num_memory_workers=m)
