@@ -11,8 +11,9 @@ one but the OS page cache and the on-disk caches: the converted model folder, th
 store, the built kernels), one after another, nothing else running:
 
 - `phases`: importing torch and lamina, `load` (the cached HF conversion of the GGUF),
-  `prepare_split` (trace, min-cut split, dense packing, pointwise fusion), one torch
-  thread: what a compute worker does before it answers.
+  `prepare_split` (trace, min-cut split, dense packing, pointwise fusion; `of which
+  trace`: the graph, from the trace store once this machine has traced the model), one
+  torch thread: what a compute worker does before it answers.
 - `local`: `LLM(num_memory_workers=N)` whole (the phases plus the pools).
 - `ray`: `LLM(executor="ray", num_memory_workers=N)` whole: a local Ray instance
   started (`ray_init`), the placement group, the workers started and wired.
@@ -42,9 +43,10 @@ from lamina.model.prepare import prepare_split
 t1 = time.perf_counter()
 lm = load(None, with_tokenizer=False)
 t2 = time.perf_counter()
-prepare_split(lm.model)
+prep = prepare_split(lm.model)
 t3 = time.perf_counter()
-print("RESULT", json.dumps({"import": t1 - t0, "load": t2 - t1, "prepare_split": t3 - t2}))
+print("RESULT", json.dumps({"import": t1 - t0, "load": t2 - t1, "prepare_split": t3 - t2,
+                            "of which trace": prep.split.timings["trace_s"]}))
 '''
 
 LLM_START = r'''

@@ -23,6 +23,8 @@ from dataclasses import replace
 import torch
 import torch.fx
 
+from .trace import TensorMeta
+
 A = torch.ops.aten
 _TO = (A.to.dtype, A._to_copy.default)
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -35,7 +37,7 @@ def _call(n, *targets) -> bool:
 
 def _val(n):
     v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
+    return v if isinstance(v, TensorMeta) else None
 
 
 def _dtype_of(n):

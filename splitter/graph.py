@@ -15,22 +15,23 @@ import sympy
 import torch
 import torch.fx
 
-from .trace import ATTENTION_OP
+from .trace import ATTENTION_OP, TensorMeta
 
 # Every input the engine hands to every slice. input_ids only reaches slice 0.
 ALWAYS_AVAILABLE = ("position_ids",)
 
 
 def value_bytes(val) -> sympy.Expr:
-    """Bytes of a traced value (FakeTensor, SymInt, tuple of them); symbolic in B, T."""
-    if isinstance(val, torch.Tensor):
+    """Bytes of a traced value (`TensorMeta`, symbolic size, scalar, tuple of them);
+    symbolic in B, T."""
+    if isinstance(val, TensorMeta):
         n = sympy.Integer(1)
         for s in val.shape:
-            n = n * (s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(int(s)))
+            n = n * sympy.sympify(s)
         return sympy.expand(n * val.element_size())
     if isinstance(val, (list, tuple)):
         return sympy.Add(*[value_bytes(v) for v in val]) if val else sympy.Integer(0)
-    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+    if isinstance(val, (sympy.Basic, int, float, bool)):
         return sympy.Integer(8)
     return sympy.Integer(0)
 
@@ -90,7 +91,7 @@ def build_graph(gm: torch.fx.GraphModule) -> DataflowGraph:
     shape = pos.meta["val"].shape
     symbols = {}
     for key, s in zip(("batch", "tokens"), shape):
-        if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
-            symbols[key] = s.node.expr
+        if isinstance(s, sympy.Symbol):
+            symbols[key] = s
     return DataflowGraph(graph=g, order=order, attention=attention, free=_free_nodes(gm),
                          output=output, symbols=symbols)

@@ -19,6 +19,8 @@ from dataclasses import replace
 import torch
 import torch.fx
 
+from .trace import TensorMeta
+
 POS = "position_ids"
 
 
@@ -41,7 +43,7 @@ class PositionTables(torch.nn.Module):
 
 
 def _is_tensor(node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
+    return isinstance(node.meta.get("val"), TensorMeta)
 
 
 def _memo_slice(s, cache: dict):

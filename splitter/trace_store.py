@@ -1,18 +1,19 @@
 """Canonical traces kept on disk, so a process's first split of a model this machine has
 traced before skips torch.export.
 
-Data in: a `CachedTrace` (the canonical graph, its node metadata with fake tensors and
-symbolic shapes, and the constants that are not the model's own tensors) and the key that
-says what makes models trace alike (`trace._trace_key`).
+Data in: a `CachedTrace` (the canonical graph, its light node metadata: `TensorMeta`s and
+symbolic sizes as sympy expressions, and the constants that are not the model's own
+tensors) and the key that says what makes models trace alike (`trace._trace_key`).
 Data out: the same `CachedTrace` in a later process, or None (no file, another torch,
 transformers, Python or splitter source, or a file that does not load).
 
 Every compute worker, its replacement after a failure, and every CLI run splits the model
-in a fresh process: its split of SmolLM2 takes ~6.3 s exporting, ~2.4 s from the store.
-The graph goes through torch's own `GraphPickler` (what inductor's FX graph cache uses to
-send graphs with fake tensors and SymInts to its compile workers); the weights stay out
-of the file (the graph is pickled over meta tensors of their shapes) and are rebound to
-the model at hand, as for the in-process cache. Files live under
+in a fresh process: its split of SmolLM2 takes ~11 s exporting, ~1.0 s from the store (a
+Zen 3 core; `benchmarks/start_probe.py`). The graph goes through torch's own
+`GraphPickler` (what inductor's FX graph cache uses to send graphs to its compile
+workers), which pickles the ops by name; the weights stay out of the file (the graph is
+pickled over meta tensors of their shapes) and are rebound to the model at hand, as for
+the in-process cache. Files live under
 `$LAMINA_CACHE_DIR/traces` (default `~/.cache/lamina/traces`), the newest `STORE_FILES`
 kept; `LAMINA_TRACE_CACHE=0` turns the store off. A file is a pickle: the folder is as
 trusted as the rest of that cache (the kernels built there are loaded as code).
@@ -37,7 +38,7 @@ import torch
 
 log = logging.getLogger("lamina.splitter")
 STORE_FILES = 128  # models x dtypes x configs; a file ~2.5 MB for SmolLM2's 30 layers
-FORMAT = 1  # bump when the file's layout changes
+FORMAT = 2  # bump when the file's layout changes (2: light node metadata)
 _SOURCES = ("trace.py", "trace_store.py", "attention_op.py")  # what shapes the graph
 
 

@@ -9,10 +9,11 @@ import sys
 from collections import OrderedDict
 
 import pytest
+import sympy
 import torch
 
 from lamina.splitter import split_model, trace_store
-from lamina.splitter.trace import trace, trace_stats
+from lamina.splitter.trace import TensorMeta, trace, trace_stats
 from tests.tiny_models import tiny_model
 
 
@@ -107,6 +108,8 @@ def test_a_fresh_process_takes_the_stored_trace(arch, own_store, monkeypatch):
         not tensor_ptrs(sb) & own_a
     assert [s.module.code for s in sa.slices] == [s.module.code for s in sb.slices]
     assert sa.context_bytes_expr == sb.context_bytes_expr  # symbolic shapes survive
+    metas = [[[n.meta for n in s.module.graph.nodes] for s in sm.slices] for sm in (sa, sb)]
+    assert metas[0] == metas[1]  # every node's value as traced
     assert stored.stat().st_size < 1 << 20  # the graph only, no weights
 
 
@@ -189,3 +192,33 @@ def test_the_store_off_writes_nothing_and_keeps_the_newest(own_store, monkeypatc
         split_model(m)
         names.append({p.name for p in own_store.glob("*.pkl")})
     assert len(names[-1]) == 2 and names[0] <= names[1] and not names[0] <= names[2]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_node_metadata_is_each_values_real_shape_and_dtype(arch):
+    """What the trace keeps of each value (a TensorMeta symbolic in batch and tokens) is,
+    at a run's sizes, the shape and dtype of the tensor the node computes when run."""
+    model = tiny_model(arch)
+    gm = trace(model).gm
+    pos = next(n for n in gm.graph.nodes if n.target == "position_ids").meta["val"]
+    B, T = 3, 7
+    sizes = {pos.shape[0]: B, pos.shape[1]: T}
+    real = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            real[n.name] = super().run_node(n)
+            return real[n.name]
+
+    ids = torch.randint(3, 90, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        Recorder(gm).run(ids, torch.arange(T).expand(B, T))
+    checked = 0
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        assert not isinstance(v, torch.Tensor), n.name  # no fake tensors kept
+        if isinstance(v, TensorMeta):
+            shape = tuple(int(sympy.sympify(s).subs(sizes)) for s in v.shape)
+            assert (shape, v.dtype) == (tuple(real[n.name].shape), real[n.name].dtype), n.name
+            checked += 1
+    assert checked > 40
