@@ -8,8 +8,8 @@ Data out: the same `CachedTrace` in a later process, or None (no file, another t
 transformers, Python or splitter source, or a file that does not load).
 
 Every compute worker, its replacement after a failure, and every CLI run splits the model
-in a fresh process: its split of SmolLM2 takes ~11 s exporting, ~1.0 s from the store (a
-Zen 3 core; `benchmarks/start_probe.py`). The graph goes through torch's own
+in a fresh process: its split of SmolLM2 takes ~10 s exporting, ~1.4 s from the store (a
+Zen 3 core, `lamina bench split`). The graph goes through torch's own
 `GraphPickler` (what inductor's FX graph cache uses to send graphs to its compile
 workers), which pickles the ops by name; the weights stay out of the file (the graph is
 pickled over meta tensors of their shapes) and are rebound to the model at hand, as for
