@@ -61,7 +61,7 @@ class TensorMeta:
         return len(self.shape)
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 def _light(val):
