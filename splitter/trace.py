@@ -51,8 +51,9 @@ class TensorMeta:
     batch and token symbols for the dynamic dims.
 
     Why not export's own fake tensors: rebuilding ~1.9k of them over a shape environment
-    is most of a fresh process's split from the trace store (SmolLM2: ~3.3 s of ~4.3 s;
-    this form loads in ~0.2 s), and nothing after the trace needs more than this."""
+    made reading SmolLM2's trace from the store take ~4.1 s of a fresh process's ~7.0 s
+    `prepare_split`; with this form ~0.35 s of ~3.2 s (a Zen 3 core,
+    `benchmarks/start_probe.py`). Nothing after the trace needs more than this."""
 
     shape: tuple
     dtype: torch.dtype
