@@ -50,10 +50,9 @@ class TensorMeta:
     """A traced tensor as the splitter sees it. shape: ints, and sympy expressions in the
     batch and token symbols for the dynamic dims.
 
-    Why not export's own fake tensors: rebuilding ~1.9k of them over a shape environment
-    made reading SmolLM2's trace from the store take ~4.1 s of a fresh process's ~7.0 s
-    `prepare_split`; with this form ~0.35 s of ~3.2 s (a Zen 3 core,
-    `benchmarks/start_probe.py`). Nothing after the trace needs more than this."""
+    Why not export's own fake tensors: a fresh process rebuilding them over a shape
+    environment was most of its read of the trace store (docs/splitter.md), and nothing
+    after the trace needs more than this."""
 
     shape: tuple
     dtype: torch.dtype
