@@ -2,7 +2,7 @@
 and `LLM(...)` on the local and the Ray executor.
 
     python benchmarks/start_probe.py [--repeat 3] [--memory-workers 2] [--no-ray]
-                                     [--out DIR]
+                                     [--first-load] [--out DIR]
 
 Every start pays the compute side's preparation in a fresh process: the local executor
 in the caller's, each Ray compute worker (and its replacement after a failure) in its
@@ -17,6 +17,10 @@ store, the built kernels), one after another, nothing else running:
 - `local`: `LLM(num_memory_workers=N)` whole (the phases plus the pools).
 - `ray`: `LLM(executor="ray", num_memory_workers=N)` whole: a local Ray instance
   started (`ray_init`), the placement group, the workers started and wired.
+
+- `first` (--first-load, only that): a machine's first load of the GGUF, with an empty
+  cache folder: `load` (the file parsed once, the HF folder written) against
+  transformers' own GGUF load of the config, model and tokenizer (the baseline).
 
 Medians of --repeat per number. Nothing here is a target. Writes start_probe.json and
 .md into --out.
@@ -67,6 +71,27 @@ llm.shutdown()
 print("RESULT", json.dumps(out))
 '''
 
+FIRST = r'''
+import json, sys, tempfile, time
+t0 = time.perf_counter()
+import os
+import torch
+torch.set_num_threads(1)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from lamina.model.loader import load, resolve
+t1 = time.perf_counter()
+if sys.argv[1] == "lamina":
+    os.environ["LAMINA_CACHE_DIR"] = tempfile.mkdtemp()
+    load(None)
+else:
+    folder, gguf = resolve(None)
+    kw = {"gguf_file": gguf, "local_files_only": True}
+    AutoConfig.from_pretrained(folder, **kw)
+    AutoModelForCausalLM.from_pretrained(folder, **kw)
+    AutoTokenizer.from_pretrained(folder, **kw)
+print("RESULT", json.dumps({sys.argv[1]: time.perf_counter() - t1}))
+'''
+
 
 def child(code: str, *args: str) -> dict:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
@@ -88,17 +113,24 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--memory-workers", type=int, default=2)
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--first-load", action="store_true",
+                    help="only a first load of the GGUF against transformers' own")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     m = str(args.memory_workers)
     result = {"cpu": cpu_name(), "cores": os.cpu_count(), "repeat": args.repeat,
-              "memory_workers": args.memory_workers,
-              "phases": medians([child(PHASES) for _ in range(args.repeat)]),
-              "local": medians([child(LLM_START, "local", m) for _ in range(args.repeat)])}
-    if not args.no_ray:
-        result["ray"] = medians([child(LLM_START, "ray", m) for _ in range(args.repeat)])
+              "memory_workers": args.memory_workers}
+    if args.first_load:  # one after the other in each round: a slow spell hits both
+        runs = [{**child(FIRST, "transformers"), **child(FIRST, "lamina")}
+                for _ in range(args.repeat)]
+        result["first"] = medians(runs)
+    else:
+        result["phases"] = medians([child(PHASES) for _ in range(args.repeat)])
+        result["local"] = medians([child(LLM_START, "local", m) for _ in range(args.repeat)])
+        if not args.no_ray:
+            result["ray"] = medians([child(LLM_START, "ray", m) for _ in range(args.repeat)])
     table = [["what", "part", "s"]]
-    for what in ("phases", "local", "ray"):
+    for what in ("first", "phases", "local", "ray"):
         for part, s in result.get(what, {}).items():
             table.append([what, part, f"{s:.2f}"])
             print(" | ".join(table[-1]), flush=True)

@@ -6,12 +6,15 @@ Data out: `LoadedModel(model, tokenizer, config, source)`, model in eval mode; o
 driver whose workers load the weights, `ModelInfo(tokenizer, config, source)`.
 Nothing is downloaded: every load is `local_files_only`.
 
-GGUF parsing and dequantisation take ~30 s for SmolLM2 on 2 cores, so the first GGUF
-load also writes a plain HF folder (safetensors, dequantised weights, tokenizer) to the
-cache dir (`$LAMINA_CACHE_DIR`, default `~/.cache/lamina`); later loads read that (~1 s).
+A first load of SmolLM2's GGUF takes ~17 s on 2 cores (transformers' own: ~35 s, as it
+parses the file four times; `_gguf_parsed_once`, `benchmarks/start_probe.py
+--first-load`), so it also writes a plain HF folder (safetensors, dequantised weights,
+tokenizer) to the cache dir (`$LAMINA_CACHE_DIR`, default `~/.cache/lamina`); later
+loads read that (~1 s).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -19,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,15 +123,48 @@ def _drop_stale(gguf_path: Path, dtype: torch.dtype) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+_GGUF_PATCH = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """For one GGUF load, parse the file once. transformers builds a fresh
+    `gguf.GGUFReader` for the config (twice), the tokenizer and the weights: four parses
+    of a 49k-entry vocabulary, ~4 s each on 2 cores; and it rebuilds gguf's tensor-name
+    map for each of the model's ~400 submodules. It has no argument to pass a parsed
+    reader in, but imports both names from `gguf` at call time, so for the load's length
+    `gguf` hands out one reader per file and one map per (arch, layers). Both are only
+    read after construction; `test_models.py` checks the result against transformers'
+    own unpatched load."""
+    import gguf
+
+    with _GGUF_PATCH:
+        reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict[tuple[str, str], object] = {}
+
+        def one_reader(path, mode="r"):
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                readers[key] = reader(path, mode)
+            return readers[key]
+
+        gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.cache(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
 def _from_pretrained(folder: Path, gguf: str | None, dtype, need_tokenizer: bool):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kw = {"local_files_only": True}
     if gguf is not None:
         kw["gguf_file"] = gguf
-    config = AutoConfig.from_pretrained(folder, **kw)
-    m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
-    tok = AutoTokenizer.from_pretrained(folder, **kw) if need_tokenizer else None
+    with _gguf_parsed_once() if gguf is not None else contextlib.nullcontext():
+        config = AutoConfig.from_pretrained(folder, **kw)
+        m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kw)
+        tok = AutoTokenizer.from_pretrained(folder, **kw) if need_tokenizer else None
     return m, tok, config
 
 

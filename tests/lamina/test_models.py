@@ -17,16 +17,35 @@ def test_default_model_is_smollm2(smol):
     assert smol.tokenizer.decode(ids) == "Hello there"
 
 
-def test_cached_folder_equals_direct_gguf_load(smol, tmp_path, monkeypatch):
-    """The HF-folder cache must hold exactly the weights GGUF dequantisation gives."""
+def _plain(config) -> dict:
+    """A config's fields but where it was read from: the GGUF loader's quantization
+    note, the folder's path, and the architectures line `save_pretrained` fills in."""
+    where = ("quantization_config", "_name_or_path", "architectures")
+    return {k: v for k, v in config.to_dict().items() if k not in where}
+
+
+def test_converted_and_cached_folder_equal_transformers_own_gguf_load(tmp_path, monkeypatch):
+    """A first load (its GGUF parsed once, then written to the cache) and a load from
+    that cache give exactly the weights, config and tokenizer transformers' own,
+    unpatched GGUF load gives."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     monkeypatch.setenv("LAMINA_CACHE_DIR", str(tmp_path))
-    direct = load(cache=False)
-    sd_a, sd_b = direct.model.state_dict(), smol.model.state_dict()
-    assert sd_a.keys() == sd_b.keys()
-    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
-    text = "Lamina offloads attention to memory workers."
-    assert direct.tokenizer(text).input_ids == smol.tokenizer(text).input_ids
-    assert direct.tokenizer.chat_template == smol.tokenizer.chat_template
+    folder, gguf = resolve(None)
+    converted = load()
+    cached = load()
+    assert (tmp_path / "hf").is_dir() and cached.model is not converted.model
+    plain = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, local_files_only=True)
+    plain_tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf, local_files_only=True)
+    ref = plain.state_dict()
+    text = "Lamina offloads attention to memory workers. <|im_start|>user"
+    for lm in (converted, cached):
+        sd = lm.model.state_dict()
+        assert sd.keys() == ref.keys()
+        assert all(torch.equal(sd[k], ref[k]) for k in ref)
+        assert _plain(lm.model.config) == _plain(plain.config)
+        assert lm.tokenizer(text).input_ids == plain_tok(text).input_ids
+        assert lm.tokenizer.chat_template == plain_tok.chat_template
 
 
 def test_load_info_reads_tokenizer_and_config_not_weights(smol, tmp_path, monkeypatch):
