@@ -103,7 +103,8 @@ def _print_status(s: dict, as_json: bool) -> int:
     state = "running" if s["alive"] else f"STOPPED: {s['error']}"
     print(f"service {s['name']!r}: {state}, model {s['model']}, up {s['uptime_s']:.0f} s")
     for w in s["workers"]:
-        print(f"  {w['role']:<10} node {w['node'][:12]}  {w['transport']}")
+        print(f"  {w['role']:<10} node {w['node'][:12]}  {w['threads']} threads  "
+              f"{w['transport']}")
     for k in s["kv"]:
         used = k["total"] - k["free"]
         print(f"  KV of memory worker {k['worker']}: {used}/{k['total']} slots used by "

@@ -47,7 +47,7 @@ from lamina.memory.tier_orders import TierMiss, sum_stats
 
 from .compute_worker import ComputeWorker, ComputeWorkerSpec
 from .memory_worker import MemoryWorker
-from .placement import place
+from .placement import node_threads, place
 
 log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
@@ -130,6 +130,19 @@ def worker_options(config, have: dict) -> tuple[dict, dict]:
     return c_opts, m_opts
 
 
+def bundle_threads(node: dict, threads: int = 1,
+                   wide_threads: int | None = None) -> tuple[int, int]:
+    """A worker's torch threads on a node with total resources `node`: (for every step,
+    for the compute worker's steps whose memory workers sit idle). On a node set aside
+    for Lamina's workers, its share of the node's CPUs (`placement.node_threads`) for
+    both; elsewhere `threads`, and for those steps every core of the node, which its
+    memory workers then leave idle (`compute_worker.step_threads`)."""
+    share = node_threads(node)
+    if share is not None:
+        return share, share
+    return threads, wide_threads or max(threads, int(node.get("CPU", 1)))
+
+
 class RayExecutor(Executor):
     def __init__(self, model, dtype, config, threads: int = 1, address: str | None = None,
                  wide_threads: int | None = None, name: str | None = None):
@@ -154,25 +167,25 @@ class RayExecutor(Executor):
             # bounded per-shape oneDNN caches (see lamina/__init__.py)
             **{v: os.environ.get(v, ONEDNN_CACHE)
                for v in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}}}}
-        # Steps whose dense part runs while the memory workers are idle may take every
-        # core of a local (single-node) cluster (`compute_worker.step_threads`).
-        local_cores = int(have.get("CPU", 1)) if "lamina_compute" not in have else threads
-        pt = wide_threads or max(threads, local_cores)
         self._c_opts, self._m_opts = {**c_opts, **env}, {**m_opts, **env}
         # recovery replaces a compute worker that does not answer a ping within this
         self.ping_timeout_s: float = RECOVER_TIMEOUT_S
         # after a failed step, how long the memory workers get to report
         self.health_timeout_s: float = HEALTH_TIMEOUT_S
-        self._compute_spec = ComputeWorkerSpec(model, dtype, m, threads, pt,
-                                               config.dense_backend, config.max_batch,
-                                               config.fuse_pointwise,
-                                               "cuda" if compute_gpu else "cpu",
-                                               config.graph_tokens, config.stream_groups)
-        self.threads, self.wide_threads, self.config = threads, pt, config
+        self.config = config
         # every worker's resources reserved at once, or a clear error in bounded time
         # placement group names are unique per cluster: one deployment, one name
         self.placement = place(c_opts, m_opts, m, config.placement_timeout_s,
                                name or f"lamina-{uuid.uuid4().hex[:8]}", r_n)
+        # per bundle: (threads, threads of steps whose memory workers sit idle)
+        self.worker_threads = [bundle_threads(res, threads, wide_threads)
+                               for res in self.placement.node_resources()]
+        self.threads, self.wide_threads = self.worker_threads[0]  # compute worker 0's
+        self._compute_spec = ComputeWorkerSpec(model, dtype, m, threads, self.wide_threads,
+                                               config.dense_backend, config.max_batch,
+                                               config.fuse_pointwise,
+                                               "cuda" if compute_gpu else "cpu",
+                                               config.graph_tokens, config.stream_groups)
         self.computes: list = []  # actor handles, filled by `_start`
         self.memory: list = []
         self.controls: list[ControlClient | None] = [None] * r_n
@@ -230,12 +243,14 @@ class RayExecutor(Executor):
         return self.controls[0]
 
     def _new_compute(self, r: int = 0):
+        threads, wide = self.worker_threads[r]
         return ComputeWorker.options(**self._c_opts, **self.placement.compute(r)).remote(
-            replace(self._compute_spec, replica=r))
+            replace(self._compute_spec, replica=r, threads=threads, wide_threads=wide))
 
     def _new_memory(self, i: int):
+        threads, _ = self.worker_threads[self.placement.computes + i]
         return MemoryWorker.options(**self._m_opts, **self.placement.memory(i)).remote(
-            i, self.threads)
+            i, threads)
 
     def _start_memory(self, kept: frozenset[int] = frozenset()) -> frozenset[int]:
         """Fresh memory workers (empty pools) in every place but `kept` (workers `reset`

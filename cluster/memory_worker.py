@@ -88,7 +88,8 @@ class MemoryWorker:
         self.params = list(params)
         self._shared = threading.Lock() if connections > 1 else None
         return {"backend": self.memory.backend.name, "reason": self.memory.backend.reason,
-                "pool_bytes": pool_config.nbytes, "pid": os.getpid()}
+                "pool_bytes": pool_config.nbytes, "pid": os.getpid(),
+                "threads": torch.get_num_threads()}
 
     def listen(self, kind: str) -> tuple:
         """Open a data-plane endpoint of transport `kind` (`choose_transport`) for one

@@ -3,7 +3,8 @@
 Data in: the compute workers' and the memory workers' actor options (CPU, GPU, the
 `lamina_compute` / `lamina_memory` custom resources their nodes advertise) and the number
 of each. Data out: a `Placement` whose bundles the workers are started in: bundle r
-compute worker r (a model replica), bundle R + i memory worker i.
+compute worker r (a model replica), bundle R + i memory worker i; and, once placed, the
+torch threads each worker takes on its node (`node_threads`).
 
 The group's strategy is SPREAD: Ray puts the bundles on distinct nodes where it can (the
 memory workers over the memory nodes) and packs them where it cannot (several memory
@@ -58,8 +59,27 @@ class Placement:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=self.group, placement_group_bundle_index=index)}
 
+    def node_resources(self) -> list[dict]:
+        """Per bundle, the total resources of the node Ray placed it on ({} for a node
+        no longer alive)."""
+        where = ray.util.placement_group_table(self.group)["bundles_to_node_id"]
+        nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+        return [nodes.get(where.get(b), {}) for b in range(len(self.bundles))]
+
     def remove(self) -> None:
         remove_placement_group(self.group)
+
+
+def node_threads(resources: dict) -> int | None:
+    """The torch threads a Lamina worker takes on a node with these total resources: the
+    node's CPUs split evenly over the worker slots it advertises (`lamina_compute` plus
+    `lamina_memory` units: a node set aside for Lamina's workers, as `ray_config.yaml`'s
+    memory nodes hold two memory workers each); None on a node that advertises neither (a
+    local cluster, whose cores the workers time-share: `compute_worker.step_threads`)."""
+    slots = resources.get("lamina_compute", 0) + resources.get("lamina_memory", 0)
+    if slots <= 0:
+        return None
+    return max(1, int(resources.get("CPU", 0) // slots))
 
 
 def place(compute_opts: dict, memory_opts: dict, num_memory: int, timeout_s: float,

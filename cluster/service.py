@@ -111,9 +111,12 @@ class LaminaService:
               for i, (f, c) in enumerate(zip(eng.free_slots(), caches))]
         computes = ex.nodes["computes"]
         workers = [{"role": "compute" if len(computes) == 1 else f"compute {r}", "node": n,
-                    "transport": "-"} for r, n in enumerate(computes)]
-        workers += [{"role": f"memory {i}", "node": n, "transport": t}
-                    for i, (n, t) in enumerate(zip(ex.nodes["memory"], ex.transports))]
+                    "transport": "-", "threads": ex.worker_threads[r][1]}
+                   for r, n in enumerate(computes)]
+        workers += [{"role": f"memory {i}", "node": n, "transport": t,
+                     "threads": info["threads"]}  # as the worker reports it
+                    for i, (n, t, info) in enumerate(zip(ex.nodes["memory"], ex.transports,
+                                                         ex.memory_info))]
         return {"name": self.name, "model": self.llm.loaded.source,
                 "alive": self.loop.alive, "error": None if self.loop.error is None
                 else f"{type(self.loop.error).__name__}: {self.loop.error}",

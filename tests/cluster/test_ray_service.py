@@ -48,10 +48,11 @@ def cluster():
         ray.shutdown()
     dirs = [tempfile.mkdtemp(prefix="ls", dir="/tmp") for _ in range(3)]
     port = free_port()  # a busy dashboard port fails silently: choose it
+    # logical CPUs: the workers' threads are their share of them (2 each here)
     c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"lamina_compute": 1}, "temp_dir": dirs[0],
+        "num_cpus": 2, "resources": {"lamina_compute": 1}, "temp_dir": dirs[0],
         "include_dashboard": True, "dashboard_port": port})
-    c.add_node(num_cpus=1, resources={"lamina_memory": 2}, temp_dir=dirs[1])
+    c.add_node(num_cpus=4, resources={"lamina_memory": 2}, temp_dir=dirs[1])
     c.wait_for_nodes()
     env = {**os.environ, "RAY_ADDRESS": c.address, "RAY_AUTH_MODE": "disabled"}
     ray.init(address=c.address, log_to_driver=False)
@@ -99,6 +100,8 @@ def test_up_places_the_workers_and_status_shows_them(cluster):
     mem = [w["node"] for w in s["workers"][1:]]
     assert len(mem) == 2 and set(mem) == nodes - {head}  # both on the memory node
     assert all(w["transport"].startswith("tcp ") for w in s["workers"][1:])
+    # each worker's share of its node's cores: 2 / 1 compute slot, 4 / 2 memory slots
+    assert [w["threads"] for w in s["workers"]] == [2, 2, 2]
     assert [k["free"] for k in s["kv"]] == [4096, 4096]
 
 
