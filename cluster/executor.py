@@ -130,14 +130,15 @@ def worker_options(config, have: dict) -> tuple[dict, dict]:
     return c_opts, m_opts
 
 
-def bundle_threads(node: dict, threads: int = 1,
+def bundle_threads(node: dict, role: str, threads: int = 1,
                    wide_threads: int | None = None) -> tuple[int, int]:
-    """A worker's torch threads on a node with total resources `node`: (for every step,
-    for the compute worker's steps whose memory workers sit idle). On a node set aside
-    for Lamina's workers, its share of the node's CPUs (`placement.node_threads`) for
-    both; elsewhere `threads`, and for those steps every core of the node, which its
-    memory workers then leave idle (`compute_worker.step_threads`)."""
-    share = node_threads(node)
+    """A `role` worker's torch threads on a node with total resources `node`: (for every
+    step, for the compute worker's steps whose memory workers sit idle). On a node set
+    aside for Lamina's workers of its role, its share of the node's CPUs
+    (`placement.node_threads`) for both; elsewhere `threads`, and for those steps every
+    core of the node, which its memory workers then leave idle
+    (`compute_worker.step_threads`)."""
+    share = node_threads(node, role)
     if share is not None:
         return share, share
     return threads, wide_threads or max(threads, int(node.get("CPU", 1)))
@@ -178,8 +179,9 @@ class RayExecutor(Executor):
         self.placement = place(c_opts, m_opts, m, config.placement_timeout_s,
                                name or f"lamina-{uuid.uuid4().hex[:8]}", r_n)
         # per bundle: (threads, threads of steps whose memory workers sit idle)
-        self.worker_threads = [bundle_threads(res, threads, wide_threads)
-                               for res in self.placement.node_resources()]
+        self.worker_threads = [
+            bundle_threads(res, "compute" if b < r_n else "memory", threads, wide_threads)
+            for b, res in enumerate(self.placement.node_resources())]
         self.threads, self.wide_threads = self.worker_threads[0]  # compute worker 0's
         self._compute_spec = ComputeWorkerSpec(model, dtype, m, threads, self.wide_threads,
                                                config.dense_backend, config.max_batch,

@@ -70,15 +70,16 @@ class Placement:
         remove_placement_group(self.group)
 
 
-def node_threads(resources: dict) -> int | None:
-    """The torch threads a Lamina worker takes on a node with these total resources: the
-    node's CPUs split evenly over the worker slots it advertises (`lamina_compute` plus
+def node_threads(resources: dict, role: str) -> int | None:
+    """The torch threads a Lamina worker of `role` ("compute" or "memory") takes on a node
+    with these total resources: on a node that advertises slots for its role, the node's
+    CPUs split evenly over every Lamina worker slot it advertises (`lamina_compute` plus
     `lamina_memory` units: a node set aside for Lamina's workers, as `ray_config.yaml`'s
-    memory nodes hold two memory workers each); None on a node that advertises neither (a
-    local cluster, whose cores the workers time-share: `compute_worker.step_threads`)."""
-    slots = resources.get("lamina_compute", 0) + resources.get("lamina_memory", 0)
-    if slots <= 0:
+    memory nodes hold two memory workers each); None elsewhere (a local cluster, whose
+    cores the workers time-share: `compute_worker.step_threads`)."""
+    if resources.get(f"lamina_{role}", 0) <= 0:
         return None
+    slots = resources.get("lamina_compute", 0) + resources.get("lamina_memory", 0)
     return max(1, int(resources.get("CPU", 0) // slots))
 
 

@@ -146,20 +146,22 @@ def test_worker_options_ask_for_what_each_worker_holds():
     assert worker_options(replicas, {"CPU": 2.0})[0] == {"num_cpus": 0.25}
 
 
-@pytest.mark.parametrize("node, threads, want", [
-    ({"CPU": 16.0, "lamina_memory": 2.0}, 1, (8, 8)),  # ray_config.yaml's memory node
-    ({"CPU": 8.0, "lamina_compute": 1.0}, 1, (8, 8)),  # its compute node
-    ({"CPU": 8.0, "lamina_compute": 1.0, "lamina_memory": 2.0}, 1, (2, 2)),  # shared
-    ({"CPU": 1.0, "lamina_memory": 2.0}, 1, (1, 1)),  # never below one
-    ({"CPU": 2.0}, 1, (1, 2)),  # a local cluster: time-shared, every core when idle
-    ({"CPU": 4.0}, 2, (2, 4)),
-    ({}, 1, (1, 1)),  # the node died after placement
+@pytest.mark.parametrize("node, role, threads, want", [
+    ({"CPU": 16.0, "lamina_memory": 2.0}, "memory", 1, (8, 8)),  # ray_config.yaml's
+    ({"CPU": 8.0, "lamina_compute": 1.0}, "compute", 1, (8, 8)),  # nodes
+    ({"CPU": 8.0, "lamina_compute": 1.0, "lamina_memory": 2.0}, "memory", 1, (2, 2)),
+    ({"CPU": 8.0, "lamina_compute": 1.0, "lamina_memory": 2.0}, "compute", 1, (2, 2)),
+    ({"CPU": 1.0, "lamina_memory": 2.0}, "memory", 1, (1, 1)),  # never below one
+    ({"CPU": 8.0, "lamina_compute": 1.0}, "memory", 1, (1, 8)),  # no slot of its role
+    ({"CPU": 2.0}, "compute", 1, (1, 2)),  # a local cluster: time-shared, every core
+    ({"CPU": 4.0}, "compute", 2, (2, 4)),  # when the memory workers sit idle
+    ({}, "memory", 1, (1, 1)),  # the node died after placement
 ])
-def test_a_workers_threads_are_its_share_of_its_nodes_cores(node, threads, want):
-    """On a node set aside for Lamina (it advertises worker slots), each worker takes its
-    share of the node's CPUs; elsewhere the compute worker's idle-memory steps take every
-    core of its node."""
+def test_a_workers_threads_are_its_share_of_its_nodes_cores(node, role, threads, want):
+    """On a node set aside for Lamina (it advertises slots for the worker's role), each
+    worker takes its share of the node's CPUs; elsewhere the compute worker's steps
+    whose memory workers sit idle take every core of its node."""
     from lamina.cluster.executor import bundle_threads
 
-    assert bundle_threads(node, threads) == want
-    assert bundle_threads({"CPU": 4.0}, 1, wide_threads=3) == (1, 3)  # given, it stands
+    assert bundle_threads(node, role, threads) == want
+    assert bundle_threads({"CPU": 4.0}, "compute", 1, wide_threads=3) == (1, 3)  # given
