@@ -182,7 +182,7 @@ class RayExecutor(Executor):
         self.worker_threads = [
             bundle_threads(res, "compute" if b < r_n else "memory", threads, wide_threads)
             for b, res in enumerate(self.placement.node_resources())]
-        self.threads, self.wide_threads = self.worker_threads[0]  # compute worker 0's
+        self.wide_threads = self.worker_threads[0][1]  # compute worker 0's
         self._compute_spec = ComputeWorkerSpec(model, dtype, m, threads, self.wide_threads,
                                                config.dense_backend, config.max_batch,
                                                config.fuse_pointwise,

@@ -129,9 +129,9 @@ _GGUF_PATCH = threading.Lock()
 @contextlib.contextmanager
 def _gguf_parsed_once():
     """For one GGUF load, parse the file once. transformers builds a fresh
-    `gguf.GGUFReader` for the config (twice), the tokenizer and the weights: four parses
-    of a 49k-entry vocabulary, ~4 s each on 2 cores; and it rebuilds gguf's tensor-name
-    map for each of the model's ~400 submodules. It has no argument to pass a parsed
+    `gguf.GGUFReader` for the config (twice), the tokenizer and the weights (four parses
+    of a 49k-entry vocabulary, field by field), and it rebuilds gguf's tensor-name map
+    for each of the model's ~400 submodules. It has no argument to pass a parsed
     reader in, but imports both names from `gguf` at call time, so for the load's length
     `gguf` hands out one reader per file and one map per (arch, layers). Both are only
     read after construction; `test_models.py` checks the result against transformers'
