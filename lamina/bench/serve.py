@@ -6,8 +6,8 @@ guidellm (`guidellm run`, the client vLLM's project ships) at fixed concurrencie
 synthetic prompts of `prompt_tokens` tokens, `output_tokens` new tokens each
 (`ignore_eos`), streamed, on /v1/completions (no chat template in the way), the same
 seeded prompts for every server. Data out, in JSON and Markdown: per server and
-concurrency, requests ok / failed, output tok/s (the successful requests' tokens over
-the level's wall time), TTFT p50 / p95, inter-token latency p50, request latency p50,
+concurrency, requests ok / failed, output tok/s (the measured successful requests'
+tokens over the level's wall time), TTFT p50 / p95, inter-token latency p50, request latency p50,
 and ours over vLLM's tok/s where vLLM ran.
 
 Only one server runs at a time: on a small machine they would share cores.
@@ -67,16 +67,20 @@ def warm_up(url: str, prompt_tokens: int) -> None:
 
 
 def summarize(bench: dict) -> dict:
-    """A guidellm benchmark record -> the row's numbers."""
+    """A guidellm benchmark record -> the row's numbers. ok / failed count every request
+    the run made (its scheduler's totals); the tokens, rates and latencies are those of
+    the requests guidellm measured: the ones that ended within its own measured window
+    (`measured`; one finishing just after the stop time it computes is left out)."""
     reqs, m = bench["requests"], bench["metrics"]
+    made = bench["scheduler_metrics"]["requests_made"]
     ok = reqs["successful"]
     failed = reqs["errored"] + reqs["incomplete"]
 
     def p(name, q):
         return m[name]["successful"]["percentiles"][q] if ok else None
 
-    return {"ok": len(ok), "failed": len(failed),
-            "errors": [r["info"]["error"] for r in failed][:3],
+    return {"ok": made["successful"], "failed": made["errored"] + made["incomplete"],
+            "measured": len(ok), "errors": [r["info"]["error"] for r in failed][:3],
             "output_tokens": [r["output_tokens"] for r in ok],
             "tok_s": sum(r["output_tokens"] or 0 for r in ok) / bench["duration"],
             "ttft_p50_ms": p("time_to_first_token_ms", "p50"),

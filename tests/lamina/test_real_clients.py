@@ -66,12 +66,16 @@ def test_guidellm_benchmark_runs_clean(served, tmp_path):
     """guidellm's default shape, chat; its completions shape runs in
     `test_bench_serve_quick`."""
     srv, tok_dir = served
-    requests = guidellm(srv.url, tok_dir, 4, 8, 48, 12, tmp_path / "guidellm.json",
-                        route="/v1/chat/completions")["requests"]
+    bench = guidellm(srv.url, tok_dir, 4, 8, 48, 12, tmp_path / "guidellm.json",
+                     route="/v1/chat/completions")
+    requests, made = bench["requests"], bench["scheduler_metrics"]["requests_made"]
     errors = [r["info"]["error"] for r in requests["errored"] + requests["incomplete"]]
     assert not errors, errors[:2]
+    assert (made["successful"], made["errored"], made["incomplete"]) == (8, 0, 0), made
+    # the requests guidellm measured (it leaves out one ending after the stop time it
+    # computes, as `lamina.bench.serve.summarize` says): each checked whole
     done = requests["successful"]
-    assert len(done) == 8
+    assert 1 <= len(done) <= 8
     for r in done:
         body = json.loads(r["request_args"])["body"]
         assert body["stream"] and body["stream_options"]["continuous_usage_stats"]
@@ -170,6 +174,9 @@ def test_bench_serve_quick(tmp_path):
     [row] = result["rows"]
     assert (row["server"], row["concurrency"], row["ok"], row["failed"]) == \
         ("lamina local", 2, 4, 0)
-    assert row["output_tokens"] == [8] * 4 and row["tok_s"] > 0
+    # guidellm measures the requests that ended before the stop time it computes (on a
+    # busy machine the last one may end after it): those each got their 8 tokens
+    assert 1 <= row["measured"] <= 4 and row["output_tokens"] == [8] * row["measured"]
+    assert row["tok_s"] > 0
     assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"] and row["itl_p50_ms"] > 0
     assert "| lamina local | 2 | 4 / 0 |" in (tmp_path / "serve.md").read_text()
