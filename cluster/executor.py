@@ -183,11 +183,11 @@ class RayExecutor(Executor):
             bundle_threads(res, "compute" if b < r_n else "memory", threads, wide_threads)
             for b, res in enumerate(self.placement.node_resources())]
         self.wide_threads = self.worker_threads[0][1]  # compute worker 0's
-        self._compute_spec = ComputeWorkerSpec(model, dtype, m, threads, self.wide_threads,
-                                               config.dense_backend, config.max_batch,
-                                               config.fuse_pointwise,
-                                               "cuda" if compute_gpu else "cpu",
-                                               config.graph_tokens, config.stream_groups)
+        # each replica's threads are its bundle's (`_new_compute`)
+        self._compute_spec = ComputeWorkerSpec(
+            model, dtype, m, dense_backend=config.dense_backend, batch_hint=config.max_batch,
+            fuse=config.fuse_pointwise, compute_device="cuda" if compute_gpu else "cpu",
+            graph_tokens=config.graph_tokens, stream_groups=config.stream_groups)
         self.computes: list = []  # actor handles, filled by `_start`
         self.memory: list = []
         self.controls: list[ControlClient | None] = [None] * r_n

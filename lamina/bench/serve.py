@@ -7,8 +7,8 @@ synthetic prompts of `prompt_tokens` tokens, `output_tokens` new tokens each
 (`ignore_eos`), streamed, on /v1/completions (no chat template in the way), the same
 seeded prompts for every server. Data out, in JSON and Markdown: per server and
 concurrency, requests ok / failed, output tok/s (the measured successful requests'
-tokens over the level's wall time), TTFT p50 / p95, inter-token latency p50, request latency p50,
-and ours over vLLM's tok/s where vLLM ran.
+tokens over the level's wall time), TTFT p50 / p95, inter-token latency p50, request
+latency p50, and ours over vLLM's tok/s where vLLM ran.
 
 Only one server runs at a time: on a small machine they would share cores.
 """
