@@ -24,6 +24,10 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 # fixtures are built once. The scope rule is xdist's own way to group (its LoadFile and
 # LoadGroup schedulers override `_split_scope` alike); its "loadgroup" marks do not group
 # under pytest 9.2, which keeps node ids where xdist no longer writes them.
+# Files are handed out in collection order, which each worker sorts alike: the serial
+# group first, then the other files longest first (`tests/durations.py`), so the last to
+# start are short ones. xdist's own order (most tests first) left a few long tests for
+# last with the other worker done.
 _XDIST = "PYTEST_XDIST_WORKER" in os.environ
 torch.set_num_threads(1 if _XDIST else max(1, min(2, torch.get_num_threads())))
 _SERIAL = ("tests/cluster/", "tests/lamina/test_netns.py")
@@ -38,7 +42,27 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::")[0]
             return "serial" if path.startswith(_SERIAL) else path
 
+    config.option.loadscopereorder = False  # keep the order below
     return FilesAndOneSerialScope(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist: the serial group's tests first (in their own order), then every other
+    file's, longest file first; a file's tests keep their order."""
+    if not _XDIST:
+        return
+    from tests.durations import DEFAULT_S, load
+
+    seconds = load()
+
+    def key(pair):
+        index, item = pair
+        path = item.nodeid.split("::")[0]
+        if path.startswith(_SERIAL):
+            return (0, 0.0, index)
+        return (1, -seconds.get(path, DEFAULT_S), path, index)
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 
 
 @pytest.fixture(scope="session")

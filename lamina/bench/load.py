@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -55,13 +56,16 @@ def lamina_serve_cmd(executor: str = "ray", memory_workers: int = 2,
 
 class Server:
     """`lamina serve --executor ray` (or `cmd`, any HTTP server with /health; `env`
-    its environment) in its own session; `stop` ends it and every process under it."""
+    its environment) in its own session; `stop` ends it and every process under it.
+    Its output goes to a temporary log, removed by `stop` and kept (and named in the
+    error) when the server fails to start."""
 
     def __init__(self, port: int, extra: list[str], timeout_s: float = 300,
                  cmd: list[str] | None = None, env: dict | None = None):
         self.port, self.url = port, f"http://127.0.0.1:{port}"
         cmd = cmd or lamina_serve_cmd("ray", 2, "--port", str(port))
-        self.log = open(f"/tmp/lamina-load-{port}.log", "w")
+        self.log = tempfile.NamedTemporaryFile("w", prefix=f"lamina-serve-{port}-",
+                                               suffix=".log", delete=False)
         self.proc = subprocess.Popen([*cmd, *extra], stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=env)
         deadline = time.time() + timeout_s
@@ -77,7 +81,7 @@ class Server:
                         return
             except OSError:
                 time.sleep(1)
-        self.stop()
+        self.stop(keep_log=True)
         raise TimeoutError(f"the server ({self.log.name}) not healthy after {timeout_s} s")
 
     def metric(self, name: str) -> float:
@@ -87,7 +91,7 @@ class Server:
                     return float(line.split()[-1])
         return 0.0
 
-    def stop(self) -> None:
+    def stop(self, keep_log: bool = False) -> None:
         tree = descendants(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGINT)
@@ -100,6 +104,8 @@ class Server:
             except ProcessLookupError:
                 pass
         self.log.close()
+        if not keep_log:
+            Path(self.log.name).unlink(missing_ok=True)
 
 
 def descendants(pid: int) -> list[int]:

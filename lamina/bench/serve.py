@@ -8,7 +8,8 @@ synthetic prompts of `prompt_tokens` tokens, `output_tokens` new tokens each
 seeded prompts for every server. Data out, in JSON and Markdown: per server and
 concurrency, requests ok / failed, output tok/s (the measured successful requests'
 tokens over the level's wall time), TTFT p50 / p95, inter-token latency p50, request
-latency p50, and ours over vLLM's tok/s where vLLM ran.
+latency p50, and ours over vLLM's tok/s where vLLM ran; in the JSON also the server's
+start (wall seconds until /health answers), its warm-up and each level's guidellm process.
 
 Only one server runs at a time: on a small machine they would share cores.
 """
@@ -107,19 +108,27 @@ def _servers(executors, dtype: str, memory_workers: int, vllm_python: str | None
 def _levels(name, cmd, env, levels, tok_dir, prompt_tokens, output_tokens, tmp) -> list:
     """Start one server, warm it up, run each concurrency level, stop it."""
     port = _free_port()
+    t0 = time.perf_counter()
     server = Server(port, [], timeout_s=900, cmd=[*cmd, "--port", str(port)], env=env)
+    t1 = time.perf_counter()
     rows = []
     try:
         warm_up(server.url, prompt_tokens)
+        # wall seconds: the server's start until /health answers, its two warm-up requests
+        start = {"start_s": round(t1 - t0, 2), "warmup_s": round(time.perf_counter() - t1, 2)}
+        print(f"{name}: healthy after {start['start_s']:.1f} s, warmed up in "
+              f"{start['warmup_s']:.1f} s", flush=True)
         for c, n in levels:
+            t = time.perf_counter()
             bench = guidellm(server.url, tok_dir, c, n, prompt_tokens, output_tokens,
                              tmp / f"{name.replace(' ', '-')}-{c}.json")
             rows.append({"server": name, "concurrency": c, "requests": n,
-                         **summarize(bench)})
+                         **summarize(bench), **start,
+                         "client_s": round(time.perf_counter() - t, 2)})
             r = rows[-1]
             print(f"{name} c={c}: {r['ok']}/{n} ok, {r['tok_s']:.1f} tok/s, TTFT p50 "
-                  f"{r['ttft_p50_ms'] or 0:.0f} ms, ITL p50 {r['itl_p50_ms'] or 0:.1f} ms",
-                  flush=True)
+                  f"{r['ttft_p50_ms'] or 0:.0f} ms, ITL p50 {r['itl_p50_ms'] or 0:.1f} ms "
+                  f"(guidellm's process {r['client_s']:.1f} s)", flush=True)
     finally:
         server.stop()
     return rows

@@ -178,5 +178,7 @@ def test_bench_serve_quick(tmp_path):
     # busy machine the last one may end after it): those each got their 8 tokens
     assert 1 <= row["measured"] <= 4 and row["output_tokens"] == [8] * row["measured"]
     assert row["tok_s"] > 0
+    # the wall clock's split: the server's start, its warm-up, guidellm's whole process
+    assert min(row["start_s"], row["warmup_s"]) > 0 and row["client_s"] > 0
     assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"] and row["itl_p50_ms"] > 0
     assert "| lamina local | 2 | 4 / 0 |" in (tmp_path / "serve.md").read_text()

@@ -1,0 +1,42 @@
+"""The benchmarks' server process (`lamina.bench.load.Server`): it is up once /health
+answers 200; `stop` ends it and removes its log; a server that exits before it is
+healthy is an error naming its log (kept) with the log's tail in the message."""
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from lamina.bench.load import Server, _free_port
+
+# a stand-in server: /health answers 200, anything else 404
+HEALTH = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+print("stand-in up", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_healthy_server_is_stopped_and_its_log_removed():
+    port = _free_port()
+    s = Server(port, [], timeout_s=60, cmd=[sys.executable, "-c", HEALTH, str(port)])
+    log = Path(s.log.name)
+    assert log.exists() and log.name.startswith(f"lamina-serve-{port}-")
+    s.stop()
+    assert s.proc.poll() is not None and not log.exists()
+
+
+def test_a_server_that_exits_is_an_error_naming_its_kept_log():
+    cmd = [sys.executable, "-c", "print('no model here', flush=True); raise SystemExit(3)"]
+    with pytest.raises(RuntimeError, match="exited with 3") as e:
+        Server(_free_port(), [], timeout_s=60, cmd=cmd)
+    [name] = re.findall(r"see (\S+\.log)", str(e.value))
+    assert "no model here" in str(e.value)
+    assert "no model here" in Path(name).read_text()
+    Path(name).unlink()
