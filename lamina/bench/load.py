@@ -57,8 +57,9 @@ def lamina_serve_cmd(executor: str = "ray", memory_workers: int = 2,
 class Server:
     """`lamina serve --executor ray` (or `cmd`, any HTTP server with /health; `env`
     its environment) in its own session; `stop` ends it and every process under it.
-    Its output goes to a temporary log, removed by `stop` and kept (and named in the
-    error) when the server fails to start."""
+    Its output goes to a temporary log, removed by `stop` unless the server had exited
+    on its own by then (the log is named on stderr) or failed to start (named in the
+    error)."""
 
     def __init__(self, port: int, extra: list[str], timeout_s: float = 300,
                  cmd: list[str] | None = None, env: dict | None = None):
@@ -92,6 +93,7 @@ class Server:
         return 0.0
 
     def stop(self, keep_log: bool = False) -> None:
+        exited = self.proc.poll()  # before stop: the server died during the run
         tree = descendants(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGINT)
@@ -104,7 +106,10 @@ class Server:
             except ProcessLookupError:
                 pass
         self.log.close()
-        if not keep_log:
+        if exited is not None:
+            print(f"the server exited with {exited} before it was stopped; its log: "
+                  f"{self.log.name}", file=sys.stderr)
+        elif not keep_log:
             Path(self.log.name).unlink(missing_ok=True)
 
 

@@ -1,8 +1,11 @@
 """The benchmarks' server process (`lamina.bench.load.Server`): it is up once /health
 answers 200; `stop` ends it and removes its log; a server that exits before it is
-healthy is an error naming its log (kept) with the log's tail in the message."""
+healthy is an error naming its log (kept) with the log's tail in the message; one that
+exits on its own during the run keeps its log, named when it is stopped."""
 import re
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -14,8 +17,12 @@ HEALTH = """
 import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
+        self.send_response(200 if self.path in ("/health", "/quit") else 404)
         self.end_headers()
+        if self.path == "/quit":
+            print("asked to quit", flush=True)
+            import os
+            os._exit(5)
     def log_message(self, *a):
         pass
 print("stand-in up", flush=True)
@@ -40,3 +47,21 @@ def test_a_server_that_exits_is_an_error_naming_its_kept_log():
     assert "no model here" in str(e.value)
     assert "no model here" in Path(name).read_text()
     Path(name).unlink()
+
+
+def test_a_server_that_died_during_the_run_keeps_its_log(capsys):
+    port = _free_port()
+    s = Server(port, [], timeout_s=60, cmd=[sys.executable, "-c", HEALTH, str(port)])
+    try:
+        urllib.request.urlopen(s.url + "/quit", timeout=10).close()
+    except OSError:
+        pass  # it may exit before the answer is read
+    deadline = time.monotonic() + 30
+    while s.proc.poll() is None:
+        assert time.monotonic() < deadline, "the stand-in did not exit"
+        time.sleep(0.05)
+    s.stop()
+    log = Path(s.log.name)
+    assert f"exited with 5 before it was stopped; its log: {log}" in capsys.readouterr().err
+    assert "asked to quit" in log.read_text()
+    log.unlink()
