@@ -93,10 +93,14 @@ class Server:
         return 0.0
 
     def stop(self, keep_log: bool = False) -> None:
+        """SIGTERM to its process group (a graceful stop for `lamina serve`, uvicorn and
+        vLLM alike; SIGINT would be ignored by a server started from a background job
+        of a non-interactive shell, which ignores it and passes that on), then SIGKILL
+        to whatever is left after 60 s."""
         exited = self.proc.poll()  # before stop: the server died during the run
         tree = descendants(self.proc.pid)
         try:
-            os.killpg(self.proc.pid, signal.SIGINT)
+            os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(60)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
@@ -105,6 +109,7 @@ class Server:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        self.proc.wait(30)
         self.log.close()
         if exited is not None:
             print(f"the server exited with {exited} before it was stopped; its log: "
