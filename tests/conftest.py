@@ -39,7 +39,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class FilesAndOneSerialScope(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::")[0]
+            path = _file(nodeid)
             return "serial" if path.startswith(_SERIAL) else path
 
     config.option.loadscopereorder = False  # keep the order below
@@ -55,14 +55,17 @@ def pytest_collection_modifyitems(config, items):
 
     seconds = load()
 
-    def key(pair):
+    def key(pair):  # a file's tests stay together: they are adjacent in `items`
         index, item = pair
-        path = item.nodeid.split("::")[0]
-        if path.startswith(_SERIAL):
-            return (0, 0.0, index)
-        return (1, -seconds.get(path, DEFAULT_S), path, index)
+        path = _file(item.nodeid)
+        return (0, 0.0, index) if path.startswith(_SERIAL) else \
+            (1, -seconds.get(path, DEFAULT_S), index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
 
 
 @pytest.fixture(scope="session")
