@@ -196,6 +196,12 @@ def export_hf_folder(model, tokenizer, out: Path) -> Path:
     return out
 
 
+def _folder_config(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, local_files_only=True)
+
+
 def load_tokenizer(model: str | os.PathLike | None = None):
     """Only the tokenizer of `model` (from its folder or GGUF file), or None where it
     has none."""
@@ -249,6 +255,9 @@ def load(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.floa
                 try:
                     export_hf_folder(m, tok, cached)
                     _drop_stale(folder / gguf, dtype)
+                    # the config every later load (and `load_info`) reads: the same
+                    # fields whether or not this load was the one that wrote it
+                    config = _folder_config(cached)
                 except OSError:  # read-only home etc.: loading still worked
                     pass
     except Exception as e:  # transformers, safetensors and gguf raise types of their own

@@ -35,6 +35,8 @@ def test_converted_and_cached_folder_equal_transformers_own_gguf_load(tmp_path, 
     converted = load()
     cached = load()
     assert (tmp_path / "hf").is_dir() and cached.model is not converted.model
+    # the engine sees one config whichever load wrote the cache
+    assert converted.config.to_dict() == cached.config.to_dict()
     plain = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, local_files_only=True)
     plain_tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf, local_files_only=True)
     ref = plain.state_dict()
