@@ -108,12 +108,13 @@ def ring_run(request, smol, smol_split, prompts):
     return n, tokens, spans, len(ex.params)
 
 
-def check_ring(spans, r_n: int, n: int, layers: int, hidden: int, workers: int):
-    """The rotation read off one decode step of 16 sequences (`check_rotation`), and
+def check_ring(spans, r_n: int, n: int, layers: int, hidden: int, workers: int,
+               rows: int = 16):
+    """The rotation read off one decode step of `rows` sequences (`check_rotation`), and
     each memory worker attending every (layer, micro-batch) it holds rows of once."""
     assert lanes([s for s in spans if s.kind != "send"]) == [
         *(f"compute{r}" for r in range(r_n)), *(f"memory{w}" for w in range(workers))]
-    check_rotation(spans, r_n, n, layers, hidden * 4)
+    check_rotation(spans, r_n, n, layers, hidden * 4, rows)
     attends = [(s.lane, s.layer, s.mb) for s in spans if s.kind == "attend"]
     assert len(attends) == len(set(attends))
     assert {(a[1], a[2]) for a in attends} == {(k, j) for k in range(layers) for j in range(n)}

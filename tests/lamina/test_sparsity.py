@@ -633,10 +633,12 @@ def test_h2o_and_snapkv_give_back_slots_and_answer_as_keeping_them(smol, smol_sp
     """h2o at 25% deployment-wide, snapkv at 25% as the odd prompts' own policy: the
     memory worker reports the keys every layer left out for good, the scheduler gives
     their slots back (64 or more at a time: holes in the tables, the slots free), and
-    the answers equal those of the same policies keeping every slot."""
+    the answers equal those of the same policies keeping every slot. Six prompts of 9 to
+    250 tokens, each policy on three (the whole set's exactness is the dense tests')."""
     cfg = SparsityConfig("h2o", 0.25)
     kw = dict(kv_sparsity="h2o", kv_budget=0.25, prefix_caching=False)
     snap = replace(GREEDY, kv_sparsity="snapkv", kv_budget=0.25)
+    prompts = [prompts[i] for i in (1, 4, 5, 9, 13, 14)]  # 12, 128, 200, 9, 150, 250
     params = [snap if i % 2 else GREEDY for i in range(len(prompts))]
 
     def answers(eng, check=None):
