@@ -37,6 +37,7 @@ import torch
 import torch.fx
 
 from .slices import Slice
+from .trace_store import graph_module
 
 log = logging.getLogger("lamina.dense")
 
@@ -180,7 +181,7 @@ def _pack_slice(s: Slice, packed: dict, packer, fuse: bool = True) -> tuple[Slic
     gate/up at 32 rows), with one call and one weight stream instead of several."""
     g = torch.fx.Graph()
     g.output(g.graph_copy(s.module.graph, {}))
-    gm = torch.fx.GraphModule(s.module, g, class_name=type(s.module).__name__)
+    gm = graph_module(s.module, g, class_name=type(s.module).__name__)
     n = count = 0
     groups = [grp for grp in _groups(gm) if packer.math(grp[0][1]) is not None]
     for group in groups if fuse else [[m] for grp in groups for m in grp]:

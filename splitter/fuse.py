@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from .trace import TensorMeta
+from .trace_store import graph_module
 
 A = torch.ops.aten
 _TO = (A.to.dtype, A._to_copy.default)
@@ -192,7 +193,7 @@ def fuse_pointwise(split, ops):
     for s in split.slices:
         g = torch.fx.Graph()
         g.output(g.graph_copy(s.module.graph, {}))
-        gm = torch.fx.GraphModule(s.module, g, class_name=type(s.module).__name__)
+        gm = graph_module(s.module, g, class_name=type(s.module).__name__)
         counts = fuse_graph(gm, ops)
         for k, v in counts.items():
             total[k] += v

@@ -20,6 +20,7 @@ import torch
 import torch.fx
 
 from .trace import TensorMeta
+from .trace_store import graph_module
 
 POS = "position_ids"
 
@@ -77,11 +78,11 @@ def _memo_slice(s, cache: dict):
         if n in needed:
             env[n] = g.node_copy(n, lambda x: env[x])
     g.output(tuple(env[n] for n in frontier))
-    fn = torch.fx.GraphModule(gm, g)
+    fn = graph_module(gm, g)
     key = _signature(fn)
     out = torch.fx.Graph()
     out.output(out.graph_copy(gm.graph, {}))
-    new = torch.fx.GraphModule(gm, out, class_name=type(gm).__name__)
+    new = graph_module(gm, out, class_name=type(gm).__name__)
     new.add_submodule("_lamina_pos_tables", PositionTables(fn, key, cache))
     nodes = {n.name: n for n in new.graph.nodes}
     last_ph = [n for n in new.graph.nodes if n.op == "placeholder"][-1]

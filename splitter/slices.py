@@ -18,6 +18,7 @@ import torch.fx
 
 from .graph import DataflowGraph
 from .partition import Partition
+from .trace_store import graph_module
 
 
 @dataclass
@@ -80,7 +81,7 @@ def _build_one(gm, nodes, dg, k, inputs, body, outputs, out_node) -> Slice:
         g.output(tuple(value(nodes[o]) for o in outputs))
         out_names = outputs
     g.eliminate_dead_code()
-    module = torch.fx.GraphModule(gm, g, class_name=f"Slice{k}")
+    module = graph_module(gm, g, class_name=f"Slice{k}")
     n_compute = sum(1 for n in g.nodes if n.op == "call_function")
     return Slice(index=k, module=module, inputs=tuple(inputs), outputs=out_names,
                  num_nodes=n_compute)

@@ -25,7 +25,7 @@ from torch.export import Dim, export
 
 from . import trace_store
 from .attention_op import ATTN_IMPL, UnsupportedAttentionError, register_with_transformers
-from .trace_store import CachedTrace, attr_of, copy_graph
+from .trace_store import CachedTrace, attr_of, copy_graph, graph_module
 
 ATTENTION_OP = torch.ops.lamina.attention.default
 
@@ -224,7 +224,7 @@ def _rebound(cached: CachedTrace, model: torch.nn.Module) -> torch.fx.GraphModul
             if t is None:
                 return None
             root[n.target] = t
-    return torch.fx.GraphModule(root, copy_graph(cached.graph))
+    return graph_module(root, copy_graph(cached.graph))
 
 
 def _reused(key: str, model: torch.nn.Module) -> torch.fx.GraphModule | None:

@@ -176,6 +176,30 @@ def attr_of(root, target: str):
     return root
 
 
+def graph_module(root, graph: torch.fx.Graph, class_name: str = "GraphModule"):
+    """`torch.fx.GraphModule(root, graph, class_name)` whose Python code is generated when
+    it is first called (or its `.code` read), not at each construction and `recompile()`:
+    a split builds each slice's module several times over (sliced, packed, fused,
+    memoized), and generating code for each of those ~250 graphs (SmolLM2) was about a
+    third of `prepare_split`'s time. torch's `_LazyGraphModule` (what inductor builds its pattern
+    graphs with) does this; a plain GraphModule where a torch lacks it."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule as cls
+    except ImportError:  # pragma: no cover - every torch we support has it
+        cls = torch.fx.GraphModule
+    return cls(root, graph, class_name=class_name)
+
+
+def compile_now(module: torch.nn.Module) -> None:
+    """Generate the code of every lazily built graph module in `module` now (a split's
+    final slices, once): the first step then runs no codegen, and threads sharing a
+    split never meet a module mid-recompile."""
+    for m in module.modules():
+        recompile = getattr(m, "real_recompile", None)  # _LazyGraphModule's
+        if recompile is not None:
+            recompile()
+
+
 def copy_graph(g: torch.fx.Graph) -> torch.fx.Graph:
     """A copy of `g` with its own nodes (meta dicts copied, values shared) and codegen."""
     new = torch.fx.Graph()

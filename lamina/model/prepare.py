@@ -22,6 +22,7 @@ from lamina.splitter.dense import DenseChoice, pack_dense, select_dense_backend
 from lamina.splitter.fuse import fuse_pointwise
 from lamina.splitter.memo import memo_positions
 from lamina.splitter.split import SplitModel
+from lamina.splitter.trace_store import compile_now
 
 log = logging.getLogger("lamina.model.prepare")
 
@@ -57,6 +58,8 @@ def prepare_split(model: torch.nn.Module, dense_backend: str = "auto", batch_hin
     if dev.type != "cpu":
         model.to(dev)  # its buffers; the parameters are the slices' own, moved below
         move_split(split, dev)
+    for s in split.slices:  # the modules above were built lazily: their code, once
+        compile_now(s.module)
     return Prepared(split, dense, fused, why)
 
 

@@ -222,3 +222,24 @@ def test_node_metadata_is_each_values_real_shape_and_dtype(arch):
             assert (shape, v.dtype) == (tuple(real[n.name].shape), real[n.name].dtype), n.name
             checked += 1
     assert checked > 40
+
+
+def test_a_prepared_split_generates_each_modules_code_once(monkeypatch):
+    """`prepare_split` builds each slice's module several times over (sliced, packed,
+    fused, memoized). From a trace this process holds, Python code is generated once
+    per graph module it returns, all of them before the first step, and the prepared
+    split's logits are the model's."""
+    from lamina.model.prepare import prepare_split
+
+    model = tiny_model("llama")
+    trace(model)  # the export (which generates code of its own) done before counting
+    made = []
+    python_code = torch.fx.Graph.python_code
+    monkeypatch.setattr(torch.fx.Graph, "python_code",
+                        lambda self, *a, **k: made.append(self) or python_code(self, *a, **k))
+    prepared = prepare_split(model, dense_backend="onednn", fuse=False)
+    modules = [m for s in prepared.split.slices for m in s.module.modules()
+               if isinstance(m, torch.fx.GraphModule)]
+    assert prepared.dense.backend == "onednn" and len(modules) > len(prepared.split.slices)
+    assert sorted(map(id, made)) == sorted(id(m.graph) for m in modules)
+    logits_close(model, prepared.split, seed=3)
