@@ -181,8 +181,8 @@ def graph_module(root, graph: torch.fx.Graph, class_name: str = "GraphModule"):
     it is first called (or its `.code` read), not at each construction and `recompile()`:
     a split builds each slice's module several times over (sliced, packed, fused,
     memoized), and generating code for each of those ~250 graphs (SmolLM2) was about a
-    third of `prepare_split`'s time. torch's `_LazyGraphModule` (what inductor builds its pattern
-    graphs with) does this; a plain GraphModule where a torch lacks it."""
+    third of `prepare_split`'s time. torch's `_LazyGraphModule` (what inductor builds
+    its pattern graphs with) does this; a plain GraphModule where a torch lacks it."""
     try:
         from torch.fx._lazy_graph_module import _LazyGraphModule as cls
     except ImportError:  # pragma: no cover - every torch we support has it

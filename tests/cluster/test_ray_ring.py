@@ -3,11 +3,11 @@ n batches over R = n - 1 compute workers in a ring (`lamina.compute.ring`), each
 micro-batch's context migrating to the next worker over the data plane and the memory
 workers sending each layer's output to the worker that runs the next slice. Greedy
 tokens equal HF's on the 16 mixed-length prompts at n = 3 (2 memory workers) and n = 4
-(1 memory worker; 8 of the prompts, the first 8 tokens); from one decode step's trace, slice k of
-micro-batch j ran on compute worker (j + k) mod R and its context came from the worker
-of slice k - 1; a request poisoning a compute worker, and one poisoning a memory worker
-mid-ring, each fail alone; a killed compute worker is replaced and the requests end
-with HF's tokens."""
+(1 memory worker; 8 of the prompts, the first 8 tokens); from one decode step's trace,
+slice k of micro-batch j ran on compute worker (j + k) mod R and its context came from
+the worker of slice k - 1; a request poisoning a compute worker, and one poisoning a
+memory worker mid-ring, each fail alone; a killed compute worker is replaced and the
+requests end with HF's tokens."""
 from dataclasses import replace
 
 import pytest
