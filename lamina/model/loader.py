@@ -220,7 +220,7 @@ def load_info(model: str | os.PathLike | None = None,
     """The tokenizer and config of `model`, its weights left on disk. A GGUF not yet
     converted at `dtype` is loaded whole once: that writes the cache folder the workers
     on this node then load in a second instead of each converting it."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     folder, gguf = resolve(model)
     where = folder
@@ -231,7 +231,7 @@ def load_info(model: str | os.PathLike | None = None,
             return ModelInfo(lm.tokenizer, lm.config, lm.source)
     source = str(folder / gguf) if gguf else str(folder)
     try:
-        config = AutoConfig.from_pretrained(where, local_files_only=True)
+        config = _folder_config(where)
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"could not load model from {source}: {e}") from e
