@@ -36,6 +36,11 @@ from pathlib import Path
 
 import torch
 
+try:  # a GraphModule that generates its code on first use (`graph_module`)
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _LazyGM
+except ImportError:  # pragma: no cover - every torch we support has it
+    _LazyGM = torch.fx.GraphModule
+
 log = logging.getLogger("lamina.splitter")
 STORE_FILES = 128  # models x dtypes x configs; a file ~0.6 MB for SmolLM2's 30 layers
 FORMAT = 2  # bump when the file's layout changes (2: light node metadata)
@@ -183,11 +188,7 @@ def graph_module(root, graph: torch.fx.Graph, class_name: str = "GraphModule"):
     memoized), and generating code for each of those ~250 graphs (SmolLM2) was about a
     third of `prepare_split`'s time. torch's `_LazyGraphModule` (what inductor builds
     its pattern graphs with) does this; a plain GraphModule where a torch lacks it."""
-    try:
-        from torch.fx._lazy_graph_module import _LazyGraphModule as cls
-    except ImportError:  # pragma: no cover - every torch we support has it
-        cls = torch.fx.GraphModule
-    return cls(root, graph, class_name=class_name)
+    return _LazyGM(root, graph, class_name=class_name)
 
 
 def compile_now(module: torch.nn.Module) -> None:
