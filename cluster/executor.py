@@ -210,6 +210,9 @@ class RayExecutor(Executor):
         """The workers, in the placement's bundles, and their wiring."""
         config = self.config
         self.computes = [self._new_compute(r) for r in range(r_n)]
+        # the memory workers' processes start (Python, torch, lamina imported) while the
+        # compute workers load and split the model: their setup waits on its answers
+        self.memory = [self._new_memory(i) for i in range(config.num_memory_workers)]
         # rotational over the replicas: a ring of compute workers (every one runs every
         # step); fixed: each replica's sequences; neither: one compute worker
         self.ring = r_n > 1 and config.pipeline == "rotational"

@@ -7,6 +7,7 @@ them in Ray workers.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Sequence
 
@@ -40,7 +41,7 @@ class LLM:
         from lamina.executor.local import LocalExecutor
         from lamina.memory.memory_side import MemorySide
         from lamina.memory.pool import KVPool, KVPoolConfig
-        from lamina.model.loader import load, load_info
+        from lamina.model.loader import load
         from lamina.model.prepare import (
             key_channel_scales,
             prepare_split,
@@ -59,10 +60,8 @@ class LLM:
         # the weights: in this process for the local executor, else only in the workers
         self.loaded: LoadedModel | ModelInfo
         if executor != "local":
-            self.loaded = load_info(model, dtype=dtype)
             self.split = None
-            self.executor = plugin_executor(executor)(model, dtype, self.config,
-                                                      address=address)
+            self.loaded, self.executor = self._start_workers(model, dtype, executor, address)
             # the compute worker's DenseChoice
             self.dense = getattr(self.executor, "dense", None) or DenseChoice(
                 "unknown", f"the {executor!r} executor does not report it")
@@ -91,6 +90,27 @@ class LLM:
         except BaseException:
             self.executor.shutdown()  # a Ray deployment's workers and placement with it
             raise
+
+    def _start_workers(self, model, dtype, executor: str, address: str | None) -> tuple:
+        """(this process's `ModelInfo`, the started executor). The workers start while
+        this process reads the tokenizer and config (~4 s on a Zen 1 core, mostly
+        transformers' imports). A GGUF not yet converted at `dtype` is converted here
+        first, once, for the workers on this node to load (`load_info`); a path that
+        holds no model fails before any worker starts."""
+        from lamina.model.loader import converted, load_info
+
+        start = plugin_executor(executor)
+        if not converted(model, dtype):
+            return load_info(model, dtype=dtype), start(model, dtype, self.config,
+                                                        address=address)
+        with ThreadPoolExecutor(1, thread_name_prefix="lamina-model-info") as pool:
+            info = pool.submit(load_info, model, dtype=dtype)
+            ex = start(model, dtype, self.config, address=address)  # its error wins
+            try:
+                return info.result(), ex
+            except BaseException:
+                ex.shutdown()
+                raise
 
     def _start_engine(self) -> None:
         # the pools' slot count (kv_pool_bytes: as many as fit) is what the engine allocates

@@ -215,6 +215,15 @@ def load_tokenizer(model: str | os.PathLike | None = None):
         return None
 
 
+def converted(model: str | os.PathLike | None = None,
+              dtype: torch.dtype | str = torch.float32) -> bool:
+    """Whether a load of `model` at `dtype` reads a folder as it stands (an HF folder, or
+    a GGUF this node converted before) instead of converting the GGUF first. A path that
+    holds no model raises `ModelLoadError` (`resolve`)."""
+    folder, gguf = resolve(model)
+    return gguf is None or (_gguf_cache_path(folder / gguf, dtype) / "config.json").exists()
+
+
 def load_info(model: str | os.PathLike | None = None,
               dtype: torch.dtype | str = torch.float32) -> ModelInfo:
     """The tokenizer and config of `model`, its weights left on disk. A GGUF not yet

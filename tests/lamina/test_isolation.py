@@ -43,16 +43,27 @@ def unused_token(prompts, hf_greedy, nth: int = 0) -> int:
     return sorted(set(range(1000, 2000)) - seen)[-1 - nth]
 
 
+# the good requests around a poison one: 4 of 5-600 tokens before it, 4 short ones after
+# (the mechanism needs requests in flight on both sides, not all 16 prompts' prefill)
+BEFORE, AFTER = (0, 3, 5, 8), (9, 10, 11, 12)
+AROUND = BEFORE + AFTER
+
+
+def around(refs: list) -> list:
+    """`refs` (one per prompt) of the requests `poison_run` sends, in its order."""
+    return [refs[i] for i in AROUND]
+
+
 def poison_run(eng, prompts, add_poison):
-    """8 good requests, a few steps, the poison one, 8 more good ones; -> (outputs by
-    request id, good ids in prompt order, poison id)."""
+    """4 good requests, a few steps, the poison one, 4 more good ones (`AROUND`); ->
+    (outputs by request id, good ids in `AROUND`'s order, poison id)."""
     free0 = eng.free_slots()
-    ids = [eng.add_request(p, GOOD) for p in prompts[:8]]
+    ids = [eng.add_request(prompts[i], GOOD) for i in BEFORE]
     outs = {}
     for _ in range(2):
         outs.update({o.request_id: o for o in eng.step()})
     bad = add_poison(eng)
-    ids += [eng.add_request(p, GOOD) for p in prompts[8:]]
+    ids += [eng.add_request(prompts[i], GOOD) for i in AFTER]
     while eng.has_unfinished():
         outs.update({o.request_id: o for o in eng.step()})
     assert eng.free_slots() == free0  # every slot back
@@ -61,8 +72,9 @@ def poison_run(eng, prompts, add_poison):
     return outs, ids, bad
 
 
-def check(outs, ids, bad, hf_greedy, words):
-    assert [outs[i].token_ids for i in ids] == [r[:NEW] for r in hf_greedy]
+def check(outs, ids, bad, want, words):
+    """`want`: HF's tokens for `ids`, in their order."""
+    assert [outs[i].token_ids for i in ids] == [r[:NEW] for r in want]
     assert all(outs[i].error is None for i in ids)
     b = outs[bad]
     assert b.finish_reason == "error" and b.error is not None
@@ -82,7 +94,7 @@ def test_bad_token_past_validation_fails_alone(smol, smol_split, prompts, hf_gre
             e.validate = real
 
     outs, ids, bad = poison_run(eng, prompts, poison)
-    check(outs, ids, bad, hf_greedy, f"outside the vocabulary of {vocab}")
+    check(outs, ids, bad, around(hf_greedy), f"outside the vocabulary of {vocab}")
     assert eng.num_failed_requests == 1 and not eng.recoveries
 
 
@@ -91,14 +103,14 @@ def test_compute_fault_on_one_sequence_fails_alone(smol, smol_split, prompts, hf
     eng = engine(smol, smol_split, FaultPlan(compute_token=tok))
     outs, ids, bad = poison_run(eng, prompts,
                                 lambda e: e.add_request([1, 2, tok, 3], GOOD))
-    check(outs, ids, bad, hf_greedy, f"injected compute fault on token {tok}")
+    check(outs, ids, bad, around(hf_greedy), f"injected compute fault on token {tok}")
 
 
 def test_memory_fault_on_one_sequence_fails_alone(smol, smol_split, prompts, hf_greedy):
     eng = engine(smol, smol_split, FaultPlan(memory_pos=MEM_POS))
     long = (prompts[8] * 2)[:MEM_POS + 20]  # a query at MEM_POS in its prefill
     outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(long, GOOD))
-    check(outs, ids, bad, hf_greedy, f"injected memory fault at position {MEM_POS}")
+    check(outs, ids, bad, around(hf_greedy), f"injected memory fault at position {MEM_POS}")
 
 
 def test_a_request_every_step_fails_on_is_found_and_fails_alone(smol, smol_split, prompts,
@@ -280,7 +292,7 @@ def test_a_fault_on_one_compute_replica_fails_alone(smol, smol_split, prompts, h
             return real(plan, link)
         c.run = run
     outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(poison, GOOD))
-    check(outs, ids, bad, hf_greedy, words)
+    check(outs, ids, bad, around(hf_greedy), words)
     assert eng.num_failed_requests == 1 and not eng.recoveries
     steps = [(r, step) for r, step, _ in runs]
     again = {x for x in steps if steps.count(x) > 1}
@@ -303,7 +315,7 @@ def test_sampler_exception_is_put_on_its_row(smol, smol_split, prompts, hf_greed
     eng = engine(smol, smol_split)
     poison = SamplingParams(max_tokens=4, temperature=0.7, seed=666)
     outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(prompts[3], poison))
-    check(outs, ids, bad, hf_greedy, "sampling failed: FloatingPointError: bad row")
+    check(outs, ids, bad, around(hf_greedy), "sampling failed: FloatingPointError: bad row")
 
 
 def test_parallel_samples_of_a_failed_request_all_end(smol, smol_split, prompts, hf_greedy):
@@ -314,23 +326,24 @@ def test_parallel_samples_of_a_failed_request_all_end(smol, smol_split, prompts,
     p = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=3)
     outs, ids, bad = poison_run(eng, prompts,
                                 lambda e: e.add_request(prompts[2] + [tok], p))
-    check(outs, ids, bad, hf_greedy, "injected compute fault")
+    check(outs, ids, bad, around(hf_greedy), "injected compute fault")
     assert [c.finish_reason for c in outs[bad].outputs] == ["error"] * 3
 
 
 def test_engine_loop_raises_request_failed_and_serves_on(smol, smol_split, prompts,
                                                         hf_greedy):
-    """Through the threaded loop (what the HTTP server uses): 16 good requests in
-    flight around a poison one; its future raises RequestFailed, the loop stays alive."""
+    """Through the threaded loop (what the HTTP server uses): 8 good requests in flight
+    around a poison one; its future raises RequestFailed, the loop stays alive."""
     tok = unused_token(prompts, hf_greedy)
     loop = EngineLoop(engine(smol, smol_split, FaultPlan(compute_token=tok)))
     try:
-        futs = [loop.submit(p, GOOD) for p in prompts[:8]]
+        futs = [loop.submit(prompts[i], GOOD) for i in BEFORE]
         bad = loop.submit([tok, 9, 9], GOOD)
-        futs += [loop.submit(p, GOOD) for p in prompts[8:]]
+        futs += [loop.submit(prompts[i], GOOD) for i in AFTER]
         with pytest.raises(RequestFailed, match="injected compute fault"):
             bad.result(300)
-        assert [f.result(300).token_ids for f in futs] == [r[:NEW] for r in hf_greedy]
+        assert [f.result(300).token_ids for f in futs] == [
+            r[:NEW] for r in around(hf_greedy)]
         assert loop.alive and loop.stats["failed"] == 1
         after = loop.submit(prompts[0], GOOD).result(300)  # and after it
         assert after.token_ids == hf_greedy[0][:NEW]

@@ -4,7 +4,14 @@ import os
 import pytest
 import torch
 
-from lamina.model.loader import ModelInfo, ModelLoadError, load, load_info, resolve
+from lamina.model.loader import (
+    ModelInfo,
+    ModelLoadError,
+    converted,
+    load,
+    load_info,
+    resolve,
+)
 from tests.tiny_models import tiny_model
 
 
@@ -72,6 +79,18 @@ def test_load_info_reads_tokenizer_and_config_not_weights(smol, tmp_path, monkey
     assert folder.config.model_type == "qwen2" and folder.source == str(tmp_path)
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_info(tmp_path / "nope")
+
+
+def test_converted_says_whether_a_load_converts_first(smol, tmp_path, monkeypatch):
+    """An HF folder loads as it stands; the GGUF once this node converted it at that
+    dtype (the session's `smol` did, at fp32), not with an empty cache; a path without
+    a model fails as `load` would."""
+    tiny_model("qwen2").save_pretrained(tmp_path / "hf", safe_serialization=True)
+    assert converted(tmp_path / "hf") and converted(None) and converted(None, "float32")
+    monkeypatch.setenv("LAMINA_CACHE_DIR", str(tmp_path / "empty"))
+    assert not converted(None) and not converted(None, "float32")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        converted(tmp_path / "nope")
 
 
 def test_hf_safetensors_folder_roundtrip(tmp_path):
