@@ -1,8 +1,8 @@
 """Where a deployment's start goes: the phases of a fresh process's model preparation,
 and `LLM(...)` on the local and the Ray executor.
 
-    python benchmarks/start_probe.py [--repeat 3] [--memory-workers 2] [--no-ray]
-                                     [--first-load] [--out DIR]
+    python benchmarks/start_probe.py [--repeat 3] [--memory-workers 2]
+                                     [--no-ray | --ray-only] [--first-load] [--out DIR]
 
 Every start pays the compute side's preparation in a fresh process: the local executor
 in the caller's, each Ray compute worker (and its replacement after a failure) in its
@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--memory-workers", type=int, default=2)
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--ray-only", action="store_true", help="only the `ray` start")
     ap.add_argument("--first-load", action="store_true",
                     help="only a first load of the GGUF against transformers' own")
     ap.add_argument("--out", default="benchmarks/results")
@@ -125,8 +126,10 @@ def main() -> None:
                 for _ in range(args.repeat)]
         result["first"] = medians(runs)
     else:
-        result["phases"] = medians([child(PHASES) for _ in range(args.repeat)])
-        result["local"] = medians([child(LLM_START, "local", m) for _ in range(args.repeat)])
+        if not args.ray_only:
+            result["phases"] = medians([child(PHASES) for _ in range(args.repeat)])
+            result["local"] = medians([child(LLM_START, "local", m)
+                                       for _ in range(args.repeat)])
         if not args.no_ray:
             result["ray"] = medians([child(LLM_START, "ray", m) for _ in range(args.repeat)])
     table = [["what", "part", "s"]]
