@@ -111,7 +111,7 @@ def test_a_path_without_a_model_fails_before_any_worker_starts(workers, tmp_path
     assert "workers start" not in events
 
 
-def test_the_info_failing_shuts_the_started_workers_down(workers, tmp_path, monkeypatch):
+def test_the_info_failing_shuts_the_started_workers_down(workers, monkeypatch):
     _, events, _ = workers
 
     def broken(model=None, dtype="float32"):
