@@ -231,13 +231,11 @@ def load_info(model: str | os.PathLike | None = None,
     on this node then load in a second instead of each converting it."""
     from transformers import AutoTokenizer
 
+    if not converted(model, dtype):
+        lm = load(model, dtype)
+        return ModelInfo(lm.tokenizer, lm.config, lm.source)
     folder, gguf = resolve(model)
-    where = folder
-    if gguf is not None:
-        where = _gguf_cache_path(folder / gguf, dtype)
-        if not (where / "config.json").exists():
-            lm = load(model, dtype)
-            return ModelInfo(lm.tokenizer, lm.config, lm.source)
+    where = _gguf_cache_path(folder / gguf, dtype) if gguf else folder
     source = str(folder / gguf) if gguf else str(folder)
     try:
         config = _folder_config(where)
