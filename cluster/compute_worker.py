@@ -38,6 +38,7 @@ from lamina.dataplane.transport import (
     shut,
 )
 from lamina.engine.messages import StepPlan, StepResult
+from lamina.entrypoints.logs import configure_logging
 from lamina.memory.pool import KVPoolConfig
 from lamina.model.loader import load, load_tokenizer
 from lamina.model.prepare import (
@@ -89,6 +90,7 @@ class ComputeWorkerSpec:
 @ray.remote
 class ComputeWorker:
     def __init__(self, spec: ComputeWorkerSpec):
+        configure_logging()  # its lines go to Ray's log of this worker
         # Steps use `threads`, or `wide_threads` where the memory workers sit idle during
         # the dense part (see `step_threads`).
         self.threads, self.wide_threads = spec.threads, spec.wide_threads or spec.threads

@@ -28,7 +28,7 @@ import re
 import statistics
 import time
 import uuid
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
 import ray
@@ -42,6 +42,8 @@ from lamina.engine.messages import StepPlan, StepResult
 from lamina.errors import SequenceFault
 from lamina.executor.base import Executor
 from lamina.executor.replicas import ReplicaSplit, is_hard, merged, replica_faults
+from lamina.kernels import KernelBuildError, is_built, load_cpu_kernel
+from lamina.kernels.cpu_build import BUILD_TIME
 from lamina.memory.sparsity import SCORED
 from lamina.memory.tier_orders import TierMiss, sum_stats
 
@@ -84,6 +86,29 @@ def connect_ray(address: str | None = None) -> str:
                 "set RAY_ADDRESS to join a cluster")
     log.info("%s", what)
     return what
+
+
+def prebuild_kernel(here: str, nodes: list, built=is_built) -> Future | None:
+    """A first start's CPU kernel build (1-2 min on 2 cores), run in this process on a
+    thread when a worker will run on this node (`here`; `nodes`: each bundle's) and the
+    node has no build yet; else None. The workers here wait for it (torch's lock on the
+    build folder) instead of building it themselves, and `RayExecutor._get` waits for it
+    before their start timeout begins: a build on a slow machine took most of that
+    timeout, whose message then blamed the cluster's room."""
+    if here not in nodes or built():
+        return None
+
+    def build() -> None:
+        try:
+            load_cpu_kernel()
+        except KernelBuildError as e:  # the workers fall back and say so in their logs
+            log.warning("could not build the CPU kernel: %s", e)
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="lamina-kernel-build")
+    try:
+        return pool.submit(build)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def check_fits(have: dict, asks: dict[str, tuple[dict, int]]) -> None:
@@ -183,6 +208,8 @@ class RayExecutor(Executor):
             bundle_threads(res, "compute" if b < r_n else "memory", threads, wide_threads)
             for b, res in enumerate(self.placement.node_resources())]
         self.wide_threads = self.worker_threads[0][1]  # compute worker 0's
+        self._kernel_build = prebuild_kernel(ray.get_runtime_context().get_node_id(),
+                                             self.placement.node_ids())
         # each replica's threads are its bundle's (`_new_compute`)
         self._compute_spec = ComputeWorkerSpec(
             model, dtype, m, dense_backend=config.dense_backend, batch_hint=config.max_batch,
@@ -365,12 +392,18 @@ class RayExecutor(Executor):
         """`ray.get`, bounded: a worker whose bundle sits on a node that is gone waits
         until Ray declares the node dead and places the bundle elsewhere, or forever
         where no node has room."""
+        if self._kernel_build is not None:  # not part of the workers' own start
+            self._kernel_build.result()
+            self._kernel_build = None
         wait = START_TIMEOUT_S + self.config.placement_timeout_s
         try:
             return ray.get(refs, timeout=wait)
         except ray.exceptions.GetTimeoutError:
-            raise WorkerFailure(f"{what} did not start within {wait:g} s: the cluster has "
-                                "no room for them (see `ray status`)") from None
+            raise WorkerFailure(
+                f"{what} did not start within {wait:g} s: the cluster has no room for "
+                "them (see `ray status`), or a node's first start is building the CPU "
+                f"kernel ({BUILD_TIME}, once; `lamina doctor` on a node builds it "
+                "ahead)") from None
         except ray.exceptions.RayActorError as e:
             if not e.actor_init_failed:
                 raise

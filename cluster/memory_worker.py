@@ -40,6 +40,7 @@ from lamina.dataplane.transport import (
     shm_enabled,
     shut,
 )
+from lamina.entrypoints.logs import configure_logging
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool
 from lamina.trace import Tracer
@@ -65,6 +66,7 @@ def batch_policy() -> bool:
 @ray.remote
 class MemoryWorker:
     def __init__(self, index: int, threads: int = 1):
+        configure_logging()  # its lines go to Ray's log of this worker
         torch.set_num_threads(threads)
         self.index = index
         self.memory = self.params = None

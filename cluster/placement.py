@@ -59,12 +59,16 @@ class Placement:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=self.group, placement_group_bundle_index=index)}
 
+    def node_ids(self) -> list[str | None]:
+        """Per bundle, the id of the node Ray placed it on."""
+        where = ray.util.placement_group_table(self.group)["bundles_to_node_id"]
+        return [where.get(b) for b in range(len(self.bundles))]
+
     def node_resources(self) -> list[dict]:
         """Per bundle, the total resources of the node Ray placed it on ({} for a node
         no longer alive)."""
-        where = ray.util.placement_group_table(self.group)["bundles_to_node_id"]
         nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-        return [nodes.get(where.get(b), {}) for b in range(len(self.bundles))]
+        return [nodes.get(node, {}) for node in self.node_ids()]
 
     def remove(self) -> None:
         remove_placement_group(self.group)

@@ -27,7 +27,7 @@ from .backends import (
     validate,
     validate_batch,
 )
-from .cpu_build import KernelBuildError, build_seconds, load_cpu_kernel
+from .cpu_build import KernelBuildError, build_seconds, is_built, load_cpu_kernel
 from .merge import merge_attention
 from .pointwise import argmax_rows
 from .quant import fold_channels, head_dim, is_quantized, quantize_rows
@@ -36,8 +36,8 @@ from .slots import AttentionParams, SlotBatch
 
 __all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "BackendUnavailable",
            "CpuBackend", "KernelBuildError", "ReferenceBackend", "SlotBatch", "argmax_rows",
-           "attend", "build_seconds", "decode_attention", "load_cpu_kernel", "merge_attention",
-           "prefill_attention", "reference_slot_attention", "select_backend",
+           "attend", "build_seconds", "decode_attention", "is_built", "load_cpu_kernel",
+           "merge_attention", "prefill_attention", "reference_slot_attention", "select_backend",
            "TritonBackend", "validate", "validate_batch", "write_kv"]
 
 

@@ -9,10 +9,12 @@ Data in: the C++ sources beside this file. Data out: the loaded extension module
 `KernelBuildError` saying why it could not be had. Builds go to
 `$LAMINA_CACHE_DIR/kernels/<key>` (default `~/.cache/lamina/kernels/<key>`), keyed by the
 source, flags, torch version and CPU, so a build is reused by every later process and a
-change to any of those rebuilds. The first build takes about a minute on 2 cores.
+change to any of those rebuilds. The first build takes 1-2 minutes on 2 cores and says
+so as it starts (`lamina doctor` builds it ahead).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -35,6 +37,7 @@ SOURCES = (CSRC / "slot_attention.cpp", CSRC / "page_select.cpp", CSRC / "datapl
            CSRC / "pointwise.cpp", CSRC / "prompt_flash.cpp", CSRC / "linear_bf16.cpp",
            CSRC / "bindings.cpp")
 HEADERS = (CSRC / "lamina_ext.h",)  # hashed into the build key with the sources
+BUILD_TIME = "1-2 minutes on 2 cores"  # ~115 s on a Zen 1 EPYC (2026-12-02)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 _lock = threading.Lock()
@@ -51,15 +54,16 @@ def cache_root() -> Path:
 
 
 def build_key() -> str:
-    """The build's cache folder: the sources' bytes, flags, torch, the compiler, the CPU,
-    and where the sources lie. ninja records their paths, so two checkouts sharing one
-    folder would rebuild (~1 min) each time the other had built."""
+    """The build's cache folder: the sources' bytes, flags, torch, the compiler and
+    ninja, the CPU, and where the sources lie. ninja records their paths, so two
+    checkouts sharing one folder would rebuild (1-2 min) each time the other had built."""
     h = hashlib.sha256(str(CSRC.resolve()).encode())
     for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(compiler_version().encode())
+    h.update(ninja_version().encode())
     h.update(platform.machine().encode())
     h.update(_cpu_model().encode())
     # -march=native builds for these: a "model name" alone (here "AMD EPYC") can stand
@@ -91,6 +95,54 @@ def compiler_version() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def ninja_dir() -> str | None:
+    """The folder of the ninja that builds the kernel: the `ninja` package's (a
+    dependency), else the first on PATH; None with neither. torch runs whichever
+    `ninja` PATH finds first, and ninja 1.11 and 1.13 hash a command differently in
+    their build log: with both installed (the system's, the venv's) each took the
+    other's build for stale and rebuilt it whole (~2 min on 2 cores) whenever PATH
+    changed (the venv activated or not), and with no system ninja a process of a venv
+    not activated had no build at all."""
+    try:
+        import ninja
+
+        if (Path(ninja.BIN_DIR) / "ninja").exists():
+            return str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    found = shutil.which("ninja")
+    return str(Path(found).parent) if found else None
+
+
+@functools.lru_cache(maxsize=1)
+def ninja_version() -> str:
+    """`ninja --version` of `ninja_dir()`'s ninja ("" where none runs): part of the
+    build key, as the compiler's is."""
+    folder = ninja_dir()
+    if folder is None:
+        return ""
+    try:
+        return subprocess.run([str(Path(folder) / "ninja"), "--version"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+@contextlib.contextmanager
+def _ninja_first():
+    """PATH with `ninja_dir()` first while torch builds (and checks for ninja): the one
+    ninja every process builds with, whatever its PATH. Only the build sees it; `_lock`
+    keeps builds in this process one at a time."""
+    old, folder = os.environ.get("PATH", ""), ninja_dir()
+    if folder is not None:
+        os.environ["PATH"] = folder + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+@functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:
@@ -100,6 +152,15 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def is_built() -> bool:
+    """Whether this machine has a build for the current key (a load takes ~1 s, not a
+    build's minutes); no build is started."""
+    try:
+        return any((cache_root() / build_key()).glob("*.so"))
+    except OSError:
+        return False
 
 
 def load_cpu_kernel():
@@ -130,11 +191,16 @@ def _build():
     build_dir = cache_root() / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
     cached = any(build_dir.glob("*.so"))
+    if not cached:  # minutes of silence looked like a hang
+        log.info("building the CPU kernel in %s: once per machine and kernel version, "
+                 "%s", build_dir, BUILD_TIME)
     t0 = time.perf_counter()
-    mod = cpp_extension.load(name="lamina_slot_attention", sources=[str(s) for s in SOURCES],
-                             extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                             build_directory=str(build_dir), verbose=False)
+    with _ninja_first():
+        mod = cpp_extension.load(name="lamina_slot_attention",
+                                 sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                                 verbose=False)
     _state["build_s"] = time.perf_counter() - t0
-    log.info("lamina CPU kernel %s in %.1f s (%s)", "loaded" if cached else "built",
+    log.info("CPU kernel %s in %.1f s (%s)", "loaded" if cached else "built",
              _state["build_s"], build_dir)
     return mod

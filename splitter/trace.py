@@ -16,6 +16,7 @@ stays a single opaque node with symbolic shapes.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from torch.export import Dim, export
 from . import trace_store
 from .attention_op import ATTN_IMPL, UnsupportedAttentionError, register_with_transformers
 from .trace_store import CachedTrace, attr_of, copy_graph, graph_module
+
+log = logging.getLogger("lamina.splitter")
 
 ATTENTION_OP = torch.ops.lamina.attention.default
 
@@ -255,6 +258,9 @@ def trace(model: torch.nn.Module, reuse: bool = True) -> Traced:
     key = _trace_key(model) if reuse else ""
     gm = _reused(key, model) if key else None
     if gm is None:
+        log.info("tracing model '%s' with torch.export: 10-30 s; %s", name,
+                 "once on this machine, then from the trace store" if key
+                 and trace_store.store_dir() else "not stored (no reuse, or the store is off)")
         gm = _export(model, name)
         trace_stats["traced"] += 1
         if key:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from lamina.entrypoints.logs import configure_logging
 from lamina.memory.sparsity_config import LAYER_BUDGETS, POLICIES  # torch-free
 
 
@@ -684,6 +685,7 @@ def cmd_doctor(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _threads(args.threads)
+    configure_logging()
     from lamina.model.loader import ModelLoadError
     from lamina.splitter import SplitError, UnsupportedAttentionError
 

