@@ -8,8 +8,8 @@ slices' fused pointwise ops in `csrc/pointwise.cpp`, bf16 prompt attention in
 Data in: the C++ sources beside this file. Data out: the loaded extension module, or a
 `KernelBuildError` saying why it could not be had. Builds go to
 `$LAMINA_CACHE_DIR/kernels/<key>` (default `~/.cache/lamina/kernels/<key>`), keyed by the
-source, flags, torch version and CPU, so a build is reused by every later process and a
-change to any of those rebuilds. The first build takes 1-2 minutes on 2 cores and says
+source, flags, torch version, compiler, ninja and CPU, so a build is reused by every later
+process and a change to any of those rebuilds. The first build takes 1-2 minutes on 2 cores and says
 so as it starts (`lamina doctor` builds it ahead).
 """
 from __future__ import annotations
@@ -131,8 +131,9 @@ def ninja_version() -> str:
 @contextlib.contextmanager
 def _ninja_first():
     """PATH with `ninja_dir()` first while torch builds (and checks for ninja): the one
-    ninja every process builds with, whatever its PATH. Only the build sees it; `_lock`
-    keeps builds in this process one at a time."""
+    ninja every process builds with, whatever its PATH. PATH is as it was once the load
+    returns (other threads of the process see the change meanwhile); `_lock` keeps
+    builds in this process one at a time."""
     old, folder = os.environ.get("PATH", ""), ninja_dir()
     if folder is not None:
         os.environ["PATH"] = folder + os.pathsep + old
