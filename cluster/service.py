@@ -155,6 +155,8 @@ def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
                            f"`lamina down --name {name}` stops it")
     actor = LaminaService.options(name=name, namespace=NAMESPACE, lifetime="detached",
                                   max_concurrency=1000).remote(config, name)
+    log.info("starting the Lamina service %r: placement, workers, model (at most %g s; "
+             "its workers' logs: `ray logs`)", name, timeout_s)
     try:
         ray.get(actor.ready.remote(), timeout=timeout_s)
     except Exception as e:  # noqa: BLE001 - whatever stopped it: kill it, say why
@@ -162,8 +164,7 @@ def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
         cause = getattr(e, "cause", None) or e
         raise ServiceError(f"the Lamina service {name!r} failed to start: "
                            f"{type(cause).__name__}: {cause}") from None
-    log.info("Lamina service %r is up", name)
-    return actor
+    return actor  # the caller says it is up (`lamina up` prints it)
 
 
 def find(name: str = SERVICE):
