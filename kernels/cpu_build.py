@@ -189,9 +189,9 @@ def _build():
         raise KernelBuildError("no C++ compiler (c++/g++) on PATH")
     from torch.utils import cpp_extension
 
+    cached = is_built()
     build_dir = cache_root() / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
-    cached = any(build_dir.glob("*.so"))
     if not cached:  # minutes of silence looked like a hang
         log.info("building the CPU kernel in %s: once per machine and kernel version, "
                  "%s", build_dir, BUILD_TIME)
