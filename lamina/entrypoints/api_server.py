@@ -3,7 +3,8 @@
 Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fields,
 echo, penalties, logit_bias, chat's text content parts and max_completion_tokens
 included, plus vLLM's top_k, seed, stop_token_ids, ignore_eos, repetition_penalty,
-prompt_logprobs and stream_options.continuous_usage_stats). Data out: completion JSON
+prompt_logprobs and stream_options.continuous_usage_stats; OpenAI's other fields taken
+or refused by name in `api_fields`). Data out: completion JSON
 with text, token ids, logprobs, finish reasons and usage; with `stream: true`,
 server-sent events of text deltas, then `data: [DONE]`; Prometheus metrics on /metrics.
 Real clients run against it in the tests: openai, guidellm and lm-eval. Requests go to one
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import signal
 import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +36,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lamina.engine.sessions import check_session_id
+from lamina.entrypoints.api_fields import (
+    CHAT_REFUSED,
+    COMPLETION_REFUSED,
+    IGNORED_HEADER,
+    UNKNOWN_FIELDS,
+    check_fields,
+)
 from lamina.entrypoints.api_stream import (
     chat_logprobs,
     completion_logprobs,
@@ -41,11 +50,13 @@ from lamina.entrypoints.api_stream import (
     vllm_prompt_logprobs,
 )
 from lamina.entrypoints.engine_loop import EngineLoop, beside
-from lamina.entrypoints.llm import template_message
+from lamina.entrypoints.llm import chat_prompt
 from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
 from lamina.sampling.params import SamplingParams
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks its client
+# a field name that can go in a header as it is (an ignored one that cannot is only logged)
+_HEADER_SAFE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,9 @@ class ServerConfig:
     max_logit_bias: int = 300  # entries (OpenAI's bound)
     max_waiting: int | None = 1024  # queued requests before 429 (None: no bound)
     retry_after_s: int = 1  # the 429's Retry-After
+    # a request field that is neither read nor OpenAI's: "reject" (400 naming it, as
+    # OpenAI does) or "ignore" (taken; the response names it, see `api_fields`)
+    unknown_fields: str = "reject"
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_prompts", "max_n", "max_stop", "max_stop_chars",
@@ -74,6 +88,9 @@ class ServerConfig:
         if self.api_key is not None and (not isinstance(self.api_key, str)
                                          or not self.api_key):
             raise ValueError("ServerConfig.api_key must be a non-empty string or None")
+        if self.unknown_fields not in UNKNOWN_FIELDS:
+            raise ValueError(f"ServerConfig.unknown_fields must be one of {UNKNOWN_FIELDS}, "
+                             f"got {self.unknown_fields!r}")
 
     def check(self, body: "_Sampling", prompts: int) -> None:
         """The per-request limits -> ValueError naming the field."""
@@ -94,16 +111,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # OpenAI's: a last event with the request's usage
     # vLLM's (with include_usage): every event carries its choice's usage so far
     continuous_usage_stats: bool = False
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"] = Field(description="only plain text: this server has no "
-                                              "structured (JSON) output")
+    # OpenAI's: random padding on events against length side channels; taken, not added
+    include_obfuscation: bool | None = None
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # fields not declared here land in `model_extra`: `api_fields` takes, ignores or
+    # refuses them by name
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int = 16
     temperature: float = 1.0
@@ -128,7 +143,6 @@ class _Sampling(BaseModel):
     session_id: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    response_format: ResponseFormat | None = None
 
     def num_logprobs(self) -> int | None:
         return None
@@ -387,7 +401,30 @@ class _Api:
         tok = self.tokenizer
         return [tok.decode([t]) if tok is not None else str(t) for t in ids]
 
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def completions(self, body: CompletionRequest, request: Request,
+                          response: Response):
+        return await self._answer(self._completions, body, COMPLETION_REFUSED, request,
+                                  response)
+
+    async def chat(self, body: ChatRequest, request: Request, response: Response):
+        return await self._answer(self._chat, body, CHAT_REFUSED, request, response)
+
+    async def _answer(self, handler, body: _Sampling, refused: dict, request: Request,
+                      response: Response):
+        """The request's undeclared fields checked (`api_fields`: 400 naming a refused
+        one), then its answer, with the fields it ignored named in a header (on the
+        injected `response` where the answer is a dict FastAPI renders)."""
+        try:
+            ignored = check_fields(body, refused, self.config.unknown_fields)
+        except ValueError as e:
+            return _error(400, str(e), str(e).split(":")[0])
+        out = await handler(body, request)
+        names = ", ".join(n for n in ignored if _HEADER_SAFE.fullmatch(n))
+        if names:
+            (out if isinstance(out, Response) else response).headers[IGNORED_HEADER] = names
+        return out
+
+    async def _completions(self, body: CompletionRequest, request: Request):
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -405,16 +442,14 @@ class _Api:
                    for c in o.outputs]
         return {**head, "choices": choices, "usage": _usage(outs)}
 
-    async def chat(self, body: ChatRequest, request: Request):
+    async def _chat(self, body: ChatRequest, request: Request):
         tok = self.tokenizer
         if tok is None or getattr(tok, "chat_template", None) is None:
             return _error(400, "this model has no chat template", "messages")
         try:
-            messages = [template_message(m.model_dump(), i)
-                        for i, m in enumerate(body.messages)]
+            prompt = chat_prompt(tok, [m.model_dump() for m in body.messages])
         except ValueError as e:
             return _error(400, str(e), "messages")
-        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": now, "model": self.model_name}
 

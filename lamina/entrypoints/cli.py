@@ -151,10 +151,11 @@ def _server_config(args):
     key = args.api_key or os.environ.get("LAMINA_API_KEY") or None
     if args.config is None:
         return ServerConfig(api_key=key, max_waiting=args.max_waiting or None,
-                            max_body_bytes=args.max_body_bytes)
+                            max_body_bytes=args.max_body_bytes,
+                            unknown_fields=args.unknown_fields)
     from lamina.entrypoints.deploy_config import LaminaConfig
 
-    given = _flags_given(args, ("max_waiting", "max_body_bytes"))
+    given = _flags_given(args, ("max_waiting", "max_body_bytes", "unknown_fields"))
     if given:
         raise ValueError(f"--config {args.config} sets the server: drop {', '.join(given)} "
                          f"(or put them in its server section)")
@@ -540,6 +541,10 @@ def _serve_parser(sub) -> None:
                    help="queued requests before 429 Retry-After (0: no bound)")
     v.add_argument("--max-body-bytes", type=int, default=2 << 20,
                    help="largest request body (413 past it)")
+    v.add_argument("--unknown-fields", choices=("reject", "ignore"), default="reject",
+                   help="a request field that is neither read nor OpenAI's: 400 naming it "
+                        "(default, as OpenAI does), or taken and ignored (named in the "
+                        "X-Lamina-Ignored-Fields header)")
     v.add_argument("--clamp-max-tokens", action="store_true",
                    help="lower max_tokens to what fits the context (default: 400)")
     v.add_argument("--service", default=None, metavar="NAME",

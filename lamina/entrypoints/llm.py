@@ -172,14 +172,29 @@ class LLM:
         """messages: one conversation (list of {role, content}) or a list of them; a
         content may be OpenAI's list of text parts (`template_message`)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.loaded.tokenizer
-        prompts = [tok.apply_chat_template([template_message(m, i) for i, m in enumerate(c)],
-                                           tokenize=False, add_generation_prompt=True)
-                   for c in convs]
+        prompts = [chat_prompt(self.loaded.tokenizer, c) for c in convs]
         return self.generate(prompts, params, **kw)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> str:
+    """A conversation as the model's chat template writes it, ready for the answer.
+    OpenAI's `developer` role (what clients send newer models instead of `system`) is
+    `system` to a template that does not name it: most templates know only system /
+    user / assistant / tool, and would otherwise raise or show it as an unknown turn
+    (SmolLM2's puts its default system prompt before it). A template that refuses the
+    conversation (its `raise_exception`) -> ValueError naming `messages`."""
+    from jinja2 import TemplateError
+
+    msgs = [template_message(m, i) for i, m in enumerate(messages)]
+    if "developer" not in (getattr(tokenizer, "chat_template", None) or ""):
+        msgs = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in msgs]
+    try:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:
+        raise ValueError(f"messages: the model's chat template refused them: {e}") from None
 
 
 def template_message(msg: dict, i: int = 0) -> dict:

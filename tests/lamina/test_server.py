@@ -121,7 +121,7 @@ def test_completions_match_hf_and_batch_concurrently(server, prompts, hf_greedy)
     ({"prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens", "integer"),
-    ({"prompt": "hi", "frobnicate": 1}, "frobnicate", "Extra inputs"),
+    ({"prompt": "hi", "frobnicate": 1}, "frobnicate", "not a field of this request"),
     ({"prompt": [1] * 9000}, "prompt", "context"),
     ({}, "prompt", "Field required"),
     ({"prompt": "hi", "echo": True, "stream": True}, "echo", "not supported with stream"),
@@ -241,6 +241,20 @@ def test_chat_content_parts_and_max_completion_tokens(server):
     assert status == 200 and len(out["choices"][0]["token_ids"]) == 2
     model = server.get("/v1/models")[1]["data"][0]
     assert isinstance(model["created"], int) and model["created"] <= time.time()
+
+
+def test_a_developer_turn_answers_as_a_system_turn(server):
+    """OpenAI's `developer` role (sent by clients for newer models) is the system turn
+    to SmolLM2's template, which knows no developer: the same greedy tokens."""
+    def tokens(role):
+        status, out = server.post("/v1/chat/completions", {
+            "messages": [{"role": role, "content": "Answer in French."},
+                         {"role": "user", "content": "Name a colour."}],
+            "max_tokens": 8, "temperature": 0})
+        assert status == 200, out
+        return out["choices"][0]["token_ids"]
+
+    assert tokens("developer") == tokens("system") != tokens("user")
 
 
 def test_chat_without_a_cap_runs_to_the_models_context(smol, smol_split):

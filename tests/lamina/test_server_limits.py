@@ -144,7 +144,7 @@ BAD_HTTP = [  # (id, path, raw body, status, error param or None, words in the m
     ("stop_token_ids past vocab", "/v1/completions", _body(stop_token_ids=[VOCAB]), 400,
      "stop_token_ids", "vocabulary"),
     ("unknown field", "/v1/completions", _body(frobnicate=1), 400, "frobnicate",
-     "Extra inputs"),
+     "not a field of this request"),
     ("unknown model", "/v1/completions", _body(model="gpt-9"), 404, "model",
      "`gpt-9` does not exist"),
     ("chat no messages", "/v1/chat/completions",
@@ -217,6 +217,65 @@ def test_openai_client_completions_chat_stream_logprobs(srv, smol, prompts, hf_g
     streamed = "".join(ch.choices[0].delta.content or "" for ch in cl.chat.completions.create(
         model="smollm2", messages=msgs, max_tokens=NEW, temperature=0, stream=True))
     assert streamed == m.message.content
+
+
+def test_openai_fields_are_taken_named_or_refused_over_the_openai_client(srv, smol, prompts,
+                                                                         hf_greedy):
+    """What clients and frameworks send by default (`store`, `metadata`, ...) is taken
+    and changes nothing: HF's tokens, the names in the header, streamed too; what would
+    change the answer (tools, JSON output) is a 400 naming the field; an unknown field
+    is a 400 unless the server ignores unknown fields, and then answers the same."""
+    def named(resp):  # the fields a response says it ignored
+        return set(resp.headers["x-lamina-ignored-fields"].split(", "))
+
+    cl = srv.client()
+    extra = dict(store=True, metadata={"job": "7"}, service_tier="auto", user="alice")
+    raw = cl.completions.with_raw_response.create(
+        model="smollm2", prompt=prompts[4], max_tokens=NEW, temperature=0,
+        extra_body={"store": True, "metadata": {"job": "7"}})
+    assert named(raw) == {"store", "metadata"}
+    assert raw.parse().choices[0].model_extra["token_ids"] == hf_greedy[4][:NEW]
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    plain = cl.chat.completions.create(model="smollm2", messages=msgs, max_tokens=NEW,
+                                       temperature=0)
+    raw = cl.chat.completions.with_raw_response.create(
+        model="smollm2", messages=msgs, max_tokens=NEW, temperature=0,
+        parallel_tool_calls=False, tool_choice="none", **extra)
+    assert named(raw) == {"store", "metadata", "service_tier", "parallel_tool_calls",
+                          "tool_choice"}  # the client orders the body its own way
+    assert raw.parse().choices[0].model_extra["token_ids"] == \
+        plain.choices[0].model_extra["token_ids"]
+    with cl.chat.completions.with_streaming_response.create(
+            model="smollm2", messages=msgs, max_tokens=NEW, temperature=0, stream=True,
+            **extra) as resp:
+        assert named(resp) == {"store", "metadata", "service_tier"}
+        text = "".join(ch.choices[0].delta.content or "" for ch in resp.parse())
+    assert text == plain.choices[0].message.content
+    tool = {"type": "function", "function": {"name": "colour", "parameters": {}}}
+    for kw, param in [({"tools": [tool]}, "tools"),
+                      ({"response_format": {"type": "json_object"}}, "response_format"),
+                      ({"extra_body": {"max_token": 4}}, "max_token")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            cl.chat.completions.create(model="smollm2", messages=msgs, max_tokens=NEW, **kw)
+        assert e.value.param == param, e.value
+    with pytest.raises(openai.BadRequestError, match="suffix: insertion"):
+        cl.completions.create(model="smollm2", prompt="hi", max_tokens=2, suffix="end")
+    lenient = _KeyServer(srv.loop, smol.tokenizer, ServerConfig(api_key=KEY,
+                                                                unknown_fields="ignore"))
+    try:
+        raw = lenient.client().chat.completions.with_raw_response.create(
+            model="smollm2", messages=msgs, max_tokens=NEW, temperature=0,
+            extra_body={"max_token": 4, "chat_template_kwargs": {"x": 1}})
+        assert named(raw) == {"max_token", "chat_template_kwargs"}
+        assert raw.parse().choices[0].model_extra["token_ids"] == \
+            plain.choices[0].model_extra["token_ids"]
+        with pytest.raises(openai.BadRequestError) as e:  # still refused under "ignore"
+            lenient.client().chat.completions.create(model="smollm2", messages=msgs,
+                                                     tools=[tool])
+        assert e.value.param == "tools"
+    finally:
+        lenient.stop()
+    _good(srv, prompts, hf_greedy)
 
 
 def test_poison_request_fails_alone_over_http(srv, prompts, hf_greedy, poison_token):

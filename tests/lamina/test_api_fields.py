@@ -1,0 +1,119 @@
+"""Request fields the server does not read (`lamina.entrypoints.api_fields`), on parsed
+requests without an engine: OpenAI's fields that change nothing are taken and named; the
+ones that would change the answer are refused naming the field unless their value asks
+for nothing; unknown ones are refused or, under "ignore", taken. Over HTTP with the
+`openai` client: `tests/lamina/test_server_limits.py`."""
+import logging
+
+import pytest
+
+from lamina.entrypoints import api_fields
+from lamina.entrypoints.api_fields import CHAT_REFUSED, COMPLETION_REFUSED, check_fields
+from lamina.entrypoints.api_server import ChatRequest, CompletionRequest, ServerConfig
+from lamina.entrypoints.deploy_config import LaminaConfig
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return ChatRequest(messages=MSGS, max_tokens=4, **kw)
+
+
+def completion(**kw):
+    return CompletionRequest(prompt="hi", max_tokens=4, **kw)
+
+
+def test_openai_fields_that_change_nothing_are_taken_and_named_in_order():
+    body = chat(store=True, metadata={"job": "7"}, service_tier="auto",
+                parallel_tool_calls=False, prediction={"type": "content", "content": "x"},
+                prompt_cache_key="k", safety_identifier="u", user="alice",
+                tools=[], tool_choice="none", functions=None, function_call="none",
+                response_format={"type": "text"}, modalities=["text"], audio=None,
+                web_search_options=None, reasoning_effort=None, verbosity=None)
+    assert check_fields(body, CHAT_REFUSED) == [
+        "store", "metadata", "service_tier", "parallel_tool_calls", "prediction",
+        "prompt_cache_key", "safety_identifier", "tools", "tool_choice", "functions",
+        "function_call", "response_format", "modalities", "audio", "web_search_options",
+        "reasoning_effort", "verbosity"]  # `user` is a field of the request: not listed
+    assert body.params().max_tokens == 4  # the sampling is the request's own
+    assert check_fields(completion(suffix="", best_of=1, store=False),
+                        COMPLETION_REFUSED) == ["suffix", "best_of", "store"]
+    assert check_fields(completion(n=3, best_of=3), COMPLETION_REFUSED) == ["best_of"]
+    assert check_fields(chat(), CHAT_REFUSED) == []
+
+
+@pytest.mark.parametrize("kw, name, words", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tool calling is not supported"),
+    ({"tool_choice": "required"}, "tool_choice", "only 'none'"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "tool calling"),
+    ({"functions": [{"name": "f"}]}, "functions", "function calling is not supported"),
+    ({"function_call": {"name": "f"}}, "function_call", "function calling"),
+    ({"response_format": {"type": "json_object"}}, "response_format",
+     "no structured (JSON) output"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x" * 200}}},
+     "response_format", "..."),  # a long value is cut in the message
+    ({"modalities": ["text", "audio"]}, "modalities", "text only"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "text only"),
+    ({"web_search_options": {}}, "web_search_options", "no web search"),
+    ({"reasoning_effort": "low"}, "reasoning_effort", "no reasoning setting"),
+    ({"verbosity": "high"}, "verbosity", "no verbosity setting"),
+])
+def test_chat_fields_that_would_change_the_answer_are_refused_by_name(kw, name, words):
+    with pytest.raises(ValueError) as e:
+        check_fields(chat(**kw), CHAT_REFUSED, "ignore")  # refused under either mode
+    assert str(e.value).startswith(f"{name}: ") and words in str(e.value)
+    assert len(str(e.value)) < 200
+
+
+@pytest.mark.parametrize("kw, name, words", [
+    ({"suffix": "end"}, "suffix", "insertion"),
+    ({"best_of": 2}, "best_of", "best_of > n"),
+    ({"n": 2, "best_of": 4}, "best_of", "use n"),
+    ({"tools": []}, "tools", "not a field of this request"),  # chat's, not completions'
+])
+def test_completion_fields_refused_by_name(kw, name, words):
+    with pytest.raises(ValueError) as e:
+        check_fields(completion(**kw), COMPLETION_REFUSED)
+    assert str(e.value).startswith(f"{name}: ") and words in str(e.value)
+
+
+def test_unknown_fields_are_refused_unless_the_server_ignores_them():
+    body = chat(max_token=100, store=True)  # a typo of max_tokens
+    with pytest.raises(ValueError, match="^max_token: not a field of this request .* "
+                                         "--unknown-fields ignore"):
+        check_fields(body, CHAT_REFUSED)
+    assert check_fields(body, CHAT_REFUSED, "ignore") == ["max_token", "store"]
+    assert body.params().max_tokens == 4  # taken, not read
+    # names that shadow the model's own attributes are data, not attributes
+    odd = chat(params=1, model_extra=2, model_config=3)
+    assert check_fields(odd, CHAT_REFUSED, "ignore") == ["params", "model_extra",
+                                                         "model_config"]
+    assert odd.params().max_tokens == 4
+
+
+def test_each_ignored_name_is_logged_once_and_the_log_is_bounded(monkeypatch, caplog):
+    monkeypatch.setattr(api_fields, "_logged", set())
+    monkeypatch.setattr(api_fields, "_LOG_AT_MOST", 3)
+    with caplog.at_level(logging.DEBUG, logger="lamina.server"):
+        for _ in range(3):
+            check_fields(chat(store=True, tools=[]), CHAT_REFUSED)
+        check_fields(chat(a=1, b=2, c=3), CHAT_REFUSED, "ignore")
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 3  # store, tools, a; then b and c at debug only
+    assert "'store' (whether OpenAI keeps the completion)" in infos[0]
+    assert "'tools' (its value asks for nothing this server lacks)" in infos[1]
+    assert "X-Lamina-Ignored-Fields" in infos[2]
+    assert [r.getMessage()[:26] for r in caplog.records if r.levelno == logging.DEBUG] == \
+        ["ignoring request field 'b'", "ignoring request field 'c'"]
+
+
+def test_the_mode_is_validated_in_code_and_in_a_deployment_file():
+    assert ServerConfig().unknown_fields == "reject"
+    with pytest.raises(ValueError, match="unknown_fields must be one of"):
+        ServerConfig(unknown_fields="warn")
+    assert LaminaConfig.from_dict({"server": {"unknown_fields": "ignore"}}) \
+        .server.unknown_fields == "ignore"
+    with pytest.raises(ValueError, match="unknown_fields must be one of"):
+        LaminaConfig.from_dict({"server": {"unknown_fields": "yes"}})
