@@ -74,8 +74,21 @@ class ServerConfig:
     # a request field that is neither read nor OpenAI's: "reject" (400 naming it, as
     # OpenAI does) or "ignore" (taken; the response names it, see `api_fields`)
     unknown_fields: str = "reject"
+    # origins a browser page may call this server from (CORS), e.g. "http://localhost:3000",
+    # or "*" for any. None by default: a page elsewhere cannot read the answers (vLLM
+    # allows any origin by default; an API key in a page is readable by its users anyway,
+    # so opening the server to every site is the deployer's choice, not ours)
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self):
+        origins = self.allowed_origins
+        if isinstance(origins, list):  # from a YAML file
+            origins = tuple(origins)
+            object.__setattr__(self, "allowed_origins", origins)
+        if not isinstance(origins, tuple) or not all(
+                isinstance(o, str) and o for o in origins):
+            raise ValueError(f"ServerConfig.allowed_origins must be a list of origins "
+                             f"(non-empty strings), got {origins!r}")
         for name in ("max_body_bytes", "max_prompts", "max_n", "max_stop", "max_stop_chars",
                      "max_logit_bias", "retry_after_s"):
             v = getattr(self, name)
@@ -273,12 +286,18 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
         loop.max_waiting = config.max_waiting
     app = FastAPI(title="Lamina", description="attention-offloaded LLM inference")
     app.add_middleware(_Guard, config=config)
+    if config.allowed_origins:  # outside the guard: a preflight carries no API key
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           expose_headers=[IGNORED_HEADER, "Retry-After"])
     app.exception_handler(StarletteHTTPException)(_http_error)
     app.exception_handler(RequestValidationError)(_bad_body)
     api = _Api(loop, model_name, tokenizer, config)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
     app.get("/v1/models")(api.models)
+    app.get("/v1/models/{model:path}")(api.model)  # a served name may hold slashes
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
     return app
@@ -317,8 +336,17 @@ class _Api:
         return Response(m.render(), media_type=m.content_type)
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                            "created": self.created, "owned_by": "lamina"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model: str):
+        if model != self.model_name:
+            return _error(404, f"The model `{model}` does not exist; this server serves "
+                          f"`{self.model_name}`", "model", "model_not_found")
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "lamina"}
 
     def _params(self, body: _Sampling, n: int) -> SamplingParams | JSONResponse:
         """The request's sampling parameters, or the error answering it."""

@@ -152,10 +152,12 @@ def _server_config(args):
     if args.config is None:
         return ServerConfig(api_key=key, max_waiting=args.max_waiting or None,
                             max_body_bytes=args.max_body_bytes,
-                            unknown_fields=args.unknown_fields)
+                            unknown_fields=args.unknown_fields,
+                            allowed_origins=tuple(args.allowed_origins or ()))
     from lamina.entrypoints.deploy_config import LaminaConfig
 
-    given = _flags_given(args, ("max_waiting", "max_body_bytes", "unknown_fields"))
+    given = _flags_given(args, ("max_waiting", "max_body_bytes", "unknown_fields",
+                                "allowed_origins"))
     if given:
         raise ValueError(f"--config {args.config} sets the server: drop {', '.join(given)} "
                          f"(or put them in its server section)")
@@ -545,6 +547,9 @@ def _serve_parser(sub) -> None:
                    help="a request field that is neither read nor OpenAI's: 400 naming it "
                         "(default, as OpenAI does), or taken and ignored (named in the "
                         "X-Lamina-Ignored-Fields header)")
+    v.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="browser pages that may call the server (CORS), e.g. "
+                        "http://localhost:3000, or '*' for any (default: none)")
     v.add_argument("--clamp-max-tokens", action="store_true",
                    help="lower max_tokens to what fits the context (default: 400)")
     v.add_argument("--service", default=None, metavar="NAME",

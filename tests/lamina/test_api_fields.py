@@ -117,3 +117,21 @@ def test_the_mode_is_validated_in_code_and_in_a_deployment_file():
         .server.unknown_fields == "ignore"
     with pytest.raises(ValueError, match="unknown_fields must be one of"):
         LaminaConfig.from_dict({"server": {"unknown_fields": "yes"}})
+
+
+def test_the_serve_flags_set_the_server_and_clash_with_a_config_file(tmp_path):
+    from lamina.entrypoints.cli import _server_config, build_parser
+
+    args = build_parser().parse_args(["serve", "--unknown-fields", "ignore",
+                                      "--allowed-origins", "http://localhost:3000", "*"])
+    cfg = _server_config(args)
+    assert (cfg.unknown_fields, cfg.allowed_origins) == ("ignore",
+                                                        ("http://localhost:3000", "*"))
+    assert _server_config(build_parser().parse_args(["serve"])) == ServerConfig()
+    f = tmp_path / "lamina.yaml"
+    f.write_text("server: {allowed_origins: ['http://a.example']}\n")
+    assert _server_config(build_parser().parse_args(["serve", "--config", str(f)])) \
+        .allowed_origins == ("http://a.example",)
+    with pytest.raises(ValueError, match="drop --allowed-origins"):
+        _server_config(build_parser().parse_args(["serve", "--config", str(f),
+                                                  "--allowed-origins", "http://b"]))

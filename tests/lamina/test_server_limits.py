@@ -278,6 +278,47 @@ def test_openai_fields_are_taken_named_or_refused_over_the_openai_client(srv, sm
     _good(srv, prompts, hf_greedy)
 
 
+def test_browser_origins_only_where_allowed_and_the_model_by_id(srv, smol, prompts,
+                                                               hf_greedy):
+    """CORS: by default a page elsewhere gets no CORS headers (its preflight is not
+    answered); with `allowed_origins` the preflight passes without the API key, an
+    answer names the origin and exposes Lamina's header, and another origin is refused.
+    `GET /v1/models/{id}` as OpenAI's client retrieves a model."""
+    page, other = "http://localhost:3000", "http://evil.example"
+    pre = {"Origin": page, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type",
+           "Authorization": None}
+    status, head, _ = srv.raw("OPTIONS", "/v1/chat/completions", None, pre)
+    assert status in (401, 405) and "access-control-allow-origin" not in head
+    status, head, _ = srv.raw("POST", "/v1/completions", _body(), {"Origin": page})
+    assert status == 200 and "access-control-allow-origin" not in head
+    web = _KeyServer(srv.loop, smol.tokenizer, ServerConfig(api_key=KEY,
+                                                            allowed_origins=(page,)))
+    try:
+        status, head, _ = web.raw("OPTIONS", "/v1/chat/completions", None, pre)
+        assert status == 200 and head["access-control-allow-origin"] == page
+        assert "POST" in head["access-control-allow-methods"]
+        status, _, _ = web.raw("OPTIONS", "/v1/chat/completions", None,
+                               {**pre, "Origin": other})
+        assert status == 400
+        status, head, out = web.raw("POST", "/v1/completions", json.dumps(
+            {"model": "smollm2", "prompt": prompts[0], "max_tokens": NEW, "temperature": 0,
+             "store": True}).encode(), {"Origin": page})
+        assert status == 200 and out["choices"][0]["token_ids"] == hf_greedy[0][:NEW]
+        assert head["access-control-allow-origin"] == page
+        assert "x-lamina-ignored-fields" in head["access-control-expose-headers"].lower()
+        status, head, _ = web.raw("POST", "/v1/completions", _body(),
+                                  {"Origin": page, "Authorization": None})
+        assert status == 401 and head["access-control-allow-origin"] == page  # readable
+    finally:
+        web.stop()
+    cl = srv.client()
+    assert cl.models.retrieve("smollm2").id == "smollm2"
+    with pytest.raises(openai.NotFoundError) as e:
+        cl.models.retrieve("gpt-9")
+    assert e.value.code == "model_not_found"
+
+
 def test_poison_request_fails_alone_over_http(srv, prompts, hf_greedy, poison_token):
     """16 concurrent good requests through the openai client around a request the
     compute side fails: it gets a 500 naming the fault; they get HF's tokens."""
