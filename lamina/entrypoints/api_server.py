@@ -32,7 +32,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lamina.engine.sessions import check_session_id
@@ -119,7 +119,19 @@ class ServerConfig:
             raise ValueError(f"stop: strings of at most {self.max_stop_chars} characters")
 
 
-class StreamOptions(BaseModel):
+class _Nullable(BaseModel):
+    """OpenAI's request fields are nullable, null meaning the default: clients that send
+    every parameter (JS and Go SDKs, frameworks) send null for the ones not set."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):  # a declared field's null -> its default
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+class StreamOptions(_Nullable):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False  # OpenAI's: a last event with the request's usage
     # vLLM's (with include_usage): every event carries its choice's usage so far
@@ -128,7 +140,7 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Nullable):
     # fields not declared here land in `model_extra`: `api_fields` takes, ignores or
     # refuses them by name
     model_config = ConfigDict(extra="allow")

@@ -135,3 +135,23 @@ def test_the_serve_flags_set_the_server_and_clash_with_a_config_file(tmp_path):
     with pytest.raises(ValueError, match="drop --allowed-origins"):
         _server_config(build_parser().parse_args(["serve", "--config", str(f),
                                                   "--allowed-origins", "http://b"]))
+
+
+@pytest.mark.parametrize("cls, base", [(CompletionRequest, {"prompt": "hi"}),
+                                       (ChatRequest, {"messages": MSGS})])
+def test_a_null_field_is_the_default_as_in_openais_api(cls, base):
+    """Every declared field given as null parses as if it were left out (OpenAI's
+    fields are nullable; SDKs that send all parameters send null for unset ones)."""
+    nullable = [k for k in cls.model_fields if k not in base]
+    assert {"temperature", "top_p", "n", "max_tokens", "presence_penalty", "stream",
+            "frequency_penalty", "logprobs", "stream_options"} <= set(nullable)
+    plain = cls(**base)
+    for name in nullable:
+        body = cls.model_validate({**base, name: None})
+        assert body.params() == plain.params(), name
+        assert getattr(body, name) == getattr(plain, name), name
+    every = cls.model_validate({**base, **dict.fromkeys(nullable)})
+    assert every.params() == plain.params() and every.model_extra == {}
+    for name in base:  # a required field stays required
+        with pytest.raises(ValueError, match="Field required"):
+            cls.model_validate({**base, name: None})

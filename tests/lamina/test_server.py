@@ -243,6 +243,26 @@ def test_chat_content_parts_and_max_completion_tokens(server):
     assert isinstance(model["created"], int) and model["created"] <= time.time()
 
 
+def test_nulls_for_unset_fields_answer_as_if_left_out(server, prompts, hf_greedy):
+    """A client that sends every parameter, null where unset (OpenAI's fields are
+    nullable): HF's greedy tokens, and a chat answer equal to the one without them."""
+    unset = dict.fromkeys(("top_p", "n", "presence_penalty", "frequency_penalty", "seed",
+                           "stop", "logit_bias", "user", "stream", "stream_options",
+                           "top_k", "ignore_eos", "repetition_penalty", "stop_token_ids"))
+    status, out = server.post("/v1/completions", {
+        "prompt": prompts[0], "max_tokens": 6, "temperature": 0, "logprobs": None,
+        "echo": None, "suffix": None, "best_of": None, **unset})
+    assert status == 200 and out["choices"][0]["token_ids"] == hf_greedy[0][:6], out
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6,
+            "temperature": 0}
+    status, plain = server.post("/v1/chat/completions", chat)
+    status2, nulls = server.post("/v1/chat/completions", {
+        **chat, **unset, "logprobs": None, "top_logprobs": None,
+        "max_completion_tokens": None, "tools": None, "response_format": None})
+    assert status == status2 == 200, nulls
+    assert nulls["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+
+
 def test_a_developer_turn_answers_as_a_system_turn(server):
     """OpenAI's `developer` role (sent by clients for newer models) is the system turn
     to SmolLM2's template, which knows no developer: the same greedy tokens."""
