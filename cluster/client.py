@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from lamina.engine.outputs import RequestOutput
 from lamina.engine.sessions import check_session_id
-from lamina.entrypoints.llm import batch_of
+from lamina.entrypoints.llm import batch_of, chat_prompt
 from lamina.errors import EngineDead
 from lamina.sampling.params import SamplingParams
 
@@ -109,6 +109,7 @@ class RequestHandle:
 class Client:
     def __init__(self, service, name: str):
         self.service, self.name = service, name
+        self._tokenizer = None
 
     def submit(self, prompt, params: SamplingParams | None = None,
                session_id: str | None = None) -> RequestHandle:
@@ -148,12 +149,22 @@ class Client:
             bar.close()
         return outs
 
+    def chat(self, messages, params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """As `LLM.chat`: one conversation (a list of {role, content}) or a list of them,
+        written with the served model's chat template (`chat_prompt`), then generated."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.tokenizer()
+        return self.generate([chat_prompt(tok, c) for c in convs], params, use_tqdm)
+
     def status(self) -> dict:
         return ray.get(self.service.status.remote())
 
     def tokenizer(self):
-        """The served model's tokenizer."""
-        return ray.get(self.service.tokenizer.remote())
+        """The served model's tokenizer (fetched once)."""
+        if self._tokenizer is None:
+            self._tokenizer = ray.get(self.service.tokenizer.remote())
+        return self._tokenizer
 
     def model(self) -> str:
         """The model the service serves (its path or source name)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 import lamina
 from lamina import SamplingParams
@@ -139,6 +140,23 @@ def test_two_drivers_at_once_get_hf_greedy(cluster, prompts, hf_greedy):
         assert p.returncode == 0, err[-3000:]
         line = next(x for x in out.splitlines() if x.startswith("TOKENS"))
         assert json.loads(line[len("TOKENS "):]) == [hf_greedy[i] for i in half]
+
+
+def test_chat_through_the_service_gives_hf_greedy(cluster, smol):
+    """`Client.chat` as `LLM.chat`: the served model's template (a developer turn as its
+    system turn), then HF's greedy tokens for that text."""
+    client = lamina.connect(cluster["cluster"].address)
+    msgs = [{"role": "developer", "content": "Answer in one word."},
+            {"role": "user", "content": "Name a colour."}]
+    out = client.chat(msgs, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    tok = smol.tokenizer
+    ids = tok.apply_chat_template([{**msgs[0], "role": "system"}, msgs[1]],
+                                  add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    want = smol.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=8, pad_token_id=tok.eos_token_id)
+    assert len(out) == 1 and out[0].token_ids == want[0, ids.shape[1]:].tolist()
+    assert out[0].prompt_token_ids == ids[0].tolist()
 
 
 def test_errors_arrive_as_the_local_api_raises_them(cluster, prompts):
