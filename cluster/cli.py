@@ -203,14 +203,19 @@ def _this_nodes_cluster() -> str | None:
 
 def serve_service(args, config) -> int:
     """`lamina serve --service NAME`: the HTTP server over a running service."""
-    from lamina.entrypoints.api_server import serve_loop
+    from lamina.entrypoints.api_server import listen, serve_loop
 
     from .client import ServiceLoop
 
-    client = _client(args)
-    model = client.model()
+    sock = listen(args.host, args.port)  # a port in use fails before joining the cluster
+    try:
+        client = _client(args)
+        model = client.model()
+    except BaseException:
+        sock.close()
+        raise
     print(f"serving the Lamina service {args.name!r} ({model}) on "
-          f"http://{args.host}:{args.port}", flush=True)
+          f"http://{args.host}:{sock.getsockname()[1]}", flush=True)
     serve_loop(ServiceLoop(client), args.served_model_name or model, client.tokenizer(),
-               args.host, args.port, config)
+               args.host, args.port, config, sock)
     return 0

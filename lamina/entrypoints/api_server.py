@@ -20,9 +20,11 @@ Retry-After; a request the engine failed alone 500 (the others go on); a stopped
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import re
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -570,51 +572,91 @@ def _checked(prompts: list, loop: EngineLoop, params: SamplingParams) -> list:
     return prompts
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound and listening on host:port (0: a free port), made before the engine
+    starts, so that a port in use or an address not on this machine fails at once, not
+    after the model and its workers are up; uvicorn then serves on it. OSError ->
+    ValueError naming the address."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own
+            sock.bind(addr)
+            sock.listen(2048)  # listening: SO_REUSEADDR lets no second server bind it now
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:
+        hint = " (another server there? pick another --port)" \
+            if e.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e}{hint}") from None
+    return sock
+
+
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          config: ServerConfig | None = None, **uvicorn_kw: Any) -> None:
+          config: ServerConfig | None = None, sock: socket.socket | None = None,
+          **uvicorn_kw: Any) -> None:
     """Serve an `LLM` until interrupted: its engine runs on this thread (the one that
     built the model; `EngineLoop.run` says why), HTTP on another."""
     from lamina.entrypoints.metrics import EngineMetrics
 
     serve_loop(EngineLoop(llm.engine, EngineMetrics(), thread=False),
                model_name or llm.loaded.source, llm.loaded.tokenizer, host, port, config,
-               **uvicorn_kw)
+               sock, **uvicorn_kw)
 
 
 def serve_loop(loop, model_name: str, tokenizer, host: str = "127.0.0.1", port: int = 8000,
-               config: ServerConfig | None = None, **uvicorn_kw: Any) -> None:
+               config: ServerConfig | None = None, sock: socket.socket | None = None,
+               **uvicorn_kw: Any) -> None:
     """Serve an engine loop (`EngineLoop`, or a service's `ServiceLoop`) until
-    interrupted. A loop made with thread=False runs here, and uvicorn in a thread."""
+    interrupted, on `sock` (`listen`; None: bound here). A loop made with thread=False
+    runs here, and uvicorn in a thread."""
     import uvicorn
 
+    try:
+        sock = sock or listen(host, port)
+    except ValueError:
+        loop.shutdown()  # ended with the loop stopped, as when serving ends
+        raise
     app = build_app(loop, model_name, tokenizer, config)
-    if not isinstance(loop, EngineLoop) or loop.threaded:
-        try:
-            uvicorn.run(app, host=host, port=port, **uvicorn_kw)
-        finally:
-            loop.shutdown()
-        return
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **uvicorn_kw))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=sock.getsockname()[1],
+                                           **uvicorn_kw))
+    try:
+        if not isinstance(loop, EngineLoop) or loop.threaded:
+            try:
+                server.run(sockets=[sock])
+            finally:
+                loop.shutdown()
+            return
+        _serve_beside(loop, server, sock)
+    finally:
+        sock.close()
+    if not server.started:
+        raise RuntimeError(f"the HTTP server could not serve on {host}:{port} (its error "
+                           "is logged above)")
+
+
+def _serve_beside(loop: EngineLoop, server, sock: socket.socket) -> None:
+    """The engine loop on this thread, uvicorn on another, until either stops."""
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # as Ctrl-C
     try:
-        beside(loop, lambda: _run_http(server), stop=lambda: setattr(server, "should_exit",
-                                                                      True))
+        beside(loop, lambda: _run_http(server, sock),
+               stop=lambda: setattr(server, "should_exit", True))
     except KeyboardInterrupt:
         pass
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
         loop.shutdown()
-    if not server.started:
-        raise RuntimeError(f"the HTTP server could not serve on {host}:{port} (its error "
-                           "is logged above)")
 
 
-def _run_http(server) -> None:
+def _run_http(server, sock: socket.socket) -> None:
     try:
-        server.run()
-    except SystemExit:  # uvicorn's way out when it cannot bind; it logged why
+        server.run(sockets=[sock])
+    except SystemExit:  # uvicorn's way out when it cannot start; it logged why
         pass
 
 

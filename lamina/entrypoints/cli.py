@@ -116,7 +116,7 @@ def cmd_serve(args) -> int:
     """OpenAI-compatible HTTP server over the engine (or, with --service, over the
     cluster's running Lamina service)."""
     from lamina import LLM
-    from lamina.entrypoints.api_server import serve
+    from lamina.entrypoints.api_server import listen, serve
 
     config = _server_config(args)
     if args.service is not None:
@@ -129,16 +129,32 @@ def cmd_serve(args) -> int:
                              f"{', '.join(given)}")
         args.name = args.service
         return importlib.import_module(CLUSTER_CLI).serve_service(args, config)
-    llm = _llm(LLM, args, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens,
-               clamp_max_tokens=args.clamp_max_tokens)
-    print(f"serving {llm.loaded.source} on http://{args.host}:{args.port} "
+    sock = listen(args.host, args.port)  # a port in use fails now, not after the load
+    try:
+        llm = _llm(LLM, args, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens,
+                   clamp_max_tokens=args.clamp_max_tokens)
+    except BaseException:
+        sock.close()
+        raise
+    print(f"serving {llm.loaded.source} on http://{args.host}:{sock.getsockname()[1]} "
           f"({type(llm.executor).__name__}, {llm.config.num_memory_workers} memory "
           f"worker(s); API key {'required' if config.api_key else 'off'})", flush=True)
     try:
-        serve(llm, args.host, args.port, args.served_model_name, config)
+        serve(llm, args.host, args.port, args.served_model_name, config, sock=sock)
     finally:
         llm.shutdown()
     return 0
+
+
+def _port(text: str) -> int:
+    """--port: 0 (a free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {text!r}")
+    return port
 
 
 def _server_config(args):
@@ -536,7 +552,7 @@ def _serve_parser(sub) -> None:
                    help="tokens a step feeds; longer prompts are fed in chunks (a smaller "
                         "budget: shorter stalls of the decoding requests)")
     v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--port", type=_port, default=8000, help="0: a free port (printed)")
     v.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (or LAMINA_API_KEY)")
     v.add_argument("--max-waiting", type=int, default=1024,

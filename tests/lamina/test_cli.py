@@ -1,6 +1,7 @@
 """The `lamina` CLI: split report, benchmark output files, clear errors."""
 import json
 import re
+import socket
 
 import pytest
 
@@ -137,16 +138,16 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
     monkeypatch.setattr(lamina.entrypoints.api_server, "serve",
                         lambda llm, host, port, *a, **kw: None)
     assert main(["generate", "--dtype", "bfloat16", "hi"]) == 0
-    assert main(["serve", "--dtype", "bfloat16"]) == 0
+    assert main(["serve", "--port", "0", "--dtype", "bfloat16"]) == 0
     assert main(["generate", "hi"]) == 0
     assert main(["generate", "--kv-dtype", "int8", "hi"]) == 0  # the pools' own dtype
-    assert main(["serve", "--dtype", "bfloat16", "--kv-dtype", "int8"]) == 0
+    assert main(["serve", "--port", "0", "--dtype", "bfloat16", "--kv-dtype", "int8"]) == 0
     assert [(k["dtype"], k["kv_dtype"]) for k in seen] == [("bfloat16", "bfloat16")] * 2 + \
         [("float32", "float32"), ("float32", "int8"), ("bfloat16", "int8")]
     seen.clear()
     assert main(["generate", "--kv-sparsity", "topk", "--kv-budget", "0.1",
                  "--kv-topk-rescore", "3", "hi"]) == 0
-    assert main(["serve", "--kv-sparsity", "h2o", "--kv-budget", "2048",
+    assert main(["serve", "--port", "0", "--kv-sparsity", "h2o", "--kv-budget", "2048",
                  "--kv-layer-budgets", "pyramid", "--no-kv-evict"]) == 0
     assert [(k["kv_sparsity"], k["kv_budget"], k["kv_layer_budgets"], k["kv_topk_rescore"],
              k["kv_evict"]) for k in seen] == [("topk", 0.1, "uniform", 3.0, True),
@@ -155,6 +156,53 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
     with pytest.raises(SystemExit):  # argparse: not a choice
         main(["generate", "--dtype", "float16", "hi"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_serve_takes_its_port_before_the_model_loads(monkeypatch, capsys):
+    """A port in use is refused at once, naming it, before any model loads or cluster
+    is joined; --port 0 serves on a free port, printed; a port past 65535 is refused."""
+    import lamina
+    import lamina.cluster.cli
+    import lamina.entrypoints.api_server
+
+    def not_now(*a, **kw):
+        raise AssertionError("loaded before the port was taken")
+
+    monkeypatch.setattr(lamina, "LLM", not_now)
+    monkeypatch.setattr(lamina.cluster.cli, "_client", not_now)
+    busy = socket.create_server(("127.0.0.1", 0))
+    port = busy.getsockname()[1]
+    try:
+        for extra in ([], ["--service", "lamina"]):
+            assert main(["serve", "--port", str(port), *extra]) == 2
+            assert f"lamina: error: cannot serve on 127.0.0.1:{port}: Address already in " \
+                   "use (another server there? pick another --port)" in capsys.readouterr().err
+    finally:
+        busy.close()
+    served = []
+
+    class Loaded:
+        loaded = type("L", (), {"source": "fake"})()
+        config = type("C", (), {"num_memory_workers": 1})()
+        executor = None
+
+        def __init__(self, model, **kw):
+            pass
+
+        def shutdown(self):
+            pass
+
+    def serve(llm, host, port, name, config, sock):
+        with socket.create_connection(sock.getsockname(), timeout=5):  # listening
+            served.append(sock.getsockname()[1])
+
+    monkeypatch.setattr(lamina, "LLM", Loaded)
+    monkeypatch.setattr(lamina.entrypoints.api_server, "serve", serve)
+    assert main(["serve", "--port", "0", "--executor", "local"]) == 0
+    assert served[0] > 0 and f"on http://127.0.0.1:{served[0]} (" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "99999"])
+    assert "a port is 0-65535, got '99999'" in capsys.readouterr().err
 
 
 def test_sparsity_choices_follow_the_library():

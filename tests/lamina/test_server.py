@@ -531,9 +531,11 @@ def test_serve_runs_the_engine_on_the_calling_thread(smol, smol_split, prompts, 
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        with pytest.raises(RuntimeError, match=f"could not serve on 127.0.0.1:{busy}"):
-            serve_loop(EngineLoop(_engine(smol, smol_split), thread=False), "smollm2",
-                       smol.tokenizer, port=busy, log_level="critical")
+        refused = EngineLoop(_engine(smol, smol_split), thread=False)
+        with pytest.raises(ValueError, match=f"cannot serve on 127.0.0.1:{busy}: Address "
+                                             "already in use"):
+            serve_loop(refused, "smollm2", smol.tokenizer, port=busy, log_level="critical")
+        assert not refused.alive
 
 
 def test_beside_returns_or_raises_what_the_client_thread_did(smol, smol_split, prompts,
