@@ -77,7 +77,7 @@ class ServerConfig:
     # OpenAI does) or "ignore" (taken; the response names it, see `api_fields`)
     unknown_fields: str = "reject"
     # origins a browser page may call this server from (CORS), e.g. "http://localhost:3000",
-    # or "*" for any. None by default: a page elsewhere cannot read the answers (vLLM
+    # or "*" for any. None by default, so a page elsewhere cannot read the answers (vLLM
     # allows any origin by default; an API key in a page is readable by its users anyway,
     # so opening the server to every site is the deployer's choice, not ours)
     allowed_origins: tuple[str, ...] = ()

@@ -170,7 +170,7 @@ class LLM:
 
     def chat(self, messages, params: SamplingParams | None = None, **kw) -> list[RequestOutput]:
         """messages: one conversation (list of {role, content}) or a list of them; a
-        content may be OpenAI's list of text parts (`template_message`)."""
+        content may be OpenAI's list of text parts (`chat_prompt`)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [chat_prompt(self.loaded.tokenizer, c) for c in convs]
         return self.generate(prompts, params, **kw)
@@ -189,7 +189,7 @@ def chat_prompt(tokenizer, messages: list[dict]) -> str:
     from jinja2 import TemplateError
 
     msgs = [template_message(m, i) for i, m in enumerate(messages)]
-    if "developer" not in (getattr(tokenizer, "chat_template", None) or ""):
+    if "developer" not in str(getattr(tokenizer, "chat_template", None) or ""):
         msgs = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in msgs]
     try:
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
