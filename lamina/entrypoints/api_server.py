@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hmac
+import logging
 import re
 import signal
 import socket
@@ -56,6 +57,7 @@ from lamina.entrypoints.llm import chat_prompt
 from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
 from lamina.sampling.params import SamplingParams
 
+log = logging.getLogger("lamina.server")
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks its client
 # a field name that can go in a header as it is (an ignored one that cannot is only logged)
 _HEADER_SAFE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -81,8 +83,16 @@ class ServerConfig:
     # allows any origin by default; an API key in a page is readable by its users anyway,
     # so opening the server to every site is the deployer's choice, not ours)
     allowed_origins: tuple[str, ...] = ()
+    # on SIGTERM (a rolling update, `docker stop`): finish the requests in flight for at
+    # most this long, answering new ones 503 and /health 503, then exit; 0: at once (the
+    # requests in flight fail). A second SIGTERM, or Ctrl-C, stops at once.
+    shutdown_timeout_s: float = 30.0
 
     def __post_init__(self):
+        t = self.shutdown_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+            raise ValueError(f"ServerConfig.shutdown_timeout_s must be a number >= 0, got "
+                             f"{t!r}")
         origins = self.allowed_origins
         if isinstance(origins, list):  # from a YAML file
             origins = tuple(origins)
@@ -341,6 +351,8 @@ class _Api:
     async def health(self):
         if not self.loop.alive:
             return _error(503, f"engine stopped: {self.loop.error}")
+        if getattr(self.loop, "draining", False):  # a load balancer sends no more here
+            return _error(503, "shutting down: finishing the requests in flight")
         return {"status": "ok"}
 
     async def metrics(self):
@@ -620,17 +632,21 @@ def serve_loop(loop, model_name: str, tokenizer, host: str = "127.0.0.1", port: 
     except ValueError:
         loop.shutdown()  # ended with the loop stopped, as when serving ends
         raise
+    config = config or ServerConfig()
     app = build_app(loop, model_name, tokenizer, config)
+    threaded = not isinstance(loop, EngineLoop) or loop.threaded
+    if threaded:  # uvicorn on this thread: its own SIGTERM waits for open requests
+        uvicorn_kw.setdefault("timeout_graceful_shutdown", config.shutdown_timeout_s)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=sock.getsockname()[1],
                                            **uvicorn_kw))
     try:
-        if not isinstance(loop, EngineLoop) or loop.threaded:
+        if threaded:
             try:
                 server.run(sockets=[sock])
             finally:
                 loop.shutdown()
             return
-        _serve_beside(loop, server, sock)
+        _serve_beside(loop, server, sock, config.shutdown_timeout_s)
     finally:
         sock.close()
     if not server.started:
@@ -638,10 +654,19 @@ def serve_loop(loop, model_name: str, tokenizer, host: str = "127.0.0.1", port: 
                            "is logged above)")
 
 
-def _serve_beside(loop: EngineLoop, server, sock: socket.socket) -> None:
-    """The engine loop on this thread, uvicorn on another, until either stops."""
+def _serve_beside(loop: EngineLoop, server, sock: socket.socket, drain_s: float) -> None:
+    """The engine loop on this thread, uvicorn on another, until either stops. SIGTERM
+    drains the loop (`EngineLoop.drain`) for at most `drain_s`; a second one, or 0 s,
+    interrupts it as Ctrl-C does."""
+    def on_sigterm(signum, frame):
+        if drain_s <= 0 or loop.draining:
+            raise KeyboardInterrupt
+        loop.drain(drain_s)
+        log.info("SIGTERM: finishing the requests in flight (at most %g s), answering new "
+                 "ones 503; a second SIGTERM or Ctrl-C stops at once", drain_s)
+
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # as Ctrl-C
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
     try:
         beside(loop, lambda: _run_http(server, sock),
                stop=lambda: setattr(server, "should_exit", True))
@@ -659,6 +684,3 @@ def _run_http(server, sock: socket.socket) -> None:
     except SystemExit:  # uvicorn's way out when it cannot start; it logged why
         pass
 
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt

@@ -169,11 +169,12 @@ def _server_config(args):
         return ServerConfig(api_key=key, max_waiting=args.max_waiting or None,
                             max_body_bytes=args.max_body_bytes,
                             unknown_fields=args.unknown_fields,
-                            allowed_origins=tuple(args.allowed_origins or ()))
+                            allowed_origins=tuple(args.allowed_origins or ()),
+                            shutdown_timeout_s=args.shutdown_timeout)
     from lamina.entrypoints.deploy_config import LaminaConfig
 
     given = _flags_given(args, ("max_waiting", "max_body_bytes", "unknown_fields",
-                                "allowed_origins"))
+                                "allowed_origins", "shutdown_timeout"))
     if given:
         raise ValueError(f"--config {args.config} sets the server: drop {', '.join(given)} "
                          f"(or put them in its server section)")
@@ -566,6 +567,9 @@ def _serve_parser(sub) -> None:
     v.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="browser pages that may call the server (CORS), e.g. "
                         "http://localhost:3000, or '*' for any (default: none)")
+    v.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, finish the requests in flight for at most S seconds "
+                        "(new ones and /health answer 503), then exit; 0: at once")
     v.add_argument("--clamp-max-tokens", action="store_true",
                    help="lower max_tokens to what fits the context (default: 400)")
     v.add_argument("--service", default=None, metavar="NAME",

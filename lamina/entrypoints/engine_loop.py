@@ -12,13 +12,16 @@ with `RequestFailed`; the others go on. A failed step the engine recovers from (
 replaced, KV kept or recomputed) is invisible here; one it cannot recover from fails every
 request in flight with that error, loudly, and the loop stops taking new work
 (`EngineDead`). With `max_waiting`, `submit` refuses a request (`EngineOverloaded`) while
-that many are queued and not yet running.
+that many are queued and not yet running. `drain(timeout_s)` (a server's SIGTERM) finishes
+the requests already taken, refuses new ones (`EngineDead`) and stops when none is left
+or at the timeout.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
@@ -55,6 +58,8 @@ class EngineLoop:
         self._stop = False
         self.error: BaseException | None = None
         self._keep_going: Callable[[], bool] = lambda: True  # `run`'s condition
+        self._drain_until: float | None = None  # `drain`'s deadline (time.monotonic)
+        self._drain_s = 0.0
         self._thread: threading.Thread | None = None
         if thread:
             self._thread = threading.Thread(target=self._run, name="lamina-engine",
@@ -70,6 +75,9 @@ class EngineLoop:
         here)."""
         if self.error is not None:
             raise EngineDead(f"engine stopped after a failed step: {self.error}")
+        if self._drain_until is not None:
+            raise EngineDead("the server is shutting down: it finishes the requests it "
+                             "has and takes no new ones")
         if not validated:  # raises ValueError / TypeError here
             self.engine.validate(prompt, params, session_id)
             self.check_capacity()
@@ -114,6 +122,19 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.error is None and (self._thread.is_alive() if self._thread is not None
                                        else not self._stop)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_until is not None
+
+    def drain(self, timeout_s: float) -> None:
+        """Finish the requests already taken and refuse new ones; the loop stops when
+        none is left, or after `timeout_s` (those still running then fail with
+        `EngineDead` naming the timeout). Safe from any thread and from a signal
+        handler: it only sets a deadline, which the loop reads between steps."""
+        self._drain_s = timeout_s
+        self._drain_until = time.monotonic() + timeout_s
+        self._wake.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
@@ -176,8 +197,15 @@ class EngineLoop:
         else:
             fut.set_result(out)
 
+    def _drained(self) -> bool:
+        """Draining, and nothing is left to finish or the deadline has passed."""
+        if self._drain_until is None:
+            return False
+        return time.monotonic() >= self._drain_until or (not self._futures
+                                                         and self._inbox.empty())
+
     def _run(self) -> None:
-        while not self._stop and self._keep_going():
+        while not self._stop and self._keep_going() and not self._drained():
             self._admit()
             if not self.engine.has_unfinished():
                 self._wake.wait(0.05)
@@ -202,7 +230,9 @@ class EngineLoop:
                     self._updates[out.request_id](out)
                 except Exception:  # a broken listener must not stop serving
                     log.exception("on_update for request %d failed", out.request_id)
-        self._fail_all(EngineDead("engine loop shut down"))
+        self._fail_all(EngineDead(
+            f"the server shut down: its drain ({self._drain_s:g} s) ended before this "
+            "request finished" if self._drain_until is not None else "engine loop shut down"))
 
     def _fail_all(self, e: BaseException) -> None:
         """Stop taking work and fail every request still waiting or running with `e`."""

@@ -3,7 +3,11 @@ HF greedy, concurrent requests batch, bad input answers 400 naming the field and
 server keeps serving, chat, n > 1, streaming (SSE) equals the plain answer, logprobs, a
 disconnected stream is aborted, engine failure answers 503."""
 import json
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -557,3 +561,104 @@ def test_beside_returns_or_raises_what_the_client_thread_did(smol, smol_split, p
         beside(loop, broken)
     with pytest.raises(EngineDead):
         loop.submit(prompts[0], SamplingParams(max_tokens=2)).result(5)
+
+
+def test_drain_finishes_what_runs_refuses_new_work_then_stops(smol, smol_split, prompts,
+                                                              hf_greedy):
+    """`EngineLoop.drain`: the request already taken ends with HF's tokens, a new one is
+    refused at once (503 over HTTP), and the loop stops by itself; a drain that runs out
+    fails what is left, naming the timeout."""
+    loop = EngineLoop(_engine(smol, smol_split))
+    fut = loop.submit(prompts[3], SamplingParams(max_tokens=HF_NEW, temperature=0))
+    loop.drain(300)
+    assert loop.draining and loop.alive
+    with pytest.raises(EngineDead, match="shutting down: it finishes the requests it has"):
+        loop.submit(prompts[0], SamplingParams(max_tokens=2))
+    assert fut.result(300).outputs[0].token_ids == hf_greedy[3]
+    loop._thread.join(30)
+    assert not loop.alive
+    loop = EngineLoop(_engine(smol, smol_split))
+    fut = loop.submit(prompts[8], SamplingParams(max_tokens=400, ignore_eos=True))
+    loop.drain(0)
+    with pytest.raises(EngineDead, match=r"its drain \(0 s\) ended before this request"):
+        fut.result(60)
+    loop._thread.join(30)
+    assert not loop.alive
+
+
+def _stream_tokens(url: str, body: dict, first: threading.Event, box: dict) -> None:
+    """POST a streamed completion; the token ids as they come, then whether [DONE] came."""
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    box["ids"], box["done"] = [], False
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                box["done"] = True
+            elif line.startswith("data: "):
+                box["ids"] += json.loads(line[6:])["choices"][0]["token_ids"]
+                first.set()
+
+
+def test_sigterm_drains_the_requests_in_flight_then_exits(prompts, hf_greedy):
+    """`lamina serve` sent SIGTERM mid-stream (a rolling update): the stream runs to its
+    end with HF's tokens; meanwhile /health and a new request answer 503; then the
+    process exits 0 by itself."""
+    proc = subprocess.Popen([sys.executable, "-m", "lamina.entrypoints.cli", "--threads",
+                             "1", "serve", "--executor", "local", "--memory-workers", "1",
+                             "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            m = re.search(r"on http://127\.0\.0\.1:(\d+) \(", line)
+            if m:
+                break
+        assert m, "no serving line"
+        url = f"http://127.0.0.1:{m.group(1)}"
+        _wait_healthy(url)
+        first, box = threading.Event(), {}
+        body = {"prompt": prompts[4], "max_tokens": 160, "ignore_eos": True,
+                "temperature": 0}
+        streamer = threading.Thread(target=_stream_tokens, args=(
+            url + "/v1/completions", body, first, box))
+        streamer.start()
+        assert first.wait(120)
+        proc.send_signal(signal.SIGTERM)  # handled between the engine's steps
+        deadline = time.monotonic() + 60
+        while (health := _get(url + "/health"))[0] == 200:
+            assert time.monotonic() < deadline and not box.get("done")
+            time.sleep(0.05)
+        assert health[0] == 503 and "shutting down" in health[1]["error"]["message"]
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(
+            {"prompt": "hi", "max_tokens": 2}).encode(), {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 503 and b"shutting down" in e.value.read()
+        streamer.join(300)
+        assert box["done"] and len(box["ids"]) == 160
+        assert box["ids"][:len(hf_greedy[4])] == hf_greedy[4]
+        assert proc.wait(120) == 0
+        assert "SIGTERM: finishing the requests in flight" in proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _wait_healthy(url: str) -> None:
+    for _ in range(600):
+        try:
+            if _get(url + "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the server never answered /health")
+
+
+def _get(url: str):
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
