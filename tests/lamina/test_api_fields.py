@@ -123,10 +123,14 @@ def test_the_serve_flags_set_the_server_and_clash_with_a_config_file(tmp_path):
     from lamina.entrypoints.cli import _server_config, build_parser
 
     args = build_parser().parse_args(["serve", "--unknown-fields", "ignore",
+                                      "--shutdown-timeout", "5",
                                       "--allowed-origins", "http://localhost:3000", "*"])
     cfg = _server_config(args)
-    assert (cfg.unknown_fields, cfg.allowed_origins) == ("ignore",
-                                                        ("http://localhost:3000", "*"))
+    assert (cfg.unknown_fields, cfg.allowed_origins, cfg.shutdown_timeout_s) == (
+        "ignore", ("http://localhost:3000", "*"), 5.0)
+    for bad in (-1, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="shutdown_timeout_s must be a number >= 0"):
+            ServerConfig(shutdown_timeout_s=bad)
     assert _server_config(build_parser().parse_args(["serve"])) == ServerConfig()
     f = tmp_path / "lamina.yaml"
     f.write_text("server: {allowed_origins: ['http://a.example']}\n")
