@@ -103,6 +103,7 @@ _logged: set[str] = set()
 
 
 def _log_once(name: str, reason: str) -> None:
+    name = name[:64]  # what is remembered and logged stays small whatever a client sends
     if name in _logged:
         return
     if len(_logged) >= _LOG_AT_MOST:

@@ -107,6 +107,10 @@ def test_each_ignored_name_is_logged_once_and_the_log_is_bounded(monkeypatch, ca
     assert "X-Lamina-Ignored-Fields" in infos[2]
     assert [r.getMessage()[:26] for r in caplog.records if r.levelno == logging.DEBUG] == \
         ["ignoring request field 'b'", "ignoring request field 'c'"]
+    monkeypatch.setattr(api_fields, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="lamina.server"):
+        check_fields(chat(**{"x" * 100_000: 1}), CHAT_REFUSED, "ignore")
+    assert api_fields._logged == {"x" * 64} and len(caplog.records[-1].getMessage()) < 300
 
 
 def test_the_mode_is_validated_in_code_and_in_a_deployment_file():
