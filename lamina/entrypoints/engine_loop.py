@@ -131,10 +131,11 @@ class EngineLoop:
         """Finish the requests already taken and refuse new ones; the loop stops when
         none is left, or after `timeout_s` (those still running then fail with
         `EngineDead` naming the timeout). Safe from any thread and from a signal
-        handler: it only sets a deadline, which the loop reads between steps."""
+        handler: it only sets a deadline, which the loop reads between steps and at
+        least every 50 ms when idle. No `_wake.set()`: a handler that ran while this
+        thread held the event's (non-reentrant) lock would wait on it forever."""
         self._drain_s = timeout_s
         self._drain_until = time.monotonic() + timeout_s
-        self._wake.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
