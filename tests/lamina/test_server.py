@@ -77,11 +77,7 @@ class _Server:
         return events
 
     def get(self, path):
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=30) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+        return _get(self.url + path)
 
     def stop(self):
         self.server.should_exit = True
