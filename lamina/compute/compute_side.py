@@ -606,7 +606,8 @@ def _draw(logits: torch.Tensor, works: list[SeqWork]):
     the rows that fail alone (`SequenceFault`, clean: every worker finished the step)."""
     def run(rows, ws):
         toks = sample_rows(rows, [s.params for s in ws], [s.seeds for s in ws],
-                           [s.next_pos for s in ws], [(s.history, s.prompt_len) for s in ws])
+                           [s.next_pos for s in ws], [(s.history, s.prompt_len) for s in ws],
+                           [s.allowed for s in ws])
         lps = None
         if any(s.params.logprobs is not None for s in ws):
             lps = tuple(row_logprobs(rows, [s.params for s in ws], toks))

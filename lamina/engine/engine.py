@@ -44,6 +44,7 @@ from lamina.memory.sparsity_config import (
 )
 from lamina.memory.tier_orders import TierMiss
 from lamina.sampling.params import SamplingParams
+from lamina.sampling.structured import Guide, Guides
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class _Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # from its (first) prefill
     stream: bool = False
     session: str | None = None  # the conversation it continues
+    guides: list[Guide] | None = None  # structured output: per sample, its matcher
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class LLMEngine:
                        for _ in range(config.num_memory_workers)]
         self.alloc = self.allocs[0]
         self.sessions = self._session_index(config, executor)
+        self.guides = Guides(tokenizer, self.vocab_size)  # structured output's matchers
         layers = self._freeing_layers()  # None: no slot is ever given back
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens,
                                                    config.split_kv), self.allocs,
@@ -233,6 +236,8 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pools hold {cap}")
         self._check_kv_override(params)
         self._check_whole_prompt(params, len(ids))
+        if params.structured_outputs is not None:
+            self.guides.check(params.structured_outputs)
         return ids
 
     def _check_kv_override(self, params: SamplingParams) -> None:
@@ -305,6 +310,11 @@ class LLMEngine:
                        time.perf_counter(), stream=stream, session=session_id)
         if params.prompt_logprobs is not None and len(ids) == 1:
             req.prompt_logprobs = [None]  # a one-token prompt: nothing to score
+        so = params.structured_outputs
+        if so is not None:  # the matchers stay here; the workers get masks
+            grammar = self.guides.check(so)
+            req.guides = [self.guides.guide(grammar) for _ in range(params.n)]
+            params = replace(params, structured_outputs=None)
         self._reqs[rid] = req
         for i in range(params.n):
             seq = Sequence(next(self._sid), list(ids), params, seed=seed + i,
@@ -354,7 +364,7 @@ class LLMEngine:
         (streamed) progressed."""
         t0 = time.perf_counter()
         self._search_can_go_on()
-        plan = self._pipelined(self.scheduler.schedule())
+        plan = self._guided(self._pipelined(self.scheduler.schedule()))
         failed: list[RequestOutput] = []  # requests a SequenceFault failed this step
         t_run = time.perf_counter()
         result = self._execute(plan, failed)
@@ -378,7 +388,7 @@ class LLMEngine:
         self.step_timings[-1]["drawn"] = len(drawn)
         if self._search is not None:
             failed += self._searched(drawn, plan.step)
-        return failed + self._apply(drawn, now)
+        return failed + self._apply(drawn, now, plan.step)
 
     def _pipelined(self, plan: StepPlan) -> StepPlan:
         """The plan cut into the pipeline's batches (micro-batches of the step)."""
@@ -391,6 +401,19 @@ class LLMEngine:
         if self.config.pipeline == "rotational":
             return replace(plan, micro_batches=min(self.config.batches, len(plan.seqs)))
         return plan
+
+    def _guided(self, plan: StepPlan) -> StepPlan:
+        """Each draw of a sequence with structured output carries the tokens its matcher
+        allows next (a fork's n first draws share the prompt's: every matcher starts
+        alike)."""
+        if not any(r.guides for r in self._reqs.values()):
+            return plan
+        seqs = list(plan.seqs)
+        for k, w in enumerate(seqs):
+            req, i = self._by_seq[w.seq_id]
+            if w.sample and req.guides:
+                seqs[k] = replace(w, allowed=req.guides[i].allowed())
+        return replace(plan, seqs=tuple(seqs))
 
     def _execute(self, plan: StepPlan, failed: list[RequestOutput]) -> StepResult | None:
         """The executor's result for `plan`, or None when the step failed and the workers
@@ -465,14 +488,20 @@ class LLMEngine:
                                                         lp or (None,) * len(toks))]
         return drawn
 
-    def _apply(self, drawn: list[_Draw], now: float) -> list[RequestOutput]:
+    def _apply(self, drawn: list[_Draw], now: float, step: int) -> list[RequestOutput]:
         """Append the drawn tokens; -> outputs of finished requests, then of streamed
-        requests that progressed."""
+        requests that progressed, then of requests whose structured output refused a
+        token (failed alone)."""
         done: list[RequestOutput] = []
         progressed: dict[int, _Request] = {}
+        refused: dict[int, str] = {}  # seq id -> why
         for d in drawn:
             seq = d.seq
             req, i = self._by_seq[seq.seq_id]
+            if req.guides and not req.guides[i].accept(d.token):
+                refused[seq.seq_id] = (f"structured output refused token {d.token}: "
+                                       f"{req.guides[i].error or 'not allowed here'}")
+                continue
             req.first_token = req.first_token or now
             seq.output.append(d.token)
             if len(seq.output) == 1:  # prefilled: its prompt's KV may serve others now
@@ -494,7 +523,13 @@ class LLMEngine:
                     continue
             if req.stream:
                 progressed[req.rid] = req
-        return done + [self._output(req, now, final=False) for req in progressed.values()]
+        failed = []
+        for sid, why in refused.items():
+            if sid in self._by_seq:  # a sibling's refusal may have failed it already
+                progressed.pop(self._by_seq[sid][0].rid, None)
+                failed += self._fail(SequenceFault([sid], why), step)
+        return (done + [self._output(req, now, final=False) for req in progressed.values()]
+                + failed)
 
     def _save_session(self, seq: Sequence) -> None:
         """A session's turn finished: its KV (every position but the last drawn token's)
@@ -691,7 +726,8 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, req: _Request, i: int) -> str | None:
         p, tok, d = seq.params, seq.output[-1], req.detok[i]
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        if ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
+                or (req.guides and req.guides[i].done)):  # the structure is complete
             return "stop"
         # max_tokens None (resolved when the request came) would end at the context
         length = ((p.max_tokens is not None and len(seq.output) >= p.max_tokens)

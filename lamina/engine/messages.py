@@ -79,6 +79,9 @@ class SeqWork:
     # stay holes) because a scoring policy (h2o, snapkv) left their keys out at every
     # layer for good (`StepResult.dropped`); their attention lists the rest only
     dropped: tuple[int, ...] = ()
+    # structured output: the tokens this draw may take, a bitmask (bit t & 7 of byte
+    # t >> 3 = token t; `lamina.sampling.structured`); empty: any token
+    allowed: bytes = b""
 
     def __post_init__(self):
         end = self.start_pos + len(self.token_ids)

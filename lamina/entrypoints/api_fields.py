@@ -8,6 +8,11 @@ Data out: the names of the fields ignored (the response names them in the
 `X-Lamina-Ignored-Fields` header, and each name is logged once), or a `ValueError`
 naming the field, which the server answers with 400 and `param` set to it.
 
+Structured output arrives in one of three spellings, mapped here to one
+`StructuredOutputs`: OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
+`structured_outputs` object, and vLLM's older `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar`; two of them at once are refused.
+
 Why not refuse every field the server does not read: clients and frameworks built on
 OpenAI's API send `store`, `metadata`, `service_tier` or `parallel_tool_calls` by
 default, and a 400 for them breaks the client outright (vLLM relaxed its own check for
@@ -20,6 +25,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from lamina.sampling.structured import StructuredOutputs
 
 log = logging.getLogger("lamina.server")
 
@@ -55,9 +62,6 @@ CHAT_REFUSED: dict[str, tuple[_Check, str]] = {
     "functions": (_none_or_empty, "function calling is not supported by this server"),
     "function_call": (lambda v, b: v in (None, "none", "auto"),
                       "function calling is not supported by this server (only 'none')"),
-    "response_format": (lambda v, b: v is None or v == {"type": "text"},
-                        "only {'type': 'text'}: this server has no structured (JSON) "
-                        "output"),
     "audio": (lambda v, b: v is None, "this server answers in text only"),
     "modalities": (lambda v, b: v is None or v == ["text"],
                    "this server answers in text only (['text'])"),
@@ -112,3 +116,56 @@ def _log_once(name: str, reason: str) -> None:
     _logged.add(name)
     log.info("ignoring request field %r (%s); a response names the fields it ignored in "
              "%s", name, reason, IGNORED_HEADER)
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+
+
+def _asked(body) -> dict[str, Callable[[], StructuredOutputs]]:
+    """The fields asking for structured output -> how each makes its StructuredOutputs."""
+    asked: dict[str, Callable[[], StructuredOutputs]] = {}
+    rf = body.response_format
+    if rf is not None and rf.get("type") != "text":
+        asked["response_format"] = lambda: _response_format(rf)
+    if body.structured_outputs is not None:
+        asked["structured_outputs"] = lambda: StructuredOutputs(**body.structured_outputs)
+    for name, kind in GUIDED.items():
+        value = getattr(body, name)
+        if value is not None:
+            asked[name] = lambda kind=kind, v=value: StructuredOutputs(**{kind: v})
+    return asked
+
+
+def structured_field(body) -> str | None:
+    """The request field that asks for structured output, or None."""
+    return next(iter(_asked(body)), None)
+
+
+def structured_outputs(body) -> StructuredOutputs | None:
+    """The request's structured output from whichever field asks for it, or None;
+    ValueError naming the field when it is malformed or two fields ask."""
+    asked = _asked(body)
+    if len(asked) > 1:
+        raise ValueError(f"{list(asked)[1]}: structured output is asked for twice "
+                         f"({', '.join(asked)}); give one")
+    for name, make in asked.items():
+        try:
+            return make()
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{name}: {str(e).removeprefix('StructuredOutputs.')}") \
+                from None
+    return None
+
+
+def _response_format(rf: dict) -> StructuredOutputs:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise ValueError("type json_schema needs json_schema.schema, a JSON schema "
+                             "object")
+        return StructuredOutputs(json=js["schema"])
+    raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")

@@ -45,6 +45,8 @@ from lamina.entrypoints.api_fields import (
     IGNORED_HEADER,
     UNKNOWN_FIELDS,
     check_fields,
+    structured_field,
+    structured_outputs,
 )
 from lamina.entrypoints.api_stream import (
     chat_logprobs,
@@ -180,6 +182,13 @@ class _Sampling(_Nullable):
     session_id: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # structured output: OpenAI's, vLLM's, vLLM's older names (`api_fields.structured_outputs`)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def num_logprobs(self) -> int | None:
         return None
@@ -205,7 +214,8 @@ class _Sampling(_Nullable):
                               repetition_penalty=self.repetition_penalty,
                               logit_bias=self._logit_bias(),
                               prompt_logprobs=self.num_prompt_logprobs(),
-                              kv_sparsity=self.kv_sparsity, kv_budget=self.kv_budget)
+                              kv_sparsity=self.kv_sparsity, kv_budget=self.kv_budget,
+                              structured_outputs=structured_outputs(self))
 
 
 class CompletionRequest(_Sampling):
@@ -387,9 +397,12 @@ class _Api:
             return _error(400, str(e), field_)
 
     def _submit(self, prompts: list, params: SamplingParams, updates,
-                session: str | None = None) -> list | JSONResponse:
+                session: str | None = None, structured: str | None = None
+                ) -> list | JSONResponse:
         """Queue every prompt (each validated before any is queued) -> their futures,
-        or the error answering the request. `updates`: a queue for streamed progress."""
+        or the error answering the request. `updates`: a queue for streamed progress.
+        `structured`: the request field that asked for structured output (an error in
+        the grammar names it)."""
         aloop = asyncio.get_running_loop()
 
         def listener(i):
@@ -404,7 +417,8 @@ class _Api:
                                      session_id=session)
                     for i, p in enumerate(prompts)]
         except (ValueError, TypeError) as e:
-            return _error(400, str(e), _param(str(e)))
+            grammar = structured is not None and "StructuredOutputs." in str(e)
+            return _error(400, str(e), structured if grammar else _param(str(e)))
         except EngineOverloaded as e:
             return _error(429, str(e), code="server_busy",
                           headers={"Retry-After": str(self.config.retry_after_s)})
@@ -420,7 +434,7 @@ class _Api:
             return params
         updates: asyncio.Queue | None = asyncio.Queue() if chunk else None
         session = body.session_id or request.headers.get("x-session-id")
-        futs = self._submit(prompts, params, updates, session)
+        futs = self._submit(prompts, params, updates, session, structured_field(body))
         if isinstance(futs, JSONResponse):
             return futs
         if chunk:

@@ -87,7 +87,8 @@ def cmd_generate(args) -> int:
                             ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()),
                             repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty)
+                            frequency_penalty=args.frequency_penalty,
+                            structured_outputs=_structured(args))
     llm = _llm(LLM, args)
     where = (f"{args.memory_workers} Ray memory worker process(es)" if args.executor == "ray"
              else "in-process memory side") + (f", KV on {args.kv_device}, dense part on "
@@ -107,6 +108,25 @@ def cmd_generate(args) -> int:
     print(f"{n} tokens in {dt:.1f}s ({n / dt:.1f} tok/s, {len(outs)} prompts batched)")
     llm.shutdown()
     return 0
+
+
+def _structured(args):
+    """The --json-schema / --json-object / --regex / --choice / --grammar flag given (at
+    most one: StructuredOutputs says so) -> StructuredOutputs, or None. A value starting
+    with @ is read from that file."""
+    from lamina.sampling.structured import StructuredOutputs
+
+    def text(v):
+        if v is None or not v.startswith("@"):
+            return v
+        with open(v[1:]) as f:
+            return f.read()
+
+    given = dict(json=text(args.json_schema), json_object=args.json_object,
+                 regex=args.regex, choice=args.choice, grammar=text(args.grammar))
+    if not any(v not in (None, False) for v in given.values()):
+        return None
+    return StructuredOutputs(**{k: v for k, v in given.items() if v not in (None, False)})
 
 
 CLUSTER_CLI = "lamina.cluster.cli"
@@ -540,6 +560,12 @@ def _generate_parser(sub) -> None:
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")
     g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    so = g.add_argument_group("structured output (one of)")
+    so.add_argument("--json-schema", help="a JSON schema the output follows (@FILE: read it)")
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", help="the whole output matches this regex")
+    so.add_argument("--choice", action="append", help="the output is one of these (repeatable)")
+    so.add_argument("--grammar", help="a Lark or GBNF grammar (@FILE: read it)")
     g.set_defaults(fn=cmd_generate)
 
 

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from lamina.memory.sparsity_config import KVOverride
+from lamina.sampling.structured import StructuredOutputs
 
 MAX_LOGPROBS = 20
 
@@ -45,6 +46,9 @@ class SamplingParams:
     # the deployment's (`EngineConfig.kv_sparsity` / `kv_budget`)
     kv_sparsity: str | None = None
     kv_budget: float | int | None = None
+    # the output held to a JSON schema, regex, choice or grammar (a dict is taken as
+    # StructuredOutputs' fields); the engine keeps it: it never crosses to the workers
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         def bad(field, why):
@@ -95,6 +99,15 @@ class SamplingParams:
                 ov()
             except ValueError as e:
                 raise ValueError(f"SamplingParams.{name}: {e}") from None
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                so = StructuredOutputs(**so)
+            except TypeError as e:
+                raise ValueError(f"SamplingParams.structured_outputs: {e}") from None
+            object.__setattr__(self, "structured_outputs", so)
+        if so is not None and not isinstance(so, StructuredOutputs):
+            bad("structured_outputs", "must be StructuredOutputs, a dict of its fields or None")
         for name in ("logprobs", "prompt_logprobs"):
             lp = getattr(self, name)
             if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool)

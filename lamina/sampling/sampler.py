@@ -14,6 +14,7 @@ import torch
 
 from lamina.kernels import argmax_rows
 from lamina.sampling.params import SamplingParams
+from lamina.sampling.structured import mask_row
 
 _MASK64 = (1 << 64) - 1
 
@@ -151,21 +152,27 @@ def _history(histories, r: int, p: SamplingParams) -> tuple[tuple[int, ...], int
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 seeds: list[tuple[int, ...]], positions: list[int],
-                histories: list[tuple[tuple[int, ...], int] | None] | None = None
-                ) -> list[tuple[int, ...]]:
+                histories: list[tuple[tuple[int, ...], int] | None] | None = None,
+                masks: list[bytes] | None = None) -> list[tuple[int, ...]]:
     """logits: [R, V] (the model's dtype: greedy rows read them as they are; a row
     that is penalized or drawn from works in fp32, as HF's logits processors do). Row r
     draws len(seeds[r]) tokens (n > 1 forks draw several from one prompt), each with its
     own seed, at `positions[r]`. histories[r]: (tokens so far, prompt length) for a row
-    with penalties. -> per row, its tokens. Drawn rows sharing temperature, top_k and
-    top_p are worked on together, on the CPU (a CPU generator: the same tokens on any
-    device)."""
+    with penalties. masks[r]: structured output's bitmask of the tokens row r may draw
+    (b"": any), applied after penalties and logit_bias. -> per row, its tokens. Drawn
+    rows sharing temperature, top_k and top_p are worked on together, on the CPU (a CPU
+    generator: the same tokens on any device)."""
     greedy = argmax_rows(logits).tolist()
     out: list = [None] * len(params)
     groups: dict[tuple, list[int]] = {}
     for r, (p, ss) in enumerate(zip(params, seeds)):
-        if p.penalized or p.logit_bias:
-            row = apply_penalties(logits[r].cpu().float(), p, *_history(histories, r, p))
+        allowed = masks[r] if masks is not None else b""
+        if p.penalized or p.logit_bias or allowed:
+            row = logits[r].cpu().float()
+            if p.penalized or p.logit_bias:
+                row = apply_penalties(row, p, *_history(histories, r, p))
+            if allowed:
+                row = mask_row(row, allowed)
             out[r] = ((int(torch.argmax(row)),) * len(ss) if p.greedy else draw_tokens(
                 candidates(row[None] / p.temperature, p)[0], ss, positions[r]))
         elif p.greedy:

@@ -1,19 +1,23 @@
 """The engine on a local Ray cluster: 1 compute worker, 2 memory workers, data plane over
 Unix sockets. Greedy tokens identical to HF; a dead memory worker is replaced and its
 requests recomputed, or (recovery off) the step fails loudly."""
+import json
 import os
 import signal
 import threading
 import time
 from dataclasses import replace
 
+import jsonschema
 import pytest
 import ray
 import torch
 
 from lamina import LLM, SamplingParams
 from lamina.cluster.executor import WorkerFailure
+from lamina.sampling.structured import StructuredOutputs
 from tests.conftest import HF_NEW
+from tests.lamina.test_structured import PROMPT, SCHEMA, _hf_guided
 
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 
@@ -159,6 +163,20 @@ def test_ray_request_overrides_answer_as_local(llm, prompts, hf_greedy):
     assert want[0] != hf_greedy[4][:12]  # h2o's 48 tokens changed the answer
     assert evicted == (4, 250 + 1 - 44)  # given back at its first decode step
     assert holes > 0  # reported (too few to give back: fewer than 64)
+
+
+def test_ray_structured_output_equals_hf_masked_by_llguidance(llm, smol):
+    """The masks cross the control channel: a JSON schema's greedy answer on Ray equals
+    HF's under llguidance's own mask (tests/lamina/test_structured.py), up to where the
+    structure is complete (HF's next token: EOS)."""
+    spec = StructuredOutputs(json=SCHEMA)
+    ids = smol.tokenizer(PROMPT)["input_ids"]
+    out = llm.generate([ids], SamplingParams(max_tokens=80, temperature=0,
+                                             structured_outputs=spec), use_tqdm=False)[0]
+    ref = _hf_guided(smol, ids, spec, 80)
+    assert out.finish_reason == "stop"
+    assert ref[:len(out.token_ids) + 1] == out.token_ids + [smol.tokenizer.eos_token_id]
+    jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
 def test_ray_trace_lines_up_the_processes_lanes(llm, prompts, hf_greedy):

@@ -1,16 +1,24 @@
 """Request fields the server does not read (`lamina.entrypoints.api_fields`), on parsed
 requests without an engine: OpenAI's fields that change nothing are taken and named; the
 ones that would change the answer are refused naming the field unless their value asks
-for nothing; unknown ones are refused or, under "ignore", taken. Over HTTP with the
+for nothing; unknown ones are refused or, under "ignore", taken; structured output
+from each of its spellings, or a 400 naming the field. Over HTTP with the
 `openai` client: `tests/lamina/test_server_limits.py`."""
 import logging
 
 import pytest
 
 from lamina.entrypoints import api_fields
-from lamina.entrypoints.api_fields import CHAT_REFUSED, COMPLETION_REFUSED, check_fields
+from lamina.entrypoints.api_fields import (
+    CHAT_REFUSED,
+    COMPLETION_REFUSED,
+    check_fields,
+    structured_field,
+    structured_outputs,
+)
 from lamina.entrypoints.api_server import ChatRequest, CompletionRequest, ServerConfig
 from lamina.entrypoints.deploy_config import LaminaConfig
+from lamina.sampling.structured import StructuredOutputs
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -33,8 +41,8 @@ def test_openai_fields_that_change_nothing_are_taken_and_named_in_order():
     assert check_fields(body, CHAT_REFUSED) == [
         "store", "metadata", "service_tier", "parallel_tool_calls", "prediction",
         "prompt_cache_key", "safety_identifier", "tools", "tool_choice", "functions",
-        "function_call", "response_format", "modalities", "audio", "web_search_options",
-        "reasoning_effort", "verbosity"]  # `user` is a field of the request: not listed
+        "function_call", "modalities", "audio", "web_search_options",
+        "reasoning_effort", "verbosity"]  # `user`, `response_format`: fields of the request
     assert body.params().max_tokens == 4  # the sampling is the request's own
     assert check_fields(completion(suffix="", best_of=1, store=False),
                         COMPLETION_REFUSED) == ["suffix", "best_of", "store"]
@@ -50,10 +58,8 @@ def test_openai_fields_that_change_nothing_are_taken_and_named_in_order():
      "tool calling"),
     ({"functions": [{"name": "f"}]}, "functions", "function calling is not supported"),
     ({"function_call": {"name": "f"}}, "function_call", "function calling"),
-    ({"response_format": {"type": "json_object"}}, "response_format",
-     "no structured (JSON) output"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x" * 200}}},
-     "response_format", "..."),  # a long value is cut in the message
+    ({"tools": [{"type": "function", "function": {"name": "x" * 200}}]},
+     "tools", "..."),  # a long value is cut in the message
     ({"modalities": ["text", "audio"]}, "modalities", "text only"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "text only"),
     ({"web_search_options": {}}, "web_search_options", "no web search"),
@@ -163,3 +169,49 @@ def test_a_null_field_is_the_default_as_in_openais_api(cls, base):
     for name in base:  # a required field stays required
         with pytest.raises(ValueError, match="Field required"):
             cls.model_validate({**base, name: None})
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("kw, want", [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True)),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+     StructuredOutputs(json=SCHEMA)),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutputs(regex="[0-9]+")),
+    ({"guided_json": SCHEMA}, StructuredOutputs(json=SCHEMA)),
+    ({"guided_json": '{"type": "object"}'}, StructuredOutputs(json={"type": "object"})),
+    ({"guided_choice": ["y", "n"]}, StructuredOutputs(choice=("y", "n"))),
+    ({"guided_grammar": 'start: "x"'}, StructuredOutputs(grammar='start: "x"')),
+    ({"guided_regex": "a+"}, StructuredOutputs(regex="a+")),
+])
+def test_structured_output_from_each_spelling(kw, want):
+    """OpenAI's response_format, vLLM's structured_outputs and its guided_* fields all
+    make the same StructuredOutputs, on chat and completions alike."""
+    for body in (chat(**kw), completion(**kw)):
+        assert structured_outputs(body) == want
+        assert structured_field(body) == (next(iter(kw)) if want else None)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"response_format": {"type": "xml"}},
+     "response_format: type must be 'text', 'json_object' or 'json_schema', got 'xml'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+     "response_format: type json_schema needs json_schema.schema"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs: "),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs: StructuredOutputs takes exactly one of"),
+    ({"guided_choice": []}, "guided_choice: choice must be a list of non-empty strings"),
+    ({"guided_json": "{oops"}, "guided_json: json is not valid JSON"),
+    ({"guided_regex": "a", "guided_choice": ["b"]},
+     "guided_choice: structured output is asked for twice (guided_regex, guided_choice)"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs: structured output is asked for twice"),
+])
+def test_structured_output_refused_by_field_name(kw, words):
+    with pytest.raises(ValueError) as e:
+        structured_outputs(chat(**kw))
+    assert str(e.value).startswith(words), str(e.value)

@@ -101,6 +101,24 @@ def test_generate_stop_and_penalty_flags(monkeypatch, capsys):
     assert "> One, two,\nfive,\n[2 tokens, stop]" in capsys.readouterr().out
 
 
+def test_generate_structured_output_flags(tmp_path, capsys):
+    """--json-schema (@FILE), --choice: the answers hold on the default model; two
+    constraints at once, a bad regex: exit 2 naming the field."""
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},'
+                      ' "required": ["city"], "additionalProperties": false}')
+    assert main(["generate", "--json-schema", f"@{schema}", "Where is the Louvre?",
+                 "--max-tokens", "20"]) == 0
+    out = capsys.readouterr().out
+    assert '{"city":"Paris"}' in out or '{"city":"Rome"}' in out, out
+    assert main(["generate", "--choice", "yes", "--choice", "no", "Is water wet?"]) == 0
+    assert re.search(r"\n(yes|no)\n\[1 tokens, stop\]", capsys.readouterr().out)
+    assert main(["generate", "--regex", "a", "--json-object", "hi"]) == 2
+    assert "exactly one of" in capsys.readouterr().err
+    assert main(["generate", "--regex", "a(b", "hi"]) == 2
+    assert "StructuredOutputs.regex" in capsys.readouterr().err
+
+
 def test_dense_backend_choices_follow_the_library():
     from lamina.entrypoints.cli import build_parser
     from lamina.splitter.dense import DENSE_BACKENDS

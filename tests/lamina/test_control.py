@@ -27,7 +27,8 @@ def _plan(step=3):
     sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11, n=2, stop=("\n\n",),
                         stop_token_ids=(2,), logprobs=2, logit_bias=((7, -1.5),))
     return StepPlan(step, (
-        SeqWork(4, (10, 11, 12), 0, (5, 6, 7), params=sp, seeds=(11, 12)),
+        SeqWork(4, (10, 11, 12), 0, (5, 6, 7), params=sp, seeds=(11, 12),
+                allowed=b"\x05\x00\xff\x80"),  # structured output's bitmask
         SeqWork(9, (13,), 2, (1, 0, 8), sample=False, worker=1,
                 segments=((1, 0), (0, 2)), history=(1, 2, 13), prompt_len=2)),
         micro_batches=2)
@@ -59,7 +60,7 @@ def test_messages_round_trip_as_typed_dataclasses():
 ])
 def test_bad_plans_rejected_by_name(mutate, msg):
     import msgspec
-    d = msgspec.to_builtins(_plan())
+    d = msgspec.to_builtins(_plan(), builtin_types=(bytes,))  # the bitmask stays bytes
     mutate(d)
     raw = torch.frombuffer(bytearray(msgspec.msgpack.encode(d)), dtype=torch.uint8)
     with pytest.raises(FrameError, match="bad step plan message") as e:

@@ -233,7 +233,7 @@ def test_chat_content_parts_and_max_completion_tokens(server):
              "messages.1.content.0: a 'image_url' part"),
             ([{"type": "text"}], {}, "messages", "text parts"),
             (None, {}, "messages", "null is allowed only for the assistant"),
-            ("hi", {"response_format": {"type": "json_object"}}, "response_format", "text")]:
+            ("hi", {"response_format": {"type": "json"}}, "response_format", "type must be")]:
         status, out = chat(content, **kw)
         assert status == 400 and out["error"]["param"] == param, out
         assert words in out["error"]["message"], out

@@ -6,11 +6,15 @@ bounded queue (429 + Retry-After, nothing lost), and 100 aborted in-flight reque
 returning every KV slot."""
 import http.client
 import json
+import re
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
+import jsonschema
 import openai
+import pydantic
 import pytest
 
 from lamina.engine.config import EngineConfig
@@ -253,7 +257,7 @@ def test_openai_fields_are_taken_named_or_refused_over_the_openai_client(srv, sm
     assert text == plain.choices[0].message.content
     tool = {"type": "function", "function": {"name": "colour", "parameters": {}}}
     for kw, param in [({"tools": [tool]}, "tools"),
-                      ({"response_format": {"type": "json_object"}}, "response_format"),
+                      ({"response_format": {"type": "xml"}}, "response_format"),
                       ({"extra_body": {"max_token": 4}}, "max_token")]:
         with pytest.raises(openai.BadRequestError) as e:
             cl.chat.completions.create(model="smollm2", messages=msgs, max_tokens=NEW, **kw)
@@ -275,6 +279,52 @@ def test_openai_fields_are_taken_named_or_refused_over_the_openai_client(srv, sm
         assert e.value.param == "tools"
     finally:
         lenient.stop()
+    _good(srv, prompts, hf_greedy)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    age: int
+    city: Literal["Paris", "Lyon"]
+
+
+def test_structured_output_over_the_openai_client(srv, prompts, hf_greedy):
+    """OpenAI's `response_format` (a JSON schema: the client's `parse` with a pydantic
+    model; a JSON object, streamed), vLLM's `structured_outputs` and `guided_choice`:
+    the answers hold (checked by pydantic, `json`, `jsonschema`); a bad regex and two
+    fields at once are 400s naming the field; a request right after is HF's."""
+    cl = srv.client()
+    msgs = [{"role": "user", "content": "Describe a French person as JSON."}]
+    r = cl.chat.completions.parse(model="smollm2", messages=msgs, max_tokens=60,
+                                  temperature=0, response_format=Person)
+    m = r.choices[0]
+    assert m.finish_reason == "stop" and isinstance(m.message.parsed, Person), m
+    schema = {**Person.model_json_schema(), "additionalProperties": False}  # as `parse` sends
+    jsonschema.validate(json.loads(m.message.content), schema)
+    text = "".join(ch.choices[0].delta.content or "" for ch in cl.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=60, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}))
+    assert text == m.message.content  # streamed: the same tokens
+    obj = cl.chat.completions.create(model="smollm2", messages=msgs, max_tokens=60,
+                                     temperature=0, response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    pick = cl.completions.create(model="smollm2", prompt="The capital of France is",
+                                 max_tokens=8, temperature=0,
+                                 extra_body={"guided_choice": ["Paris", "Rome"]})
+    assert pick.choices[0].text in ("Paris", "Rome")
+    digits = cl.completions.create(model="smollm2", prompt="Pi is about", max_tokens=8,
+                                   temperature=0.7, seed=1, n=2, extra_body={
+                                       "structured_outputs": {"regex": r" 3\.[0-9]{2}"}})
+    assert all(re.fullmatch(r" 3\.[0-9]{2}", c.text) for c in digits.choices), digits
+    for extra, param in [({"guided_regex": "a(b"}, "guided_regex"),
+                         ({"guided_regex": "a", "response_format": {"type": "json_object"}},
+                          "guided_regex"),
+                         ({"structured_outputs": {"jsn": {}}}, "structured_outputs")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            cl.completions.create(model="smollm2", prompt="hi", max_tokens=4,
+                                  extra_body=extra)
+        assert e.value.param == param, e.value
     _good(srv, prompts, hf_greedy)
 
 

@@ -1,0 +1,186 @@
+"""Structured output: a request's text held to a JSON schema, a regex, a choice or a
+grammar, by masking at each draw the tokens that could not continue it.
+
+Data in: a request's `StructuredOutputs` (in its `SamplingParams`), the engine's
+tokenizer. Data out: before each step, per constrained sequence, the tokens it may draw
+as a bitmask (`Guide.allowed`: bytes, bit t & 7 of byte t >> 3 = token t, little-endian
+as llguidance writes it), sent in the step's `SeqWork.allowed`; on the compute side
+`mask_row` sets the other tokens' logits to -inf before the draw (after penalties and
+`logit_bias`). After the step the engine feeds each drawn token to its guide
+(`Guide.accept`); a guide that has ended (`done`: the text is complete and nothing may
+follow) finishes its sequence with reason "stop".
+
+The grammar engine is llguidance (Rust; the guidance backend of vLLM and SGLang): JSON
+schemas, regexes, choices and Lark / GBNF grammars compile in well under a millisecond
+and a mask over a 49k vocabulary takes tens of microseconds, so it runs on the engine's
+thread, as vLLM's scheduler process does. The engine keeps the state (a matcher per
+sequence, advanced only by tokens the engine applied): a failed step, a recovery, a
+preemption or a move to another compute worker leaves it as it was, and the compute
+side stays stateless.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one of: `json` (a JSON schema, dict or text), `json_object=True` (any
+    JSON object), `regex` (the whole output matches it; Rust regex syntax), `choice`
+    (the output is one of these strings), `grammar` (Lark or GBNF). JSON is compact
+    (no whitespace between tokens) unless `whitespace_flexible`."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    whitespace_flexible: bool = False
+
+    def __post_init__(self):
+        set_ = [k for k in KINDS if self._given(k)]
+        if len(set_) != 1:
+            raise ValueError(f"StructuredOutputs takes exactly one of {', '.join(KINDS)}; "
+                             f"got {', '.join(set_) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except ValueError as e:
+                raise ValueError(f"StructuredOutputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"StructuredOutputs.json must be a JSON schema (an object), "
+                             f"got {type(self.json).__name__}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(
+                    isinstance(c, str) and c for c in self.choice) or not self.choice:
+                raise ValueError("StructuredOutputs.choice must be a list of non-empty "
+                                 "strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"StructuredOutputs.{name} must be a non-empty string")
+
+    def _given(self, name: str) -> bool:
+        v = getattr(self, name)
+        return v is True if name == "json_object" else v is not None
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if self._given(k))
+
+    def grammar_text(self) -> str:
+        """-> the llguidance grammar of this constraint (ValueError naming a bad one)."""
+        import llguidance
+
+        ws = cast(Any, {"whitespace_flexible": self.whitespace_flexible})
+        try:
+            if self.json is not None or self.json_object:
+                schema = {"type": "object"} if self.json_object else self.json
+                return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                                     defaults=ws)
+            if self.regex is not None:
+                return llguidance.grammar_from("regex", self.regex)
+            if self.choice is not None:
+                return llguidance.grammar_from("choice", json.dumps(list(self.choice)))
+            return llguidance.grammar_from("grammar", cast(str, self.grammar))
+        except ValueError as e:
+            raise ValueError(f"StructuredOutputs.{self.kind}: {e}") from None
+
+
+class Guides:
+    """The engine's guide factory: one llguidance tokenizer for the model (built on the
+    first constrained request, ~0.3 s for SmolLM2), a matcher per sequence."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._ll = None
+        self._lock = threading.Lock()  # servers check requests on their own threads
+
+    def _ll_tokenizer(self):
+        with self._lock:
+            if self._ll is None:
+                if self._tokenizer is None:
+                    raise ValueError("structured output needs the model's tokenizer; this "
+                                     "engine has none")
+                import llguidance.hf
+
+                n = max(self.vocab_size, len(self._tokenizer))
+                self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n)
+            return self._ll
+
+    def check(self, spec: StructuredOutputs) -> str:
+        """-> the compiled grammar; ValueError naming the field if it cannot be used."""
+        import llguidance
+
+        text = spec.grammar_text()
+        err = llguidance.LLMatcher.validate_grammar(text, self._ll_tokenizer())
+        if err:
+            raise ValueError(f"StructuredOutputs.{spec.kind}: {_one_line(err)}")
+        return text
+
+    def guide(self, grammar: str) -> Guide:
+        import llguidance
+
+        ll = self._ll_tokenizer()
+        return Guide(llguidance.LLMatcher(ll, grammar), ll.vocab_size)
+
+
+def _one_line(err: str) -> str:
+    """llguidance's multi-line error without its source excerpts ("   1 | ...", "  ^")."""
+    keep = [x.strip() for x in err.splitlines()]
+    return " ".join(x for x in keep if x.strip("^ ") and not re.match(r"\d+ \|", x))
+
+
+class Guide:
+    """One sequence's matcher: the tokens it may draw next, advanced by each drawn one."""
+
+    def __init__(self, matcher, vocab_size: int):
+        import llguidance.torch as lt
+
+        self._m = matcher
+        self._mask = lt.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+
+    def allowed(self) -> bytes:
+        """The bitmask of the tokens that may come next (only EOS once it has ended)."""
+        import llguidance.torch as lt
+
+        lt.fill_next_token_bitmask(self._m, self._mask, 0)
+        return self._mask.numpy().tobytes()
+
+    def accept(self, token: int) -> bool:
+        """Feed a drawn token; False if the grammar refuses it (then `error` says why)."""
+        if self._m.is_stopped():
+            return True  # the EOS after the end: nothing more to check
+        return bool(self._m.consume_token(token)) and not self._m.is_error()
+
+    @property
+    def done(self) -> bool:
+        """The output is complete: nothing but EOS may follow."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error() or ""
+
+
+def mask_row(row: torch.Tensor, allowed: bytes) -> torch.Tensor:
+    """row: [V] fp32 logits -> a copy with every token the bitmask `allowed` leaves out
+    at -inf (tokens past the mask's width are left out too)."""
+    bits = np.unpackbits(np.frombuffer(allowed, dtype=np.uint8), bitorder="little")
+    V = row.numel()
+    keep = torch.zeros(V, dtype=torch.bool)
+    n = min(V, bits.size)
+    keep[:n] = torch.from_numpy(bits[:n].astype(bool))
+    if not bool(keep.any()):
+        raise ValueError("structured output: no token of the vocabulary may come next")
+    return row.masked_fill(~keep, float("-inf"))

@@ -1,0 +1,190 @@
+"""Structured output (`lamina.sampling.structured`) on SmolLM2 with the local executor:
+greedy output under a JSON schema and a regex equals HF `generate` whose logits are
+masked by llguidance directly (so what is checked is Lamina's plumbing: the bitmask's
+bit order and width, where the mask applies, when a sequence ends); what comes out is
+checked by independent validators (`jsonschema`, `re`); constrained and free requests
+share a batch without touching each other; sampling with n > 1 forks; a failed step
+recovered mid-generation changes no token; bad specifications fail alone by name."""
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.sampling.params import SamplingParams
+from lamina.sampling.structured import StructuredOutputs, mask_row
+
+from .test_engine import engine, run
+from .test_recovery import FlakyExecutor
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                  "maxItems": 2}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+PROMPT = "Here is a record of one customer, as JSON:"
+
+
+def _hf_guided(smol, prompt_ids: list[int], spec: StructuredOutputs, max_new: int):
+    """HF generate, greedy, each step's logits masked by a fresh llguidance matcher fed
+    the tokens generated so far (llguidance's own bitmask helpers, not Lamina's)."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch as lt
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    tok = llguidance.hf.from_tokenizer(smol.tokenizer, smol.config.vocab_size)
+    matcher = llguidance.LLMatcher(tok, spec.grammar_text())
+    n = len(prompt_ids)
+
+    class Mask(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            for t in input_ids[0, n + matcher_seen[0]:].tolist():
+                assert matcher.consume_token(t)
+                matcher_seen[0] += 1
+            bm = lt.allocate_token_bitmask(1, tok.vocab_size)
+            lt.fill_next_token_bitmask(matcher, bm, 0)
+            lt.apply_token_bitmask_inplace(scores, bm)
+            return scores
+
+    matcher_seen = [0]
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = smol.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=max_new, logits_processor=LogitsProcessorList(
+                                      [Mask()]), pad_token_id=smol.tokenizer.eos_token_id)
+    return out[0, n:].tolist()
+
+
+@pytest.mark.parametrize("spec", [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=PHONE)],
+                         ids=["json-schema", "regex"])
+def test_greedy_structured_output_equals_hf_masked_by_llguidance(smol, smol_split, spec):
+    ids = smol.tokenizer(PROMPT if spec.json else "Call us at")["input_ids"]
+    eng = engine(smol, smol_split, num_kv_slots=512)
+    out = run(eng, [ids], SamplingParams(max_tokens=80, temperature=0,
+                                         structured_outputs=spec))[0]
+    ref = _hf_guided(smol, ids, spec, 80)
+    eos = smol.tokenizer.eos_token_id
+    # Lamina ends where the structure is complete; HF's mask then allows only EOS
+    assert out.finish_reason == "stop" and ref[:len(out.token_ids) + 1] == \
+        out.token_ids + [eos], (out.text, smol.tokenizer.decode(ref))
+    if spec.json:
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    else:
+        assert re.fullmatch(PHONE, out.text), out.text
+    assert eng.free_slots() == [512]
+
+
+def test_constrained_and_free_requests_share_a_batch(smol, smol_split, prompts, hf_greedy):
+    """Masks are per row: free requests keep HF's tokens beside constrained ones, and a
+    choice, a JSON object and a grammar each hold in the same steps."""
+    eng = engine(smol, smol_split, num_kv_slots=2048)
+    free = SamplingParams(max_tokens=24, temperature=0)
+    grammar = 'start: "The answer is " NUM "."\nNUM: /[0-9]{1,3}/'
+    specs = [StructuredOutputs(choice=["Paris", "Lyon", "Marseille"]),
+             StructuredOutputs(json_object=True), StructuredOutputs(grammar=grammar)]
+    asks = [(prompts[2], free), ("The capital of France is", None), (prompts[5], free),
+            ("Give a JSON object:", None), ("What is 6 times 7?", None)]
+    ids, k = [], 0
+    for p, params in asks:
+        if params is None:
+            params = SamplingParams(max_tokens=40, temperature=0,
+                                    structured_outputs=specs[k])
+            k += 1
+        ids.append(eng.add_request(p, params))
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    o = [outs[i] for i in ids]
+    assert o[0].token_ids == hf_greedy[2][:24] and o[2].token_ids == hf_greedy[5][:24]
+    assert o[1].text in ("Paris", "Lyon", "Marseille") and o[1].finish_reason == "stop"
+    if o[3].finish_reason == "stop":
+        assert isinstance(json.loads(o[3].text), dict)
+    else:  # cut by max_tokens: a prefix of JSON, never anything else
+        assert o[3].text.startswith("{")
+    assert re.fullmatch(r"The answer is [0-9]{1,3}\.", o[4].text), o[4].text
+
+
+def test_sampled_forks_each_follow_the_regex(smol, smol_split):
+    """n = 4 sampled forks from one prefill: each sample has its own matcher."""
+    eng = engine(smol, smol_split, num_kv_slots=512)
+    spec = StructuredOutputs(regex=r"[a-z]{3,8}( [a-z]{3,8}){2}")
+    out = run(eng, ["Three random words:"], SamplingParams(
+        max_tokens=40, temperature=1.0, seed=7, n=4, structured_outputs=spec))[0]
+    texts = [c.text for c in out.outputs]
+    assert all(re.fullmatch(r"[a-z]{3,8}( [a-z]{3,8}){2}", t) for t in texts), texts
+    assert len(set(texts)) > 1 and all(c.finish_reason == "stop" for c in out.outputs)
+
+
+def test_recovered_steps_change_no_structured_token(smol, smol_split):
+    """Workers die twice mid-generation (their KV gone: NaN pools): the steps are
+    recovered and recomputed; the matchers saw only applied tokens, so the output
+    equals a clean run's."""
+    spec = StructuredOutputs(json=SCHEMA)
+    params = SamplingParams(max_tokens=80, temperature=0, structured_outputs=spec)
+    ids = smol.tokenizer(PROMPT)["input_ids"]
+    clean = run(engine(smol, smol_split, num_kv_slots=512), [ids], params)[0]
+    pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 512))
+    flaky = FlakyExecutor(smol_split, MemorySide(pool), fail_on={4, 9})
+    eng = LLMEngine(EngineConfig(num_kv_slots=512), flaky, smol.tokenizer, smol.config)
+    out = run(eng, [ids], params)[0]
+    assert out.token_ids == clean.token_ids and flaky.recovered == 2
+
+
+@pytest.mark.parametrize("spec, match", [
+    (dict(regex="a(b"), "StructuredOutputs.regex: .*unclosed group"),
+    (dict(json={"type": "object", "properties": {"a": {"type": "nope"}}}),
+     "StructuredOutputs.json: "),
+    (dict(grammar="start: foo"), "StructuredOutputs.grammar: "),
+])
+def test_bad_specification_fails_alone_and_changes_nothing(smol, smol_split, spec, match):
+    eng = engine(smol, smol_split, num_kv_slots=512)
+    with pytest.raises(ValueError, match=match):
+        eng.add_request("Hi", SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert not eng.has_unfinished() and eng.free_slots() == [512] and not eng._reqs
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(), "exactly one of json, json_object, regex, choice, grammar; got none"),
+    (dict(regex="a", choice=["b"]), "got regex, choice"),
+    (dict(json="{not json"), "json is not valid JSON"),
+    (dict(json=[1]), "must be a JSON schema"),
+    (dict(choice="ab"), "choice must be a list of non-empty strings"),
+    (dict(choice=["a", ""]), "choice must be a list"),
+    (dict(regex=""), "regex must be a non-empty string"),
+])
+def test_specification_checked_on_creation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputs(**kw)
+
+
+def test_sampling_params_take_a_dict_and_name_a_bad_one():
+    p = SamplingParams(structured_outputs={"choice": ["x", "y"]})
+    assert p.structured_outputs == StructuredOutputs(choice=("x", "y"))
+    with pytest.raises(ValueError, match="SamplingParams.structured_outputs: .*'jsn'"):
+        SamplingParams(structured_outputs={"jsn": {}})
+
+
+def test_mask_row_reads_llguidance_bit_order():
+    """Bit t & 7 of byte t >> 3 is token t (little-endian int32 words, as llguidance
+    fills them); tokens past the mask's width are left out; an empty mask is refused."""
+    V = 70
+    allowed = [0, 9, 31, 32, 63, 64]
+    words = np.zeros(2, dtype=np.int32)  # covers tokens 0..63 only
+    for t in allowed:
+        if t < 64:
+            words[t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+    row = torch.arange(V, dtype=torch.float32)
+    out = mask_row(row, words.tobytes())
+    assert torch.isfinite(out).nonzero().flatten().tolist() == [0, 9, 31, 32, 63]
+    assert row.isfinite().all()  # a copy: the logits stay for logprobs
+    with pytest.raises(ValueError, match="no token"):
+        mask_row(row, bytes(8))
