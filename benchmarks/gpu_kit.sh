@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What the GPU machine lacks for the model-level checks of issue 32, packed here into
 # .gpukit/ (git-ignored) so the device tool's `carry` can take it: the wheels of the
-# packages its image does not hold (msgspec for the step messages, gguf for the model
-# file, fastapi, uvicorn, openai and jsonschema for the server and cost-report tests),
+# packages its image does not hold (msgspec for the step messages, llguidance for
+# structured output, gguf for the model file, fastapi, uvicorn, openai and jsonschema
+# for the server and cost-report tests),
 # and the default model's GGUF (98 MB) cut into two halves, because one call carries at
 # most 64 MiB. benchmarks/gpu_check.sh puts the halves back together.
 #   bash benchmarks/gpu_kit.sh        (here, with `make setup` done)
@@ -40,6 +41,7 @@ import importlib.metadata as md
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name as cn
 ROOTS = ["msgspec", "gguf", "fastapi", "uvicorn", "openai", "jsonschema", "httpx", "anyio",
+         "llguidance",
          "typing-extensions"]
 IMAGE = {cn(n) for n in """torch numpy triton transformers tokenizers huggingface-hub
     safetensors pyyaml requests tqdm click idna certifi urllib3 charset-normalizer attrs h11

@@ -1,8 +1,9 @@
 """Lamina: LLM inference with attention offloaded to memory workers.
 
-`from lamina import LLM, SamplingParams` (imported lazily, so `lamina.memory.allocator` and
-friends stay light); `lamina.connect()` returns a client of the cluster's running Lamina
-service (lamina.cluster.client, found by name: only lamina.cluster imports ray).
+`from lamina import LLM, SamplingParams, StructuredOutputs` (imported lazily, so
+`lamina.memory.allocator` and friends stay light); `lamina.connect()` returns a client
+of the cluster's running Lamina service (lamina.cluster.client, found by name: only
+lamina.cluster imports ray).
 """
 import importlib
 import os
@@ -17,7 +18,7 @@ for _var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
     os.environ.setdefault(_var, ONEDNN_CACHE)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "connect"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "connect"]
 
 
 def connect(address=None, service="lamina"):
@@ -34,4 +35,7 @@ def __getattr__(name):
     if name == "SamplingParams":
         from lamina.sampling.params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputs":
+        from lamina.sampling.structured import StructuredOutputs
+        return StructuredOutputs
     raise AttributeError(f"module 'lamina' has no attribute {name!r}")

@@ -5,7 +5,9 @@ The data path of one step, and the file that owns each stage:
   StepPlan                    engine/scheduler.py   which sequences, tokens, positions,
      |                                              KV slots (diffs: new ones only once a
      |                                              table was sent; positions whose slots
-     |                                              were given back), sampling (this file)
+     |                                              were given back), sampling (this file),
+     |                        engine/engine.py      structured output's allowed tokens
+     |                                              (`SeqWork.allowed`; sampling/structured.py)
   whole slot tables           compute/compute_side.py  SlotTables: kept per sequence
      |  control frame         dataplane/control.py  one msgpack frame to the compute worker
      v                                              (Ray executor; in-process: a call)

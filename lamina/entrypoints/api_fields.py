@@ -8,10 +8,11 @@ Data out: the names of the fields ignored (the response names them in the
 `X-Lamina-Ignored-Fields` header, and each name is logged once), or a `ValueError`
 naming the field, which the server answers with 400 and `param` set to it.
 
-Structured output arrives in one of three spellings, mapped here to one
+Structured output arrives in one of four spellings, mapped here to one
 `StructuredOutputs`: OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
-`structured_outputs` object, and vLLM's older `guided_json` / `guided_regex` /
-`guided_choice` / `guided_grammar`; two of them at once are refused.
+`structured_outputs` object, vLLM's older `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar`, and a chat's forced tool call (`tool_choice`
+"required" or named: `api_tools`); two of them at once are refused.
 
 Why not refuse every field the server does not read: clients and frameworks built on
 OpenAI's API send `store`, `metadata`, `service_tier` or `parallel_tool_calls` by
@@ -26,6 +27,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from lamina.entrypoints.api_tools import tool_calling
 from lamina.sampling.structured import StructuredOutputs
 
 log = logging.getLogger("lamina.server")
@@ -56,12 +58,11 @@ HARMLESS: dict[str, str] = {
 # nothing this server lacks, else 400 with the reason.
 _Check = Callable[[Any, Any], bool]
 CHAT_REFUSED: dict[str, tuple[_Check, str]] = {
-    "tools": (_none_or_empty, "tool calling is not supported by this server"),
-    "tool_choice": (lambda v, b: v in (None, "none", "auto") and not b.model_extra.get("tools"),
-                    "tool calling is not supported by this server (only 'none')"),
-    "functions": (_none_or_empty, "function calling is not supported by this server"),
+    "functions": (_none_or_empty, "the deprecated `functions` are not supported by this "
+                                  "server; send `tools`"),
     "function_call": (lambda v, b: v in (None, "none", "auto"),
-                      "function calling is not supported by this server (only 'none')"),
+                      "the deprecated `function_call` is not supported by this server "
+                      "(only 'none'); send `tool_choice`"),
     "audio": (lambda v, b: v is None, "this server answers in text only"),
     "modalities": (lambda v, b: v is None or v == ["text"],
                    "this server answers in text only (['text'])"),
@@ -134,6 +135,10 @@ def _asked(body) -> dict[str, Callable[[], StructuredOutputs]]:
         value = getattr(body, name)
         if value is not None:
             asked[name] = lambda kind=kind, v=value: StructuredOutputs(**{kind: v})
+    calling = tool_calling(getattr(body, "tools", None), getattr(body, "tool_choice", None),
+                           getattr(body, "parallel_tool_calls", None))
+    if calling is not None:  # a chat's forced tool call: its arguments are JSON
+        asked["tool_choice"] = lambda: calling.spec
     return asked
 
 

@@ -3,9 +3,11 @@
 Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fields,
 echo, penalties, logit_bias, chat's text content parts and max_completion_tokens
 included, plus vLLM's top_k, seed, stop_token_ids, ignore_eos, repetition_penalty,
-prompt_logprobs and stream_options.continuous_usage_stats; OpenAI's other fields taken
-or refused by name in `api_fields`). Data out: completion JSON
-with text, token ids, logprobs, finish reasons and usage; with `stream: true`,
+prompt_logprobs and stream_options.continuous_usage_stats; structured output's
+response_format / structured_outputs / guided_* and a chat's tools with a forced
+tool_choice, made into `StructuredOutputs` by `api_fields` and `api_tools`; OpenAI's
+other fields taken or refused by name in `api_fields`). Data out: completion JSON with
+text (or a chat's tool_calls), token ids, logprobs, finish reasons and usage; with `stream: true`,
 server-sent events of text deltas, then `data: [DONE]`; Prometheus metrics on /metrics.
 Real clients run against it in the tests: openai, guidellm and lm-eval. Requests go to one
 `EngineLoop`, so concurrent HTTP requests batch together in the engine. A client that
@@ -54,6 +56,7 @@ from lamina.entrypoints.api_stream import (
     sse_events,
     vllm_prompt_logprobs,
 )
+from lamina.entrypoints.api_tools import ToolCalling, tool_calling
 from lamina.entrypoints.engine_loop import EngineLoop, beside
 from lamina.entrypoints.llm import chat_prompt
 from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
@@ -237,9 +240,12 @@ class CompletionRequest(_Sampling):
 
 class ChatMessage(BaseModel):
     role: str
-    # a string, or OpenAI's content parts, of which this server reads text parts
-    content: str | list[dict[str, Any]] | None
+    # a string, or OpenAI's content parts, of which this server reads text parts; left
+    # out or null only on an assistant's turn of tool calls
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ChatRequest(_Sampling):
@@ -250,6 +256,13 @@ class ChatRequest(_Sampling):
     # current name of the cap is max_completion_tokens, max_tokens its older one
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    # tool calling (`api_tools`): "required" or a named function make the answer a call
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_calling(self) -> ToolCalling | None:
+        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def params(self) -> SamplingParams:
         a, b = self.max_tokens, self.max_completion_tokens
@@ -515,7 +528,11 @@ class _Api:
         if tok is None or getattr(tok, "chat_template", None) is None:
             return _error(400, "this model has no chat template", "messages")
         try:
-            prompt = chat_prompt(tok, [m.model_dump() for m in body.messages])
+            calling = body.tool_calling()
+        except ValueError as e:
+            return _error(400, str(e), str(e).split(":")[0])
+        try:
+            prompt = chat_prompt(tok, [m.model_dump() for m in body.messages], body.tools)
         except ValueError as e:
             return _error(400, str(e), "messages")
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -527,19 +544,39 @@ class _Api:
         if body.stream:
             def chunk(i, c, text, lps, start):
                 delta = {"content": text} if start else {"role": "assistant", "content": text}
+                fin = c.finish_reason
+                if calling is not None:  # the calls come whole, with the finish
+                    delta = {} if start else {"role": "assistant"}
+                    if fin:
+                        message, fin = _answer_message(calling, c)
+                        delta.update(message)
+                        if "tool_calls" in delta:  # a stream's calls carry their index
+                            delta["tool_calls"] = [{"index": k, **tc} for k, tc in
+                                                   enumerate(message["tool_calls"])]
                 return {**head, "object": "chat.completion.chunk", "choices": [{
                     "index": c.index, "delta": delta, "token_ids": c.token_ids[start:],
-                    "logprobs": lp_json(lps), "finish_reason": c.finish_reason}]}
+                    "logprobs": lp_json(lps), "finish_reason": fin}]}
             return await self._run([prompt], body, request, chunk)
         outs = await self._run([prompt], body, request)
         if isinstance(outs, JSONResponse):
             return outs
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "token_ids": c.token_ids, "logprobs": lp_json(c.logprobs),
-                    "finish_reason": c.finish_reason}
-                   for c in outs[0].outputs]
+        choices = []
+        for c in outs[0].outputs:
+            message, fin = _answer_message(calling, c)
+            choices.append({"index": c.index, "message": message, "token_ids": c.token_ids,
+                            "logprobs": lp_json(c.logprobs), "finish_reason": fin})
         return {**head, "object": "chat.completion", "choices": choices,
                 "usage": _usage(outs)}
+
+
+def _answer_message(calling: ToolCalling | None, c) -> tuple[dict, str | None]:
+    """A finished chat choice -> (its message, its finish reason): text, or with a
+    forced tool call, the calls (text only if the answer was cut before it parses)."""
+    calls = calling.calls(c.text) if calling is not None else None
+    if calls is None:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    fin = calling.finish_reason if c.finish_reason == "stop" else c.finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": calls}, fin
 
 
 class _CompletionChoices:

@@ -179,20 +179,27 @@ class LLM:
         self.executor.shutdown()
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> str:
+def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None) -> str:
     """A conversation as the model's chat template writes it, ready for the answer.
     OpenAI's `developer` role (what clients send newer models instead of `system`) is
     `system` to a template that does not name it: most templates know only system /
     user / assistant / tool, and would otherwise raise or show it as an unknown turn
     (SmolLM2's puts its default system prompt before it). A template that refuses the
-    conversation (its `raise_exception`) -> ValueError naming `messages`."""
+    conversation (its `raise_exception`) -> ValueError naming `messages`. `tools`:
+    OpenAI's tool definitions, for a template that shows them to the model; earlier
+    tool calls are written as text for one that has no place for them."""
     from jinja2 import TemplateError
 
+    from lamina.entrypoints.api_tools import history_for_template
+
+    template = str(getattr(tokenizer, "chat_template", None) or "")
     msgs = [template_message(m, i) for i, m in enumerate(messages)]
-    if "developer" not in str(getattr(tokenizer, "chat_template", None) or ""):
+    if "developer" not in template:
         msgs = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in msgs]
+    msgs = history_for_template(msgs, template)
     try:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=True)
     except TemplateError as e:
         raise ValueError(f"messages: the model's chat template refused them: {e}") from None
 

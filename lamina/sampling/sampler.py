@@ -14,7 +14,7 @@ import torch
 
 from lamina.kernels import argmax_rows
 from lamina.sampling.params import SamplingParams
-from lamina.sampling.structured import mask_row
+from lamina.sampling.structured import mask_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -159,20 +159,28 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     draws len(seeds[r]) tokens (n > 1 forks draw several from one prompt), each with its
     own seed, at `positions[r]`. histories[r]: (tokens so far, prompt length) for a row
     with penalties. masks[r]: structured output's bitmask of the tokens row r may draw
-    (b"": any), applied after penalties and logit_bias. -> per row, its tokens. Drawn
+    (b"": any); the others stay at -inf whatever penalties and logit_bias add. -> per
+    row, its tokens. Drawn
     rows sharing temperature, top_k and top_p are worked on together, on the CPU (a CPU
     generator: the same tokens on any device)."""
     greedy = argmax_rows(logits).tolist()
     out: list = [None] * len(params)
     groups: dict[tuple, list[int]] = {}
+    masks = masks or [b""] * len(params)
+    held = [r for r, m in enumerate(masks) if m]
+    masked: dict[int, torch.Tensor] = {}  # drawn or penalized row -> fp32 logits, masked
+    for at in range(0, len(held), ROWS_AT_ONCE):  # small temporaries, as below
+        chunk = held[at:at + ROWS_AT_ONCE]
+        x = mask_rows(logits[chunk].cpu(), [masks[r] for r in chunk])  # [G, V]
+        for j, (r, top) in enumerate(zip(chunk, argmax_rows(x).tolist())):
+            greedy[r] = top  # a masked greedy row's argmax; penalties redo it below
+            if not params[r].greedy or params[r].penalized or params[r].logit_bias:
+                masked[r] = x[j]
     for r, (p, ss) in enumerate(zip(params, seeds)):
-        allowed = masks[r] if masks is not None else b""
-        if p.penalized or p.logit_bias or allowed:
-            row = logits[r].cpu().float()
-            if p.penalized or p.logit_bias:
+        if p.penalized or p.logit_bias or (r in masked and not p.greedy):
+            row = masked[r] if r in masked else logits[r].cpu().float()
+            if p.penalized or p.logit_bias:  # a masked token stays at -inf
                 row = apply_penalties(row, p, *_history(histories, r, p))
-            if allowed:
-                row = mask_row(row, allowed)
             out[r] = ((int(torch.argmax(row)),) * len(ss) if p.greedy else draw_tokens(
                 candidates(row[None] / p.temperature, p)[0], ss, positions[r]))
         elif p.greedy:

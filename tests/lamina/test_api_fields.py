@@ -4,6 +4,7 @@ ones that would change the answer are refused naming the field unless their valu
 for nothing; unknown ones are refused or, under "ignore", taken; structured output
 from each of its spellings, or a 400 naming the field. Over HTTP with the
 `openai` client: `tests/lamina/test_server_limits.py`."""
+import json
 import logging
 
 import pytest
@@ -17,6 +18,7 @@ from lamina.entrypoints.api_fields import (
     structured_outputs,
 )
 from lamina.entrypoints.api_server import ChatRequest, CompletionRequest, ServerConfig
+from lamina.entrypoints.api_tools import history_for_template, tool_calling
 from lamina.entrypoints.deploy_config import LaminaConfig
 from lamina.sampling.structured import StructuredOutputs
 
@@ -39,10 +41,10 @@ def test_openai_fields_that_change_nothing_are_taken_and_named_in_order():
                 response_format={"type": "text"}, modalities=["text"], audio=None,
                 web_search_options=None, reasoning_effort=None, verbosity=None)
     assert check_fields(body, CHAT_REFUSED) == [
-        "store", "metadata", "service_tier", "parallel_tool_calls", "prediction",
-        "prompt_cache_key", "safety_identifier", "tools", "tool_choice", "functions",
-        "function_call", "modalities", "audio", "web_search_options",
-        "reasoning_effort", "verbosity"]  # `user`, `response_format`: fields of the request
+        "store", "metadata", "service_tier", "prediction", "prompt_cache_key",
+        "safety_identifier", "functions", "function_call", "modalities", "audio",
+        "web_search_options", "reasoning_effort", "verbosity"]
+    # `user`, `response_format`, `tools`, `tool_choice`, `parallel_tool_calls`: read
     assert body.params().max_tokens == 4  # the sampling is the request's own
     assert check_fields(completion(suffix="", best_of=1, store=False),
                         COMPLETION_REFUSED) == ["suffix", "best_of", "store"]
@@ -51,15 +53,9 @@ def test_openai_fields_that_change_nothing_are_taken_and_named_in_order():
 
 
 @pytest.mark.parametrize("kw, name, words", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "tool calling is not supported"),
-    ({"tool_choice": "required"}, "tool_choice", "only 'none'"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
-     "tool calling"),
-    ({"functions": [{"name": "f"}]}, "functions", "function calling is not supported"),
-    ({"function_call": {"name": "f"}}, "function_call", "function calling"),
-    ({"tools": [{"type": "function", "function": {"name": "x" * 200}}]},
-     "tools", "..."),  # a long value is cut in the message
+    ({"functions": [{"name": "f"}]}, "functions", "send `tools`"),
+    ({"function_call": {"name": "f"}}, "function_call", "send `tool_choice`"),
+    ({"functions": [{"name": "x" * 200}]}, "functions", "..."),  # a long value is cut
     ({"modalities": ["text", "audio"]}, "modalities", "text only"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "text only"),
     ({"web_search_options": {}}, "web_search_options", "no web search"),
@@ -104,12 +100,12 @@ def test_each_ignored_name_is_logged_once_and_the_log_is_bounded(monkeypatch, ca
     monkeypatch.setattr(api_fields, "_LOG_AT_MOST", 3)
     with caplog.at_level(logging.DEBUG, logger="lamina.server"):
         for _ in range(3):
-            check_fields(chat(store=True, tools=[]), CHAT_REFUSED)
+            check_fields(chat(store=True, functions=[]), CHAT_REFUSED)
         check_fields(chat(a=1, b=2, c=3), CHAT_REFUSED, "ignore")
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert len(infos) == 3  # store, tools, a; then b and c at debug only
+    assert len(infos) == 3  # store, functions, a; then b and c at debug only
     assert "'store' (whether OpenAI keeps the completion)" in infos[0]
-    assert "'tools' (its value asks for nothing this server lacks)" in infos[1]
+    assert "'functions' (its value asks for nothing this server lacks)" in infos[1]
     assert "X-Lamina-Ignored-Fields" in infos[2]
     assert [r.getMessage()[:26] for r in caplog.records if r.levelno == logging.DEBUG] == \
         ["ignoring request field 'b'", "ignoring request field 'c'"]
@@ -215,3 +211,68 @@ def test_structured_output_refused_by_field_name(kw, words):
     with pytest.raises(ValueError) as e:
         structured_outputs(chat(**kw))
     assert str(e.value).startswith(words), str(e.value)
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: any object
+
+
+def test_forced_tool_calls_become_a_json_constraint():
+    """A named function: its parameters' schema; "required": an array of calls, each
+    one tool's name and parameters (one call without parallel calls); no tools or
+    tool_choice "none": a text answer. The answer's text -> OpenAI's tool_calls."""
+    named = tool_calling([WEATHER, NOW], {"type": "function", "function": {"name": "now"}},
+                         None)
+    assert named.spec == StructuredOutputs(json={"type": "object"})
+    (call,) = named.calls('{"x": 1}')
+    assert call["type"] == "function" and call["function"] == {"name": "now",
+                                                               "arguments": '{"x": 1}'}
+    assert named.finish_reason == "stop"
+    req = tool_calling([WEATHER, NOW], "required", False)
+    schema = req.spec.json
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    assert [a["properties"]["name"] for a in schema["items"]["anyOf"]] == [
+        {"const": "weather"}, {"const": "now"}]
+    assert "maxItems" not in tool_calling([WEATHER], "required", None).spec.json
+    calls = req.calls('[{"name": "weather", "parameters": {"city": "Oslo"}},'
+                      ' {"name": "now", "parameters": {}}]')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == [("weather", {"city": "Oslo"}), ("now", {})]
+    assert len({c["id"] for c in calls}) == 2 and req.finish_reason == "tool_calls"
+    assert req.calls('[{"name": "weather", "param') is None  # cut by max_tokens
+    assert tool_calling(None, None, None) is None
+    assert tool_calling([WEATHER], "none", None) is None
+    assert structured_field(chat(tools=[WEATHER], tool_choice="required")) == "tool_choice"
+
+
+@pytest.mark.parametrize("tools, choice, words", [
+    ([WEATHER], None, "tool_choice: 'auto' (the default when tools are given) needs a parser"),
+    ([WEATHER], "auto", "tool_choice: 'auto' (the default when tools are given)"),
+    ([WEATHER], "sometimes", "tool_choice: 'none', 'auto', 'required' or"),
+    (None, "required", "tool_choice: names a tool call, but the request has no tools"),
+    ([WEATHER], {"type": "function", "function": {"name": "rain"}},
+     "tool_choice: names 'rain', not one of the tools (weather)"),
+    ([{"type": "function"}], "required", "tools: tool 0 must be"),
+    ([{"type": "retrieval", "function": {"name": "a"}}], "required", "tools: tool 0 must be"),
+    ([WEATHER, WEATHER], "required", "tools: the name 'weather' is given twice"),
+    ([{"type": "function", "function": {"name": "a", "parameters": [1]}}], "required",
+     "tools: tool 0's function.parameters must be a JSON schema object"),
+])
+def test_tool_fields_refused_by_name(tools, choice, words):
+    with pytest.raises(ValueError) as e:
+        tool_calling(tools, choice, None)
+    assert str(e.value).startswith(words), str(e.value)
+
+
+def test_earlier_calls_written_for_a_template_without_them():
+    turn = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "3 C"}]
+    shown = history_for_template(turn, "{{ message['content'] }}")
+    assert shown[1] == {"role": "assistant", "content":
+                        '[{"name": "weather", "parameters": {"city": "Oslo"}}]'}
+    assert shown[0] == turn[0] and shown[2] == turn[2]
+    assert history_for_template(turn, "{% for c in message.tool_calls %}") == turn

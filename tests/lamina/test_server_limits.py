@@ -227,8 +227,9 @@ def test_openai_fields_are_taken_named_or_refused_over_the_openai_client(srv, sm
                                                                          hf_greedy):
     """What clients and frameworks send by default (`store`, `metadata`, ...) is taken
     and changes nothing: HF's tokens, the names in the header, streamed too; what would
-    change the answer (tools, JSON output) is a 400 naming the field; an unknown field
-    is a 400 unless the server ignores unknown fields, and then answers the same."""
+    change the answer (tools left to "auto", a response_format of an unknown type) is a
+    400 naming the field; an unknown field is a 400 unless the server ignores unknown
+    fields, and then answers the same."""
     def named(resp):  # the fields a response says it ignored
         return set(resp.headers["x-lamina-ignored-fields"].split(", "))
 
@@ -245,8 +246,8 @@ def test_openai_fields_are_taken_named_or_refused_over_the_openai_client(srv, sm
     raw = cl.chat.completions.with_raw_response.create(
         model="smollm2", messages=msgs, max_tokens=NEW, temperature=0,
         parallel_tool_calls=False, tool_choice="none", **extra)
-    assert named(raw) == {"store", "metadata", "service_tier", "parallel_tool_calls",
-                          "tool_choice"}  # the client orders the body its own way
+    assert named(raw) == {"store", "metadata", "service_tier"}  # the body's order is the
+    # client's; parallel_tool_calls and tool_choice "none" are read (no tools: no call)
     assert raw.parse().choices[0].model_extra["token_ids"] == \
         plain.choices[0].model_extra["token_ids"]
     with cl.chat.completions.with_streaming_response.create(
@@ -256,7 +257,7 @@ def test_openai_fields_are_taken_named_or_refused_over_the_openai_client(srv, sm
         text = "".join(ch.choices[0].delta.content or "" for ch in resp.parse())
     assert text == plain.choices[0].message.content
     tool = {"type": "function", "function": {"name": "colour", "parameters": {}}}
-    for kw, param in [({"tools": [tool]}, "tools"),
+    for kw, param in [({"tools": [tool]}, "tool_choice"),  # "auto": no parser here
                       ({"response_format": {"type": "xml"}}, "response_format"),
                       ({"extra_body": {"max_token": 4}}, "max_token")]:
         with pytest.raises(openai.BadRequestError) as e:
@@ -276,7 +277,7 @@ def test_openai_fields_are_taken_named_or_refused_over_the_openai_client(srv, sm
         with pytest.raises(openai.BadRequestError) as e:  # still refused under "ignore"
             lenient.client().chat.completions.create(model="smollm2", messages=msgs,
                                                      tools=[tool])
-        assert e.value.param == "tools"
+        assert e.value.param == "tool_choice"
     finally:
         lenient.stop()
     _good(srv, prompts, hf_greedy)
@@ -324,6 +325,67 @@ def test_structured_output_over_the_openai_client(srv, prompts, hf_greedy):
         with pytest.raises(openai.BadRequestError) as e:
             cl.completions.create(model="smollm2", prompt="hi", max_tokens=4,
                                   extra_body=extra)
+        assert e.value.param == param, e.value
+    _good(srv, prompts, hf_greedy)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "maxLength": 20}}, "required": ["zone"],
+        "additionalProperties": False}}}
+
+
+def test_forced_tool_calls_over_the_openai_client(srv, prompts, hf_greedy):
+    """tool_choice naming a function: one call, its arguments valid for its schema
+    (`jsonschema`), finish "stop" (OpenAI's for a forced call), streamed alike;
+    "required" with parallel_tool_calls false: exactly one call to one of the tools,
+    finish "tool_calls"; the call and its result sent back in the next turn are read;
+    "auto" (this server has no parser for the model's own tool-call format), an unknown
+    name and a malformed tool are 400s naming the field."""
+    cl = srv.client()
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = cl.chat.completions.create(model="smollm2", messages=msgs, max_tokens=40,
+                                   temperature=0, tools=[WEATHER, TIME], tool_choice=named)
+    m = r.choices[0]
+    (call,) = m.message.tool_calls
+    assert m.finish_reason == "stop" and m.message.content is None
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    stream = list(cl.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=40, temperature=0, stream=True,
+        tools=[WEATHER, TIME], tool_choice=named))
+    deltas = [tc for ch in stream for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
+        [(0, "get_weather", call.function.arguments)]
+    assert stream[-1].choices[0].finish_reason == "stop"
+    assert all(not ch.choices[0].delta.content for ch in stream)
+    r = cl.chat.completions.create(model="smollm2", messages=msgs, max_tokens=60,
+                                   temperature=0, tools=[WEATHER, TIME], tool_choice="required",
+                                   parallel_tool_calls=False)
+    m = r.choices[0]
+    assert m.finish_reason == "tool_calls" and len(m.message.tool_calls) == 1, m
+    fn = m.message.tool_calls[0].function
+    schema = {"get_weather": WEATHER, "get_time": TIME}[fn.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(fn.arguments), schema)
+    turn = [*msgs, m.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": m.message.tool_calls[0].id, "content": "18 C"}]
+    after = cl.chat.completions.create(model="smollm2", messages=turn, max_tokens=12,
+                                       temperature=0, tools=[WEATHER, TIME], tool_choice="none")
+    assert after.choices[0].message.content and not after.choices[0].message.tool_calls
+    for kw, param in [({"tool_choice": "auto"}, "tool_choice"), ({}, "tool_choice"),
+                      ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                       "tool_choice"),
+                      ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            cl.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4,
+                                       **{"tools": [WEATHER], **kw})
         assert e.value.param == param, e.value
     _good(srv, prompts, hf_greedy)
 

@@ -18,7 +18,8 @@ from lamina.engine.engine import LLMEngine
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
-from lamina.sampling.structured import StructuredOutputs, mask_row
+from lamina.sampling.sampler import sample_rows
+from lamina.sampling.structured import StructuredOutputs, mask_rows
 
 from .test_engine import engine, run
 from .test_recovery import FlakyExecutor
@@ -173,18 +174,50 @@ def test_sampling_params_take_a_dict_and_name_a_bad_one():
         SamplingParams(structured_outputs={"jsn": {}})
 
 
-def test_mask_row_reads_llguidance_bit_order():
+def test_mask_rows_read_llguidance_bit_order():
     """Bit t & 7 of byte t >> 3 is token t (little-endian int32 words, as llguidance
-    fills them); tokens past the mask's width are left out; an empty mask is refused."""
+    fills them), per row; tokens past the mask's width are left out; a row with no
+    token allowed is refused."""
     V = 70
-    allowed = [0, 9, 31, 32, 63, 64]
-    words = np.zeros(2, dtype=np.int32)  # covers tokens 0..63 only
-    for t in allowed:
-        if t < 64:
-            words[t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
-    row = torch.arange(V, dtype=torch.float32)
-    out = mask_row(row, words.tobytes())
-    assert torch.isfinite(out).nonzero().flatten().tolist() == [0, 9, 31, 32, 63]
-    assert row.isfinite().all()  # a copy: the logits stay for logprobs
-    with pytest.raises(ValueError, match="no token"):
-        mask_row(row, bytes(8))
+    allowed = [[0, 9, 31, 32, 63, 64], [1, 62]]
+    words = np.zeros((2, 2), dtype=np.int32)  # covers tokens 0..63 only
+    for m, toks in enumerate(allowed):
+        for t in toks:
+            if t < 64:
+                words[m, t >> 5] |= np.uint32(1 << (t & 31)).view(np.int32)
+    rows = torch.arange(2 * V, dtype=torch.float32).reshape(2, V)
+    out = mask_rows(rows, [words[0].tobytes(), words[1].tobytes()])
+    assert [torch.isfinite(r).nonzero().flatten().tolist() for r in out] == \
+        [[0, 9, 31, 32, 63], [1, 62]]
+    assert torch.equal(out[1, [1, 62]], rows[1, [1, 62]])
+    assert rows.isfinite().all()  # a copy: the logits stay for logprobs
+    with pytest.raises(ValueError, match="no token .* may come next .row 1."):
+        mask_rows(rows, [words[0].tobytes(), bytes(8)])
+
+
+def test_masked_rows_draw_only_allowed_tokens_with_penalties_and_bias():
+    """Greedy and sampled rows, with and without penalties and a logit_bias pushing a
+    masked token to the top: every drawn token is an allowed one, and an unmasked row
+    in the same call draws what it draws alone."""
+    torch.manual_seed(0)
+    V = 300
+    logits = torch.randn(4, V)
+    ok = [5, 17, 200]
+    word = np.zeros((V + 31) // 32, dtype=np.int32)
+    for t in ok:
+        word[t >> 5] |= np.uint32(1 << (t & 31)).view(np.int32)
+    mask = word.tobytes()
+    top = int(torch.argmax(logits[0]))
+    ps = [SamplingParams(temperature=0, logit_bias={top: 100}),
+          SamplingParams(temperature=1.0, presence_penalty=1.0),
+          SamplingParams(temperature=0, repetition_penalty=1.3),
+          SamplingParams(temperature=0.8, top_k=50)]
+    hist = [((), 0), ((5, 5, 17), 1), ((5, 200), 1), ((), 0)]
+    out = sample_rows(logits, ps, [(1,), (2, 3, 4), (5,), (6,)], [3] * 4, hist,
+                      [mask, mask, mask, b""])
+    assert all(t in ok for row in out[:3] for t in row), out
+    alone = sample_rows(logits[3:], ps[3:], [(6,)], [3], None)
+    assert out[3] == alone[0]
+    want = int(torch.argmax(torch.where(torch.isin(torch.arange(V), torch.tensor(ok)),
+                                        logits[0], float("-inf"))))
+    assert out[0] == (want,)  # the bias on a masked token changes nothing
