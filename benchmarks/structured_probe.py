@@ -10,7 +10,8 @@ draw the same tokens per request. Reported: wall time of each (medians of --repe
 their ratio; the engine's time building the step's masks (`LLMEngine._guided`, ms a
 step, median) and feeding the drawn tokens to the matchers is inside the constrained
 time; how many answers parse and validate (`jsonschema`); one grammar's check and
-compile time. Writes structured_probe.json and .md into --out.
+compile time; the sampler alone on B greedy rows under random masks (`sampler_ms`).
+Writes structured_probe.json and .md into --out.
 """
 from __future__ import annotations
 
@@ -21,10 +22,14 @@ import time
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import torch
 
 from lamina import LLM, SamplingParams, StructuredOutputs
 from lamina.bench.common import _write, clocked, cpu_name
+from lamina.kernels import argmax_rows
+from lamina.sampling.sampler import sample_rows
+from lamina.sampling.structured import mask_rows
 
 SCHEMA = {"type": "object",
           "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
@@ -40,6 +45,35 @@ def run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> tuple[flo
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - t, outs
+
+
+def sampler_ms(rows: int, vocab: int, repeat: int = 21) -> dict:
+    """Greedy masked rows alone: `rows` random fp32 logit rows, each with a random mask
+    (half the tokens, no pattern: the worst case for branching code); the median ms of
+    `sample_rows` (the compiled `masked_argmax_rows`) and of the torch path it replaced
+    (`mask_rows`: a masked fp32 copy, four rows at a time, then an argmax); free rows."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=g)
+    masks = [np.packbits(torch.rand(vocab, generator=g).numpy() < 0.5,
+                         bitorder="little").tobytes() for _ in range(rows)]
+    p = [SamplingParams(temperature=0)] * rows
+
+    def torch_path():
+        for at in range(0, rows, 4):
+            argmax_rows(mask_rows(logits[at:at + 4], masks[at:at + 4]))
+
+    runs = {"kernel": lambda: sample_rows(logits, p, [(0,)] * rows, [1] * rows, None, masks),
+            "torch": torch_path,
+            "free": lambda: sample_rows(logits, p, [(0,)] * rows, [1] * rows)}
+    out = {}
+    for name, fn in runs.items():
+        took = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            took.append(time.perf_counter() - t)
+        out[name] = 1e3 * statistics.median(took)
+    return out
 
 
 def main() -> None:
@@ -94,6 +128,11 @@ def main() -> None:
               "first_check_s": first_check, "check_and_compile_s": compile_s, "rows": rows}
     print(f"first grammar check (tokenizer tables) {first_check:.3f} s; a check and a "
           f"matcher after it {1e3 * compile_s:.2f} ms")
+    result["sampler_ms"] = {b: sampler_ms(b, eng.vocab_size) for b in args.batch}
+    for b, ms in result["sampler_ms"].items():
+        print(f"sampler, {b} greedy rows under random masks: compiled masked argmax "
+              f"{ms['kernel']:.2f} ms, masked fp32 copy + argmax {ms['torch']:.2f} ms; "
+              f"unmasked {ms['free']:.2f} ms")
     for path in _write(Path(args.out), "structured_probe", result, table):
         print("wrote", path)
     llm.shutdown()

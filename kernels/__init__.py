@@ -29,16 +29,16 @@ from .backends import (
 )
 from .cpu_build import KernelBuildError, build_seconds, is_built, load_cpu_kernel
 from .merge import merge_attention
-from .pointwise import argmax_rows
+from .pointwise import argmax_rows, masked_argmax_rows
 from .quant import fold_channels, head_dim, is_quantized, quantize_rows
 from .reference import reference_slot_attention
 from .slots import AttentionParams, SlotBatch
 
 __all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "BackendUnavailable",
            "CpuBackend", "KernelBuildError", "ReferenceBackend", "SlotBatch", "argmax_rows",
-           "attend", "build_seconds", "decode_attention", "is_built", "load_cpu_kernel",
-           "merge_attention", "prefill_attention", "reference_slot_attention", "select_backend",
-           "TritonBackend", "validate", "validate_batch", "write_kv"]
+           "masked_argmax_rows", "attend", "build_seconds", "decode_attention", "is_built",
+           "load_cpu_kernel", "merge_attention", "prefill_attention", "reference_slot_attention",
+           "select_backend", "TritonBackend", "validate", "validate_batch", "write_kv"]
 
 
 def attend(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams,

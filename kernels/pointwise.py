@@ -3,7 +3,8 @@
 Data in: tensors from the compute side's slice graphs (residual rows, rotary q/k, the MLP's
 gate/up). Data out: one tensor each. `lamina.splitter.fuse` rewrites each matched chain
 into one call of these; `pointwise_ops()` hands out the compiled ones (or None and why).
-`argmax_rows` is the sampler's greedy argmax over the last slice's logits.
+`argmax_rows` is the sampler's greedy argmax over the last slice's logits,
+`masked_argmax_rows` the same over the tokens a structured output allows.
 
 The references are the chains exactly as HF's LLaMA-family modules run them eagerly, so
 tests compare the fused ops against them.
@@ -14,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .cpu_build import KernelBuildError, load_cpu_kernel
@@ -66,3 +68,23 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         except KernelBuildError:
             pass
     return torch.argmax(x if x.dtype == torch.float32 else x.float(), dim=-1)
+
+
+def masked_argmax_rows(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Structured output's greedy argmax: x [R, V] logits (fp32 or bf16), bits uint8
+    [R, >= V / 8] (bit t & 7 of byte t >> 3 = token t allowed) -> [R] int64, the first
+    index of each row's maximum among its allowed tokens, an allowed NaN counting as the
+    maximum; -1 for a row with none allowed. The compiled op reads only the 16-token
+    blocks with an allowed token; elsewhere torch's (a masked fp32 copy)."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
+        try:
+            return load_cpu_kernel().masked_argmax_rows(x, bits.contiguous())
+        except KernelBuildError:
+            pass
+    R, V = x.shape
+    keep = torch.from_numpy(np.unpackbits(bits.cpu().numpy(), axis=1, count=V,
+                                          bitorder="little")).bool().to(x.device)
+    out = torch.argmax(torch.where(keep, x.float(), float("-inf")), dim=-1)
+    # every allowed logit -inf: the argmax may land on a token left out; the first allowed
+    out = torch.where(keep.gather(1, out[:, None])[:, 0], out, keep.int().argmax(dim=-1))
+    return torch.where(keep.any(dim=1), out, -1)

@@ -82,6 +82,8 @@ void bind_pointwise(py::module& m) {
   m.def("linear_bf16_compiled", &linear_bf16_compiled,
         "whether this build has linear_bf16 (the CPU has AVX512-BF16)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (NaN counts as max)");
+  m.def("masked_argmax_rows", &masked_argmax_rows,
+        "argmax_rows over the tokens each row's bitmask allows (-1: none)");
 }
 
 }  // namespace

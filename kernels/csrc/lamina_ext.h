@@ -116,6 +116,8 @@ at::Tensor fused_rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor fused_silu_mul(at::Tensor gate, at::Tensor up);
 // pointwise.cpp: greedy sampling's row argmax (torch.argmax's first-max and NaN rules).
 at::Tensor argmax_rows(at::Tensor x);
+// the same over the tokens each row's bitmask allows (uint8 [rows, >= vocab / 8]); -1: none
+at::Tensor masked_argmax_rows(at::Tensor x, at::Tensor bits);
 
 // slot_attention.cpp: one query's logits against the keys at a slot list [Hq, c].
 at::Tensor slot_scores(at::Tensor q, at::Tensor k, at::Tensor slots, double scale,

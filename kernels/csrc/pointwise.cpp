@@ -1,5 +1,6 @@
 // Fused pointwise ops for the compute side's dense slices (lamina.splitter.fuse), and
-// the greedy sampler's row argmax (lamina.sampling, via lamina.kernels.argmax_rows).
+// the greedy sampler's row argmax (lamina.sampling, via lamina.kernels.argmax_rows), also
+// over the tokens a structured output's bitmask allows (masked_argmax_rows).
 //
 // Data in: tensors of the slices' graphs (fp32 or bf16, any strides; rows whose last dim
 // is not contiguous are copied first; cos/sin broadcast against x). Data out: one new tensor each, laid out like
@@ -266,6 +267,68 @@ int64_t argmax_row(const typename K::T* x, int64_t V) {
   return best_i;
 }
 
+// Structured output's greedy argmax: the first index of the maximum among the tokens
+// whose bit is set in `bits` (bit t & 7 of byte t >> 3 = token t), a NaN among them
+// counting as the maximum; -1 when no token is allowed. Blocks of 16 tokens whose 16
+// bits are all clear are skipped unread (a grammar often allows a few tokens only). A
+// lane's -1 index means it has taken no allowed token yet, so an allowed -inf is taken.
+template <class K>
+int64_t masked_argmax_row(const typename K::T* x, const uint8_t* bits, int64_t V) {
+  auto allowed = [&](int64_t t) { return (bits[t >> 3] >> (t & 7)) & 1; };
+  int64_t i = 0, best_i = -1;
+  float best = 0.f;
+  bool nan = false;
+#if defined(__AVX512F__)
+  if (V >= 16) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    __m512i iv = _mm512_set1_epi32(-1);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                            14, 15);
+    __mmask16 un = 0;
+    for (; i + 16 <= V; i += 16) {
+      uint16_t m16;
+      std::memcpy(&m16, bits + (i >> 3), 2);  // tokens i..i+15 (i is a multiple of 16)
+      const __mmask16 m = m16;
+      if (!m) continue;
+      __m512 v;
+      if constexpr (std::is_same_v<K, BF16>)
+        v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))), 16));
+      else
+        v = _mm512_loadu_ps(reinterpret_cast<const float*>(x + i));
+      const __mmask16 fresh = _mm512_mask_cmpeq_epi32_mask(m, iv, _mm512_set1_epi32(-1));
+      const __mmask16 take = _mm512_mask_cmp_ps_mask(m, v, mv, _CMP_GT_OQ) | fresh;
+      un |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+      mv = _mm512_mask_mov_ps(mv, take, v);
+      iv = _mm512_mask_mov_epi32(iv, take,
+                                 _mm512_add_epi32(lanes, _mm512_set1_epi32(int32_t(i))));
+    }
+    nan = un != 0;
+    alignas(64) float lv[16];
+    alignas(64) int32_t li[16];
+    _mm512_store_ps(lv, mv);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(li), iv);
+    for (int l = 0; l < 16; ++l)
+      if (li[l] >= 0 && (best_i < 0 || lv[l] > best || (lv[l] == best && li[l] < best_i)))
+        best = lv[l], best_i = li[l];
+  }
+#endif
+  for (; i < V; ++i) {  // the tail (or the whole row without AVX-512)
+    if (!(i & 7) && i + 8 <= V && !bits[i >> 3]) {
+      i += 7;  // eight tokens none of which is allowed
+      continue;
+    }
+    if (!allowed(i)) continue;
+    const float v = K::ld(x[i]);
+    nan |= v != v;
+    if (best_i < 0 || v > best) best = v, best_i = i;
+  }
+  if (nan)  // rare: the first allowed NaN is the answer
+    for (i = 0; i < V; ++i)
+      if (allowed(i) && K::ld(x[i]) != K::ld(x[i])) return i;
+  return best_i;
+}
+
 bool is_bf16(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op,
               ": float32 or bfloat16 tensors only, got ", t.scalar_type());
@@ -332,6 +395,33 @@ at::Tensor argmax_rows(at::Tensor x) {
       const void* row = base + r * row_bytes;
       op[r] = bf16 ? argmax_row<BF16>(static_cast<const uint16_t*>(row), V)
                    : argmax_row<F32>(static_cast<const float*>(row), V);
+    }
+  });
+  return out;
+}
+
+at::Tensor masked_argmax_rows(at::Tensor x, at::Tensor bits) {
+  TORCH_CHECK(x.dim() == 2, "masked_argmax_rows: x must be [rows, vocab], got ", x.sizes());
+  x = rows_of(x, "masked_argmax_rows", "x");
+  const bool bf16 = is_bf16(x, "masked_argmax_rows");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(bits.dim() == 2 && bits.size(0) == R && bits.size(1) * 8 >= V &&
+                  bits.scalar_type() == at::kByte && bits.is_contiguous(),
+              "masked_argmax_rows: bits must be contiguous uint8 [", R, ", >= ", (V + 7) / 8,
+              "], got ", bits.sizes(), " ", bits.scalar_type());
+  TORCH_CHECK(V < (int64_t{1} << 31), "masked_argmax_rows: rows of at most 2^31 - 1 elements");
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const char* base = static_cast<const char*>(x.data_ptr());
+  const int64_t row_bytes = x.stride(0) * x.element_size();
+  const uint8_t* bp = bits.data_ptr<uint8_t>();
+  const int64_t nb = bits.size(1);
+  at::parallel_for(0, R, std::max<int64_t>(1, GRAIN / std::max<int64_t>(V, 1)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const void* row = base + r * row_bytes;
+      op[r] = bf16 ? masked_argmax_row<BF16>(static_cast<const uint16_t*>(row), bp + r * nb, V)
+                   : masked_argmax_row<F32>(static_cast<const float*>(row), bp + r * nb, V);
     }
   });
   return out;

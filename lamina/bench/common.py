@@ -24,15 +24,27 @@ def _write(out_dir: Path, name: str, result: dict, table: list[list[str]]) -> tu
     return jp, mp
 
 
-def cpu_name() -> str:
-    """The CPU model (/proc/cpuinfo's model name), for every measurement's record."""
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides CPU speed here
+
+
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU for every measurement's record: /proc/cpuinfo's model name, its family
+    and model (a cloud VM's name can be just "AMD EPYC", the same for five generations)
+    and its widest vector instructions, e.g. "AMD EPYC (family 26 model 2; avx2 avx512f
+    avx512_bf16)". `cpuinfo`: that file's text (default: read it)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        info: dict[str, str] = {}
+        text = cpuinfo if cpuinfo is not None else Path("/proc/cpuinfo").read_text()
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if not line.strip():
+                break  # the first processor's block is enough
+            info.setdefault(key.strip(), value.strip())
+        flags = set(info.get("flags", "").split())
+        return (f"{info['model name']} (family {info.get('cpu family', '?')} model "
+                f"{info.get('model', '?')}; {' '.join(f for f in VECTOR_FLAGS if f in flags)})")
+    except (OSError, KeyError):
+        return platform.processor() or platform.machine()
 
 
 def median_ms(fn, repeat: int) -> float:

@@ -135,10 +135,10 @@ def _asked(body) -> dict[str, Callable[[], StructuredOutputs]]:
         value = getattr(body, name)
         if value is not None:
             asked[name] = lambda kind=kind, v=value: StructuredOutputs(**{kind: v})
-    calling = tool_calling(getattr(body, "tools", None), getattr(body, "tool_choice", None),
-                           getattr(body, "parallel_tool_calls", None))
-    if calling is not None:  # a chat's forced tool call: its arguments are JSON
-        asked["tool_choice"] = lambda: calling.spec
+    if "tools" in type(body).model_fields:  # a chat: a forced tool call is JSON too
+        calling = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls)
+        if calling is not None:
+            asked["tool_choice"] = lambda: calling.spec
     return asked
 
 

@@ -119,8 +119,11 @@ def _structured(args):
     def text(v):
         if v is None or not v.startswith("@"):
             return v
-        with open(v[1:]) as f:
-            return f.read()
+        try:
+            with open(v[1:]) as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read {v[1:]}: {e.strerror}") from None
 
     given = dict(json=text(args.json_schema), json_object=args.json_object,
                  regex=args.regex, choice=args.choice, grammar=text(args.grammar))

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lamina.kernels import argmax_rows
+from lamina.kernels import argmax_rows, masked_argmax_rows
 from lamina.sampling.params import SamplingParams
-from lamina.sampling.structured import mask_rows
+from lamina.sampling.structured import mask_bits, mask_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -160,22 +160,30 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     own seed, at `positions[r]`. histories[r]: (tokens so far, prompt length) for a row
     with penalties. masks[r]: structured output's bitmask of the tokens row r may draw
     (b"": any); the others stay at -inf whatever penalties and logit_bias add. -> per
-    row, its tokens. Drawn
-    rows sharing temperature, top_k and top_p are worked on together, on the CPU (a CPU
-    generator: the same tokens on any device)."""
+    row, its tokens. Drawn rows sharing temperature, top_k and top_p are worked on
+    together, on the CPU (a CPU generator: the same tokens on any device)."""
     greedy = argmax_rows(logits).tolist()
     out: list = [None] * len(params)
     groups: dict[tuple, list[int]] = {}
     masks = masks or [b""] * len(params)
-    held = [r for r, m in enumerate(masks) if m]
+    plain = {r for r, m in enumerate(masks) if m and params[r].greedy
+             and not (params[r].penalized or params[r].logit_bias)}
+    if plain:  # greedy under a structured output: the argmax over its allowed tokens,
+        # read in place (the other rows under an all-ones mask: no [R, V] copy)
+        every = b"\xff" * len(masks[min(plain)])
+        tops = masked_argmax_rows(logits.cpu(), mask_bits(
+            [masks[r] if r in plain else every for r in range(len(masks))])).tolist()
+        for r in plain:
+            if tops[r] < 0:
+                raise ValueError("structured output: no token of the vocabulary may come "
+                                 "next")
+            greedy[r] = tops[r]
+    held = sorted({r for r, m in enumerate(masks) if m} - plain)
     masked: dict[int, torch.Tensor] = {}  # drawn or penalized row -> fp32 logits, masked
     for at in range(0, len(held), ROWS_AT_ONCE):  # small temporaries, as below
         chunk = held[at:at + ROWS_AT_ONCE]
         x = mask_rows(logits[chunk].cpu(), [masks[r] for r in chunk])  # [G, V]
-        for j, (r, top) in enumerate(zip(chunk, argmax_rows(x).tolist())):
-            greedy[r] = top  # a masked greedy row's argmax; penalties redo it below
-            if not params[r].greedy or params[r].penalized or params[r].logit_bias:
-                masked[r] = x[j]
+        masked.update((r, x[j]) for j, r in enumerate(chunk))
     for r, (p, ss) in enumerate(zip(params, seeds)):
         if p.penalized or p.logit_bias or (r in masked and not p.greedy):
             row = masked[r] if r in masked else logits[r].cpu().float()

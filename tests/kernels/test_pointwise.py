@@ -136,3 +136,75 @@ def test_argmax_rows_bad_input_and_fallback():
     assert ext.argmax_rows(torch.zeros(0, 5)).shape == (0,)
     half = torch.randn(3, 50, generator=_gen(1)).half()  # other dtypes: torch's argmax
     assert torch.equal(argmax_rows(half), _argmax_ref(half))
+
+
+def _masked_ref(x, keep):
+    """NumPy: the first index of the maximum among the kept tokens (the first kept NaN
+    if any), -1 for a row with none kept."""
+    import numpy as np
+
+    out = []
+    for row, k in zip(x.float().numpy(), keep.numpy()):
+        idx = np.flatnonzero(k)
+        if not idx.size:
+            out.append(-1)
+            continue
+        vals = row[idx]
+        nan = np.flatnonzero(np.isnan(vals))
+        out.append(int(idx[nan[0]] if nan.size else idx[np.argmax(vals)]))
+    return torch.tensor(out)
+
+
+def _pack(keep, extra_bytes=0):
+    import numpy as np
+
+    bits = np.packbits(keep.numpy().astype(np.uint8), axis=1, bitorder="little")
+    pad = np.full((bits.shape[0], extra_bytes), 0xFF, dtype=np.uint8)  # bits past V set
+    return torch.from_numpy(np.concatenate([bits, pad], axis=1))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("V", [1, 5, 16, 31, 32, 33, 100, 49152])
+def test_masked_argmax_rows_is_the_argmax_over_allowed_tokens(dt, V):
+    """Structured output's greedy argmax (`masked_argmax_rows`) against NumPy over the
+    allowed tokens: dense, sparse (whole 16-token blocks skipped) and single-token
+    masks, ties, NaN allowed and not, only -inf allowed, none allowed (-1), set bits
+    past V ignored; the public entry and its torch fallback agree."""
+    from lamina.kernels import load_cpu_kernel, masked_argmax_rows
+    from lamina.kernels.pointwise import KernelBuildError
+
+    ext = load_cpu_kernel()
+    g = _gen(V + 1)
+    x = torch.randn(8, V, generator=g).to(dt)
+    x[1] = torch.randint(-2, 3, (V,), generator=g).to(dt)  # ties
+    keep = torch.rand(8, V, generator=g) < 0.5
+    keep[2] = torch.rand(V, generator=g) < 0.01  # sparse
+    keep[3] = False
+    keep[3, V // 3] = True  # one token
+    keep[4] = False  # none: -1
+    x[5, V // 2] = float("nan")  # an allowed NaN wins...
+    keep[5, V // 2] = True
+    x[6, 0] = float("nan")  # ...a disallowed one does not
+    keep[6, 0] = False
+    keep[6, -1] = True
+    x[7] = float("-inf")  # only -inf allowed: the first allowed index
+    keep[7] = torch.arange(V) >= V // 2
+    want = _masked_ref(x, keep)
+    bits = _pack(keep, extra_bytes=3)
+    assert torch.equal(ext.masked_argmax_rows(x, bits), want)
+    assert torch.equal(masked_argmax_rows(x, bits), want)
+    strided = torch.randn(8, V + 24, generator=g).to(dt)[:, 5:V + 5]
+    assert torch.equal(ext.masked_argmax_rows(strided, bits), _masked_ref(strided, keep))
+    import lamina.kernels.pointwise as pw
+
+    def no_kernel():
+        raise KernelBuildError("off")
+
+    real = pw.load_cpu_kernel
+    try:  # the torch fallback gives the same answers
+        pw.load_cpu_kernel = no_kernel
+        assert torch.equal(masked_argmax_rows(x, bits), want)
+    finally:
+        pw.load_cpu_kernel = real
+    with pytest.raises(RuntimeError, match="masked_argmax_rows: bits must be"):
+        ext.masked_argmax_rows(x, bits[:, :(V + 7) // 8 - 1] if V > 8 else bits[:1])

@@ -117,6 +117,8 @@ def test_generate_structured_output_flags(tmp_path, capsys):
     assert "exactly one of" in capsys.readouterr().err
     assert main(["generate", "--regex", "a(b", "hi"]) == 2
     assert "StructuredOutputs.regex" in capsys.readouterr().err
+    assert main(["generate", "--json-schema", f"@{tmp_path}/nope.json", "hi"]) == 2
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_dense_backend_choices_follow_the_library():
@@ -275,3 +277,15 @@ def test_bench_flags_reach_the_benchmark(monkeypatch, argv, module, fn, expected
     (args, kwargs), = calls
     assert kwargs == expected
     assert args in ((), (None,))  # the model path: the default
+
+
+def test_bench_records_name_the_cpu_generation():
+    """A cloud VM's model name can be just "AMD EPYC"; the record adds family, model
+    and the vector instructions that decide the speed here."""
+    from lamina.bench.common import cpu_name
+
+    info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n\n"
+            "processor\t: 1\nmodel name\t: other\n")
+    assert cpu_name(info) == "AMD EPYC (family 26 model 2; avx2 avx512f avx512_bf16)"
+    assert cpu_name("processor\t: 0\n")  # no model name: the platform's answer
