@@ -28,8 +28,7 @@ import torch
 from lamina import LLM, SamplingParams, StructuredOutputs
 from lamina.bench.common import _write, clocked, cpu_name
 from lamina.kernels import argmax_rows
-from lamina.sampling.sampler import sample_rows
-from lamina.sampling.structured import mask_rows
+from lamina.sampling.sampler import mask_rows, sample_rows
 
 SCHEMA = {"type": "object",
           "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},

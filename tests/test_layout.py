@@ -26,7 +26,9 @@ RULES = [
                                             "lamina.memory.allocator",
                                             "lamina.memory.tier_orders",
                                             "lamina.memory.sparsity_config",
-                                            "lamina.sampling.params")),
+                                            "lamina.sampling.params",
+                                            # structured output's matchers: no tensors
+                                            "lamina.sampling.structured")),
     ("lamina.compute", ("lamina.dataplane", "lamina.executor", "lamina.entrypoints",
                         "lamina.costmodel", "lamina.engine"), ("lamina.engine.messages",)),
     ("lamina.memory", ("lamina",), ("lamina.memory", "lamina.kernels", "lamina.errors")),

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lamina.kernels import argmax_rows, masked_argmax_rows
 from lamina.sampling.params import SamplingParams
-from lamina.sampling.structured import mask_bits, mask_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -203,6 +203,27 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
             for r, c in zip(chunk, candidates(x, p)):
                 out[r] = draw_tokens(c, seeds[r], positions[r])
     return out
+
+
+def mask_bits(masks: list[bytes]) -> torch.Tensor:
+    """Rows' bitmasks (equal lengths) -> uint8 [rows, bytes], for masked_argmax_rows."""
+    return torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8).view(
+        len(masks), -1)
+
+
+def mask_rows(rows: torch.Tensor, masks: list[bytes]) -> torch.Tensor:
+    """rows: [M, V] logits -> an fp32 copy with every token row m's bitmask `masks[m]`
+    leaves out at -inf (tokens past a mask's width are left out too)."""
+    M, V = rows.shape
+    packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(M, -1)  # [M, V/8]
+    bits = np.unpackbits(packed, axis=1, count=V, bitorder="little")  # [M, V] 0/1
+    empty = np.flatnonzero(~bits.any(axis=1))
+    if empty.size:
+        raise ValueError(f"structured output: no token of the vocabulary may come next "
+                         f"(row {int(empty[0])})")
+    keep = torch.from_numpy(bits).view(torch.bool)
+    # torch.where, not masked_fill: both branch per element, where is the faster here
+    return torch.where(keep, rows.float(), float("-inf"))
 
 
 def draw_tokens(c: Candidates, seeds: tuple[int, ...], position: int) -> tuple[int, ...]:

@@ -7,8 +7,9 @@ as a bitmask (`Guide.allowed`: bytes, bit t & 7 of byte t >> 3 = token t, little
 as llguidance writes it), sent in the step's `SeqWork.allowed`; on the compute side a
 greedy row takes the argmax over its allowed tokens (`lamina.kernels.masked_argmax_rows`,
 compiled: it reads only the 16-token blocks that hold an allowed token), and a drawn or
-penalized row has the others' logits set to -inf (`mask_rows`) before its draw,
-whatever penalties and `logit_bias` add. After the step the engine feeds each drawn
+penalized row has the others' logits set to -inf (`sampler.mask_rows`) before its draw,
+whatever penalties and `logit_bias` add. This module holds no tensor code: the engine
+(plain Python over ids) imports it. After the step the engine feeds each drawn
 token to its guide (`Guide.accept`); a guide that has ended (`done`: the text is
 complete and nothing may follow) finishes its sequence with reason "stop".
 
@@ -30,9 +31,6 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, cast
-
-import numpy as np
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -179,24 +177,3 @@ class Guide:
     @property
     def error(self) -> str:
         return self._m.get_error() or ""
-
-
-def mask_bits(masks: list[bytes]) -> torch.Tensor:
-    """Rows' bitmasks (equal lengths) -> uint8 [rows, bytes], for masked_argmax_rows."""
-    return torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8).view(
-        len(masks), -1)
-
-
-def mask_rows(rows: torch.Tensor, masks: list[bytes]) -> torch.Tensor:
-    """rows: [M, V] logits -> an fp32 copy with every token row m's bitmask `masks[m]`
-    leaves out at -inf (tokens past a mask's width are left out too)."""
-    M, V = rows.shape
-    packed = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(M, -1)  # [M, V/8]
-    bits = np.unpackbits(packed, axis=1, count=V, bitorder="little")  # [M, V] 0/1
-    empty = np.flatnonzero(~bits.any(axis=1))
-    if empty.size:
-        raise ValueError(f"structured output: no token of the vocabulary may come next "
-                         f"(row {int(empty[0])})")
-    keep = torch.from_numpy(bits).view(torch.bool)
-    # torch.where, not masked_fill: both branch per element, where is the faster here
-    return torch.where(keep, rows.float(), float("-inf"))

@@ -164,6 +164,12 @@ def test_errors_arrive_as_the_local_api_raises_them(cluster, prompts):
     with pytest.raises(ValueError, match="context is 8192") as e:
         client.submit(prompts[-1] * 30, SamplingParams(max_tokens=8))
     assert type(e.value) is ValueError  # not Ray's wrapper
+    bad = SamplingParams(max_tokens=8, structured_outputs={"regex": "a(b"})
+    with pytest.raises(ValueError, match="StructuredOutputs.regex: .*unclosed group"):
+        client.submit("hi", bad)  # the service's engine checks the grammar
+    held = SamplingParams(max_tokens=8, temperature=0, structured_outputs={"choice": ["yes", "no"]})
+    (out,) = client.generate(["Is the sky blue?"], held, use_tqdm=False)
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
     with pytest.raises(ValueError, match="prompt 1"):
         client.generate(["fine", prompts[-1] * 30], SamplingParams(max_tokens=8),
                         use_tqdm=False)

@@ -18,8 +18,8 @@ from lamina.engine.engine import LLMEngine
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
-from lamina.sampling.sampler import sample_rows
-from lamina.sampling.structured import StructuredOutputs, mask_rows
+from lamina.sampling.sampler import mask_rows, sample_rows
+from lamina.sampling.structured import StructuredOutputs
 
 from .test_engine import engine, run
 from .test_recovery import FlakyExecutor
