@@ -29,11 +29,13 @@ import logging
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, cast
 
 log = logging.getLogger(__name__)
 
+CHECKED = 256  # grammars kept by `Guides.check`
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -110,6 +112,7 @@ class Guides:
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._ll = None
         self._lock = threading.Lock()  # servers check requests on their own threads
+        self._checked: OrderedDict[str, str] = OrderedDict()  # spec -> grammar, LRU
 
     def _ll_tokenizer(self):
         with self._lock:
@@ -131,13 +134,27 @@ class Guides:
             return self._ll
 
     def check(self, spec: StructuredOutputs) -> str:
-        """-> the compiled grammar; ValueError naming the field if it cannot be used."""
+        """-> the compiled grammar; ValueError naming the field if it cannot be used.
+        The last CHECKED grammars are kept: a server checks each request before it
+        queues it and the engine again when it adds it, and clients tend to send one
+        schema many times."""
         import llguidance
 
+        key = json.dumps([spec.kind, getattr(spec, spec.kind), spec.whitespace_flexible],
+                         sort_keys=True)
+        with self._lock:
+            text = self._checked.get(key)
+            if text is not None:
+                self._checked.move_to_end(key)
+                return text
         text = spec.grammar_text()
         err = llguidance.LLMatcher.validate_grammar(text, self._ll_tokenizer())
         if err:
             raise ValueError(f"StructuredOutputs.{spec.kind}: {_one_line(err)}")
+        with self._lock:
+            self._checked[key] = text
+            if len(self._checked) > CHECKED:
+                self._checked.popitem(last=False)
         return text
 
     def guide(self, grammar: str) -> Guide:

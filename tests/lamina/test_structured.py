@@ -153,6 +153,28 @@ def test_bad_specification_fails_alone_and_changes_nothing(smol, smol_split, spe
     assert not eng.has_unfinished() and eng.free_slots() == [512] and not eng._reqs
 
 
+def test_a_grammar_is_checked_once_and_the_kept_ones_are_bounded(smol, monkeypatch):
+    """The server's check and the engine's add share one compile; a different spec (or
+    the same schema with flexible whitespace) compiles anew; at most CHECKED are kept."""
+    from lamina.sampling import structured
+
+    guides = structured.Guides(smol.tokenizer, smol.config.vocab_size)
+    compiled = []
+    real = StructuredOutputs.grammar_text
+    monkeypatch.setattr(StructuredOutputs, "grammar_text",
+                        lambda self: compiled.append(self) or real(self))
+    a = StructuredOutputs(json=SCHEMA)
+    assert guides.check(a) == guides.check(StructuredOutputs(json=dict(SCHEMA)))
+    guides.check(StructuredOutputs(json=SCHEMA, whitespace_flexible=True))
+    assert len(compiled) == 2
+    monkeypatch.setattr(structured, "CHECKED", 3)
+    for k in range(5):
+        guides.check(StructuredOutputs(regex=f"a{{{k + 1}}}"))
+    assert len(guides._checked) == 3 and len(compiled) == 7
+    guides.check(StructuredOutputs(regex="a{5}"))  # among the kept: no compile
+    assert len(compiled) == 7
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(), "exactly one of json, json_object, regex, choice, grammar; got none"),
     (dict(regex="a", choice=["b"]), "got regex, choice"),
