@@ -162,22 +162,21 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     (b"": any); the others stay at -inf whatever penalties and logit_bias add. -> per
     row, its tokens. Drawn rows sharing temperature, top_k and top_p are worked on
     together, on the CPU (a CPU generator: the same tokens on any device)."""
-    greedy = argmax_rows(logits).tolist()
     out: list = [None] * len(params)
     groups: dict[tuple, list[int]] = {}
     masks = masks or [b""] * len(params)
     plain = {r for r, m in enumerate(masks) if m and params[r].greedy
              and not (params[r].penalized or params[r].logit_bias)}
     if plain:  # greedy under a structured output: the argmax over its allowed tokens,
-        # read in place (the other rows under an all-ones mask: no [R, V] copy)
+        # in one pass over every row, read in place (the others under an all-ones mask:
+        # the same answer as argmax_rows)
         every = b"\xff" * len(masks[min(plain)])
-        tops = masked_argmax_rows(logits.cpu(), mask_bits(
+        greedy = masked_argmax_rows(logits.cpu(), mask_bits(
             [masks[r] if r in plain else every for r in range(len(masks))])).tolist()
-        for r in plain:
-            if tops[r] < 0:
-                raise ValueError("structured output: no token of the vocabulary may come "
-                                 "next")
-            greedy[r] = tops[r]
+        if any(greedy[r] < 0 for r in plain):
+            raise ValueError("structured output: no token of the vocabulary may come next")
+    else:
+        greedy = argmax_rows(logits).tolist()
     held = sorted({r for r, m in enumerate(masks) if m} - plain)
     masked: dict[int, torch.Tensor] = {}  # drawn or penalized row -> fp32 logits, masked
     for at in range(0, len(held), ROWS_AT_ONCE):  # small temporaries, as below
