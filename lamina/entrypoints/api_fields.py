@@ -12,7 +12,9 @@ Structured output arrives in one of four spellings, mapped here to one
 `StructuredOutputs`: OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
 `structured_outputs` object, vLLM's older `guided_json` / `guided_regex` /
 `guided_choice` / `guided_grammar`, and a chat's forced tool call (`tool_choice`
-"required" or named: `api_tools`); two of them at once are refused.
+"required" or named: `api_tools`); two of them at once are refused. Tools left to
+"auto" ask for none: the model's calls are parsed from what it writes, and a structured
+output asked beside them holds that text.
 
 Why not refuse every field the server does not read: clients and frameworks built on
 OpenAI's API send `store`, `metadata`, `service_tier` or `parallel_tool_calls` by
@@ -135,7 +137,8 @@ def _asked(body) -> dict[str, Callable[[], StructuredOutputs]]:
         value = getattr(body, name)
         if value is not None:
             asked[name] = lambda kind=kind, v=value: StructuredOutputs(**{kind: v})
-    if "tools" in type(body).model_fields:  # a chat: a forced tool call is JSON too
+    if "tools" in type(body).model_fields and (  # a chat: a forced tool call is JSON too
+            body.tool_choice == "required" or isinstance(body.tool_choice, dict)):
         calling = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls)
         if calling is not None:
             asked["tool_choice"] = lambda: calling.spec

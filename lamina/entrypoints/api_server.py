@@ -5,10 +5,12 @@ echo, penalties, logit_bias, chat's text content parts and max_completion_tokens
 included, plus vLLM's top_k, seed, stop_token_ids, ignore_eos, repetition_penalty,
 prompt_logprobs and stream_options.continuous_usage_stats; structured output's
 response_format / structured_outputs / guided_* and a chat's tools with a forced
-tool_choice, made into `StructuredOutputs` by `api_fields` and `api_tools`; OpenAI's
+tool_choice, made into `StructuredOutputs` by `api_fields` and `api_tools`; tools left to
+"auto", read from the answer by `ServerConfig.tool_call_parser` (`tool_parsers`); OpenAI's
 other fields taken or refused by name in `api_fields`). Data out: completion JSON with
-text (or a chat's tool_calls), token ids, logprobs, finish reasons and usage; with `stream: true`,
-server-sent events of text deltas, then `data: [DONE]`; Prometheus metrics on /metrics.
+text (or a chat's tool_calls), token ids, logprobs, finish reasons and usage; with
+`stream: true`, server-sent events of text deltas, then `data: [DONE]`; Prometheus
+metrics on /metrics.
 Real clients run against it in the tests: openai, guidellm and lm-eval. Requests go to one
 `EngineLoop`, so concurrent HTTP requests batch together in the engine. A client that
 disconnects (streaming or not) has its request aborted and its KV freed.
@@ -56,9 +58,10 @@ from lamina.entrypoints.api_stream import (
     sse_events,
     vllm_prompt_logprobs,
 )
-from lamina.entrypoints.api_tools import ToolCalling, tool_calling
+from lamina.entrypoints.api_tools import ToolCalling, openai_calls, tool_calling
 from lamina.entrypoints.engine_loop import EngineLoop, beside
 from lamina.entrypoints.llm import chat_prompt
+from lamina.entrypoints.tool_parsers import PARSERS, ToolParser, ToolStream
 from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
 from lamina.sampling.params import SamplingParams
 
@@ -92,6 +95,9 @@ class ServerConfig:
     # most this long, answering new ones 503 and /health 503, then exit; 0: at once (the
     # requests in flight fail). A second SIGTERM, or Ctrl-C, stops at once.
     shutdown_timeout_s: float = 30.0
+    # how the model writes a tool call (`tool_parsers.PARSERS`: "hermes", "llama3_json",
+    # "mistral", "pythonic"), which tool_choice "auto" needs; None: "auto" is a 400
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         t = self.shutdown_timeout_s
@@ -121,6 +127,9 @@ class ServerConfig:
         if self.unknown_fields not in UNKNOWN_FIELDS:
             raise ValueError(f"ServerConfig.unknown_fields must be one of {UNKNOWN_FIELDS}, "
                              f"got {self.unknown_fields!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"ServerConfig.tool_call_parser must be one of "
+                             f"{sorted(PARSERS)} or None, got {self.tool_call_parser!r}")
 
     def check(self, body: "_Sampling", prompts: int) -> None:
         """The per-request limits -> ValueError naming the field."""
@@ -256,13 +265,14 @@ class ChatRequest(_Sampling):
     # current name of the cap is max_completion_tokens, max_tokens its older one
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    # tool calling (`api_tools`): "required" or a named function make the answer a call
+    # tool calling (`api_tools`): "required" or a named function make the answer a call;
+    # "auto" reads the model's own calls with the server's parser
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
-    def tool_calling(self) -> ToolCalling | None:
-        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
+    def tool_calling(self, parser: ToolParser | None = None) -> ToolCalling | None:
+        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
     def params(self) -> SamplingParams:
         a, b = self.max_tokens, self.max_completion_tokens
@@ -527,12 +537,15 @@ class _Api:
         tok = self.tokenizer
         if tok is None or getattr(tok, "chat_template", None) is None:
             return _error(400, "this model has no chat template", "messages")
+        name = self.config.tool_call_parser
+        parser = PARSERS[name] if name is not None else None
         try:
-            calling = body.tool_calling()
+            calling = body.tool_calling(parser)
         except ValueError as e:
             return _error(400, str(e), str(e).split(":")[0])
         try:
-            prompt = chat_prompt(tok, [m.model_dump() for m in body.messages], body.tools)
+            prompt = chat_prompt(tok, [m.model_dump() for m in body.messages], body.tools,
+                                 calling.parser if calling is not None else None)
         except ValueError as e:
             return _error(400, str(e), "messages")
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -542,10 +555,14 @@ class _Api:
             return chat_logprobs(lps, self._decode) if lps is not None else None
 
         if body.stream:
+            streams: dict[tuple[int, int], ToolStream] = {}
+
             def chunk(i, c, text, lps, start):
                 delta = {"content": text} if start else {"role": "assistant", "content": text}
                 fin = c.finish_reason
-                if calling is not None:  # the calls come whole, with the finish
+                if calling is not None and calling.parser is not None:
+                    delta, fin = _auto_delta(calling, streams, (i, c.index), delta, fin)
+                elif calling is not None:  # the calls come whole, with the finish
                     delta = {} if start else {"role": "assistant"}
                     if fin:
                         message, fin = _answer_message(calling, c)
@@ -571,12 +588,38 @@ class _Api:
 
 def _answer_message(calling: ToolCalling | None, c) -> tuple[dict, str | None]:
     """A finished chat choice -> (its message, its finish reason): text, or with a
-    forced tool call, the calls (text only if the answer was cut before it parses)."""
-    calls = calling.calls(c.text) if calling is not None else None
+    forced tool call, the calls (text only if the answer was cut before it parses);
+    under "auto", the calls the model wrote, if any, and the text around them."""
+    if calling is not None and calling.parser is not None:
+        content, calls = calling.read(c.text)
+        fin = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+    else:
+        calls = calling.calls(c.text) if calling is not None else None
+        content = None if calls else c.text
+        fin = calling.finish_reason if calls and c.finish_reason == "stop" \
+            else c.finish_reason
     if calls is None:
-        return {"role": "assistant", "content": c.text}, c.finish_reason
-    fin = calling.finish_reason if c.finish_reason == "stop" else c.finish_reason
-    return {"role": "assistant", "content": None, "tool_calls": calls}, fin
+        return {"role": "assistant", "content": content}, fin
+    return {"role": "assistant", "content": content, "tool_calls": calls}, fin
+
+
+def _auto_delta(calling: ToolCalling, streams: dict, key, delta: dict, fin
+                ) -> tuple[dict, str | None]:
+    """A streamed chunk under tool_choice "auto": its text up to where a call may begin
+    (`ToolStream`); at the finish, the text held back that was no call, then the calls,
+    whole, with their index."""
+    assert calling.parser is not None
+    stream = streams.setdefault(key, ToolStream(calling.parser, calling.names))
+    delta = {**delta, "content": stream.feed(delta["content"])}
+    if fin:
+        rest, calls = stream.finish()
+        delta["content"] += rest
+        if calls:
+            named = list(calls if calling.parallel else calls[:1])
+            delta["tool_calls"] = [{"index": k, **tc} for k, tc in
+                                   enumerate(openai_calls(named))]
+            fin = "tool_calls" if fin == "stop" else fin
+    return delta, fin
 
 
 class _CompletionChoices:

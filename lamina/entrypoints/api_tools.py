@@ -1,18 +1,21 @@
-"""Tool calling on /v1/chat/completions, held by structured output: `tool_choice`
-"required" or a named function makes the answer a call, whatever the model.
+"""Tool calling on /v1/chat/completions: `tool_choice` "required" or a named function
+holds the answer to a call by structured output, whatever the model; "auto" (OpenAI's
+default when tools are given) lets the model choose, and reads its calls from its output
+with the operator's parser (`tool_parsers`).
 
-Data in: a chat request's `tools` (OpenAI's function definitions) and `tool_choice`.
-Data out: a `ToolCalling` whose `spec` is the `StructuredOutputs` the answer is drawn
-under, and which turns the answer's text into OpenAI's `tool_calls`; or a `ValueError`
-naming the field. Named function: the answer is that function's arguments, a JSON
-object of its `parameters` schema. "required": a JSON array of one or more calls
-(`{"name": ..., "parameters": {...}}`, each name one of the tools', its parameters that
-tool's schema; one call only with `parallel_tool_calls: false`), as vLLM constrains it.
+Data in: a chat request's `tools` (OpenAI's function definitions), `tool_choice`,
+`parallel_tool_calls`, and the server's tool-call parser (or None).
+Data out: a `ToolCalling` that holds the answer to a call (`spec`, the
+`StructuredOutputs` it is drawn under) or parses it (`parser`), and turns the answer's
+text into OpenAI's `tool_calls`; or a `ValueError` naming the field. Named function: the
+answer is that function's arguments, a JSON object of its `parameters` schema.
+"required": a JSON array of one or more calls (`{"name": ..., "parameters": {...}}`, each
+name one of the tools', its parameters that tool's schema; one call only with
+`parallel_tool_calls: false`), as vLLM constrains it. "auto": text, calls in the model's
+own format, or both; one call only with `parallel_tool_calls: false` (the first).
 
-Why not "auto" (OpenAI's default when tools are given): whether the model calls a tool
-or answers in text is read from its output, in a format each model family has its own
-(Hermes' `<tool_call>` tags, Llama 3's JSON, Mistral's `[TOOL_CALLS]`); vLLM has a parser
-per family, chosen by the operator. This server has none, so "auto" is a 400 that says
+Why "auto" needs a parser: whether the model called a tool is read from its output, in
+a format each model family has its own; without one configured "auto" is a 400 that says
 what to send instead, not a text answer that looks like the model declined the tools.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from lamina.entrypoints.tool_parsers import ToolParser
 from lamina.sampling.structured import StructuredOutputs
 
 ANY_OBJECT: dict = {"type": "object"}  # a function with no `parameters`: any arguments
@@ -33,7 +37,8 @@ class ToolCalling:
 
     schemas: tuple[tuple[str, dict], ...]  # (name, parameters schema) per tool, in order
     forced: str | None  # the named function; None: "required" (any of them)
-    parallel: bool = True  # "required": more than one call allowed
+    parallel: bool = True  # "required" / "auto": more than one call allowed
+    parser: ToolParser | None = None  # "auto": the model's calls read from its text
 
     @property
     def spec(self) -> StructuredOutputs:
@@ -54,9 +59,23 @@ class ToolCalling:
         model was not choosing to call), "tool_calls" under "required"."""
         return "stop" if self.forced is not None else "tool_calls"
 
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(n for n, _ in self.schemas)
+
+    def read(self, text: str) -> tuple[str | None, list[dict] | None]:
+        """An "auto" answer's text -> (its text, None) or (the text around its calls, or
+        None when there is none; OpenAI's `tool_calls`)."""
+        assert self.parser is not None
+        got = self.parser.parse(text, self.names)
+        if not got.calls:
+            return text, None
+        calls = got.calls if self.parallel else got.calls[:1]
+        return got.content.strip() or None, openai_calls(list(calls))
+
     def calls(self, text: str) -> list[dict] | None:
-        """The answer's text -> OpenAI's `tool_calls`, or None when it does not parse
-        (cut short by max_tokens)."""
+        """A forced answer's text -> OpenAI's `tool_calls`, or None when it does not
+        parse (cut short by max_tokens)."""
         if self.forced is not None:
             named = [(self.forced, text)]
         else:
@@ -65,13 +84,20 @@ class ToolCalling:
                          for c in json.loads(text)]
             except (ValueError, TypeError, KeyError):
                 return None
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": args}} for name, args in named]
+        return openai_calls(named)
 
 
-def tool_calling(tools: list | None, tool_choice, parallel: bool | None) -> ToolCalling | None:
+def openai_calls(named: list[tuple[str, str]]) -> list[dict]:
+    """(name, arguments JSON) pairs -> OpenAI's `tool_calls`, each with a fresh id."""
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": args}} for name, args in named]
+
+
+def tool_calling(tools: list | None, tool_choice, parallel: bool | None,
+                 parser: ToolParser | None = None) -> ToolCalling | None:
     """A chat request's tool fields -> its ToolCalling, or None (no tools, or
-    tool_choice "none": a text answer); ValueError naming the field."""
+    tool_choice "none": a text answer); ValueError naming the field. `parser`: the
+    server's reader of the model's own calls, which "auto" needs."""
     if tool_choice is not None and tool_choice not in ("none", "auto", "required") and not (
             isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
             and isinstance(tool_choice.get("function"), dict)
@@ -84,11 +110,13 @@ def tool_calling(tools: list | None, tool_choice, parallel: bool | None) -> Tool
             raise ValueError("tool_choice: names a tool call, but the request has no tools")
         return None
     if tool_choice in (None, "auto"):
+        if parser is not None:
+            return ToolCalling(schemas, None, parallel is not False, parser)
         raise ValueError("tool_choice: 'auto' (the default when tools are given) needs a "
-                         "parser for this model's tool-call format, which this server does "
-                         "not have; send tool_choice 'required' (the answer is one or more "
-                         "calls) or {'type': 'function', 'function': {'name': ...}}, or "
-                         "'none'")
+                         "parser for this model's tool-call format, which this server was "
+                         "not given (`lamina serve --tool-call-parser`); send tool_choice "
+                         "'required' (the answer is one or more calls) or {'type': "
+                         "'function', 'function': {'name': ...}}, or 'none'")
     if tool_choice == "none":
         return None
     forced = None
@@ -120,21 +148,24 @@ def _schemas(tools: list) -> tuple[tuple[str, dict], ...]:
     return tuple(out)
 
 
-def history_for_template(messages: list[dict], template: str) -> list[dict]:
+def history_for_template(messages: list[dict], template: str,
+                         parser: ToolParser | None = None) -> list[dict]:
     """Earlier tool calls for a chat template that has no place for them (it never
-    mentions `tool_calls`): an assistant turn's calls become its text, written as the
-    "required" answers are, so the model sees what it called; the tools' results are
-    `tool` turns, which such templates write like any other role."""
+    mentions `tool_calls`): an assistant turn's calls become its text, written in the
+    parser's format (else as the "required" answers are), so the model sees what it
+    called; the tools' results are `tool` turns, which such templates write like any
+    other role."""
     if "tool_calls" in template:
         return messages
     out = []
     for m in messages:
         calls = m.get("tool_calls")
         if m.get("role") == "assistant" and calls:
-            shown = [{"name": c.get("function", {}).get("name"),
-                      "parameters": _arguments(c.get("function", {}).get("arguments"))}
-                     for c in calls]
-            text = (m.get("content") or "") + json.dumps(shown, ensure_ascii=False)
+            pairs = [(c.get("function", {}).get("name"),
+                      _arguments(c.get("function", {}).get("arguments"))) for c in calls]
+            shown = parser.format_calls(pairs) if parser is not None else json.dumps(
+                [{"name": n, "parameters": a} for n, a in pairs], ensure_ascii=False)
+            text = "\n".join(t for t in (m.get("content") or "", shown) if t)
             m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
         out.append(m)
     return out

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from lamina.entrypoints.logs import configure_logging
+from lamina.entrypoints.tool_parsers import PARSERS  # torch-free
 from lamina.memory.sparsity_config import LAYER_BUDGETS, POLICIES  # torch-free
 
 
@@ -193,11 +194,12 @@ def _server_config(args):
                             max_body_bytes=args.max_body_bytes,
                             unknown_fields=args.unknown_fields,
                             allowed_origins=tuple(args.allowed_origins or ()),
-                            shutdown_timeout_s=args.shutdown_timeout)
+                            shutdown_timeout_s=args.shutdown_timeout,
+                            tool_call_parser=args.tool_call_parser)
     from lamina.entrypoints.deploy_config import LaminaConfig
 
     given = _flags_given(args, ("max_waiting", "max_body_bytes", "unknown_fields",
-                                "allowed_origins", "shutdown_timeout"))
+                                "allowed_origins", "shutdown_timeout", "tool_call_parser"))
     if given:
         raise ValueError(f"--config {args.config} sets the server: drop {', '.join(given)} "
                          f"(or put them in its server section)")
@@ -599,6 +601,10 @@ def _serve_parser(sub) -> None:
     v.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, finish the requests in flight for at most S seconds "
                         "(new ones and /health answer 503), then exit; 0: at once")
+    v.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="how the model writes a tool call, which tool_choice 'auto' (the "
+                        "default with tools) needs: hermes (<tool_call> tags: Hermes, Qwen, "
+                        "SmolLM), llama3_json, mistral, pythonic; without it 'auto' is a 400")
     v.add_argument("--clamp-max-tokens", action="store_true",
                    help="lower max_tokens to what fits the context (default: 400)")
     v.add_argument("--service", default=None, metavar="NAME",

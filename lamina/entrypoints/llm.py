@@ -179,15 +179,18 @@ class LLM:
         self.executor.shutdown()
 
 
-def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None) -> str:
+def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None,
+                parser=None) -> str:
     """A conversation as the model's chat template writes it, ready for the answer.
     OpenAI's `developer` role (what clients send newer models instead of `system`) is
     `system` to a template that does not name it: most templates know only system /
     user / assistant / tool, and would otherwise raise or show it as an unknown turn
     (SmolLM2's puts its default system prompt before it). A template that refuses the
     conversation (its `raise_exception`) -> ValueError naming `messages`. `tools`:
-    OpenAI's tool definitions, for a template that shows them to the model; earlier
-    tool calls are written as text for one that has no place for them."""
+    OpenAI's tool definitions, for a template that shows them to the model; `parser`
+    (a `tool_parsers.ToolParser`, tool_choice "auto"): for a template that does not
+    show them, its format's system prompt lists them, before the conversation's own.
+    Earlier tool calls are written as text for a template that has no place for them."""
     from jinja2 import TemplateError
 
     from lamina.entrypoints.api_tools import history_for_template
@@ -196,7 +199,13 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None) -> s
     msgs = [template_message(m, i) for i, m in enumerate(messages)]
     if "developer" not in template:
         msgs = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in msgs]
-    msgs = history_for_template(msgs, template)
+    msgs = history_for_template(msgs, template, parser)
+    if parser is not None and tools and "tools" not in template:
+        listed = parser.system_prompt(tools)
+        if msgs[0].get("role") == "system":
+            msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{listed}"}
+        else:
+            msgs.insert(0, {"role": "system", "content": listed})
     try:
         return tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False,
                                              add_generation_prompt=True)

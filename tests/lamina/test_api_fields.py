@@ -130,10 +130,11 @@ def test_the_serve_flags_set_the_server_and_clash_with_a_config_file(tmp_path):
 
     args = build_parser().parse_args(["serve", "--unknown-fields", "ignore",
                                       "--shutdown-timeout", "5",
-                                      "--allowed-origins", "http://localhost:3000", "*"])
+                                      "--allowed-origins", "http://localhost:3000", "*",
+                                      "--tool-call-parser", "hermes"])
     cfg = _server_config(args)
-    assert (cfg.unknown_fields, cfg.allowed_origins, cfg.shutdown_timeout_s) == (
-        "ignore", ("http://localhost:3000", "*"), 5.0)
+    assert (cfg.unknown_fields, cfg.allowed_origins, cfg.shutdown_timeout_s,
+            cfg.tool_call_parser) == ("ignore", ("http://localhost:3000", "*"), 5.0, "hermes")
     for bad in (-1, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="shutdown_timeout_s must be a number >= 0"):
             ServerConfig(shutdown_timeout_s=bad)
@@ -145,6 +146,12 @@ def test_the_serve_flags_set_the_server_and_clash_with_a_config_file(tmp_path):
     with pytest.raises(ValueError, match="drop --allowed-origins"):
         _server_config(build_parser().parse_args(["serve", "--config", str(f),
                                                   "--allowed-origins", "http://b"]))
+    f.write_text("server: {tool_call_parser: llama3_json}\n")
+    assert _server_config(build_parser().parse_args(["serve", "--config", str(f)])) \
+        .tool_call_parser == "llama3_json"
+    with pytest.raises(ValueError, match="drop --tool-call-parser"):
+        _server_config(build_parser().parse_args(["serve", "--config", str(f),
+                                                  "--tool-call-parser", "hermes"]))
 
 
 @pytest.mark.parametrize("cls, base", [(CompletionRequest, {"prompt": "hi"}),
@@ -248,6 +255,7 @@ def test_forced_tool_calls_become_a_json_constraint():
 
 @pytest.mark.parametrize("tools, choice, words", [
     ([WEATHER], None, "tool_choice: 'auto' (the default when tools are given) needs a parser"),
+    ([WEATHER], {"type": "function"}, "tool_choice: 'none', 'auto', 'required' or"),
     ([WEATHER], "auto", "tool_choice: 'auto' (the default when tools are given)"),
     ([WEATHER], "sometimes", "tool_choice: 'none', 'auto', 'required' or"),
     (None, "required", "tool_choice: names a tool call, but the request has no tools"),

@@ -21,7 +21,9 @@ from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.entrypoints.api_server import ServerConfig
 from lamina.entrypoints.engine_loop import EngineLoop
+from lamina.entrypoints.llm import chat_prompt
 from lamina.entrypoints.metrics import EngineMetrics
+from lamina.entrypoints.tool_parsers import PARSERS
 from lamina.executor.local import LocalExecutor
 from lamina.faults import FaultPlan
 from lamina.memory.memory_side import MemorySide
@@ -346,8 +348,8 @@ def test_forced_tool_calls_over_the_openai_client(srv, prompts, hf_greedy):
     (`jsonschema`), finish "stop" (OpenAI's for a forced call), streamed alike;
     "required" with parallel_tool_calls false: exactly one call to one of the tools,
     finish "tool_calls"; the call and its result sent back in the next turn are read;
-    "auto" (this server has no parser for the model's own tool-call format), an unknown
-    name and a malformed tool are 400s naming the field."""
+    "auto" (this server was given no parser for the model's own tool-call format), an
+    unknown name and a malformed tool are 400s naming the field."""
     cl = srv.client()
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -387,6 +389,55 @@ def test_forced_tool_calls_over_the_openai_client(srv, prompts, hf_greedy):
             cl.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4,
                                        **{"tools": [WEATHER], **kw})
         assert e.value.param == param, e.value
+    _good(srv, prompts, hf_greedy)
+
+
+def test_auto_tool_calls_over_the_openai_client(srv, smol, prompts, hf_greedy):
+    """With `tool_call_parser="hermes"`, tools left to "auto" (the default): the answer
+    is what the completions endpoint writes for the same prompt (the tools listed in the
+    system turn) read by the parser; an answer holding a <tool_call> (held to one here
+    by a regex, as a model trained on the format writes it) comes back as text and
+    calls, finish "tool_calls", alike when streamed (the text first, the call whole at
+    the end); parallel_tool_calls false keeps the first call."""
+    hermes = _KeyServer(srv.loop, smol.tokenizer,
+                        ServerConfig(api_key=KEY, tool_call_parser="hermes"))
+    try:
+        cl, tools = hermes.client(), [WEATHER, TIME]
+        msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+        prompt = chat_prompt(smol.tokenizer, msgs, tools, PARSERS["hermes"])
+        plain = cl.completions.create(model="smollm2", prompt=prompt, max_tokens=24,
+                                      temperature=0).choices[0]
+        r = cl.chat.completions.create(model="smollm2", messages=msgs, max_tokens=24,
+                                       temperature=0, tools=tools).choices[0]
+        want = PARSERS["hermes"].parse(plain.text, frozenset({"get_weather", "get_time"}))
+        assert [(c.function.name, c.function.arguments) for c in
+                r.message.tool_calls or []] == list(want.calls)
+        assert r.message.content == (want.content.strip() if want.calls else plain.text)
+        call = ('<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": '
+                '"(Paris|Oslo)", "unit": "celsius"\\}\\}\n</tool_call>')
+        ask = dict(model="smollm2", messages=msgs, max_tokens=120, temperature=0,
+                   tools=tools, extra_body={"structured_outputs": {
+                       "regex": "Checking\\.\n" + call + "\n" + call}})
+        m = cl.chat.completions.create(**ask).choices[0]
+        assert m.finish_reason == "tool_calls" and m.message.content == "Checking.", m
+        assert [c.function.name for c in m.message.tool_calls] == ["get_weather"] * 2
+        for c in m.message.tool_calls:
+            assert json.loads(c.function.arguments)["city"] in ("Paris", "Oslo")
+        chunks = list(cl.chat.completions.create(stream=True, **ask))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        deltas = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert text.strip() == "Checking." and chunks[-1].choices[0].finish_reason == \
+            "tool_calls"
+        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
+            [(k, c.function.name, c.function.arguments)
+             for k, c in enumerate(m.message.tool_calls)]
+        assert [tc for ch in chunks[:-1] for tc in (ch.choices[0].delta.tool_calls or [])] \
+            == [] and chunks[0].choices[0].delta.content  # text went out before the end
+        one = cl.chat.completions.create(parallel_tool_calls=False, **ask).choices[0]
+        assert [(c.function.name, c.function.arguments) for c in one.message.tool_calls] \
+            == [(c.function.name, c.function.arguments) for c in m.message.tool_calls[:1]]
+    finally:
+        hermes.stop()
     _good(srv, prompts, hf_greedy)
 
 
