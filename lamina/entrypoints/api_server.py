@@ -1,16 +1,18 @@
 """OpenAI-compatible HTTP server (FastAPI on uvicorn): `lamina serve`.
 
-Data in: JSON requests on /v1/completions and /v1/chat/completions (OpenAI's fields,
-echo, penalties, logit_bias, chat's text content parts and max_completion_tokens
-included, plus vLLM's top_k, seed, stop_token_ids, ignore_eos, repetition_penalty,
-prompt_logprobs and stream_options.continuous_usage_stats; structured output's
-response_format / structured_outputs / guided_* and a chat's tools with a forced
-tool_choice, made into `StructuredOutputs` by `api_fields` and `api_tools`; tools left to
-"auto", read from the answer by `ServerConfig.tool_call_parser` (`tool_parsers`); OpenAI's
-other fields taken or refused by name in `api_fields`). Data out: completion JSON with
-text (or a chat's tool_calls), token ids, logprobs, finish reasons and usage; with
-`stream: true`, server-sent events of text deltas, then `data: [DONE]`; Prometheus
-metrics on /metrics.
+Data in: JSON requests on /v1/completions, /v1/chat/completions and /v1/responses
+(OpenAI's fields, echo, penalties, logit_bias, chat's text content parts and
+max_completion_tokens included, plus vLLM's top_k, seed, stop_token_ids, ignore_eos,
+repetition_penalty, prompt_logprobs and stream_options.continuous_usage_stats;
+structured output's response_format / structured_outputs / guided_* and a chat's tools
+with a forced tool_choice, made into `StructuredOutputs` by `api_fields` and
+`api_tools`; tools left to "auto", read from the answer by
+`ServerConfig.tool_call_parser` (`tool_parsers`); a Responses request made a chat
+request by `api_responses`, which keeps the stored ones; OpenAI's other fields taken or
+refused by name in `api_fields`). Data out: completion JSON with text (or a chat's
+tool_calls), token ids, logprobs, finish reasons and usage, or a Response; with `stream:
+true`, server-sent events of text deltas, then `data: [DONE]` (Responses: its own
+events); Prometheus metrics on /metrics.
 Real clients run against it in the tests: openai, guidellm and lm-eval. Requests go to one
 `EngineLoop`, so concurrent HTTP requests batch together in the engine. A client that
 disconnects (streaming or not) has its request aborted and its KV freed.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hmac
+import json
 import logging
 import re
 import signal
@@ -34,12 +37,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lamina.engine.sessions import check_session_id
@@ -51,6 +54,18 @@ from lamina.entrypoints.api_fields import (
     check_fields,
     structured_field,
     structured_outputs,
+)
+from lamina.entrypoints.api_responses import (
+    RESPONSES_REFUSED,
+    ResponseStore,
+    Stored,
+    answer_message,
+    new_id,
+    output_items,
+    response_events,
+    response_object,
+    responses_field,
+    to_chat,
 )
 from lamina.entrypoints.api_stream import (
     chat_logprobs,
@@ -98,6 +113,9 @@ class ServerConfig:
     # how the model writes a tool call (`tool_parsers.PARSERS`: "hermes", "llama3_json",
     # "mistral", "pythonic"), which tool_choice "auto" needs; None: "auto" is a 400
     tool_call_parser: str | None = None
+    # /v1/responses kept for previous_response_id and GET (in memory; least recently
+    # used dropped first)
+    max_stored_responses: int = 1024
 
     def __post_init__(self):
         t = self.shutdown_timeout_s
@@ -113,7 +131,7 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.allowed_origins must be a list of origins "
                              f"(non-empty strings), got {origins!r}")
         for name in ("max_body_bytes", "max_prompts", "max_n", "max_stop", "max_stop_chars",
-                     "max_logit_bias", "retry_after_s"):
+                     "max_logit_bias", "retry_after_s", "max_stored_responses"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {v!r}")
@@ -287,6 +305,32 @@ class ChatRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class ResponsesRequest(_Nullable):
+    """OpenAI's Responses API request (`api_responses` makes it a chat request)."""
+
+    model_config = ConfigDict(extra="allow")  # `api_fields` takes or refuses the rest
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # vLLM's
+    seed: int | None = None  # vLLM's
+    top_logprobs: int | None = None
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
+
+
 _KINDS = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error"}
@@ -346,7 +390,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
     if config.allowed_origins:  # outside the guard: a preflight carries no API key
         from starlette.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"],
                            expose_headers=[IGNORED_HEADER, "Retry-After"])
     app.exception_handler(StarletteHTTPException)(_http_error)
     app.exception_handler(RequestValidationError)(_bad_body)
@@ -357,6 +401,9 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
     app.get("/v1/models/{model:path}")(api.model)  # a served name may hold slashes
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat)
+    app.post("/v1/responses")(api.responses)
+    app.get("/v1/responses/{rid}")(api.get_response)
+    app.delete("/v1/responses/{rid}")(api.delete_response)
     return app
 
 
@@ -380,6 +427,7 @@ class _Api:
         self.loop, self.model_name = loop, model_name
         self.tokenizer, self.config = tokenizer, config
         self.created = int(time.time())  # the model's `created` on /v1/models
+        self.stored = ResponseStore(config.max_stored_responses)  # /v1/responses
 
     async def health(self):
         if not self.loop.alive:
@@ -500,6 +548,65 @@ class _Api:
     async def chat(self, body: ChatRequest, request: Request, response: Response):
         return await self._answer(self._chat, body, CHAT_REFUSED, request, response)
 
+    async def responses(self, body: ResponsesRequest, request: Request, response: Response):
+        return await self._answer(self._responses, body, RESPONSES_REFUSED, request,
+                                  response)
+
+    async def get_response(self, rid: str):
+        got = self.stored.get(rid)
+        if got is None:
+            return _error(404, f"no stored response {rid!r} (not stored, deleted, or "
+                          f"dropped: this server keeps the last "
+                          f"{self.config.max_stored_responses})", "response_id", "not_found")
+        return got.response
+
+    async def delete_response(self, rid: str):
+        if not self.stored.delete(rid):
+            return _error(404, f"no stored response {rid!r}", "response_id", "not_found")
+        return {"id": rid, "object": "response.deleted", "deleted": True}
+
+    async def _responses(self, body: ResponsesRequest, request: Request):
+        """A Responses request answered by the chat path (`api_responses`)."""
+        prev = None
+        if body.previous_response_id is not None:
+            prev = self.stored.get(body.previous_response_id)
+            if prev is None:
+                return _error(400, f"previous_response_id: no stored response "
+                              f"{body.previous_response_id!r} (not stored, deleted, or "
+                              f"dropped: this server keeps the last "
+                              f"{self.config.max_stored_responses} in memory)",
+                              "previous_response_id", "previous_response_not_found")
+        rid = new_id("resp")
+        try:
+            call = to_chat(body, prev)
+            chat = ChatRequest(**call.body)
+        except (ValueError, ValidationError) as e:
+            where = str(e).split(":")[0].split("\n")[0]
+            return _error(400, str(e), responses_field(where.split(".")[0]))
+        session = call.session or rid
+        if body.store and chat.session_id is None and "x-session-id" not in request.headers:
+            chat.session_id = session  # with KV tiers each turn's KV waits for the next
+
+        def keep(resp: dict) -> None:
+            if body.store:
+                self.stored.put(rid, Stored(resp, [*call.history, *call.messages,
+                                                   answer_message(resp["output"])],
+                                            session))
+
+        out = await self._chat(chat, request)
+        if isinstance(out, JSONResponse):
+            return _renamed(out)
+        if isinstance(out, StreamingResponse):
+            return StreamingResponse(response_events(out.body_iterator, rid, body,
+                                                     self.model_name, keep),
+                                     media_type="text/event-stream")
+        ch = out["choices"][0]
+        resp = response_object(rid, body, self.model_name,
+                               output_items(ch["message"], ch["logprobs"], new_id("msg")),
+                               ch["finish_reason"], out["usage"])
+        keep(resp)
+        return resp
+
     async def _answer(self, handler, body: _Sampling, refused: dict, request: Request,
                       response: Response):
         """The request's undeclared fields checked (`api_fields`: 400 naming a refused
@@ -584,6 +691,19 @@ class _Api:
                             "logprobs": lp_json(c.logprobs), "finish_reason": fin})
         return {**head, "object": "chat.completion", "choices": choices,
                 "usage": _usage(outs)}
+
+
+def _renamed(err: JSONResponse) -> JSONResponse:
+    """A chat path's error as the Responses request names its fields."""
+    body = json.loads(bytes(err.body))
+    e = body["error"]
+    param = responses_field(e.get("param"))
+    if param != e.get("param") and e["message"].startswith(f"{e['param']}:"):
+        e["message"] = f"{param}:{e['message'][len(e['param']) + 1:]}"
+    e["param"] = param
+    return JSONResponse(body, status_code=err.status_code,
+                        headers={k: v for k, v in err.headers.items()
+                                 if k.lower() not in ("content-length", "content-type")})
 
 
 def _answer_message(calling: ToolCalling | None, c) -> tuple[dict, str | None]:

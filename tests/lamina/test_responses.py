@@ -1,0 +1,186 @@
+"""OpenAI's Responses API (`/v1/responses`) driven by the official `openai` client (local
+executor, SmolLM2, uvicorn on loopback): the answer is HF's greedy tokens for the chat
+prompt the input makes; usage counts the prompt and answer; `previous_response_id`
+continues a stored conversation (the prompt is the whole history, the first turn's KV
+reused), retrieve and delete; the client's streaming helper assembles the same answer
+from well-formed, numbered events; structured output through the client's `parse`;
+function tools forced, "auto" read by the server's parser, results sent back as
+`function_call_output`; fields this server cannot honour refused by name."""
+import json
+
+import openai
+import pydantic
+import pytest
+import torch
+
+from lamina.entrypoints.api_server import ServerConfig
+from lamina.entrypoints.llm import chat_prompt
+
+from .test_server_limits import KEY, _KeyServer, _loop
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+               "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def srv(smol, smol_split):
+    loop = _loop(smol, smol_split)
+    s = _KeyServer(loop, smol.tokenizer, ServerConfig(api_key=KEY, tool_call_parser="hermes",
+                                                      max_stored_responses=3))
+    yield s
+    s.stop()
+    loop.shutdown()
+
+
+def _hf(smol, messages, new):
+    """HF greedy on the chat prompt the conversation makes -> (prompt ids, text)."""
+    ids = smol.tokenizer(chat_prompt(smol.tokenizer, messages))["input_ids"]
+    with torch.no_grad():
+        t = torch.tensor([ids])
+        out = smol.model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
+                                  max_new_tokens=new,
+                                  pad_token_id=smol.tokenizer.eos_token_id)[0, len(ids):]
+    return ids, smol.tokenizer.decode(out, skip_special_tokens=True)
+
+
+def test_answers_and_conversations_are_hfs(srv, smol):
+    """A string input with instructions: HF's greedy text for [system, user]; usage
+    counts its prompt; cut by max_output_tokens: "incomplete". The next turn with
+    previous_response_id: HF's text for the whole history, most of its prompt cached;
+    the stored response retrieved as returned; deleted, it is a 404 and a 400 naming
+    previous_response_id; past max_stored_responses the oldest are dropped."""
+    cl = srv.client()
+    first = [{"role": "system", "content": "Answer in one sentence."},
+             {"role": "user", "content": "What is the capital of France?"}]
+    r = cl.responses.create(model="smollm2", instructions=first[0]["content"],
+                            input=first[1]["content"], max_output_tokens=24, temperature=0)
+    ids, text = _hf(smol, first, 24)
+    assert r.output_text == text and r.object == "response" and r.id.startswith("resp_")
+    assert (r.usage.input_tokens, r.usage.total_tokens) == (len(ids),
+                                                            len(ids) + r.usage.output_tokens)
+    assert r.status == ("incomplete" if r.usage.output_tokens == 24 else "completed")
+    assert [it.type for it in r.output] == ["message"] and r.output[0].role == "assistant"
+    second = [{"role": "user", "content": "And of Italy?"}]
+    r2 = cl.responses.create(model="smollm2", previous_response_id=r.id, input=second,
+                             instructions=first[0]["content"], max_output_tokens=16,
+                             temperature=0)
+    history = [*first, {"role": "assistant", "content": r.output_text}, *second]
+    ids2, text2 = _hf(smol, history, 16)
+    assert r2.output_text == text2 and r2.previous_response_id == r.id
+    assert r2.usage.input_tokens == len(ids2)
+    assert r2.usage.input_tokens_details.cached_tokens >= len(ids) - 16, r2.usage
+    assert cl.responses.retrieve(r2.id).model_dump() == r2.model_dump()
+    assert cl.responses.delete(r2.id) is None
+    with pytest.raises(openai.NotFoundError):
+        cl.responses.retrieve(r2.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        cl.responses.create(model="smollm2", previous_response_id=r2.id, input="Hi",
+                            max_output_tokens=2)
+    assert e.value.param == "previous_response_id"
+    kept = [cl.responses.create(model="smollm2", input="Hi", max_output_tokens=1).id
+            for _ in range(3)]  # the store holds 3: r goes
+    with pytest.raises(openai.NotFoundError):
+        cl.responses.retrieve(r.id)
+    assert [cl.responses.retrieve(k).id for k in kept] == kept
+    unstored = cl.responses.create(model="smollm2", input="Hi", max_output_tokens=1,
+                                   store=False)
+    with pytest.raises(openai.NotFoundError):
+        cl.responses.retrieve(unstored.id)
+
+
+def test_streamed_events_assemble_the_same_answer(srv):
+    """The client's streaming helper (which checks that each event refers to an item
+    and part it was told of) yields the non-streamed text; the events come in the
+    Responses order, numbered from 0; cut by max_output_tokens the stream ends with
+    "response.incomplete"."""
+    cl = srv.client()
+    ask = dict(model="smollm2", input="What colour is the sky?", max_output_tokens=100,
+               temperature=0)
+    whole = cl.responses.create(**ask)
+    assert whole.status == "completed", whole.usage
+    with cl.responses.stream(**ask) as s:
+        events = list(s)
+        final = s.get_final_response()
+    assert final.output_text == whole.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        whole.output_text
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert cl.responses.retrieve(final.id).output_text == whole.output_text
+    cut = list(cl.responses.create(**{**ask, "max_output_tokens": 3}, stream=True))
+    assert cut[-1].type == "response.incomplete" and cut[-1].response.status == "incomplete"
+    assert cut[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert cut[-1].response.usage.output_tokens == 3
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    country: str = pydantic.Field(max_length=20)
+
+
+def test_structured_output_through_the_clients_parse(srv):
+    r = srv.client().responses.parse(model="smollm2", input="Describe Paris as JSON.",
+                                     text_format=City, max_output_tokens=60, temperature=0)
+    assert isinstance(r.output_parsed, City), r.output_text
+
+
+def test_function_tools_forced_auto_and_their_results(srv):
+    """tool_choice naming the function: a function_call item whose arguments meet its
+    schema; its result sent back as function_call_output on the stored conversation
+    gives a text answer. "auto" with the hermes parser (the answer held to a call by a
+    regex, as a model trained on the format writes it): text and a function_call, alike
+    when streamed."""
+    cl = srv.client()
+    r = cl.responses.create(model="smollm2", input="Weather in Paris?", tools=[WEATHER],
+                            tool_choice={"type": "function", "name": "get_weather"},
+                            max_output_tokens=40, temperature=0)
+    (call,) = [it for it in r.output if it.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    assert set(json.loads(call.arguments)) == {"city"}
+    after = cl.responses.create(model="smollm2", previous_response_id=r.id, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}],
+        tools=[WEATHER], tool_choice="none", max_output_tokens=12, temperature=0)
+    assert after.output_text and not [it for it in after.output if it.type != "message"]
+    regex = ('Checking\\.\\n<tool_call>\\n\\{"name": "get_weather", "arguments": '
+             '\\{"city": "(Paris|Oslo)"\\}\\}\\n</tool_call>')
+    ask = dict(model="smollm2", input="Weather in Paris?", tools=[WEATHER],
+               max_output_tokens=60, temperature=0,
+               extra_body={"structured_outputs": {"regex": regex}})
+    auto = cl.responses.create(**ask)
+    assert [it.type for it in auto.output] == ["message", "function_call"], auto.output
+    assert auto.output_text == "Checking." and auto.output[1].name == "get_weather"
+    with cl.responses.stream(**ask) as s:
+        events = list(s)
+        final = s.get_final_response()
+    assert [(it.type, getattr(it, "arguments", None)) for it in final.output] == \
+        [(it.type, getattr(it, "arguments", None)) for it in auto.output]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [auto.output[1].arguments]
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input"),
+    ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"extra_body": {"max_output_token": 5}}, "max_output_token"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(srv, kw, param):
+    args = {"model": "smollm2", "input": "Hi", "max_output_tokens": 4, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client().responses.create(**args)
+    assert e.value.param == param, e.value
+    assert srv.client().responses.create(model="smollm2", input="Hi",
+                                         max_output_tokens=2).status
