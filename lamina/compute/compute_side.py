@@ -408,7 +408,8 @@ class ComputeSide:
             # picked here if the last slice ran on every token
             rows.append(logits[0] if logits.shape[1] == len(p.logit_rows)
                         else logits[0, list(p.logit_rows)])
-            sample += [at + r for r in p.sample]
+            sample += [at + r + t for r, w in zip(p.sample, works[k:k + len(p.sample)])
+                       for t in range(w.draft + 1)]  # a draft's rows follow its first
             prompt += [PromptRows(k + x.sample, at + x.row, x.count) for x in p.prompt]
             at, k = at + len(p.logit_rows), k + len(p.sample)
         # the model's dtype (sample_rows casts what it must); one part: no copy
@@ -602,30 +603,52 @@ def _in_plan_order(plan: StepPlan, works: list[SeqWork], tokens: list, lps, plps
 
 
 def _draw(logits: torch.Tensor, works: list[SeqWork]):
-    """logits [S, V] -> (tokens per row, logprobs per row or None). A failure is put on
-    the rows that fail alone (`SequenceFault`, clean: every worker finished the step)."""
-    def run(rows, ws):
-        toks = sample_rows(rows, [s.params for s in ws], [s.seeds for s in ws],
-                           [s.next_pos for s in ws], [(s.history, s.prompt_len) for s in ws],
-                           [s.allowed for s in ws])
-        lps = None
-        if any(s.params.logprobs is not None for s in ws):
-            lps = tuple(row_logprobs(rows, [s.params for s in ws], toks))
-        return toks, lps
-
+    """logits [S, V], a row per sequence of `works` (draft + 1 rows for one with a
+    draft) -> (tokens per sequence, logprobs per sequence or None). A failure is put on
+    the sequences that fail alone (`SequenceFault`, clean: every worker finished the
+    step)."""
     try:
-        return run(logits, works)
-    except Exception as e:  # find the rows it belongs to
-        bad, why = [], f"{type(e).__name__}: {e}"
-        for r, s in enumerate(works):
+        return _draw_rows(logits, works)
+    except Exception as e:  # find the sequences it belongs to
+        bad, why, at = [], f"{type(e).__name__}: {e}", 0
+        for s in works:
             try:
-                run(logits[r:r + 1], [s])
+                _draw_rows(logits[at:at + s.draft + 1], [s])
             except Exception as e1:  # noqa: BLE001
                 bad.append(s.seq_id)
                 why = f"{type(e1).__name__}: {e1}"
+            at += s.draft + 1
         if not bad:
             raise
         raise SequenceFault(bad, f"sampling failed: {why}") from e
+
+
+def _draw_rows(logits: torch.Tensor, works: list[SeqWork]):
+    """`_draw` without the isolation. A drafted sequence's row t draws the token at its
+    position next_pos - draft + t, with the guessed tokens before it in its history;
+    it keeps the draws up to the first that differs from its guess."""
+    rows = [(s, t) for s in works for t in range(s.draft + 1)]
+    params = [s.params for s, _ in rows]
+    toks = sample_rows(logits, params, [s.seeds for s, _ in rows],
+                       [s.next_pos - s.draft + t for s, t in rows],
+                       [(s.history + s.guess[:t], s.prompt_len) for s, t in rows],
+                       [s.allowed for s, _ in rows])
+    lps = (row_logprobs(logits, params, toks) if any(p.logprobs is not None for p in params)
+           else None)
+    out_t: list[tuple[int, ...]] = []
+    out_lp: list = []
+    at = 0
+    for s in works:
+        n = 1
+        while n <= s.draft and toks[at + n - 1][0] == s.guess[n - 1]:
+            n += 1  # the draw after guessed token n - 1 matched it: row n holds
+        out_t.append(toks[at] if not s.draft else tuple(t[0] for t in toks[at:at + n]))
+        if lps is not None:
+            mine = lps[at:at + n]
+            out_lp.append(mine[0] if not s.draft or mine[0] is None
+                          else tuple(x[0] for x in mine if x is not None))
+        at += s.draft + 1
+    return out_t, (tuple(out_lp) if lps is not None else None)
 
 
 def _select_rows(args: tuple, rows: Sequence[int]) -> tuple:

@@ -82,7 +82,9 @@ class PackedBatch:
     logit_rows: tuple[int, ...]  # packed rows whose logits are needed (the last slice's)
     parts: tuple[WorkerPart, ...]  # one per memory worker
     merge: bool  # some query row attends on several workers (KV split): LSE merge
-    sample: tuple[int, ...]  # index in logit_rows of each sampled sequence's row
+    # index in logit_rows of each sampled sequence's row (with a draft: its first row;
+    # the draft's rows follow it)
+    sample: tuple[int, ...]
     prompt: tuple[PromptRows, ...]  # sequences whose prompt logprobs are wanted
     local: WorkerPart | None  # the compute side's own part (local prefill), or None
 
@@ -157,9 +159,9 @@ def pack(plan: StepPlan, num_workers: int, local: bool = False,
         if s.sample and s.params.prompt_logprobs is not None and p0 == 0 and n > 1:
             prompt.append(PromptRows(len(sample), len(rows), n - 1))
             rows += range(r0, r0 + n - 1)
-        if s.sample:
+        if s.sample:  # its last row; with a draft, the rows of its last draft + 1 tokens
             sample.append(len(rows))
-            rows.append(r0 + n - 1)
+            rows += range(r0 + n - 1 - s.draft, r0 + n)
         # a request whose own KV policy scores its prompt attends it where it is stored
         if local and p0 == 0 and len(seg) == 1 and s.params.kv_sparsity not in SCORED:
             at = local_base + len(mine.new_slots)

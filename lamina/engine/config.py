@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from lamina.engine.scheduler import SchedulerConfig
+from lamina.engine.speculative import SpeculativeConfig
 from lamina.faults import FaultPlan
 from lamina.memory.sparsity_config import SparsityConfig
 from lamina.memory.tier_orders import TierConfig
@@ -116,6 +117,13 @@ class EngineConfig:
     # of the keys they will never attend again (h2o / snapkv: left out at every layer),
     # so the pools hold more sequences; False keeps every slot
     kv_evict: bool = True
+    # Speculative decoding by n-gram prompt lookup (engine/speculative.py): each decoding
+    # sequence is fed up to speculative_tokens guessed tokens (0: off), those that
+    # followed the latest earlier occurrence of its last speculative_ngram_max ..
+    # speculative_ngram_min tokens; the step keeps the tokens drawing one a step gives
+    speculative_tokens: int = 0
+    speculative_ngram_max: int = 3
+    speculative_ngram_min: int = 2
     faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
 
     # (cached: the engine asks for each sequence's policy every step; a frozen
@@ -130,6 +138,11 @@ class EngineConfig:
         and added by whoever builds the memory sides)."""
         return SparsityConfig(self.kv_sparsity, self.kv_budget, self.kv_layer_budgets,
                               rescore=self.kv_topk_rescore)
+
+    @cached_property
+    def speculative(self) -> SpeculativeConfig:
+        return SpeculativeConfig(self.speculative_tokens, self.speculative_ngram_max,
+                                 self.speculative_ngram_min)
 
     @property
     def graph_tokens(self) -> int:
@@ -179,6 +192,7 @@ class EngineConfig:
         self._check_fields()
         SchedulerConfig(self.max_batch, self.max_step_tokens, self.split_kv)  # validates
         self.tiers  # noqa: B018 - TierConfig checks the kv_* tier fields
+        self.speculative  # noqa: B018 - SpeculativeConfig checks the speculative_* fields
         try:
             _ = self.sparsity
         except ValueError as e:

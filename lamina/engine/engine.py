@@ -32,6 +32,7 @@ from lamina.engine.messages import StepPlan, StepResult
 from lamina.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from lamina.engine.sessions import SessionIndex, check_session_id
+from lamina.engine.speculative import NgramIndex
 from lamina.errors import SequenceFault
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
 from lamina.memory.sparsity_config import (
@@ -98,7 +99,9 @@ class LLMEngine:
                                    prefix_caching=config.prefix_caching,
                                    sessions=self.sessions, evict=self._evict_rule(layers),
                                    scores_prompt=lambda seq: self._scores_prompt(seq.params),
-                                   drops=self._drop_rule(layers), admits=self._admits)
+                                   drops=self._drop_rule(layers), admits=self._admits,
+                                   propose=self._propose if config.speculative_tokens
+                                   else None)
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()
@@ -118,6 +121,9 @@ class LLMEngine:
         self._named: int | None = None  # the last culprit named, while no step ran since
         self.culprits: deque[str] = deque(maxlen=ERROR_HISTORY)  # why each was named
         self.num_culprits = 0
+        # speculative decoding: tokens guessed, and of them the ones kept
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def _kv_policy(self, params: SamplingParams) -> SparsityConfig:
         """A request's KV sparsity: its own (`SamplingParams.kv_sparsity` / `kv_budget`)
@@ -176,6 +182,22 @@ class LLMEngine:
             return cfg.enabled and cfg.policy in FOR_GOOD
 
         return rule
+
+    def _propose(self, seq: Sequence, spare: int) -> tuple[int, ...]:
+        """seq's draft this step (`engine/speculative.py`): at most `spare` tokens, none
+        past its max_tokens or the context. None for a sequence with structured output
+        (its matcher would have to run ahead), a KV policy other than dense (it scores
+        or drops keys per decode row) or forks still to come."""
+        spec, p = self.config.speculative, seq.params
+        req = self._by_seq[seq.seq_id][0]
+        room = min(spec.num_tokens, spare, self.max_len - seq.num_tokens - 1,
+                   (p.max_tokens - len(seq.output) - 1) if p.max_tokens is not None
+                   else spec.num_tokens)
+        if room <= 0 or req.guides or seq.forks or self._kv_policy(p).enabled:
+            return ()
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(spec)
+        return seq.ngrams.draft(seq.prompt, seq.output, room)
 
     @staticmethod
     def _session_index(config: EngineConfig, executor) -> SessionIndex | None:
@@ -384,8 +406,7 @@ class LLMEngine:
         now = time.perf_counter()
         self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
                                   "step_s": now - t0, **(result.timings or {})})
-        drawn = self._drawn(result)
-        self.step_timings[-1]["drawn"] = len(drawn)
+        drawn = self._drawn(plan, result)
         if self._search is not None:
             failed += self._searched(drawn, plan.step)
         return failed + self._apply(drawn, now, plan.step)
@@ -466,10 +487,12 @@ class LLMEngine:
                                f"{len(result.seq_ids)} ids / {len(result.token_ids)} token "
                                f"rows for plan step {plan.step}")
 
-    def _drawn(self, result: StepResult) -> list[_Draw]:
-        """Each drawn token with its sequence (a fork's siblings get theirs here) and its
-        logprob entry; prompt logprobs are stored on their request."""
+    def _drawn(self, plan: StepPlan, result: StepResult) -> list[_Draw]:
+        """Each drawn token with its sequence (a fork's siblings get theirs here; a
+        drafted sequence's tokens in order) and its logprob entry; prompt logprobs are
+        stored on their request."""
         none = (None,) * len(result.seq_ids)
+        drafts = {w.seq_id: w.draft for w in plan.seqs if w.draft}
         drawn: list[_Draw] = []
         for sid, toks, lp, plp in zip(result.seq_ids, result.token_ids,
                                       result.logprobs or none, result.prompt_logprobs or none):
@@ -480,6 +503,15 @@ class LLMEngine:
                 req.prompt_logprobs = [None] + [
                     TokenLogprob(t, v, tuple(zip(ti, tv))) for t, v, ti, tv in
                     zip(req.prompt_ids[1:], plp[0][:n], plp[1][:n], plp[2][:n])]
+            if sid in drafts:
+                if not 1 <= len(toks) <= drafts[sid] + 1 or (lp is not None
+                                                            and len(lp) != len(toks)):
+                    raise RuntimeError(f"executor kept {len(toks)} tokens of seq {sid}'s "
+                                       f"draft of {drafts[sid]}")
+                self.num_draft_tokens += drafts[sid]
+                self.num_accepted_tokens += len(toks) - 1
+                drawn += [_Draw(seq, t, x) for t, x in zip(toks, lp or (None,) * len(toks))]
+                continue
             kids = self.scheduler.fork(seq) if seq.forks else []
             if len(toks) != 1 + len(kids) or (lp is not None and len(lp) != len(toks)):
                 raise RuntimeError(f"executor drew {len(toks)} tokens for seq {sid}, "
@@ -495,14 +527,18 @@ class LLMEngine:
         done: list[RequestOutput] = []
         progressed: dict[int, _Request] = {}
         refused: dict[int, str] = {}  # seq id -> why
+        self.step_timings[-1]["drawn"] = 0  # tokens appended (not a draft's past a finish)
         for d in drawn:
             seq = d.seq
+            if seq.status == "finished":
+                continue  # a drafted sequence that ended at an earlier token of its draft
             req, i = self._by_seq[seq.seq_id]
             if req.guides and not req.guides[i].accept(d.token):
                 refused[seq.seq_id] = (f"structured output refused token {d.token}: "
                                        f"{req.guides[i].error or 'not allowed here'}")
                 continue
             req.first_token = req.first_token or now
+            self.step_timings[-1]["drawn"] += 1
             seq.output.append(d.token)
             if len(seq.output) == 1:  # prefilled: its prompt's KV may serve others now
                 self.scheduler.cache(seq, len(seq.prompt))
@@ -523,6 +559,9 @@ class LLMEngine:
                     continue
             if req.stream:
                 progressed[req.rid] = req
+        for seq in {d.seq.seq_id: d.seq for d in drawn}.values():
+            if seq.status == "running" and seq.sent > seq.num_tokens - 1:
+                self.scheduler.trim(seq)  # a draft's positions past the kept tokens
         failed = []
         for sid, why in refused.items():
             if sid in self._by_seq:  # a sibling's refusal may have failed it already

@@ -8,6 +8,8 @@ The data path of one step, and the file that owns each stage:
      |                                              were given back), sampling (this file),
      |                        engine/engine.py      structured output's allowed tokens
      |                                              (`SeqWork.allowed`; sampling/structured.py)
+     |                        engine/speculative.py  n-gram drafts fed after the last token
+     |                                              (`SeqWork.draft`)
   whole slot tables           compute/compute_side.py  SlotTables: kept per sequence
      |  control frame         dataplane/control.py  one msgpack frame to the compute worker
      v                                              (Ray executor; in-process: a call)
@@ -30,7 +32,9 @@ The data path of one step, and the file that owns each stage:
      |                                               asks: keys h2o / snapkv left out at
      |                                               every layer (their slots go back)
      v  after the last layer:
-  sampled tokens              compute/compute_side.py + sampling/sampler.py
+  sampled tokens              compute/compute_side.py + sampling/sampler.py (a draft:
+     |                                              drawn after each guessed token, kept
+     |                                              up to the first miss)
      |
   StepResult                  this file             token ids (and logprobs) in plan order,
      |                                              dropped keys
@@ -84,6 +88,12 @@ class SeqWork:
     # structured output: the tokens this draw may take, a bitmask (bit t & 7 of byte
     # t >> 3 = token t; `lamina.sampling.structured`); empty: any token
     allowed: bytes = b""
+    # speculative decoding (engine/speculative.py): the last `draft` fed tokens are a
+    # guess at what comes next. The step draws after each of the last draft + 1 fed
+    # tokens (each at its own position, with its seed) and keeps the draws up to and
+    # including the first that differs from the guess: 1..draft + 1 tokens, the same
+    # tokens as drawing one a step (an exact rejection test for a one-token guess)
+    draft: int = 0
 
     def __post_init__(self):
         end = self.start_pos + len(self.token_ids)
@@ -102,6 +112,11 @@ class SeqWork:
                              f"{self.start_pos}, on one memory worker")
         if self.sample and not self.seeds:
             raise ValueError(f"seq {self.seq_id}: sampling needs at least one seed")
+        if self.draft and not (0 < self.draft < len(self.token_ids) and self.sample
+                               and len(self.seeds) == 1 and not self.allowed):
+            raise ValueError(f"seq {self.seq_id}: a draft of {self.draft} tokens needs "
+                             f"more fed tokens ({len(self.token_ids)}), one seed, and no "
+                             f"structured output")
         seg = self.placement
         starts, workers = [a for _, a in seg], [w for w, _ in seg]
         if (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))
@@ -115,8 +130,13 @@ class SeqWork:
 
     @property
     def next_pos(self) -> int:
-        """Position of the token this step draws."""
+        """Position of the token this step draws (with a draft: the last one it may)."""
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def guess(self) -> tuple[int, ...]:
+        """The drafted tokens (the last `draft` fed)."""
+        return self.token_ids[len(self.token_ids) - self.draft:] if self.draft else ()
 
 
 @dataclass(frozen=True)
@@ -166,7 +186,9 @@ class DroppedKeys:
 class StepResult:
     step: int
     seq_ids: tuple[int, ...]  # sampling sequences, in plan order
-    token_ids: tuple[tuple[int, ...], ...]  # per sequence, one token per seed
+    # per sequence, one token per seed; with a draft (`SeqWork.draft`), the tokens it
+    # keeps, in order
+    token_ids: tuple[tuple[int, ...], ...]
     timings: dict[str, int | float] | None = None  # seconds: dense, attention, sample, ...
     # per sequence: None, or per drawn token (logprob, top ids, top logprobs)
     logprobs: tuple[tuple[TokenLogprobs, ...] | None, ...] | None = None

@@ -50,6 +50,7 @@ import numpy as np
 from lamina.engine.messages import SeqWork, StepPlan
 from lamina.engine.prefix_cache import RadixCache
 from lamina.engine.sessions import SessionIndex, TierMatch
+from lamina.engine.speculative import NgramIndex
 from lamina.memory.allocator import KVAllocator
 from lamina.sampling.params import SamplingParams
 
@@ -104,6 +105,7 @@ class Sequence:
     pending_drop: list[int] = field(default_factory=list)
     new_drops: tuple[int, ...] = ()
     first_dropped: int = -1
+    ngrams: NgramIndex | None = None  # speculative decoding: its n-grams' index
 
     @property
     def tokens(self) -> list[int]:
@@ -151,7 +153,8 @@ class Scheduler:
                  evict: Callable[[Sequence], tuple[int, int] | None] | None = None,
                  scores_prompt: Callable[[Sequence], bool] | None = None,
                  drops: Callable[[Sequence], bool] | None = None,
-                 admits: Callable[[Sequence], bool] | None = None):
+                 admits: Callable[[Sequence], bool] | None = None,
+                 propose: Callable[[Sequence, int], tuple[int, ...]] | None = None):
         self.allocs = allocators if isinstance(allocators, list) else [allocators]
         self.config, self.policy = config, policy
         # whether a sequence's KV policy scores its whole prompt where it is stored
@@ -167,6 +170,9 @@ class Scheduler:
         # whether a waiting sequence may be admitted now (the engine's culprit search
         # holds the others back; they keep their place); None: every one
         self.admits = admits
+        # speculative decoding: a decoding sequence's draft of at most n tokens (empty:
+        # none), fed after its last token (`engine/speculative.py`); None: no drafts
+        self.propose = propose
         # one radix tree per memory worker (`prefix_cache`); None: no caching
         self.caches = [RadixCache(a) for a in self.allocs] if prefix_caching else None
         self.waiting: deque[Sequence] = deque()
@@ -361,10 +367,12 @@ class Scheduler:
         return True
 
     def _work(self, seq: Sequence, start: int, end: int, seeds: tuple,
-              sample: bool = True) -> SeqWork:
-        """seq's work this step: its tokens at positions start..end-1. Its slots are the
-        table up to `end` if the executor holds none of it, else only the positions it
-        lacks (`SeqWork.slots`); only the KV ranges that begin before `end` are named."""
+              sample: bool = True, guess: tuple[int, ...] = ()) -> SeqWork:
+        """seq's work this step: its tokens at positions start..end-1 (a decode with a
+        draft: its last token, then `guess` at the positions after it). Its slots are
+        the table up to `end` if the executor holds none of it, else only the positions
+        it lacks (`SeqWork.slots`); only the KV ranges that begin before `end` are
+        named."""
         if end < seq.num_tokens:  # a prompt's chunk: its later slots exist already
             slots = self._range(seq, seq.sent, end)
         elif seq.sent:
@@ -374,16 +382,37 @@ class Scheduler:
             slots = tables[0] if len(tables) == 1 else list(itertools.chain(*tables))
         live = [(w, a) for w, a in seq.segments if a < end]
         penalized = seq.params.penalized  # then the draw needs every token so far
-        tokens = ((seq.last_token,) if start == seq.num_tokens - 1  # a decode: O(1)
+        tokens = ((seq.last_token, *guess) if start == seq.num_tokens - 1  # a decode: O(1)
                   else tuple(seq.tokens[start:end]))
         work = SeqWork(seq.seq_id, tokens, start, tuple(slots), sample=sample,
                        worker=live[0][0], params=seq.params, seeds=seeds,
                        segments=tuple(live) if len(live) > 1 else (),
                        history=tuple(seq.tokens) if penalized else (),
                        prompt_len=len(seq.prompt) if penalized else 0, slots_from=seq.sent,
-                       evicted=seq.evicted, dropped=seq.new_drops)
+                       evicted=seq.evicted, dropped=seq.new_drops, draft=len(guess))
         seq.sent, seq.new_drops = end, ()
         return work
+
+    def _guess(self, seq: Sequence, spare: int) -> tuple[int, ...]:
+        """seq's draft this step, its slots taken (after the one for its last token);
+        empty when it has none, or its KV spans workers, or they do not fit as they
+        are (a draft never evicts, spills or preempts)."""
+        if self.propose is None or spare <= 0 or len(seq.segments) != 1:
+            return ()
+        guess = self.propose(seq, spare)
+        a = self.allocs[seq.worker]
+        if not guess or not a.can_allocate(len(guess) + 1):
+            return ()
+        a.extend(seq.seq_id, len(guess) + 1)
+        return guess
+
+    def trim(self, seq: Sequence) -> None:
+        """After a step that fed seq a draft: the slots of the positions past those
+        written (the guessed tokens not kept) go back, and the executor's table of seq
+        is cut there by the next plan (`SeqWork.slots_from`)."""
+        keep = seq.num_tokens - 1
+        self.allocs[seq.worker].truncate(seq.seq_id, keep)
+        seq.sent = min(seq.sent, keep)
 
     def _range(self, seq: Sequence, start: int, end: int) -> list[int]:
         """The slots of positions start..end-1, read off seq's KV ranges in order."""
@@ -410,16 +439,24 @@ class Scheduler:
         work: list[SeqWork] = []
         report = False  # whether the memory workers are to say what they dropped
         # 1. Decode: one new slot per running sequence, oldest first; a full worker
-        #    spills to another (split_kv) or preempts its newest sequences.
+        #    spills to another (split_kv) or preempts its newest sequences. A drafted
+        #    sequence takes its draft's slots too, where they fit without either.
+        spare = self.config.max_step_tokens - len(self.running)  # tokens drafts may add
         for seq in list(self.running):
             if seq.status != "running" or seq.pending:
                 continue  # preempted while making room for an older one; or mid-prompt
-            if self._grow(seq):
+            guess = self._guess(seq, spare)
+            if guess:
+                spare -= len(guess)
+                end = seq.num_tokens + len(guess)
+                work.append(self._work(seq, end - len(guess) - 1, end, (seq.seed,),
+                                       guess=guess))
+            elif self._grow(seq):
                 self._evict(seq)
                 report |= self._drops(seq)
                 work.append(self._work(seq, seq.num_tokens - 1, seq.num_tokens, (seq.seed,)))
         # 2. Prompts fed in chunks: the next chunk of each, oldest first, within budget.
-        budget = self.config.max_step_tokens - len(work)
+        budget = self.config.max_step_tokens - sum(len(w.token_ids) for w in work)
         for seq in self.running:
             if seq.pending and budget > 0:
                 budget -= self._feed(seq, seq.num_tokens - seq.pending, budget, work)

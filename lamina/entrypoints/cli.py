@@ -147,7 +147,7 @@ def cmd_serve(args) -> int:
         given = _flags_given(args, ("config", "model", "executor", "memory_workers",
                                     "kv_device", "compute_device", "dense_backend",
                                     "dtype", "max_batch", "max_step_tokens",
-                                    "clamp_max_tokens"))
+                                    "clamp_max_tokens", "speculative_tokens"))
         if given:
             raise ValueError(f"--service serves the running service's engine: drop "
                              f"{', '.join(given)}")
@@ -481,6 +481,13 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
     p.add_argument("--kv-evict", action=argparse.BooleanOptionalAction, default=True,
                    help="streaming gives back the slots of the keys its window has passed "
                         "(--no-kv-evict keeps every slot)")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding by n-gram prompt lookup: feed each decoding "
+                        "sequence up to K guessed tokens a step, the ones that followed the "
+                        "latest earlier occurrence of its last tokens (same output; pays "
+                        "where answers copy from their context); 0: off")
+    p.add_argument("--speculative-ngram", type=int, nargs=2, default=[2, 3],
+                   metavar=("MIN", "MAX"), help="the n-gram lengths looked up (default 2 3)")
 
 
 def _budget(text: str) -> float | int:
@@ -508,6 +515,9 @@ def _llm(LLM, args, **kw):
                    kv_sparsity=args.kv_sparsity, kv_budget=args.kv_budget,
                    kv_layer_budgets=args.kv_layer_budgets,
                    kv_topk_rescore=args.kv_topk_rescore, kv_evict=args.kv_evict,
+                   speculative_tokens=args.speculative_tokens,
+                   speculative_ngram_min=args.speculative_ngram[0],
+                   speculative_ngram_max=args.speculative_ngram[1],
                    **({"kv_pool_bytes": int(args.kv_pool_gib * 2 ** 30)}
                       if args.kv_pool_gib else {}), **kw)
     from lamina.entrypoints.deploy_config import LaminaConfig
@@ -516,7 +526,8 @@ def _llm(LLM, args, **kw):
     given = _flags_given(args, ("model", "executor", "memory_workers", "kv_device",
                                 "compute_device", "dense_backend", "dtype", "kv_dtype",
                                 "kv_pool_gib", "kv_sparsity", "kv_budget", "kv_layer_budgets",
-                                "kv_topk_rescore", "kv_evict", *kw))
+                                "kv_topk_rescore", "kv_evict", "speculative_tokens",
+                                "speculative_ngram", *kw))
     if given:
         raise ValueError(f"--config {args.config} sets the engine: drop {', '.join(given)} "
                          f"(or put them in the file)")

@@ -54,6 +54,11 @@ class EngineMetrics:
                                 "failing with no request named (each failed alone)",
                                 registry=r)
         self._culprits = 0
+        self.drafted = Counter("lamina_spec_draft_tokens", "Speculative decoding: tokens "
+                               "guessed (n-gram drafts fed)", registry=r)
+        self.accepted = Counter("lamina_spec_accepted_tokens", "Speculative decoding: "
+                                "guessed tokens kept (each a step saved)", registry=r)
+        self._drafted = self._accepted = 0
         self.searching = Gauge("lamina_culprit_search", "1 while the engine looks for the "
                                "request behind failing steps (admission restricted)",
                                registry=r)
@@ -105,6 +110,10 @@ class EngineMetrics:
             self.culprits.inc(engine.num_culprits - self._culprits)
             self._culprits = engine.num_culprits
         self.searching.set(1 if engine.searching else 0)
+        if engine.num_draft_tokens > self._drafted:
+            self.drafted.inc(engine.num_draft_tokens - self._drafted)
+            self.accepted.inc(engine.num_accepted_tokens - self._accepted)
+            self._drafted, self._accepted = engine.num_draft_tokens, engine.num_accepted_tokens
         sched = engine.scheduler
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))

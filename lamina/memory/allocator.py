@@ -219,6 +219,17 @@ class KVAllocator:
                              f"positions {pos[-1]}..{pos[0]}")
         return self._drop(table, pos)
 
+    def truncate(self, req, n: int) -> list[int]:
+        """Keep `req`'s first n positions; the slots of the rest go back (a draft's
+        positions past the tokens kept), pushed last to first, so the first position
+        given back is the next one handed out. -> the slots that became free."""
+        table = self._table(req)
+        if not 0 <= n <= len(table):
+            raise IndexError(f"request {req!r} has {len(table)} positions, cannot keep {n}")
+        released = self._drop(table, range(len(table) - 1, n - 1, -1))
+        del table[n:]
+        return released
+
     def free(self, req) -> list[int]:
         """Release `req`. Returns the slots that became free, in push order."""
         table = self._tables.pop(req, None)

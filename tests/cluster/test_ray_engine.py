@@ -100,6 +100,24 @@ def test_ray_rotational_pipeline_identical(llm, prompts, hf_greedy):
     assert max(t["micro_batches"] for t in eng.step_timings) == 2
 
 
+def test_ray_speculative_drafts_answer_as_hf(llm, prompts, hf_greedy):
+    """n-gram drafts over Ray (the draft crosses the control channel in `SeqWork`, its
+    rows go to the memory workers as a prompt chunk, the misses' slots come back):
+    HF's greedy tokens, with guesses kept, also under rotational pipelining."""
+    eng = llm.engine
+    eng.config = replace(eng.config, speculative_tokens=4)
+    eng.scheduler.propose = eng._propose
+    try:
+        outs = llm.generate(prompts[:6], GREEDY, use_tqdm=False)
+        eng.config = replace(eng.config, pipeline="rotational")
+        rot = llm.generate(prompts[6:10], GREEDY, use_tqdm=False)
+    finally:
+        eng.config = replace(eng.config, speculative_tokens=0, pipeline="none")
+        eng.scheduler.propose = None
+    assert [o.token_ids for o in outs + rot] == hf_greedy[:10]
+    assert eng.num_accepted_tokens > 0
+
+
 def test_ray_exchange_probe(llm, prompts, hf_greedy):
     """The exchange probe (simulator calibration) times a layer's round trip through the
     real workers, and the engine's steps still give HF's tokens after it (the probe

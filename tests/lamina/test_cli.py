@@ -173,6 +173,12 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
              k["kv_evict"]) for k in seen] == [("topk", 0.1, "uniform", 3.0, True),
                                                ("h2o", 2048, "pyramid", 0.0, False)]
     assert isinstance(seen[1]["kv_budget"], int)  # a token count, not a fraction
+    seen.clear()
+    assert main(["generate", "--speculative-tokens", "4", "hi"]) == 0
+    assert main(["serve", "--port", "0", "--speculative-tokens", "3",
+                 "--speculative-ngram", "1", "4"]) == 0
+    assert [(k["speculative_tokens"], k["speculative_ngram_min"], k["speculative_ngram_max"])
+            for k in seen] == [(4, 2, 3), (3, 1, 4)]
     with pytest.raises(SystemExit):  # argparse: not a choice
         main(["generate", "--dtype", "float16", "hi"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err

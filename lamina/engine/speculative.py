@@ -1,0 +1,89 @@
+"""Speculative decoding's drafts: n-gram prompt lookup (vLLM's "ngram", "prompt lookup
+decoding").
+
+Data in: a running sequence's tokens (prompt + output so far), the config's
+`SpeculativeConfig`. Data out: a draft, the tokens that followed the latest earlier
+occurrence of the sequence's last n tokens (n from `ngram_max` down to `ngram_min`), at
+most `num_tokens` of them; empty when nothing matches.
+
+Why here and in this form: a draft costs no model of its own, and answers that copy
+from their context (code edits, quotes, extraction, JSON of given fields, a chat's
+repeated phrasing) continue earlier n-grams often. The scheduler feeds the draft after
+the sequence's last token in the same step (`SeqWork.draft`): the compute side's dense
+part takes draft + 1 rows of that sequence instead of one, which on a memory-bound
+decode step costs little, and its memory worker attends them as a prompt chunk over
+the context. The compute side draws after every fed token and keeps the draws up to
+the first that differs from the draft; the KV slots of the positions past it are given
+back (`Scheduler.trim`). A token is kept only where the draw equals the guess, and the
+draws are keyed by (seed, position), so the tokens are the ones drawing one a step
+gives, greedy or sampled (for a one-token guess this is the exact rejection test).
+
+Each sequence keeps an index of its n-grams (`NgramIndex`), extended by the tokens
+appended since its last draft, so a draft costs O(ngram_max) dict lookups, not a scan
+of the context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_tokens: int = 0  # tokens drafted per sequence and step (0: off)
+    ngram_max: int = 3  # the longest suffix looked up
+    ngram_min: int = 2  # the shortest (1: a single token may start a draft)
+
+    def __post_init__(self):
+        for name, low in (("num_tokens", 0), ("ngram_max", 1), ("ngram_min", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= 64:
+                raise ValueError(f"EngineConfig.speculative_{name.removeprefix('num_')} "
+                                 f"must be an int in {low}..64, got {v!r}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"EngineConfig.speculative_ngram_min ({self.ngram_min}) must "
+                             f"not exceed speculative_ngram_max ({self.ngram_max})")
+
+
+class NgramIndex:
+    """One sequence's n-grams (n in ngram_min..ngram_max) -> the position just after
+    their latest occurrence that has a token after it."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.after: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # tokens[:indexed] are indexed (each n-gram ending before it)
+
+    def update(self, prompt: list[int], output: list[int]) -> None:
+        """Index the n-grams that gained a next token since the last update."""
+        lo, hi, total = self.config.ngram_min, self.config.ngram_max, len(prompt) + len(output)
+        if total <= self.indexed:
+            return
+        start = max(self.indexed, 1)
+        window = _span(prompt, output, max(0, start - hi), total)  # what the grams read
+        base = max(0, start - hi)
+        for end in range(start, total):  # a gram ends at end - 1, `end` follows it
+            for n in range(lo, min(hi, end) + 1):
+                self.after[tuple(window[end - n - base:end - base])] = end
+        self.indexed = total
+
+    def draft(self, prompt: list[int], output: list[int], k: int) -> tuple[int, ...]:
+        """Up to k tokens that followed the longest suffix of prompt + output seen
+        before (its latest occurrence)."""
+        self.update(prompt, output)
+        total = len(prompt) + len(output)
+        tail = _span(prompt, output, max(0, total - self.config.ngram_max), total)
+        for n in range(min(self.config.ngram_max, total), self.config.ngram_min - 1, -1):
+            at = self.after.get(tuple(tail[len(tail) - n:]))
+            if at is not None:
+                return tuple(_span(prompt, output, at, min(at + k, total)))
+        return ()
+
+
+def _span(prompt: list[int], output: list[int], a: int, b: int) -> list[int]:
+    """(prompt + output)[a:b] without joining the lists."""
+    p = len(prompt)
+    if b <= p:
+        return prompt[a:b]
+    if a >= p:
+        return output[a - p:b - p]
+    return prompt[a:] + output[:b - p]
