@@ -197,7 +197,8 @@ class LLMEngine:
             return ()
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(spec)
-        return seq.ngrams.draft(seq.prompt, seq.output, room)
+        room = min(room, seq.ngrams.allowance())
+        return seq.ngrams.draft(seq.prompt, seq.output, room) if room else ()
 
     @staticmethod
     def _session_index(config: EngineConfig, executor) -> SessionIndex | None:
@@ -510,6 +511,8 @@ class LLMEngine:
                                        f"draft of {drafts[sid]}")
                 self.num_draft_tokens += drafts[sid]
                 self.num_accepted_tokens += len(toks) - 1
+                if seq.ngrams is not None:
+                    seq.ngrams.observe(drafts[sid], len(toks) - 1)
                 drawn += [_Draw(seq, t, x) for t, x in zip(toks, lp or (None,) * len(toks))]
                 continue
             kids = self.scheduler.fork(seq) if seq.forks else []

@@ -21,6 +21,13 @@ gives, greedy or sampled (for a one-token guess this is the exact rejection test
 Each sequence keeps an index of its n-grams (`NgramIndex`), extended by the tokens
 appended since its last draft, so a draft costs O(ngram_max) dict lookups, not a scan
 of the context.
+
+Drafts that miss are not free: their rows go through the dense part and attention, which
+at a large batch is compute the step pays for. So each sequence drafts by its record:
+a draft is at most one token longer than the previous one kept (up to `num_tokens`),
+and after a draft of which nothing was kept the sequence waits 1, 2, 4, ... (at most
+`MAX_BACKOFF`) steps before drafting again. An answer that copies keeps long drafts; an
+answer with little to copy soon drafts rarely and briefly.
 """
 from __future__ import annotations
 
@@ -44,14 +51,34 @@ class SpeculativeConfig:
                              f"not exceed speculative_ngram_max ({self.ngram_max})")
 
 
+MAX_BACKOFF = 16  # steps a sequence whose drafts keep missing waits at most
+
+
 class NgramIndex:
     """One sequence's n-grams (n in ngram_min..ngram_max) -> the position just after
-    their latest occurrence that has a token after it."""
+    their latest occurrence that has a token after it; and its drafts' record."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.after: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # tokens[:indexed] are indexed (each n-gram ending before it)
+        self.longest = config.num_tokens  # the next draft's length at most
+        self.misses = 0  # drafts in a row of which nothing was kept
+        self.wait = 0  # steps still to wait before the next draft
+
+    def allowance(self) -> int:
+        """How many tokens this step's draft may have (0: none this step)."""
+        if self.wait:
+            self.wait -= 1
+            return 0
+        return self.longest
+
+    def observe(self, drafted: int, kept: int) -> None:
+        """A draft's outcome: the next may be one token longer than what was kept;
+        nothing kept: wait twice as long as after the last miss."""
+        self.longest = min(self.config.num_tokens, kept + 1)
+        self.misses = 0 if kept else self.misses + 1
+        self.wait = min(MAX_BACKOFF, 2 ** (self.misses - 1)) if self.misses else 0
 
     def update(self, prompt: list[int], output: list[int]) -> None:
         """Index the n-grams that gained a next token since the last update."""
