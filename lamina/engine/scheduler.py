@@ -393,15 +393,17 @@ class Scheduler:
         seq.sent, seq.new_drops = end, ()
         return work
 
-    def _guess(self, seq: Sequence, spare: int) -> tuple[int, ...]:
+    def _guess(self, seq: Sequence, spare: int, after: list[Sequence]) -> tuple[int, ...]:
         """seq's draft this step, its slots taken (after the one for its last token);
-        empty when it has none, or its KV spans workers, or they do not fit as they
-        are (a draft never evicts, spills or preempts)."""
+        empty when it has none, or its KV spans workers, or they do not fit in the
+        free slots beside the next slot of each sequence decoding `after` it on that
+        worker (a draft never evicts, spills or preempts, nor makes another do so)."""
         if self.propose is None or spare <= 0 or len(seq.segments) != 1:
             return ()
         guess = self.propose(seq, spare)
-        a = self.allocs[seq.worker]
-        if not guess or not a.can_allocate(len(guess) + 1):
+        w = seq.worker
+        a, later = self.allocs[w], sum(1 for s in after if s.worker == w)
+        if not guess or not a.can_allocate(len(guess) + 1 + later):
             return ()
         a.extend(seq.seq_id, len(guess) + 1)
         return guess
@@ -442,10 +444,11 @@ class Scheduler:
         #    spills to another (split_kv) or preempts its newest sequences. A drafted
         #    sequence takes its draft's slots too, where they fit without either.
         spare = self.config.max_step_tokens - len(self.running)  # tokens drafts may add
-        for seq in list(self.running):
-            if seq.status != "running" or seq.pending:
-                continue  # preempted while making room for an older one; or mid-prompt
-            guess = self._guess(seq, spare)
+        decoding = [s for s in self.running if not s.pending]
+        for k, seq in enumerate(decoding):
+            if seq.status != "running":
+                continue  # preempted while making room for an older one
+            guess = self._guess(seq, spare, decoding[k + 1:])
             if guess:
                 spare -= len(guess)
                 end = seq.num_tokens + len(guess)

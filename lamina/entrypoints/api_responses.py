@@ -50,6 +50,37 @@ class Stored:
     response: dict  # the Response object as returned
     messages: list[dict]  # the conversation in chat's shape, answer included, no instructions
     session: str  # the chain's first response id
+    inputs: list[dict]  # this request's input items, as `input_items` lists them
+
+
+def input_items(items) -> list[dict]:
+    """A request's `input` as OpenAI lists it back (`GET /v1/responses/{id}/input_items`):
+    items with ids, a string as one user message of one input_text part."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user",
+                  "content": [{"type": "input_text", "text": items}]}]
+    out = []
+    for it in items:
+        it = {"type": "message", **it}
+        if it["type"] == "message" and isinstance(it.get("content"), str):
+            kind = "output_text" if it.get("role") == "assistant" else "input_text"
+            it["content"] = [{"type": kind, "text": it["content"]}]
+        prefix = {"message": "msg", "function_call": "fc"}.get(it["type"], "fco")
+        out.append({"id": new_id(prefix), **it})
+    return out
+
+
+def listed(items: list[dict], limit: int, order: str, after: str | None) -> dict:
+    """OpenAI's list page: `order` "asc" or "desc", `limit` items after the id `after`."""
+    seq = items if order == "asc" else items[::-1]
+    if after is not None:
+        at = next((k for k, it in enumerate(seq) if it["id"] == after), None)
+        if at is None:
+            raise ValueError(f"after: no input item {after!r} in this response")
+        seq = seq[at + 1:]
+    page = seq[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(seq) > limit}
 
 
 class ResponseStore:

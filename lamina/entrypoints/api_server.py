@@ -60,6 +60,8 @@ from lamina.entrypoints.api_responses import (
     ResponseStore,
     Stored,
     answer_message,
+    input_items,
+    listed,
     new_id,
     output_items,
     response_events,
@@ -403,6 +405,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/responses")(api.responses)
     app.get("/v1/responses/{rid}")(api.get_response)
+    app.get("/v1/responses/{rid}/input_items")(api.response_input_items)
     app.delete("/v1/responses/{rid}")(api.delete_response)
     return app
 
@@ -560,6 +563,20 @@ class _Api:
                           f"{self.config.max_stored_responses})", "response_id", "not_found")
         return got.response
 
+    async def response_input_items(self, rid: str, limit: int = 20, order: str = "desc",
+                                   after: str | None = None):
+        got = self.stored.get(rid)
+        if got is None:
+            return _error(404, f"no stored response {rid!r}", "response_id", "not_found")
+        if not 1 <= limit <= 100 or order not in ("asc", "desc"):
+            return _error(400, f"limit must be 1..100 and order 'asc' or 'desc', got "
+                          f"{limit}, {order!r}", "limit" if order in ("asc", "desc")
+                          else "order")
+        try:
+            return listed(got.inputs, limit, order, after)
+        except ValueError as e:
+            return _error(400, str(e), "after")
+
     async def delete_response(self, rid: str):
         if not self.stored.delete(rid):
             return _error(404, f"no stored response {rid!r}", "response_id", "not_found")
@@ -579,6 +596,7 @@ class _Api:
         rid = new_id("resp")
         try:
             call = to_chat(body, prev)
+            items = input_items(body.input)
             chat = ChatRequest(**call.body)
         except (ValueError, ValidationError) as e:
             where = str(e).split(":")[0].split("\n")[0]
@@ -591,7 +609,7 @@ class _Api:
             if body.store:
                 self.stored.put(rid, Stored(resp, [*call.history, *call.messages,
                                                    answer_message(resp["output"])],
-                                            session))
+                                            session, items))
 
         out = await self._chat(chat, request)
         if isinstance(out, JSONResponse):

@@ -50,7 +50,8 @@ def test_answers_and_conversations_are_hfs(srv, smol):
     counts its prompt; cut by max_output_tokens: "incomplete". The next turn with
     previous_response_id: HF's text for the whole history, most of its prompt cached;
     the stored response retrieved as returned; deleted, it is a 404 and a 400 naming
-    previous_response_id; past max_stored_responses the oldest are dropped."""
+    previous_response_id; past max_stored_responses the oldest are dropped. Each
+    stored response lists its input items back (`input_items`)."""
     cl = srv.client()
     first = [{"role": "system", "content": "Answer in one sentence."},
              {"role": "user", "content": "What is the capital of France?"}]
@@ -72,6 +73,11 @@ def test_answers_and_conversations_are_hfs(srv, smol):
     assert r2.usage.input_tokens == len(ids2)
     assert r2.usage.input_tokens_details.cached_tokens >= len(ids) - 16, r2.usage
     assert cl.responses.retrieve(r2.id).model_dump() == r2.model_dump()
+    (item,) = cl.responses.input_items.list(r.id).data  # a string: one user message
+    assert (item.type, item.role, [(c.type, c.text) for c in item.content]) == (
+        "message", "user", [("input_text", first[1]["content"])])
+    page = cl.responses.input_items.list(r2.id, order="asc", limit=1)
+    assert [c.text for c in page.data[0].content] == ["And of Italy?"] and not page.has_more
     assert cl.responses.delete(r2.id) is None
     with pytest.raises(openai.NotFoundError):
         cl.responses.retrieve(r2.id)
@@ -148,6 +154,9 @@ def test_function_tools_forced_auto_and_their_results(srv):
         {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}],
         tools=[WEATHER], tool_choice="none", max_output_tokens=12, temperature=0)
     assert after.output_text and not [it for it in after.output if it.type != "message"]
+    (sent,) = cl.responses.input_items.list(after.id).data
+    assert (sent.type, sent.call_id, sent.output) == ("function_call_output", call.call_id,
+                                                      "18 C")
     regex = ('Checking\\.\\n<tool_call>\\n\\{"name": "get_weather", "arguments": '
              '\\{"city": "(Paris|Oslo)"\\}\\}\\n</tool_call>')
     ask = dict(model="smollm2", input="Weather in Paris?", tools=[WEATHER],

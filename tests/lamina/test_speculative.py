@@ -78,8 +78,9 @@ def test_a_draft_is_fed_with_exact_slots_and_the_misses_go_back():
 
 def test_a_draft_never_preempts_and_respects_the_step_budget():
     """Drafts take only free slots and the tokens the step budget leaves: with 2 free
-    slots a draft of 2 (3 slots) is not fed, the sequence decodes plainly; with a
-    budget of 3 tokens for 2 decoding sequences, 1 guessed token in all."""
+    slots a draft of 2 (3 slots) is not fed, the sequence decodes plainly; nor one that
+    would take the slot a newer sequence's next token needs; with a budget of 3 tokens
+    for 2 decoding sequences, 1 guessed token in all."""
     alloc = KVAllocator(KVAllocatorConfig(5))
     s = Scheduler(SchedulerConfig(4, 100), alloc, propose=lambda seq, spare: (1, 2)[:spare])
     a = Sequence(0, [5, 6, 7], P)
@@ -87,6 +88,18 @@ def test_a_draft_never_preempts_and_respects_the_step_budget():
     s.schedule()
     a.output.append(4)
     assert s.schedule().seqs == (SeqWork(0, (4,), 3, (3,), params=P, slots_from=3),)
+    # 2 free slots, two decoding sequences: the older one's draft of 1 (2 slots) would
+    # leave none for the newer one's next token, so neither drafts, none is preempted
+    s = Scheduler(SchedulerConfig(4, 100), KVAllocator(KVAllocatorConfig(8)),
+                  propose=lambda seq, spare: (1,) if seq.seq_id == 0 else ())
+    for i in (0, 1):
+        s.add(Sequence(i, [5, 6, 7], P))
+    s.schedule()
+    for q in s.running:
+        q.output.append(4)
+    plan = s.schedule()
+    assert [(w.seq_id, w.draft, w.slots) for w in plan.seqs] == [(0, 0, (6,)), (1, 0, (7,))]
+    assert not s.waiting
     s2 = Scheduler(SchedulerConfig(4, 3), KVAllocator(KVAllocatorConfig(20)),
                    propose=lambda seq, spare: (1, 2)[:spare])
     for i in (0, 1):
@@ -198,3 +211,28 @@ def test_recovered_and_preempted_drafts_keep_the_tokens(smol, smol_split, prompt
     assert [o.token_ids for o in outs] == [hf_greedy[i] for i in [1, 3, 4, 10, 11, 12]]
     assert sum(o.metrics["preemptions"] for o in outs) > 0
     assert small.free_slots()[0] == 400
+
+
+@pytest.mark.parametrize("pipeline, replicas, batches", [("fixed", 2, 2),
+                                                          ("rotational", 2, 3)])
+def test_drafts_over_compute_replicas(smol, smol_split, prompts, hf_greedy, pipeline,
+                                      replicas, batches):
+    """The step split over two compute replicas, each its own batch (fixed) or slices
+    rotating over them with the contexts moving (rotational, 3 batches): a drafted
+    sequence's rows travel with it; HF's greedy tokens, guesses kept."""
+    from lamina.engine.engine import LLMEngine
+    from lamina.executor.local import LocalExecutor
+    from lamina.memory.memory_side import MemorySide
+    from lamina.memory.pool import KVPool, KVPoolConfig
+
+    mems = [MemorySide(KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 4096)))
+            for _ in range(2)]
+    ex = LocalExecutor(smol_split, mems, vocab_size=smol.config.vocab_size,
+                       num_compute_workers=replicas, pipeline=pipeline)
+    cfg = EngineConfig(num_kv_slots=4096, num_memory_workers=2, pipeline=pipeline,
+                       num_compute_workers=replicas, num_batches=batches,
+                       speculative_tokens=4)
+    eng = LLMEngine(cfg, ex, smol.tokenizer, smol.config)
+    outs = run(eng, prompts[:8], GREEDY)
+    assert [o.token_ids for o in outs] == hf_greedy[:8]
+    assert eng.num_accepted_tokens > 0
