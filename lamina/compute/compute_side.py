@@ -632,7 +632,7 @@ def _draw_rows(logits: torch.Tensor, works: list[SeqWork]):
     toks = sample_rows(logits, params, [s.seeds for s, _ in rows],
                        [s.next_pos - s.draft + t for s, t in rows],
                        [(s.history + s.guess[:t], s.prompt_len) for s, t in rows],
-                       [s.allowed for s, _ in rows])
+                       [_row_mask(s, t) for s, t in rows])
     lps = (row_logprobs(logits, params, toks) if any(p.logprobs is not None for p in params)
            else None)
     out_t: list[tuple[int, ...]] = []
@@ -649,6 +649,14 @@ def _draw_rows(logits: torch.Tensor, works: list[SeqWork]):
                           else tuple(x[0] for x in mine if x is not None))
         at += s.draft + 1
     return out_t, (tuple(out_lp) if lps is not None else None)
+
+
+def _row_mask(s: SeqWork, t: int) -> bytes:
+    """Draw t's bitmask of a sequence (its only one without a draft; b"": none)."""
+    if not s.draft or not s.allowed:
+        return s.allowed
+    n = len(s.allowed) // (s.draft + 1)
+    return s.allowed[t * n:(t + 1) * n]
 
 
 def _select_rows(args: tuple, rows: Sequence[int]) -> tuple:

@@ -185,20 +185,27 @@ class LLMEngine:
 
     def _propose(self, seq: Sequence, spare: int) -> tuple[int, ...]:
         """seq's draft this step (`engine/speculative.py`): at most `spare` tokens, none
-        past its max_tokens or the context. None for a sequence with structured output
-        (its matcher would have to run ahead), a KV policy other than dense (it scores
-        or drops keys per decode row) or forks still to come."""
+        past its max_tokens or the context. With structured output: the tokens its
+        grammar forces (keys, punctuation), else an n-gram draft as far as the grammar
+        takes it. None for a sequence with a KV policy other than dense (it scores or
+        drops keys per decode row) or forks still to come."""
         spec, p = self.config.speculative, seq.params
-        req = self._by_seq[seq.seq_id][0]
+        req, i = self._by_seq[seq.seq_id]
         room = min(spec.num_tokens, spare, self.max_len - seq.num_tokens - 1,
                    (p.max_tokens - len(seq.output) - 1) if p.max_tokens is not None
                    else spec.num_tokens)
-        if room <= 0 or req.guides or seq.forks or self._kv_policy(p).enabled:
+        if room <= 0 or seq.forks or self._kv_policy(p).enabled:
             return ()
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(spec)
         room = min(room, seq.ngrams.allowance())
-        return seq.ngrams.draft(seq.prompt, seq.output, room) if room else ()
+        if not room:
+            return ()
+        if req.guides:  # what its grammar forces, else an n-gram draft it takes
+            guess = req.guides[i].forced()[:room] or seq.ngrams.draft(seq.prompt,
+                                                                      seq.output, room)
+            return guess[:req.guides[i].valid_prefix(guess)]
+        return seq.ngrams.draft(seq.prompt, seq.output, room)
 
     @staticmethod
     def _session_index(config: EngineConfig, executor) -> SessionIndex | None:
@@ -433,8 +440,10 @@ class LLMEngine:
         seqs = list(plan.seqs)
         for k, w in enumerate(seqs):
             req, i = self._by_seq[w.seq_id]
-            if w.sample and req.guides:
-                seqs[k] = replace(w, allowed=req.guides[i].allowed())
+            if w.sample and req.guides:  # a draft: a mask per draw (`SeqWork.allowed`)
+                g = req.guides[i]
+                seqs[k] = replace(w, allowed=g.draft_masks(w.guess) if w.draft
+                                  else g.allowed())
         return replace(plan, seqs=tuple(seqs))
 
     def _execute(self, plan: StepPlan, failed: list[RequestOutput]) -> StepResult | None:

@@ -86,7 +86,8 @@ class SeqWork:
     # layer for good (`StepResult.dropped`); their attention lists the rest only
     dropped: tuple[int, ...] = ()
     # structured output: the tokens this draw may take, a bitmask (bit t & 7 of byte
-    # t >> 3 = token t; `lamina.sampling.structured`); empty: any token
+    # t >> 3 = token t; `lamina.sampling.structured`); empty: any token. With a draft,
+    # draft + 1 bitmasks of equal length, one per draw, in order
     allowed: bytes = b""
     # speculative decoding (engine/speculative.py): the last `draft` fed tokens are a
     # guess at what comes next. The step draws after each of the last draft + 1 fed
@@ -113,10 +114,11 @@ class SeqWork:
         if self.sample and not self.seeds:
             raise ValueError(f"seq {self.seq_id}: sampling needs at least one seed")
         if self.draft and not (0 < self.draft < len(self.token_ids) and self.sample
-                               and len(self.seeds) == 1 and not self.allowed):
+                               and len(self.seeds) == 1
+                               and len(self.allowed) % (self.draft + 1) == 0):
             raise ValueError(f"seq {self.seq_id}: a draft of {self.draft} tokens needs "
-                             f"more fed tokens ({len(self.token_ids)}), one seed, and no "
-                             f"structured output")
+                             f"more fed tokens ({len(self.token_ids)}), one seed, and a "
+                             f"bitmask per draw or none")
         seg = self.placement
         starts, workers = [a for _, a in seg], [w for w, _ in seg]
         if (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))

@@ -1,5 +1,6 @@
 """Speculative decoding's drafts: n-gram prompt lookup (vLLM's "ngram", "prompt lookup
-decoding").
+decoding"); for structured output, the engine drafts the tokens the grammar forces
+first (`LLMEngine._propose`).
 
 Data in: a running sequence's tokens (prompt + output so far), the config's
 `SpeculativeConfig`. Data out: a draft, the tokens that followed the latest earlier

@@ -180,6 +180,28 @@ class Guide:
         (Not llguidance.torch's helpers: importing them imports torch._dynamo, 1.3 s.)"""
         return self._m.compute_bitmask()
 
+    def forced(self) -> tuple[int, ...]:
+        """The tokens the grammar forces next (a schema's keys, punctuation), as its
+        tokenizer writes them; a draft the model's draws keep unless it would spell
+        them in other tokens."""
+        return () if self._m.is_stopped() else tuple(self._m.compute_ff_tokens())
+
+    def valid_prefix(self, tokens: tuple[int, ...]) -> int:
+        """How many of `tokens` the grammar takes in a row from here (a draft's)."""
+        return 0 if self._m.is_stopped() else int(self._m.validate_tokens(list(tokens)))
+
+    def draft_masks(self, guess: tuple[int, ...]) -> bytes:
+        """For a draft the grammar takes whole: the bitmasks of the draws after the
+        current token and after each guessed one, concatenated (the matcher is moved
+        along the guess and back)."""
+        masks = [self._m.compute_bitmask()]
+        for t in guess:
+            self._m.consume_token(t)
+            masks.append(self._m.compute_bitmask())
+        if guess:
+            self._m.rollback(len(guess))
+        return b"".join(masks)
+
     def accept(self, token: int) -> bool:
         """Feed a drawn token; False if the grammar refuses it (then `error` says why)."""
         if self._m.is_stopped():

@@ -168,9 +168,10 @@ def test_the_tokens_drawing_one_a_step_gives(smol, smol_split, prompts, params):
     assert eng.free_slots()[0] == eng.config.num_kv_slots  # no slot leaked
 
 
-def test_structured_sparse_and_forked_requests_run_without_drafts(smol, smol_split, prompts):
-    """Requests a draft would not serve (structured output, a KV policy of their own,
-    n > 1) decode one token a step beside drafted ones, with their usual tokens."""
+def test_sparse_and_forked_requests_run_without_drafts(smol, smol_split, prompts):
+    """Requests a draft would not serve (a KV policy of their own, n > 1) decode one
+    token a step beside drafted ones (one with structured output among them), with
+    their usual tokens."""
     from lamina.sampling.structured import StructuredOutputs
 
     kinds = [SamplingParams(max_tokens=20, temperature=0,
@@ -188,6 +189,41 @@ def test_structured_sparse_and_forked_requests_run_without_drafts(smol, smol_spl
     for b, i in zip(base, ids):
         assert [c.token_ids for c in got[i].outputs] == [c.token_ids for c in b.outputs]
     assert eng.num_draft_tokens > 0
+
+
+EXTRACT = ("Customer record: name Alice Johnson, email alice.johnson@example.com, city "
+           "Springfield, plan pro.\nThe same record as JSON with the keys name, email, "
+           "city and plan: ")
+RECORD = {"type": "object", "properties": {
+    "name": {"type": "string"}, "email": {"type": "string"}, "city": {"type": "string"},
+    "plan": {"enum": ["free", "pro", "team"]}},
+    "required": ["name", "email", "city", "plan"], "additionalProperties": False}
+
+
+def test_structured_output_drafts_within_its_grammar(smol, smol_split):
+    """A JSON extraction (its values copied from the prompt) under a schema: drafts of
+    the tokens the grammar forces (keys, punctuation) or n-gram drafts cut to what the
+    grammar takes, each draw under its own mask (the matcher moved along the guess and
+    back): the tokens of one a step, valid JSON, guesses kept, in fewer steps; greedy
+    and sampled."""
+    import json
+
+    import jsonschema
+
+    from lamina.sampling.structured import StructuredOutputs
+
+    spec = StructuredOutputs(json=RECORD)
+    for params in (SamplingParams(max_tokens=80, temperature=0, structured_outputs=spec),
+                   SamplingParams(max_tokens=80, temperature=0.7, seed=5,
+                                  structured_outputs=spec)):
+        plain = engine(smol, smol_split)
+        base = run(plain, [EXTRACT], params)[0]
+        eng = engine(smol, smol_split, speculative_tokens=4, speculative_ngram_min=1)
+        out = run(eng, [EXTRACT], params)[0]
+        assert out.token_ids == base.token_ids and out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), RECORD)
+        assert eng.num_accepted_tokens > 0
+        assert len(eng.step_timings) < len(plain.step_timings)
 
 
 def test_recovered_and_preempted_drafts_keep_the_tokens(smol, smol_split, prompts,
