@@ -40,7 +40,7 @@ and merges the partial attentions exactly by log-sum-exp.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
@@ -393,16 +393,15 @@ class Scheduler:
         seq.sent, seq.new_drops = end, ()
         return work
 
-    def _guess(self, seq: Sequence, spare: int, after: list[Sequence]) -> tuple[int, ...]:
+    def _guess(self, seq: Sequence, spare: int, later: int) -> tuple[int, ...]:
         """seq's draft this step, its slots taken (after the one for its last token);
         empty when it has none, or its KV spans workers, or they do not fit in the
-        free slots beside the next slot of each sequence decoding `after` it on that
-        worker (a draft never evicts, spills or preempts, nor makes another do so)."""
+        free slots beside the next slots of the `later` sequences decoding after it on
+        its worker (a draft never evicts, spills or preempts, nor makes another do so)."""
         if self.propose is None or spare <= 0 or len(seq.segments) != 1:
             return ()
         guess = self.propose(seq, spare)
-        w = seq.worker
-        a, later = self.allocs[w], sum(1 for s in after if s.worker == w)
+        a = self.allocs[seq.worker]
         if not guess or not a.can_allocate(len(guess) + 1 + later):
             return ()
         a.extend(seq.seq_id, len(guess) + 1)
@@ -445,10 +444,12 @@ class Scheduler:
         #    sequence takes its draft's slots too, where they fit without either.
         spare = self.config.max_step_tokens - len(self.running)  # tokens drafts may add
         decoding = [s for s in self.running if not s.pending]
-        for k, seq in enumerate(decoding):
+        later = Counter(s.worker for s in decoding)  # next slots still to take, per worker
+        for seq in decoding:
+            later[seq.worker] -= 1
             if seq.status != "running":
                 continue  # preempted while making room for an older one
-            guess = self._guess(seq, spare, decoding[k + 1:])
+            guess = self._guess(seq, spare, later[seq.worker])
             if guess:
                 spare -= len(guess)
                 end = seq.num_tokens + len(guess)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,7 @@ class Parsed:
     calls: tuple[Call, ...]  # empty: the answer is text
 
 
-class ToolParser:
+class ToolParser(ABC):
     """One family's tool-call format. `markers`: strings a call region starts with;
     `leading`: calls only at the answer's start (then the whole answer is calls)."""
 
@@ -63,16 +64,17 @@ class ToolParser:
             return Parsed(text, ())
         return Parsed(content, calls) if calls else Parsed(text, ())
 
+    @abstractmethod
     def _split(self, text: str) -> tuple[str, list[tuple[Any, Any]]]:
         """text -> (the text outside calls, [(name, arguments)]); raises on a bad region."""
-        raise NotImplementedError
 
+    @abstractmethod
     def format_calls(self, calls: list[tuple[str, dict]]) -> str:
         """Calls written as this family's model writes them (for earlier turns)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def system_prompt(self, tools: list[dict]) -> str:
-        raise NotImplementedError
+        """The system prompt that lists `tools` in this family's words."""
 
 
 def _call(name, args, names: frozenset[str] | None) -> Call:
