@@ -571,7 +571,8 @@ class LLMEngine:
                     continue
             if req.stream:
                 progressed[req.rid] = req
-        for seq in {d.seq.seq_id: d.seq for d in drawn}.values():
+        for seq in ({d.seq.seq_id: d.seq for d in drawn}.values()
+                    if self.scheduler.propose is not None else ()):
             if seq.status == "running" and seq.sent > seq.num_tokens - 1:
                 self.scheduler.trim(seq)  # a draft's positions past the kept tokens
         failed = []

@@ -444,7 +444,8 @@ class Scheduler:
         #    sequence takes its draft's slots too, where they fit without either.
         spare = self.config.max_step_tokens - len(self.running)  # tokens drafts may add
         decoding = [s for s in self.running if not s.pending]
-        later = Counter(s.worker for s in decoding)  # next slots still to take, per worker
+        # drafts only: the next slots still to take, per worker (no pass when they are off)
+        later = Counter(s.worker for s in decoding) if self.propose else Counter()
         for seq in decoding:
             later[seq.worker] -= 1
             if seq.status != "running":
