@@ -1,7 +1,7 @@
 """What n-gram speculative decoding buys and costs (`lamina/engine/speculative.py`).
 
     python benchmarks/speculative_probe.py [--batch 1 8 32] [--tokens 4] [--repeat 3]
-        [--dtype bfloat16] [--out DIR]
+        [--dtype bfloat16] [--workloads copy code chat json] [--out DIR]
 
 SmolLM2 on the local executor (`LLM`, CPU, one memory worker). Four workloads of B
 requests each, greedy, 128 new tokens (`ignore_eos`, so both runs draw as many):
@@ -9,11 +9,16 @@ requests each, greedy, 128 new tokens (`ignore_eos`, so both runs draw as many):
 given function with one change), "chat" (open questions: little to copy, what drafts
 cost when they miss), and "json" (a record's fields extracted under a JSON schema, to
 its end: drafts of the tokens the grammar forces, or n-gram drafts it takes). One
-engine, its drafts switched on and off between runs (`Scheduler.propose`), the runs
-interleaved; the prompts' KV comes from the prefix cache after the first run, so the
-times are decode's. Reported per workload and B: wall time without and with drafts
-(medians of --repeat), their ratio, guessed tokens kept (%), and the tokens drawn per
-step and decoding sequence; the tokens of both runs must be equal (asserted). Writes
+engine in three modes, switched between runs and interleaved: no drafts
+(`Scheduler.propose` off), drafts sized by each sequence's record alone
+(`speculative_by_cost=False`), and sized by the measured cost of a row too (the
+default: `DraftCost`); the prompts' KV comes from the prefix cache after the first
+run, so the times are decode's. Reported per workload and B: each mode's wall time
+(medians of --repeat) and its ratio to no drafts, and for the default mode the guessed
+tokens kept (%) and tokens drawn per step and decoding sequence. In float32 the
+tokens of every run must be equal (asserted); in bfloat16 a CPU's GEMM may round
+differently for a different number of rows (AMX's does), so a near-tie can go the other
+way: the answers equal to no drafts' are counted ("same %", both modes). Writes
 speculative_probe.json and .md into --out.
 """
 from __future__ import annotations
@@ -63,6 +68,8 @@ def prompts(kind: str, n: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--workloads", nargs="+", default=["copy", "code", "chat", "json"],
+                    choices=["copy", "code", "chat", "json"])
     ap.add_argument("--tokens", type=int, default=4, help="speculative_tokens (K)")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
@@ -76,40 +83,50 @@ def main() -> None:
     free = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     held = SamplingParams(max_tokens=args.new, temperature=0,
                           structured_outputs=StructuredOutputs(json=RECORD))
-    rows, table = [], [["workload", "B", "plain s", "drafts s", "x", "kept %",
-                        "tokens/step/seq"]]
-    for kind in ("copy", "code", "chat", "json"):
+    rows, table = [], [["workload", "B", "plain s", "by record s", "x", "by cost s", "x",
+                        "kept %", "tokens/step/seq", "same %"]]
+    modes = ("plain", "record", "cost")
+    for kind in args.workloads:
         params = held if kind == "json" else free
         for b in args.batch:
             texts = [chat.apply_chat_template([{"role": "user", "content": p}],
                                               tokenize=False, add_generation_prompt=True)
                      for p in prompts(kind, b)]
-            times: dict[bool, list[float]] = {False: [], True: []}
-            toks: dict[bool, list] = {}
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            toks: dict[str, list] = {}
             drafted = kept = steps = drawn = 0
             llm.generate(texts, SamplingParams(max_tokens=1), use_tqdm=False)  # cache KV
             for _ in range(args.repeat):
-                for on in (False, True):
-                    eng.scheduler.propose = propose if on else None
+                for mode in modes:
+                    eng.scheduler.propose = None if mode == "plain" else propose
+                    eng.drafts_by_cost = mode == "cost"
                     d0, a0, s0 = eng.num_draft_tokens, eng.num_accepted_tokens, \
                         eng.scheduler.step
                     t = time.perf_counter()
                     outs = llm.generate(texts, params, use_tqdm=False)
-                    times[on].append(time.perf_counter() - t)
-                    toks[on] = [o.token_ids for o in outs]
-                    if on:
+                    times[mode].append(time.perf_counter() - t)
+                    toks[mode] = [o.token_ids for o in outs]
+                    if mode == "cost":
                         drafted += eng.num_draft_tokens - d0
                         kept += eng.num_accepted_tokens - a0
                         steps += eng.scheduler.step - s0
-                        drawn += sum(len(t) for t in toks[on])
-            assert toks[True] == toks[False], f"{kind} B={b}: drafts changed the tokens"
-            plain, spec = statistics.median(times[False]), statistics.median(times[True])
+                        drawn += sum(len(t) for t in toks[mode])
+            same = sum(toks[m][i] == toks["plain"][i] for m in ("record", "cost")
+                       for i in range(b)) / (2 * b)
+            assert same == 1 or args.dtype != "float32", f"{kind} B={b}: tokens changed"
+            med = {m: statistics.median(times[m]) for m in modes}
             per_step = drawn / max(steps, 1) / b
-            rows.append({"workload": kind, "batch": b, "plain_s": plain, "drafts_s": spec,
-                         "speedup": plain / spec, "drafted": drafted, "kept": kept,
-                         "tokens_per_step_per_seq": per_step})
-            table.append([kind, str(b), f"{plain:.2f}", f"{spec:.2f}", f"{plain / spec:.2f}",
-                          f"{100 * kept / max(drafted, 1):.0f}", f"{per_step:.2f}"])
+            rows.append({"workload": kind, "batch": b, "plain_s": med["plain"],
+                         "record_s": med["record"], "cost_s": med["cost"],
+                         "speedup_record": med["plain"] / med["record"],
+                         "speedup_cost": med["plain"] / med["cost"], "drafted": drafted,
+                         "kept": kept, "tokens_per_step_per_seq": per_step,
+                         "threshold_now": eng.draft_cost.threshold(b), "same": same})
+            table.append([kind, str(b), f"{med['plain']:.2f}", f"{med['record']:.2f}",
+                          f"{med['plain'] / med['record']:.2f}", f"{med['cost']:.2f}",
+                          f"{med['plain'] / med['cost']:.2f}",
+                          f"{100 * kept / max(drafted, 1):.0f}", f"{per_step:.2f}",
+                          f"{100 * same:.0f}"])
             print(" | ".join(table[-1]), flush=True)
     result = {"cpu": cpu_name(), "dtype": args.dtype, "speculative_tokens": args.tokens,
               "new_tokens": args.new, "repeat": args.repeat, "rows": rows}

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from lamina.engine.outputs import RequestOutput
 from lamina.engine.sessions import check_session_id
-from lamina.entrypoints.llm import batch_of, chat_prompt
+from lamina.entrypoints.llm import batch_of, chat_prompt, per_prompt
 from lamina.errors import EngineDead
 from lamina.sampling.params import SamplingParams
 
@@ -59,9 +59,9 @@ def _call(ref):
 
 class RequestHandle:
     def __init__(self, service, key: str, prompt, params: SamplingParams,
-                 session_id: str | None = None):
+                 session_id: str | None = None, priority: int = 0):
         self.key, self._service = key, service
-        self._gen = service.stream.remote(key, prompt, params, session_id)
+        self._gen = service.stream.remote(key, prompt, params, session_id, priority)
         self._last: RequestOutput | None = None
 
     @property
@@ -112,30 +112,35 @@ class Client:
         self._tokenizer = None
 
     def submit(self, prompt, params: SamplingParams | None = None,
-               session_id: str | None = None) -> RequestHandle:
+               session_id: str | None = None, priority: int = 0) -> RequestHandle:
         """Queue one request; bad input raises here, as in `LLM.generate`. `session_id`:
-        the conversation it continues (see `LLM.generate`)."""
+        the conversation it continues, `priority` its place under the service's
+        scheduling_policy "priority" (see `LLM.generate`)."""
         params = params or SamplingParams()
         check_session_id(session_id)
-        _call(self.service.validate.remote(prompt, params))
-        return RequestHandle(self.service, uuid.uuid4().hex, prompt, params, session_id)
+        _call(self.service.validate.remote(prompt, params, priority))
+        return RequestHandle(self.service, uuid.uuid4().hex, prompt, params, session_id,
+                             priority)
 
     def abort(self, handle: RequestHandle) -> bool:
         """Stop the request and free its KV; False if it had finished."""
         return ray.get(self.service.abort.remote(handle.key))
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in prompt order; every prompt validated before any is queued."""
+                 use_tqdm: bool = True,
+                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
+        """Outputs in prompt order; every prompt validated before any is queued.
+        `priority`: one, or one per prompt (see `LLM.generate`)."""
         prompts, plist = batch_of(prompts, params)
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
+        prios = per_prompt(priority, len(prompts), "priorities")
+        for i, (p, sp, pr) in enumerate(zip(prompts, plist, prios)):
             try:
-                ray.get(self.service.validate.remote(p, sp))
+                ray.get(self.service.validate.remote(p, sp, pr))
             except RAY_ERRORS as e:
                 cause = _unwrapped(e)
                 raise type(cause)(f"prompt {i}: {cause}") from None
-        handles = [RequestHandle(self.service, uuid.uuid4().hex, p, sp)
-                   for p, sp in zip(prompts, plist)]
+        handles = [RequestHandle(self.service, uuid.uuid4().hex, p, sp, priority=pr)
+                   for p, sp, pr in zip(prompts, plist, prios)]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -197,12 +202,12 @@ class ServiceLoop:
 
     def submit(self, prompt, params: SamplingParams, validated: bool = False,
                on_update: Callable[[RequestOutput], None] | None = None,
-               session_id: str | None = None) -> Future:
+               session_id: str | None = None, priority: int = 0) -> Future:
         check_session_id(session_id)
         if not validated:
-            self.engine.validate(prompt, params)
+            self.engine.validate(prompt, params, priority=priority)
         handle = RequestHandle(self.client.service, uuid.uuid4().hex, prompt, params,
-                               session_id)
+                               session_id, priority)
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
         self._handles[fut] = handle
@@ -235,8 +240,9 @@ class _RemoteEngine:
     def __init__(self, client: Client):
         self.client = client
 
-    def validate(self, prompt, params) -> None:
-        _call(self.client.service.validate.remote(prompt, params))
+    def validate(self, prompt, params, session_id: str | None = None,
+                 priority: int = 0) -> None:
+        _call(self.client.service.validate.remote(prompt, params, priority))
 
 
 class _RemoteMetrics:

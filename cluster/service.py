@@ -61,11 +61,12 @@ class LaminaService:
     def ready(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def validate(self, prompt, params) -> None:
+    def validate(self, prompt, params, priority: int = 0) -> None:
         """Raise what `LLM.generate` would for this prompt (ValueError / TypeError)."""
-        self.llm.engine.validate(prompt, params)
+        self.llm.engine.validate(prompt, params, priority=priority)
 
-    async def stream(self, key: str, prompt, params, session_id: str | None = None):
+    async def stream(self, key: str, prompt, params, session_id: str | None = None,
+                     priority: int = 0):
         """One request's progress: `RequestOutput` snapshots, the last one final. A
         consumer that goes away (the generator closed) aborts the request."""
         aloop = asyncio.get_running_loop()
@@ -75,7 +76,7 @@ class LaminaService:
             aloop.call_soon_threadsafe(updates.put_nowait, item)
 
         fut = self.loop.submit(prompt, params, on_update=put,  # bad input raises here
-                               session_id=session_id)
+                               session_id=session_id, priority=priority)
         self.futures[key] = fut
         fut.add_done_callback(put)
         try:

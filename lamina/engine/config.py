@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from lamina.engine.scheduler import SchedulerConfig
+from lamina.engine.scheduler import POLICIES, SchedulerConfig
 from lamina.engine.speculative import SpeculativeConfig
 from lamina.faults import FaultPlan
 from lamina.memory.sparsity_config import SparsityConfig
@@ -60,6 +60,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     max_batch: int = 64
     max_step_tokens: int = 4096  # tokens a step feeds; longer prompts go in chunks
+    # "fcfs" (arrival order) or "priority": requests' `priority` (lower first) orders
+    # decoding, admission and preemption; a waiting request may preempt running ones of
+    # lower priority (engine/scheduler.py)
+    scheduling_policy: str = "fcfs"
     seed: int = 0  # seeds requests that bring no seed of their own
     pipeline: str = "none"  # "none" | "rotational" | "fixed" | "auto" (see PIPELINES)
     split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
@@ -124,10 +128,19 @@ class EngineConfig:
     speculative_tokens: int = 0
     speculative_ngram_max: int = 3
     speculative_ngram_min: int = 2
+    # size each draft by the measured cost of a row too (speculative.py's `DraftCost`:
+    # guesses unlikely enough to be kept to pay for their rows are not fed); False: by
+    # each sequence's record alone
+    speculative_by_cost: bool = True
     faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
 
     # (cached: the engine asks for each sequence's policy every step; a frozen
     # dataclass's fields never change, and eq, hash and replace read only the fields)
+    @cached_property
+    def scheduling(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_batch, self.max_step_tokens, self.split_kv,
+                               policy=self.scheduling_policy)
+
     @cached_property
     def tiers(self) -> TierConfig:
         return TierConfig(self.kv_host_bytes, self.kv_disk_dir, self.kv_disk_bytes)
@@ -190,7 +203,7 @@ class EngineConfig:
 
     def __post_init__(self):
         self._check_fields()
-        SchedulerConfig(self.max_batch, self.max_step_tokens, self.split_kv)  # validates
+        self.scheduling  # noqa: B018 - SchedulerConfig checks its other fields
         self.tiers  # noqa: B018 - TierConfig checks the kv_* tier fields
         self.speculative  # noqa: B018 - SpeculativeConfig checks the speculative_* fields
         try:
@@ -212,12 +225,13 @@ class EngineConfig:
             _need_seconds(self, name, "a positive number of seconds or None", optional=True)
         _need_seconds(self, "placement_timeout_s", "a positive number of seconds")
         for name in ("cuda_graphs", "local_prefill", "fuse_pointwise", "prefix_caching",
-                     "find_culprits", "kv_evict", "truncation_reuse", "clamp_max_tokens"):
+                     "find_culprits", "kv_evict", "truncation_reuse", "clamp_max_tokens",
+                     "speculative_by_cost"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")
         for name, allowed in (("kv_dtype", KV_DTYPES), ("dense_backend", DENSE_BACKENDS),
-                              ("pipeline", PIPELINES)):
+                              ("pipeline", PIPELINES), ("scheduling_policy", POLICIES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"EngineConfig.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")

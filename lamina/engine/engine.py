@@ -30,9 +30,9 @@ from lamina.engine.culprit import CulpritSearch
 from lamina.engine.detokenizer import IncrementalDetokenizer
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from lamina.engine.scheduler import Scheduler, Sequence
 from lamina.engine.sessions import SessionIndex, check_session_id
-from lamina.engine.speculative import NgramIndex
+from lamina.engine.speculative import DraftCost, NgramIndex, worth
 from lamina.errors import SequenceFault
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
 from lamina.memory.sparsity_config import (
@@ -94,8 +94,7 @@ class LLMEngine:
         self.sessions = self._session_index(config, executor)
         self.guides = Guides(tokenizer, self.vocab_size)  # structured output's matchers
         layers = self._freeing_layers()  # None: no slot is ever given back
-        self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.max_step_tokens,
-                                                   config.split_kv), self.allocs,
+        self.scheduler = Scheduler(config.scheduling, self.allocs,
                                    prefix_caching=config.prefix_caching,
                                    sessions=self.sessions, evict=self._evict_rule(layers),
                                    scores_prompt=lambda seq: self._scores_prompt(seq.params),
@@ -124,6 +123,11 @@ class LLMEngine:
         # speculative decoding: tokens guessed, and of them the ones kept
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # what a row costs a decode step (drafts are sized by it) and, for this step,
+        # the least chance of being kept that pays for a guessed token's row
+        self.draft_cost = DraftCost()
+        self.drafts_by_cost = config.speculative_by_cost
+        self._draft_threshold = 0.0
 
     def _kv_policy(self, params: SamplingParams) -> SparsityConfig:
         """A request's KV sparsity: its own (`SamplingParams.kv_sparsity` / `kv_budget`)
@@ -201,11 +205,13 @@ class LLMEngine:
         room = min(room, seq.ngrams.allowance())
         if not room:
             return ()
-        if req.guides:  # what its grammar forces, else an n-gram draft it takes
-            guess = req.guides[i].forced()[:room] or seq.ngrams.draft(seq.prompt,
-                                                                      seq.output, room)
+        # of an n-gram draft, the tokens likely enough to be kept to pay for their rows
+        paying = worth(seq.ngrams.rate(self.draft_cost.rate()), self._draft_threshold, room)
+        if req.guides:  # what its grammar forces (always kept), else an n-gram draft
+            forced = req.guides[i].forced()[:room]
+            guess = forced or seq.ngrams.draft(seq.prompt, seq.output, paying)
             return guess[:req.guides[i].valid_prefix(guess)]
-        return seq.ngrams.draft(seq.prompt, seq.output, room)
+        return seq.ngrams.draft(seq.prompt, seq.output, paying) if paying else ()
 
     @staticmethod
     def _session_index(config: EngineConfig, executor) -> SessionIndex | None:
@@ -235,11 +241,13 @@ class LLMEngine:
         return out
 
     # -- requests --
-    def validate(self, prompt, params, session_id: str | None = None) -> list[int]:
+    def validate(self, prompt, params, session_id: str | None = None,
+                 priority: int = 0) -> list[int]:
         """Every check a request must pass before it is queued, against the loaded model
         (vocabulary, context) and the engine's limits -> its prompt token ids. Raises
         ValueError / TypeError naming the problem; nothing is changed."""
         check_session_id(session_id)
+        self.check_priority(priority)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
@@ -298,6 +306,15 @@ class LLMEngine:
                              f"prompt in one step: it has {n} tokens, a step takes {budget} "
                              f"(max_step_tokens)")
 
+    def check_priority(self, priority) -> None:
+        """A request's priority: an int; other than 0 only under scheduling_policy
+        "priority" (first come, first served has no order to give it)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' "
+                             f"(this engine serves first come, first served)")
+
     def _prompt_ids(self, prompt) -> list[int]:
         """A text prompt's token ids, or token ids checked against the vocabulary."""
         if isinstance(prompt, str):
@@ -324,13 +341,13 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt, params: SamplingParams, stream: bool = False,
-                    session_id: str | None = None) -> int:
+                    session_id: str | None = None, priority: int = 0) -> int:
         """`stream`: `step` also returns this request's progress each step it draws.
         `session_id`: the conversation this turn continues; with KV tiers its KV is saved
         when it finishes and brought back for the next turn (any string of 1-128 letters,
-        digits, . _ : @ -; a new one starts a session)."""
-        check_session_id(session_id)
-        ids = self.validate(prompt, params)
+        digits, . _ : @ -; a new one starts a session). `priority`: under
+        scheduling_policy "priority", lower is served first (may be negative)."""
+        ids = self.validate(prompt, params, session_id, priority)
         # None, or past the context with clamp_max_tokens (validated): what it leaves
         if params.max_tokens is None or len(ids) + params.max_tokens > self.max_len:
             params = replace(params, max_tokens=self.max_len - len(ids))
@@ -348,7 +365,7 @@ class LLMEngine:
         self._reqs[rid] = req
         for i in range(params.n):
             seq = Sequence(next(self._sid), list(ids), params, seed=seed + i,
-                           session=session_id)
+                           session=session_id, priority=priority)
             req.seqs.append(seq)
             req.texts.append(None)
             req.detok.append(IncrementalDetokenizer(self.tokenizer) if self.tokenizer
@@ -394,6 +411,9 @@ class LLMEngine:
         (streamed) progressed."""
         t0 = time.perf_counter()
         self._search_can_go_on()
+        if self.scheduler.propose is not None:
+            self._draft_threshold = (self.draft_cost.threshold(len(self.scheduler.running))
+                                     if self.drafts_by_cost else 0.0)
         plan = self._guided(self._pipelined(self.scheduler.schedule()))
         failed: list[RequestOutput] = []  # requests a SequenceFault failed this step
         t_run = time.perf_counter()
@@ -414,6 +434,9 @@ class LLMEngine:
         now = time.perf_counter()
         self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
                                   "step_s": now - t0, **(result.timings or {})})
+        if self.scheduler.propose is not None and plan.num_tokens == len(plan.seqs) + sum(
+                w.draft for w in plan.seqs):  # decodes only: what rows cost
+            self.draft_cost.observe(plan.num_tokens, now - t0)
         drawn = self._drawn(plan, result)
         if self._search is not None:
             failed += self._searched(drawn, plan.step)
@@ -520,6 +543,7 @@ class LLMEngine:
                                        f"draft of {drafts[sid]}")
                 self.num_draft_tokens += drafts[sid]
                 self.num_accepted_tokens += len(toks) - 1
+                self.draft_cost.outcome(drafts[sid], len(toks) - 1)
                 if seq.ngrams is not None:
                     seq.ngrams.observe(drafts[sid], len(toks) - 1)
                 drawn += [_Draw(seq, t, x) for t, x in zip(toks, lp or (None,) * len(toks))]

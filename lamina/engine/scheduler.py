@@ -7,7 +7,7 @@ a sequence is placed at admission on the worker with the most free slots, which 
 KV bytes balanced.
 
 Each step every running sequence decodes one token (one new slot). Waiting sequences
-are admitted in policy order (FIFO by default) while the batch has room and
+are admitted in policy order while the batch has room and
 `can_allocate` says their KV fits; an admitted sequence feeds its tokens (prompt, plus
 any tokens it generated before a preemption) within the step's token budget
 (`max_step_tokens`): a prompt longer than the budget left is fed in chunks over the next
@@ -17,6 +17,14 @@ its next slot, the newest running sequences are preempted: their slots are freed
 they wait at the front of the queue, to be recomputed later. Nothing is dropped. With
 prefix caching a preempted sequence's KV stays cached (evictable, from its end first,
 as others need the slots), so its readmission recomputes only what was taken.
+
+Policies (`SchedulerConfig.policy`): "fcfs" serves sequences in arrival order.
+"priority" (vLLM's convention: a lower `Sequence.priority` is served first; ties in
+arrival order) decodes, feeds chunks and admits in priority order; a sequence that
+needs a slot preempts the lowest-priority (newest among equals) sequence on its worker;
+and a waiting sequence that does not fit (the batch is full or its KV has no room)
+preempts running sequences of strictly lower priority, lowest and newest first, until it
+fits or none is left. A preempted sequence's work is taken out of the step being planned.
 
 Parallel sampling (n > 1): only the first sequence of a request is queued; its n - 1
 siblings ride along as `forks`. The prompt is prefilled once, n tokens are drawn from
@@ -41,7 +49,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -54,6 +62,8 @@ from lamina.engine.speculative import NgramIndex
 from lamina.memory.allocator import KVAllocator
 from lamina.sampling.params import SamplingParams
 
+POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -63,6 +73,7 @@ class SchedulerConfig:
     # evicted positions are given back this many at a time (fewer, larger table changes:
     # the memory workers' held tables are re-sent from the hole on when it grows)
     evict_chunk: int = 64
+    policy: str = "fcfs"  # or "priority": see the module's docstring
 
     def __post_init__(self):
         for f in ("max_batch", "max_step_tokens", "evict_chunk"):
@@ -71,6 +82,9 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{f} must be a positive int, got {v!r}")
         if not isinstance(self.split_kv, bool):
             raise ValueError(f"SchedulerConfig.split_kv must be a bool, got {self.split_kv!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, got "
+                             f"{self.policy!r}")
 
 
 @dataclass
@@ -106,6 +120,7 @@ class Sequence:
     new_drops: tuple[int, ...] = ()
     first_dropped: int = -1
     ngrams: NgramIndex | None = None  # speculative decoding: its n-grams' index
+    priority: int = 0  # policy "priority": lower is served first
 
     @property
     def tokens(self) -> list[int]:
@@ -142,13 +157,9 @@ class Sequence:
         return [w for w, _ in self.segments]
 
 
-def fifo(waiting: deque) -> list:
-    return list(waiting)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocators: KVAllocator | list[KVAllocator],
-                 policy: Callable[[deque], list] = fifo, prefix_caching: bool = False,
+                 prefix_caching: bool = False,
                  sessions: SessionIndex | None = None,
                  evict: Callable[[Sequence], tuple[int, int] | None] | None = None,
                  scores_prompt: Callable[[Sequence], bool] | None = None,
@@ -156,7 +167,7 @@ class Scheduler:
                  admits: Callable[[Sequence], bool] | None = None,
                  propose: Callable[[Sequence, int], tuple[int, ...]] | None = None):
         self.allocs = allocators if isinstance(allocators, list) else [allocators]
-        self.config, self.policy = config, policy
+        self.config = config
         # whether a sequence's KV policy scores its whole prompt where it is stored
         # (h2o, snapkv, swa): such a prompt is computed, never taken from a cache
         self.scores_prompt = scores_prompt or (lambda seq: False)
@@ -359,7 +370,7 @@ class Scheduler:
                 self.allocs[spill].allocate(seq.seq_id, 1)
                 seq.segments.append((spill, seq.num_tokens - 1))
                 return True
-            victim = [s for s in self.running if w in s.workers][-1]  # newest on w
+            victim = self._lowest([s for s in self.running if w in s.workers])
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -443,7 +454,7 @@ class Scheduler:
         #    spills to another (split_kv) or preempts its newest sequences. A drafted
         #    sequence takes its draft's slots too, where they fit without either.
         spare = self.config.max_step_tokens - len(self.running)  # tokens drafts may add
-        decoding = [s for s in self.running if not s.pending]
+        decoding = self._rank(s for s in self.running if not s.pending)
         # drafts only: the next slots still to take, per worker (no pass when they are off)
         later = Counter(s.worker for s in decoding) if self.propose else Counter()
         for seq in decoding:
@@ -460,21 +471,18 @@ class Scheduler:
                 self._evict(seq)
                 report |= self._drops(seq)
                 work.append(self._work(seq, seq.num_tokens - 1, seq.num_tokens, (seq.seed,)))
-        # 2. Prompts fed in chunks: the next chunk of each, oldest first, within budget.
+        # 2. Prompts fed in chunks (the next chunk of each), then waiting sequences
+        #    admitted while they fit, each in policy order within the step's token budget;
+        #    by priority, a waiting sequence of higher priority than a chunked prompt goes
+        #    before it and may preempt lower priorities to get in.
         budget = self.config.max_step_tokens - sum(len(w.token_ids) for w in work)
-        for seq in self.running:
-            if seq.pending and budget > 0:
+        admits = self.admits or (lambda seq: True)  # (those it holds back keep their place)
+        waiting = deque(s for s in self._rank(self.waiting) if admits(s))
+        for seq in self._rank(s for s in self.running if s.pending):
+            budget = self._admit_all(waiting, budget, work, before=seq)
+            if seq.status == "running" and budget > 0:
                 budget -= self._feed(seq, seq.num_tokens - seq.pending, budget, work)
-        # 3. Admit waiting sequences in policy order while they fit (those `admits`
-        #    holds back are passed over).
-        admits = self.admits or (lambda seq: True)
-        for seq in self.policy(self.waiting):
-            if not admits(seq):
-                continue
-            fed = self._admit(seq, budget, work)
-            if not fed:
-                break  # keep order: no overtaking
-            budget -= fed
+        self._admit_all(waiting, budget, work)
         stuck = None if work else next((s for s in self.waiting if admits(s)), None)
         if stuck is not None:
             raise RuntimeError(f"sequence {stuck.seq_id} ({len(stuck.tokens)} tokens) cannot be "
@@ -486,6 +494,62 @@ class Scheduler:
         self._released.clear()
         self.step += 1
         return plan
+
+    def _admit_all(self, waiting: deque[Sequence], budget: int, work: list[SeqWork],
+                   before: Sequence | None = None) -> int:
+        """Admit `waiting` (in policy order) from its front while each fits, or only
+        those of higher priority than `before` ("priority"); the first that does not fit
+        ends admission for this step (no overtaking: `waiting` is emptied). -> the token
+        budget left."""
+        while waiting and (before is None or (self.config.policy == "priority"
+                                              and waiting[0].priority < before.priority)):
+            seq = waiting.popleft()
+            fed = self._admit(seq, budget, work)
+            while not fed and (victim := self._displaceable(seq, budget)) is not None:
+                budget += self._unplan(victim, work)
+                fed = self._admit(seq, budget, work)
+            if not fed:
+                waiting.clear()
+                break
+            budget -= fed
+        return budget
+
+    def _rank(self, seqs: Iterable[Sequence]) -> list[Sequence]:
+        """seqs (in arrival or admission order) in the order the policy serves them:
+        as they are ("fcfs"), or by priority, ties kept in order ("priority")."""
+        if self.config.policy == "fcfs":
+            return list(seqs)
+        return sorted(seqs, key=lambda s: s.priority)
+
+    def _lowest(self, seqs: list[Sequence]) -> Sequence:
+        """Of seqs (in admission order), the one to preempt first: the newest ("fcfs"),
+        the newest of the lowest priority ("priority"). Decoding in `_rank` order, it is
+        never one whose slot this step already took."""
+        if self.config.policy == "fcfs":
+            return seqs[-1]
+        return max(reversed(seqs), key=lambda s: s.priority)
+
+    def _displaceable(self, seq: Sequence, budget: int) -> Sequence | None:
+        """A running sequence waiting seq may preempt to get in ("priority" only): the
+        lowest of those of strictly lower priority; None if none, or if what keeps seq
+        out is the step's token budget (no preemption frees enough of it)."""
+        if (self.config.policy != "priority" or budget <= 0
+                or (not self.chunks(seq) and len(seq.tokens) > budget)):
+            return None
+        below = [s for s in self.running if s.priority > seq.priority]
+        return self._lowest(below) if below else None
+
+    def _unplan(self, seq: Sequence, work: list[SeqWork]) -> int:
+        """Preempt running seq while this step is planned: its work leaves the plan (so
+        its positions from that work's first on stay unwritten). -> the tokens that
+        frees in the step's budget."""
+        mine = next((w for w in work if w.seq_id == seq.seq_id), None)
+        if mine is None:  # a prompt's chunk the budget left out this step
+            self._preempt(seq)
+            return 0
+        work.remove(mine)
+        self._preempt(seq, mine.start_pos)
+        return len(mine.token_ids)
 
     def _admit(self, seq: Sequence, budget: int, work: list[SeqWork]) -> int:
         """Admit waiting seq if the batch has room and its KV fits: slots for all its

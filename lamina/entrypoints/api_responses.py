@@ -231,7 +231,8 @@ def to_chat(req, previous: Stored | None) -> ChatCall:
             req.include or []),
         "top_logprobs": req.top_logprobs,
         "stream_options": {"include_usage": True} if req.stream else None,
-        "structured_outputs": req.structured_outputs, "user": req.user}
+        "structured_outputs": req.structured_outputs, "user": req.user,
+        "priority": req.priority or None}
     return ChatCall({k: v for k, v in body.items() if v is not None}, history, messages,
                     previous.session if previous is not None else None)
 

@@ -212,6 +212,8 @@ class _Sampling(_Nullable):
     # Lamina's: the conversation this request continues (or the X-Session-Id header);
     # with KV tiers its KV is kept beyond the pool for the next turn
     session_id: str | None = None
+    # vLLM's: under `scheduling_policy: priority`, lower is served first
+    priority: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     # structured output: OpenAI's, vLLM's, vLLM's older names (`api_fields.structured_outputs`)
@@ -331,6 +333,7 @@ class ResponsesRequest(_Nullable):
     metadata: dict[str, str] | None = None
     user: str | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's
+    priority: int = 0  # vLLM's
 
 
 _KINDS = {400: "invalid_request_error", 401: "invalid_request_error",
@@ -471,8 +474,8 @@ class _Api:
             return _error(400, str(e), field_)
 
     def _submit(self, prompts: list, params: SamplingParams, updates,
-                session: str | None = None, structured: str | None = None
-                ) -> list | JSONResponse:
+                session: str | None = None, structured: str | None = None,
+                priority: int = 0) -> list | JSONResponse:
         """Queue every prompt (each validated before any is queued) -> their futures,
         or the error answering the request. `updates`: a queue for streamed progress.
         `structured`: the request field that asked for structured output (an error in
@@ -483,12 +486,12 @@ class _Api:
             return lambda out: aloop.call_soon_threadsafe(updates.put_nowait, (i, out))
 
         try:
-            prompts = _checked(prompts, self.loop, params)
+            prompts = _checked(prompts, self.loop, params, priority)
             self.loop.check_capacity(len(prompts))
             check_session_id(session)
             return [self.loop.submit(p, params, validated=True,
                                      on_update=listener(i) if updates is not None else None,
-                                     session_id=session)
+                                     session_id=session, priority=priority)
                     for i, p in enumerate(prompts)]
         except (ValueError, TypeError) as e:
             grammar = structured is not None and "StructuredOutputs." in str(e)
@@ -508,7 +511,8 @@ class _Api:
             return params
         updates: asyncio.Queue | None = asyncio.Queue() if chunk else None
         session = body.session_id or request.headers.get("x-session-id")
-        futs = self._submit(prompts, params, updates, session, structured_field(body))
+        futs = self._submit(prompts, params, updates, session, structured_field(body),
+                            body.priority)
         if isinstance(futs, JSONResponse):
             return futs
         if chunk:
@@ -799,18 +803,19 @@ def _usage(outs) -> dict:
 def _param(message: str) -> str:
     """The request field a validation message is about (for the error's `param`)."""
     for name in ("kv_budget", "max_tokens", "logit_bias", "stop_token_ids", "n=",
-                 "session_id"):
+                 "session_id", "priority"):
         if name in message:
             return name.rstrip("=")
     return "prompt"
 
 
-def _checked(prompts: list, loop: EngineLoop, params: SamplingParams) -> list:
+def _checked(prompts: list, loop: EngineLoop, params: SamplingParams,
+             priority: int = 0) -> list:
     if not prompts:
         raise ValueError("prompt: empty list")
     for i, p in enumerate(prompts):
         try:
-            loop.engine.validate(p, params)
+            loop.engine.validate(p, params, priority=priority)
         except (ValueError, TypeError) as e:
             raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
     return prompts

@@ -147,7 +147,8 @@ def cmd_serve(args) -> int:
         given = _flags_given(args, ("config", "model", "executor", "memory_workers",
                                     "kv_device", "compute_device", "dense_backend",
                                     "dtype", "max_batch", "max_step_tokens",
-                                    "clamp_max_tokens", "speculative_tokens"))
+                                    "clamp_max_tokens", "speculative_tokens",
+                                    "scheduling_policy"))
         if given:
             raise ValueError(f"--service serves the running service's engine: drop "
                              f"{', '.join(given)}")
@@ -156,7 +157,8 @@ def cmd_serve(args) -> int:
     sock = listen(args.host, args.port)  # a port in use fails now, not after the load
     try:
         llm = _llm(LLM, args, max_batch=args.max_batch, max_step_tokens=args.max_step_tokens,
-                   clamp_max_tokens=args.clamp_max_tokens)
+                   clamp_max_tokens=args.clamp_max_tokens,
+                   scheduling_policy=args.scheduling_policy)
     except BaseException:
         sock.close()
         raise
@@ -594,6 +596,10 @@ def _serve_parser(sub) -> None:
     v.add_argument("--max-step-tokens", type=int, default=4096,
                    help="tokens a step feeds; longer prompts are fed in chunks (a smaller "
                         "budget: shorter stalls of the decoding requests)")
+    v.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs: arrival order; priority: a request's `priority` field (lower "
+                        "first) orders it, and may preempt running requests of lower "
+                        "priority")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=_port, default=8000, help="0: a free port (printed)")
     v.add_argument("--api-key", default=None,

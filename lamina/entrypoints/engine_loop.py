@@ -48,7 +48,8 @@ class EngineLoop:
                                         or isinstance(max_waiting, bool) or max_waiting < 1):
             raise ValueError(f"max_waiting must be an int >= 1 or None, got {max_waiting!r}")
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
-        # ("add", prompt, params, future, on_update, session_id) | ("abort", future)
+        # ("add", prompt, params, future, on_update, session_id, priority)
+        # | ("abort", future)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._futures: dict[int, Future] = {}
         self._rids: dict[Future, int] = {}
@@ -68,21 +69,21 @@ class EngineLoop:
 
     def submit(self, prompt, params: SamplingParams, validated: bool = False,
                on_update: Callable[[RequestOutput], None] | None = None,
-               session_id: str | None = None) -> Future:
+               session_id: str | None = None, priority: int = 0) -> Future:
         """`validated`: the caller already ran `engine.validate` on this prompt and
         `check_capacity` for it. `on_update`: called (in the loop thread) with each
         step's partial output. `session_id`: the conversation it continues (checked
-        here)."""
+        here); `priority`: its place under scheduling_policy "priority"."""
         if self.error is not None:
             raise EngineDead(f"engine stopped after a failed step: {self.error}")
         if self._drain_until is not None:
             raise EngineDead("the server is shutting down: it finishes the requests it "
                              "has and takes no new ones")
         if not validated:  # raises ValueError / TypeError here
-            self.engine.validate(prompt, params, session_id)
+            self.engine.validate(prompt, params, session_id, priority)
             self.check_capacity()
         fut: Future = Future()
-        self._inbox.put(("add", prompt, params, fut, on_update, session_id))
+        self._inbox.put(("add", prompt, params, fut, on_update, session_id, priority))
         self._wake.set()
         if not self.alive:
             self._drain(EngineDead(f"engine stopped: {self.error}"))  # lost the race
@@ -175,12 +176,12 @@ class EngineLoop:
                         self.metrics.request(out, aborted=True)
                     self._resolve(out)
                 continue
-            _, prompt, params, fut, on_update, session = msg
+            _, prompt, params, fut, on_update, session, priority = msg
             if not fut.set_running_or_notify_cancel():
                 continue  # the caller gave up before it was scheduled
             try:
                 rid = self.engine.add_request(prompt, params, stream=on_update is not None,
-                                              session_id=session)
+                                              session_id=session, priority=priority)
             except Exception as e:  # noqa: BLE001 - validated already; report, keep going
                 fut.set_exception(e)
                 continue

@@ -35,6 +35,14 @@ def batch_of(prompts, params) -> tuple[list, list[SamplingParams]]:
     return list(prompts), plist
 
 
+def per_prompt(value, n: int, what: str) -> list:
+    """One value for all n prompts, or a list/tuple of one per prompt."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"{n} prompts but {len(values)} {what}")
+    return values
+
+
 class LLM:
     def __init__(self, model: str | None = None, executor: str = "local",
                  num_memory_workers: int = 1, dtype: str = "float32",
@@ -136,22 +144,23 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 session_id: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+                 session_id: str | Sequence[str | None] | None = None,
+                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
         """`session_id`: the conversation each prompt continues (one id, or one per
         prompt); with KV tiers (`kv_host_bytes`) its KV outlives the pool for the next
-        turn."""
+        turn. `priority` (one, or one per prompt): with scheduling_policy "priority",
+        lower is served first."""
         prompts, plist = batch_of(prompts, params)
-        sids = (list(session_id) if isinstance(session_id, (list, tuple))
-                else [session_id] * len(prompts))
-        if len(sids) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sids)} session ids")
-        for i, (p, sp, sid) in enumerate(zip(prompts, plist, sids)):  # all before any runs
-            try:
-                self.engine.validate(p, sp, sid)
+        sids = per_prompt(session_id, len(prompts), "session ids")
+        prios = per_prompt(priority, len(prompts), "priorities")
+        for i, (p, sp, sid, pr) in enumerate(zip(prompts, plist, sids, prios)):
+            try:  # all before any runs
+                self.engine.validate(p, sp, sid, pr)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        order = {self.engine.add_request(p, sp, session_id=sid): i for i, p, sp, sid in
-                 zip(range(len(prompts)), prompts, plist, sids)}
+        order = {self.engine.add_request(p, sp, session_id=sid, priority=pr): i
+                 for i, p, sp, sid, pr in zip(range(len(prompts)), prompts, plist, sids,
+                                              prios)}
         results: list = [None] * len(prompts)
         bar = None
         if use_tqdm:

@@ -46,6 +46,9 @@ def cluster():
     if not host_ip.startswith("127."):
         nets, why = make_namespaces(2)
     dirs = [tempfile.mkdtemp(prefix="ln", dir="/tmp") for _ in range(3)]
+    # cluster_utils writes the cluster's address into Ray's default temp folder without
+    # making it: on a machine where no Ray has run yet, that folder does not exist
+    os.makedirs(ray._common.utils.get_default_ray_temp_dir(), exist_ok=True)
     raylets: list[subprocess.Popen] = []
     cluster = llm = None
     try:

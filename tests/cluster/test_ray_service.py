@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LAMINA = [sys.executable, "-m", "lamina.entrypoints.cli"]
 PICK = [0, 1, 3, 5, 7, 9, 12, 14]  # 8 prompts of 5-600 tokens
 CONFIG = """
-engine: {num_memory_workers: 2, num_kv_slots: 4096, max_step_tokens: 1024}
+engine: {num_memory_workers: 2, num_kv_slots: 4096, max_step_tokens: 1024,
+         scheduling_policy: priority}
 cluster: {executor: ray}
 """
 
@@ -48,6 +49,9 @@ def cluster():
     if ray.is_initialized():
         ray.shutdown()
     dirs = [tempfile.mkdtemp(prefix="ls", dir="/tmp") for _ in range(3)]
+    # cluster_utils writes the cluster's address into Ray's default temp folder without
+    # making it: on a machine where no Ray has run yet, that folder does not exist
+    os.makedirs(ray._common.utils.get_default_ray_temp_dir(), exist_ok=True)
     port = free_port()  # a busy dashboard port fails silently: choose it
     # logical CPUs: the workers' threads are their share of them (2 each here)
     c = Cluster(initialize_head=True, head_node_args={
@@ -112,7 +116,8 @@ import lamina
 from lamina import SamplingParams
 client = lamina.connect()
 prompts, new = json.loads(sys.argv[1]), int(sys.argv[2])
-handles = [client.submit(p, SamplingParams(max_tokens=new, temperature=0)) for p in prompts]
+handles = [client.submit(p, SamplingParams(max_tokens=new, temperature=0), priority=i % 3)
+           for i, p in enumerate(prompts)]
 
 async def collect(h):
     return [out async for out in h]
@@ -173,6 +178,8 @@ def test_errors_arrive_as_the_local_api_raises_them(cluster, prompts):
     with pytest.raises(ValueError, match="prompt 1"):
         client.generate(["fine", prompts[-1] * 30], SamplingParams(max_tokens=8),
                         use_tqdm=False)
+    with pytest.raises(TypeError, match="priority must be an int"):
+        client.submit("hi", SamplingParams(max_tokens=8), priority=0.5)
 
 
 def test_abort_frees_the_requests_kv(cluster, prompts):
@@ -308,7 +315,7 @@ def test_serve_service_fronts_the_running_service(cluster, prompts, hf_greedy):
                 assert srv.poll() is None and time.monotonic() < deadline, srv.stdout.read()
                 time.sleep(0.5)
         r = oai.completions.create(model=model, prompt=prompts[3], max_tokens=HF_NEW,
-                                   temperature=0)
+                                   temperature=0, extra_body={"priority": -1})
         assert r.choices[0].model_extra["token_ids"] == hf_greedy[3]
     finally:
         srv.terminate()
