@@ -9,17 +9,14 @@ requests each, greedy, 128 new tokens (`ignore_eos`, so both runs draw as many):
 given function with one change), "chat" (open questions: little to copy, what drafts
 cost when they miss), and "json" (a record's fields extracted under a JSON schema, to
 its end: drafts of the tokens the grammar forces, or n-gram drafts it takes). One
-engine in three modes, switched between runs and interleaved: no drafts
-(`Scheduler.propose` off), drafts sized by each sequence's record alone
-(`speculative_by_cost=False`), and sized by the measured cost of a row too (the
-default: `DraftCost`); the prompts' KV comes from the prefix cache after the first
-run, so the times are decode's. Reported per workload and B: each mode's wall time
-(medians of --repeat) and its ratio to no drafts, and for the default mode the guessed
-tokens kept (%) and tokens drawn per step and decoding sequence. In float32 the
-tokens of every run must be equal (asserted); in bfloat16 a CPU's GEMM may round
-differently for a different number of rows (AMX's does), so a near-tie can go the other
-way: the answers equal to no drafts' are counted ("same %", both modes). Writes
-speculative_probe.json and .md into --out.
+engine, its drafts switched on and off between runs (`Scheduler.propose`), the runs
+interleaved; the prompts' KV comes from the prefix cache after the first run, so the
+times are decode's. Reported per workload and B: wall time without and with drafts
+(medians of --repeat), their ratio, guessed tokens kept (%), and the tokens drawn per
+step and decoding sequence. In float32 the tokens of both runs must be equal
+(asserted); in bfloat16 a CPU's GEMM may round differently for another number of rows
+(AMX's does), so a near-tie can go the other way: the answers equal to no drafts' are
+counted ("same %"). Writes speculative_probe.json and .md into --out.
 """
 from __future__ import annotations
 
@@ -83,9 +80,9 @@ def main() -> None:
     free = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     held = SamplingParams(max_tokens=args.new, temperature=0,
                           structured_outputs=StructuredOutputs(json=RECORD))
-    rows, table = [], [["workload", "B", "plain s", "by record s", "x", "by cost s", "x",
-                        "kept %", "tokens/step/seq", "same %"]]
-    modes = ("plain", "record", "cost")
+    rows, table = [], [["workload", "B", "plain s", "drafts s", "x", "kept %",
+                        "tokens/step/seq", "same %"]]
+    modes = ("plain", "drafts")
     for kind in args.workloads:
         params = held if kind == "json" else free
         for b in args.batch:
@@ -99,32 +96,27 @@ def main() -> None:
             for _ in range(args.repeat):
                 for mode in modes:
                     eng.scheduler.propose = None if mode == "plain" else propose
-                    eng.drafts_by_cost = mode == "cost"
                     d0, a0, s0 = eng.num_draft_tokens, eng.num_accepted_tokens, \
                         eng.scheduler.step
                     t = time.perf_counter()
                     outs = llm.generate(texts, params, use_tqdm=False)
                     times[mode].append(time.perf_counter() - t)
                     toks[mode] = [o.token_ids for o in outs]
-                    if mode == "cost":
+                    if mode == "drafts":
                         drafted += eng.num_draft_tokens - d0
                         kept += eng.num_accepted_tokens - a0
                         steps += eng.scheduler.step - s0
                         drawn += sum(len(t) for t in toks[mode])
-            same = sum(toks[m][i] == toks["plain"][i] for m in ("record", "cost")
-                       for i in range(b)) / (2 * b)
+            same = sum(x == y for x, y in zip(toks["drafts"], toks["plain"])) / b
             assert same == 1 or args.dtype != "float32", f"{kind} B={b}: tokens changed"
             med = {m: statistics.median(times[m]) for m in modes}
             per_step = drawn / max(steps, 1) / b
             rows.append({"workload": kind, "batch": b, "plain_s": med["plain"],
-                         "record_s": med["record"], "cost_s": med["cost"],
-                         "speedup_record": med["plain"] / med["record"],
-                         "speedup_cost": med["plain"] / med["cost"], "drafted": drafted,
-                         "kept": kept, "tokens_per_step_per_seq": per_step,
-                         "threshold_now": eng.draft_cost.threshold(b), "same": same})
-            table.append([kind, str(b), f"{med['plain']:.2f}", f"{med['record']:.2f}",
-                          f"{med['plain'] / med['record']:.2f}", f"{med['cost']:.2f}",
-                          f"{med['plain'] / med['cost']:.2f}",
+                         "drafts_s": med["drafts"], "speedup": med["plain"] / med["drafts"],
+                         "drafted": drafted, "kept": kept,
+                         "tokens_per_step_per_seq": per_step, "same": same})
+            table.append([kind, str(b), f"{med['plain']:.2f}", f"{med['drafts']:.2f}",
+                          f"{med['plain'] / med['drafts']:.2f}",
                           f"{100 * kept / max(drafted, 1):.0f}", f"{per_step:.2f}",
                           f"{100 * same:.0f}"])
             print(" | ".join(table[-1]), flush=True)

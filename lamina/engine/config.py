@@ -128,10 +128,6 @@ class EngineConfig:
     speculative_tokens: int = 0
     speculative_ngram_max: int = 3
     speculative_ngram_min: int = 2
-    # size each draft by the measured cost of a row too (speculative.py's `DraftCost`:
-    # guesses unlikely enough to be kept to pay for their rows are not fed); False: by
-    # each sequence's record alone
-    speculative_by_cost: bool = True
     faults: FaultPlan | None = None  # test hook: inject step failures (lamina.faults)
 
     # (cached: the engine asks for each sequence's policy every step; a frozen
@@ -225,8 +221,7 @@ class EngineConfig:
             _need_seconds(self, name, "a positive number of seconds or None", optional=True)
         _need_seconds(self, "placement_timeout_s", "a positive number of seconds")
         for name in ("cuda_graphs", "local_prefill", "fuse_pointwise", "prefix_caching",
-                     "find_culprits", "kv_evict", "truncation_reuse", "clamp_max_tokens",
-                     "speculative_by_cost"):
+                     "find_culprits", "kv_evict", "truncation_reuse", "clamp_max_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")

@@ -32,7 +32,7 @@ from lamina.engine.messages import StepPlan, StepResult
 from lamina.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from lamina.engine.scheduler import Scheduler, Sequence
 from lamina.engine.sessions import SessionIndex, check_session_id
-from lamina.engine.speculative import DraftCost, NgramIndex, worth
+from lamina.engine.speculative import NgramIndex
 from lamina.errors import SequenceFault
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
 from lamina.memory.sparsity_config import (
@@ -123,11 +123,6 @@ class LLMEngine:
         # speculative decoding: tokens guessed, and of them the ones kept
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        # what a row costs a decode step (drafts are sized by it) and, for this step,
-        # the least chance of being kept that pays for a guessed token's row
-        self.draft_cost = DraftCost()
-        self.drafts_by_cost = config.speculative_by_cost
-        self._draft_threshold = 0.0
 
     def _kv_policy(self, params: SamplingParams) -> SparsityConfig:
         """A request's KV sparsity: its own (`SamplingParams.kv_sparsity` / `kv_budget`)
@@ -205,13 +200,11 @@ class LLMEngine:
         room = min(room, seq.ngrams.allowance())
         if not room:
             return ()
-        # of an n-gram draft, the tokens likely enough to be kept to pay for their rows
-        paying = worth(seq.ngrams.rate(self.draft_cost.rate()), self._draft_threshold, room)
-        if req.guides:  # what its grammar forces (always kept), else an n-gram draft
-            forced = req.guides[i].forced()[:room]
-            guess = forced or seq.ngrams.draft(seq.prompt, seq.output, paying)
+        if req.guides:  # what its grammar forces, else an n-gram draft it takes
+            guess = req.guides[i].forced()[:room] or seq.ngrams.draft(seq.prompt,
+                                                                      seq.output, room)
             return guess[:req.guides[i].valid_prefix(guess)]
-        return seq.ngrams.draft(seq.prompt, seq.output, paying) if paying else ()
+        return seq.ngrams.draft(seq.prompt, seq.output, room)
 
     @staticmethod
     def _session_index(config: EngineConfig, executor) -> SessionIndex | None:
@@ -411,9 +404,6 @@ class LLMEngine:
         (streamed) progressed."""
         t0 = time.perf_counter()
         self._search_can_go_on()
-        if self.scheduler.propose is not None:
-            self._draft_threshold = (self.draft_cost.threshold(len(self.scheduler.running))
-                                     if self.drafts_by_cost else 0.0)
         plan = self._guided(self._pipelined(self.scheduler.schedule()))
         failed: list[RequestOutput] = []  # requests a SequenceFault failed this step
         t_run = time.perf_counter()
@@ -434,9 +424,6 @@ class LLMEngine:
         now = time.perf_counter()
         self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
                                   "step_s": now - t0, **(result.timings or {})})
-        if self.scheduler.propose is not None and plan.num_tokens == len(plan.seqs) + sum(
-                w.draft for w in plan.seqs):  # decodes only: what rows cost
-            self.draft_cost.observe(plan.num_tokens, now - t0)
         drawn = self._drawn(plan, result)
         if self._search is not None:
             failed += self._searched(drawn, plan.step)
@@ -543,7 +530,6 @@ class LLMEngine:
                                        f"draft of {drafts[sid]}")
                 self.num_draft_tokens += drafts[sid]
                 self.num_accepted_tokens += len(toks) - 1
-                self.draft_cost.outcome(drafts[sid], len(toks) - 1)
                 if seq.ngrams is not None:
                     seq.ngrams.observe(drafts[sid], len(toks) - 1)
                 drawn += [_Draw(seq, t, x) for t, x in zip(toks, lp or (None,) * len(toks))]

@@ -29,25 +29,10 @@ a draft is at most one token longer than the previous one kept (up to `num_token
 and after a draft of which nothing was kept the sequence waits 1, 2, 4, ... (at most
 `MAX_BACKOFF`) steps before drafting again. An answer that copies keeps long drafts; an
 answer with little to copy soon drafts rarely and briefly.
-
-And drafts are sized by what a row costs (`DraftCost`): the engine fits the latest
-decode steps' times as fixed + per_row * rows. A guessed token's row adds per_row to a
-step that yields about one token per row, so it pays only if its chance of being kept
-beats per_row * R / (fixed + per_row * R) at R rows (`threshold`): near 0 where a step
-is mostly fixed cost (small batches, memory-bound weights), near 1 where rows are the
-cost (large batches on CPUs). A sequence's chance of keeping its j-th guessed token is
-taken as rate^j, rate being its recent kept / tried guesses (tried: the kept ones and
-the first miss) weighed with the engine's (`NgramIndex.rate`); its draft stops at the
-first j below the threshold.
 """
-
 from __future__ import annotations
 
-import math
-from collections import deque
 from dataclasses import dataclass
-
-import numpy as np
 
 
 @dataclass(frozen=True)
@@ -68,70 +53,6 @@ class SpeculativeConfig:
 
 
 MAX_BACKOFF = 16  # steps a sequence whose drafts keep missing waits at most
-DECAY = 0.7  # a sequence's kept / tried record: the weight of the drafts before the last
-FIT_EVERY = 8  # decode steps between two fits of the step cost
-
-
-class DraftCost:
-    """What a row costs a decode step, measured: a line through the latest decode
-    steps' (rows, seconds), fit by Theil-Sen (median of pairwise slopes: a step slowed
-    by something else moves it little). Until steps of different row counts were seen,
-    nothing is known and drafts are not limited (threshold 0)."""
-
-    def __init__(self, window: int = 64):
-        self.steps: deque[tuple[int, float]] = deque(maxlen=window)
-        self.fixed: float | None = None  # seconds a step costs whatever its rows
-        self.per_row: float | None = None  # seconds each row adds
-        self._since = 0
-        # every draft's guessed tokens tried (kept, and the first miss) and kept
-        self.tried = 0
-        self.kept = 0
-
-    def observe(self, rows: int, seconds: float) -> None:
-        """A decode step (no prompt fed) of `rows` rows took `seconds`."""
-        self.steps.append((rows, seconds))
-        self._since += 1
-        if self._since >= FIT_EVERY:
-            self._since = 0
-            self._fit()
-
-    def _fit(self) -> None:
-        x = np.array([r for r, _ in self.steps], dtype=np.float64)  # [n]
-        y = np.array([t for _, t in self.steps], dtype=np.float64)  # [n]
-        dx = x[None, :] - x[:, None]  # [n, n]
-        mask = dx > 0
-        if mask.sum() < 4:
-            return  # too little spread in rows: keep the last fit
-        slope = float(np.median((y[None, :] - y[:, None])[mask] / dx[mask]))
-        self.per_row = max(slope, 0.0)
-        self.fixed = max(float(np.median(y - self.per_row * x)), 0.0)
-
-    def threshold(self, rows: int) -> float:
-        """The least chance of being kept a guessed token needs to pay for its row in a
-        step of about `rows` rows (0: not known, or rows are free)."""
-        if self.per_row is None or self.fixed is None or rows <= 0:
-            return 0.0
-        cost = self.per_row * rows
-        return cost / (self.fixed + cost) if cost > 0 else 0.0
-
-    def outcome(self, drafted: int, kept: int) -> None:
-        self.tried += kept + (kept < drafted)
-        self.kept += kept
-
-    def rate(self) -> float:
-        """The engine's guessed tokens kept / tried so far (1 prior try, kept)."""
-        return (self.kept + 1) / (self.tried + 1)
-
-
-def worth(rate: float, threshold: float, longest: int) -> int:
-    """How many guessed tokens pay (at most `longest`): the j-th is kept with chance
-    rate^j, and pays while that beats the threshold."""
-    if threshold <= 0.0 or rate >= 1.0:
-        return longest
-    j = min(longest, int(math.log(threshold) / math.log(rate))) if rate > threshold else 0
-    while j > 0 and rate ** j <= threshold:  # (rounding at an exact power)
-        j -= 1
-    return j
 
 
 class NgramIndex:
@@ -145,21 +66,13 @@ class NgramIndex:
         self.longest = config.num_tokens  # the next draft's length at most
         self.misses = 0  # drafts in a row of which nothing was kept
         self.wait = 0  # steps still to wait before the next draft
-        self.kept = 0.0  # guessed tokens kept and tried, the older drafts weighed less
-        self.tried = 0.0
 
     def allowance(self) -> int:
-        """How many tokens this step's draft may have by its record (0: none this
-        step); of them, `worth` says how many pay for their rows."""
+        """How many tokens this step's draft may have (0: none this step)."""
         if self.wait:
             self.wait -= 1
             return 0
         return self.longest
-
-    def rate(self, prior: float) -> float:
-        """Its guessed tokens' chance of being kept: its recent record, with the
-        engine's rate (`prior`) counted as one try."""
-        return (self.kept + prior) / (self.tried + 1.0)
 
     def observe(self, drafted: int, kept: int) -> None:
         """A draft's outcome: the next may be one token longer than what was kept;
@@ -167,8 +80,6 @@ class NgramIndex:
         self.longest = min(self.config.num_tokens, kept + 1)
         self.misses = 0 if kept else self.misses + 1
         self.wait = min(MAX_BACKOFF, 2 ** (self.misses - 1)) if self.misses else 0
-        self.kept = DECAY * self.kept + kept
-        self.tried = DECAY * self.tried + kept + (kept < drafted)
 
     def update(self, prompt: list[int], output: list[int]) -> None:
         """Index the n-grams that gained a next token since the last update."""

@@ -5,13 +5,12 @@ one a step gives (seeds, penalties, logprobs, stop strings, max_tokens), with fe
 steps; recoveries and preemption keep the tokens; no slot leaks."""
 import random
 
-import numpy as np
 import pytest
 
 from lamina.engine.config import EngineConfig
 from lamina.engine.messages import SeqWork
 from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
-from lamina.engine.speculative import DraftCost, NgramIndex, SpeculativeConfig, worth
+from lamina.engine.speculative import NgramIndex, SpeculativeConfig
 from lamina.entrypoints.metrics import EngineMetrics
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
 from lamina.sampling.params import SamplingParams
@@ -273,65 +272,3 @@ def test_drafts_over_compute_replicas(smol, smol_split, prompts, hf_greedy, pipe
     outs = run(eng, prompts[:8], GREEDY)
     assert [o.token_ids for o in outs] == hf_greedy[:8]
     assert eng.num_accepted_tokens > 0
-
-
-def test_the_step_cost_fit_recovers_a_line_through_outliers():
-    """Decode steps of 8..40 rows costing 10 ms + 2 ms a row, with noise, and every 9th
-    step slowed 5x (something else ran): the fit is NumPy's least-squares line through
-    the clean steps within 5%; the threshold is per_row * R / (fixed + per_row * R)."""
-    rng = random.Random(0)
-    rows = [rng.randrange(8, 41) for _ in range(64)]
-    clean = [0.010 + 0.002 * r + rng.uniform(-2e-4, 2e-4) for r in rows]
-    cost = DraftCost()
-    for i, (r, t) in enumerate(zip(rows, clean)):
-        cost.observe(r, t * (5 if i % 9 == 8 else 1))
-    slope, fixed = np.polyfit(rows, clean, 1)
-    assert cost.per_row == pytest.approx(slope, rel=0.05)
-    assert cost.fixed == pytest.approx(fixed, rel=0.05)
-    assert cost.threshold(32) == pytest.approx(slope * 32 / (fixed + slope * 32), rel=0.02)
-    assert cost.threshold(1) < 0.2 < 0.8 < cost.threshold(64)
-
-
-def test_no_spread_in_rows_no_fit_and_every_draft_allowed():
-    cost = DraftCost()
-    for _ in range(64):
-        cost.observe(16, 0.05)
-    assert cost.per_row is None and cost.threshold(16) == 0.0
-    assert worth(0.1, cost.threshold(16), 4) == 4
-
-
-@pytest.mark.parametrize("rate", [0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0])
-@pytest.mark.parametrize("threshold", [0.1, 0.25, 0.5, 0.8, 0.95])
-def test_a_draft_keeps_the_tokens_whose_chance_beats_the_threshold(rate, threshold):
-    want = max([j for j in range(0, 9) if j == 0 or rate ** j > threshold])
-    assert worth(rate, threshold, 8) == want
-    assert worth(rate, threshold, 2) == min(want, 2)
-    assert worth(rate, 0.0, 8) == 8  # rows cost nothing (or not known yet)
-
-
-def test_a_sequences_rate_is_its_recent_record_with_the_engines_as_one_try():
-    idx = NgramIndex(SpeculativeConfig(4))
-    assert idx.rate(0.6) == 0.6  # nothing tried: the engine's rate
-    idx.observe(4, 4)  # 4 tried, 4 kept
-    assert idx.rate(0.6) == pytest.approx(4.6 / 5)
-    idx.observe(4, 1)  # 2 tried (1 kept, then the miss), the older record weighs 0.7
-    assert idx.rate(0.6) == pytest.approx((0.7 * 4 + 1 + 0.6) / (0.7 * 4 + 2 + 1))
-    cost = DraftCost()
-    cost.outcome(4, 4)
-    cost.outcome(3, 0)
-    assert cost.rate() == (4 + 1) / (5 + 1)
-
-
-def test_costly_rows_keep_guesses_that_rarely_pay_out_of_the_step(smol, smol_split, prompts,
-                                                                  hf_greedy):
-    """With rows known to be nearly the whole cost of a step (the fit set by hand), the
-    n-gram guesses of the 16 prompts are few next to a free-row engine's, and the
-    tokens are HF's either way."""
-    free = engine(smol, smol_split, max_step_tokens=1024, speculative_tokens=4)
-    free.draft_cost.observe = lambda rows, seconds: None  # never fit: rows cost nothing
-    assert [o.token_ids for o in run(free, prompts, GREEDY)] == hf_greedy
-    dear = engine(smol, smol_split, max_step_tokens=1024, speculative_tokens=4)
-    dear.draft_cost.observe = lambda rows, seconds: None
-    dear.draft_cost.fixed, dear.draft_cost.per_row = 0.001, 0.01  # threshold 0.99 at 8+
-    assert [o.token_ids for o in run(dear, prompts, GREEDY)] == hf_greedy
-    assert dear.num_draft_tokens < 0.5 * free.num_draft_tokens
