@@ -179,6 +179,10 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
                  "--speculative-ngram", "1", "4"]) == 0
     assert [(k["speculative_tokens"], k["speculative_ngram_min"], k["speculative_ngram_max"])
             for k in seen] == [(4, 2, 3), (3, 1, 4)]
+    seen.clear()
+    assert main(["serve", "--port", "0"]) == 0
+    assert main(["serve", "--port", "0", "--scheduling-policy", "priority"]) == 0
+    assert [k["scheduling_policy"] for k in seen] == ["fcfs", "priority"]
     with pytest.raises(SystemExit):  # argparse: not a choice
         main(["generate", "--dtype", "float16", "hi"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err
