@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import uuid
 from concurrent.futures import Future
+from functools import cached_property
 from typing import Callable, Sequence
 
 import ray
@@ -239,6 +240,18 @@ class ServiceLoop:
 class _RemoteEngine:
     def __init__(self, client: Client):
         self.client = client
+
+    @cached_property
+    def _limits(self) -> dict:
+        return _call(self.client.service.limits.remote())
+
+    @property
+    def max_len(self) -> int:
+        return self._limits["max_len"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._limits["vocab_size"]
 
     def validate(self, prompt, params, session_id: str | None = None,
                  priority: int = 0) -> None:

@@ -61,6 +61,10 @@ class LaminaService:
     def ready(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def limits(self) -> dict:
+        """The served model's context and vocabulary sizes."""
+        return {"max_len": self.llm.engine.max_len, "vocab_size": self.llm.engine.vocab_size}
+
     def validate(self, prompt, params, priority: int = 0) -> None:
         """Raise what `LLM.generate` would for this prompt (ValueError / TypeError)."""
         self.llm.engine.validate(prompt, params, priority=priority)

@@ -12,7 +12,8 @@ request by `api_responses`, which keeps the stored ones; OpenAI's other fields t
 refused by name in `api_fields`). Data out: completion JSON with text (or a chat's
 tool_calls), token ids, logprobs, finish reasons and usage, or a Response; with `stream:
 true`, server-sent events of text deltas, then `data: [DONE]` (Responses: its own
-events); Prometheus metrics on /metrics.
+events); Prometheus metrics on /metrics; vLLM's /tokenize and /detokenize
+(`api_tokenize`).
 Real clients run against it in the tests: openai, guidellm and lm-eval. Requests go to one
 `EngineLoop`, so concurrent HTTP requests batch together in the engine. A client that
 disconnects (streaming or not) has its request aborted and its KV freed.
@@ -74,6 +75,12 @@ from lamina.entrypoints.api_stream import (
     completion_logprobs,
     sse_events,
     vllm_prompt_logprobs,
+)
+from lamina.entrypoints.api_tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
 )
 from lamina.entrypoints.api_tools import ToolCalling, openai_calls, tool_calling
 from lamina.entrypoints.engine_loop import EngineLoop, beside
@@ -410,6 +417,8 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
     app.get("/v1/responses/{rid}")(api.get_response)
     app.get("/v1/responses/{rid}/input_items")(api.response_input_items)
     app.delete("/v1/responses/{rid}")(api.delete_response)
+    app.post("/tokenize")(api.tokenize)  # vLLM's
+    app.post("/detokenize")(api.detokenize)
     return app
 
 
@@ -456,6 +465,42 @@ class _Api:
             return _error(404, f"The model `{model}` does not exist; this server serves "
                           f"`{self.model_name}`", "model", "model_not_found")
         return self._model_card()
+
+    def _wrong_model(self, model: str | None) -> JSONResponse | None:
+        if model is None or model == self.model_name:
+            return None
+        return _error(404, f"The model `{model}` does not exist; this server serves "
+                      f"`{self.model_name}`", "model", "model_not_found")
+
+    async def tokenize(self, body: TokenizeRequest):
+        """vLLM's /tokenize: a prompt's or a chat's token ids, as the engine sees them
+        (`api_tokenize`); a chat's tools listed as for tool_choice "auto"."""
+        wrong = self._wrong_model(body.model)
+        if wrong is not None or self.tokenizer is None:
+            return wrong or _error(400, "this server has no tokenizer", "prompt")
+        name = self.config.tool_call_parser
+        try:
+            if body.messages is not None:  # checked as the chat route checks them
+                try:
+                    msgs = [ChatMessage.model_validate(m).model_dump() for m in body.messages]
+                except ValidationError as e:
+                    err = e.errors()[0]
+                    return _error(400, f"messages: {'.'.join(map(str, err['loc']))}: "
+                                  f"{err['msg']}", "messages")
+                body = body.model_copy(update={"messages": msgs})
+            return tokenize(self.tokenizer, body, self.loop.engine.max_len,
+                            PARSERS[name] if name is not None else None)
+        except ValueError as e:
+            return _error(400, str(e), re.split(r"[:. ]", str(e))[0])  # its top field
+
+    async def detokenize(self, body: DetokenizeRequest):
+        wrong = self._wrong_model(body.model)
+        if wrong is not None or self.tokenizer is None:
+            return wrong or _error(400, "this server has no tokenizer", "tokens")
+        try:
+            return detokenize(self.tokenizer, body, self.loop.engine.vocab_size)
+        except ValueError as e:
+            return _error(400, str(e), "tokens")
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created,

@@ -189,7 +189,7 @@ class LLM:
 
 
 def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None,
-                parser=None) -> str:
+                parser=None, add_generation_prompt: bool = True) -> str:
     """A conversation as the model's chat template writes it, ready for the answer.
     OpenAI's `developer` role (what clients send newer models instead of `system`) is
     `system` to a template that does not name it: most templates know only system /
@@ -199,7 +199,8 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None,
     OpenAI's tool definitions, for a template that shows them to the model; `parser`
     (a `tool_parsers.ToolParser`, tool_choice "auto"): for a template that does not
     show them, its format's system prompt lists them, before the conversation's own.
-    Earlier tool calls are written as text for a template that has no place for them."""
+    Earlier tool calls are written as text for a template that has no place for them.
+    `add_generation_prompt`: open the assistant's turn (False: the conversation as is)."""
     from jinja2 import TemplateError
 
     from lamina.entrypoints.api_tools import history_for_template
@@ -217,7 +218,7 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None,
             msgs.insert(0, {"role": "system", "content": listed})
     try:
         return tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=add_generation_prompt)
     except TemplateError as e:
         raise ValueError(f"messages: the model's chat template refused them: {e}") from None
 

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,16 @@ def cluster():
         c.shutdown()
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def post_json(port: int, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def lamina_cmd(cluster, *args, timeout=300):
@@ -317,6 +329,13 @@ def test_serve_service_fronts_the_running_service(cluster, prompts, hf_greedy):
         r = oai.completions.create(model=model, prompt=prompts[3], max_tokens=HF_NEW,
                                    temperature=0, extra_body={"priority": -1})
         assert r.choices[0].model_extra["token_ids"] == hf_greedy[3]
+        # vLLM's /detokenize and /tokenize answer with the service's model's limits
+        text = post_json(port, "/detokenize", {"tokens": prompts[3]})[1]["prompt"]
+        status, counted = post_json(port, "/tokenize", {"prompt": text})
+        assert status == 200 and counted["max_model_len"] == 8192
+        assert counted["count"] == len(counted["tokens"]) > len(prompts[3]) // 2
+        status, bad = post_json(port, "/detokenize", {"tokens": [10 ** 6]})
+        assert status == 400 and "49152" in bad["error"]["message"]
     finally:
         srv.terminate()
         srv.wait(30)

@@ -658,3 +658,46 @@ def _get(url: str):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def test_tokenize_counts_what_the_routes_feed_the_engine(server, smol, prompts):
+    """vLLM's /tokenize: a prompt's count and ids are the `prompt_tokens` a completion
+    reports for it, and a chat's (with a tool) the chat route's; token strings and the
+    context come along; /detokenize gives the text back. Bad input: 400 naming the
+    field, 404 for another model."""
+    tok = smol.tokenizer
+    text = tok.decode(prompts[3])
+    status, body = server.post("/tokenize", {"prompt": text, "return_token_strs": True})
+    assert status == 200 and body["max_model_len"] == 8192
+    assert body["tokens"] == tok(text)["input_ids"] and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
+    status, done = server.post("/v1/completions", {"prompt": text, "max_tokens": 1})
+    assert status == 200 and done["usage"]["prompt_tokens"] == body["count"]
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    chat = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Weather in Oslo?"}], "tools": [tool]}
+    status, body = server.post("/tokenize", chat)
+    status2, done = server.post("/v1/chat/completions", {**chat, "max_tokens": 1,
+                                                         "tool_choice": "required"})
+    assert status == status2 == 200 and body["count"] == done["usage"]["prompt_tokens"]
+    assert body["token_strs"] is None
+    status, open_turn = server.post("/tokenize", {**chat, "add_generation_prompt": False})
+    assert status == 200 and open_turn["count"] < body["count"]
+    assert body["tokens"][:open_turn["count"]] == open_turn["tokens"]
+    status, body = server.post("/detokenize", {"tokens": prompts[3]})
+    assert status == 200 and body == {"prompt": tok.decode(prompts[3])}
+    for path, bad, param in (
+            ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+             "prompt"),
+            ("/tokenize", {}, "prompt"),
+            ("/tokenize", {"messages": [{"role": "user"}], "tools": [tool]}, "messages"),
+            ("/tokenize", {"prompt": "a", "tools": [tool]}, "tools"),
+            ("/tokenize", {"messages": [{"content": "no role"}]}, "messages"),
+            ("/tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate"),
+            ("/detokenize", {"tokens": [1, smol.config.vocab_size]}, "tokens"),
+            ("/detokenize", {"tokens": "abc"}, "tokens")):
+        status, body = server.post(path, bad)
+        assert status == 400 and body["error"]["param"] == param, (bad, body)
+    status, body = server.post("/tokenize", {"model": "other", "prompt": "a"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
