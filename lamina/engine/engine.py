@@ -23,6 +23,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from lamina.engine.auto_pipeline import AutoPipeline
 from lamina.engine.config import EngineConfig
@@ -45,7 +46,7 @@ from lamina.memory.sparsity_config import (
 )
 from lamina.memory.tier_orders import TierMiss
 from lamina.sampling.params import SamplingParams
-from lamina.sampling.structured import Guide, Guides
+from lamina.sampling.structured import Guide, Guides, without
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,8 @@ class LLMEngine:
         room = min(spec.num_tokens, spare, self.max_len - seq.num_tokens - 1,
                    (p.max_tokens - len(seq.output) - 1) if p.max_tokens is not None
                    else spec.num_tokens)
+        if len(seq.output) < p.min_tokens:  # every draw of it masked alike, or none
+            room = min(room, p.min_tokens - len(seq.output) - 1)
         if room <= 0 or seq.forks or self._kv_policy(p).enabled:
             return ()
         if seq.ngrams is None:
@@ -253,6 +256,9 @@ class LLMEngine:
                              f"tokens = {len(ids) + params.max_tokens} exceed the model's "
                              f"context of {self.max_len} tokens; ask for at most "
                              f"{self.max_len - len(ids)} tokens")
+        if len(ids) + params.min_tokens > self.max_len:
+            raise ValueError(f"min_tokens {params.min_tokens} + the prompt's {len(ids)} "
+                             f"tokens exceed the model's context of {self.max_len} tokens")
         for name, toks in (("logit_bias", [t for t, _ in params.logit_bias]),
                            ("stop_token_ids", params.stop_token_ids)):
             if toks and max(toks) >= self.vocab_size:
@@ -444,17 +450,34 @@ class LLMEngine:
     def _guided(self, plan: StepPlan) -> StepPlan:
         """Each draw of a sequence with structured output carries the tokens its matcher
         allows next (a fork's n first draws share the prompt's: every matcher starts
-        alike)."""
-        if not any(r.guides for r in self._reqs.values()):
+        alike); a draw before its sequence's min_tokens leaves out the tokens that would
+        end it (`_unstoppable`). A draft: a mask per draw (`SeqWork.allowed`)."""
+        if not any(r.guides or r.params.min_tokens for r in self._reqs.values()):
             return plan
         seqs = list(plan.seqs)
         for k, w in enumerate(seqs):
             req, i = self._by_seq[w.seq_id]
-            if w.sample and req.guides:  # a draft: a mask per draw (`SeqWork.allowed`)
-                g = req.guides[i]
-                seqs[k] = replace(w, allowed=g.draft_masks(w.guess) if w.draft
-                                  else g.allowed())
+            ban = self._unstoppable(req.seqs[i]) if w.sample else ()
+            if not w.sample or not (req.guides or ban):
+                continue
+            g = req.guides[i] if req.guides else None
+            masks = ((g.draft_masks(w.guess) if w.draft else g.allowed()) if g is not None
+                     else self._any_token * (w.draft + 1))
+            seqs[k] = replace(w, allowed=without(masks, ban, w.draft + 1))
         return replace(plan, seqs=tuple(seqs))
+
+    def _unstoppable(self, seq: Sequence) -> tuple[int, ...]:
+        """The tokens seq's next draw may not take: while it has fewer than min_tokens,
+        those that would end it (EOS unless ignore_eos, its stop_token_ids)."""
+        p = seq.params
+        if len(seq.output) >= p.min_tokens:
+            return ()
+        return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_ids))
+
+    @cached_property
+    def _any_token(self) -> bytes:
+        """The bitmask that allows every token of the vocabulary."""
+        return b"\xff" * -(-self.vocab_size // 8)
 
     def _execute(self, plan: StepPlan, failed: list[RequestOutput]) -> StepResult | None:
         """The executor's result for `plan`, or None when the step failed and the workers
@@ -788,7 +811,9 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, req: _Request, i: int) -> str | None:
         p, tok, d = seq.params, seq.output[-1], req.detok[i]
-        if ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
+        early = len(seq.output) < p.min_tokens  # only the length may end it yet
+        if ((not early and ((tok in self.eos_ids and not p.ignore_eos)
+                            or tok in p.stop_token_ids))
                 or (req.guides and req.guides[i].done)):  # the structure is complete
             return "stop"
         # max_tokens None (resolved when the request came) would end at the context
@@ -797,8 +822,8 @@ class LLMEngine:
         if length and d is not None:
             d.flush(seq.output)  # a stop string may sit in a held-back tail
         if p.stop and d is not None:
-            hit = d.find_stop(p.stop)
-            if hit is not None:
+            hit = d.find_stop(p.stop)  # (searched early too: the text after is searched)
+            if hit is not None and not early:
                 req.texts[i] = d.text[:hit]
                 return "stop"
         return "length" if length else None

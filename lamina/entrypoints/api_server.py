@@ -3,7 +3,7 @@
 Data in: JSON requests on /v1/completions, /v1/chat/completions and /v1/responses
 (OpenAI's fields, echo, penalties, logit_bias, chat's text content parts and
 max_completion_tokens included, plus vLLM's top_k, seed, stop_token_ids, ignore_eos,
-repetition_penalty, prompt_logprobs and stream_options.continuous_usage_stats;
+min_tokens, repetition_penalty, prompt_logprobs and stream_options.continuous_usage_stats;
 structured output's response_format / structured_outputs / guided_* and a chat's tools
 with a forced tool_choice, made into `StructuredOutputs` by `api_fields` and
 `api_tools`; tools left to "auto", read from the answer by
@@ -207,6 +207,7 @@ class _Sampling(_Nullable):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -249,7 +250,8 @@ class _Sampling(_Nullable):
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, n=self.n, seed=self.seed,
                               stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+                              ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                              logprobs=self.num_logprobs(),
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty,

@@ -85,7 +85,8 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            ignore_eos=args.ignore_eos, stop=tuple(args.stop or ()),
+                            ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
+                            stop=tuple(args.stop or ()),
                             repetition_penalty=args.repetition_penalty,
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty,
@@ -573,6 +574,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="no EOS, stop token or stop string ends an answer before this many")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's; 1 = off")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")

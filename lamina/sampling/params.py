@@ -26,6 +26,9 @@ MAX_LOGPROBS = 20
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = 16  # None: as many as the model's context leaves
+    # vLLM's: no EOS, stop token or stop string ends the output before this many tokens
+    # (EOS and stop_token_ids are masked out of those draws)
+    min_tokens: int = 0
     temperature: float = 1.0  # 0 = greedy
     top_k: int = -1  # -1 or 0: off
     top_p: float = 1.0  # (0, 1]; 1 = off
@@ -58,6 +61,11 @@ class SamplingParams:
                                             or isinstance(self.max_tokens, bool)
                                             or self.max_tokens <= 0):
             bad("max_tokens", "must be a positive int or None (up to the model's context)")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                self.min_tokens < 0:
+            bad("min_tokens", "must be an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         t = self.temperature
         if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
             bad("temperature", "must be a finite number >= 0")
