@@ -346,7 +346,9 @@ class LLMEngine:
         when it finishes and brought back for the next turn (any string of 1-128 letters,
         digits, . _ : @ -; a new one starts a session). `priority`: under
         scheduling_policy "priority", lower is served first (may be negative)."""
-        ids = self.validate(prompt, params, session_id, priority)
+        check_session_id(session_id)
+        self.check_priority(priority)
+        ids = self.validate(prompt, params)
         # None, or past the context with clamp_max_tokens (validated): what it leaves
         if params.max_tokens is None or len(ids) + params.max_tokens > self.max_len:
             params = replace(params, max_tokens=self.max_len - len(ids))
