@@ -63,6 +63,6 @@ def detokenize(tokenizer, req: DetokenizeRequest, vocab_size: int) -> dict:
     vocabulary."""
     bad = [t for t in req.tokens if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"tokens: {bad[0]} is not a token id of this model's "
-                         f"{vocab_size}")
+        raise ValueError(f"tokens: {bad[0]} is not a token id (the vocabulary has "
+                         f"{vocab_size})")
     return {"prompt": tokenizer.decode(req.tokens)}
