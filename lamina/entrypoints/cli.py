@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from lamina.engine.scheduler import POLICIES as SCHEDULING_POLICIES  # torch-free
 from lamina.entrypoints.logs import configure_logging
 from lamina.entrypoints.tool_parsers import PARSERS  # torch-free
 from lamina.memory.sparsity_config import LAYER_BUDGETS, POLICIES  # torch-free
@@ -599,7 +600,7 @@ def _serve_parser(sub) -> None:
     v.add_argument("--max-step-tokens", type=int, default=4096,
                    help="tokens a step feeds; longer prompts are fed in chunks (a smaller "
                         "budget: shorter stalls of the decoding requests)")
-    v.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+    v.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs: arrival order; priority: a request's `priority` field (lower "
                         "first) orders it, and may preempt running requests of lower "
                         "priority")
