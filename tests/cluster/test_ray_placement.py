@@ -8,42 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
 from lamina.cluster.executor import check_fits, worker_options
 from lamina.engine.config import EngineConfig
 from tests.tiny_models import tiny_model
-
-SCRIPT = """
-import time, ray
-ray.init(num_cpus=4, resources={"lamina_compute": 1, "lamina_memory": 2},
-         include_dashboard=False)
-from lamina import LLM
-t = time.perf_counter()
-try:
-    LLM(executor="ray", num_memory_workers=3)
-except ValueError as e:
-    print("REFUSED", round(time.perf_counter() - t, 1), e)
-ray.shutdown()
-"""
-
-
-def test_more_memory_workers_than_lamina_memory_is_refused_at_once():
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_AUTH_MODE"] = "disabled"
-    t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                       text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
-    line = next((x for x in r.stdout.splitlines() if x.startswith("REFUSED")), None)
-    assert line is not None, r.stdout[-1000:]
-    assert "lamina_memory: needs 3, the cluster has 2" in line and "ray status" in line
-    assert "3 memory workers" in line
-    assert float(line.split()[1]) < 30  # refused before any worker starts
-    assert time.perf_counter() - t < 240
-
 
 BUSY = """
 import sys, time, ray
@@ -52,6 +22,11 @@ ray.init(num_cpus=4, resources={"lamina_compute": 2, "lamina_memory": 2},
 from lamina import LLM, SamplingParams
 from lamina.cluster.placement import PlacementTimeout
 model = sys.argv[1]  # a tiny model: placement is the point, not the weights
+t = time.perf_counter()
+try:  # more memory workers than the cluster's lamina_memory: refused at once
+    LLM(model, executor="ray", num_memory_workers=3)
+except ValueError as e:
+    print("REFUSED", round(time.perf_counter() - t, 1), e)
 other = LLM(model, executor="ray", num_memory_workers=1)  # another deployment holds one
 t = time.perf_counter()
 try:
@@ -76,11 +51,17 @@ ray.shutdown()
 """
 
 
-def test_busy_resources_fail_after_the_placement_timeout_naming_them(smol, tmp_path):
-    model = tmp_path / "tiny"
+@pytest.fixture(scope="module")
+def busy(smol, tmp_path_factory) -> dict:
+    """One Ray instance (one process, one start) for the deployments below, in order:
+    too many memory workers, another deployment holding resources, a timed-out one, and
+    a placed one whose weights are torn. -> {"out": its output, "broken": the torn
+    model's folder}."""
+    tmp = tmp_path_factory.mktemp("placement")
+    model = tmp / "tiny"
     tiny_model("llama").save_pretrained(model, safe_serialization=True)
     smol.tokenizer.save_pretrained(model)  # its first 96 ids decode
-    broken = tmp_path / "torn"  # its config and tokenizer, its weights file torn
+    broken = tmp / "torn"  # its config and tokenizer, its weights file torn
     shutil.copytree(model, broken)
     (broken / "model.safetensors").write_bytes(b"torn")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -88,24 +69,40 @@ def test_busy_resources_fail_after_the_placement_timeout_naming_them(smol, tmp_p
     r = subprocess.run([sys.executable, "-c", BUSY, str(model), str(broken)], env=env,
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
-    line = next((x for x in r.stdout.splitlines() if x.startswith("TIMEOUT")), None)
-    assert line is not None, r.stdout[-1000:] + r.stderr[-2000:]
+    return {"out": r.stdout + "\n" + r.stderr[-2000:], "broken": str(broken)}
+
+
+def _line(out: str, head: str) -> str:
+    line = next((x for x in out.splitlines() if x.startswith(head)), None)
+    assert line is not None, out[-3000:]
+    return line
+
+
+def test_more_memory_workers_than_lamina_memory_is_refused_at_once(busy):
+    line = _line(busy["out"], "REFUSED")
+    assert "lamina_memory: needs 3, the cluster has 2" in line and "ray status" in line
+    assert "3 memory workers" in line
+    assert float(line.split()[1]) < 30  # refused before any worker starts
+
+
+def test_busy_resources_fail_after_the_placement_timeout_naming_them(busy):
+    out = busy["out"]
+    line = _line(out, "TIMEOUT")
     assert "lamina_memory: needs 2, 1 free" in line and "ray status" in line, line
     assert 4 <= float(line.split()[1]) < 15  # the timeout, not forever
     # the failed deployment's group is removed and what it held is free again (another
     # one-memory-worker deployment fits); the other deployment stays and serves
-    assert "SERVES ['length']" in r.stdout, r.stdout
+    assert "SERVES ['length']" in out, out
     # the placed deployment whose worker died loading the weights: the error says so
     # (the worker's own), and its workers and group are gone (both groups removed, the
     # resources back as the timed-out one left them)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("BROKEN")), None)
-    assert line is not None, r.stdout[-1000:] + r.stderr[-2000:]
+    line = _line(out, "BROKEN")
     assert line.split()[2] == "WorkerFailure" and line.split(" | ")[1].startswith(
         f"the compute worker could not start: lamina.model.loader.ModelLoadError: could "
-        f"not load model from {broken}: "), line
+        f"not load model from {busy['broken']}: "), line
     assert float(line.split()[1]) < 120, line  # the worker's own error, not a timeout
-    assert "FREE 1.0 1.0" in r.stdout, r.stdout
-    assert "GROUPS ['CREATED', 'REMOVED', 'REMOVED']" in r.stdout, r.stdout
+    assert "FREE 1.0 1.0" in out, out
+    assert "GROUPS ['CREATED', 'REMOVED', 'REMOVED']" in out, out
 
 
 @pytest.mark.parametrize("have, ok", [
