@@ -7,6 +7,7 @@ import ray
 
 from lamina import LLM, SamplingParams
 from lamina.dataplane.collective import Rendezvous
+from tests.cluster import keep_ray_for_the_next_module
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
@@ -19,7 +20,7 @@ def llm():
                   max_step_tokens=1024)
         yield llm
         llm.shutdown()
-        ray.shutdown()
+        keep_ray_for_the_next_module()
 
 
 def test_ray_over_gloo_paths_gives_hf_greedy_and_recovers_a_dead_memory_worker(

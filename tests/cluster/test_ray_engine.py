@@ -16,6 +16,7 @@ import torch
 from lamina import LLM, SamplingParams
 from lamina.cluster.executor import WorkerFailure
 from lamina.sampling.structured import StructuredOutputs
+from tests.cluster import keep_ray_for_the_next_module
 from tests.conftest import HF_NEW
 from tests.lamina.test_structured import PROMPT, SCHEMA, _hf_guided
 
@@ -34,7 +35,7 @@ def llm(tmp_path_factory):
     llm.disk_dir = disk
     yield llm
     llm.shutdown()
-    ray.shutdown()
+    keep_ray_for_the_next_module()
 
 
 def test_step_threads_rule():

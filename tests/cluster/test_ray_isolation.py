@@ -18,6 +18,7 @@ from lamina import LLM, SamplingParams
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
 from lamina.faults import FaultPlan
+from tests.cluster import keep_ray_for_the_next_module
 
 from ..lamina.test_isolation import unused_token
 from ..lamina.test_server_limits import _KeyServer
@@ -37,7 +38,7 @@ def setup(prompts, hf_greedy):
                                layer_token=layer_tok))
     yield llm, tok, layer_tok
     llm.shutdown()
-    ray.shutdown()
+    keep_ray_for_the_next_module()
 
 
 def drain(eng, outs):

@@ -15,6 +15,7 @@ import ray
 from lamina import LLM, SamplingParams
 from lamina.faults import FaultPlan
 from lamina.trace import lanes, overlapping
+from tests.cluster import keep_ray_for_the_next_module
 from tests.conftest import HF_NEW
 
 from ..lamina.test_isolation import unused_token
@@ -31,7 +32,7 @@ def setup(prompts, hf_greedy):
               num_compute_workers=2, pipeline="fixed", faults=FaultPlan(compute_token=tok))
     yield llm, tok
     llm.shutdown()
-    ray.shutdown()
+    keep_ray_for_the_next_module()
 
 
 def drain(eng, outs):

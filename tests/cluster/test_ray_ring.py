@@ -15,6 +15,7 @@ import ray
 
 from lamina import LLM, SamplingParams
 from lamina.faults import FaultPlan
+from tests.cluster import keep_ray_for_the_next_module
 from tests.conftest import HF_NEW
 
 from ..lamina.test_isolation import unused_token
@@ -34,7 +35,7 @@ def setup(prompts, hf_greedy):
               faults=FaultPlan(compute_token=tok, memory_pos=MEM_POS))
     yield llm, tok
     llm.shutdown()
-    ray.shutdown()
+    keep_ray_for_the_next_module()
 
 
 def test_ring_of_three_replicas_over_one_memory_worker_identical(smol, prompts, hf_greedy):
