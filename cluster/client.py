@@ -186,6 +186,7 @@ class ServiceLoop:
         self.client, self.max_waiting, self.error = client, None, None
         self.engine = _RemoteEngine(client)
         self.metrics = _RemoteMetrics(client)
+        self.response_store = RemoteResponseStore(client)
         self._handles: dict[Future, RequestHandle] = {}
 
     @property
@@ -256,6 +257,28 @@ class _RemoteEngine:
     def validate(self, prompt, params, session_id: str | None = None,
                  priority: int = 0) -> None:
         _call(self.client.service.validate.remote(prompt, params, priority))
+
+
+class RemoteResponseStore:
+    """`ResponseStore`'s interface over the service's own store: the HTTP fronts of one
+    deployment (`lamina serve --service`, any number, on any node) share its stored
+    responses, so a conversation continues on whichever front a load balancer picks."""
+
+    def __init__(self, client: Client):
+        self.client = client
+
+    @cached_property
+    def capacity(self) -> int:
+        return _call(self.client.service.response_capacity.remote())
+
+    def get(self, rid: str):
+        return _call(self.client.service.response_get.remote(rid))
+
+    def put(self, rid: str, item) -> None:
+        _call(self.client.service.response_put.remote(rid, item))
+
+    def delete(self, rid: str) -> bool:
+        return _call(self.client.service.response_delete.remote(rid))
 
 
 class _RemoteMetrics:

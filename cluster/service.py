@@ -3,10 +3,11 @@ so that every driver, Ray job and HTTP server on the cluster shares one deployme
 
 Data in: a `LaminaConfig` (`lamina up --config FILE`); then requests from clients
 (`lamina.connect()`, cluster/client.py): `stream(key, prompt, params)` per request,
-`abort(key)`, `status()`. Data out: each request's progress as a Ray streaming generator
-of `RequestOutput` snapshots (cumulative, the last one final); a request the engine
-failed raises the local API's exception (`RequestFailed`, `EngineDead`, `ValueError` for
-bad input) at the client.
+`abort(key)`, `status()`; the HTTP fronts' stored responses (`response_get/put/delete`).
+Data out: each request's progress as a Ray streaming generator of `RequestOutput`
+snapshots (cumulative, the last one final); a request the engine failed raises the local
+API's exception (`RequestFailed`, `EngineDead`, `ValueError` for bad input) at the
+client; a stored response, as a front put it.
 
 Why a detached actor and not a Ray Serve deployment: the engine batches every request
 of the cluster in one loop (`EngineLoop`) and its workers hold KV state, so it is one
@@ -26,6 +27,7 @@ from dataclasses import replace
 
 import ray
 
+from lamina.entrypoints.api_responses import ResponseStore, Stored
 from lamina.entrypoints.deploy_config import LaminaConfig
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.llm import LLM
@@ -57,6 +59,8 @@ class LaminaService:
         self.loop = EngineLoop(self.llm.engine, self.metrics, config.server.max_waiting)
         self.futures: dict[str, Future] = {}
         self.started = time.time()
+        # /v1/responses' stored responses, shared by every `lamina serve --service` front
+        self.responses = ResponseStore(config.server.max_stored_responses)
 
     def ready(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -131,6 +135,18 @@ class LaminaService:
                 "recoveries": eng.num_recoveries, "kv_kept_tokens": eng.kv_kept_tokens,
                 "workers_replaced": ex.workers_replaced(),
                 "placement_group": ex.placement.group.id.hex()}
+
+    def response_capacity(self) -> int:
+        return self.responses.capacity
+
+    def response_get(self, rid: str) -> Stored | None:
+        return self.responses.get(rid)
+
+    def response_put(self, rid: str, item: Stored) -> None:
+        self.responses.put(rid, item)
+
+    def response_delete(self, rid: str) -> bool:
+        return self.responses.delete(rid)
 
     def tokenizer(self):
         """The model's tokenizer (clients decode and apply chat templates with it)."""

@@ -15,6 +15,8 @@ a bounded in-memory LRU: `previous_response_id` continues it, and the chain's fi
 response id is the request's `session_id`, so with KV tiers each turn's KV is kept for
 the next (`lamina.engine.sessions`); without them the prefix cache reuses what is still
 in the pools. A restart forgets stored responses (a 400 naming `previous_response_id`).
+Over a Lamina service (`lamina serve --service`), the store is the service's: every HTTP
+front of that deployment reads and continues the same responses.
 """
 from __future__ import annotations
 

@@ -444,7 +444,10 @@ class _Api:
         self.loop, self.model_name = loop, model_name
         self.tokenizer, self.config = tokenizer, config
         self.created = int(time.time())  # the model's `created` on /v1/models
-        self.stored = ResponseStore(config.max_stored_responses)  # /v1/responses
+        # /v1/responses: a service's loop brings the deployment's store (every front
+        # over it reads the same responses); a local one keeps its own
+        self.stored = getattr(loop, "response_store", None) or \
+            ResponseStore(config.max_stored_responses)
 
     async def health(self):
         if not self.loop.alive:
@@ -610,8 +613,8 @@ class _Api:
         got = self.stored.get(rid)
         if got is None:
             return _error(404, f"no stored response {rid!r} (not stored, deleted, or "
-                          f"dropped: this server keeps the last "
-                          f"{self.config.max_stored_responses})", "response_id", "not_found")
+                          f"dropped: this deployment keeps the last "
+                          f"{self.stored.capacity})", "response_id", "not_found")
         return got.response
 
     async def response_input_items(self, rid: str, limit: int = 20, order: str = "desc",
@@ -641,8 +644,8 @@ class _Api:
             if prev is None:
                 return _error(400, f"previous_response_id: no stored response "
                               f"{body.previous_response_id!r} (not stored, deleted, or "
-                              f"dropped: this server keeps the last "
-                              f"{self.config.max_stored_responses} in memory)",
+                              f"dropped: this deployment keeps the last "
+                              f"{self.stored.capacity} in memory)",
                               "previous_response_id", "previous_response_not_found")
         rid = new_id("resp")
         try:

@@ -1,9 +1,10 @@
 """The deploy-once path on a 2-raylet cluster (head: `lamina_compute` and the dashboard;
 one memory node: `lamina_memory: 2`): `lamina up` starts the service, two drivers
 submit to it at once, `lamina.connect()` streams / aborts, Ray Jobs run
-examples/submit_job.py and `lamina batch` through it, `lamina serve --service` fronts it,
-`lamina down` leaves nothing behind (asserted through Ray's state API). Tests run in
-file order: each needs the service the earlier ones left running."""
+examples/submit_job.py and `lamina batch` through it, `lamina serve --service` fronts it
+(its fronts sharing the service's stored responses), `lamina down` leaves nothing
+behind (asserted through Ray's state API). Tests run in file order: each needs the
+service the earlier ones left running."""
 from __future__ import annotations
 
 import json
@@ -339,6 +340,44 @@ def test_serve_service_fronts_the_running_service(cluster, prompts, hf_greedy):
     finally:
         srv.terminate()
         srv.wait(30)
+
+
+def test_http_fronts_of_one_service_share_its_stored_responses(cluster, smol):
+    """Two HTTP fronts of the service (the app `lamina serve --service` builds, twice, each
+    over its own `ServiceLoop`, as two front processes behind a load balancer would
+    be): a response stored through one is retrieved through the other and continued
+    there with HF's greedy text for the whole conversation; deleted through the
+    second, the first answers 404 for it."""
+    from starlette.testclient import TestClient
+
+    from lamina.cluster.client import ServiceLoop
+    from lamina.entrypoints.api_server import build_app
+    from tests.lamina.test_responses import _hf
+
+    client = lamina.connect(cluster["cluster"].address)
+    loops = [ServiceLoop(client) for _ in range(2)]
+    a, b = (TestClient(build_app(loop, "smollm2", client.tokenizer())) for loop in loops)
+    try:
+        first = [{"role": "user", "content": "Name a colour."}]
+        r = a.post("/v1/responses", json={"input": first[0]["content"],
+                                          "max_output_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        rid, answer = r.json()["id"], r.json()["output"][0]["content"][0]["text"]
+        assert b.get(f"/v1/responses/{rid}").json() == r.json()
+        r2 = b.post("/v1/responses", json={"input": "And another one?", "max_output_tokens": 8,
+                                           "previous_response_id": rid, "temperature": 0})
+        assert r2.status_code == 200, r2.text
+        history = [*first, {"role": "assistant", "content": answer},
+                   {"role": "user", "content": "And another one?"}]
+        ids, text = _hf(smol, history, 8)
+        assert r2.json()["output"][0]["content"][0]["text"] == text
+        assert r2.json()["usage"]["input_tokens"] == len(ids)
+        assert b.delete(f"/v1/responses/{rid}").status_code == 200
+        gone = a.get(f"/v1/responses/{rid}")
+        assert gone.status_code == 404 and "keeps the last 1024" in gone.text, gone.text
+    finally:
+        for loop in loops:
+            loop.shutdown()
 
 
 def test_down_leaves_no_actor_or_placement_group(cluster):
