@@ -408,6 +408,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
                            expose_headers=[IGNORED_HEADER, "Retry-After"])
     app.exception_handler(StarletteHTTPException)(_http_error)
     app.exception_handler(RequestValidationError)(_bad_body)
+    app.exception_handler(EngineDead)(_engine_dead)
     api = _Api(loop, model_name, tokenizer, config)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
@@ -426,6 +427,12 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
 
 async def _http_error(request: Request, exc: StarletteHTTPException):
     return _error(exc.status_code, str(exc.detail))
+
+
+async def _engine_dead(request: Request, exc: EngineDead):
+    """A route that reaches a stopped engine or a service that is gone (a stored response
+    read over it): 503, as a request to it is answered."""
+    return _error(503, str(exc))
 
 
 async def _bad_body(request: Request, exc: RequestValidationError):

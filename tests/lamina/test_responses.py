@@ -193,3 +193,30 @@ def test_what_cannot_be_honoured_is_refused_by_name(srv, kw, param):
     assert e.value.param == param, e.value
     assert srv.client().responses.create(model="smollm2", input="Hi",
                                          max_output_tokens=2).status
+
+
+def test_a_store_that_is_gone_answers_503_naming_it():
+    """A front's loop may bring its deployment's store (a Lamina service's); with the
+    service gone, reading, continuing or deleting a stored response is a 503 with the
+    store's error, not a 500."""
+    from starlette.testclient import TestClient
+
+    from lamina.entrypoints.api_server import build_app
+    from lamina.errors import EngineDead
+
+    class GoneStore:
+        capacity = 8
+
+        def get(self, rid):
+            raise EngineDead("the Lamina service is gone: RayActorError")
+
+        put = delete = get
+
+    class Loop:  # what the routes below read of a loop
+        max_waiting, response_store = None, GoneStore()
+
+    web = TestClient(build_app(Loop(), "smollm2"))
+    for r in (web.get("/v1/responses/resp_1"), web.delete("/v1/responses/resp_1"),
+              web.post("/v1/responses", json={"input": "Hi", "previous_response_id": "r"})):
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["message"] == "the Lamina service is gone: RayActorError"
