@@ -603,7 +603,10 @@ def test_sigterm_drains_the_requests_in_flight_then_exits(prompts, hf_greedy):
     process exits 0 by itself."""
     proc = subprocess.Popen([sys.executable, "-m", "lamina.entrypoints.cli", "--threads",
                              "1", "serve", "--executor", "local", "--memory-workers", "1",
-                             "--port", "0"], stdout=subprocess.PIPE,
+                             # the drain's bound is another test's: here the stream's 160
+                             # tokens end first even on a slow, busy machine
+                             "--shutdown-timeout", "300", "--port", "0"],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
