@@ -13,7 +13,11 @@ store, the built kernels), one after another, nothing else running:
 - `phases`: importing torch and lamina, `load` (the cached HF conversion of the GGUF),
   `prepare_split` (trace, min-cut split, dense packing, pointwise fusion; `of which
   trace`: the graph, from the trace store once this machine has traced the model), one
-  torch thread: what a compute worker does before it answers.
+  torch thread: what a compute worker does before it answers, loading the model the
+  full way (transformers). `phases weights-only`: the same from the weights alone, as a
+  compute worker starts once a full load here recorded how (`lamina.model.quick_load`);
+  each round runs the full one, then this. `ratio`: the median of the rounds' total
+  full / weights-only.
 - `local`: `LLM(num_memory_workers=N)` whole (the phases plus the pools).
 - `ray`: `LLM(executor="ray", num_memory_workers=N)` whole: a local Ray instance
   started (`ray_init`), the placement group, the workers started and wired.
@@ -38,19 +42,27 @@ from pathlib import Path
 from lamina.bench.common import _write, cpu_name
 
 PHASES = r'''
-import json, time
+import json, sys, time
 t0 = time.perf_counter()
 import torch
 torch.set_num_threads(1)
 from lamina.model.loader import load
 from lamina.model.prepare import prepare_split
+from lamina.model.quick_load import load_weights_only, remember
 t1 = time.perf_counter()
-lm = load(None, with_tokenizer=False)
+quick = sys.argv[1] == "weights_only"
+lm = load_weights_only(None) if quick else load(None, with_tokenizer=False)
+if lm is None:
+    sys.exit("no weights-only record on this machine (the full run writes it)")
 t2 = time.perf_counter()
 prep = prepare_split(lm.model)
 t3 = time.perf_counter()
+if not quick:
+    remember(lm, torch.float32)
 print("RESULT", json.dumps({"import": t1 - t0, "load": t2 - t1, "prepare_split": t3 - t2,
-                            "of which trace": prep.split.timings["trace_s"]}))
+                            "of which trace": prep.split.timings["trace_s"],
+                            "total": t3 - t0,
+                            "transformers imported": int("transformers" in sys.modules)}))
 '''
 
 LLM_START = r'''
@@ -126,14 +138,19 @@ def main() -> None:
                 for _ in range(args.repeat)]
         result["first"] = medians(runs)
     else:
-        if not args.ray_only:
-            result["phases"] = medians([child(PHASES) for _ in range(args.repeat)])
+        if not args.ray_only:  # a round: the full load (which records), then the quick
+            rounds = [(child(PHASES, "full"), child(PHASES, "weights_only"))
+                      for _ in range(args.repeat)]
+            result["phases"] = medians([full for full, _ in rounds])
+            result["phases weights-only"] = medians([quick for _, quick in rounds])
+            result["ratio"] = {"total, full / weights-only": statistics.median(
+                full["total"] / quick["total"] for full, quick in rounds)}
             result["local"] = medians([child(LLM_START, "local", m)
                                        for _ in range(args.repeat)])
         if not args.no_ray:
             result["ray"] = medians([child(LLM_START, "ray", m) for _ in range(args.repeat)])
     table = [["what", "part", "s"]]
-    for what in ("first", "phases", "local", "ray"):
+    for what in ("first", "phases", "phases weights-only", "ratio", "local", "ray"):
         for part, s in result.get(what, {}).items():
             table.append([what, part, f"{s:.2f}"])
             print(" | ".join(table[-1]), flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from lamina.model.prepare import (
     rotary_frequencies,
     sparsity_for,
 )
+from lamina.model.quick_load import load_weights_only, remember
+from lamina.splitter.weights_only import WeightsOnlyModel
 
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
 RING_ACCEPT_S = 60  # how long a ring endpoint waits for the previous replica
@@ -87,6 +90,17 @@ class ComputeWorkerSpec:
     replica: int = 0  # which model replica it is (its trace lane: "compute<replica>")
 
 
+@dataclass(frozen=True)
+class WorkerStart:
+    """How a compute worker got its slices: `weights_only` (no transformers; see
+    `lamina.model.quick_load`) or the full load, and the seconds each part took."""
+
+    weights_only: bool
+    load_s: float
+    split_s: float
+    transformers_imported: bool  # by the time the slices were ready
+
+
 @ray.remote
 class ComputeWorker:
     def __init__(self, spec: ComputeWorkerSpec):
@@ -96,12 +110,25 @@ class ComputeWorker:
         self.threads, self.wide_threads = spec.threads, spec.wide_threads or spec.threads
         self.stream_groups = spec.stream_groups
         torch.set_num_threads(spec.threads)
-        self.loaded = load(spec.model, dtype=spec.dtype, with_tokenizer=False)
-        self._model = spec.model
+        self._model, self._dtype = spec.model, spec.dtype
         self._key_scales = None  # int8 pools' key channel scales, calibrated on first use
         self._sparsity = None  # the memory workers' SparsityConfig, weights measured
+        t0 = time.perf_counter()
+        # its tensors alone, bound to the stored trace (no transformers: a third of a
+        # start), where an earlier full load here recorded how; else the full load.
+        # CPU slices only: no GPU run has checked this path yet.
+        cpu = spec.compute_device == "cpu"
+        self.loaded = load_weights_only(spec.model, spec.dtype) if cpu else None
+        weights_only = self.loaded is not None
+        if not weights_only:
+            self.loaded = load(spec.model, dtype=spec.dtype, with_tokenizer=False)
+        t1 = time.perf_counter()
         prep = prepare_split(self.loaded.model, spec.dense_backend, spec.batch_hint, spec.fuse,
                              spec.compute_device)
+        if not weights_only and cpu:
+            remember(self.loaded, spec.dtype)
+        self.start = WorkerStart(weights_only, t1 - t0, time.perf_counter() - t1,
+                                 "transformers" in sys.modules)
         self.dense = prep.dense
         self.compute = ComputeSide(prep.split, spec.num_memory_workers,
                                    device=spec.compute_device, graph_tokens=spec.graph_tokens)
@@ -128,7 +155,7 @@ class ComputeWorker:
         specs = self.compute.split.attention_specs
         if kv_dtype == "int8" and self._key_scales is None:
             # once per worker (recoveries ask again), on the local executor's text
-            self._key_scales = key_channel_scales(self.loaded.model,
+            self._key_scales = key_channel_scales(self._full_model(),
                                                   load_tokenizer(self._model), len(specs))
         scales = self._key_scales if kv_dtype == "int8" else None
         self.compute.local_kv_dtype = kv_dtype if local_prefill else None
@@ -136,9 +163,19 @@ class ComputeWorker:
         cfg = KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device, scales, pool_bytes)
         self.compute.pool_slots, self.compute.faults = cfg.num_slots, faults
         if sparsity is not None and self._sparsity is None:  # entropy weights: measured once
-            self._sparsity = sparsity_for(sparsity, self.loaded.model,
+            self._sparsity = sparsity_for(sparsity, self._full_model(),
                                           load_tokenizer(self._model), len(specs))
         return cfg, self.compute.params, self._sparsity
+
+    def _full_model(self) -> torch.nn.Module:
+        """The model itself, for what runs it (calibrations): after a weights-only
+        start, loaded now (and dropped after use)."""
+        if isinstance(self.loaded.model, WeightsOnlyModel):
+            return load(self._model, dtype=self._dtype, with_tokenizer=False).model
+        return self.loaded.model
+
+    def start_report(self) -> WorkerStart:
+        return self.start
 
     def rotary(self) -> tuple[float, ...] | None:
         """The model's rotary frequencies (the memory workers' shifted tier loads)."""

@@ -252,7 +252,16 @@ class RayExecutor(Executor):
         # replaces them without waiting on them a second time
         self._silent: frozenset[int] = frozenset()
         self.dense = self._get(self.compute.dense_choice.remote(), "the compute worker")
+        for r, st in enumerate(self.compute_starts()):
+            log.info("compute worker %d: %s in %.1f s, split in %.1f s", r, "weights only"
+                     if st.weights_only else "model loaded", st.load_s, st.split_s)
         self._start_memory()
+
+    def compute_starts(self) -> list:
+        """How each compute worker got its slices (`WorkerStart`: its weights alone, or
+        the full model load) and how long that took."""
+        return self._get([c.start_report.remote() for c in self.computes],
+                         "the compute workers")
 
     @classmethod
     def check(cls, config) -> None:

@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import sympy
 import torch
@@ -27,6 +28,7 @@ from torch.export import Dim, export
 from . import trace_store
 from .attention_op import ATTN_IMPL, UnsupportedAttentionError, register_with_transformers
 from .trace_store import CachedTrace, attr_of, copy_graph, graph_module
+from .weights_only import WeightsOnlyModel
 
 log = logging.getLogger("lamina.splitter")
 
@@ -192,6 +194,13 @@ def _trace_key(model: torch.nn.Module) -> str:
                      str(len(tensors))])
 
 
+def stored_trace(model: torch.nn.Module) -> tuple[str, Path] | None:
+    """`model`'s trace key and the trace store's file of it, where the store holds one."""
+    key = _trace_key(model)
+    path = trace_store.file_for(key, type(model)) if key else None
+    return (key, path) if path is not None and path.exists() else None
+
+
 def forget_traces() -> None:
     """Drop this process's trace copies (the store keeps its files): the next split of
     each model reads the store, as a fresh process's does."""
@@ -250,8 +259,16 @@ def _reused(key: str, model: torch.nn.Module) -> torch.fx.GraphModule | None:
 def trace(model: torch.nn.Module, reuse: bool = True) -> Traced:
     """Export `model` as `(input_ids[B,T], position_ids[B,T]) -> logits[B,T,V]`; with
     `reuse`, a model like one traced before, in this process or on this machine
-    (`trace_store`), takes that graph, rebound to its own tensors."""
-    name = getattr(model.config, "model_type", type(model).__name__)
+    (`trace_store`), takes that graph, rebound to its own tensors. A `WeightsOnlyModel`
+    brings its graph with it."""
+    name = getattr(model.config, "model_type", None) or type(model).__name__
+    if isinstance(model, WeightsOnlyModel):  # its graph came with it, from the store
+        gm = _rebound(model.cached_trace, model)
+        if gm is None:
+            raise SplitError(f"model '{name}': its stored trace names a tensor the "
+                             "weights-only model lacks")
+        trace_stats["loaded"] += 1
+        return Traced(gm=gm, model_name=name)
     _check_config(name, model.config)
     if model.training:
         raise SplitError(f"model '{name}' is in training mode; call model.eval() first")

@@ -65,27 +65,36 @@ def store_dir() -> Path | None:
     return Path(base) / "traces"
 
 
-def _file_for(key: str, model_cls: type) -> Path | None:
+def file_for(key: str, model_cls: type) -> Path | None:
     """The file for `key`: its digest with what else shapes the graph (torch's,
     transformers' and Python's versions, the splitter's sources, and the model class's
     own source file: an edited or remote-code modeling file gets its own entry). None
     when the store is off, this torch has no GraphPickler, or a source cannot be read
     (nothing is stored for such a model)."""
+    import transformers
+
+    try:
+        model_file = inspect.getsourcefile(model_cls)
+    except (OSError, TypeError):
+        return None
+    return file_from(key, model_file, transformers.__version__)
+
+
+def file_from(key: str, model_file: str | None, transformers_version: str) -> Path | None:
+    """`file_for` from the model class's source file and transformers' version as
+    given: what a process that has not imported transformers can check."""
     folder = store_dir()
     if folder is None or not key or _pickler() is None:
         return None
-    import transformers
-
     h = hashlib.sha256()
-    for part in (str(FORMAT), key, torch.__version__, transformers.__version__,
+    for part in (str(FORMAT), key, torch.__version__, transformers_version,
                  sys.version.split()[0]):
         h.update(part.encode() + b"\0")
     here = Path(__file__).parent
     try:
-        model_file = inspect.getsourcefile(model_cls)
         for path in [*(here / name for name in _SOURCES), *([model_file] if model_file else [])]:
             h.update(Path(path).read_bytes())
-    except (OSError, TypeError):
+    except OSError:
         return None
     return folder / f"{h.hexdigest()[:32]}.pkl"
 
@@ -107,7 +116,7 @@ def save(key: str, model_cls: type, cached: CachedTrace,
          traced: torch.fx.GraphModule) -> None:
     """Write `cached` for `key` and a model of class `model_cls` (atomically: concurrent
     workers may race); any failure is logged and leaves no file."""
-    path = _file_for(key, model_cls)
+    path = file_for(key, model_cls)
     if path is None:
         return
     try:
@@ -134,8 +143,14 @@ def save(key: str, model_cls: type, cached: CachedTrace,
 def load(key: str, model_cls: type) -> CachedTrace | None:
     """The trace stored for `key` and a model of class `model_cls`, or None; a file that
     does not load is removed."""
-    path = _file_for(key, model_cls)
-    if path is None or not path.exists():
+    path = file_for(key, model_cls)
+    return None if path is None else load_file(path, key)
+
+
+def load_file(path: Path, key: str) -> CachedTrace | None:
+    """The trace in store file `path` if it holds `key`'s, else None; a file that does
+    not load is removed."""
+    if not path.exists():
         return None
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode

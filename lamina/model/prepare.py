@@ -23,6 +23,7 @@ from lamina.splitter.fuse import fuse_pointwise
 from lamina.splitter.memo import memo_positions
 from lamina.splitter.split import SplitModel
 from lamina.splitter.trace_store import compile_now
+from lamina.splitter.weights_only import WeightsOnlyModel
 
 log = logging.getLogger("lamina.model.prepare")
 
@@ -66,7 +67,10 @@ def prepare_split(model: torch.nn.Module, dense_backend: str = "auto", batch_hin
 def rotary_frequencies(model) -> tuple[float, ...] | None:
     """The model's rotary inverse frequencies (HF's `rotary_emb.inv_freq`, scaling
     applied), or None when its positions are not rotary or depend on the length
-    (dynamic scaling: a key's rotation then changes with the context)."""
+    (dynamic scaling: a key's rotation then changes with the context). A weights-only
+    model gives what was read off the full model."""
+    if isinstance(model, WeightsOnlyModel):
+        return model.facts.get("rotary")
     for mod in model.modules():
         inv = getattr(mod, "inv_freq", None)
         if inv is not None and "Rotary" in type(mod).__name__:

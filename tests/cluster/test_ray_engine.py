@@ -15,6 +15,7 @@ import torch
 
 from lamina import LLM, SamplingParams
 from lamina.cluster.executor import WorkerFailure
+from lamina.model import quick_load
 from lamina.sampling.structured import StructuredOutputs
 from tests.cluster import keep_ray_for_the_next_module
 from tests.conftest import HF_NEW
@@ -28,7 +29,10 @@ HOST_TOKENS = 30
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm(tmp_path_factory, smol, smol_split):
+    # what a first compute worker on this machine writes (its trace is in the store):
+    # every compute worker here then starts from the weights alone
+    assert quick_load.remember(smol, torch.float32) is not None
     disk = tmp_path_factory.mktemp("kv-tiers")
     llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096, max_step_tokens=1024,
               kv_host_bytes=HOST_TOKENS * 46080, kv_disk_dir=str(disk), kv_disk_bytes=1 << 30)
@@ -59,6 +63,10 @@ def test_ray_greedy_identical_to_hf(llm, prompts, hf_greedy):
     assert llm.engine.step_timings[0]["tokens"] == 1024
     assert llm.dense.backend == "onednn"  # the compute worker's linears run prepacked
     assert not hasattr(llm.loaded, "model")  # the weights live in the workers only
+    # the compute worker read its weights alone and bound them to the stored trace,
+    # with no transformers in its process
+    assert [(s.weights_only, s.transformers_imported)
+            for s in llm.executor.compute_starts()] == [(True, False)]
     # one micro-batch per step and oneDNN linears: the compute worker took every core
     used = {s["threads"] for s in llm.engine.step_timings}
     assert used == {llm.executor.wide_threads}, used
@@ -294,6 +302,7 @@ def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_g
     assert len(eng.recoveries) == before + 1 and "WorkerFailure" in eng.recoveries[-1]
     assert "compute worker hung up" in eng.recoveries[-1]
     assert llm.executor.compute._actor_id != old
+    assert [s.weights_only for s in llm.executor.compute_starts()] == [True]
     assert [w._actor_id for w in llm.executor.memory] == memory  # alive: reset, kept
     assert llm.executor.kv_kept() == frozenset({0, 1}) and eng.kv_kept_tokens > kept
     assert llm.executor.workers_replaced() == {"compute": replaced["compute"] + 1,

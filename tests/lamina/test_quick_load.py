@@ -1,0 +1,116 @@
+"""A compute worker's weights-only load (`lamina.model.quick_load`): the model's tensors
+read from its safetensors and bound to its stored trace, without transformers.
+
+References: the model loaded the full way (HF): the same tensors bitwise (tied ones
+still one tensor), its split's logits bitwise, and HF's own forward. A record goes
+stale when a weight file, transformers' version or the trace's sources change, and a
+model whose tensors are not as in its files gets no record (or holds the few small
+ones that differ itself)."""
+import os
+
+import pytest
+import torch
+
+from lamina.model import quick_load
+from lamina.model.loader import load
+from lamina.model.prepare import prepare_split, rotary_frequencies
+from lamina.splitter.weights_only import WeightsOnlyModel
+from tests.tiny_models import tiny_model
+
+
+@pytest.fixture
+def records(tmp_path, monkeypatch):
+    monkeypatch.setattr(quick_load, "record_dir", lambda: tmp_path / "records")
+    return tmp_path / "records"
+
+
+def named(model):
+    return dict([*model.named_parameters(remove_duplicate=False),
+                 *model.named_buffers(remove_duplicate=False)])
+
+
+def same_tensors(wom, full):
+    a, b = named(wom), named(full)
+    assert list(a) == list(b)
+    for name, t in b.items():
+        assert a[name].dtype == t.dtype and torch.equal(a[name], t), name
+    ties = {(x, y) for x in b for y in b if x < y and b[x] is b[y]}
+    assert ties == {(x, y) for x in a for y in a if x < y and a[x] is a[y]}
+    return ties
+
+
+def test_smollm2_weights_only_equals_its_full_load(smol, smol_split, records):
+    path = quick_load.remember(smol, torch.float32)
+    assert path is not None and path.parent == records
+    wom = quick_load.load_weights_only(None, "float32")
+    assert isinstance(wom.model, WeightsOnlyModel) and wom.source == smol.source
+    assert same_tensors(wom.model, smol.model) == {("lm_head.weight",
+                                                     "model.embed_tokens.weight")}
+    assert wom.config.vocab_size == smol.config.vocab_size
+    assert rotary_frequencies(wom.model) == rotary_frequencies(smol.model)
+    ids = torch.tensor([smol.tokenizer("Weights without the model's code")["input_ids"]])
+    quick = prepare_split(wom.model).split.run_local(ids)
+    assert torch.equal(quick, prepare_split(smol.model).split.run_local(ids))
+    with torch.no_grad():
+        assert torch.allclose(quick, smol.model(ids).logits, atol=1e-4)
+    with pytest.raises(NotImplementedError, match="load the model itself"):
+        wom.model(ids)
+
+
+def tiny_folder(tmp_path, model_type):
+    folder = tmp_path / model_type
+    tiny_model(model_type).save_pretrained(folder, safe_serialization=True)
+    full = load(folder, with_tokenizer=False)
+    prepare_split(full.model)  # its trace in the store
+    return folder, full
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt2"])
+def test_tiny_models_weights_only_split_as_their_full_load(tmp_path, records, model_type):
+    """gemma2: tied embeddings, softcaps; gpt2: Conv1D weights and its own names."""
+    folder, full = tiny_folder(tmp_path, model_type)
+    assert quick_load.remember(full, torch.float32) is not None
+    wom = quick_load.load_weights_only(folder)
+    same_tensors(wom.model, full.model)
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    quick = prepare_split(wom.model, fuse=False).split.run_local(ids)
+    assert torch.equal(quick, prepare_split(full.model, fuse=False).split.run_local(ids))
+    with torch.no_grad():
+        assert torch.allclose(quick, full.model(ids).logits, atol=1e-5)
+
+
+def test_a_stale_record_is_not_used(tmp_path, records, monkeypatch):
+    folder, full = tiny_folder(tmp_path, "llama")
+    path = quick_load.remember(full, torch.float32)
+    assert quick_load.load_weights_only(folder) is not None
+    weights = next(folder.glob("*.safetensors"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert quick_load.load_weights_only(folder) is None  # weights changed
+    assert quick_load.remember(full, torch.float32) == path  # written again
+    assert quick_load.load_weights_only(folder) is not None
+    monkeypatch.setattr(quick_load, "_transformers_version", lambda: "0.0.1")
+    assert quick_load.load_weights_only(folder) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(quick_load, "record_dir", lambda: records)
+    record = torch.load(path, weights_only=True)
+    torch.save({**record, "model_file": __file__}, path)  # the model's source "edited"
+    assert quick_load.load_weights_only(folder) is None
+    path.write_bytes(b"not a record")
+    assert quick_load.load_weights_only(folder) is None
+
+
+def test_tensors_not_as_in_the_files(tmp_path, records, monkeypatch):
+    """A small tensor that differs from its file is held by the record (and given back
+    as loaded); past `STORED_BYTES` the model gets no record."""
+    folder, full = tiny_folder(tmp_path, "llama")
+    with torch.no_grad():
+        full.model.model.norm.weight.add_(0.5)
+    assert quick_load.remember(full, torch.float32) is not None
+    wom = quick_load.load_weights_only(folder)
+    same_tensors(wom.model, full.model)
+    monkeypatch.setattr(quick_load, "STORED_BYTES", 0)
+    for p in records.iterdir():
+        p.unlink()
+    assert quick_load.remember(full, torch.float32) is None
+    assert quick_load.load_weights_only(folder) is None
