@@ -114,7 +114,7 @@ class ComputeWorker:
         self._key_scales = None  # int8 pools' key channel scales, calibrated on first use
         self._sparsity = None  # the memory workers' SparsityConfig, weights measured
         t0 = time.perf_counter()
-        # its tensors alone, bound to the stored trace (no transformers: a third of a
+        # its tensors alone, bound to the stored trace (no transformers: half of a
         # start), where an earlier full load here recorded how; else the full load.
         # CPU slices only: no GPU run has checked this path yet.
         cpu = spec.compute_device == "cpu"

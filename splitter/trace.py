@@ -281,7 +281,7 @@ def trace(model: torch.nn.Module, reuse: bool = True) -> Traced:
         gm = _export(model, name)
         trace_stats["traced"] += 1
         if key:
-            trace_store.save(key, type(model), _cache_trace(key, gm, model), gm)
+            trace_store.save(key, type(model), _cache_trace(key, gm, model))
     return Traced(gm=gm, model_name=name)
 
 

@@ -9,11 +9,13 @@ transformers, Python or splitter source, or a file that does not load).
 
 Every compute worker, its replacement after a failure, and every CLI run splits the model
 in a fresh process: its split of SmolLM2 takes ~10 s exporting, ~1.4 s from the store (a
-Zen 3 core, `lamina bench split`). The graph goes through torch's own
-`GraphPickler` (what inductor's FX graph cache uses to send graphs to its compile
-workers), which pickles the ops by name; the weights stay out of the file (the graph is
-pickled over meta tensors of their shapes) and are rebound to the model at hand, as for
-the in-process cache. Files live under
+Zen 3 core, `lamina bench split`). A file is the graph's nodes pickled one record each:
+name, op, target, arguments and light `val`, a node read by another named, an operator
+by its qualified name (as torch's own `GraphPickler` does for inductor's FX graph cache;
+that module imports inductor and dynamo, ~2 s a fresh process that has not imported
+transformers, which imports them itself, would otherwise pay: a weights-only compute
+worker, `weights_only.py`). The weights stay out of the file and are rebound to the
+model at hand, as for the in-process cache. Files live under
 `$LAMINA_CACHE_DIR/traces` (default `~/.cache/lamina/traces`), the newest `STORE_FILES`
 kept; `LAMINA_TRACE_CACHE=0` turns the store off. A file is a pickle: the folder is as
 trusted as the rest of that cache (the kernels built there are loaded as code).
@@ -21,9 +23,9 @@ trusted as the rest of that cache (the kernels built there are loaded as code).
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import inspect
+import io
 import logging
 import os
 import pickle
@@ -43,7 +45,7 @@ except ImportError:  # pragma: no cover - every torch we support has it
 
 log = logging.getLogger("lamina.splitter")
 STORE_FILES = 128  # models x dtypes x configs; a file ~0.6 MB for SmolLM2's 30 layers
-FORMAT = 2  # bump when the file's layout changes (2: light node metadata)
+FORMAT = 3  # bump when the file's layout changes (2: light node metadata; 3: node records)
 _SOURCES = ("trace.py", "trace_store.py", "attention_op.py")  # what shapes the graph
 
 
@@ -69,7 +71,7 @@ def file_for(key: str, model_cls: type) -> Path | None:
     """The file for `key`: its digest with what else shapes the graph (torch's,
     transformers' and Python's versions, the splitter's sources, and the model class's
     own source file: an edited or remote-code modeling file gets its own entry). None
-    when the store is off, this torch has no GraphPickler, or a source cannot be read
+    when the store is off or a source cannot be read
     (nothing is stored for such a model)."""
     import transformers
 
@@ -84,7 +86,7 @@ def file_from(key: str, model_file: str | None, transformers_version: str) -> Pa
     """`file_for` from the model class's source file and transformers' version as
     given: what a process that has not imported transformers can check."""
     folder = store_dir()
-    if folder is None or not key or _pickler() is None:
+    if folder is None or not key:
         return None
     h = hashlib.sha256()
     for part in (str(FORMAT), key, torch.__version__, transformers_version,
@@ -99,37 +101,77 @@ def file_from(key: str, model_file: str | None, transformers_version: str) -> Pa
     return folder / f"{h.hexdigest()[:32]}.pkl"
 
 
-@functools.cache
-def _pickler():
-    """torch's GraphPickler and its options, or None where this torch lacks it (a private
-    API, stable in shape since torch 2.6): then nothing is stored."""
-    try:
-        from torch.fx._graph_pickler import GraphPickler, Options
+class _NodePickler(pickle.Pickler):
+    """Pickles a graph's nodes one record at a time: a node another refers to by its name,
+    an operator by its qualified name (`torch.ops.<ns>.<name>.<overload>`)."""
 
-        # every op may appear (ours: lamina.attention), each pickled by its qualified name
-        return GraphPickler, Options(ops_filter=None)
-    except (ImportError, AttributeError, TypeError):
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.fx.Node):
+            return ("node", obj.name)
+        if isinstance(obj, torch._ops.OpOverload):
+            ns, name = obj._schema.name.split("::")
+            return ("op", ns, name, obj._overloadname)
         return None
 
 
-def save(key: str, model_cls: type, cached: CachedTrace,
-         traced: torch.fx.GraphModule) -> None:
+class _NodeUnpickler(pickle.Unpickler):
+    def __init__(self, file):
+        super().__init__(file)
+        self.nodes: dict[str, torch.fx.Node] = {}  # the graph's nodes so far, by name
+
+    def persistent_load(self, pid):
+        if pid[0] == "node":
+            return self.nodes[pid[1]]
+        _, ns, name, overload = pid
+        return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+def dumps_graph(graph: torch.fx.Graph) -> bytes:
+    """`graph` (light node metadata only: `trace._keep_light_meta`) as bytes: its node
+    count and codegen, then one record per node, each node it reads named."""
+    buf = io.BytesIO()
+    p = _NodePickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    p.dump((len(graph.nodes), graph._codegen))
+    for n in graph.nodes:
+        p.dump((n.name, n.op, n.target, n.args, n.kwargs, n.type,
+                n.meta.get("val", _NO_VAL)))
+    return buf.getvalue()
+
+
+def loads_graph(blob: bytes) -> torch.fx.Graph:
+    """The graph `dumps_graph` wrote, node names and metadata as they were."""
+    u = _NodeUnpickler(io.BytesIO(blob))
+    with warnings.catch_warnings():  # pytree's FutureWarning on its LeafSpec, unpickled
+        warnings.simplefilter("ignore", FutureWarning)
+        count, codegen = u.load()
+    graph = torch.fx.Graph()
+    for _ in range(count):
+        name, op, target, args, kwargs, type_expr, val = u.load()
+        node = graph.create_node(op, target, args, kwargs, name=name, type_expr=type_expr)
+        if node.name != name:
+            raise ValueError(f"node {name!r} came back as {node.name!r}")
+        if val is not _NO_VAL:
+            node.meta["val"] = val
+        u.nodes[name] = node
+    graph._codegen = codegen
+    return graph
+
+
+class _NoVal:
+    """A node without a `val` (pickled by reference: the same object when loaded)."""
+
+
+_NO_VAL = _NoVal
+
+
+def save(key: str, model_cls: type, cached: CachedTrace) -> None:
     """Write `cached` for `key` and a model of class `model_cls` (atomically: concurrent
     workers may race); any failure is logged and leaves no file."""
     path = file_for(key, model_cls)
     if path is None:
         return
     try:
-        pickler, options = _pickler()
-        # the graph over meta tensors of the weights' shapes: no weight bytes in the file
-        root = {}
-        for n in cached.graph.nodes:
-            if n.op == "get_attr" and n.target not in root:
-                t = attr_of(traced, n.target)
-                root[n.target] = (torch.empty(t.shape, dtype=t.dtype, device="meta")
-                                  if isinstance(t, torch.Tensor) else t)
-        shell = torch.fx.GraphModule(root, copy_graph(cached.graph))
-        blob = pickle.dumps({"key": key, "graph": pickler.dumps(shell, options),
+        blob = pickle.dumps({"key": key, "graph": dumps_graph(cached.graph),
                              "constants": cached.constants})
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
@@ -153,18 +195,12 @@ def load_file(path: Path, key: str) -> CachedTrace | None:
     if not path.exists():
         return None
     try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-        pickler, _ = _pickler()
         data = pickle.loads(path.read_bytes())
         if data["key"] != key:  # a digest collision, or a file from elsewhere
             return None
-        with warnings.catch_warnings():  # dill's FutureWarning on torch's pytree specs
-            warnings.simplefilter("ignore", FutureWarning)
-            shell = pickler.loads(data["graph"], FakeTensorMode(shape_env=ShapeEnv()))
+        graph = loads_graph(data["graph"])
         os.utime(path)  # recently used: kept by `_prune`
-        return CachedTrace(shell.graph, data["constants"])
+        return CachedTrace(graph, data["constants"])
     except Exception as e:  # noqa: BLE001 - traced afresh, and the file rewritten
         log.warning("trace store: dropping %s (%s: %s)", path, type(e).__name__, e)
         path.unlink(missing_ok=True)
