@@ -20,7 +20,9 @@ store, the built kernels), one after another, nothing else running:
   full / weights-only.
 - `local`: `LLM(num_memory_workers=N)` whole (the phases plus the pools).
 - `ray`: `LLM(executor="ray", num_memory_workers=N)` whole: a local Ray instance
-  started (`ray_init`), the placement group, the workers started and wired.
+  started (`ray_init`), the placement group, the workers started and wired; `ray full
+  load` the same with `LAMINA_WEIGHTS_ONLY=0` (run first in each round), `ray ratio`
+  the rounds' median `llm` full / weights-only.
 
 - `first` (--first-load, only that): a machine's first load of the GGUF, with an empty
   cache folder: `load` (the file parsed once, the HF folder written) against
@@ -105,8 +107,8 @@ print("RESULT", json.dumps({sys.argv[1]: time.perf_counter() - t1}))
 '''
 
 
-def child(code: str, *args: str) -> dict:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+def child(code: str, *args: str, env: dict | None = None) -> dict:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
     env.pop("RAY_ADDRESS", None)
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                        env=env, timeout=900)
@@ -147,10 +149,17 @@ def main() -> None:
                 full["total"] / quick["total"] for full, quick in rounds)}
             result["local"] = medians([child(LLM_START, "local", m)
                                        for _ in range(args.repeat)])
-        if not args.no_ray:
-            result["ray"] = medians([child(LLM_START, "ray", m) for _ in range(args.repeat)])
+        if not args.no_ray:  # a round: compute workers loading the full way, then not
+            off = {"LAMINA_WEIGHTS_ONLY": "0"}
+            rounds = [(child(LLM_START, "ray", m, env=off), child(LLM_START, "ray", m))
+                      for _ in range(args.repeat)]
+            result["ray full load"] = medians([full for full, _ in rounds])
+            result["ray"] = medians([quick for _, quick in rounds])
+            result["ray ratio"] = {"llm, full / weights-only": statistics.median(
+                full["llm"] / quick["llm"] for full, quick in rounds)}
     table = [["what", "part", "s"]]
-    for what in ("first", "phases", "phases weights-only", "ratio", "local", "ray"):
+    for what in ("first", "phases", "phases weights-only", "ratio", "local", "ray full load",
+                 "ray", "ray ratio"):
         for part, s in result.get(what, {}).items():
             table.append([what, part, f"{s:.2f}"])
             print(" | ".join(table[-1]), flush=True)

@@ -15,7 +15,8 @@ mtime) and the trace file's name, recomputed from the installed torch, transform
 (its version read from the package metadata, not imported), Python, the splitter's
 sources and the model's source file, is still the recorded one: anything that would
 make a full load trace differently makes the record stale. Records live under
-`$LAMINA_CACHE_DIR/weights_only`; `LAMINA_TRACE_CACHE=0` turns them off with the store.
+`$LAMINA_CACHE_DIR/weights_only`; `LAMINA_WEIGHTS_ONLY=0` loads the full way anyway
+(`LAMINA_TRACE_CACHE=0`, the store off, too).
 """
 from __future__ import annotations
 
@@ -185,6 +186,8 @@ def load_weights_only(model=None, dtype: torch.dtype | str = torch.float32
     """`model`'s tensors as a `WeightsOnlyModel` bound to its stored trace, where a valid
     record says how; else None (the caller loads the model the full way, which also
     reports what is wrong with a model path or a weight file)."""
+    if os.environ.get("LAMINA_WEIGHTS_ONLY", "1").strip().lower() in ("0", "off", "false"):
+        return None
     try:
         return _load_weights_only(model, dtype)
     except Exception as e:  # noqa: BLE001

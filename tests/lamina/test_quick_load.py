@@ -89,6 +89,9 @@ def test_a_stale_record_is_not_used(tmp_path, records, monkeypatch):
     assert quick_load.load_weights_only(folder) is None  # weights changed
     assert quick_load.remember(full, torch.float32) == path  # written again
     assert quick_load.load_weights_only(folder) is not None
+    monkeypatch.setenv("LAMINA_WEIGHTS_ONLY", "0")  # valid, but turned off
+    assert quick_load.load_weights_only(folder) is None
+    monkeypatch.delenv("LAMINA_WEIGHTS_ONLY")
     monkeypatch.setattr(quick_load, "_transformers_version", lambda: "0.0.1")
     assert quick_load.load_weights_only(folder) is None
     monkeypatch.undo()
