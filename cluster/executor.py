@@ -47,7 +47,7 @@ from lamina.kernels.cpu_build import BUILD_TIME
 from lamina.memory.sparsity import SCORED
 from lamina.memory.tier_orders import TierMiss, sum_stats
 
-from .compute_worker import ComputeWorker, ComputeWorkerSpec
+from .compute_worker import ComputeWorker, ComputeWorkerSpec, WorkerStart
 from .memory_worker import MemoryWorker
 from .placement import node_threads, place
 
@@ -257,7 +257,7 @@ class RayExecutor(Executor):
                      if st.weights_only else "model loaded", st.load_s, st.split_s)
         self._start_memory()
 
-    def compute_starts(self) -> list:
+    def compute_starts(self) -> list[WorkerStart]:
         """How each compute worker got its slices (`WorkerStart`: its weights alone, or
         the full model load) and how long that took."""
         return self._get([c.start_report.remote() for c in self.computes],
