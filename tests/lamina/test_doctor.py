@@ -59,7 +59,8 @@ def test_doctor_command_prints_every_check(capsys):
     assert main(["doctor", "--json"]) == 0
     got = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
     assert {"cpu", "cpu attention kernel", "cuda", "transport unix+shm", "transport tcp",
-            "transport rdma", "ray"} <= set(got)
+            "transport rdma", "ray", "weights-only start"} <= set(got)
+    assert got["weights-only start"]["why"].startswith("default model, float32: ")
     assert got["transport tcp"]["ok"] and not got["transport rdma"]["ok"]
     assert main(["doctor"]) == 0
     assert "transport rdma" in capsys.readouterr().out

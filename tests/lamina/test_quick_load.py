@@ -81,12 +81,17 @@ def test_tiny_models_weights_only_split_as_their_full_load(tmp_path, records, mo
 
 def test_a_stale_record_is_not_used(tmp_path, records, monkeypatch):
     folder, full = tiny_folder(tmp_path, "llama")
+    assert quick_load.status(folder) == (False, "no record yet: the first compute worker "
+                                                "here loads the full way and records how")
     path = quick_load.remember(full, torch.float32)
     assert quick_load.load_weights_only(folder) is not None
+    assert quick_load.status(folder)[0]
     weights = next(folder.glob("*.safetensors"))
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert quick_load.load_weights_only(folder) is None  # weights changed
+    assert quick_load.status(folder) == (False, "record unused (the weight files changed): "
+                                                "the next compute worker records it again")
     assert quick_load.remember(full, torch.float32) == path  # written again
     assert quick_load.load_weights_only(folder) is not None
     monkeypatch.setenv("LAMINA_WEIGHTS_ONLY", "0")  # valid, but turned off
