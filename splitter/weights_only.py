@@ -49,8 +49,9 @@ class WeightsOnlyModel(torch.nn.Module):
                     mod.add_module(part, torch.nn.Module())
                 mod = mod._modules[part]
             if name in parameters:
-                p = made.setdefault(id(t), torch.nn.Parameter(t, requires_grad=False))
-                mod.register_parameter(leaf, p)
+                if id(t) not in made:
+                    made[id(t)] = torch.nn.Parameter(t, requires_grad=False)
+                mod.register_parameter(leaf, made[id(t)])
             else:
                 mod.register_buffer(leaf, t)
         self.eval()

@@ -45,6 +45,11 @@ RECORD_FORMAT = 1
 STORED_BYTES = 1 << 22  # the most a record holds itself (tensors its weight files lack)
 
 
+def _enabled() -> bool:
+    return os.environ.get("LAMINA_WEIGHTS_ONLY", "1").strip().lower() not in ("0", "off",
+                                                                              "false")
+
+
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:
     return getattr(torch, str(dtype).split(".")[-1])
 
@@ -190,7 +195,7 @@ def _checked(path: Path, folder: Path) -> tuple[dict | None, str]:
 def status(model=None, dtype: torch.dtype | str = torch.float32) -> tuple[bool, str]:
     """Whether compute workers on this node would start `model` from its weights alone,
     and why (for `lamina doctor`): nothing is loaded."""
-    if os.environ.get("LAMINA_WEIGHTS_ONLY", "1").strip().lower() in ("0", "off", "false"):
+    if not _enabled():
         return False, "LAMINA_WEIGHTS_ONLY=0: compute workers load the model the full way"
     try:
         folder = _weights_folder(model, dtype)
@@ -213,7 +218,7 @@ def load_weights_only(model=None, dtype: torch.dtype | str = torch.float32
     """`model`'s tensors as a `WeightsOnlyModel` bound to its stored trace, where a valid
     record says how; else None (the caller loads the model the full way, which also
     reports what is wrong with a model path or a weight file)."""
-    if os.environ.get("LAMINA_WEIGHTS_ONLY", "1").strip().lower() in ("0", "off", "false"):
+    if not _enabled():
         return None
     try:
         return _load_weights_only(model, dtype)
