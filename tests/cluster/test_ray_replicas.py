@@ -16,13 +16,12 @@ from lamina import LLM, SamplingParams
 from lamina.faults import FaultPlan
 from lamina.trace import lanes, overlapping
 from tests.cluster import keep_ray_for_the_next_module
-from tests.conftest import HF_NEW
+from tests.conftest import SHORT_NEW
 
 from ..lamina.test_isolation import unused_token
 from ..lamina.test_replicas import traced_fixed_run
 
-GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
-NEW = 12
+GREEDY = SamplingParams(max_tokens=SHORT_NEW, temperature=0)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,7 @@ def test_fixed_replicas_on_ray_greedy_identical_to_hf(setup, prompts, hf_greedy)
     ex, eng = llm.executor, llm.engine
     assert len(ex.computes) == 2 and len(set(ex.nodes["computes"])) == 1  # one local node
     tokens, homes, spans = traced_fixed_run(eng, ex, prompts, GREEDY)
-    assert tokens == hf_greedy
+    assert tokens == [r[:SHORT_NEW] for r in hf_greedy]
     assert sorted(homes.values()) == [0] * 8 + [1] * 8  # balanced at admission
     assert lanes(spans) == ["compute0", "compute1", "memory0", "memory1"]
     assert overlapping(spans) == []  # a memory worker attends for one replica at a time
@@ -66,13 +65,13 @@ def test_bad_request_on_one_replica_fails_alone(setup, prompts, hf_greedy):
     llm, tok = setup
     eng = llm.engine
     recovered = eng.num_recoveries
-    ids = [eng.add_request(p, SamplingParams(max_tokens=NEW, temperature=0))
+    ids = [eng.add_request(p, SamplingParams(max_tokens=SHORT_NEW, temperature=0))
            for p in prompts[:6]]
     outs = {}
     eng.step()
-    bad = eng.add_request([7, tok, 8], SamplingParams(max_tokens=NEW, temperature=0))
+    bad = eng.add_request([7, tok, 8], SamplingParams(max_tokens=SHORT_NEW, temperature=0))
     drain(eng, outs)
-    assert [outs[i].token_ids for i in ids] == [r[:NEW] for r in hf_greedy[:6]]
+    assert [outs[i].token_ids for i in ids] == [r[:SHORT_NEW] for r in hf_greedy[:6]]
     assert outs[bad].finish_reason == "error"
     assert f"injected compute fault on token {tok}" in outs[bad].error
     assert "compute replica" in outs[bad].error  # the replica that refused it
@@ -95,7 +94,7 @@ def killed_replica_recovers(llm, prompts, hf_greedy, before_kill=lambda ex: None
     ray.kill(ex.computes[1])
     outs = {}
     drain(eng, outs)
-    assert [outs[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
+    assert [outs[i].token_ids for i in ids] == [hf_greedy[i][:SHORT_NEW] for i in pick]
     assert eng.num_recoveries == before + 1
     assert "compute worker 1" in eng.recoveries[-1]
     new = [c._actor_id for c in ex.computes]
