@@ -180,7 +180,11 @@ class Client:
 class ServiceLoop:
     """The `EngineLoop` interface the HTTP server and `lamina batch` run on, over a
     service: `lamina serve --service` and batch jobs share the cluster's deployment.
-    Each request's stream is read on a thread of its own, which resolves its future."""
+    Each request's stream is read on a thread of its own, which resolves its future.
+    `remote`: its calls (validate, submit, status, stored responses) are round trips to
+    the service, which the HTTP front makes off its event loop."""
+
+    remote = True
 
     def __init__(self, client: Client):
         self.client, self.max_waiting, self.error = client, None, None

@@ -319,7 +319,8 @@ class _Events:
 async def response_events(chunks: AsyncIterator[str], rid: str, req, model: str,
                           done) -> AsyncIterator[str]:
     """The chat stream's `data:` chunks -> the Responses event stream; `done(response)`
-    is called with the final Response (to store it) before `response.completed`."""
+    (a coroutine function) is awaited with the final Response (to store it) before
+    `response.completed`."""
     ev, msg_id = _Events(), new_id("msg")
     yield ev("response.created", response=response_object(rid, req, model, [], None, None,
                                                           "in_progress"))
@@ -377,7 +378,7 @@ async def response_events(chunks: AsyncIterator[str], rid: str, req, model: str,
         yield ev("response.output_item.done", output_index=k, item=item)
         output.append(item)
     final = response_object(rid, req, model, output, finish, chat_usage)
-    done(final)
+    await done(final)
     kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
     yield ev(kind, response=final)
 

@@ -455,9 +455,18 @@ class _Api:
         # over it reads the same responses); a local one keeps its own
         self.stored = getattr(loop, "response_store", None) or \
             ResponseStore(config.max_stored_responses)
+        self.remote = getattr(loop, "remote", False)
+
+    async def _off_loop(self, fn, *args, **kw):
+        """fn(*args, **kw). Over a service (`remote` loop: each call a round trip to it)
+        on a worker thread, so that this front's event loop goes on streaming the other
+        requests meanwhile; a local loop's calls take microseconds and run here."""
+        if self.remote:
+            return await asyncio.to_thread(fn, *args, **kw)
+        return fn(*args, **kw)
 
     async def health(self):
-        if not self.loop.alive:
+        if not await self._off_loop(lambda: self.loop.alive):
             return _error(503, f"engine stopped: {self.loop.error}")
         if getattr(self.loop, "draining", False):  # a load balancer sends no more here
             return _error(503, "shutting down: finishing the requests in flight")
@@ -467,7 +476,7 @@ class _Api:
         m = self.loop.metrics
         if m is None:
             return _error(404, "this server keeps no metrics")
-        return Response(m.render(), media_type=m.content_type)
+        return Response(await self._off_loop(m.render), media_type=m.content_type)
 
     async def models(self):
         return {"object": "list", "data": [self._model_card()]}
@@ -530,14 +539,13 @@ class _Api:
             field_ = str(e).split(" ")[0].removeprefix("SamplingParams.").rstrip(":")
             return _error(400, str(e), field_)
 
-    def _submit(self, prompts: list, params: SamplingParams, updates,
-                session: str | None = None, structured: str | None = None,
-                priority: int = 0) -> list | JSONResponse:
+    def _submit(self, aloop: asyncio.AbstractEventLoop, prompts: list,
+                params: SamplingParams, updates, session: str | None = None,
+                structured: str | None = None, priority: int = 0) -> list | JSONResponse:
         """Queue every prompt (each validated before any is queued) -> their futures,
         or the error answering the request. `updates`: a queue for streamed progress.
         `structured`: the request field that asked for structured output (an error in
-        the grammar names it)."""
-        aloop = asyncio.get_running_loop()
+        the grammar names it). `aloop`: the event loop `updates` belongs to."""
 
         def listener(i):
             return lambda out: aloop.call_soon_threadsafe(updates.put_nowait, (i, out))
@@ -568,8 +576,9 @@ class _Api:
             return params
         updates: asyncio.Queue | None = asyncio.Queue() if chunk else None
         session = body.session_id or request.headers.get("x-session-id")
-        futs = self._submit(prompts, params, updates, session, structured_field(body),
-                            body.priority)
+        futs = await self._off_loop(self._submit, asyncio.get_running_loop(), prompts,
+                                    params, updates, session, structured_field(body),
+                                    body.priority)
         if isinstance(futs, JSONResponse):
             return futs
         if chunk:
@@ -617,7 +626,7 @@ class _Api:
                                   response)
 
     async def get_response(self, rid: str):
-        got = self.stored.get(rid)
+        got = await self._off_loop(self.stored.get, rid)
         if got is None:
             return _error(404, f"no stored response {rid!r} (not stored, deleted, or "
                           f"dropped: this deployment keeps the last "
@@ -626,7 +635,7 @@ class _Api:
 
     async def response_input_items(self, rid: str, limit: int = 20, order: str = "desc",
                                    after: str | None = None):
-        got = self.stored.get(rid)
+        got = await self._off_loop(self.stored.get, rid)
         if got is None:
             return _error(404, f"no stored response {rid!r}", "response_id", "not_found")
         if not 1 <= limit <= 100 or order not in ("asc", "desc"):
@@ -639,7 +648,7 @@ class _Api:
             return _error(400, str(e), "after")
 
     async def delete_response(self, rid: str):
-        if not self.stored.delete(rid):
+        if not await self._off_loop(self.stored.delete, rid):
             return _error(404, f"no stored response {rid!r}", "response_id", "not_found")
         return {"id": rid, "object": "response.deleted", "deleted": True}
 
@@ -647,7 +656,7 @@ class _Api:
         """A Responses request answered by the chat path (`api_responses`)."""
         prev = None
         if body.previous_response_id is not None:
-            prev = self.stored.get(body.previous_response_id)
+            prev = await self._off_loop(self.stored.get, body.previous_response_id)
             if prev is None:
                 return _error(400, f"previous_response_id: no stored response "
                               f"{body.previous_response_id!r} (not stored, deleted, or "
@@ -666,11 +675,11 @@ class _Api:
         if body.store and chat.session_id is None and "x-session-id" not in request.headers:
             chat.session_id = session  # with KV tiers each turn's KV waits for the next
 
-        def keep(resp: dict) -> None:
+        async def keep(resp: dict) -> None:
             if body.store:
-                self.stored.put(rid, Stored(resp, [*call.history, *call.messages,
-                                                   answer_message(resp["output"])],
-                                            session, items))
+                await self._off_loop(self.stored.put, rid, Stored(
+                    resp, [*call.history, *call.messages, answer_message(resp["output"])],
+                    session, items))
 
         out = await self._chat(chat, request)
         if isinstance(out, JSONResponse):
@@ -683,7 +692,7 @@ class _Api:
         resp = response_object(rid, body, self.model_name,
                                output_items(ch["message"], ch["logprobs"], new_id("msg")),
                                ch["finish_reason"], out["usage"])
-        keep(resp)
+        await keep(resp)
         return resp
 
     async def _answer(self, handler, body: _Sampling, refused: dict, request: Request,

@@ -223,3 +223,63 @@ def test_a_store_that_is_gone_answers_503_naming_it():
               web.post("/v1/responses", json={"input": "Hi", "previous_response_id": "r"})):
         assert r.status_code == 503, r.text
         assert r.json()["error"]["message"] == "the Lamina service is gone: RayActorError"
+
+
+@pytest.mark.parametrize("slow", ["store", "submit"])
+def test_a_service_fronts_slow_calls_leave_its_event_loop_free(slow):
+    """Over a service (a `remote` loop) each stored-response, validate, capacity and
+    submit call is a round trip to it: the front makes them on a worker thread, so while
+    one request waits on a slow one, the front answers the others (here `/health`)."""
+    import asyncio
+    import threading
+
+    import httpx
+
+    from lamina.entrypoints.api_server import build_app
+    from lamina.errors import EngineOverloaded
+
+    entered, release = threading.Event(), threading.Event()
+
+    def stall(*_):
+        entered.set()
+        release.wait(5)  # without the worker thread: the event loop stalls this long
+
+    class SlowStore:
+        capacity = 8
+
+        def get(self, rid):
+            stall()
+
+    class Engine:
+        def validate(self, *a, **k):
+            pass
+
+    class Loop:
+        max_waiting, remote, alive, draining = None, True, True, False
+        response_store, engine = SlowStore(), Engine()
+
+        def check_capacity(self, extra):
+            stall()
+            raise EngineOverloaded(waiting=64, limit=64)
+
+    async def main():
+        app = build_app(Loop(), "smollm2")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://front") as c:
+            request = (c.get("/v1/responses/resp_1") if slow == "store" else
+                       c.post("/v1/completions", json={"prompt": [1, 2, 3]}))
+            waiting = asyncio.create_task(request)
+            for _ in range(500):
+                if entered.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            health = await asyncio.wait_for(c.get("/health"), 5)
+            answered_first = not waiting.done()
+            release.set()
+            return health, answered_first, await waiting
+
+    health, answered_first, slow_answer = asyncio.run(main())
+    assert entered.is_set() and health.status_code == 200 and answered_first
+    assert slow_answer.status_code == (404 if slow == "store" else 429), slow_answer.text
+    if slow == "submit":
+        assert "64 requests waiting (limit 64)" in slow_answer.json()["error"]["message"]
