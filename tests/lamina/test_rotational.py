@@ -77,16 +77,16 @@ def check_rotation(spans, r_n: int, n: int, layers: int, row_bytes: int, rows: i
 # n = 4 runs 8 of the prompts (5 to 450 tokens): the rotation rule and the context moves
 # are what it adds to n = 3, which runs all 16
 PICKS = {3: list(range(16)), 4: [0, 1, 3, 5, 7, 9, 12, 14]}
+NEW = {3: HF_NEW, 4: SHORT_NEW}  # new tokens checked at n batches
 
 
 @pytest.fixture(scope="module", params=[3, 4])
 def traced_run(request, smol, smol_split, prompts):
-    """PICKS[n] of the prompts greedy to HF_NEW tokens at n = 3 batches (SHORT_NEW at
-    n = 4); one decode step traced."""
+    """PICKS[n] of the prompts greedy to NEW[n] tokens at n batches; one decode step
+    traced."""
     n = request.param
     eng, ex = engine(smol, smol_split, n)
-    new = HF_NEW if n == 3 else SHORT_NEW
-    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=NEW[n], temperature=0.0, ignore_eos=True)
     tokens, spans = traced_decode(eng, ex, [prompts[i] for i in PICKS[n]], greedy)
     ex.shutdown()
     return n, tokens, spans, len(ex.params)
@@ -94,7 +94,7 @@ def traced_run(request, smol, smol_split, prompts):
 
 def test_rotational_greedy_identical_to_hf(traced_run, hf_greedy):
     n, tokens, _, _ = traced_run
-    assert tokens == [hf_greedy[i][:HF_NEW if n == 3 else SHORT_NEW] for i in PICKS[n]]
+    assert tokens == [hf_greedy[i][:NEW[n]] for i in PICKS[n]]
 
 
 def test_trace_follows_the_papers_replica_rule(traced_run, smol):
