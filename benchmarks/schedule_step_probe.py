@@ -28,13 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lamina import SamplingParams
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
-from lamina.executor.local import LocalExecutor
-from lamina.memory.memory_side import MemorySide
-from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.model.loader import load
 from lamina.splitter import split_model
 from lamina.splitter.dense import pack_dense
-from tests.conftest import HF_NEW, LENGTHS, TEXT
+from tests.conftest import HF_NEW, LENGTHS, TEXT, _hf_greedy
+from tests.lamina.test_engine import engine as local_engine
 from tests.lamina.test_rotational import PICKS
 
 SLOTS = 8192
@@ -52,23 +50,14 @@ def timed_steps(eng, prompts) -> list[float]:
     return times
 
 
-def local_engine(smol, split, **kw):
-    pool = KVPool(KVPoolConfig.for_specs(split.attention_specs, SLOTS))
-    return LLMEngine(EngineConfig(num_kv_slots=SLOTS, **kw),
-                     LocalExecutor(split, MemorySide(pool)), smol.tokenizer, smol.config)
-
-
 def machine(smol, split, prompts) -> None:
     packed, _ = pack_dense(split, "onednn")
     for name, s in (("packed", packed), ("eager", split)):
-        t = sum(timed_steps(local_engine(smol, s, max_step_tokens=1024), prompts))
+        eng = local_engine(smol, s, num_kv_slots=SLOTS, max_step_tokens=1024)
+        t = sum(timed_steps(eng, prompts))
         print(f"machine: local engine, 16 prompts, {name} linears: {t:.2f} s")
     t = time.perf_counter()
-    with torch.no_grad():
-        for p in prompts[:8]:
-            ids = torch.tensor([p])
-            smol.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=HF_NEW, pad_token_id=0)
+    _hf_greedy(smol, prompts[:8])  # the suite's reference, one prompt at a time
     print(f"machine: HF generate, 8 prompts one at a time: {time.perf_counter() - t:.2f} s")
 
 
@@ -79,7 +68,7 @@ def steps(smol, split, prompts) -> None:
     pick = [prompts[i] for i in PICKS[4]]
     ring = RingExecutor(split, smol.config.vocab_size, 3)
     runs = {
-        "local": local_engine(smol, split, max_step_tokens=2048),
+        "local": local_engine(smol, split, num_kv_slots=SLOTS, max_step_tokens=2048),
         "sockets, 2 memory servers": linked_engine(smol, split, SLOTS,
                                                    max_step_tokens=2048)[0],
         "ring of 3, 4 micro-batches": LLMEngine(

@@ -19,11 +19,12 @@ from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
 from lamina.faults import FaultPlan
 from tests.cluster import keep_ray_for_the_next_module
+from tests.conftest import SHORT_NEW
 
 from ..lamina.test_isolation import unused_token
 from ..lamina.test_server_limits import _KeyServer
 
-NEW = 12
+NEW = SHORT_NEW
 GOOD = SamplingParams(max_tokens=NEW, temperature=0)
 MEM_POS = 700  # a decode query of the 695-token poison prompt; no good request gets there
 SLOTS = 3000

@@ -18,8 +18,9 @@ from lamina.faults import FaultPlan, InjectedFault
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
+from tests.conftest import SHORT_NEW
 
-NEW = 12  # tokens drawn per good request (of HF's reference's HF_NEW)
+NEW = SHORT_NEW  # tokens drawn per good request (a prefix of HF's reference)
 GOOD = SamplingParams(max_tokens=NEW, temperature=0)
 SLOTS = 3000
 MEM_POS = 700  # past every good request's last position (600 + 12)
