@@ -14,26 +14,6 @@ Data out: attention outputs [Nq, Hq, Dv] plus per-row log-sum-exp, which
 """
 from __future__ import annotations
 
-import torch
-
-from .backends import (
-    AttentionBackend,
-    AttentionInputError,
-    BackendUnavailable,
-    CpuBackend,
-    ReferenceBackend,
-    TritonBackend,
-    select_backend,
-    validate,
-    validate_batch,
-)
-from .cpu_build import KernelBuildError, build_seconds, is_built, load_cpu_kernel
-from .merge import merge_attention
-from .pointwise import argmax_rows, masked_argmax_rows
-from .quant import fold_channels, head_dim, is_quantized, quantize_rows
-from .reference import reference_slot_attention
-from .slots import AttentionParams, SlotBatch
-
 __all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "BackendUnavailable",
            "CpuBackend", "KernelBuildError", "ReferenceBackend", "SlotBatch", "argmax_rows",
            "masked_argmax_rows", "attend", "build_seconds", "decode_attention", "is_built",
@@ -41,65 +21,48 @@ __all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "Backen
            "select_backend", "TritonBackend", "validate", "validate_batch", "write_kv"]
 
 
-def attend(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams,
-           backend: AttentionBackend | None = None):
-    """q [Nq, Hq, D] -> (o [Nq, Hq, Dv], lse [Nq, Hq] fp32); validates first."""
-    validate(q, k_pool, v_pool, batch, params)
-    return (backend or select_backend(device=q.device)).attend(q, k_pool, v_pool, batch,
-                                                                params)
+def _hand_over_the_name() -> None:
+    """This folder is `lamina.kernels` (the distribution maps it there). Where the
+    checkout's root is on sys.path (pytest's rootdir, `python -m` or a Ray driver started
+    there: Ray puts the driver's directory on its workers' paths), a plain `import
+    kernels` finds it first and shadows Hugging Face's `kernels`, which transformers
+    >= 5.25 imports. Then this module loads the installed `kernels` in its own place in
+    `sys.modules`, which is what that import returns; with none installed, it fails as if
+    this folder were not on the path."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    root = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir))
+    path = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(
+            f"No module named 'kernels' is installed ({os.path.dirname(__file__)} is "
+            "Lamina's `lamina.kernels`: import it by that name)", name="kernels")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
 
 
-def decode_attention(q, k_pool, v_pool, batch: SlotBatch, params: AttentionParams,
-                     backend: AttentionBackend | None = None):
-    """One query per request: q [B, Hq, D] attends to its request's slots."""
-    if batch.num_queries != batch.num_requests:
-        raise AttentionInputError(f"decode needs one query per request, got "
-                                  f"{batch.num_queries} queries for {batch.num_requests}")
-    return attend(q, k_pool, v_pool, batch, params, backend)
-
-
-def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor, slots_checked: bool = False,
-             key_scales: torch.Tensor | None = None) -> None:
-    """Store new k [N, Hkv, D] / v [N, Hkv, Dv] at `slots` [N]: one batched op each.
-    `slots_checked`: the caller already checked the slot ids' range (once per step).
-    An int8 pool stores quantized rows (`quant.quantize_rows`; keys divided by the
-    layer's channel scales `key_scales` [Hkv, D] first)."""
-    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
-        raise AttentionInputError(f"slots must be a 1-D int tensor, got {slots.dtype} "
-                                  f"{tuple(slots.shape)}")
-    n = slots.numel()
-    for name, t, pool in (("k", k, k_pool), ("v", v, v_pool)):
-        want = (*pool.shape[1:-1], head_dim(pool))
-        if t.dim() != 3 or t.shape[0] != n or tuple(t.shape[1:]) != want:
-            raise AttentionInputError(f"{name} must be [{n}, {', '.join(map(str, want))}]"
-                                      f" for {n} slots, got {tuple(t.shape)}")
-        if t.device != pool.device:
-            raise AttentionInputError(f"{name} on {t.device} but its pool is on {pool.device}")
-        if not t.is_floating_point():
-            raise AttentionInputError(f"{name} must be floating point, got {t.dtype}")
-    if n and not slots_checked and (int(slots.min()) < 0 or int(slots.max()) >= k_pool.shape[0]):
-        raise AttentionInputError(f"slot ids out of range [0, {k_pool.shape[0]}): "
-                                  f"min {int(slots.min())}, max {int(slots.max())}")
-    idx = slots if slots.dtype == torch.int64 else slots.to(device=k_pool.device,
-                                                              dtype=torch.int64)
-    if is_quantized(k_pool):
-        k, v = quantize_rows(k, key_scales), quantize_rows(v)
-    k_pool.index_copy_(0, idx, k if k.dtype == k_pool.dtype else k.to(k_pool.dtype))
-    v_pool.index_copy_(0, idx, v if v.dtype == v_pool.dtype else v.to(v_pool.dtype))
-
-
-def prefill_attention(q, k, v, k_pool, v_pool, new_slots: torch.Tensor, batch: SlotBatch,
-                      params: AttentionParams, backend: AttentionBackend | None = None,
-                      batch_checked: bool = False, key_scales: torch.Tensor | None = None):
-    """Write the prompt tokens' k/v at `new_slots`, then causal attention for q [T, Hq, D]
-    over each request's whole slot table (earlier turns' cached tokens included).
-    `batch_checked`: `validate_batch` already passed for this batch and `new_slots`.
-    `key_scales` [Hkv, D]: an int8 pool's key channel scales (folded into q here)."""
-    validate(q, k_pool, v_pool, batch, params, batch_checked)
-    write_kv(k_pool, v_pool, new_slots, k, v, batch_checked, key_scales)
-    backend = backend or select_backend(device=q.device)
-    if is_quantized(k_pool) and key_scales is not None:  # fp32 q * c, o back in q's dtype
-        o, lse = backend.attend(fold_channels(q, key_scales), k_pool, v_pool, batch, params)
-        return o.to(q.dtype), lse
-    return backend.attend(q, k_pool, v_pool, batch, params)
+if __name__ == "kernels":
+    _hand_over_the_name()
+else:
+    from .attention import attend, decode_attention, prefill_attention, write_kv
+    from .backends import (
+        AttentionBackend,
+        AttentionInputError,
+        BackendUnavailable,
+        CpuBackend,
+        ReferenceBackend,
+        TritonBackend,
+        select_backend,
+        validate,
+        validate_batch,
+    )
+    from .cpu_build import KernelBuildError, build_seconds, is_built, load_cpu_kernel
+    from .merge import merge_attention
+    from .pointwise import argmax_rows, masked_argmax_rows
+    from .reference import reference_slot_attention
+    from .slots import AttentionParams, SlotBatch

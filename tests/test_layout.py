@@ -136,3 +136,38 @@ def test_engine_device_names_match_the_compute_side():
     from lamina.compute.device import DEVICE_NAME as COMPUTE
     from lamina.engine.config import DEVICE_NAME
     assert DEVICE_NAME == COMPUTE
+
+
+def _import_from_the_root(code: str, *flags: str):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, *flags, "-c", code], cwd=ROOT, text=True,
+                          capture_output=True, timeout=120)
+
+
+def test_top_level_kernels_from_the_checkout_root_is_hugging_faces():
+    """From the checkout's root (on sys.path: pytest, `python -m`, a Ray driver's workers)
+    `import kernels` is the installed distribution of that name, which transformers
+    >= 5.25 imports (our folder shadowed it: every model load failed), while
+    `lamina.kernels` stays ours. Where no such distribution is installed, the import
+    fails naming `lamina.kernels`."""
+    from importlib import metadata
+    try:
+        dist = metadata.distribution("kernels")
+    except metadata.PackageNotFoundError:
+        dist = None
+    r = _import_from_the_root(
+        "import sys; assert sys.path[0] == ''\n"
+        "import kernels, lamina.kernels\n"
+        "print(kernels.__file__); print(lamina.kernels.__file__)\n"
+        "import transformers.integrations.hub_kernels\n")
+    if dist is not None:
+        assert r.returncode == 0, r.stderr
+        theirs, ours = r.stdout.split()
+        assert Path(theirs) == Path(dist.locate_file("kernels/__init__.py")).resolve()
+        assert Path(ours) == ROOT / "kernels" / "__init__.py"
+    # -S: no site-packages, so none installed; the root's folder is still found first
+    r = _import_from_the_root("import kernels", "-S")
+    assert r.returncode == 1, r.stderr
+    assert ("ModuleNotFoundError: No module named 'kernels' is installed "
+            f"({ROOT / 'kernels'} is Lamina's `lamina.kernels`") in r.stderr, r.stderr
