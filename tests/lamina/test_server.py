@@ -582,6 +582,42 @@ def test_drain_finishes_what_runs_refuses_new_work_then_stops(smol, smol_split, 
     assert not loop.alive
 
 
+def test_a_drain_that_runs_out_fails_what_is_left_over_http(smol, smol_split, prompts):
+    """A drain (SIGTERM's) shorter than the requests in flight: the stream ends with an
+    error event naming the drain's bound, then [DONE]; the plain request answers 503 with
+    the same reason; /health said "shutting down" meanwhile; the loop then stops."""
+    loop = EngineLoop(_engine(smol, smol_split), EngineMetrics())
+    srv = _Server(loop, smol.tokenizer)
+    try:
+        long = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+        with ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(srv.post, "/v1/completions", {"prompt": prompts[1], **long})
+            streamed = pool.submit(srv.stream, "/v1/completions",
+                                   {"prompt": prompts[2], **long})
+            deadline = time.monotonic() + 120
+            while len(loop.engine.scheduler.running) < 2:
+                assert time.monotonic() < deadline, "the two requests never ran"
+                time.sleep(0.02)
+            loop.drain(0.5)  # what `lamina serve`'s SIGTERM handler calls
+            health = srv.get("/health")
+            status, body = plain.result(120)
+            events = streamed.result(120)
+        reason = "EngineDead: the server shut down: its drain (0.5 s) ended before this " \
+                 "request finished"
+        assert health[0] == 503 and "shutting down" in health[1]["error"]["message"]
+        assert status == 503 and body["error"]["message"] == f"generation failed: {reason}"
+        tokens = [t for e in events[:-2] for t in e["choices"][0]["token_ids"]]
+        assert 0 < len(tokens) < 4000
+        assert events[-2] == {"error": {"message": f"generation failed: {reason}",
+                                        "type": "server_error"}}
+        assert events[-1] == "[DONE]"
+        loop._thread.join(30)
+        assert not loop.alive
+    finally:
+        srv.stop()
+        loop.shutdown()
+
+
 def _stream_tokens(url: str, body: dict, first: threading.Event, box: dict) -> None:
     """POST a streamed completion; the token ids as they come, then whether [DONE] came."""
     req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
