@@ -108,6 +108,7 @@ def calibration_ids(model, tokenizer=None, max_tokens: int = 512) -> torch.Tenso
     return torch.tensor([ids], device=next(model.parameters()).device)
 
 
+@torch.no_grad()  # a forward over the calibration text: no autograd graph to keep
 def key_channel_scales(model, tokenizer=None, num_layers: int | None = None,
                        max_tokens: int = 512) -> torch.Tensor | None:
     """Per-(layer, kv head, channel) scales for int8 keys [L, Hkv, D]: each channel's

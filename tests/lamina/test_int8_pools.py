@@ -72,6 +72,7 @@ def test_key_channel_scales_are_calibrated_per_layer_head_and_channel(smol, scal
     did not see, keys quantized over these scales lose under 0.7x the error of keys
     quantized per token and head alone, in every layer."""
     assert scales.shape == (30, 3, 64) and float(scales.mean()) == pytest.approx(1, abs=1e-5)
+    assert not scales.requires_grad  # a plain tensor for the pools, no autograd graph
     assert torch.equal(scales[..., :32], scales[..., 32:]) and bool((scales > 0).all())
     ids = torch.tensor([smol.tokenizer(TEXT)["input_ids"][:1500]])
     with torch.no_grad():
