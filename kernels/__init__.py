@@ -21,14 +21,15 @@ __all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "Backen
            "select_backend", "TritonBackend", "validate", "validate_batch", "write_kv"]
 
 
-def _hand_over_the_name() -> None:
+def _hand_over_the_name() -> bool:
     """This folder is `lamina.kernels` (the distribution maps it there). Where the
     checkout's root is on sys.path (pytest's rootdir, `python -m` or a Ray driver started
     there: Ray puts the driver's directory on its workers' paths), a plain `import
     kernels` finds it first and shadows Hugging Face's `kernels`, which transformers
     >= 5.25 imports. Then this module loads the installed `kernels` in its own place in
-    `sys.modules`, which is what that import returns; with none installed, it fails as if
-    this folder were not on the path."""
+    `sys.modules`, which is what that import returns, and says so. With none installed
+    it loads as itself, as it always did (transformers' availability check of that name
+    imports it and finds no version)."""
     import importlib.machinery
     import importlib.util
     import os
@@ -38,17 +39,14 @@ def _hand_over_the_name() -> None:
     path = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
     spec = importlib.machinery.PathFinder.find_spec("kernels", path)
     if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(
-            f"No module named 'kernels' is installed ({os.path.dirname(__file__)} is "
-            "Lamina's `lamina.kernels`: import it by that name)", name="kernels")
+        return False
     module = importlib.util.module_from_spec(spec)
     sys.modules["kernels"] = module
     spec.loader.exec_module(module)
+    return True
 
 
-if __name__ == "kernels":
-    _hand_over_the_name()
-else:
+if not (__name__ == "kernels" and _hand_over_the_name()):
     from .attention import attend, decode_attention, prefill_attention, write_kv
     from .backends import (
         AttentionBackend,
