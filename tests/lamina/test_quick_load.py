@@ -79,6 +79,47 @@ def test_tiny_models_weights_only_split_as_their_full_load(tmp_path, records, mo
         assert torch.allclose(quick, full.model(ids).logits, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_weights_only_split_moves_to_a_device_as_its_full_load(tmp_path, records,
+                                                               monkeypatch, model_type):
+    """`prepare_split`'s GPU branch (eager linears, the model's buffers and the slices
+    moved) over a weights-only model, on the meta device (no GPU needed): each slice holds
+    the full load's tensors by name, shape and dtype, all moved, ties kept, and no node
+    still makes a CPU tensor. What a GPU compute worker would run before it may start
+    weights-only (`cluster/compute_worker.py` keeps GPU workers on the full load until a
+    GPU run checks it)."""
+    from lamina.model import prepare
+
+    folder, full = tiny_folder(tmp_path, model_type)
+    assert quick_load.remember(full, torch.float32) is not None
+    wom = quick_load.load_weights_only(folder)
+    meta = torch.device("meta")
+    monkeypatch.setattr(prepare, "check_device", lambda name: meta)
+    moved = [prepare_split(m.model, device="meta") for m in (wom, full)]
+
+    def tensors(p):  # per slice: name -> tensor
+        return [dict([*s.module.named_parameters(remove_duplicate=False),
+                      *s.module.named_buffers(remove_duplicate=False)])
+                for s in p.split.slices]
+
+    ours, theirs = map(tensors, moved)
+    assert [list(a) for a in ours] == [list(b) for b in theirs] and any(ours)
+    for a, b in zip(ours, theirs):
+        for name, t in b.items():
+            assert a[name].device == meta == t.device, name
+            assert (a[name].shape, a[name].dtype) == (t.shape, t.dtype), name
+    ties = {(i, x, j, y) for i, a in enumerate(ours) for j, b in enumerate(ours)
+            for x in a for y in b if (i, x) < (j, y) and a[x] is b[y]}
+    assert ties == {(i, x, j, y) for i, a in enumerate(theirs) for j, b in enumerate(theirs)
+                    for x in a for y in b if (i, x) < (j, y) and a[x] is b[y]}
+    assert all(p.dense.backend == "eager" for p in moved)
+    nodes = [n for s in moved[0].split.slices for m in s.module.modules()
+             if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
+    devices = [d for n in nodes for d in [n.kwargs.get("device"), *n.args]
+               if isinstance(d, torch.device)]
+    assert devices and all(d == meta for d in devices)
+
+
 def test_a_stale_record_is_not_used(tmp_path, records, monkeypatch):
     folder, full = tiny_folder(tmp_path, "llama")
     assert quick_load.status(folder) == (False, "no record yet: the first compute worker "
