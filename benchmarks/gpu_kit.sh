@@ -20,6 +20,9 @@
 #   3. run(carry=[".gpukit/ray"], command="DEADLINE_S=300 bash benchmarks/gpu_check.sh ray")
 #      (the Ray executor with the compute worker on the GPU: cut at its 130 s on
 #      2026-11-28 as our generate was returning, before its comparison with HF's)
+#      Then, on the same machine: LAMINA_WEIGHTS_ONLY=gpu DEADLINE_S=300 bash
+#      benchmarks/gpu_check.sh ray (the compute worker from the weights alone; passing,
+#      `enabled_for` in lamina/model/quick_load.py may let GPU workers do it by default)
 #   4. where time is left: E2E_ARGS="--setups host-kv-1 host-kv-2" gpu_check.sh e2e
 #      (acceptance 2's host rows; the GPU-KV rows were re-measured on 2026-11-28)
 # Ray is not in the image: .gpukit/ray holds it trimmed (its wheel less the Java jars,

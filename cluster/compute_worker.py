@@ -48,7 +48,7 @@ from lamina.model.prepare import (
     rotary_frequencies,
     sparsity_for,
 )
-from lamina.model.quick_load import load_weights_only, remember
+from lamina.model.quick_load import enabled_for, load_weights_only, remember
 from lamina.splitter.weights_only import WeightsOnlyModel
 
 PREFILL_TOKENS = 256  # a step feeding this many tokens counts as prefill-heavy
@@ -116,16 +116,16 @@ class ComputeWorker:
         t0 = time.perf_counter()
         # its tensors alone, bound to the stored trace (no transformers: half of a
         # start), where an earlier full load here recorded how; else the full load.
-        # CPU slices only: no GPU run has checked this path yet.
-        cpu = spec.compute_device == "cpu"
-        self.loaded = load_weights_only(spec.model, spec.dtype) if cpu else None
+        # GPU slices only when asked (`enabled_for`): no GPU run has checked it yet.
+        quick = enabled_for(spec.compute_device)
+        self.loaded = load_weights_only(spec.model, spec.dtype) if quick else None
         weights_only = self.loaded is not None
         if not weights_only:
             self.loaded = load(spec.model, dtype=spec.dtype, with_tokenizer=False)
         t1 = time.perf_counter()
         prep = prepare_split(self.loaded.model, spec.dense_backend, spec.batch_hint, spec.fuse,
                              spec.compute_device)
-        if not weights_only and cpu:
+        if not weights_only and quick:
             remember(self.loaded, spec.dtype)
         self.start = WorkerStart(weights_only, t1 - t0, time.perf_counter() - t1,
                                  "transformers" in sys.modules)

@@ -16,7 +16,8 @@ mtime) and the trace file's name, recomputed from the installed torch, transform
 sources and the model's source file, is still the recorded one: anything that would
 make a full load trace differently makes the record stale. Records live under
 `$LAMINA_CACHE_DIR/weights_only`; `LAMINA_WEIGHTS_ONLY=0` loads the full way anyway
-(`LAMINA_TRACE_CACHE=0`, the store off, too).
+(`LAMINA_TRACE_CACHE=0`, the store off, too); GPU compute workers use them only with
+`LAMINA_WEIGHTS_ONLY=gpu` (`enabled_for`).
 """
 from __future__ import annotations
 
@@ -48,6 +49,15 @@ STORED_BYTES = 1 << 22  # the most a record holds itself (tensors its weight fil
 def _enabled() -> bool:
     return os.environ.get("LAMINA_WEIGHTS_ONLY", "1").strip().lower() not in ("0", "off",
                                                                               "false")
+
+
+def enabled_for(compute_device: str) -> bool:
+    """Whether a compute worker whose slices run on `compute_device` starts from the
+    weights alone (and records how after a full load): CPU slices unless
+    `LAMINA_WEIGHTS_ONLY=0`; GPU slices only with `LAMINA_WEIGHTS_ONLY=gpu`, until a GPU
+    run has checked that path (`LAMINA_WEIGHTS_ONLY=gpu bash benchmarks/gpu_check.sh ray`)."""
+    return _enabled() and (compute_device == "cpu" or
+                           os.environ.get("LAMINA_WEIGHTS_ONLY", "").strip().lower() == "gpu")
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -1,22 +1,33 @@
 """The Ray executor with its compute worker on a GPU (issue 32; the NEO-like setup): the
 slices and sampling on the GPU, two memory workers holding the KV in host DRAM, q/k/v
 through pinned buffers. The 16-prompt mixed-length test equals HF `generate` on the
-same GPU in fp32. Skips without a GPU; `benchmarks/gpu_check.sh ray` runs it there."""
+same GPU in fp32. Skips without a GPU; `benchmarks/gpu_check.sh ray` runs it there.
+With `LAMINA_WEIGHTS_ONLY=gpu` the compute worker must start from the weights alone (a
+record written here first), the path GPU workers take only when asked until this
+passes on a GPU."""
+import os
+
 import pytest
 import ray
 import torch
 
 from lamina import LLM, SamplingParams
+from lamina.model import quick_load
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (torch sees none)")
 
 
-def test_ray_with_a_gpu_compute_worker_equals_hf_generate_on_the_gpu(smol, prompts):
+def test_ray_with_a_gpu_compute_worker_equals_hf_generate_on_the_gpu(smol, smol_split,
+                                                                     prompts):
+    weights_only = os.environ.get("LAMINA_WEIGHTS_ONLY") == "gpu"
+    if weights_only:  # smol_split put its trace in the store
+        assert quick_load.remember(smol, torch.float32) is not None
     llm = LLM(executor="ray", compute_device="cuda", kv_device="cpu", num_memory_workers=2,
               num_kv_slots=8192, max_batch=16)
     try:
         ex = llm.executor
+        assert [s.weights_only for s in ex.compute_starts()] == [weights_only]
         assert ex._c_opts.get("num_gpus") == 1  # the compute worker holds the GPU
         assert "num_gpus" not in ex._m_opts
         hf, eos = smol.model.to("cuda"), smol.tokenizer.eos_token_id

@@ -120,6 +120,18 @@ def test_weights_only_split_moves_to_a_device_as_its_full_load(tmp_path, records
     assert devices and all(d == meta for d in devices)
 
 
+@pytest.mark.parametrize("env, cpu, gpu", [(None, True, False), ("1", True, False),
+                                           ("gpu", True, True), ("0", False, False),
+                                           ("off", False, False)])
+def test_which_compute_workers_start_weights_only(monkeypatch, env, cpu, gpu):
+    """CPU slices by default; GPU slices only with LAMINA_WEIGHTS_ONLY=gpu; 0 / off: none."""
+    if env is None:
+        monkeypatch.delenv("LAMINA_WEIGHTS_ONLY", raising=False)
+    else:
+        monkeypatch.setenv("LAMINA_WEIGHTS_ONLY", env)
+    assert [quick_load.enabled_for(d) for d in ("cpu", "cuda", "cuda:1")] == [cpu, gpu, gpu]
+
+
 def test_a_stale_record_is_not_used(tmp_path, records, monkeypatch):
     folder, full = tiny_folder(tmp_path, "llama")
     assert quick_load.status(folder) == (False, "no record yet: the first compute worker "
