@@ -46,9 +46,12 @@ RECORD_FORMAT = 1
 STORED_BYTES = 1 << 22  # the most a record holds itself (tensors its weight files lack)
 
 
+def _setting() -> str:
+    return os.environ.get("LAMINA_WEIGHTS_ONLY", "1").strip().lower()
+
+
 def _enabled() -> bool:
-    return os.environ.get("LAMINA_WEIGHTS_ONLY", "1").strip().lower() not in ("0", "off",
-                                                                              "false")
+    return _setting() not in ("0", "off", "false")
 
 
 def enabled_for(compute_device: str) -> bool:
@@ -56,8 +59,7 @@ def enabled_for(compute_device: str) -> bool:
     weights alone (and records how after a full load): CPU slices unless
     `LAMINA_WEIGHTS_ONLY=0`; GPU slices only with `LAMINA_WEIGHTS_ONLY=gpu`, until a GPU
     run has checked that path (`LAMINA_WEIGHTS_ONLY=gpu bash benchmarks/gpu_check.sh ray`)."""
-    return _enabled() and (compute_device == "cpu" or
-                           os.environ.get("LAMINA_WEIGHTS_ONLY", "").strip().lower() == "gpu")
+    return _enabled() and (compute_device == "cpu" or _setting() == "gpu")
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -598,11 +598,13 @@ def test_a_drain_that_runs_out_fails_what_is_left_over_http(smol, smol_split, pr
             while len(loop.engine.scheduler.running) < 2:
                 assert time.monotonic() < deadline, "the two requests never ran"
                 time.sleep(0.02)
-            loop.drain(0.5)  # what `lamina serve`'s SIGTERM handler calls
+            # what `lamina serve`'s SIGTERM handler calls; 3 s: /health is asked well
+            # within it, and 4000 tokens take far longer
+            loop.drain(3)
             health = srv.get("/health")
             status, body = plain.result(120)
             events = streamed.result(120)
-        reason = "EngineDead: the server shut down: its drain (0.5 s) ended before this " \
+        reason = "EngineDead: the server shut down: its drain (3 s) ended before this " \
                  "request finished"
         assert health[0] == 503 and "shutting down" in health[1]["error"]["message"]
         assert status == 503 and body["error"]["message"] == f"generation failed: {reason}"
