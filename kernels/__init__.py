@@ -23,9 +23,8 @@ __all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "Backen
 
 def _hand_over_the_name() -> bool:
     """This folder is `lamina.kernels` (the distribution maps it there). Where the
-    checkout's root is on sys.path (pytest's rootdir, `python -m` or a Ray driver started
-    there: Ray puts the driver's directory on its workers' paths), a plain `import
-    kernels` finds it first and shadows Hugging Face's `kernels`, which transformers
+    checkout's root leads sys.path (pytest's rootdir; `python -m` or `-c` run there), a
+    plain `import kernels` finds it first and shadows Hugging Face's `kernels`, which transformers
     >= 5.25 imports. Then this module loads the installed `kernels` in its own place in
     `sys.modules`, which is what that import returns, and says so. With none installed
     it loads as itself, as it always did (transformers' availability check of that name

@@ -146,7 +146,7 @@ def _import_from_the_root(code: str, *flags: str):
 
 
 def test_top_level_kernels_from_the_checkout_root_is_hugging_faces():
-    """From the checkout's root (on sys.path: pytest, `python -m`, a Ray driver's workers)
+    """From the checkout's root (first on sys.path: pytest's rootdir, `python -m`/`-c`)
     `import kernels` is the installed distribution of that name, which transformers
     >= 5.25 imports (our folder shadowed it: every model load failed), while
     `lamina.kernels` stays ours. Where none is installed (hidden from the hand-over's
