@@ -24,8 +24,8 @@ __all__ = ["AttentionBackend", "AttentionInputError", "AttentionParams", "Backen
 def _hand_over_the_name() -> bool:
     """This folder is `lamina.kernels` (the distribution maps it there). Where the
     checkout's root leads sys.path (pytest's rootdir; `python -m` or `-c` run there), a
-    plain `import kernels` finds it first and shadows Hugging Face's `kernels`, which transformers
-    >= 5.25 imports. Then this module loads the installed `kernels` in its own place in
+    plain `import kernels` finds it first and shadows Hugging Face's `kernels`, which
+    transformers >= 5.25 imports. Then this module loads the installed `kernels` in its own place in
     `sys.modules`, which is what that import returns, and says so. With none installed
     it loads as itself, as it always did (transformers' availability check of that name
     imports it and finds no version)."""

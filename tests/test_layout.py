@@ -138,10 +138,10 @@ def test_engine_device_names_match_the_compute_side():
     assert DEVICE_NAME == COMPUTE
 
 
-def _import_from_the_root(code: str, *flags: str):
+def _import_from_the_root(code: str):
     import subprocess
     import sys
-    return subprocess.run([sys.executable, *flags, "-c", code], cwd=ROOT, text=True,
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True,
                           capture_output=True, timeout=120)
 
 

@@ -113,13 +113,16 @@ def test_move_split_moves_every_tensor_and_constant():
     move_split(split, torch.device("meta"))
     tensors = [t for s in split.slices for t in [*s.module.parameters(), *s.module.buffers()]]
     assert tensors and all(t.device.type == "meta" for t in tensors)
-    def devices(n):  # the devices a node names, as a keyword or an argument
-        return [d for d in [n.kwargs.get("device"), *n.args] if isinstance(d, torch.device)]
-
-    gms = [m for s in split.slices for m in s.module.modules()
-           if isinstance(m, torch.fx.GraphModule)]
-    seen = [d for gm in gms for n in gm.graph.nodes for d in devices(n)]
+    seen = node_devices(split)
     assert seen and all(d.type == "meta" for d in seen)
+
+
+def node_devices(split) -> list[torch.device]:
+    """The devices the split's graph nodes name, as a keyword or an argument."""
+    nodes = [n for s in split.slices for m in s.module.modules()
+             if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
+    return [d for n in nodes for d in [n.kwargs.get("device"), *n.args]
+            if isinstance(d, torch.device)]
 
 
 @needs_gpu

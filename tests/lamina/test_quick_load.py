@@ -15,6 +15,7 @@ from lamina.model import quick_load
 from lamina.model.loader import load
 from lamina.model.prepare import prepare_split, rotary_frequencies
 from lamina.splitter.weights_only import WeightsOnlyModel
+from tests.lamina.test_compute_device import node_devices
 from tests.tiny_models import tiny_model
 
 
@@ -108,15 +109,14 @@ def test_weights_only_split_moves_to_a_device_as_its_full_load(tmp_path, records
         for name, t in b.items():
             assert a[name].device == meta == t.device, name
             assert (a[name].shape, a[name].dtype) == (t.shape, t.dtype), name
-    ties = {(i, x, j, y) for i, a in enumerate(ours) for j, b in enumerate(ours)
-            for x in a for y in b if (i, x) < (j, y) and a[x] is b[y]}
-    assert ties == {(i, x, j, y) for i, a in enumerate(theirs) for j, b in enumerate(theirs)
-                    for x in a for y in b if (i, x) < (j, y) and a[x] is b[y]}
+
+    def ties(slices):  # (slice, name, slice, name) of each pair holding one tensor
+        return {(i, x, j, y) for i, a in enumerate(slices) for j, b in enumerate(slices)
+                for x in a for y in b if (i, x) < (j, y) and a[x] is b[y]}
+
+    assert ties(ours) == ties(theirs)
     assert all(p.dense.backend == "eager" for p in moved)
-    nodes = [n for s in moved[0].split.slices for m in s.module.modules()
-             if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
-    devices = [d for n in nodes for d in [n.kwargs.get("device"), *n.args]
-               if isinstance(d, torch.device)]
+    devices = node_devices(moved[0].split)
     assert devices and all(d == meta for d in devices)
 
 
