@@ -36,7 +36,11 @@ PROMPT = "Here is a record of one customer, as JSON:"
 
 def _hf_guided(smol, prompt_ids: list[int], spec: StructuredOutputs, max_new: int):
     """HF generate, greedy, each step's logits masked by a fresh llguidance matcher fed
-    the tokens generated so far (llguidance's own bitmask helpers, not Lamina's)."""
+    the tokens generated so far, its mask read as llguidance's torch helpers write it
+    (int32 words, token t = bit t & 31 of word t >> 5), not as Lamina reads it (bytes
+    through NumPy). Their `apply_token_bitmask_inplace` is not called: it runs under
+    `torch.compile`, whose first call in a process took 3-15 s here; its two lines run
+    eagerly below."""
     import llguidance
     import llguidance.hf
     import llguidance.torch as lt
@@ -47,13 +51,15 @@ def _hf_guided(smol, prompt_ids: list[int], spec: StructuredOutputs, max_new: in
     n = len(prompt_ids)
 
     class Mask(LogitsProcessor):
-        def __call__(self, input_ids, scores):
+        def __call__(self, input_ids, scores):  # scores: [1, V] fp32
             for t in input_ids[0, n + matcher_seen[0]:].tolist():
                 assert matcher.consume_token(t)
                 matcher_seen[0] += 1
-            bm = lt.allocate_token_bitmask(1, tok.vocab_size)
+            bm = lt.allocate_token_bitmask(1, tok.vocab_size)  # [1, W] int32
             lt.fill_next_token_bitmask(matcher, bm, 0)
-            lt.apply_token_bitmask_inplace(scores, bm)
+            token = torch.arange(scores.shape[1])
+            allowed = (bm[0, token >> 5] >> (token & 31)) & 1  # [V]
+            scores[:, allowed == 0] = float("-inf")
             return scores
 
     matcher_seen = [0]
