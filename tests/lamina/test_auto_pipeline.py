@@ -72,9 +72,9 @@ def test_one_sequence_and_prompt_steps():
         AutoPipeline(batches=1)
 
 
-def test_auto_engine_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy):
-    pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 8192))
-    ex = LocalExecutor(smol_split, [MemorySide(pool)])
+def test_auto_engine_greedy_identical_to_hf(smol, smol_packed, prompts, hf_greedy):
+    pool = KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 8192))
+    ex = LocalExecutor(smol_packed, [MemorySide(pool)])
     eng = LLMEngine(EngineConfig(num_kv_slots=8192, pipeline="auto"), ex, smol.tokenizer,
                     smol.config)
     greedy = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True)

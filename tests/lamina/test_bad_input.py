@@ -20,8 +20,8 @@ VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
-def eng(smol, smol_split):
-    return engine(smol, smol_split, workers=1)
+def eng(smol, smol_packed):
+    return engine(smol, smol_packed, workers=1)
 
 
 def _normal(eng, prompts, hf_greedy):
@@ -64,10 +64,10 @@ def test_bad_request_raises_and_changes_nothing(eng, prompts, hf_greedy, prompt,
     _normal(eng, prompts, hf_greedy)
 
 
-def test_clamp_max_tokens_lowers_instead(smol, smol_split):
+def test_clamp_max_tokens_lowers_instead(smol, smol_packed):
     from lamina.engine.engine import LLMEngine
 
-    e = engine(smol, smol_split, workers=1)
+    e = engine(smol, smol_packed, workers=1)
     e = LLMEngine(EngineConfig(num_kv_slots=SLOTS, clamp_max_tokens=True), e.executor,
                   smol.tokenizer, smol.config)
     rid = e.add_request([5] * 2900, SamplingParams(max_tokens=6000, ignore_eos=True,

@@ -169,14 +169,14 @@ class CollectiveExecutor(Executor):
 
 
 @pytest.mark.parametrize("pipeline,stream", [("none", 1), ("rotational", 1), ("none", 3)])
-def test_the_data_plane_over_gloo_paths_gives_hf_greedy(smol, smol_split, prompts, hf_greedy,
+def test_the_data_plane_over_gloo_paths_gives_hf_greedy(smol, smol_packed, prompts, hf_greedy,
                                                          pipeline, stream):
     """A 600-token prompt over two 400-slot pools (its KV split: three frames a layer),
     with one micro-batch a step, with two (outputs sent on the memory end's thread while
     it reads the next micro-batch), and streamed (each layer's q|k|v in up to three
     groups, each answered on its own)."""
-    pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 400)) for _ in range(2)]
-    ex = CollectiveExecutor(smol_split, pools, stream)
+    pools = [KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 400)) for _ in range(2)]
+    ex = CollectiveExecutor(smol_packed, pools, stream)
     assert ex.link.paths.ext is None  # the Python ends
     eng = LLMEngine(EngineConfig(num_kv_slots=400, num_memory_workers=2, pipeline=pipeline),
                     ex, smol.tokenizer, smol.config)

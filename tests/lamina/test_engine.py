@@ -14,11 +14,17 @@ from tests.conftest import HF_NEW, TEXT
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 
 
-def engine(smol, smol_split, **kw):
-    cfg = EngineConfig(**kw)
-    pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, cfg.num_kv_slots,
+# KV slots of a test engine unless it asks for others: the 16 prompts and their new
+# tokens take ~4.2k. EngineConfig's 16384 would zero 755 MB for each engine, 0.3-2.7 s
+# on the test VMs (fresh memory the hypervisor backs page by page).
+SLOTS = 8192
+
+
+def engine(smol, split, **kw):
+    cfg = EngineConfig(**{"num_kv_slots": SLOTS, **kw})
+    pool = KVPool(KVPoolConfig.for_specs(split.attention_specs, cfg.num_kv_slots,
                                          cfg.kv_dtype))
-    return LLMEngine(cfg, LocalExecutor(smol_split, MemorySide(pool)), smol.tokenizer,
+    return LLMEngine(cfg, LocalExecutor(split, MemorySide(pool)), smol.tokenizer,
                      smol.config)
 
 
@@ -31,11 +37,16 @@ def run(eng, prompts, params):
     return [out[i] for i in ids]
 
 
-def test_greedy_batch_identical_to_hf(smol, smol_packed, prompts, hf_greedy):
+@pytest.mark.parametrize("linears", ["packed", "eager"])
+def test_greedy_batch_identical_to_hf(smol, smol_split, smol_packed, prompts, hf_greedy,
+                                      linears):
     """16 prompts of 5-600 tokens sent together; short ones finish prefill first and the
-    batch mixes prefill and decode, 64 new tokens each. The slices run on oneDNN-packed
-    weights, as `LLM` does on CPU; the other tests here run the eager split."""
-    outs = run(engine(smol, smol_packed, max_step_tokens=1024), prompts, GREEDY)
+    batch mixes prefill and decode, HF_NEW new tokens each. On oneDNN-packed weights, as
+    `LLM` runs on CPU (the engine tests here and in the other files run them: they are
+    ~1.6x faster than eager linears with one thread), and on the split's eager linears
+    (`dense_backend="eager"`)."""
+    split = smol_packed if linears == "packed" else smol_split
+    outs = run(engine(smol, split, max_step_tokens=1024), prompts, GREEDY)
     assert [o.token_ids for o in outs] == hf_greedy
     assert all(o.finish_reason in ("length", "stop") for o in outs)
     assert outs[0].text == smol.tokenizer.decode(hf_greedy[0], skip_special_tokens=True)
@@ -46,9 +57,9 @@ def test_unknown_dense_backend_is_rejected():
         EngineConfig(dense_backend="mkl")
 
 
-def test_preemption_completes_with_same_tokens(smol, smol_split, prompts, hf_greedy):
+def test_preemption_completes_with_same_tokens(smol, smol_packed, prompts, hf_greedy):
     pick = [1, 3, 4, 10, 11, 12]  # 12..128-token prompts: 392 prompt + 192 new tokens
-    eng = engine(smol, smol_split, num_kv_slots=400)
+    eng = engine(smol, smol_packed, num_kv_slots=400)
     plans, execute = [], eng.executor.execute
     eng.executor.execute = lambda plan: (plans.append(plan), execute(plan))[1]
     outs = run(eng, [prompts[i] for i in pick], GREEDY)
@@ -66,11 +77,11 @@ def test_preemption_completes_with_same_tokens(smol, smol_split, prompts, hf_gre
     assert back and all(start == had for start, had in back)
 
 
-def test_seeded_sampling_reproducible_and_n(smol, smol_split, prompts):
+def test_seeded_sampling_reproducible_and_n(smol, smol_packed, prompts):
     p = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=123, n=3)
-    eng = engine(smol, smol_split)
+    eng = engine(smol, smol_packed)
     a = run(eng, prompts[:3], p)
-    b = run(engine(smol, smol_split), prompts[:3], p)
+    b = run(engine(smol, smol_packed), prompts[:3], p)
     assert [[c.token_ids for c in o.outputs] for o in a] == \
         [[c.token_ids for c in o.outputs] for o in b]
     assert all(len(o.outputs) == 3 for o in a)
@@ -81,18 +92,18 @@ def test_seeded_sampling_reproducible_and_n(smol, smol_split, prompts):
     assert eng.free_slots()[0] == eng.config.num_kv_slots and eng.alloc.stats().shared == 0
 
 
-def test_sampled_tokens_survive_preemption(smol, smol_split, prompts):
+def test_sampled_tokens_survive_preemption(smol, smol_packed, prompts):
     """Draws are keyed by (seed, position): a recomputed sequence draws the same tokens."""
     pick = [1, 3, 4, 10, 11, 12]
     p = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
-    big = run(engine(smol, smol_split), [prompts[i] for i in pick], p)
-    small = run(engine(smol, smol_split, num_kv_slots=400), [prompts[i] for i in pick], p)
+    big = run(engine(smol, smol_packed), [prompts[i] for i in pick], p)
+    small = run(engine(smol, smol_packed, num_kv_slots=400), [prompts[i] for i in pick], p)
     assert sum(o.metrics["preemptions"] for o in small) > 0
     assert [o.token_ids for o in small] == [o.token_ids for o in big]
 
 
-def test_stop_strings_and_stop_tokens(smol, smol_split, prompts, hf_greedy):
-    eng = engine(smol, smol_split)
+def test_stop_strings_and_stop_tokens(smol, smol_packed, prompts, hf_greedy):
+    eng = engine(smol, smol_packed)
     first = hf_greedy[4]
     text = smol.tokenizer.decode(first, skip_special_tokens=True)
     stop = text[len(text) // 2: len(text) // 2 + 6]
@@ -103,8 +114,8 @@ def test_stop_strings_and_stop_tokens(smol, smol_split, prompts, hf_greedy):
     assert o.token_ids == first[:first.index(first[3]) + 1] and o.finish_reason == "stop"
 
 
-def test_bad_input_rejected_and_engine_keeps_serving(smol, smol_split, prompts, hf_greedy):
-    eng = engine(smol, smol_split)
+def test_bad_input_rejected_and_engine_keeps_serving(smol, smol_packed, prompts, hf_greedy):
+    eng = engine(smol, smol_packed)
     good = eng.add_request(prompts[0], GREEDY)
     with pytest.raises(ValueError, match="empty prompt"):
         eng.add_request("", GREEDY)
@@ -121,11 +132,11 @@ def test_bad_input_rejected_and_engine_keeps_serving(smol, smol_split, prompts, 
 
 
 @pytest.mark.parametrize("pipeline", ["none", "rotational"])
-def test_two_memory_workers_partition_requests_and_match(smol, smol_split, prompts, hf_greedy,
+def test_two_memory_workers_partition_requests_and_match(smol, smol_packed, prompts, hf_greedy,
                                                          pipeline):
     cfg = EngineConfig(num_kv_slots=3000, num_memory_workers=2, pipeline=pipeline)
-    pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 3000)) for _ in range(2)]
-    eng = LLMEngine(cfg, LocalExecutor(smol_split, [MemorySide(p) for p in pools]),
+    pools = [KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 3000)) for _ in range(2)]
+    eng = LLMEngine(cfg, LocalExecutor(smol_packed, [MemorySide(p) for p in pools]),
                     smol.tokenizer, smol.config)
     pick = list(range(8))
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
@@ -148,13 +159,13 @@ def test_two_memory_workers_partition_requests_and_match(smol, smol_split, promp
     (400, [8, 0], "none", 96),
     (256, [14, 0], "rotational", 64),
 ])
-def test_kv_split_over_workers_merges_exactly(smol, smol_split, prompts, hf_greedy, slots,
+def test_kv_split_over_workers_merges_exactly(smol, smol_packed, prompts, hf_greedy, slots,
                                               pick, pipeline, budget):
     cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=2, pipeline=pipeline,
                        max_step_tokens=budget)
-    pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, slots))
+    pools = [KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, slots))
              for _ in range(2)]
-    eng = LLMEngine(cfg, LocalExecutor(smol_split, [MemorySide(p) for p in pools]),
+    eng = LLMEngine(cfg, LocalExecutor(smol_packed, [MemorySide(p) for p in pools]),
                     smol.tokenizer, smol.config)
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
     seq = eng.scheduler.waiting[0]
@@ -169,7 +180,7 @@ def test_kv_split_over_workers_merges_exactly(smol, smol_split, prompts, hf_gree
     assert eng.free_slots() == [slots, slots]
 
 
-def test_a_prompt_longer_than_a_step_is_fed_in_chunks(smol, smol_split):
+def test_a_prompt_longer_than_a_step_is_fed_in_chunks(smol, smol_packed):
     """A prompt longer than the step budget (1300 tokens, 1024 a step; by default 4096
     of the model's 8192): fed over two steps, its greedy tokens equal HF's; a request
     that needs its prompt in one step (prompt logprobs) is refused by name, and nothing
@@ -180,7 +191,7 @@ def test_a_prompt_longer_than_a_step_is_fed_in_chunks(smol, smol_split):
         t = torch.tensor([ids])
         want = smol.model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
                                    max_new_tokens=8)[0, 1300:].tolist()
-    eng = engine(smol, smol_split, max_step_tokens=1024)
+    eng = engine(smol, smol_packed, max_step_tokens=1024)
     with pytest.raises(ValueError, match="prompt_logprobs needs the prompt in one step: it "
                                          "has 1300 tokens, a step takes 1024"):
         eng.add_request(ids, SamplingParams(max_tokens=2, prompt_logprobs=1))
@@ -210,7 +221,7 @@ def test_split_micro_contiguous_and_balanced():
         EngineConfig(pipeline="zigzag")
 
 
-def test_memory_side_checks_slot_metadata_once_per_step(smol, smol_split, prompts,
+def test_memory_side_checks_slot_metadata_once_per_step(smol, smol_packed, prompts,
                                                         monkeypatch):
     import torch
 
@@ -219,7 +230,7 @@ def test_memory_side_checks_slot_metadata_once_per_step(smol, smol_split, prompt
     calls = []
     real = ex.validate_batch
     monkeypatch.setattr(ex, "validate_batch", lambda b, n: calls.append(n) or real(b, n))
-    eng = engine(smol, smol_split, num_kv_slots=1000)
+    eng = engine(smol, smol_packed, num_kv_slots=1000)
     eng.add_request(prompts[2], SamplingParams(max_tokens=3, temperature=0))
     for _ in range(3):
         eng.step()
@@ -245,12 +256,12 @@ def test_memory_side_checks_slot_metadata_once_per_step(smol, smol_split, prompt
                    batch, checked=True)
 
 
-def test_repetition_penalty_equals_hf_generate(smol, smol_split, prompts):
+def test_repetition_penalty_equals_hf_generate(smol, smol_packed, prompts):
     """HF's own RepetitionPenaltyLogitsProcessor (prompt and output tokens) as the
     reference, greedy, prompts batched together."""
     pick, new = [0, 2, 10], 24
     p = SamplingParams(max_tokens=new, temperature=0, repetition_penalty=1.3)
-    outs = run(engine(smol, smol_split), [prompts[i] for i in pick], p)
+    outs = run(engine(smol, smol_packed), [prompts[i] for i in pick], p)
     for o, i in zip(outs, pick):
         ids = torch.tensor([prompts[i]])
         with torch.no_grad():
@@ -261,7 +272,7 @@ def test_repetition_penalty_equals_hf_generate(smol, smol_split, prompts):
         assert o.token_ids == want[:len(o.token_ids)] and len(o.token_ids) in (len(want), new)
 
 
-def test_presence_and_frequency_penalties_equal_a_reference_loop(smol, smol_split, prompts,
+def test_presence_and_frequency_penalties_equal_a_reference_loop(smol, smol_packed, prompts,
                                                                   hf_greedy):
     """Reference: HF's full-model logits at each step, OpenAI's penalty formula in NumPy,
     argmax; a penalty-free request in the same batch keeps HF's plain greedy tokens."""
@@ -269,7 +280,7 @@ def test_presence_and_frequency_penalties_equal_a_reference_loop(smol, smol_spli
 
     new, pen = 16, SamplingParams(max_tokens=16, temperature=0, presence_penalty=1.5,
                                   frequency_penalty=0.8)
-    eng = engine(smol, smol_split)
+    eng = engine(smol, smol_packed)
     rid = eng.add_request(prompts[1], pen)
     plain = eng.add_request(prompts[3], SamplingParams(max_tokens=new, temperature=0))
     out = {}
@@ -293,8 +304,8 @@ def test_presence_and_frequency_penalties_equal_a_reference_loop(smol, smol_spli
     assert out[plain].token_ids == ref[:len(out[plain].token_ids)]
 
 
-def test_logit_bias_forces_a_token_and_bad_ids_are_rejected(smol, smol_split, prompts):
-    eng = engine(smol, smol_split)
+def test_logit_bias_forces_a_token_and_bad_ids_are_rejected(smol, smol_packed, prompts):
+    eng = engine(smol, smol_packed)
     out = run(eng, [prompts[0]], SamplingParams(max_tokens=3, temperature=0,
                                                 logit_bias={42: 100}))
     assert out[0].token_ids == [42, 42, 42]

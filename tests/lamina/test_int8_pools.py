@@ -20,10 +20,10 @@ from tests.conftest import TEXT
 
 
 @pytest.fixture(scope="module")
-def scales(smol, smol_split):
+def scales(smol, smol_packed):
     from lamina.model.prepare import key_channel_scales
 
-    return key_channel_scales(smol.model, smol.tokenizer, len(smol_split.attention_specs))
+    return key_channel_scales(smol.model, smol.tokenizer, len(smol_packed.attention_specs))
 
 
 def int8_engine(smol, split, scales, workers=1, slots=4096, **kw):
@@ -85,12 +85,12 @@ def test_key_channel_scales_are_calibrated_per_layer_head_and_channel(smol, scal
         assert smooth < 0.7 * plain, (i, float(smooth), float(plain))
 
 
-def test_int8_prompt_logprobs_track_hf(smol, smol_split, scales):
+def test_int8_prompt_logprobs_track_hf(smol, smol_packed, scales):
     """A 700-token prompt's per-token log-probabilities (one prefill over the int8
     pool: each query attends keys and values just quantized) against HF's fp32 logits:
     mean NLL within 0.5% and every token's log-probability within 0.4 nats."""
     ids = smol.tokenizer(TEXT)["input_ids"][:700]
-    eng = int8_engine(smol, smol_split, scales)
+    eng = int8_engine(smol, smol_packed, scales)
     eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
     out = []
     while eng.has_unfinished():
@@ -129,8 +129,8 @@ def mixed_batch(prompts):
 
 
 @pytest.fixture(scope="module")
-def one_worker_roomy(smol, smol_split, scales, mixed_batch):
-    res, pre, cached, spanning = _int8_run(smol, smol_split, scales, *mixed_batch,
+def one_worker_roomy(smol, smol_packed, scales, mixed_batch):
+    res, pre, cached, spanning = _int8_run(smol, smol_packed, scales, *mixed_batch,
                                            prefix_caching=False)
     assert pre == spanning == cached == 0
     return res
@@ -141,20 +141,20 @@ def _drawn(res):
     return [[[(t.token_id, t.logprob) for t in c.logprobs] for c in o.outputs] for o in res]
 
 
-def test_int8_output_bitwise_unchanged_by_forks_over_workers(smol, smol_split, scales,
+def test_int8_output_bitwise_unchanged_by_forks_over_workers(smol, smol_packed, scales,
                                                               mixed_batch, one_worker_roomy):
     """Two roomy workers: the sequences (and the forks' copies) sit on either, the same
     steps run as on one worker. Every drawn token and its logprob are bitwise the
     one-worker run's (greedy, and the seeded samples of the forks): each row is quantized
     on its own and scored by the same kernel wherever it sits."""
-    res, pre, cached, spanning = _int8_run(smol, smol_split, scales, *mixed_batch,
+    res, pre, cached, spanning = _int8_run(smol, smol_packed, scales, *mixed_batch,
                                            workers=2)
     assert pre == cached == spanning == 0
     assert _drawn(res) == _drawn(one_worker_roomy)
 
 
 def test_int8_greedy_unchanged_by_kv_split_preemption_and_prefix_hits(
-        smol, smol_split, scales, mixed_batch, one_worker_roomy):
+        smol, smol_packed, scales, mixed_batch, one_worker_roomy):
     """Two workers of 520 slots, a 1024-token step budget: sequences spill KV to the
     other worker, are preempted and recomputed, and the repeated prompts hit the prefix
     cache. Greedy tokens are the roomy run's; logprobs within 0.05. Not bitwise: a split
@@ -163,7 +163,7 @@ def test_int8_greedy_unchanged_by_kv_split_preemption_and_prefix_hits(
     rounding a later KV row to int8 can turn that into a step of a code (up to 0.01 in a
     logprob on an AMD EPYC). A sample drawn near a tie may then differ, so the sampled
     requests are compared only above (their forks, bitwise)."""
-    res, pre, cached, spanning = _int8_run(smol, smol_split, scales, *mixed_batch,
+    res, pre, cached, spanning = _int8_run(smol, smol_packed, scales, *mixed_batch,
                                            workers=2, slots=520, max_step_tokens=1024)
     assert pre > 0 and cached > 0 and spanning > 0
     greedy = [i for i, sp in enumerate(mixed_batch[1]) if sp.greedy]
@@ -174,7 +174,7 @@ def test_int8_greedy_unchanged_by_kv_split_preemption_and_prefix_hits(
         assert np.abs(lp).max() < 0.05, f"request {i}: logprobs moved {np.abs(lp).max()}"
 
 
-def test_int8_server_answers_as_the_int8_engine(smol, smol_split, scales, prompts):
+def test_int8_server_answers_as_the_int8_engine(smol, smol_packed, scales, prompts):
     """An OpenAI completions server over an int8 pool: its greedy answers are the int8
     engine's (the pool's dtype is a deployment setting; requests do not change it)."""
     from lamina.entrypoints.engine_loop import EngineLoop
@@ -182,11 +182,11 @@ def test_int8_server_answers_as_the_int8_engine(smol, smol_split, scales, prompt
 
     want = []
     for p in prompts[2:4]:
-        eng = int8_engine(smol, smol_split, scales)
+        eng = int8_engine(smol, smol_packed, scales)
         eng.add_request(p, SamplingParams(max_tokens=12, temperature=0))
         while eng.has_unfinished():
             want += [o.token_ids for o in eng.step() if o.finished]
-    loop = EngineLoop(int8_engine(smol, smol_split, scales))
+    loop = EngineLoop(int8_engine(smol, smol_packed, scales))
     srv = _Server(loop, smol.tokenizer)
     try:
         for p, w in zip(prompts[2:4], want):
@@ -199,7 +199,7 @@ def test_int8_server_answers_as_the_int8_engine(smol, smol_split, scales, prompt
         loop.shutdown()
 
 
-def test_int8_over_the_data_plane_answers_as_local(smol, smol_split, scales, prompts):
+def test_int8_over_the_data_plane_answers_as_local(smol, smol_packed, scales, prompts):
     """int8 pools behind the socket data plane on two memory workers: the C++ memory end
     (it quantizes the rows and folds the channel scales into q itself), with q|k|v as
     one frame and as three, gives the local executor's greedy tokens, every step served
@@ -209,11 +209,11 @@ def test_int8_over_the_data_plane_answers_as_local(smol, smol_split, scales, pro
     def greedy(eng):
         return generate(eng, prompts[:8], SamplingParams(max_tokens=16, temperature=0))
 
-    want = greedy(int8_engine(smol, smol_split, scales, workers=2, slots=3000))
+    want = greedy(int8_engine(smol, smol_packed, scales, workers=2, slots=3000))
     for native, one_frame in (("both", True), ("memory", False)):
-        pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 3000, "int8",
+        pools = [KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 3000, "int8",
                                                key_scales=scales)) for _ in range(2)]
-        ex = LinkedExecutor(smol_split, pools, one_frame, native=native)
+        ex = LinkedExecutor(smol_packed, pools, one_frame, native=native)
         cfg = EngineConfig(num_memory_workers=2, num_kv_slots=3000, kv_dtype="int8")
         assert greedy(LLMEngine(cfg, ex, smol.tokenizer, smol.config)) == want
         assert all(s.error is None and s.steps > 0 for s in ex.servers)

@@ -82,8 +82,8 @@ def check(outs, ids, bad, want, words):
     assert f"request {bad} failed" in b.error and words in b.error, b.error
 
 
-def test_bad_token_past_validation_fails_alone(smol, smol_split, prompts, hf_greedy):
-    eng = engine(smol, smol_split)
+def test_bad_token_past_validation_fails_alone(smol, smol_packed, prompts, hf_greedy):
+    eng = engine(smol, smol_packed)
     vocab = smol.config.vocab_size
 
     def poison(e):  # the test hook: skip the boundary check for this one request
@@ -99,22 +99,22 @@ def test_bad_token_past_validation_fails_alone(smol, smol_split, prompts, hf_gre
     assert eng.num_failed_requests == 1 and not eng.recoveries
 
 
-def test_compute_fault_on_one_sequence_fails_alone(smol, smol_split, prompts, hf_greedy):
+def test_compute_fault_on_one_sequence_fails_alone(smol, smol_packed, prompts, hf_greedy):
     tok = unused_token(prompts, hf_greedy)
-    eng = engine(smol, smol_split, FaultPlan(compute_token=tok))
+    eng = engine(smol, smol_packed, FaultPlan(compute_token=tok))
     outs, ids, bad = poison_run(eng, prompts,
                                 lambda e: e.add_request([1, 2, tok, 3], GOOD))
     check(outs, ids, bad, around(hf_greedy), f"injected compute fault on token {tok}")
 
 
-def test_memory_fault_on_one_sequence_fails_alone(smol, smol_split, prompts, hf_greedy):
-    eng = engine(smol, smol_split, FaultPlan(memory_pos=MEM_POS))
+def test_memory_fault_on_one_sequence_fails_alone(smol, smol_packed, prompts, hf_greedy):
+    eng = engine(smol, smol_packed, FaultPlan(memory_pos=MEM_POS))
     long = (prompts[8] * 2)[:MEM_POS + 20]  # a query at MEM_POS in its prefill
     outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(long, GOOD))
     check(outs, ids, bad, around(hf_greedy), f"injected memory fault at position {MEM_POS}")
 
 
-def test_a_request_every_step_fails_on_is_found_and_fails_alone(smol, smol_split, prompts,
+def test_a_request_every_step_fails_on_is_found_and_fails_alone(smol, smol_packed, prompts,
                                                                 hf_greedy):
     """A fault no sequence is blamed for: layer 2's dense slice raises in every step
     that feeds the poison token. After max_recoveries recoveries the engine bisects the
@@ -122,7 +122,7 @@ def test_a_request_every_step_fails_on_is_found_and_fails_alone(smol, smol_split
     poison one fails alone, naming the search and the fault; the others give HF's tokens
     (recomputed after each recovery); every slot is back and the engine runs on."""
     tok = unused_token(prompts, hf_greedy)
-    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok))
+    eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok))
     first, then = [0, 1, 2, 3, 4, 5], [9, 10, 11, 12, 13]  # the prompts of <= 200 tokens
     ids = [eng.add_request(prompts[i], GOOD) for i in first]
     outs = {}
@@ -145,12 +145,12 @@ def test_a_request_every_step_fails_on_is_found_and_fails_alone(smol, smol_split
     assert done[rid].token_ids == hf_greedy[0][:NEW]
 
 
-def test_two_such_requests_each_fail_alone(smol, smol_split, prompts, hf_greedy):
+def test_two_such_requests_each_fail_alone(smol, smol_packed, prompts, hf_greedy):
     """Two poison requests ahead of four good ones: the first is named; the second is
     found with no step run since, so its alibi is checked (the good ones run a step
     without it) before it is named too. The good ones give HF's tokens."""
     tok = unused_token(prompts, hf_greedy)
-    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
+    eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
     bad = [eng.add_request(prompts[i] + [tok], GOOD) for i in (0, 1)]
     good = [eng.add_request(prompts[i], GOOD) for i in (2, 3, 4, 5)]
     outs = {}
@@ -165,13 +165,13 @@ def test_two_such_requests_each_fail_alone(smol, smol_split, prompts, hf_greedy)
 
 
 def test_a_named_fault_during_a_search_fails_its_request_and_the_search_goes_on(
-        smol, smol_split, prompts, hf_greedy):
+        smol, smol_packed, prompts, hf_greedy):
     """While the search runs (past max_recoveries failed steps in a row), a fault that
     names a good request and leaves the workers mid-step (as a Ray memory worker's does)
     fails that request alone and is recovered; it does not stop the engine, and the
     search still names the poison request."""
     tok = unused_token(prompts, hf_greedy)
-    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
+    eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
     real, hit = eng.executor.execute, []
 
     def execute(plan):
@@ -197,12 +197,12 @@ def test_a_named_fault_during_a_search_fails_its_request_and_the_search_goes_on(
 
 
 def test_aborting_the_poison_request_mid_search_ends_it_naming_no_one(
-        smol, smol_split, prompts, hf_greedy):
+        smol, smol_packed, prompts, hf_greedy):
     """The client of the poison request goes away while the search runs: it leaves the
     suspects, the others each run again, the search ends with no one named, and every
     slot is back."""
     tok = unused_token(prompts, hf_greedy)
-    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
+    eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
     bad = eng.add_request(prompts[0] + [tok], GOOD)
     good = [eng.add_request(prompts[i], GOOD) for i in (1, 2, 3)]
     outs = {}
@@ -216,14 +216,14 @@ def test_aborting_the_poison_request_mid_search_ends_it_naming_no_one(
     assert len(eng.recoveries) == 4 and eng.free_slots() == [SLOTS]
 
 
-def test_a_poison_request_with_parallel_samples_is_found_and_all_end(smol, smol_split,
+def test_a_poison_request_with_parallel_samples_is_found_and_all_end(smol, smol_packed,
                                                                      prompts, hf_greedy):
     """n=3: the poison request's samples are forked after its prefill (the test then
     makes the token each drew the poison one) and preempted one by one at each recovery;
     the search admits and names them as one request, all three end with "error", every
     reference is freed, and the good ones give HF's tokens."""
     tok = unused_token(prompts, hf_greedy)
-    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
+    eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
     good = [eng.add_request(prompts[i], GOOD) for i in (1, 2)]
     p = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=3)
     bad = eng.add_request(prompts[3], p)
@@ -241,13 +241,13 @@ def test_a_poison_request_with_parallel_samples_is_found_and_all_end(smol, smol_
     assert eng.free_slots() == [SLOTS] and all(a.stats().shared == 0 for a in eng.allocs)
 
 
-def test_steps_failing_whatever_runs_stop_the_engine(smol, smol_split, prompts, caplog):
+def test_steps_failing_whatever_runs_stop_the_engine(smol, smol_packed, prompts, caplog):
     """A fault in every step that feeds the text's first token, which every prompt has:
     not one request's doing. The first request the search finds fails alone (nothing
     shows otherwise yet); the second is found with no step run since and nobody else
     to run, so the engine stops with the step's error, as it did before searching."""
     first = prompts[0][0]
-    eng = engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=first),
+    eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=first),
                  workers=1)
     a, b = (eng.add_request(prompts[i], GOOD) for i in (1, 2))
     outs = {}
@@ -260,12 +260,12 @@ def test_steps_failing_whatever_runs_stop_the_engine(smol, smol_split, prompts, 
                for r in caplog.records)
 
 
-def test_culprit_search_off_stops_the_engine(smol, smol_split, prompts, hf_greedy):
+def test_culprit_search_off_stops_the_engine(smol, smol_packed, prompts, hf_greedy):
     tok = unused_token(prompts, hf_greedy)
     cfg = EngineConfig(num_kv_slots=SLOTS, find_culprits=False,
                        faults=FaultPlan(compute_layer=2, layer_token=tok))
-    mem = MemorySide(KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, SLOTS)))
-    ex = LocalExecutor(smol_split, [mem], faults=cfg.faults)
+    mem = MemorySide(KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, SLOTS)))
+    ex = LocalExecutor(smol_packed, [mem], faults=cfg.faults)
     eng = LLMEngine(cfg, ex, smol.tokenizer, smol.config)
     eng.add_request(prompts[0] + [tok], GOOD)
     with pytest.raises(InjectedFault):
@@ -275,7 +275,7 @@ def test_culprit_search_off_stops_the_engine(smol, smol_split, prompts, hf_greed
 
 
 @pytest.mark.parametrize("where", ["compute", "memory"])
-def test_a_fault_on_one_compute_replica_fails_alone(smol, smol_split, prompts, hf_greedy,
+def test_a_fault_on_one_compute_replica_fails_alone(smol, smol_packed, prompts, hf_greedy,
                                                     where):
     """Two replicas (fixed): the poison request's replica fails the step cleanly, the
     other's part succeeded; the rerun without it must not run that part twice."""
@@ -285,7 +285,7 @@ def test_a_fault_on_one_compute_replica_fails_alone(smol, smol_split, prompts, h
                               f"injected compute fault on token {tok}") if where == "compute"
                              else (FaultPlan(memory_pos=MEM_POS), long,
                                    f"injected memory fault at position {MEM_POS}"))
-    eng = engine(smol, smol_split, faults, replicas=2)
+    eng = engine(smol, smol_packed, faults, replicas=2)
     runs = []  # (replica, step, its sequences) per replica run
     for r, c in enumerate(eng.executor.replicas):
         def run(plan, link, r=r, real=c.run):
@@ -301,7 +301,7 @@ def test_a_fault_on_one_compute_replica_fails_alone(smol, smol_split, prompts, h
     assert len(set(runs)) == len(runs)  # no replica ran the same part twice
 
 
-def test_sampler_exception_is_put_on_its_row(smol, smol_split, prompts, hf_greedy,
+def test_sampler_exception_is_put_on_its_row(smol, smol_packed, prompts, hf_greedy,
                                              monkeypatch):
     """The sampler raises for one row with nothing naming it: the compute side retries
     row by row and blames that sequence only."""
@@ -313,17 +313,17 @@ def test_sampler_exception_is_put_on_its_row(smol, smol_split, prompts, hf_greed
         return real(logits, params, seeds, *a)
 
     monkeypatch.setattr(executor_mod, "sample_rows", flaky)
-    eng = engine(smol, smol_split)
+    eng = engine(smol, smol_packed)
     poison = SamplingParams(max_tokens=4, temperature=0.7, seed=666)
     outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(prompts[3], poison))
     check(outs, ids, bad, around(hf_greedy), "sampling failed: FloatingPointError: bad row")
 
 
-def test_parallel_samples_of_a_failed_request_all_end(smol, smol_split, prompts, hf_greedy):
+def test_parallel_samples_of_a_failed_request_all_end(smol, smol_packed, prompts, hf_greedy):
     """n=3: the poison request's forks share its KV; all three end with "error" and
     every reference is freed."""
     tok = unused_token(prompts, hf_greedy)
-    eng = engine(smol, smol_split, FaultPlan(compute_token=tok), workers=1)
+    eng = engine(smol, smol_packed, FaultPlan(compute_token=tok), workers=1)
     p = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=3)
     outs, ids, bad = poison_run(eng, prompts,
                                 lambda e: e.add_request(prompts[2] + [tok], p))
@@ -331,12 +331,12 @@ def test_parallel_samples_of_a_failed_request_all_end(smol, smol_split, prompts,
     assert [c.finish_reason for c in outs[bad].outputs] == ["error"] * 3
 
 
-def test_engine_loop_raises_request_failed_and_serves_on(smol, smol_split, prompts,
+def test_engine_loop_raises_request_failed_and_serves_on(smol, smol_packed, prompts,
                                                         hf_greedy):
     """Through the threaded loop (what the HTTP server uses): 8 good requests in flight
     around a poison one; its future raises RequestFailed, the loop stays alive."""
     tok = unused_token(prompts, hf_greedy)
-    loop = EngineLoop(engine(smol, smol_split, FaultPlan(compute_token=tok)))
+    loop = EngineLoop(engine(smol, smol_packed, FaultPlan(compute_token=tok)))
     try:
         futs = [loop.submit(prompts[i], GOOD) for i in BEFORE]
         bad = loop.submit([tok, 9, 9], GOOD)
@@ -353,7 +353,7 @@ def test_engine_loop_raises_request_failed_and_serves_on(smol, smol_split, promp
         loop.shutdown()
 
 
-def test_engine_loop_serves_on_past_a_request_every_step_fails_on(smol, smol_split, prompts,
+def test_engine_loop_serves_on_past_a_request_every_step_fails_on(smol, smol_packed, prompts,
                                                                   hf_greedy):
     """Through the threaded loop (the HTTP server's): a request that sets off a fault no
     sequence is blamed for raises RequestFailed naming the search, the loop stays alive,
@@ -364,7 +364,7 @@ def test_engine_loop_serves_on_past_a_request_every_step_fails_on(smol, smol_spl
 
     tok = unused_token(prompts, hf_greedy)
     metrics = EngineMetrics()
-    loop = EngineLoop(engine(smol, smol_split, FaultPlan(compute_layer=2, layer_token=tok)),
+    loop = EngineLoop(engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok)),
                       metrics)
     try:
         futs = [loop.submit(prompts[i], GOOD) for i in range(4)]
@@ -384,10 +384,10 @@ def test_engine_loop_serves_on_past_a_request_every_step_fails_on(smol, smol_spl
         loop.shutdown()
 
 
-def test_a_fault_naming_no_sequence_of_the_step_is_an_engine_error(smol, smol_split,
+def test_a_fault_naming_no_sequence_of_the_step_is_an_engine_error(smol, smol_packed,
                                                                   prompts):
     """An executor that blames sequences outside the step is a bug: loud, not a loop."""
-    eng = engine(smol, smol_split)
+    eng = engine(smol, smol_packed)
 
     def bogus(plan):
         raise SequenceFault([10 ** 6], "nobody")
@@ -398,11 +398,11 @@ def test_a_fault_naming_no_sequence_of_the_step_is_an_engine_error(smol, smol_sp
         eng.step()
 
 
-def test_abort_running_waiting_and_preempted_frees_every_slot(smol, smol_split, prompts):
+def test_abort_running_waiting_and_preempted_frees_every_slot(smol, smol_packed, prompts):
     """A 260-slot pool and three 100-token prompts: the third waits, and growth preempts
     the second; aborting each (preempted, waiting, running) returns every slot. (No
     prefix cache: with it the preempted copy of the same prompt is re-admitted at once.)"""
-    eng = engine(smol, smol_split, workers=1, slots=260, caching=False)
+    eng = engine(smol, smol_packed, workers=1, slots=260, caching=False)
     p = SamplingParams(max_tokens=100, ignore_eos=True, temperature=0)
     rids = [eng.add_request(prompts[4][:100], p) for _ in range(3)]
     seqs = [eng._reqs[r].seqs[0] for r in rids]

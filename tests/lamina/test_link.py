@@ -163,14 +163,14 @@ def test_local_prefill_parts():
 
 @pytest.mark.parametrize("native,pipeline", [("both", "none"), ("none", "none"),
                                            ("both", "rotational")])
-def test_local_prefill_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy, native,
+def test_local_prefill_greedy_identical_to_hf(smol, smol_packed, prompts, hf_greedy, native,
                                               pipeline):
     """Prompts attend on the compute side and only their KV goes to the workers (the C++
     memory end and the Python one, one micro-batch or two, a KV-split prompt among
     them): HF's greedy tokens, and every later decode step reads the KV the workers
     stored."""
     pick = [8, 0, 3, 9, 10]
-    eng, ex = linked_engine(smol, smol_split, 500, native=native, local_prefill=True,
+    eng, ex = linked_engine(smol, smol_packed, 500, native=native, local_prefill=True,
                             pipeline=pipeline)
     got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=12, temperature=0))
     assert got == [hf_greedy[i][:12] for i in pick]
@@ -182,12 +182,12 @@ def test_local_prefill_greedy_identical_to_hf(smol, smol_split, prompts, hf_gree
 
 @pytest.mark.parametrize("one_frame,native", [(True, "both"), (False, "both"), (True, "none"),
                                         (True, "memory"), (True, "compute")])
-def test_socket_link_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy, one_frame,
+def test_socket_link_greedy_identical_to_hf(smol, smol_packed, prompts, hf_greedy, one_frame,
                                             native):
     """One q|k|v frame or three (`one_frame`; three: the compute end's Python path), each end
     on its C++ or its Python path: all speak the same protocol."""
     pick = [0, 1, 2, 3, 4, 9, 10, 11]
-    eng, ex = linked_engine(smol, smol_split, 3000, one_frame, native=native)
+    eng, ex = linked_engine(smol, smol_packed, 3000, one_frame, native=native)
     got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=16, temperature=0))
     assert got == [hf_greedy[i][:16] for i in pick]
     assert all(s.error is None for s in ex.servers)
@@ -201,7 +201,7 @@ def test_socket_link_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy
 
 
 @pytest.mark.parametrize("native", ["both", "none"])
-def test_traced_steps_keep_their_path_and_line_up(smol, smol_split, prompts, hf_greedy,
+def test_traced_steps_keep_their_path_and_line_up(smol, smol_packed, prompts, hf_greedy,
                                                   native):
     """Tracing over the data plane: the memory ends keep their loop (the C++ `serve_step`
     returns each layer's attention times), every layer of every traced step has one
@@ -209,7 +209,7 @@ def test_traced_steps_keep_their_path_and_line_up(smol, smol_split, prompts, hf_
     that layer, and the answers are HF's."""
     from lamina.trace import overlapping
 
-    eng, ex = linked_engine(smol, smol_split, 3000, native=native)
+    eng, ex = linked_engine(smol, smol_packed, 3000, native=native)
     for i, srv in enumerate(ex.servers):
         srv.tracer.lane = f"memory{i}"
     pick = [0, 3, 5, 9]
@@ -241,11 +241,11 @@ def test_traced_steps_keep_their_path_and_line_up(smol, smol_split, prompts, hf_
 
 
 @pytest.mark.parametrize("pipeline", ["rotational", "none"])
-def test_socket_link_kv_split_and_micro_batches(smol, smol_split, prompts, hf_greedy, pipeline):
+def test_socket_link_kv_split_and_micro_batches(smol, smol_packed, prompts, hf_greedy, pipeline):
     """A 600-token prompt over two 400-slot pools: its rows go as three frames, the
     others' as one; with the rotational pipeline (two micro-batches per step: the Python
     layer loop) and without (the C++ one)."""
-    eng, ex = linked_engine(smol, smol_split, 400, pipeline=pipeline)
+    eng, ex = linked_engine(smol, smol_packed, 400, pipeline=pipeline)
     got = generate(eng, [prompts[8], prompts[0]], SamplingParams(max_tokens=8, temperature=0))
     assert got == [hf_greedy[8][:8], hf_greedy[0][:8]]
     assert all(s.error is None for s in ex.servers)
@@ -255,7 +255,7 @@ def test_socket_link_kv_split_and_micro_batches(smol, smol_split, prompts, hf_gr
     ex.shutdown()
 
 
-def test_memory_ends_hold_each_running_sequences_table(smol, smol_split, prompts, hf_greedy):
+def test_memory_ends_hold_each_running_sequences_table(smol, smol_packed, prompts, hf_greedy):
     """Each memory end keeps its sequences' slot tables across steps and is sent only new
     slots: after every step its held ranges equal the allocators' tables of the running
     sequences on that worker, through preemptions (small pools) and a KV split over both
@@ -263,7 +263,7 @@ def test_memory_ends_hold_each_running_sequences_table(smol, smol_split, prompts
     step's metadata. Two micro-batches a step (the memory end's Python loop; every other
     test here runs the tables through the C++ one too)."""
     pick = [8, 1, 3, 4, 10, 11]  # the 600-token prompt spans both 400-slot pools
-    eng, ex = linked_engine(smol, smol_split, 400, pipeline="rotational")
+    eng, ex = linked_engine(smol, smol_packed, 400, pipeline="rotational")
     greedy = SamplingParams(max_tokens=16, temperature=0)
     ids = [eng.add_request(prompts[i], greedy) for i in pick]
     out, split = {}, 0
@@ -308,11 +308,11 @@ def test_bf16_prompts_on_memory_ends_take_the_prompt_kernel(smol, smol_bf16, pro
     assert got["both"] == got["none"]
 
 
-def test_c_plus_plus_ends_over_tcp(smol, smol_split, prompts, hf_greedy):
+def test_c_plus_plus_ends_over_tcp(smol, smol_packed, prompts, hf_greedy):
     """The C++ ends over loopback TCP (partial reads and writes of a real stream), a
     600-token prefill among them: HF's greedy tokens."""
     pick = [8, 1, 2, 10]
-    eng, ex = linked_engine(smol, smol_split, 3000, tcp=True)
+    eng, ex = linked_engine(smol, smol_packed, 3000, tcp=True)
     got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=8, temperature=0))
     assert got == [hf_greedy[i][:8] for i in pick]
     assert all(s.error is None and s.native_steps == s.steps > 0 for s in ex.servers)
@@ -344,12 +344,12 @@ def test_compute_end_times_out_on_a_silent_worker():
     b.close()
 
 
-def test_socket_link_through_shared_memory_rings(smol, smol_split, prompts, hf_greedy,
+def test_socket_link_through_shared_memory_rings(smol, smol_packed, prompts, hf_greedy,
                                                  tmp_path):
     """Prefill payloads (q|k|v in, o|lse out) of 64 KiB and more go through the rings,
     decode ones inline on the socket; both ends keep the rings' cursors in step."""
     pick = [8, 5, 0, 1]
-    eng, ex = linked_engine(smol, smol_split, 3000, rings=tmp_path)
+    eng, ex = linked_engine(smol, smol_packed, 3000, rings=tmp_path)
     got = generate(eng, [prompts[i] for i in pick], SamplingParams(max_tokens=8, temperature=0))
     assert got == [hf_greedy[i][:8] for i in pick]
     assert all(s.error is None and s.native_steps == s.steps > 0 for s in ex.servers)
@@ -374,8 +374,8 @@ class ShortLink(SocketLink):
                 ch.send(x.contiguous(), layer, self.step)
 
 
-def test_malformed_qkv_frame_fails_the_step_loudly(smol, smol_split, prompts):
-    eng, ex = linked_engine(smol, smol_split, 3000, link_cls=ShortLink)
+def test_malformed_qkv_frame_fails_the_step_loudly(smol, smol_packed, prompts):
+    eng, ex = linked_engine(smol, smol_packed, 3000, link_cls=ShortLink)
     for p in prompts[:4]:
         eng.add_request(p, SamplingParams(max_tokens=4, temperature=0))
     eng.step()  # step 0 is well formed

@@ -34,8 +34,8 @@ def hf(smol, prompt, new, min_new, ends):
 
 
 @pytest.mark.parametrize("drafts", [0, 4])
-def test_greedy_with_min_tokens_equals_hf_min_new_tokens(smol, smol_split, short, drafts):
-    eng = engine(smol, smol_split, speculative_tokens=drafts)
+def test_greedy_with_min_tokens_equals_hf_min_new_tokens(smol, smol_packed, short, drafts):
+    eng = engine(smol, smol_packed, speculative_tokens=drafts)
     eos = sorted(eng.eos_ids)
     plain = run(eng, short, SamplingParams(max_tokens=24, temperature=0))
     assert [len(o.token_ids) for o in plain] == [8, 12]  # they end early on their own
@@ -54,11 +54,11 @@ def test_greedy_with_min_tokens_equals_hf_min_new_tokens(smol, smol_split, short
     assert eng.free_slots()[0] == eng.config.num_kv_slots
 
 
-def test_a_stop_string_before_min_tokens_does_not_end_it(smol, smol_split, short):
+def test_a_stop_string_before_min_tokens_does_not_end_it(smol, smol_packed, short):
     """The second answer holds "colour" early; with min_tokens 6 the stop string is
     looked for only in the text after, so the answer runs on to its EOS, the tokens
     the same as without the stop string."""
-    eng = engine(smol, smol_split)
+    eng = engine(smol, smol_packed)
     greedy = SamplingParams(max_tokens=24, temperature=0)
     full = run(eng, short[1:], greedy)[0]
     assert "colour" in smol.tokenizer.decode(full.token_ids[:3])
@@ -69,8 +69,8 @@ def test_a_stop_string_before_min_tokens_does_not_end_it(smol, smol_split, short
     assert late.token_ids == full.token_ids and late.text == full.text
 
 
-def test_sampled_answers_hold_no_end_token_before_min_tokens(smol, smol_split, short):
-    eng = engine(smol, smol_split)
+def test_sampled_answers_hold_no_end_token_before_min_tokens(smol, smol_packed, short):
+    eng = engine(smol, smol_packed)
     params = SamplingParams(max_tokens=20, min_tokens=14, temperature=1.0, seed=7, n=4)
     for out in run(eng, short, params):
         for c in out.outputs:
@@ -87,12 +87,12 @@ def test_the_mask_leaves_out_exactly_the_banned_tokens():
     assert without(masks, (), 2) is masks
 
 
-def test_min_tokens_checked_and_served(smol, smol_split, short):
+def test_min_tokens_checked_and_served(smol, smol_packed, short):
     with pytest.raises(ValueError, match="min_tokens must not exceed max_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
     with pytest.raises(ValueError, match="min_tokens must be an int >= 0"):
         SamplingParams(min_tokens=-1)
-    eng = engine(smol, smol_split)
+    eng = engine(smol, smol_packed)
     with pytest.raises(ValueError, match="exceed the model's context"):
         eng.add_request([1] * 8000, SamplingParams(max_tokens=None, min_tokens=500))
     from lamina.entrypoints.engine_loop import EngineLoop

@@ -19,12 +19,12 @@ class _Engine:
         return run(self.engine, prompts, params)
 
 
-def test_later_turns_compute_only_the_new_message(smol, smol_split, tmp_path):
+def test_later_turns_compute_only_the_new_message(smol, smol_packed, tmp_path):
     sys_ids, msgs = workload(sessions=3, turns=3, system=24, user=16, seed=1)
     answer = 3
     modes = {}
     for caching in (False, True):
-        eng = engine(smol, smol_split, num_kv_slots=4096, prefix_caching=caching)
+        eng = engine(smol, smol_packed, num_kv_slots=4096, prefix_caching=caching)
         modes[caching] = run_mode(_Engine(eng), sys_ids, msgs, answer)
     off, on = modes[False], modes[True]
     assert [[r["answer"] for r in t] for t in off] == [[r["answer"] for r in t] for t in on]

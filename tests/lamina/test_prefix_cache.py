@@ -53,9 +53,9 @@ def test_clear_returns_every_slot():
 
 
 @pytest.fixture(scope="module")
-def cached(smol, smol_split):
+def cached(smol, smol_packed):
     """An engine with prefix caching over the session's split (as `LLM` builds one)."""
-    return engine(smol, smol_split, num_kv_slots=6000, max_step_tokens=1024)
+    return engine(smol, smol_packed, num_kv_slots=6000, max_step_tokens=1024)
 
 
 def free_after_clear(eng) -> list[int]:
@@ -79,7 +79,7 @@ def test_cached_prefixes_give_hf_greedy_and_compute_only_the_rest(cached, prompt
     assert free_after_clear(cached) == [6000]
 
 
-def test_multi_turn_and_branches_equal_caching_off(cached, smol, smol_split):
+def test_multi_turn_and_branches_equal_caching_off(cached, smol, smol_packed):
     tok = smol.tokenizer
 
     def chat(eng, convs):
@@ -89,7 +89,7 @@ def test_multi_turn_and_branches_equal_caching_off(cached, smol, smol_split):
     system = {"role": "system", "content": "You are a concise assistant for travellers."}
     turn1 = [system, {"role": "user", "content": "Name a city in France."}]
     params = SamplingParams(max_tokens=24, temperature=0)
-    plain = engine(smol, smol_split, num_kv_slots=6000, prefix_caching=False)
+    plain = engine(smol, smol_packed, num_kv_slots=6000, prefix_caching=False)
     a1 = tok.decode(chat(plain, [turn1])[0].token_ids, skip_special_tokens=True)
     convs = [turn1 + [{"role": "assistant", "content": a1}, {"role": "user", "content": q}]
              for q in ("What is it famous for?", "How far is it from Paris?")]
@@ -102,7 +102,7 @@ def test_multi_turn_and_branches_equal_caching_off(cached, smol, smol_split):
     assert free_after_clear(cached) == [6000]
 
 
-def test_n_preemption_and_kv_split_equal_caching_off(smol, smol_split, prompts):
+def test_n_preemption_and_kv_split_equal_caching_off(smol, smol_packed, prompts):
     """A pool too small for all (preemptions), 2 workers with KV split, n = 3 samples."""
     batch = [prompts[i] for i in (4, 5, 6, 11, 12, 13)] * 2
     params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, n=3 if i % 4 == 0
@@ -111,9 +111,9 @@ def test_n_preemption_and_kv_split_equal_caching_off(smol, smol_split, prompts):
     for caching in (False, True):
         cfg = EngineConfig(num_memory_workers=2, num_kv_slots=520, max_step_tokens=1024,
                            prefix_caching=caching)
-        pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 520))
+        pools = [KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 520))
                  for _ in range(2)]
-        eng = LLMEngine(cfg, LocalExecutor(smol_split, [MemorySide(p) for p in pools]),
+        eng = LLMEngine(cfg, LocalExecutor(smol_packed, [MemorySide(p) for p in pools]),
                         smol.tokenizer, smol.config)
         ids = [eng.add_request(p, sp) for p, sp in zip(batch, params)]
         done = {}

@@ -137,13 +137,13 @@ def _drain(eng, outs):
             outs[o.request_id] = o
 
 
-def test_the_engine_serves_priorities_first_and_answers_as_hf(smol, smol_split, prompts,
+def test_the_engine_serves_priorities_first_and_answers_as_hf(smol, smol_packed, prompts,
                                                               hf_greedy):
     """Six priority-1 requests run in a batch of four; four priority-0 ones arrive: the
     next step runs those four alone (the running ones preempted, the waiting ones held),
     and every answer equals HF greedy all the same (the preempted resume on their cached
     KV)."""
-    eng = engine(smol, smol_split, max_batch=4, scheduling_policy="priority",
+    eng = engine(smol, smol_packed, max_batch=4, scheduling_policy="priority",
                  num_kv_slots=4096)
     low_i, high_i = [0, 1, 2, 3, 9, 10], [4, 11, 12, 13]
     low = {eng.add_request(prompts[i], GREEDY, priority=1): i for i in low_i}
@@ -164,8 +164,8 @@ def test_the_engine_serves_priorities_first_and_answers_as_hf(smol, smol_split, 
         outs[r].metrics["e2e_s"] for r in low if outs[r].metrics["preemptions"])
 
 
-def test_a_priority_needs_the_priority_policy(smol, smol_split):
-    eng = engine(smol, smol_split)
+def test_a_priority_needs_the_priority_policy(smol, smol_packed):
+    eng = engine(smol, smol_packed)
     with pytest.raises(ValueError, match="scheduling_policy='priority'"):
         eng.add_request([1, 2, 3], GREEDY, priority=2)
     with pytest.raises(TypeError, match="priority must be an int"):
@@ -175,18 +175,18 @@ def test_a_priority_needs_the_priority_policy(smol, smol_split):
         EngineConfig(scheduling_policy="lifo")
 
 
-def _served(smol, smol_split, **kw):
-    eng = engine(smol, smol_split, num_kv_slots=4096, **kw)
+def _served(smol, smol_packed, **kw):
+    eng = engine(smol, smol_packed, num_kv_slots=4096, **kw)
     loop = EngineLoop(eng)
     return loop, _Server(loop, smol.tokenizer)
 
 
-def test_priority_over_the_openai_client(smol, smol_split, prompts, hf_greedy):
+def test_priority_over_the_openai_client(smol, smol_packed, prompts, hf_greedy):
     """A batch of one runs a long priority-5 stream; a priority-0 request (vLLM's
     `priority` field, through `extra_body`) preempts it, is answered with HF's tokens
     while the stream is still running, and the stream then goes on. Under FCFS the
     field is refused naming it."""
-    loop, s = _served(smol, smol_split, max_batch=1, scheduling_policy="priority")
+    loop, s = _served(smol, smol_packed, max_batch=1, scheduling_policy="priority")
     try:
         cl = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
         stream = cl.completions.create(model="smollm2", prompt=prompts[1], max_tokens=2000,
@@ -208,7 +208,7 @@ def test_priority_over_the_openai_client(smol, smol_split, prompts, hf_greedy):
     finally:
         s.stop()
         loop.shutdown()
-    loop, s = _served(smol, smol_split)
+    loop, s = _served(smol, smol_packed)
     try:
         status, body = s.post("/v1/completions", {"model": "smollm2", "prompt": "Hi",
                                                   "max_tokens": 2, "priority": 1})
@@ -223,9 +223,9 @@ def test_priority_over_the_openai_client(smol, smol_split, prompts, hf_greedy):
         loop.shutdown()
 
 
-def test_llm_generate_takes_a_priority_per_prompt(smol, smol_split, prompts, hf_greedy):
+def test_llm_generate_takes_a_priority_per_prompt(smol, smol_packed, prompts, hf_greedy):
     """`LLM.generate(priority=[...])`: all four in one batch of two, priority order."""
-    eng = engine(smol, smol_split, max_batch=2, scheduling_policy="priority")
+    eng = engine(smol, smol_packed, max_batch=2, scheduling_policy="priority")
     llm = LLM.__new__(LLM)  # the engine under test, without loading the model again
     llm.engine = eng
     outs = llm.generate([prompts[i] for i in range(4)], GREEDY, use_tqdm=False,

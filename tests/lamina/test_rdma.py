@@ -119,11 +119,11 @@ class RdmaExecutor(Executor):
         return self.compute.run(plan, self.link)
 
 
-def test_the_data_plane_over_rdma_channels_gives_hf_greedy(smol, smol_split, prompts,
+def test_the_data_plane_over_rdma_channels_gives_hf_greedy(smol, smol_packed, prompts,
                                                             hf_greedy):
-    pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 4096))
+    pools = [KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 4096))
              for _ in range(2)]
-    ex = RdmaExecutor(smol_split, pools)
+    ex = RdmaExecutor(smol_packed, pools)
     assert ex.link.paths.ext is None  # the Python ends: the C++ ones read sockets
     eng = LLMEngine(EngineConfig(num_kv_slots=4096, num_memory_workers=2), ex,
                     smol.tokenizer, smol.config)

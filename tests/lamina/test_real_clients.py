@@ -43,11 +43,11 @@ def one_thread_a_process(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def served(smol, smol_split, tmp_path_factory):
+def served(smol, smol_packed, tmp_path_factory):
     """The server, and a folder holding the model's tokenizer for the clients."""
     tok_dir = tmp_path_factory.mktemp("tokenizer")
     smol.tokenizer.save_pretrained(tok_dir)
-    loop = EngineLoop(_engine(smol, smol_split), EngineMetrics())
+    loop = EngineLoop(_engine(smol, smol_packed), EngineMetrics())
     srv = _Server(loop, smol.tokenizer)
     yield srv, str(tok_dir)
     srv.stop()

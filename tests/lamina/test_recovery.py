@@ -62,11 +62,11 @@ class FlakyExecutor(LocalExecutor):
         return {"memory": self.recovered, "compute": 0}  # as if memory worker 1 came back
 
 
-def flaky_engine(smol, smol_split, fail_on, workers=2, slots=2000, keep=frozenset(), **kw):
+def flaky_engine(smol, smol_packed, fail_on, workers=2, slots=2000, keep=frozenset(), **kw):
     cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=workers, **kw)
-    pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, slots))
+    pools = [KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, slots))
              for _ in range(workers)]
-    ex = FlakyExecutor(smol_split, [MemorySide(p) for p in pools], set(fail_on), keep=keep)
+    ex = FlakyExecutor(smol_packed, [MemorySide(p) for p in pools], set(fail_on), keep=keep)
     return LLMEngine(cfg, ex, smol.tokenizer, smol.config)
 
 
@@ -78,10 +78,10 @@ def drain(eng, ids):
     return [out[i] for i in ids]
 
 
-def test_failed_steps_are_recovered_with_hf_tokens(smol, smol_split, prompts, hf_greedy,
+def test_failed_steps_are_recovered_with_hf_tokens(smol, smol_packed, prompts, hf_greedy,
                                                    caplog):
     # call 1 is the admission (prefill) step, call 20 is mid-decode with 4 running
-    eng = flaky_engine(smol, smol_split, fail_on={1, 20})
+    eng = flaky_engine(smol, smol_packed, fail_on={1, 20})
     ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
     with caplog.at_level(logging.WARNING, logger="lamina.engine.engine"):
         outs = drain(eng, ids)
@@ -101,12 +101,12 @@ def _run_to_call(eng, call: int) -> None:
         eng.step()
 
 
-def test_a_kept_pool_keeps_its_kv_through_a_recovery(smol, smol_split, prompts, hf_greedy,
+def test_a_kept_pool_keeps_its_kv_through_a_recovery(smol, smol_packed, prompts, hf_greedy,
                                                      caplog):
     """Worker 1 is replaced (its pool poisoned) and worker 0 kept, mid-decode: worker 0's
     sequences are readmitted onto their own KV and compute only the position the failed
     step was computing, worker 1's cached prefixes are dropped; every output is HF's."""
-    eng = flaky_engine(smol, smol_split, fail_on={20}, keep=frozenset({0}))
+    eng = flaky_engine(smol, smol_packed, fail_on={20}, keep=frozenset({0}))
     ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
     with caplog.at_level(logging.WARNING, logger="lamina.engine.engine"):
         _run_to_call(eng, 20)
@@ -127,11 +127,11 @@ def test_a_kept_pool_keeps_its_kv_through_a_recovery(smol, smol_split, prompts, 
     assert eng.free_slots() == [2000] * len(eng.allocs)
 
 
-def test_a_prompt_fed_in_chunks_keeps_its_fed_chunks(smol, smol_split, prompts, hf_greedy):
+def test_a_prompt_fed_in_chunks_keeps_its_fed_chunks(smol, smol_packed, prompts, hf_greedy):
     """A 300-token prompt fed 64 tokens a step: the step feeding its third chunk fails
     with both pools kept; its readmission feeds from position 128 on (the first two
     chunks' KV kept), and its output is HF's."""
-    eng = flaky_engine(smol, smol_split, fail_on={3}, keep=frozenset({0, 1}),
+    eng = flaky_engine(smol, smol_packed, fail_on={3}, keep=frozenset({0, 1}),
                        max_step_tokens=64)
     rid = eng.add_request(prompts[6], GREEDY)
     _run_to_call(eng, 3)
@@ -143,14 +143,14 @@ def test_a_prompt_fed_in_chunks_keeps_its_fed_chunks(smol, smol_split, prompts, 
     assert out.metrics["preemptions"] == 1
 
 
-def test_parallel_samples_recovered_after_fork(smol, smol_split, prompts):
+def test_parallel_samples_recovered_after_fork(smol, smol_packed, prompts):
     """n=3 forks share the prompt's slots; a failure after the fork frees every
     reference, and the recomputed siblings draw the same tokens as an undisturbed run."""
     p = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, n=3)
-    calm = flaky_engine(smol, smol_split, fail_on=set())
+    calm = flaky_engine(smol, smol_packed, fail_on=set())
     want = [[c.token_ids for c in o.outputs] for o in drain(calm, [calm.add_request(
         prompts[3], p)])]
-    eng = flaky_engine(smol, smol_split, fail_on={4})
+    eng = flaky_engine(smol, smol_packed, fail_on={4})
     got = [[c.token_ids for c in o.outputs] for o in drain(eng, [eng.add_request(
         prompts[3], p)])]
     assert got == want and len(eng.recoveries) == 1
@@ -158,10 +158,10 @@ def test_parallel_samples_recovered_after_fork(smol, smol_split, prompts):
     assert all(a.stats().shared == 0 for a in eng.allocs)
 
 
-def test_recovery_used_up_or_refused_raises_the_step_error(smol, smol_split, prompts):
+def test_recovery_used_up_or_refused_raises_the_step_error(smol, smol_packed, prompts):
     # max_recoveries counts failed steps in a row: a step that runs resets it (no
     # culprit search: past max_recoveries the engine stops)
-    eng = flaky_engine(smol, smol_split, fail_on={2, 4, 5}, max_recoveries=1,
+    eng = flaky_engine(smol, smol_packed, fail_on={2, 4, 5}, max_recoveries=1,
                        find_culprits=False)
     eng.add_request(prompts[1], GREEDY)
     eng.step()
@@ -171,13 +171,13 @@ def test_recovery_used_up_or_refused_raises_the_step_error(smol, smol_split, pro
     with pytest.raises(WorkerGone, match="call 5"):  # call 5: a second failure in a row
         eng.step()
 
-    eng = flaky_engine(smol, smol_split, fail_on={1}, max_recoveries=0)
+    eng = flaky_engine(smol, smol_packed, fail_on={1}, max_recoveries=0)
     eng.add_request(prompts[1], GREEDY)
     with pytest.raises(WorkerGone):
         eng.step()
     assert eng.executor.recovered == 0
 
-    eng = flaky_engine(smol, smol_split, fail_on={1})
+    eng = flaky_engine(smol, smol_packed, fail_on={1})
     eng.executor.recoverable = False  # e.g. the local executor: a failure is a bug
     eng.add_request(prompts[1], GREEDY)
     with pytest.raises(WorkerGone):
@@ -186,11 +186,11 @@ def test_recovery_used_up_or_refused_raises_the_step_error(smol, smol_split, pro
 
 
 def test_a_burst_past_max_recoveries_that_no_request_explains_runs_on(
-        smol, smol_split, prompts, hf_greedy, caplog):
+        smol, smol_packed, prompts, hf_greedy, caplog):
     """Calls 2-5 fail (max_recoveries 3), whatever they hold: the culprit search starts
     at the fourth, sees each half of the requests run again, names no one, and the
     engine runs on with HF's tokens."""
-    eng = flaky_engine(smol, smol_split, fail_on={2, 3, 4, 5})
+    eng = flaky_engine(smol, smol_packed, fail_on={2, 3, 4, 5})
     ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
     with caplog.at_level(logging.WARNING, logger="lamina.engine.engine"):
         outs = drain(eng, ids)
@@ -218,14 +218,14 @@ def test_timeouts_validated(bad, name):
     assert getattr(EngineConfig(**{name: 2}), name) == 2
 
 
-def test_engine_loop_keeps_serving_through_a_recovery(smol, smol_split, prompts, hf_greedy):
+def test_engine_loop_keeps_serving_through_a_recovery(smol, smol_packed, prompts, hf_greedy):
     """The serving loop: a step fails mid-flight, every future still resolves with HF's
     tokens, the loop stays alive, and the metrics count the recovery once and no token
     twice."""
     from lamina.entrypoints.engine_loop import EngineLoop
     from lamina.entrypoints.metrics import EngineMetrics
 
-    eng = flaky_engine(smol, smol_split, fail_on={3}, keep=frozenset({0}))
+    eng = flaky_engine(smol, smol_packed, fail_on={3}, keep=frozenset({0}))
     metrics = EngineMetrics()
     loop = EngineLoop(eng, metrics=metrics)
     try:

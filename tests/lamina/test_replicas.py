@@ -39,15 +39,15 @@ def traced_fixed_run(eng, ex, prompts, params):
 
 
 @pytest.mark.parametrize("replicas,memory", [(2, 2), (3, 1)])
-def test_fixed_replicas_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy,
+def test_fixed_replicas_greedy_identical_to_hf(smol, smol_packed, prompts, hf_greedy,
                                               replicas, memory):
     """Two replicas over two memory sides (the 16 prompts), and three over one (which
     then serves three replicas, one at a time; 8 of the prompts, 5 to 450 tokens): HF's
     first SHORT_NEW tokens."""
     pick = list(range(16)) if replicas == 2 else [0, 1, 3, 5, 7, 9, 12, 14]
-    pools = [KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 8192))
+    pools = [KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 8192))
              for _ in range(memory)]
-    ex = LocalExecutor(smol_split, [MemorySide(p) for p in pools],
+    ex = LocalExecutor(smol_packed, [MemorySide(p) for p in pools],
                        num_compute_workers=replicas)
     eng = LLMEngine(EngineConfig(num_kv_slots=8192, num_memory_workers=memory,
                                  pipeline="fixed", num_compute_workers=replicas),

@@ -25,8 +25,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 
 @pytest.fixture(scope="module")
-def srv(smol, smol_split):
-    loop = _loop(smol, smol_split)
+def srv(smol, smol_packed):
+    loop = _loop(smol, smol_packed)
     s = _KeyServer(loop, smol.tokenizer, ServerConfig(api_key=KEY, tool_call_parser="hermes",
                                                       max_stored_responses=3))
     yield s

@@ -88,11 +88,11 @@ class RingExecutor(Executor):
 
 
 @pytest.fixture(scope="module", params=[3, 4])
-def ring_run(request, smol, smol_split, prompts):
+def ring_run(request, smol, smol_packed, prompts):
     """PICKS[n] of the prompts greedy to SHORT_NEW tokens at n batches over n - 1 replicas
     in a ring; one decode step traced."""
     n = request.param
-    ex = RingExecutor(smol_split, smol.config.vocab_size, n - 1)
+    ex = RingExecutor(smol_packed, smol.config.vocab_size, n - 1)
     # the memory servers' lanes: one tracer per worker (its connections share it)
     for w in range(2):
         shared = ex.servers[w * (n - 1)].tracer
@@ -169,10 +169,10 @@ def test_context_frames_round_trip_and_refuse_the_wrong_one():
         inp.recv(7, 4, 2)
 
 
-def test_a_memory_server_refuses_a_ring_frame_it_cannot_route(smol_split):
+def test_a_memory_server_refuses_a_ring_frame_it_cannot_route(smol_packed):
     """A ring step on a connection with no routes (or a replica index past R) fails
     the step loudly, naming the frame."""
-    mem = MemorySide(KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 64)))
+    mem = MemorySide(KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 64)))
     srv = MemoryServer(mem, [], SocketChannel(socket.socketpair()[0]), index=0)
     srv.ch = type("Ch", (), {"recv": lambda self, **k: (torch.tensor([2, 0, 1],
                                                                      dtype=torch.int32),)})()

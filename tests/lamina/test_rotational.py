@@ -81,11 +81,11 @@ NEW = {3: HF_NEW, 4: SHORT_NEW}  # new tokens checked at n batches
 
 
 @pytest.fixture(scope="module", params=[3, 4])
-def traced_run(request, smol, smol_split, prompts):
+def traced_run(request, smol, smol_packed, prompts):
     """PICKS[n] of the prompts greedy to NEW[n] tokens at n batches; one decode step
     traced."""
     n = request.param
-    eng, ex = engine(smol, smol_split, n)
+    eng, ex = engine(smol, smol_packed, n)
     greedy = SamplingParams(max_tokens=NEW[n], temperature=0.0, ignore_eos=True)
     tokens, spans = traced_decode(eng, ex, [prompts[i] for i in PICKS[n]], greedy)
     ex.shutdown()
@@ -114,25 +114,25 @@ def test_trace_follows_the_papers_replica_rule(traced_run, smol):
     assert any(a.t0 < b.t1 and b.t0 < a.t1 for a in attends for b in work)
 
 
-def test_a_memory_fault_on_a_memory_thread_fails_its_request_alone(smol, smol_split,
+def test_a_memory_fault_on_a_memory_thread_fails_its_request_alone(smol, smol_packed,
                                                                    prompts, hf_greedy):
     """The fault raises on a memory side's thread, reaches the replica collecting it,
     which stops the step's other replicas; the engine fails that request alone."""
-    eng, ex = engine(smol, smol_split, 3, FaultPlan(memory_pos=MEM_POS))
+    eng, ex = engine(smol, smol_packed, 3, FaultPlan(memory_pos=MEM_POS))
     long = (prompts[8] * 2)[:MEM_POS + 20]  # a query at MEM_POS in its prefill
     outs, ids, bad = poison_run(eng, prompts, lambda e: e.add_request(long, GOOD))
     check(outs, ids, bad, around(hf_greedy), f"injected memory fault at position {MEM_POS}")
     ex.shutdown()
 
 
-def test_a_slice_failing_on_one_replica_is_recovered_without_a_hang(smol, smol_split,
+def test_a_slice_failing_on_one_replica_is_recovered_without_a_hang(smol, smol_packed,
                                                                      prompts, hf_greedy,
                                                                      monkeypatch):
     """An error no sequence is blamed for, raised in a slice on replica 1's thread: the
     step fails with it, no replica waits forever, no attention is left running, and the
     local executor recovers (per-sequence state dropped); the requests then end with HF's
     tokens, recomputed."""
-    eng, ex = engine(smol, smol_split, 3)
+    eng, ex = engine(smol, smol_packed, 3)
     ids = [eng.add_request(p, GOOD) for p in prompts[:6]]
     eng.step()
     real, slices = ex.compute._slice, []

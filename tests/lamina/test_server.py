@@ -31,12 +31,13 @@ from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
 from tests.conftest import HF_NEW
+from tests.lamina.test_engine import SLOTS
 
 
-def _engine(smol, smol_split, **kw):
-    cfg = EngineConfig(**kw)
-    pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, cfg.num_kv_slots))
-    return LLMEngine(cfg, LocalExecutor(smol_split, MemorySide(pool)), smol.tokenizer,
+def _engine(smol, split, **kw):
+    cfg = EngineConfig(**{"num_kv_slots": SLOTS, **kw})
+    pool = KVPool(KVPoolConfig.for_specs(split.attention_specs, cfg.num_kv_slots))
+    return LLMEngine(cfg, LocalExecutor(split, MemorySide(pool)), smol.tokenizer,
                      smol.config)
 
 
@@ -85,8 +86,8 @@ class _Server:
 
 
 @pytest.fixture(scope="module")
-def server(smol, smol_split):
-    loop = EngineLoop(_engine(smol, smol_split), EngineMetrics())
+def server(smol, smol_packed):
+    loop = EngineLoop(_engine(smol, smol_packed), EngineMetrics())
     srv = _Server(loop, smol.tokenizer)
     srv.loop = loop
     yield srv
@@ -277,14 +278,14 @@ def test_a_developer_turn_answers_as_a_system_turn(server):
     assert tokens("developer") == tokens("system") != tokens("user")
 
 
-def test_chat_without_a_cap_runs_to_the_models_context(smol, smol_split):
+def test_chat_without_a_cap_runs_to_the_models_context(smol, smol_packed):
     """OpenAI's chat default: no max_tokens means as many as the context leaves (the
     engine resolves None when it takes the request), not completions' 16."""
     from lamina.entrypoints.api_server import ChatRequest
 
     body = ChatRequest(messages=[{"role": "user", "content": "hi"}])
     assert body.params().max_tokens is None
-    eng = _engine(smol, smol_split)
+    eng = _engine(smol, smol_packed)
     rid = eng.add_request([1, 2, 3], body.params())
     assert eng._reqs[rid].seqs[0].params.max_tokens == eng.max_len - 3 == 8189
     rid = eng.add_request([1, 2, 3], replace(body.params(), max_tokens=5))
@@ -392,9 +393,9 @@ def test_metrics_count_tokens_and_requests(server, prompts, hf_greedy):
 
 
 @pytest.fixture
-def broken(smol, smol_split):
+def broken(smol, smol_packed):
     """A server whose executor fails every step (a dead memory worker)."""
-    eng = _engine(smol, smol_split)
+    eng = _engine(smol, smol_packed)
     eng.executor = _Broken()
     loop = EngineLoop(eng)
     srv = _Server(loop, smol.tokenizer)
@@ -493,13 +494,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_runs_the_engine_on_the_calling_thread(smol, smol_split, prompts, hf_greedy):
+def test_serve_runs_the_engine_on_the_calling_thread(smol, smol_packed, prompts, hf_greedy):
     """`serve` runs the engine loop on the thread that calls it (the one that built the
     model) and HTTP on another; `shutdown` ends both, and a port already taken is an
     error naming it instead of an engine that serves nobody."""
     from lamina.entrypoints.api_server import serve_loop
 
-    loop = EngineLoop(_engine(smol, smol_split), thread=False)
+    loop = EngineLoop(_engine(smol, smol_packed), thread=False)
     port, ran, done = _free_port(), [], threading.Event()
     real_run = loop.run
 
@@ -531,24 +532,24 @@ def test_serve_runs_the_engine_on_the_calling_thread(smol, smol_split, prompts, 
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        refused = EngineLoop(_engine(smol, smol_split), thread=False)
+        refused = EngineLoop(_engine(smol, smol_packed), thread=False)
         with pytest.raises(ValueError, match=f"cannot serve on 127.0.0.1:{busy}: Address "
                                              "already in use"):
             serve_loop(refused, "smollm2", smol.tokenizer, port=busy, log_level="critical")
         assert not refused.alive
 
 
-def test_beside_returns_or_raises_what_the_client_thread_did(smol, smol_split, prompts,
+def test_beside_returns_or_raises_what_the_client_thread_did(smol, smol_packed, prompts,
                                                               hf_greedy):
     """`beside`: the engine loop on this thread, `fn` on another; fn's result comes back,
     or its exception, and the loop is stopped either way (later submits fail at once)."""
     from lamina.entrypoints.engine_loop import beside
 
-    loop = EngineLoop(_engine(smol, smol_split), thread=False)
+    loop = EngineLoop(_engine(smol, smol_packed), thread=False)
     got = beside(loop, lambda: loop.generate(prompts[1], SamplingParams(max_tokens=5,
                                                                         temperature=0)))
     assert got.outputs[0].token_ids == hf_greedy[1][:5] and not loop.alive
-    loop = EngineLoop(_engine(smol, smol_split), thread=False)
+    loop = EngineLoop(_engine(smol, smol_packed), thread=False)
 
     def broken():
         raise ValueError("the client's own error")
@@ -559,12 +560,12 @@ def test_beside_returns_or_raises_what_the_client_thread_did(smol, smol_split, p
         loop.submit(prompts[0], SamplingParams(max_tokens=2)).result(5)
 
 
-def test_drain_finishes_what_runs_refuses_new_work_then_stops(smol, smol_split, prompts,
+def test_drain_finishes_what_runs_refuses_new_work_then_stops(smol, smol_packed, prompts,
                                                               hf_greedy):
     """`EngineLoop.drain`: the request already taken ends with HF's tokens, a new one is
     refused at once (503 over HTTP), and the loop stops by itself; a drain that runs out
     fails what is left, naming the timeout."""
-    loop = EngineLoop(_engine(smol, smol_split))
+    loop = EngineLoop(_engine(smol, smol_packed))
     fut = loop.submit(prompts[3], SamplingParams(max_tokens=HF_NEW, temperature=0))
     loop.drain(300)
     assert loop.draining and loop.alive
@@ -573,7 +574,7 @@ def test_drain_finishes_what_runs_refuses_new_work_then_stops(smol, smol_split, 
     assert fut.result(300).outputs[0].token_ids == hf_greedy[3]
     loop._thread.join(30)
     assert not loop.alive
-    loop = EngineLoop(_engine(smol, smol_split))
+    loop = EngineLoop(_engine(smol, smol_packed))
     fut = loop.submit(prompts[8], SamplingParams(max_tokens=400, ignore_eos=True))
     loop.drain(0)
     with pytest.raises(EngineDead, match=r"its drain \(0 s\) ended before this request"):
@@ -582,11 +583,11 @@ def test_drain_finishes_what_runs_refuses_new_work_then_stops(smol, smol_split, 
     assert not loop.alive
 
 
-def test_a_drain_that_runs_out_fails_what_is_left_over_http(smol, smol_split, prompts):
+def test_a_drain_that_runs_out_fails_what_is_left_over_http(smol, smol_packed, prompts):
     """A drain (SIGTERM's) shorter than the requests in flight: the stream ends with an
     error event naming the drain's bound, then [DONE]; the plain request answers 503 with
     the same reason; /health said "shutting down" meanwhile; the loop then stops."""
-    loop = EngineLoop(_engine(smol, smol_split), EngineMetrics())
+    loop = EngineLoop(_engine(smol, smol_packed), EngineMetrics())
     srv = _Server(loop, smol.tokenizer)
     try:
         long = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}

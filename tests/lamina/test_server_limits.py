@@ -72,8 +72,8 @@ def poison_token(prompts, hf_greedy):
 
 
 @pytest.fixture(scope="module")
-def srv(smol, smol_split, poison_token):
-    loop = _loop(smol, smol_split, FaultPlan(compute_token=poison_token))
+def srv(smol, smol_packed, poison_token):
+    loop = _loop(smol, smol_packed, FaultPlan(compute_token=poison_token))
     cfg = ServerConfig(api_key=KEY, max_body_bytes=64 << 10, max_prompts=8, max_n=4,
                        max_stop=4, max_stop_chars=32, max_logit_bias=8)
     s = _KeyServer(loop, smol.tokenizer, cfg)
@@ -513,11 +513,11 @@ def test_poison_request_fails_alone_over_http(srv, prompts, hf_greedy, poison_to
     _good(srv, prompts, hf_greedy)
 
 
-def test_queue_bound_answers_429_and_loses_nothing(smol, smol_split, prompts, hf_greedy):
+def test_queue_bound_answers_429_and_loses_nothing(smol, smol_packed, prompts, hf_greedy):
     """max_batch 2 and at most 3 waiting: of 24 concurrent requests some are refused with
     429 + Retry-After (the client's typed RateLimitError), every other one succeeds with
     HF's tokens, and the engine's queue never holds more than the bound."""
-    loop = _loop(smol, smol_split, max_waiting=3, max_batch=2)
+    loop = _loop(smol, smol_packed, max_waiting=3, max_batch=2)
     s = _KeyServer(loop, smol.tokenizer, ServerConfig(api_key=KEY, max_waiting=3))
     try:
         cl = s.client()

@@ -224,7 +224,7 @@ def _conversation(tok, n_sessions, n_turns, run):
 CONTEXT_LIMIT = 48
 
 
-def test_multi_turn_sessions_with_tiers_equal_tiers_off_and_hf(smol, smol_split, tmp_path):
+def test_multi_turn_sessions_with_tiers_equal_tiers_off_and_hf(smol, smol_packed, tmp_path):
     """4 sessions x 3 turns over 2 workers of 56 slots: the last turns (up to 63 tokens
     with their answers) are split over both workers, running sequences are preempted,
     sessions go to host, then disk, and come back; n = 2; then one session's history is
@@ -232,11 +232,11 @@ def test_multi_turn_sessions_with_tiers_equal_tiers_off_and_hf(smol, smol_split,
     reused; `truncation_reuse` trades that for speed, see the truncation tests)."""
     workers, slots = 2, 56
     tok = smol.tokenizer
-    per_token = KVPoolConfig.for_specs(smol_split.attention_specs, 1).bytes_per_slot
+    per_token = KVPoolConfig.for_specs(smol_packed.attention_specs, 1).bytes_per_slot
     tiers = TierConfig(host_bytes=150 * per_token, disk_dir=str(tmp_path),
                        disk_bytes=4000 * per_token)
-    on = _engine(smol, smol_split, slots, workers=workers, tiers=tiers)
-    off = _engine(smol, smol_split, slots, workers=workers, prefix_caching=False)
+    on = _engine(smol, smol_packed, slots, workers=workers, tiers=tiers)
+    off = _engine(smol, smol_packed, slots, workers=workers, prefix_caching=False)
     seen: list = []
     got, hist = _conversation(tok, 4, 3, lambda turns: seen.extend(_run(on, turns)) or
                               seen[-len(turns):])
@@ -267,12 +267,12 @@ def test_multi_turn_sessions_with_tiers_equal_tiers_off_and_hf(smol, smol_split,
 
 
 @pytest.mark.parametrize("fault", ["truncate", "corrupt", "delete", "full"])
-def test_disk_tier_faults_recompute_with_a_warning(smol, smol_split, tmp_path, caplog, fault):
+def test_disk_tier_faults_recompute_with_a_warning(smol, smol_packed, tmp_path, caplog, fault):
     tok = smol.tokenizer
-    per_token = KVPoolConfig.for_specs(smol_split.attention_specs, 1).bytes_per_slot
+    per_token = KVPoolConfig.for_specs(smol_packed.attention_specs, 1).bytes_per_slot
     disk = 10 * per_token if fault == "full" else 1000 * per_token
     tiers = TierConfig(host_bytes=per_token, disk_dir=str(tmp_path), disk_bytes=disk)
-    eng = _engine(smol, smol_split, 200, tiers=tiers)
+    eng = _engine(smol, smol_packed, 200, tiers=tiers)
     first = tok(SYSTEM + "Tell me about Lyon.")["input_ids"]
     out1 = _run(eng, [(first, GREEDY, "s")])[0]
     _run(eng, [([1, 2, 3], GREEDY, None)])  # a step carries the save and the demotion
@@ -285,7 +285,7 @@ def test_disk_tier_faults_recompute_with_a_warning(smol, smol_split, tmp_path, c
         "input_ids"]
     with caplog.at_level(logging.WARNING):
         out2 = _run(eng, [(second, GREEDY, "s")])[0]
-    ref = _engine(smol, smol_split, 200, prefix_caching=False)
+    ref = _engine(smol, smol_packed, 200, prefix_caching=False)
     assert out2.outputs[0].token_ids == _run(ref, [(second, GREEDY, None)])[0].outputs[0].token_ids
     assert out2.metrics["cached_tokens"] == 0 and eng.tier_stats()["tier_hit_tokens"] == 0
     want = {"full": "exceeds the disk tier", "delete": "is missing",
@@ -294,15 +294,15 @@ def test_disk_tier_faults_recompute_with_a_warning(smol, smol_split, tmp_path, c
     eng.executor.shutdown()
 
 
-def test_bad_session_input_is_refused_or_falls_back(smol, smol_split, tmp_path, caplog):
-    eng = _engine(smol, smol_split, 200, tiers=TierConfig(1 << 20))
+def test_bad_session_input_is_refused_or_falls_back(smol, smol_packed, tmp_path, caplog):
+    eng = _engine(smol, smol_packed, 200, tiers=TierConfig(1 << 20))
     with pytest.raises(ValueError, match="session_id must be"):
         eng.add_request([1, 2, 3], GREEDY, session_id="no spaces")
     assert not eng.has_unfinished() and not eng.sessions.pins
     afile = tmp_path / "afile"
     afile.write_text("x")
     with caplog.at_level(logging.WARNING):
-        eng2 = _engine(smol, smol_split, 200, tiers=TierConfig(1 << 20, str(afile), 1 << 20))
+        eng2 = _engine(smol, smol_packed, 200, tiers=TierConfig(1 << 20, str(afile), 1 << 20))
     assert "not writable" in caplog.text
     out = _run(eng2, [([1, 2, 3, 4], GREEDY, "new-session")])[0]  # unknown: a new session
     assert len(out.outputs[0].token_ids) == 8 and out.error is None
@@ -314,11 +314,11 @@ def test_bad_session_input_is_refused_or_falls_back(smol, smol_split, tmp_path, 
         LLMEngine(EngineConfig(kv_host_bytes=1 << 20), NoTiers(), None, smol.config)
 
 
-def test_tier_loads_bring_back_the_saved_kv_bytes(smol, smol_split):
+def test_tier_loads_bring_back_the_saved_kv_bytes(smol, smol_packed):
     """The pool rows a tier load fills equal, bitwise, the rows the first turn's prefill
     and decode wrote, in every layer."""
     tok = smol.tokenizer
-    eng = _engine(smol, smol_split, 200, tiers=TierConfig(1 << 26))
+    eng = _engine(smol, smol_packed, 200, tiers=TierConfig(1 << 26))
     per_token = eng.executor.tier_bytes_per_token()
     ids = tok(SYSTEM + "Tell me about Rome.")["input_ids"]
     out = _run(eng, [(ids, GREEDY, "r")])[0]
@@ -393,7 +393,7 @@ def test_index_finds_the_kept_run_after_dropped_turns():
     assert off.match("c", system + t2 + t3, 59).upto == 20
 
 
-def test_truncated_history_reuses_kept_kv_at_new_positions(smol, smol_split):
+def test_truncated_history_reuses_kept_kv_at_new_positions(smol, smol_packed):
     """Turns dropped from the middle of a conversation: the kept turn's KV comes from the
     tier at shifted positions. Layer 0's keys depend only on token and position, so there
     they equal a fresh prefill's; deeper layers saw the dropped turns (not exact)."""
@@ -403,8 +403,8 @@ def test_truncated_history_reuses_kept_kv_at_new_positions(smol, smol_split):
     t = TierConfig(1 << 28)
     cfg = EngineConfig(num_kv_slots=400, max_step_tokens=2048, kv_host_bytes=t.host_bytes,
                        truncation_reuse=True)
-    pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 400))
-    eng = LLMEngine(cfg, LocalExecutor(smol_split, [MemorySide(pool, tiers=t,
+    pool = KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 400))
+    eng = LLMEngine(cfg, LocalExecutor(smol_packed, [MemorySide(pool, tiers=t,
                                                                rope_inv_freq=rope)]),
                     smol.tokenizer, smol.config)
     system = tok(SYSTEM)["input_ids"]
@@ -425,7 +425,7 @@ def test_truncated_history_reuses_kept_kv_at_new_positions(smol, smol_split):
     assert same == len(system) + 1  # t1 and t2 both begin with " The"
     assert eng.tier_stats()["shifted_tokens"] == n - same  # the rest moved left
     got = pool.k[0, eng.scheduler.caches[0].match(truncated, n)].clone()
-    fresh = _engine(smol, smol_split, 400, prefix_caching=True)
+    fresh = _engine(smol, smol_packed, 400, prefix_caching=True)
     _run(fresh, [(truncated, GREEDY, None)])
     fpool = fresh.executor.memory[0].pool
     want = fpool.k[0, fresh.scheduler.caches[0].match(truncated, n)]
@@ -450,12 +450,12 @@ def test_truncation_reuse_is_refused_without_rotary_positions():
                   None, None)
 
 
-def test_a_local_recovery_drops_the_tiers_and_computes_the_next_turn(smol, smol_split):
+def test_a_local_recovery_drops_the_tiers_and_computes_the_next_turn(smol, smol_packed):
     """A step that fails part-way on the local executor is recovered: its memory side
     drops the saved sessions with the engine's index (a new, empty tier store), so the
     next turn is computed, not loaded, and gives the tokens a fresh engine gives."""
     tok = smol.tokenizer
-    eng = _engine(smol, smol_split, 200, tiers=TierConfig(1 << 26))
+    eng = _engine(smol, smol_packed, 200, tiers=TierConfig(1 << 26))
     ids = tok(SYSTEM + "Tell me about Rome.")["input_ids"]
     out = _run(eng, [(ids, GREEDY, "r")])[0]
     _run(eng, [([1, 2, 3], GREEDY, None)])  # a step carries the save
@@ -480,7 +480,7 @@ def test_a_local_recovery_drops_the_tiers_and_computes_the_next_turn(smol, smol_
     while eng.has_unfinished():
         done.update((o.request_id, o) for o in eng.step() if o.finished)
     assert done[rid].metrics["tier_cached_tokens"] == 0
-    fresh = _engine(smol, smol_split, 200)
+    fresh = _engine(smol, smol_packed, 200)
     want = _run(fresh, [(hist, GREEDY, None)])[0]
     assert done[rid].outputs[0].token_ids == want.outputs[0].token_ids
     eng.executor.shutdown()

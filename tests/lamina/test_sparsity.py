@@ -30,6 +30,7 @@ from lamina.memory.sparsity import (
     snap_scores,
 )
 from tests.conftest import HF_NEW
+from tests.lamina.test_engine import SLOTS
 
 D = 4
 SID = 7
@@ -426,7 +427,7 @@ def test_engine_config_names_the_sparsity_fields():
         EngineConfig(kv_sparsity="topk", kv_budget=0.2, kv_topk_rescore=-1)
 
 
-def sparse_engine(smol, split, config: SparsityConfig, slots=16384, **engine):
+def sparse_engine(smol, split, config: SparsityConfig, slots=SLOTS, **engine):
     """An engine whose memory side runs `config`; `engine`: EngineConfig fields (its own
     kv_sparsity / kv_budget, which the scheduler's eviction follows, default dense)."""
     cfg = EngineConfig(num_kv_slots=slots, **engine)
@@ -447,14 +448,14 @@ def run(eng, prompts, params=GREEDY):
     return [done[i] for i in ids]
 
 
-def test_budget_at_or_above_the_context_is_dense(smol, smol_split, prompts, hf_greedy):
+def test_budget_at_or_above_the_context_is_dense(smol, smol_packed, prompts, hf_greedy):
     """Every policy, active (a token budget) but never below a row's context: HF's greedy
     tokens on 10 of the mixed-length prompts (5 to 300 tokens; the whole set's exactness
     is the dense tests'), each policy on two of them (the deployment's h2o, the others a
     request's own), in one batch."""
     policies = ("streaming", "h2o", "snapkv", "topk", "swa")
     pick = [0, 1, 2, 3, 4, 5, 6, 9, 10, 11]
-    eng = sparse_engine(smol, smol_split, SparsityConfig("h2o", 4096))
+    eng = sparse_engine(smol, smol_packed, SparsityConfig("h2o", 4096))
     ids = [eng.add_request(prompts[i], SamplingParams(
         max_tokens=HF_NEW, temperature=0.0, ignore_eos=True, kv_budget=4096,
         kv_sparsity=policies[k % 5])) for k, i in enumerate(pick)]
@@ -468,10 +469,10 @@ def test_budget_at_or_above_the_context_is_dense(smol, smol_split, prompts, hf_g
 
 
 @pytest.fixture(scope="module")
-def streaming96(smol, smol_split, prompts):
+def streaming96(smol, smol_packed, prompts):
     """Every prompt's greedy tokens on a deployment whose policy is streaming at 96
     tokens keeping every slot (the reference three tests compare with)."""
-    return [o.token_ids for o in run(sparse_engine(smol, smol_split,
+    return [o.token_ids for o in run(sparse_engine(smol, smol_packed,
                                                    SparsityConfig("streaming", 96)), prompts)]
 
 
@@ -496,21 +497,21 @@ def test_released_sequences_drop_their_state():
     assert SID not in r.mem.sparsity.state
 
 
-def test_decode_perplexity_equals_prompt_logprobs_when_dense(smol, smol_split):
+def test_decode_perplexity_equals_prompt_logprobs_when_dense(smol, smol_packed):
     """The kv-quality harness's teacher-forced decode NLL equals the prompt
     log-probabilities of the same tokens (dense: both attend to everything)."""
     from lamina.bench.kv_quality import decode_perplexity
 
     class _LLM:  # what decode_perplexity reads of an LLM
-        executor = LocalExecutor(smol_split, [MemorySide(KVPool(KVPoolConfig.for_specs(
-            smol_split.attention_specs, 4096)))])
+        executor = LocalExecutor(smol_packed, [MemorySide(KVPool(KVPoolConfig.for_specs(
+            smol_packed.attention_specs, 4096)))])
 
     ids = smol.tokenizer("The history of the printing press begins in the fifteenth "
                          "century, when movable type changed how knowledge spread. " * 6
                          )["input_ids"][:120]
     wins = [ids[:100], ids[10:110]]
     got = decode_perplexity(_LLM, wins, 60, batch=2)
-    eng = sparse_engine(smol, smol_split, SparsityConfig())
+    eng = sparse_engine(smol, smol_packed, SparsityConfig())
     outs = run(eng, wins, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
     ref = [-lp.logprob for o in outs for lp in o.prompt_logprobs[60:]]
     assert got["tokens"] == len(ref) == 80
@@ -567,14 +568,14 @@ def test_kv_override_wire_rows_and_checks():
                                                                        "pyramid", 0.25)
 
 
-def test_request_override_in_a_mixed_batch(smol, smol_split, prompts, hf_greedy,
+def test_request_override_in_a_mixed_batch(smol, smol_packed, prompts, hf_greedy,
                                           streaming96):
     """On a dense deployment, the even prompts ask for streaming at 96 tokens and the odd
     ones take the default, all in the same batches: the even ones decode exactly as on a
     deployment whose policy is streaming at 96, the odd ones as HF. A budget without a
     policy on a dense deployment is refused by name."""
     want = streaming96
-    eng = sparse_engine(smol, smol_split, SparsityConfig())
+    eng = sparse_engine(smol, smol_packed, SparsityConfig())
     own = SamplingParams(max_tokens=HF_NEW, temperature=0.0, ignore_eos=True,
                          kv_sparsity="streaming", kv_budget=96)
     ids = [eng.add_request(p, own if i % 2 == 0 else GREEDY) for i, p in enumerate(prompts)]
@@ -601,7 +602,7 @@ def test_overrides_cross_a_connection_once():
     assert t.new_overrides(ov, [2, 1]) == [ov[1].encode(1)]
 
 
-def test_streaming_gives_back_slots_and_answers_as_keeping_them(smol, smol_split, prompts,
+def test_streaming_gives_back_slots_and_answers_as_keeping_them(smol, smol_packed, prompts,
                                                                 streaming96):
     """streaming at 96 tokens: the scheduler gives back the slots of positions 4 up to
     the window (92 keys before the newest) once 64 or more can go, and the answers equal
@@ -611,7 +612,7 @@ def test_streaming_gives_back_slots_and_answers_as_keeping_them(smol, smol_split
     cfg = SparsityConfig("streaming", 96)
     kw = dict(kv_sparsity="streaming", kv_budget=96, prefix_caching=False)
     keep = streaming96
-    eng = sparse_engine(smol, smol_split, cfg, **kw)
+    eng = sparse_engine(smol, smol_packed, cfg, **kw)
     ids = [eng.add_request(p, GREEDY) for p in prompts]
     done = {}
     eng.step()  # every prompt prefilled in one step
@@ -631,7 +632,7 @@ def test_streaming_gives_back_slots_and_answers_as_keeping_them(smol, smol_split
     assert eng.alloc.stats().used == 0
 
 
-def test_h2o_and_snapkv_give_back_slots_and_answer_as_keeping_them(smol, smol_split, prompts):
+def test_h2o_and_snapkv_give_back_slots_and_answer_as_keeping_them(smol, smol_packed, prompts):
     """h2o at 25% deployment-wide, snapkv at 25% as the odd prompts' own policy: the
     memory worker reports the keys every layer left out for good, the scheduler gives
     their slots back (64 or more at a time: holes in the tables, the slots free), and
@@ -652,7 +653,7 @@ def test_h2o_and_snapkv_give_back_slots_and_answer_as_keeping_them(smol, smol_sp
                 check(eng)
         return [done[i].token_ids for i in ids]
 
-    keep = answers(sparse_engine(smol, smol_split, cfg, kv_evict=False, **kw))
+    keep = answers(sparse_engine(smol, smol_packed, cfg, kv_evict=False, **kw))
     seen = {"h2o": 0, "snapkv": 0}
 
     def check(eng):  # each running sequence's table: holes exactly where given back
@@ -666,7 +667,7 @@ def test_h2o_and_snapkv_give_back_slots_and_answer_as_keeping_them(smol, smol_sp
                                                         len(holes))
         assert eng.alloc.stats().used == live
 
-    eng = sparse_engine(smol, smol_split, cfg, **kw)
+    eng = sparse_engine(smol, smol_packed, cfg, **kw)
     assert answers(eng, check) == keep
     assert seen["h2o"] >= 64 and seen["snapkv"] >= 64, seen
     assert eng.alloc.stats().used == 0

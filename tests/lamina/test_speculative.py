@@ -119,11 +119,11 @@ def test_a_draft_never_preempts_and_respects_the_step_budget():
 REPEAT = SamplingParams(max_tokens=48, temperature=0)
 
 
-def test_greedy_equals_hf_with_fewer_steps(smol, smol_split, prompts, hf_greedy):
+def test_greedy_equals_hf_with_fewer_steps(smol, smol_packed, prompts, hf_greedy):
     """The 16 mixed-length prompts (a repeated text: its continuations recur) with 4
     guessed tokens a step: HF's greedy tokens, most guesses kept, every slot back but
     the prefix cache's; one of them alone takes under 60% of the steps."""
-    eng = engine(smol, smol_split, max_step_tokens=1024, speculative_tokens=4)
+    eng = engine(smol, smol_packed, max_step_tokens=1024, speculative_tokens=4)
     spec = run(eng, prompts, GREEDY)
     assert [o.token_ids for o in spec] == hf_greedy
     assert eng.num_accepted_tokens > 0.5 * eng.num_draft_tokens > 0
@@ -133,7 +133,7 @@ def test_greedy_equals_hf_with_fewer_steps(smol, smol_split, prompts, hf_greedy)
     value = metrics.registry.get_sample_value
     assert (value("lamina_spec_draft_tokens_total"), value("lamina_spec_accepted_tokens_total")
             ) == (eng.num_draft_tokens, eng.num_accepted_tokens)
-    alone = engine(smol, smol_split, speculative_tokens=4)  # a batch waits for its slowest
+    alone = engine(smol, smol_packed, speculative_tokens=4)  # a batch waits for its slowest
     assert run(alone, prompts[15:], GREEDY)[0].token_ids == hf_greedy[15]
     assert len(alone.step_timings) < 0.6 * (1 + len(hf_greedy[15]))
 
@@ -145,13 +145,13 @@ def test_greedy_equals_hf_with_fewer_steps(smol, smol_split, prompts, hf_greedy)
     SamplingParams(max_tokens=40, temperature=0, stop=["printing"], stop_token_ids=[13]),
     SamplingParams(max_tokens=7, temperature=0, logprobs=1),  # max_tokens inside a draft
 ], ids=["sampled-logprobs", "penalized", "stops", "short"])
-def test_the_tokens_drawing_one_a_step_gives(smol, smol_split, prompts, params):
+def test_the_tokens_drawing_one_a_step_gives(smol, smol_packed, prompts, params):
     """Sampled (draws keyed by seed and position), penalized (each guessed row sees the
     guesses before it), cut by a stop string or token or by max_tokens inside a draft:
     the same tokens, texts, finish reasons and logprobs as without drafts."""
     pick = [prompts[i] for i in (0, 2, 5, 9, 13)]
-    base = run(engine(smol, smol_split), pick, params)
-    eng = engine(smol, smol_split, speculative_tokens=5, speculative_ngram_min=1)
+    base = run(engine(smol, smol_packed), pick, params)
+    eng = engine(smol, smol_packed, speculative_tokens=5, speculative_ngram_min=1)
     spec = run(eng, pick, params)
     assert eng.num_draft_tokens > 0
     # the tokens counted as drawn are the ones kept (none of a draft's past a finish)
@@ -168,7 +168,7 @@ def test_the_tokens_drawing_one_a_step_gives(smol, smol_split, prompts, params):
     assert eng.free_slots()[0] == eng.config.num_kv_slots  # no slot leaked
 
 
-def test_sparse_and_forked_requests_run_without_drafts(smol, smol_split, prompts):
+def test_sparse_and_forked_requests_run_without_drafts(smol, smol_packed, prompts):
     """Requests a draft would not serve (a KV policy of their own, n > 1) decode one
     token a step beside drafted ones (one with structured output among them), with
     their usual tokens."""
@@ -180,8 +180,8 @@ def test_sparse_and_forked_requests_run_without_drafts(smol, smol_split, prompts
                             kv_budget=0.5),
              SamplingParams(max_tokens=20, temperature=0.8, seed=3, n=2),
              REPEAT]
-    base = [run(engine(smol, smol_split), [prompts[4]], p)[0] for p in kinds]
-    eng = engine(smol, smol_split, speculative_tokens=4)
+    base = [run(engine(smol, smol_packed), [prompts[4]], p)[0] for p in kinds]
+    eng = engine(smol, smol_packed, speculative_tokens=4)
     ids = [eng.add_request(prompts[4], p) for p in kinds]
     got = {}
     while eng.has_unfinished():
@@ -200,7 +200,7 @@ RECORD = {"type": "object", "properties": {
     "required": ["name", "email", "city", "plan"], "additionalProperties": False}
 
 
-def test_structured_output_drafts_within_its_grammar(smol, smol_split):
+def test_structured_output_drafts_within_its_grammar(smol, smol_packed):
     """A JSON extraction (its values copied from the prompt) under a schema: drafts of
     the tokens the grammar forces (keys, punctuation) or n-gram drafts cut to what the
     grammar takes, each draw under its own mask (the matcher moved along the guess and
@@ -216,9 +216,9 @@ def test_structured_output_drafts_within_its_grammar(smol, smol_split):
     for params in (SamplingParams(max_tokens=80, temperature=0, structured_outputs=spec),
                    SamplingParams(max_tokens=80, temperature=0.7, seed=5,
                                   structured_outputs=spec)):
-        plain = engine(smol, smol_split)
+        plain = engine(smol, smol_packed)
         base = run(plain, [EXTRACT], params)[0]
-        eng = engine(smol, smol_split, speculative_tokens=4, speculative_ngram_min=1)
+        eng = engine(smol, smol_packed, speculative_tokens=4, speculative_ngram_min=1)
         out = run(eng, [EXTRACT], params)[0]
         assert out.token_ids == base.token_ids and out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), RECORD)
@@ -226,7 +226,7 @@ def test_structured_output_drafts_within_its_grammar(smol, smol_split):
         assert len(eng.step_timings) < len(plain.step_timings)
 
 
-def test_recovered_and_preempted_drafts_keep_the_tokens(smol, smol_split, prompts,
+def test_recovered_and_preempted_drafts_keep_the_tokens(smol, smol_packed, prompts,
                                                         hf_greedy):
     """A worker lost in steps 6 and 11 (drafts in flight) and a pool too small for the
     batch (preemptions): HF's tokens, and every slot back."""
@@ -235,14 +235,14 @@ def test_recovered_and_preempted_drafts_keep_the_tokens(smol, smol_split, prompt
 
     pick = [1, 4, 9, 12]
     cfg = EngineConfig(speculative_tokens=4, num_kv_slots=4096)
-    pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 4096))
-    ex = FlakyExecutor(smol_split, [MemorySide(pool)], fail_on={6, 11}, keep=frozenset({0}))
+    pool = KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 4096))
+    ex = FlakyExecutor(smol_packed, [MemorySide(pool)], fail_on={6, 11}, keep=frozenset({0}))
     from lamina.engine.engine import LLMEngine
     eng = LLMEngine(cfg, ex, smol.tokenizer, smol.config)
     outs = run(eng, [prompts[i] for i in pick], GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy[i] for i in pick]
     assert ex.recovered == 2 and any(w.draft for p in ex.plans[5:11:5] for w in p.seqs)
-    small = engine(smol, smol_split, num_kv_slots=400, speculative_tokens=4)
+    small = engine(smol, smol_packed, num_kv_slots=400, speculative_tokens=4)
     outs = run(small, [prompts[i] for i in [1, 3, 4, 10, 11, 12]], GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy[i] for i in [1, 3, 4, 10, 11, 12]]
     assert sum(o.metrics["preemptions"] for o in outs) > 0
@@ -251,7 +251,7 @@ def test_recovered_and_preempted_drafts_keep_the_tokens(smol, smol_split, prompt
 
 @pytest.mark.parametrize("pipeline, replicas, batches", [("fixed", 2, 2),
                                                           ("rotational", 2, 3)])
-def test_drafts_over_compute_replicas(smol, smol_split, prompts, hf_greedy, pipeline,
+def test_drafts_over_compute_replicas(smol, smol_packed, prompts, hf_greedy, pipeline,
                                       replicas, batches):
     """The step split over two compute replicas, each its own batch (fixed) or slices
     rotating over them with the contexts moving (rotational, 3 batches): a drafted
@@ -261,9 +261,9 @@ def test_drafts_over_compute_replicas(smol, smol_split, prompts, hf_greedy, pipe
     from lamina.memory.memory_side import MemorySide
     from lamina.memory.pool import KVPool, KVPoolConfig
 
-    mems = [MemorySide(KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 4096)))
+    mems = [MemorySide(KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 4096)))
             for _ in range(2)]
-    ex = LocalExecutor(smol_split, mems, vocab_size=smol.config.vocab_size,
+    ex = LocalExecutor(smol_packed, mems, vocab_size=smol.config.vocab_size,
                        num_compute_workers=replicas, pipeline=pipeline)
     cfg = EngineConfig(num_kv_slots=4096, num_memory_workers=2, pipeline=pipeline,
                        num_compute_workers=replicas, num_batches=batches,

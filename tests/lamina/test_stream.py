@@ -58,13 +58,13 @@ def test_sub_batch_is_the_batch_of_those_requests():
 
 @pytest.mark.parametrize("native,rings", [("both", False), ("both", True), ("none", False),
                                           ("memory", True)])
-def test_streamed_greedy_identical_to_hf(smol, smol_split, prompts, hf_greedy, native, rings,
+def test_streamed_greedy_identical_to_hf(smol, smol_packed, prompts, hf_greedy, native, rings,
                                          tmp_path):
     """Two workers, KV split over them (long prompts' parts go unstreamed in the same
     steps), chunked prefill: the tokens are HF's (its first SHORT_NEW), with the C++ ends
     (every memory-end step in C++), the Python ones, and the C++ memory end against the
     Python compute end."""
-    eng, ex = linked_engine(smol, smol_split, 6000, link_cls=functools.partial(
+    eng, ex = linked_engine(smol, smol_packed, 6000, link_cls=functools.partial(
         SocketLink, stream=3), native=native, rings=tmp_path if rings else None,
         max_step_tokens=512)
     assert (ex.link.paths.ext is not None) == (native == "both")

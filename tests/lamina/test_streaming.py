@@ -8,10 +8,10 @@ from lamina.sampling.params import SamplingParams
 from .test_engine import GREEDY, engine, run
 
 
-def test_logprobs_equal_hf_log_softmax(smol, smol_split, prompts, hf_greedy):
+def test_logprobs_equal_hf_log_softmax(smol, smol_packed, prompts, hf_greedy):
     pick = [0, 4]
     p = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
-    outs = run(engine(smol, smol_split), [prompts[i] for i in pick], p)
+    outs = run(engine(smol, smol_packed), [prompts[i] for i in pick], p)
     for o, i in zip(outs, pick):
         c = o.outputs[0]
         assert c.token_ids == hf_greedy[i][:12] and len(c.logprobs) == 12
@@ -24,17 +24,17 @@ def test_logprobs_equal_hf_log_softmax(smol, smol_split, prompts, hf_greedy):
             assert lp.top[0][0] == tok  # greedy draws the most likely token
         assert abs(c.cumulative_logprob - sum(ref[t, k].item() for t, k in
                                               enumerate(c.token_ids))) < 1e-3
-    plain = run(engine(smol, smol_split), [prompts[0]], SamplingParams(max_tokens=3,
+    plain = run(engine(smol, smol_packed), [prompts[0]], SamplingParams(max_tokens=3,
                                                                         temperature=0))
     assert plain[0].outputs[0].logprobs is None
 
 
-def test_stream_partials_grow_to_the_final_output(smol, smol_split, prompts, hf_greedy):
+def test_stream_partials_grow_to_the_final_output(smol, smol_packed, prompts, hf_greedy):
     text = smol.tokenizer.decode(hf_greedy[4], skip_special_tokens=True)
     stop = text[len(text) // 2: len(text) // 2 + 6]
     p = SamplingParams(max_tokens=64, temperature=0, stop=(stop,))
-    (want,) = run(engine(smol, smol_split), [prompts[4]], p)
-    eng = engine(smol, smol_split)
+    (want,) = run(engine(smol, smol_packed), [prompts[4]], p)
+    eng = engine(smol, smol_packed)
     rid = eng.add_request(prompts[4], p, stream=True)
     other = eng.add_request(prompts[0], GREEDY)  # not streamed: only its final output
     partials, finals = [], {}
@@ -53,8 +53,8 @@ def test_stream_partials_grow_to_the_final_output(smol, smol_split, prompts, hf_
     assert finals[other][0].token_ids == hf_greedy[0]
 
 
-def test_abort_frees_kv_and_others_keep_running(smol, smol_split, prompts, hf_greedy):
-    eng = engine(smol, smol_split, num_kv_slots=2000, max_batch=3)
+def test_abort_frees_kv_and_others_keep_running(smol, smol_packed, prompts, hf_greedy):
+    eng = engine(smol, smol_packed, num_kv_slots=2000, max_batch=3)
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, n=2)
     a = eng.add_request(prompts[5], long)
     b = eng.add_request(prompts[2], GREEDY)
@@ -80,10 +80,10 @@ def test_abort_frees_kv_and_others_keep_running(smol, smol_split, prompts, hf_gr
 
 
 @pytest.mark.parametrize("pipeline", ["none", "rotational"])
-def test_prompt_logprobs_equal_hf_log_softmax(smol, smol_split, prompts, hf_greedy, pipeline):
+def test_prompt_logprobs_equal_hf_log_softmax(smol, smol_packed, prompts, hf_greedy, pipeline):
     """Each prompt token's logprob given the ones before it, with top-2, next to a request
     that asks for none (and, rotational, split over two micro-batches)."""
-    eng = engine(smol, smol_split, pipeline=pipeline)
+    eng = engine(smol, smol_packed, pipeline=pipeline)
     p = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2)
     pick = [1, 4]
     ids = [eng.add_request(prompts[i], p) for i in pick]

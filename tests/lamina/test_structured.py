@@ -73,9 +73,9 @@ def _hf_guided(smol, prompt_ids: list[int], spec: StructuredOutputs, max_new: in
 
 @pytest.mark.parametrize("spec", [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=PHONE)],
                          ids=["json-schema", "regex"])
-def test_greedy_structured_output_equals_hf_masked_by_llguidance(smol, smol_split, spec):
+def test_greedy_structured_output_equals_hf_masked_by_llguidance(smol, smol_packed, spec):
     ids = smol.tokenizer(PROMPT if spec.json else "Call us at")["input_ids"]
-    eng = engine(smol, smol_split, num_kv_slots=512)
+    eng = engine(smol, smol_packed, num_kv_slots=512)
     out = run(eng, [ids], SamplingParams(max_tokens=80, temperature=0,
                                          structured_outputs=spec))[0]
     ref = _hf_guided(smol, ids, spec, 80)
@@ -90,10 +90,10 @@ def test_greedy_structured_output_equals_hf_masked_by_llguidance(smol, smol_spli
     assert eng.free_slots() == [512]
 
 
-def test_constrained_and_free_requests_share_a_batch(smol, smol_split, prompts, hf_greedy):
+def test_constrained_and_free_requests_share_a_batch(smol, smol_packed, prompts, hf_greedy):
     """Masks are per row: free requests keep HF's tokens beside constrained ones, and a
     choice, a JSON object and a grammar each hold in the same steps."""
-    eng = engine(smol, smol_split, num_kv_slots=2048)
+    eng = engine(smol, smol_packed, num_kv_slots=2048)
     free = SamplingParams(max_tokens=24, temperature=0)
     grammar = 'start: "The answer is " NUM "."\nNUM: /[0-9]{1,3}/'
     specs = [StructuredOutputs(choice=["Paris", "Lyon", "Marseille"]),
@@ -120,9 +120,9 @@ def test_constrained_and_free_requests_share_a_batch(smol, smol_split, prompts, 
     assert re.fullmatch(r"The answer is [0-9]{1,3}\.", o[4].text), o[4].text
 
 
-def test_sampled_forks_each_follow_the_regex(smol, smol_split):
+def test_sampled_forks_each_follow_the_regex(smol, smol_packed):
     """n = 4 sampled forks from one prefill: each sample has its own matcher."""
-    eng = engine(smol, smol_split, num_kv_slots=512)
+    eng = engine(smol, smol_packed, num_kv_slots=512)
     spec = StructuredOutputs(regex=r"[a-z]{3,8}( [a-z]{3,8}){2}")
     out = run(eng, ["Three random words:"], SamplingParams(
         max_tokens=40, temperature=1.0, seed=7, n=4, structured_outputs=spec))[0]
@@ -131,16 +131,16 @@ def test_sampled_forks_each_follow_the_regex(smol, smol_split):
     assert len(set(texts)) > 1 and all(c.finish_reason == "stop" for c in out.outputs)
 
 
-def test_recovered_steps_change_no_structured_token(smol, smol_split):
+def test_recovered_steps_change_no_structured_token(smol, smol_packed):
     """Workers die twice mid-generation (their KV gone: NaN pools): the steps are
     recovered and recomputed; the matchers saw only applied tokens, so the output
     equals a clean run's."""
     spec = StructuredOutputs(json=SCHEMA)
     params = SamplingParams(max_tokens=80, temperature=0, structured_outputs=spec)
     ids = smol.tokenizer(PROMPT)["input_ids"]
-    clean = run(engine(smol, smol_split, num_kv_slots=512), [ids], params)[0]
-    pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 512))
-    flaky = FlakyExecutor(smol_split, MemorySide(pool), fail_on={4, 9})
+    clean = run(engine(smol, smol_packed, num_kv_slots=512), [ids], params)[0]
+    pool = KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 512))
+    flaky = FlakyExecutor(smol_packed, MemorySide(pool), fail_on={4, 9})
     eng = LLMEngine(EngineConfig(num_kv_slots=512), flaky, smol.tokenizer, smol.config)
     out = run(eng, [ids], params)[0]
     assert out.token_ids == clean.token_ids and flaky.recovered == 2
@@ -152,8 +152,8 @@ def test_recovered_steps_change_no_structured_token(smol, smol_split):
      "StructuredOutputs.json: "),
     (dict(grammar="start: foo"), "StructuredOutputs.grammar: "),
 ])
-def test_bad_specification_fails_alone_and_changes_nothing(smol, smol_split, spec, match):
-    eng = engine(smol, smol_split, num_kv_slots=512)
+def test_bad_specification_fails_alone_and_changes_nothing(smol, smol_packed, spec, match):
+    eng = engine(smol, smol_packed, num_kv_slots=512)
     with pytest.raises(ValueError, match=match):
         eng.add_request("Hi", SamplingParams(max_tokens=4, structured_outputs=spec))
     assert not eng.has_unfinished() and eng.free_slots() == [512] and not eng._reqs

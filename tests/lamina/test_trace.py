@@ -45,12 +45,12 @@ def test_a_tracer_records_only_while_on_and_within_its_limit():
 
 
 @pytest.fixture(scope="module")
-def traced(smol, smol_split, prompts):
+def traced(smol, smol_packed, prompts):
     """Two decode steps of 6 prompts traced, per pipeline mode."""
     out = {}
     for mode in ("none", "rotational"):
-        pool = KVPool(KVPoolConfig.for_specs(smol_split.attention_specs, 4096))
-        ex = LocalExecutor(smol_split, [MemorySide(pool)])
+        pool = KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, 4096))
+        ex = LocalExecutor(smol_packed, [MemorySide(pool)])
         eng = LLMEngine(EngineConfig(num_kv_slots=4096, pipeline=mode), ex, smol.tokenizer,
                         smol.config)
         for p in prompts[:6]:
