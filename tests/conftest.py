@@ -78,7 +78,7 @@ def smol():
 @pytest.fixture(scope="session")
 def smol_split(smol):
     """The split on eager linears: what the splitter's tests check; the engine tests run
-    `smol_packed` (LLM's CPU default, ~1.6x faster with one thread)."""
+    `smol_packed` (LLM's CPU default, 1.6-1.9x faster with one thread)."""
     from lamina.splitter import split_model
 
     return split_model(smol.model)

@@ -43,7 +43,7 @@ def test_greedy_batch_identical_to_hf(smol, smol_split, smol_packed, prompts, hf
     """16 prompts of 5-600 tokens sent together; short ones finish prefill first and the
     batch mixes prefill and decode, HF_NEW new tokens each. On oneDNN-packed weights, as
     `LLM` runs on CPU (the engine tests here and in the other files run them: they are
-    ~1.6x faster than eager linears with one thread), and on the split's eager linears
+    1.6-1.9x faster than eager linears with one thread), and on the split's eager linears
     (`dense_backend="eager"`)."""
     split = smol_packed if linears == "packed" else smol_split
     outs = run(engine(smol, split, max_step_tokens=1024), prompts, GREEDY)
