@@ -15,7 +15,7 @@ GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 
 
 # KV slots of a test engine unless it asks for others: the 16 prompts and their new
-# tokens take ~4.2k. EngineConfig's 16384 would zero 755 MB for each engine, 0.3-2.7 s
+# tokens take ~4.2k. EngineConfig's 16384 would zero 755 MB for each engine, up to 2.7 s
 # on the test VMs (fresh memory the hypervisor backs page by page).
 SLOTS = 8192
 
