@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import torch
 
-HKV, D, HQ = 3, 64, 9  # SmolLM2
+from lamina.bench.memory import HKV, HQ, D, _interleaved_medians  # SmolLM2's heads
 
 
 def anon_huge_mib() -> float:
@@ -71,13 +71,8 @@ def attention(repeat: int, B: int = 32, L: int = 2048) -> dict[bool, float]:
     backend, params = select_backend("cpu"), AttentionParams(D ** -0.5)
     outs = {h: attend(q, *pools[h], batch, params, backend)[0] for h in pools}
     assert torch.equal(outs[True], outs[False])  # same bytes, same answer
-    ts: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(repeat):
-        for huge in (True, False):
-            t = time.perf_counter()
-            attend(q, *pools[huge], batch, params, backend)
-            ts[huge].append(time.perf_counter() - t)
-    return {h: statistics.median(x) for h, x in ts.items()}
+    return _interleaved_medians({h: lambda h=h: attend(q, *pools[h], batch, params, backend)
+                                 for h in pools}, repeat)
 
 
 def main() -> None:

@@ -24,7 +24,8 @@ from lamina.bench.serve import OFFLINE, guidellm, summarize
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
 from tests.conftest import _XDIST
-from tests.lamina.test_server import _engine, _Server
+from tests.lamina.test_engine import engine as _engine
+from tests.lamina.test_server import _Server
 
 pytest.importorskip("guidellm", reason="guidellm is in the dev extras (make setup)")
 pytest.importorskip("lm_eval", reason="lm-eval[api] is in the dev extras (make setup)")

@@ -20,25 +20,13 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from lamina.engine.config import EngineConfig
-from lamina.engine.engine import LLMEngine
 from lamina.entrypoints.api_server import build_app
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
 from lamina.errors import EngineDead
-from lamina.executor.local import LocalExecutor
-from lamina.memory.memory_side import MemorySide
-from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
 from tests.conftest import HF_NEW
-from tests.lamina.test_engine import SLOTS
-
-
-def _engine(smol, split, **kw):
-    cfg = EngineConfig(**{"num_kv_slots": SLOTS, **kw})
-    pool = KVPool(KVPoolConfig.for_specs(split.attention_specs, cfg.num_kv_slots))
-    return LLMEngine(cfg, LocalExecutor(split, MemorySide(pool)), smol.tokenizer,
-                     smol.config)
+from tests.lamina.test_engine import engine as _engine
 
 
 class _Server:
