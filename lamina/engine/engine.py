@@ -63,6 +63,7 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence]
     arrival: float
+    scheduled: float | None = None  # when a step first fed it (its queue time ends)
     first_token: float | None = None
     texts: list[str | None] = field(default_factory=list)  # set when cut at a stop string
     detok: list[IncrementalDetokenizer | None] = field(default_factory=list)  # per sample
@@ -413,6 +414,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self._search_can_go_on()
         plan = self._guided(self._pipelined(self.scheduler.schedule()))
+        self._note_scheduled(plan, t0)
         failed: list[RequestOutput] = []  # requests a SequenceFault failed this step
         t_run = time.perf_counter()
         result = self._execute(plan, failed)
@@ -436,6 +438,13 @@ class LLMEngine:
         if self._search is not None:
             failed += self._searched(drawn, plan.step)
         return failed + self._apply(drawn, now, plan.step)
+
+    def _note_scheduled(self, plan: StepPlan, now: float) -> None:
+        """Requests this step feeds for the first time: their queue time ends now."""
+        for work in plan.seqs:
+            entry = self._by_seq.get(work.seq_id)
+            if entry is not None and entry[0].scheduled is None:
+                entry[0].scheduled = now
 
     def _pipelined(self, plan: StepPlan) -> StepPlan:
         """The plan cut into the pipeline's batches (micro-batches of the step)."""
@@ -861,7 +870,12 @@ class LLMEngine:
             self._search.forget(req.rid)
         n_out = sum(len(s.output) for s in req.seqs)
         ttft = None if req.first_token is None else req.first_token - req.arrival
+        longest = max(len(s.output) for s in req.seqs)  # its samples decode side by side
         metrics = {"ttft_s": ttft, "e2e_s": now - req.arrival,
+                   "queue_s": None if req.scheduled is None else req.scheduled - req.arrival,
+                   # after the first token, seconds per token of its longest sample
+                   "tpot_s": (now - req.first_token) / (longest - 1)
+                   if req.first_token is not None and longest > 1 else None,
                    "output_tokens": n_out,
                    "preemptions": sum(s.num_preemptions for s in req.seqs),
                    "cached_tokens": req.seqs[0].cached,  # prompt tokens reused

@@ -1,7 +1,8 @@
 """Prometheus metrics of a serving engine (`GET /metrics` on `lamina serve`).
 
-Data in: from the `EngineLoop` thread, each step's outputs and the engine's scheduler and
-allocators; each finished or aborted `RequestOutput`. Data out: counters, gauges and
+Data in: from the `EngineLoop` thread, each step's outputs, its entry in
+`engine.step_timings` (wall time, tokens fed, where the time went) and the engine's
+scheduler and allocators; each finished or aborted `RequestOutput`. Data out: counters, gauges and
 histograms in their own `CollectorRegistry` (no process-global state), rendered in the
 Prometheus text format by `render`.
 """
@@ -17,6 +18,14 @@ from prometheus_client import (
 )
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+                1, 2.5, 5, 10)  # also a request's time per output token
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, *LATENCY_BUCKETS)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# where a step's time went (`StepTimers.report`'s keys); "other" is the rest of the step:
+# scheduling, the step plan and reading its tokens
+STEP_PARTS = (("dense", "dense_s"), ("attention", "attention_s"),
+              ("transfer", "transfer_s"), ("sample", "sample_s"))
 
 
 class EngineMetrics:
@@ -91,11 +100,29 @@ class EngineMetrics:
                               "token", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("lamina_request_latency_seconds", "Arrival to finish",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("lamina_request_queue_time_seconds", "Arrival to the "
+                               "first step that feeds it", buckets=QUEUE_BUCKETS, registry=r)
+        self.tpot = Histogram("lamina_request_time_per_output_token_seconds", "After the "
+                              "first token, seconds per output token (requests of two or "
+                              "more)", buckets=STEP_BUCKETS, registry=r)
+        self.step_s = Histogram("lamina_step_seconds", "An engine step: scheduling, the "
+                                "executor's step, its tokens", buckets=STEP_BUCKETS,
+                                registry=r)
+        self.step_tokens = Histogram("lamina_step_tokens", "Tokens a step fed (prompt "
+                                     "chunks, decodes, drafts)", buckets=TOKEN_BUCKETS,
+                                     registry=r)
+        self.step_parts = Counter(
+            "lamina_step_part_seconds", "Steps' time by part: dense (the slices), attention "
+            "(q/k/v to the memory workers, their attention, its output back; prompts "
+            "attended on the compute side), transfer (GPU <-> host copies), sample, other",
+            ["part"], registry=r)
+        self._timed = None  # the step_timings entry counted last
 
     def step(self, engine, drawn: int) -> None:
         """After each engine step: `drawn` tokens were sampled in it."""
         self.steps.inc()
         self.generation_tokens.inc(drawn)
+        self._time(engine.step_timings[-1] if engine.step_timings else None)
         if engine.num_recoveries > self._recovered:
             self.recoveries.inc(engine.num_recoveries - self._recovered)
             self._recovered = engine.num_recoveries
@@ -127,6 +154,20 @@ class EngineMetrics:
             self.kv_used.labels(str(w)).set(alloc.config.num_slots - alloc.num_free())
             self.kv_cached.labels(str(w)).set(cache.size if cache is not None else 0)
 
+    def _time(self, t: dict | None) -> None:
+        """The step's wall time, tokens and parts (once per `step_timings` entry)."""
+        if t is None or t is self._timed:
+            return
+        self._timed = t
+        self.step_s.observe(t["step_s"])
+        self.step_tokens.observe(t["tokens"])
+        known = 0.0
+        for part, key in STEP_PARTS:
+            if key in t:  # a failed step has its wall time only
+                self.step_parts.labels(part).inc(t[key])
+                known += t[key]
+        self.step_parts.labels("other").inc(max(0.0, t["step_s"] - known))
+
     def _tiers(self, engine) -> None:
         st = engine.tier_stats()  # {} without tiers
         if not st:
@@ -154,8 +195,10 @@ class EngineMetrics:
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.cache_hits.inc(out.metrics.get("cached_tokens", 0))
         self.preemptions.inc(out.metrics.get("preemptions", 0))
-        if out.metrics.get("ttft_s") is not None:
-            self.ttft.observe(out.metrics["ttft_s"])
+        for hist, key in ((self.ttft, "ttft_s"), (self.queue, "queue_s"),
+                          (self.tpot, "tpot_s")):
+            if out.metrics.get(key) is not None:
+                hist.observe(out.metrics[key])
         self.e2e.observe(out.metrics.get("e2e_s", 0.0))
 
     def render(self) -> bytes:

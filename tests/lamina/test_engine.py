@@ -77,6 +77,33 @@ def test_preemption_completes_with_same_tokens(smol, smol_packed, prompts, hf_gr
     assert back and all(start == had for start, had in back)
 
 
+def test_request_metrics_time_its_queue_and_output_tokens(smol, smol_packed, prompts):
+    """One sequence a step: the second request waits until the first has finished, so its
+    queue time covers the first's whole life; each request's seconds per output token
+    span the steps that drew its tokens after the first (timed apart, by the engine's
+    step timings)."""
+    import time
+
+    eng = engine(smol, smol_packed, max_batch=1)
+    t = time.perf_counter()
+    ids = [eng.add_request(prompts[i], SamplingParams(max_tokens=n, ignore_eos=True))
+           for i, n in ((1, 4), (3, 6))]
+    gap = time.perf_counter() - t  # bounds how far apart the two arrived
+    out, step_s = {}, []
+    while eng.has_unfinished():
+        done = eng.step()
+        step_s.append(eng.step_timings[-1]["step_s"])
+        out.update({o.request_id: o for o in done})
+    first, second = (out[i].metrics for i in ids)
+    assert len(step_s) == 4 + 6  # a prompt's step draws its first token
+    assert 0 <= first["queue_s"] < first["ttft_s"] < first["e2e_s"]
+    assert second["queue_s"] >= first["e2e_s"] - gap
+    assert second["ttft_s"] > second["queue_s"]
+    # the first's tokens 2..4 came from steps 2..4, the second's 2..6 from steps 6..10
+    for m, steps in ((first, step_s[1:4]), (second, step_s[5:10])):
+        assert m["tpot_s"] * len(steps) == pytest.approx(sum(steps), rel=0.2, abs=0.005)
+
+
 def test_seeded_sampling_reproducible_and_n(smol, smol_packed, prompts):
     p = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=123, n=3)
     eng = engine(smol, smol_packed)

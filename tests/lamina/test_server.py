@@ -380,6 +380,56 @@ def test_metrics_count_tokens_and_requests(server, prompts, hf_greedy):
     assert delta("lamina_prefix_cache_hit_tokens_total") == hit
 
 
+def test_metrics_time_steps_and_requests(server, prompts):
+    """Steps on /metrics against what the client saw: each step timed once, the tokens
+    they fed equal to what `usage` says was computed (prompt tokens not from the cache,
+    then each drawn token but the last), their parts adding up to their time, all of it
+    within the client's wall time; a streamed request's seconds per output token close
+    to the gaps between its events at the client."""
+    before = _metrics(server)
+    t = time.perf_counter()
+    status, body = server.post("/v1/completions", {"prompt": [prompts[2], prompts[5]],
+                                                   "max_tokens": 6, "temperature": 0,
+                                                   "ignore_eos": True})
+    wall = time.perf_counter() - t
+    after = _metrics(server)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    usage = body["usage"]
+    fed = (usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+           + usage["completion_tokens"] - 2)
+    assert status == 200 and delta("lamina_step_tokens_sum") == fed
+    assert delta("lamina_step_seconds_count") == delta("lamina_engine_steps_total") >= 6
+    parts = {p: delta("lamina_step_part_seconds_total", part=p)
+             for p in ("dense", "attention", "transfer", "sample", "other")}
+    assert parts["dense"] > 0 and parts["attention"] > 0 and parts["transfer"] == 0
+    assert sum(parts.values()) == pytest.approx(delta("lamina_step_seconds_sum"))
+    assert 0 < delta("lamina_step_seconds_sum") < wall
+    for name in ("lamina_request_queue_time_seconds", "lamina_time_to_first_token_seconds",
+                 "lamina_request_time_per_output_token_seconds"):
+        assert delta(name + "_count") == 2 and 0 < delta(name + "_sum") < 2 * wall
+
+    # streamed: the engine's seconds per token against the client's clock
+    n, before = 24, after
+    req = urllib.request.Request(server.url + "/v1/completions", json.dumps(
+        {"prompt": prompts[6], "max_tokens": n, "temperature": 0, "ignore_eos": True,
+         "stream": True}).encode(), {"Content-Type": "application/json"})
+    arrived = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                arrived.append(time.perf_counter())
+    after = _metrics(server)
+    assert len(arrived) == n  # one event a token
+    client = (arrived[-1] - arrived[0]) / (n - 1)
+    assert delta("lamina_request_time_per_output_token_seconds_count") == 1
+    tpot = delta("lamina_request_time_per_output_token_seconds_sum")
+    assert tpot == pytest.approx(client, rel=0.25, abs=0.005)
+
+
 @pytest.fixture
 def broken(smol, smol_packed):
     """A server whose executor fails every step (a dead memory worker)."""
