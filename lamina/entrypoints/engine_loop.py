@@ -23,7 +23,8 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 from lamina.engine.engine import LLMEngine
 from lamina.engine.outputs import RequestOutput
@@ -34,6 +35,22 @@ log = logging.getLogger(__name__)
 
 __all__ = ["EngineDead", "EngineLoop", "EngineOverloaded", "RequestFailed", "beside"]
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Add:
+    """A request handed to the loop thread by `submit`."""
+    prompt: Any  # str or token ids, validated already
+    params: SamplingParams
+    future: Future
+    on_update: Callable[[RequestOutput], None] | None
+    session_id: str | None
+    priority: int
+
+
+@dataclass(frozen=True)
+class _Abort:
+    future: Future  # of the request to stop
 
 
 class EngineLoop:
@@ -48,9 +65,7 @@ class EngineLoop:
                                         or isinstance(max_waiting, bool) or max_waiting < 1):
             raise ValueError(f"max_waiting must be an int >= 1 or None, got {max_waiting!r}")
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
-        # ("add", prompt, params, future, on_update, session_id, priority)
-        # | ("abort", future)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._futures: dict[int, Future] = {}
         self._rids: dict[Future, int] = {}
         self._updates: dict[int, Callable] = {}
@@ -83,7 +98,7 @@ class EngineLoop:
             self.engine.validate(prompt, params, session_id, priority)
             self.check_capacity()
         fut: Future = Future()
-        self._inbox.put(("add", prompt, params, fut, on_update, session_id, priority))
+        self._inbox.put(_Add(prompt, params, fut, on_update, session_id, priority))
         self._wake.set()
         if not self.alive:
             self._drain(EngineDead(f"engine stopped: {self.error}"))  # lost the race
@@ -107,7 +122,7 @@ class EngineLoop:
     def abort(self, fut: Future) -> None:
         """Stop the request behind `fut` if it still runs; safe from any thread."""
         if not fut.done():
-            self._inbox.put(("abort", fut))
+            self._inbox.put(_Abort(fut))
             self._wake.set()
 
     def generate(self, prompt, params: SamplingParams, timeout: float | None = None
@@ -167,8 +182,8 @@ class EngineLoop:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg[0] == "abort":
-                rid = self._rids.get(msg[1])
+            if isinstance(msg, _Abort):
+                rid = self._rids.get(msg.future)
                 out = self.engine.abort(rid) if rid is not None else None
                 if out is not None:
                     self.stats["aborted"] += 1
@@ -176,18 +191,20 @@ class EngineLoop:
                         self.metrics.request(out, aborted=True)
                     self._resolve(out)
                 continue
-            _, prompt, params, fut, on_update, session, priority = msg
+            fut = msg.future
             if not fut.set_running_or_notify_cancel():
                 continue  # the caller gave up before it was scheduled
             try:
-                rid = self.engine.add_request(prompt, params, stream=on_update is not None,
-                                              session_id=session, priority=priority)
+                rid = self.engine.add_request(msg.prompt, msg.params,
+                                              stream=msg.on_update is not None,
+                                              session_id=msg.session_id,
+                                              priority=msg.priority)
             except Exception as e:  # noqa: BLE001 - validated already; report, keep going
                 fut.set_exception(e)
                 continue
             self._futures[rid], self._rids[fut] = fut, rid
-            if on_update is not None:
-                self._updates[rid] = on_update
+            if msg.on_update is not None:
+                self._updates[rid] = msg.on_update
 
     def _resolve(self, out: RequestOutput) -> None:
         fut = self._futures.pop(out.request_id)
@@ -253,8 +270,8 @@ class EngineLoop:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg[0] == "add" and msg[3].set_running_or_notify_cancel():
-                msg[3].set_exception(e)
+            if isinstance(msg, _Add) and msg.future.set_running_or_notify_cancel():
+                msg.future.set_exception(e)
 
 
 def beside(loop: EngineLoop, fn: Callable[[], T], stop: Callable[[], None] | None = None,
