@@ -2,9 +2,9 @@
 
 Data in: from the `EngineLoop` thread, each step's outputs, its entry in
 `engine.step_timings` (wall time, tokens fed, where the time went) and the engine's
-scheduler and allocators; each finished or aborted `RequestOutput`. Data out: counters, gauges and
-histograms in their own `CollectorRegistry` (no process-global state), rendered in the
-Prometheus text format by `render`.
+scheduler and allocators; each finished or aborted `RequestOutput`. Data out: counters,
+gauges and histograms in their own `CollectorRegistry` (no process-global state),
+rendered in the Prometheus text format by `render`.
 """
 from __future__ import annotations
 
