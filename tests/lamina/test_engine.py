@@ -1,5 +1,7 @@
 """End-to-end generation on SmolLM2 (real weights) with the local executor: greedy
 tokens identical to HF `generate`, preemption, seeded sampling, bad input."""
+import time
+
 import pytest
 import torch
 
@@ -82,8 +84,6 @@ def test_request_metrics_time_its_queue_and_output_tokens(smol, smol_packed, pro
     queue time covers the first's whole life; each request's seconds per output token
     span the steps that drew its tokens after the first (timed apart, by the engine's
     step timings)."""
-    import time
-
     eng = engine(smol, smol_packed, max_batch=1)
     t = time.perf_counter()
     ids = [eng.add_request(prompts[i], SamplingParams(max_tokens=n, ignore_eos=True))
