@@ -17,6 +17,7 @@ Workers replaced after a failure are started in the same bundles.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import ray
@@ -28,6 +29,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 log = logging.getLogger(__name__)
+REMOVE_TIMEOUT_S = 5.0  # how long `Placement.remove` waits for Ray to confirm
 
 
 class PlacementTimeout(TimeoutError):
@@ -70,8 +72,32 @@ class Placement:
         nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
         return [nodes.get(node, {}) for node in self.node_ids()]
 
-    def remove(self) -> None:
-        remove_placement_group(self.group)
+    def remove(self, timeout_s: float = REMOVE_TIMEOUT_S) -> bool:
+        """Free the group's resources -> whether Ray confirmed it within `timeout_s`.
+        Why the bound: Ray's call waits for its GCS without one. When the local Ray
+        instance went down together with this process (a SIGTERM to the whole process
+        group, as systemd and `timeout` send), a server's shutdown waited there until
+        Ray's core worker gave up on the GCS after 60 s and ended the process, exit 1."""
+        box: dict = {}
+
+        def call():
+            try:
+                remove_placement_group(self.group)
+            except BaseException as e:  # noqa: BLE001 - raised in the caller below
+                box["error"] = e
+            box["done"] = True
+
+        worker = threading.Thread(target=call, name="lamina-placement-remove", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if "error" in box:
+            raise box["error"]
+        if not box.get("done"):
+            log.warning("Ray did not confirm removing placement group %s within %g s (its "
+                        "GCS gone with this process?); not waiting for it",
+                        self.group.id.hex(), timeout_s)
+            return False
+        return True
 
 
 def node_threads(resources: dict, role: str) -> int | None:

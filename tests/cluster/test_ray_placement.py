@@ -162,3 +162,35 @@ def test_a_workers_threads_are_its_share_of_its_nodes_cores(node, role, threads,
 
     assert bundle_threads(node, role, threads) == want
     assert bundle_threads({"CPU": 4.0}, "compute", 1, wide_threads=3) == (1, 3)  # given
+
+
+def test_removing_a_placement_does_not_wait_on_a_gone_gcs(monkeypatch, caplog):
+    """Ray's `remove_placement_group` waits for its GCS without a bound: `remove` gives it
+    `timeout_s`, then says so by the group's id and returns False; a call that answers
+    returns True, one that fails raises its error."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from lamina.cluster import placement as pl
+
+    gone = threading.Event()  # a GCS that never answers (set at the end, to free the thread)
+    monkeypatch.setattr(pl, "remove_placement_group", lambda group: gone.wait())
+    group = SimpleNamespace(id=SimpleNamespace(hex=lambda: "d52e9ba2806d"))  # its id only
+    p = pl.Placement(group, ({"CPU": 1.0},))
+    t = time.perf_counter()
+    with caplog.at_level("WARNING", logger=pl.__name__):
+        assert p.remove(timeout_s=0.2) is False
+    assert 0.2 <= time.perf_counter() - t < 5
+    assert "placement group d52e9ba2806d within 0.2 s" in caplog.text
+    gone.set()
+    removed = []
+    monkeypatch.setattr(pl, "remove_placement_group", removed.append)
+    assert p.remove() is True and removed == [p.group]
+
+    def refuse(group):
+        raise ValueError("placement group not found")
+
+    monkeypatch.setattr(pl, "remove_placement_group", refuse)
+    with pytest.raises(ValueError, match="not found"):
+        p.remove()
