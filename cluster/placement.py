@@ -78,21 +78,20 @@ class Placement:
         instance went down together with this process (a SIGTERM to the whole process
         group, as systemd and `timeout` send), a server's shutdown waited there until
         Ray's core worker gave up on the GCS after 60 s and ended the process, exit 1."""
-        box: dict = {}
+        error: list[BaseException] = []
 
         def call():
             try:
                 remove_placement_group(self.group)
             except BaseException as e:  # noqa: BLE001 - raised in the caller below
-                box["error"] = e
-            box["done"] = True
+                error.append(e)
 
         worker = threading.Thread(target=call, name="lamina-placement-remove", daemon=True)
         worker.start()
         worker.join(timeout_s)
-        if "error" in box:
-            raise box["error"]
-        if not box.get("done"):
+        if error:
+            raise error[0]
+        if worker.is_alive():
             log.warning("Ray did not confirm removing placement group %s within %g s (its "
                         "GCS gone with this process?); not waiting for it",
                         self.group.id.hex(), timeout_s)

@@ -349,6 +349,12 @@ def _metrics(server) -> dict:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def _delta(before: dict, after: dict, name: str, **labels) -> float:
+    """How much a sample of /metrics grew between two reads."""
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0) - before.get(key, 0)
+
+
 def test_metrics_count_tokens_and_requests(server, prompts, hf_greedy):
     before = _metrics(server)
     status, body = server.post("/v1/completions", {"prompt": [prompts[0], prompts[1]],
@@ -358,8 +364,7 @@ def test_metrics_count_tokens_and_requests(server, prompts, hf_greedy):
     after = _metrics(server)
 
     def delta(name, **labels):
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0) - before.get(key, 0)
+        return _delta(before, after, name, **labels)
 
     assert delta("lamina_generation_tokens_total") == body["usage"]["completion_tokens"] == 10
     assert delta("lamina_prompt_tokens_total") == body["usage"]["prompt_tokens"]
@@ -395,8 +400,7 @@ def test_metrics_time_steps_and_requests(server, prompts):
     after = _metrics(server)
 
     def delta(name, **labels):
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0) - before.get(key, 0)
+        return _delta(before, after, name, **labels)
 
     usage = body["usage"]
     fed = (usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
