@@ -156,12 +156,17 @@ class Client:
         return outs
 
     def chat(self, messages, params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """As `LLM.chat`: one conversation (a list of {role, content}) or a list of them,
         written with the served model's chat template (`chat_prompt`), then generated."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.tokenizer()
-        return self.generate([chat_prompt(tok, c) for c in convs], params, use_tqdm)
+        prompts = [chat_prompt(tok, c, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               template_kwargs=chat_template_kwargs) for c in convs]
+        return self.generate(prompts, params, use_tqdm)
 
     def status(self) -> dict:
         return ray.get(self.service.status.remote())

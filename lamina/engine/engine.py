@@ -46,7 +46,8 @@ from lamina.memory.sparsity_config import (
 )
 from lamina.memory.tier_orders import TierMiss
 from lamina.sampling.params import SamplingParams
-from lamina.sampling.structured import Guide, Guides, without
+from lamina.sampling.structured import Guide, Guides
+from lamina.sampling.token_rules import TokenRules, restrict
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class _Request:
     stream: bool = False
     session: str | None = None  # the conversation it continues
     guides: list[Guide] | None = None  # structured output: per sample, its matcher
+    rules: TokenRules | None = None  # allowed_token_ids, bad_words
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]  # its last tokens (vLLM's)
         if len(ids) >= self.max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
                              f"{self.max_len}")
@@ -276,6 +280,7 @@ class LLMEngine:
         self._check_whole_prompt(params, len(ids))
         if params.structured_outputs is not None:
             self.guides.check(params.structured_outputs)
+        TokenRules.of(params, self.tokenizer, self.vocab_size)
         return ids
 
     def _check_kv_override(self, params: SamplingParams) -> None:
@@ -364,14 +369,17 @@ class LLMEngine:
             grammar = self.guides.check(so)
             req.guides = [self.guides.guide(grammar) for _ in range(params.n)]
             params = replace(params, structured_outputs=None)
+        req.rules = TokenRules.of(params, self.tokenizer, self.vocab_size)
+        if req.rules is not None:  # the engine applies them: they need not cross
+            params = replace(params, allowed_token_ids=None, bad_words=())
         self._reqs[rid] = req
         for i in range(params.n):
             seq = Sequence(next(self._sid), list(ids), params, seed=seed + i,
                            session=session_id, priority=priority)
             req.seqs.append(seq)
             req.texts.append(None)
-            req.detok.append(IncrementalDetokenizer(self.tokenizer) if self.tokenizer
-                             is not None else None)
+            req.detok.append(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                             if self.tokenizer is not None else None)
             self._by_seq[seq.seq_id] = (req, i)
         # n > 1: one prefill; the siblings fork the parent's KV after it (scheduler.fork).
         req.seqs[0].forks = req.seqs[1:]
@@ -413,9 +421,11 @@ class LLMEngine:
         (streamed) progressed."""
         t0 = time.perf_counter()
         self._search_can_go_on()
-        plan = self._guided(self._pipelined(self.scheduler.schedule()))
+        failed: list[RequestOutput] = []  # requests failed alone this step
+        plan = self._pipelined(self._guided(self.scheduler.schedule(), failed))
+        if failed and not plan.seqs:
+            return failed
         self._note_scheduled(plan, t0)
-        failed: list[RequestOutput] = []  # requests a SequenceFault failed this step
         t_run = time.perf_counter()
         result = self._execute(plan, failed)
         if (self.auto is not None and self.config.pipeline == "auto" and result is not None
@@ -458,24 +468,38 @@ class LLMEngine:
             return replace(plan, micro_batches=min(self.config.batches, len(plan.seqs)))
         return plan
 
-    def _guided(self, plan: StepPlan) -> StepPlan:
+    def _guided(self, plan: StepPlan, failed: list[RequestOutput]) -> StepPlan:
         """Each draw of a sequence with structured output carries the tokens its matcher
         allows next (a fork's n first draws share the prompt's: every matcher starts
-        alike); a draw before its sequence's min_tokens leaves out the tokens that would
-        end it (`_unstoppable`). A draft: a mask per draw (`SeqWork.allowed`)."""
-        if not any(r.guides or r.params.min_tokens for r in self._reqs.values()):
+        alike), less those its `TokenRules` leave out; a draw before its sequence's
+        min_tokens leaves out the tokens that would end it (`_unstoppable`). A draft: a
+        mask per draw (`SeqWork.allowed`). A request whose rules leave a draw no token
+        fails alone (into `failed`); -> the plan without it."""
+        if not any(r.guides or r.rules or r.params.min_tokens for r in self._reqs.values()):
             return plan
-        seqs = list(plan.seqs)
+        seqs, empty = list(plan.seqs), {}
         for k, w in enumerate(seqs):
             req, i = self._by_seq[w.seq_id]
-            ban = self._unstoppable(req.seqs[i]) if w.sample else ()
-            if not w.sample or not (req.guides or ban):
+            seq = req.seqs[i]
+            ban = self._unstoppable(seq) if w.sample else ()
+            if not w.sample or not (req.guides or req.rules or ban):
                 continue
-            g = req.guides[i] if req.guides else None
+            g, rows = req.guides[i] if req.guides else None, w.draft + 1
             masks = ((g.draft_masks(w.guess) if w.draft else g.allowed()) if g is not None
-                     else self._any_token * (w.draft + 1))
-            seqs[k] = replace(w, allowed=without(masks, ban, w.draft + 1))
-        return replace(plan, seqs=tuple(seqs))
+                     else self._any_token * rows)
+            bans = [ban + (req.rules.banned([*seq.output, *w.guess[:j]]) if req.rules
+                           else ()) for j in range(rows)]
+            allowed = restrict(masks, req.rules.allowed if req.rules else None, bans)
+            seqs[k] = replace(w, allowed=allowed)
+            width = len(allowed) // rows
+            if any(allowed.count(0, r * width, (r + 1) * width) == width
+                   for r in range(rows)):
+                empty[w.seq_id] = (f"no token may come next: its allowed_token_ids, "
+                                   f"bad_words, min_tokens and structured output leave none "
+                                   f"(after {len(seq.output)} drawn tokens)")
+        for sid, why in empty.items():
+            failed += self._fail(SequenceFault([sid], why), plan.step)
+        return replace(plan, seqs=tuple(w for w in seqs if w.seq_id in self._by_seq))
 
     def _unstoppable(self, seq: Sequence) -> tuple[int, ...]:
         """The tokens seq's next draw may not take: while it has fewer than min_tokens,
@@ -823,9 +847,14 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, req: _Request, i: int) -> str | None:
         p, tok, d = seq.params, seq.output[-1], req.detok[i]
         early = len(seq.output) < p.min_tokens  # only the length may end it yet
-        if ((not early and ((tok in self.eos_ids and not p.ignore_eos)
-                            or tok in p.stop_token_ids))
-                or (req.guides and req.guides[i].done)):  # the structure is complete
+        if not early and ((tok in self.eos_ids and not p.ignore_eos)
+                          or tok in p.stop_token_ids):
+            if d is not None and not p.include_stop_str_in_output:  # vLLM's: the text
+                # leaves the stop token out (one decode, when the sample ends)
+                req.texts[i] = self.tokenizer.decode(seq.output[:-1],
+                                                     skip_special_tokens=p.skip_special_tokens)
+            return "stop"
+        if req.guides and req.guides[i].done:  # the structure is complete
             return "stop"
         # max_tokens None (resolved when the request came) would end at the context
         length = ((p.max_tokens is not None and len(seq.output) >= p.max_tokens)
@@ -835,7 +864,9 @@ class LLMEngine:
         if p.stop and d is not None:
             hit = d.find_stop(p.stop)  # (searched early too: the text after is searched)
             if hit is not None and not early:
-                req.texts[i] = d.text[:hit]
+                kept = (next(len(x) for x in p.stop if d.text.startswith(x, hit))
+                        if p.include_stop_str_in_output else 0)
+                req.texts[i] = d.text[:hit + kept]
                 return "stop"
         return "length" if length else None
 

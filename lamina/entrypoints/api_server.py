@@ -212,6 +212,13 @@ class _Sampling(_Nullable):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
+    # vLLM's (see SamplingParams)
+    min_p: float = 0.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     user: str | None = None
     # Lamina's: this request's own KV sparsity on the memory workers (None: the
     # deployment's); see SamplingParams.kv_sparsity / kv_budget
@@ -258,7 +265,12 @@ class _Sampling(_Nullable):
                               logit_bias=self._logit_bias(),
                               prompt_logprobs=self.num_prompt_logprobs(),
                               kv_sparsity=self.kv_sparsity, kv_budget=self.kv_budget,
-                              structured_outputs=structured_outputs(self))
+                              structured_outputs=structured_outputs(self),
+                              min_p=self.min_p, allowed_token_ids=self.allowed_token_ids,
+                              bad_words=tuple(self.bad_words),
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens,
+                              truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 class CompletionRequest(_Sampling):
@@ -301,6 +313,10 @@ class ChatRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: how the chat template writes the prompt (`llm.chat_prompt`)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_calling(self, parser: ToolParser | None = None) -> ToolCalling | None:
         return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
@@ -740,9 +756,13 @@ class _Api:
             return _error(400, str(e), str(e).split(":")[0])
         try:
             prompt = chat_prompt(tok, [m.model_dump() for m in body.messages], body.tools,
-                                 calling.parser if calling is not None else None)
+                                 calling.parser if calling is not None else None,
+                                 body.add_generation_prompt, body.continue_final_message,
+                                 body.chat_template_kwargs)
         except ValueError as e:
-            return _error(400, str(e), "messages")
+            field = str(e).split(":")[0]
+            return _error(400, str(e), field if field in ChatRequest.model_fields
+                          else "messages")
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": now, "model": self.model_name}
 

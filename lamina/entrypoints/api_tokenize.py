@@ -27,6 +27,8 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None  # a chat (with its tools)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True  # a chat's: the assistant's turn opened
+    continue_final_message: bool = False  # a chat's: its last message left open
+    chat_template_kwargs: dict[str, Any] | None = None  # a chat's template variables
     add_special_tokens: bool = True  # as the engine tokenizes prompts
     return_token_strs: bool = False  # each token's text too
 
@@ -48,7 +50,9 @@ def tokenize(tokenizer, req: TokenizeRequest, max_len: int, parser=None) -> dict
         if req.messages == []:
             raise ValueError("messages: empty")
         text = chat_prompt(tokenizer, req.messages, req.tools, parser,
-                           add_generation_prompt=req.add_generation_prompt)
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           template_kwargs=req.chat_template_kwargs)
     else:
         if req.tools is not None:
             raise ValueError("tools: only with messages")

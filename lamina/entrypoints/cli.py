@@ -85,7 +85,8 @@ def cmd_generate(args) -> int:
     from lamina import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            bad_words=tuple(args.bad_words or ()), seed=args.seed,
                             ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
                             stop=tuple(args.stop or ()),
                             repetition_penalty=args.repetition_penalty,
@@ -573,6 +574,10 @@ def _generate_parser(sub) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this x the likeliest (vLLM's min_p)")
+    g.add_argument("--bad-word", action="append", dest="bad_words",
+                   help="a word the answers never contain (repeatable; vLLM's bad_words)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--min-tokens", type=int, default=0,

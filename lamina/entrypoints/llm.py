@@ -7,6 +7,7 @@ them in Ray workers.
 """
 from __future__ import annotations
 
+import inspect
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Sequence
@@ -177,11 +178,17 @@ class LLM:
             bar.close()
         return results
 
-    def chat(self, messages, params: SamplingParams | None = None, **kw) -> list[RequestOutput]:
+    def chat(self, messages, params: SamplingParams | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, **kw) -> list[RequestOutput]:
         """messages: one conversation (list of {role, content}) or a list of them; a
-        content may be OpenAI's list of text parts (`chat_prompt`)."""
+        content may be OpenAI's list of text parts; the template's options as
+        `chat_prompt`'s (vLLM's names)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [chat_prompt(self.loaded.tokenizer, c) for c in convs]
+        prompts = [chat_prompt(self.loaded.tokenizer, c,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               template_kwargs=chat_template_kwargs) for c in convs]
         return self.generate(prompts, params, **kw)
 
     def shutdown(self) -> None:
@@ -189,7 +196,9 @@ class LLM:
 
 
 def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None,
-                parser=None, add_generation_prompt: bool = True) -> str:
+                parser=None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False,
+                template_kwargs: dict | None = None) -> str:
     """A conversation as the model's chat template writes it, ready for the answer.
     OpenAI's `developer` role (what clients send newer models instead of `system`) is
     `system` to a template that does not name it: most templates know only system /
@@ -200,7 +209,10 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None,
     (a `tool_parsers.ToolParser`, tool_choice "auto"): for a template that does not
     show them, its format's system prompt lists them, before the conversation's own.
     Earlier tool calls are written as text for a template that has no place for them.
-    `add_generation_prompt`: open the assistant's turn (False: the conversation as is)."""
+    `add_generation_prompt`: open the assistant's turn (False: the conversation as is).
+    `continue_final_message`: leave the last message (the assistant's start of an
+    answer) open, for the model to go on with it. `template_kwargs`: more variables for
+    the template (vLLM's `chat_template_kwargs`, e.g. a model's `enable_thinking`)."""
     from jinja2 import TemplateError
 
     from lamina.entrypoints.api_tools import history_for_template
@@ -216,11 +228,34 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None,
             msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{listed}"}
         else:
             msgs.insert(0, {"role": "system", "content": listed})
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message: the last message cannot be continued "
+                         "with a new turn opened after it (add_generation_prompt: false)")
+    extra = _template_kwargs(tokenizer, template_kwargs)
     try:
         return tokenizer.apply_chat_template(msgs, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **extra)
     except TemplateError as e:
         raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+    except ValueError as e:  # HF's refusal of a final message it cannot continue
+        raise ValueError(f"messages: {e}") from None
+
+
+def _template_kwargs(tokenizer, kwargs: dict | None) -> dict:
+    """vLLM's chat_template_kwargs: variables for the template; the names of
+    `apply_chat_template`'s own arguments (tokenize, chat_template, ...) are refused,
+    so a request cannot change how the prompt is made beyond the template's text."""
+    kwargs = kwargs or {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError("chat_template_kwargs: must be an object of template variables")
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    taken = sorted(own & set(kwargs))
+    if taken:
+        raise ValueError(f"chat_template_kwargs: {taken} are not template variables (the "
+                         f"request's own fields set what they may)")
+    return kwargs
 
 
 def template_message(msg: dict, i: int = 0) -> dict:

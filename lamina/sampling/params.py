@@ -32,6 +32,9 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = -1  # -1 or 0: off
     top_p: float = 1.0  # (0, 1]; 1 = off
+    # vLLM's: after temperature, tokens less likely than min_p x the likeliest are out
+    # (before top_k and top_p, as vLLM orders them); 0 = off
+    min_p: float = 0.0
     seed: int | None = None
     n: int = 1
     stop: tuple[str, ...] = ()
@@ -44,6 +47,17 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2]
     repetition_penalty: float = 1.0  # HF's (> 0): prompt and drawn tokens' logits / it
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, added to logit)
+    # vLLM's: the only tokens a draw may take (None: any)
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: words never drawn. Each is tokenized as written and after a space; a draw
+    # may not take a word's last token where the output so far ends in the rest of it
+    # (`lamina.sampling.token_rules`)
+    bad_words: tuple[str, ...] = ()
+    # vLLM's: the stop string or stop token that ended the output stays in its text
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # the text leaves special tokens out
+    # vLLM's: only the prompt's last this many tokens are used (None: all of it)
+    truncate_prompt_tokens: int | None = None
     # this request's own KV sparsity on the memory workers (lamina.memory.sparsity): a
     # policy name and/or a budget (a fraction in (0, 1] or a token count); None takes
     # the deployment's (`EngineConfig.kv_sparsity` / `kv_budget`)
@@ -74,6 +88,9 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
             bad("top_p", "must be in (0, 1]")
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
+            bad("min_p", "must be a number in [0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad("seed", "must be a non-negative int or None")
         if not isinstance(self.n, int) or self.n < 1:
@@ -94,6 +111,7 @@ class SamplingParams:
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
             bad("repetition_penalty", "must be a finite number > 0")
+        self._check_restrictions(bad)
         lb = self.logit_bias
         lb = tuple(sorted(lb.items())) if isinstance(lb, dict) else tuple(map(tuple, lb))
         object.__setattr__(self, "logit_bias", lb)
@@ -121,6 +139,24 @@ class SamplingParams:
             if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool)
                                    or not 0 <= lp <= MAX_LOGPROBS):
                 bad(name, f"must be None or an int in [0, {MAX_LOGPROBS}]")
+
+    def _check_restrictions(self, bad) -> None:
+        """allowed_token_ids, bad_words, truncate_prompt_tokens (tuples made of lists)."""
+        if self.allowed_token_ids is not None:
+            ids = tuple(self.allowed_token_ids)
+            object.__setattr__(self, "allowed_token_ids", ids)
+            if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                              for i in ids):
+                bad("allowed_token_ids", "must be None or a non-empty list of token ids "
+                                         "(ints >= 0)")
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words", "must be non-blank strings")
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            bad("truncate_prompt_tokens", "must be None or an int >= 1")
 
     @property
     def kv_override(self) -> KVOverride | None:

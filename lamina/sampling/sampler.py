@@ -49,8 +49,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: tuple
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy row is drawn from. logits: [V] -> probs [V] fp32.
-    top_k keeps every token at or above the k-th logit (ties too); top_p then keeps
-    the smallest set of most likely tokens whose mass reaches it."""
+    min_p keeps the tokens at least min_p times as likely as the likeliest; top_k then
+    keeps every token at or above the k-th logit (ties too); top_p then keeps the
+    smallest set of most likely tokens whose mass reaches it."""
     c = candidates(logits.float()[None] / params.temperature, params)[0]
     probs = c.probs if c.ids is None else \
         torch.zeros(logits.numel()).index_copy_(0, c.ids, c.probs)
@@ -71,18 +72,31 @@ def candidates(x: torch.Tensor, params: SamplingParams) -> list[Candidates]:
     -> each row's `Candidates`. The work is batched over rows, but what a row gets
     depends on that row alone (so a draw does not depend on the rest of the batch)."""
     G, V = x.shape
+    if params.min_p > 0:
+        x = _min_p(x, params.min_p)
     if not 0 < params.top_k < V:
         return _nucleus(torch.softmax(x, dim=-1), params.top_p)
     k = params.top_k
     vals, idx = torch.topk(x, k, dim=-1)  # [G, k], descending
     probs = _nucleus_prefix(torch.softmax(vals, dim=-1), params.top_p)  # the rest are 0
     out = [Candidates(probs[g], idx[g]) for g in range(G)]
-    for g, n in enumerate((x >= vals[:, -1:]).sum(-1).tolist()):
+    # tokens tied with the k-th logit; a row with fewer than k tokens left (min_p, a
+    # structured output's mask) has its -inf in the top k: no tie to look for
+    tied = (x >= vals[:, -1:]).logical_and_(vals[:, -1:] > float("-inf"))
+    for g, n in enumerate(tied.sum(-1).tolist()):
         if n > k:  # the k-th logit is shared past k: every tied token is kept too
             v, i = torch.topk(x[g], n)
             out[g] = Candidates(_nucleus_prefix(torch.softmax(v, -1)[None],
                                                 params.top_p)[0], i)
     return out
+
+
+def _min_p(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """x: [G, V] logits (over the temperature) -> the same with every token less likely
+    than min_p x its row's likeliest at -inf (as HF's MinPLogitsWarper decides it)."""
+    probs = torch.softmax(x, dim=-1)  # [G, V]
+    keep = probs >= min_p * probs.amax(-1, keepdim=True)
+    return torch.where(keep, x, float("-inf"))
 
 
 NUCLEUS_FIRST = 256  # the most likely tokens sorted first for top_p (4x more as needed)
@@ -158,10 +172,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     that is penalized or drawn from works in fp32, as HF's logits processors do). Row r
     draws len(seeds[r]) tokens (n > 1 forks draw several from one prompt), each with its
     own seed, at `positions[r]`. histories[r]: (tokens so far, prompt length) for a row
-    with penalties. masks[r]: structured output's bitmask of the tokens row r may draw
-    (b"": any); the others stay at -inf whatever penalties and logit_bias add. -> per
-    row, its tokens. Drawn rows sharing temperature, top_k and top_p are worked on
-    together, on the CPU (a CPU generator: the same tokens on any device)."""
+    with penalties. masks[r]: the bitmask of the tokens row r may draw (b"": any; the
+    engine's, from structured output, min_tokens, allowed_token_ids and bad_words); the
+    others stay at -inf whatever penalties and logit_bias add. -> per row, its tokens.
+    Drawn rows sharing temperature, min_p, top_k and top_p are worked on together, on
+    the CPU (a CPU generator: the same tokens on any device)."""
     out: list = [None] * len(params)
     groups: dict[tuple, list[int]] = {}
     masks = masks or [b""] * len(params)
@@ -193,7 +208,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         elif p.greedy:
             out[r] = (greedy[r],) * len(ss)
         else:
-            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r)
+            groups.setdefault((p.temperature, p.min_p, p.top_k, p.top_p), []).append(r)
     for rows in groups.values():
         p = params[rows[0]]
         for at in range(0, len(rows), ROWS_AT_ONCE):

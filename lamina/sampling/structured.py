@@ -39,19 +39,6 @@ CHECKED = 256  # grammars kept by `Guides.check`
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-def without(masks: bytes, tokens: tuple[int, ...], rows: int) -> bytes:
-    """`rows` bitmasks of one width, joined, with `tokens` left out of each (min_tokens:
-    the tokens that would end a sequence too soon)."""
-    if not tokens:
-        return masks
-    out, width = bytearray(masks), len(masks) // rows
-    for r in range(rows):
-        for t in tokens:
-            if t < 8 * width:
-                out[r * width + (t >> 3)] &= 0xFF ^ (1 << (t & 7))
-    return bytes(out)
-
-
 @dataclass(frozen=True)
 class StructuredOutputs:
     """Exactly one of: `json` (a JSON schema, dict or text), `json_object=True` (any

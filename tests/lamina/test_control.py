@@ -24,7 +24,8 @@ from lamina.sampling.params import SamplingParams
 
 
 def _plan(step=3):
-    sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11, n=2, stop=("\n\n",),
+    sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=11, n=2,
+                        stop=("\n\n",), include_stop_str_in_output=True,
                         stop_token_ids=(2,), logprobs=2, logit_bias=((7, -1.5),))
     return StepPlan(step, (
         SeqWork(4, (10, 11, 12), 0, (5, 6, 7), params=sp, seeds=(11, 12),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lamina.sampling.params import SamplingParams
-from lamina.sampling.structured import without
+from lamina.sampling.token_rules import restrict
 
 from .test_engine import engine, run
 from .test_server import _Server
@@ -80,11 +80,11 @@ def test_sampled_answers_hold_no_end_token_before_min_tokens(smol, smol_packed, 
 
 def test_the_mask_leaves_out_exactly_the_banned_tokens():
     masks = b"\xff" * 4 + b"\x0f" * 4  # two rows of 32 tokens
-    got = without(masks, (0, 9, 31, 40), 2)
+    got = restrict(masks, None, [(0, 9, 31, 40)] * 2)
     bits = [[(got[r * 4 + (t >> 3)] >> (t & 7)) & 1 for t in range(32)] for r in (0, 1)]
     assert bits[0] == [0 if t in (0, 9, 31) else 1 for t in range(32)]
     assert bits[1] == [int(t % 8 < 4 and t not in (0, 9)) for t in range(32)]
-    assert without(masks, (), 2) is masks
+    assert restrict(masks, None, [(), ()]) == masks
 
 
 def test_min_tokens_checked_and_served(smol, smol_packed, short):

@@ -46,6 +46,69 @@ def test_probs_match_numpy(t, k, p):
     np.testing.assert_allclose(got, numpy_probs(LOGITS.numpy(), t, k, p), atol=1e-6)
 
 
+def hf_probs(logits: torch.Tensor, t: float, min_p: float, k: int, p: float) -> np.ndarray:
+    """HF's own warpers, chained in vLLM's order (temperature, min-p, top-k, top-p)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    x = TemperatureLogitsWarper(t)(None, logits[None].double())
+    x = MinPLogitsWarper(min_p)(None, x) if min_p > 0 else x
+    x = TopKLogitsWarper(k)(None, x) if k > 0 else x
+    x = TopPLogitsWarper(p)(None, x) if p < 1 else x
+    return torch.softmax(x, -1)[0].numpy()
+
+
+@pytest.mark.parametrize("t,min_p,k,p", [(1.0, 0.1, -1, 1.0), (0.7, 0.05, -1, 1.0),
+                                         (1.3, 0.3, 40, 1.0), (0.9, 0.02, -1, 0.8),
+                                         (1.0, 0.2, 25, 0.7), (1.0, 1.0, -1, 1.0)])
+def test_min_p_keeps_what_hf_min_p_warper_keeps(t, min_p, k, p):
+    """Random logits over 2000 tokens, every row: min_p drops the tokens HF's
+    MinPLogitsWarper drops, before top_k and top_p (vLLM's order)."""
+    logits = torch.randn(6, 2000, generator=torch.Generator().manual_seed(3)) * 2
+    for row in logits:
+        got = sampling_probs(row, SamplingParams(temperature=t, min_p=min_p, top_k=k,
+                                                 top_p=p)).numpy()
+        ref = hf_probs(row, t, min_p, k, p)
+        assert np.array_equal(got > 0, ref > 0)
+        np.testing.assert_allclose(got, ref, atol=1e-6)
+
+
+def test_min_p_draws_follow_its_distribution_in_a_batch():
+    """sample_rows' batched path (rows sharing their parameters) with min_p: 3000 draws
+    of one row, each its own seed, land only on the kept tokens, as often as HF's
+    warpers say. min_p keeps 4 tokens, top_p then 3 of them (top_p first, HF's order,
+    would keep 4)."""
+    logits = torch.tensor([2.0, 1.8, 1.0, 0.5, 0.4, -1.0, 2.6, 0.0])
+    params = SamplingParams(temperature=0.9, min_p=0.15, top_p=0.9)
+    n = 3000
+    got = sample_rows(logits[None].expand(n, -1), [params] * n,
+                      [(s,) for s in range(n)], [5] * n)
+    freq = np.bincount([t for (t,) in got], minlength=8) / n
+    ref = hf_probs(logits, 0.9, 0.15, -1, 0.9)
+    assert np.all(freq[ref == 0] == 0) and (ref > 0).sum() == 3
+    assert np.abs(freq - ref).max() < 0.03  # 3 sigma ~ 0.027
+
+
+def test_top_k_past_a_masks_few_tokens_draws_among_them():
+    """A mask leaving 3 tokens under top_k 5: the draw's distribution is those 3's
+    softmax (the top k holds -inf past them; no tie is looked for there)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.4, -1.0, 3.0, 0.0, -0.2]])
+    mask = bytes([0b00100110])  # tokens 1, 2, 5
+    params = SamplingParams(temperature=1.0, top_k=5)
+    n = 2000
+    got = sample_rows(logits.expand(n, -1), [params] * n, [(s,) for s in range(n)],
+                      [0] * n, masks=[mask] * n)
+    freq = np.bincount([t for (t,) in got], minlength=8) / n
+    x = logits[0].numpy()[[1, 2, 5]]
+    ref = np.zeros(8)
+    ref[[1, 2, 5]] = np.exp(x) / np.exp(x).sum()
+    assert np.all(freq[ref == 0] == 0) and np.abs(freq - ref).max() < 0.035
+
+
 def test_empirical_frequencies_follow_the_distribution():
     params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
     g = torch.Generator().manual_seed(0)
@@ -155,7 +218,13 @@ def test_bf16_logits_draw_what_their_fp32_copy_draws():
     ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
     ({"n": 0}, "n"), ({"seed": -1}, "seed"), ({"stop": ("",)}, "stop"),
-    ({"stop_token_ids": (-5,)}, "stop_token_ids"),
+    ({"stop_token_ids": (-5,)}, "stop_token_ids"), ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"), ({"min_p": True}, "min_p"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
+    ({"bad_words": [" "]}, "bad_words"), ({"bad_words": [7]}, "bad_words"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -1}, "truncate_prompt_tokens"),
 ])
 def test_bad_params_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):

@@ -272,8 +272,8 @@ def test_openai_fields_are_taken_named_or_refused_over_the_openai_client(srv, sm
     try:
         raw = lenient.client().chat.completions.with_raw_response.create(
             model="smollm2", messages=msgs, max_tokens=NEW, temperature=0,
-            extra_body={"max_token": 4, "chat_template_kwargs": {"x": 1}})
-        assert named(raw) == {"max_token", "chat_template_kwargs"}
+            extra_body={"max_token": 4, "frobnicate": {"x": 1}})
+        assert named(raw) == {"max_token", "frobnicate"}
         assert raw.parse().choices[0].model_extra["token_ids"] == \
             plain.choices[0].model_extra["token_ids"]
         with pytest.raises(openai.BadRequestError) as e:  # still refused under "ignore"
