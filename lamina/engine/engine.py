@@ -487,8 +487,10 @@ class LLMEngine:
             g, rows = req.guides[i] if req.guides else None, w.draft + 1
             masks = ((g.draft_masks(w.guess) if w.draft else g.allowed()) if g is not None
                      else self._any_token * rows)
-            bans = [ban + (req.rules.banned([*seq.output, *w.guess[:j]]) if req.rules
-                           else ()) for j in range(rows)]
+            tail = (seq.output[max(0, len(seq.output) - req.rules.context):] if req.rules
+                    else [])  # what bad words read
+            bans = [ban + (req.rules.banned([*tail, *w.guess[:j]]) if req.rules else ())
+                    for j in range(rows)]
             allowed = restrict(masks, req.rules.allowed if req.rules else None, bans)
             seqs[k] = replace(w, allowed=allowed)
             width = len(allowed) // rows

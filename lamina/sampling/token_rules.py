@@ -51,6 +51,11 @@ class TokenRules:
                              f"allowed_token_ids {sorted(set(ids))}")
         return cls(allowed, words)
 
+    @property
+    def context(self) -> int:
+        """How many of the output's last tokens `banned` reads."""
+        return max((len(w) - 1 for w in self.bad_words), default=0)
+
     def banned(self, output: Sequence[int]) -> tuple[int, ...]:
         """The tokens the draw after `output` may not take: each bad word's last token
         where `output` ends in the word's other tokens."""

@@ -49,13 +49,14 @@ def test_allowed_token_ids_answer_as_hf_prefix_constrained(eng, smol, prompts):
 
 @pytest.mark.parametrize("draft", [0, 4])
 def test_bad_words_answer_as_hf_bad_words_ids(smol, smol_packed, prompts, draft):
-    """The repeated text's continuation holds " printing press" and " movable type":
+    """The repeated text's continuation holds " spread across Europe." (its first
+    tokens: the words' longest), " printing press" and " movable type":
     banned, the answer goes another way, as HF's bad_words_ids (each word as written and
     after a space) make it; with n-gram drafts (which guess the banned words from the
     prompt) the same tokens. The ban is on the words' tokens: " printing presses" (a
     token of its own) may come."""
     eng = engine(smol, smol_packed, speculative_tokens=draft)
-    words = ["printing press", "movable type"]
+    words = ["printing press", "movable type", "spread across Europe."]
     (o,) = run(eng, [prompts[4]], SamplingParams(max_tokens=24, temperature=0,
                                                  bad_words=words))
     enc = [smol.tokenizer.encode(p + w, add_special_tokens=False) for w in words
