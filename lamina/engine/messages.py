@@ -6,8 +6,9 @@ The data path of one step, and the file that owns each stage:
      |                                              KV slots (diffs: new ones only once a
      |                                              table was sent; positions whose slots
      |                                              were given back), sampling (this file),
-     |                        engine/engine.py      structured output's allowed tokens
-     |                                              (`SeqWork.allowed`; sampling/structured.py)
+     |                        engine/engine.py      the tokens each draw may take
+     |                                              (`SeqWork.allowed`; sampling/structured.py,
+     |                                              sampling/token_rules.py)
      |                        engine/speculative.py  n-gram drafts fed after the last token
      |                                              (`SeqWork.draft`)
   whole slot tables           compute/compute_side.py  SlotTables: kept per sequence
@@ -85,9 +86,9 @@ class SeqWork:
     # stay holes) because a scoring policy (h2o, snapkv) left their keys out at every
     # layer for good (`StepResult.dropped`); their attention lists the rest only
     dropped: tuple[int, ...] = ()
-    # structured output: the tokens this draw may take, a bitmask (bit t & 7 of byte
-    # t >> 3 = token t; `lamina.sampling.structured`); empty: any token. With a draft,
-    # draft + 1 bitmasks of equal length, one per draw, in order
+    # the tokens this draw may take (structured output, min_tokens, allowed_token_ids,
+    # bad_words), a bitmask (bit t & 7 of byte t >> 3 = token t); empty: any token.
+    # With a draft, draft + 1 bitmasks of equal length, one per draw, in order
     allowed: bytes = b""
     # speculative decoding (engine/speculative.py): the last `draft` fed tokens are a
     # guess at what comes next. The step draws after each of the last draft + 1 fed
