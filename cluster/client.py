@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from lamina.engine.outputs import RequestOutput
 from lamina.engine.sessions import check_session_id
-from lamina.entrypoints.llm import batch_of, chat_prompt, per_prompt
+from lamina.entrypoints.llm import batch_of, chat_prompt, chat_tokens, per_prompt
 from lamina.errors import EngineDead
 from lamina.sampling.params import SamplingParams
 
@@ -163,9 +163,10 @@ class Client:
         written with the served model's chat template (`chat_prompt`), then generated."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.tokenizer()
-        prompts = [chat_prompt(tok, c, add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message,
-                               template_kwargs=chat_template_kwargs) for c in convs]
+        prompts = [chat_tokens(tok, chat_prompt(
+            tok, c, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=chat_template_kwargs)) for c in convs]
         return self.generate(prompts, params, use_tqdm)
 
     def status(self) -> dict:

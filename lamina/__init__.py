@@ -1,6 +1,6 @@
 """Lamina: LLM inference with attention offloaded to memory workers.
 
-`from lamina import LLM, SamplingParams, StructuredOutputs` (imported lazily, so
+`from lamina import LLM, SamplingParams, StructuredOutputs, TokensPrompt` (imported lazily, so
 `lamina.memory.allocator` and friends stay light); `lamina.connect()` returns a client
 of the cluster's running Lamina service (lamina.cluster.client, found by name: only
 lamina.cluster imports ray).
@@ -18,7 +18,7 @@ for _var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
     os.environ.setdefault(_var, ONEDNN_CACHE)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "connect"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "TokensPrompt", "connect"]
 
 
 def connect(address=None, service="lamina"):
@@ -35,6 +35,9 @@ def __getattr__(name):
     if name == "SamplingParams":
         from lamina.sampling.params import SamplingParams
         return SamplingParams
+    if name == "TokensPrompt":
+        from lamina.engine.inputs import TokensPrompt
+        return TokensPrompt
     if name == "StructuredOutputs":
         from lamina.sampling.structured import StructuredOutputs
         return StructuredOutputs

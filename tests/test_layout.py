@@ -27,8 +27,10 @@ RULES = [
                                             "lamina.memory.tier_orders",
                                             "lamina.memory.sparsity_config",
                                             "lamina.sampling.params",
-                                            # structured output's matchers: no tensors
-                                            "lamina.sampling.structured")),
+                                            # structured output's matchers, the token
+                                            # rules' bitmasks: no tensors
+                                            "lamina.sampling.structured",
+                                            "lamina.sampling.token_rules")),
     ("lamina.compute", ("lamina.dataplane", "lamina.executor", "lamina.entrypoints",
                         "lamina.costmodel", "lamina.engine"), ("lamina.engine.messages",)),
     ("lamina.memory", ("lamina",), ("lamina.memory", "lamina.kernels", "lamina.errors")),

@@ -1,6 +1,7 @@
 """The engine: scheduler -> step plan -> executor -> step result -> sampler -> outputs.
 
-Data in: prompts (text or token ids) with `SamplingParams`, from `LLM` or a server.
+Data in: prompts (text, token ids, or a `TokensPrompt`: a chat's ids with their text) with
+`SamplingParams`, from `LLM` or a server.
 Data out: `RequestOutput`s when requests finish, and for streamed requests a partial one
 (`finished=False`) every step they draw a token. Bad requests are rejected in
 `add_request` before anything is scheduled; other requests keep running. `abort` drops a
@@ -29,6 +30,7 @@ from lamina.engine.auto_pipeline import AutoPipeline
 from lamina.engine.config import EngineConfig
 from lamina.engine.culprit import CulpritSearch
 from lamina.engine.detokenizer import IncrementalDetokenizer
+from lamina.engine.inputs import TokensPrompt
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from lamina.engine.scheduler import Scheduler, Sequence
@@ -321,7 +323,10 @@ class LLMEngine:
                              f"(this engine serves first come, first served)")
 
     def _prompt_ids(self, prompt) -> list[int]:
-        """A text prompt's token ids, or token ids checked against the vocabulary."""
+        """A text prompt's token ids, or token ids (a list, or a `TokensPrompt`) checked
+        against the vocabulary."""
+        if isinstance(prompt, TokensPrompt):
+            prompt = list(prompt.prompt_token_ids)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("empty prompt")
@@ -360,7 +365,9 @@ class LLMEngine:
             params = replace(params, max_tokens=self.max_len - len(ids))
         rid = next(self._rid)
         seed = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
-        req = _Request(rid, prompt if isinstance(prompt, str) else None, ids, params, [],
+        text = prompt.prompt if isinstance(prompt, TokensPrompt) else \
+            prompt if isinstance(prompt, str) else None
+        req = _Request(rid, text, ids, params, [],
                        time.perf_counter(), stream=stream, session=session_id)
         if params.prompt_logprobs is not None and len(ids) == 1:
             req.prompt_logprobs = [None]  # a one-token prompt: nothing to score

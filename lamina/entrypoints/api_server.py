@@ -84,7 +84,7 @@ from lamina.entrypoints.api_tokenize import (
 )
 from lamina.entrypoints.api_tools import ToolCalling, openai_calls, tool_calling
 from lamina.entrypoints.engine_loop import EngineLoop, beside
-from lamina.entrypoints.llm import chat_prompt
+from lamina.entrypoints.llm import chat_prompt, chat_tokens
 from lamina.entrypoints.tool_parsers import PARSERS, ToolParser, ToolStream
 from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
 from lamina.sampling.params import SamplingParams
@@ -755,10 +755,10 @@ class _Api:
         except ValueError as e:
             return _error(400, str(e), str(e).split(":")[0])
         try:
-            prompt = chat_prompt(tok, [m.model_dump() for m in body.messages], body.tools,
-                                 calling.parser if calling is not None else None,
-                                 body.add_generation_prompt, body.continue_final_message,
-                                 body.chat_template_kwargs)
+            prompt = chat_tokens(tok, chat_prompt(
+                tok, [m.model_dump() for m in body.messages], body.tools,
+                calling.parser if calling is not None else None, body.add_generation_prompt,
+                body.continue_final_message, body.chat_template_kwargs))
         except ValueError as e:
             field = str(e).split(":")[0]
             return _error(400, str(e), field if field in ChatRequest.model_fields

@@ -7,9 +7,9 @@ context length and vocabulary size. Data out: vLLM's answers, `{"count", "tokens
 "token_strs", "max_model_len"}` and `{"prompt"}`.
 
 A chat is written by the same template and tool listing as `/v1/chat/completions`
-(`chat_prompt`) and tokenized as the engine tokenizes every prompt (special tokens
-added, unless `add_special_tokens` says otherwise), so `count` is the `prompt_tokens`
-that route would report for the same messages.
+(`chat_prompt`) and tokenized as the routes tokenize (a prompt with special tokens
+added, a chat without: `chat_tokens`; unless `add_special_tokens` says otherwise), so
+`count` is the `prompt_tokens` that route would report for the same messages.
 """
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True  # a chat's: the assistant's turn opened
     continue_final_message: bool = False  # a chat's: its last message left open
     chat_template_kwargs: dict[str, Any] | None = None  # a chat's template variables
-    add_special_tokens: bool = True  # as the engine tokenizes prompts
+    # as the routes tokenize: a prompt with them (None: True), a chat without (None: False;
+    # its template writes the special tokens it wants)
+    add_special_tokens: bool | None = None
     return_token_strs: bool = False  # each token's text too
 
 
@@ -57,7 +59,10 @@ def tokenize(tokenizer, req: TokenizeRequest, max_len: int, parser=None) -> dict
         if req.tools is not None:
             raise ValueError("tools: only with messages")
         text = req.prompt
-    ids = tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]
+    special = req.add_special_tokens
+    if special is None:
+        special = req.messages is None
+    ids = tokenizer(text, add_special_tokens=special)["input_ids"]
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs}
 

@@ -55,7 +55,7 @@ def cmd_demo(args) -> int:
     for p in prompts:
         text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                        add_generation_prompt=True)
-        ids = tok(text, return_tensors="pt").input_ids
+        ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
         t = time.perf_counter()
         cache, out = LocalKVCache(len(sm.attention_specs)), []
         logits = sm.forward_cached(ids, cache)

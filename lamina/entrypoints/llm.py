@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
+from lamina.engine.inputs import TokensPrompt
 from lamina.engine.outputs import RequestOutput
 from lamina.entrypoints.logs import configure_logging
 from lamina.executor.base import plugin_executor
@@ -25,9 +26,10 @@ if TYPE_CHECKING:
 
 
 def batch_of(prompts, params) -> tuple[list, list[SamplingParams]]:
-    """`generate`'s arguments as (prompts, one SamplingParams each): one prompt (text or
-    token ids) or a list; one SamplingParams for all, one per prompt, or None."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    """`generate`'s arguments as (prompts, one SamplingParams each): one prompt (text,
+    token ids or a `TokensPrompt`) or a list; one SamplingParams for all, one per prompt,
+    or None."""
+    if isinstance(prompts, (str, TokensPrompt)) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     params = params or SamplingParams()
     plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -185,10 +187,11 @@ class LLM:
         content may be OpenAI's list of text parts; the template's options as
         `chat_prompt`'s (vLLM's names)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [chat_prompt(self.loaded.tokenizer, c,
-                               add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message,
-                               template_kwargs=chat_template_kwargs) for c in convs]
+        tok = self.loaded.tokenizer
+        prompts = [chat_tokens(tok, chat_prompt(
+            tok, c, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=chat_template_kwargs)) for c in convs]
         return self.generate(prompts, params, **kw)
 
     def shutdown(self) -> None:
@@ -241,6 +244,14 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None,
         raise ValueError(f"messages: the model's chat template refused them: {e}") from None
     except ValueError as e:  # HF's refusal of a final message it cannot continue
         raise ValueError(f"messages: {e}") from None
+
+
+def chat_tokens(tokenizer, text: str) -> TokensPrompt:
+    """A chat prompt written by `chat_prompt` -> its token ids with no special tokens
+    added (the template wrote those it wants), as HF's apply_chat_template(tokenize=True)
+    and vLLM tokenize a chat; the text rides along for `RequestOutput.prompt`."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return TokensPrompt(tuple(ids), text)
 
 
 def _template_kwargs(tokenizer, kwargs: dict | None) -> dict:
