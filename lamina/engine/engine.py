@@ -430,7 +430,9 @@ class LLMEngine:
         self._search_can_go_on()
         failed: list[RequestOutput] = []  # requests failed alone this step
         plan = self._pipelined(self._guided(self.scheduler.schedule(), failed))
-        if failed and not plan.seqs:
+        if failed and not plan.seqs:  # nothing left to run (a step all the same: timed)
+            self.step_timings.append({"tokens": 0, "seqs": 0, "drawn": 0,
+                                      "step_s": time.perf_counter() - t0})
             return failed
         self._note_scheduled(plan, t0)
         t_run = time.perf_counter()

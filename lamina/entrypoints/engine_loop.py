@@ -224,6 +224,14 @@ class EngineLoop:
                                                          and self._inbox.empty())
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:  # a bug here must not leave the waiters hanging
+            log.exception("the engine loop failed; failing every request it holds")
+            self.error = e
+            self._fail_all(e)
+
+    def _loop(self) -> None:
         while not self._stop and self._keep_going() and not self._drained():
             self._admit()
             if not self.engine.has_unfinished():
@@ -236,13 +244,10 @@ class EngineLoop:
                 self.error = e
                 self._fail_all(e)
                 return
-            if self.metrics is not None:
-                self.metrics.step(self.engine, self.engine.step_timings[-1]["drawn"])
+            self._measure(outs)
             for out in outs:
                 if out.finished:
                     self.stats["finished"] += 1
-                    if self.metrics is not None:
-                        self.metrics.request(out)
                     self._resolve(out)
                     continue
                 try:
@@ -252,6 +257,19 @@ class EngineLoop:
         self._fail_all(EngineDead(
             f"the server shut down: its drain ({self._drain_s:g} s) ended before this "
             "request finished" if self._drain_until is not None else "engine loop shut down"))
+
+    def _measure(self, outs: list[RequestOutput]) -> None:
+        """The step and its finished requests into the metrics; a failure there is
+        logged, not allowed to stop serving."""
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.step(self.engine, self.engine.step_timings[-1]["drawn"])
+            for out in outs:
+                if out.finished:
+                    self.metrics.request(out)
+        except Exception:  # a metrics bug must not stop serving
+            log.exception("updating the metrics after a step failed")
 
     def _fail_all(self, e: BaseException) -> None:
         """Stop taking work and fail every request still waiting or running with `e`."""

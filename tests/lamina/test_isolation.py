@@ -427,3 +427,39 @@ def test_abort_running_waiting_and_preempted_frees_every_slot(smol, smol_packed,
 def test_fault_plan_validated(kw, words):
     with pytest.raises(ValueError, match=words):
         FaultPlan(**kw)
+
+
+def test_a_failing_metrics_update_is_logged_and_serving_goes_on(smol, smol_packed, prompts,
+                                                                caplog):
+    """A bug in /metrics' bookkeeping after a step is logged; the requests are answered."""
+    from lamina.entrypoints.metrics import EngineMetrics
+
+    class Broken(EngineMetrics):
+        def step(self, engine, drawn):
+            raise RuntimeError("a metrics bug")
+
+    loop = EngineLoop(engine(smol, smol_packed, workers=1), Broken())
+    try:
+        out = loop.submit(prompts[0], GOOD).result(timeout=120)
+        assert len(out.token_ids) == NEW and loop.alive
+        assert "updating the metrics after a step failed" in caplog.text
+    finally:
+        loop.shutdown()
+
+
+def test_a_bug_outside_the_step_fails_the_loops_requests_loudly(smol, smol_packed, prompts):
+    """An exception anywhere in the loop thread (here: admitting requests) fails every
+    request it holds with that error, within a bound, instead of leaving them waiting."""
+    loop = EngineLoop(engine(smol, smol_packed, workers=1))
+
+    def admit():
+        raise RuntimeError("an admission bug")
+
+    loop._admit = admit
+    try:
+        fut = loop.submit(prompts[0], GOOD)
+        with pytest.raises(RuntimeError, match="an admission bug"):
+            fut.result(timeout=30)
+        assert not loop.alive
+    finally:
+        loop.shutdown()

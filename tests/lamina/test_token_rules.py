@@ -181,6 +181,19 @@ def _client(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
 
 
+def test_rules_leaving_no_token_over_http_fail_that_request_and_the_server_goes_on(
+        server, prompts):
+    """The first request this server's engine sees leaves its first draw no token: a
+    500 naming why (the step ran nothing, yet is timed for /metrics), then a good
+    request is answered."""
+    code, body = server.post("/v1/completions", {
+        "prompt": prompts[0], "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [EOS]})
+    assert code == 500 and "no token may come next" in body["error"]["message"]
+    code, body = server.post("/v1/completions", {"prompt": prompts[0], "max_tokens": 4,
+                                                 "temperature": 0})
+    assert code == 200 and body["choices"][0]["finish_reason"] == "length"
+
+
 def test_the_fields_over_the_openai_client_answer_as_the_engine(server, eng, prompts):
     """Each case's fields, OpenAI's as arguments and vLLM's in extra_body, give what the
     engine gives for the same SamplingParams (tested against HF above)."""
