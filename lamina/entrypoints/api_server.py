@@ -373,10 +373,16 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
                                    "code": code}}, status_code=status, headers=headers)
 
 
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+
+
 class _Guard:
-    """ASGI middleware in front of the app: the API key on /v1/* (401) and the body's
-    size, counted as it arrives, so a large or endless body is cut off (413) without
-    being buffered whole."""
+    """ASGI middleware in front of the app: the request's id (the client's
+    `X-Request-Id`, else a new one; every response carries it back, the completion ids
+    end in it, and a failed request's log line names it), the API key on /v1/* (401)
+    and the body's size, counted as it arrives, so a large or endless body is cut off
+    (413) without being buffered whole."""
 
     def __init__(self, app, config: ServerConfig):
         self.app, self.config = app, config
@@ -384,7 +390,25 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        cfg, headers = self.config, dict(scope["headers"])
+        headers = dict(scope["headers"])
+        given = headers.get(REQUEST_ID_HEADER.lower().encode())
+        rid = given.decode("latin-1") if given is not None else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def tagged(msg):  # every answer names the request it answers
+            if msg["type"] == "http.response.start" and _REQUEST_ID.fullmatch(rid):
+                msg = {**msg, "headers": [*msg.get("headers", []),
+                                          (REQUEST_ID_HEADER.encode(), rid.encode())]}
+            await send(msg)
+
+        if not _REQUEST_ID.fullmatch(rid):
+            return await _error(400, f"{REQUEST_ID_HEADER}: 1-128 printable ASCII characters "
+                                f"without spaces, got {rid[:40]!r}",
+                                REQUEST_ID_HEADER)(scope, receive, send)
+        await self._guarded(scope, receive, tagged, headers)
+
+    async def _guarded(self, scope, receive, send, headers: dict):
+        cfg = self.config
         if cfg.api_key is not None and scope["path"].startswith("/v1"):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(auth.encode(), f"Bearer {cfg.api_key}".encode()):
@@ -602,7 +626,8 @@ class _Api:
             return StreamingResponse(
                 sse_events(self.loop, futs, updates, chunk,
                            _usage if opts.include_usage else None,
-                           opts.include_usage and opts.continuous_usage_stats),
+                           opts.include_usage and opts.continuous_usage_stats,
+                           request.state.request_id),
                 media_type="text/event-stream")
         return await self._wait(futs, request)
 
@@ -621,8 +646,10 @@ class _Api:
         except RequestFailed as e:  # this request alone; the engine goes on
             for f in futs:
                 self.loop.abort(f)
+            log.warning("HTTP request %s failed: %s", request.state.request_id, e)
             return _error(500, str(e), code="request_failed")
         except Exception as e:  # noqa: BLE001 - the engine failed these requests
+            log.warning("HTTP request %s failed: %s", request.state.request_id, e)
             return _error(503, f"generation failed: {type(e).__name__}: {e}")
 
     def _decode(self, ids) -> list[str]:
@@ -730,7 +757,7 @@ class _Api:
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+        head = {"id": f"cmpl-{request.state.request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         choice = _CompletionChoices(body, self._decode)
         if body.stream:
@@ -763,7 +790,7 @@ class _Api:
             field = str(e).split(":")[0]
             return _error(400, str(e), field if field in ChatRequest.model_fields
                           else "messages")
-        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, now = f"chatcmpl-{request.state.request_id}", int(time.time())
         head = {"id": rid, "created": now, "model": self.model_name}
 
         def lp_json(lps):

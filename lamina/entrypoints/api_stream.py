@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from concurrent.futures import Future
 from typing import AsyncIterator, Callable
+
+log = logging.getLogger("lamina.server")
 
 
 def _event(obj) -> str:
@@ -20,12 +23,13 @@ def _event(obj) -> str:
 
 
 async def sse_events(loop, futs: list[Future], updates: asyncio.Queue, chunk: Callable,
-                     usage: Callable | None, continuous: bool = False
-                     ) -> AsyncIterator[str]:
+                     usage: Callable | None, continuous: bool = False,
+                     request_id: str | None = None) -> AsyncIterator[str]:
     """chunk(prompt index, CompletionOutput, new text, new logprobs or None, tokens sent
     before) -> the event's JSON; usage(final outputs) -> the usage JSON of the last
     event (the others then carry `usage: null`, as OpenAI's do, or with `continuous`
-    their choice's usage so far, as vLLM's `continuous_usage_stats`)."""
+    their choice's usage so far, as vLLM's `continuous_usage_stats`). `request_id`: the
+    HTTP request's (`X-Request-Id`), named in the log line of a failure."""
     aloop = asyncio.get_running_loop()
     for i, f in enumerate(futs):
         f.add_done_callback(
@@ -39,6 +43,7 @@ async def sse_events(loop, futs: list[Future], updates: asyncio.Queue, chunk: Ca
                 try:
                     out = finals[i] = item.result()
                 except Exception as e:  # noqa: BLE001 - the engine failed this request
+                    log.warning("HTTP request %s failed: %s", request_id, e)
                     yield _event({"error": {"message": f"generation failed: "
                                             f"{type(e).__name__}: {e}",
                                             "type": "server_error"}})

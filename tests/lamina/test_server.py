@@ -517,6 +517,40 @@ def test_session_id_from_the_body_or_the_header(server):
     assert status == 400 and out["error"]["param"] == "session_id"
 
 
+def test_x_request_id_names_the_answer_and_a_failures_log_line(server, caplog):
+    """The client's X-Request-Id comes back as a header and in the completion's id (a
+    new one when none is sent, errors included); a failed request's log line names it
+    (streamed or not); a malformed one is refused by name."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    raw = client.completions.with_raw_response.create(
+        model="smollm2", prompt="Hello there", max_tokens=2, extra_headers={
+            "X-Request-Id": "trace-7f/a=1"})
+    assert raw.headers["x-request-id"] == "trace-7f/a=1"
+    assert raw.parse().id == "cmpl-trace-7f/a=1"
+    chat = client.chat.completions.with_raw_response.create(
+        model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    made = chat.headers["x-request-id"]
+    assert len(made) == 32 and chat.parse().id == f"chatcmpl-{made}"
+    bad = {"prompt": "Hello", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [2]}
+    for stream in (False, True):
+        req = urllib.request.Request(server.url + "/v1/completions", json.dumps(
+            {**bad, "stream": stream}).encode(), {"Content-Type": "application/json",
+                                                  "X-Request-Id": f"fails-{stream}"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                assert stream and r.headers["x-request-id"] == "fails-True"
+                assert b"no token may come next" in r.read()
+        except urllib.error.HTTPError as e:
+            assert not stream and e.code == 500
+            assert e.headers["x-request-id"] == "fails-False"
+    assert "HTTP request fails-False failed" in caplog.text
+    assert "HTTP request fails-True failed" in caplog.text
+    status, out = server.post("/v1/completions", {"prompt": "Hi"}, {"X-Request-Id": "a b"})
+    assert status == 400 and out["error"]["param"] == "X-Request-Id"
+
+
 def test_request_kv_sparsity_reaches_the_engine(server, prompts, hf_greedy):
     """`kv_sparsity` / `kv_budget` in the body become the request's own KV policy: a
     budget covering the context answers as HF (the policy runs and keeps every key); a
