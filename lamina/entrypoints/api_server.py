@@ -396,7 +396,7 @@ class _Guard:
         scope.setdefault("state", {})["request_id"] = rid
 
         async def tagged(msg):  # every answer names the request it answers
-            if msg["type"] == "http.response.start" and _REQUEST_ID.fullmatch(rid):
+            if msg["type"] == "http.response.start":
                 msg = {**msg, "headers": [*msg.get("headers", []),
                                           (REQUEST_ID_HEADER.encode(), rid.encode())]}
             await send(msg)
