@@ -52,11 +52,8 @@ def cases(tok) -> list[dict]:
 
 
 def ours(llm: LLM, case: dict) -> dict:
-    p = dict(case["params"])
-    for k in ("bad_words", "stop", "stop_token_ids", "allowed_token_ids"):
-        if k in p:
-            p[k] = tuple(p[k])
-    (o,) = llm.generate([case["prompt"]], SamplingParams(**p), use_tqdm=False)
+    # SamplingParams makes the JSON's lists tuples itself
+    (o,) = llm.generate([case["prompt"]], SamplingParams(**case["params"]), use_tqdm=False)
     return {"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
             "prompt_tokens": len(o.prompt_token_ids)}
 
