@@ -247,11 +247,6 @@ class LLMEngine:
         """Every check a request must pass before it is queued, against the loaded model
         (vocabulary, context) and the engine's limits -> its prompt token ids. Raises
         ValueError / TypeError naming the problem; nothing is changed."""
-        return self._checked(prompt, params, session_id, priority)[0]
-
-    def _checked(self, prompt, params, session_id: str | None = None,
-                 priority: int = 0) -> tuple[list[int], TokenRules | None]:
-        """`validate`, -> (prompt token ids, the request's `TokenRules` or None)."""
         check_session_id(session_id)
         self.check_priority(priority)
         if not isinstance(params, SamplingParams):
@@ -287,7 +282,8 @@ class LLMEngine:
         self._check_whole_prompt(params, len(ids))
         if params.structured_outputs is not None:
             self.guides.check(params.structured_outputs)
-        return ids, TokenRules.of(params, self.tokenizer, self.vocab_size)
+        TokenRules.of(params, self.tokenizer, self.vocab_size)
+        return ids
 
     def _check_kv_override(self, params: SamplingParams) -> None:
         """A request's own KV sparsity must mean something against this deployment's."""
@@ -361,7 +357,9 @@ class LLMEngine:
         when it finishes and brought back for the next turn (any string of 1-128 letters,
         digits, . _ : @ -; a new one starts a session). `priority`: under
         scheduling_policy "priority", lower is served first (may be negative)."""
-        ids, rules = self._checked(prompt, params, session_id, priority)
+        check_session_id(session_id)
+        self.check_priority(priority)
+        ids = self.validate(prompt, params)
         # None, or past the context with clamp_max_tokens (validated): what it leaves
         if params.max_tokens is None or len(ids) + params.max_tokens > self.max_len:
             params = replace(params, max_tokens=self.max_len - len(ids))
@@ -378,8 +376,8 @@ class LLMEngine:
             grammar = self.guides.check(so)
             req.guides = [self.guides.guide(grammar) for _ in range(params.n)]
             params = replace(params, structured_outputs=None)
-        req.rules = rules
-        if rules is not None:  # the engine applies them: they need not cross
+        req.rules = TokenRules.of(params, self.tokenizer, self.vocab_size)
+        if req.rules is not None:  # the engine applies them: they need not cross
             params = replace(params, allowed_token_ids=None, bad_words=())
         self._reqs[rid] = req
         for i in range(params.n):
