@@ -1,31 +1,31 @@
 """Does a refused argument in the compiled CPU kernel come back as a RuntimeError here?
 
-    python benchmarks/exception_probe.py [--out DIR]
+    python benchmarks/exception_probe.py [--out DIR] [--cases ...] [--gdb GDB]
 
 Every op of the extension refuses bad arguments with TORCH_CHECK, a C++ exception that
 pybind11 turns into a RuntimeError naming the problem; the engine's failure isolation
-rests on that. On the GPU machines of issue 32 (Ubuntu 24.04, gcc 13.3, Python 3.12,
-torch 2.11.0+cu130, an Intel Xeon with AMX) those refusals killed the process with
-SIGSEGV instead (the 2026-11-28 GPU entry of benchmarks/RESULTS.md), while a one-function
-extension built there with the same flags raised as it should, and the same toolchain in
-an Ubuntu 24.04 chroot on an AMD EPYC raised too. This probe narrows it down where it
-happens: each case is a child process that loads the extension and calls two ops with
-bad arguments, under one change to the environment or the build:
+rests on that. On the H200 machine of issue 32 (Ubuntu 24.04, gcc 13.3, torch
+2.11.0+cu130, an Intel Xeon) every refusal killed the process with SIGSEGV instead: its
+backtrace (2026-12-04, benchmarks/RESULTS.md) ran through `basic_ostream::_M_insert<long>`
+and `codecvt<char16_t>` code inside the extension itself, that is, a copy of libstdc++
+linked into the library beside the process's, and the message's number formatting mixed
+the two copies' locales. `kernels/cpu_build.py` now links with `-lstdc++` ahead of the
+driver's own libraries (its LDFLAGS), so no copy is taken. Each case is a child process
+that loads a build and calls two ops with bad arguments:
 
-- `default`: as the suite runs it.
-- `bind_now`: LD_BIND_NOW=1 (no lazy symbol binding: glibc's lazy-binding trampoline saves
-  the registers with XSAVE, whose area grows once a process is allowed AMX state).
-- `no_amx`: ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 and ATEN_CPU_CAPABILITY=avx512 (nothing in
-  torch asks the kernel for AMX state).
-- `minimal`: a one-function extension with the same flags, its op refusing the same way.
-- `O1`, `no_native`: the extension rebuilt (into its own cache folder) at -O1, or for
-  x86-64-v4 instead of -march=native.
+- `default`: the kernel as the engine builds it.
+- `old_link`: the kernel linked as before (`-fopenmp` alone).
+- `static`, `static_old_link`: both again with `-static-libstdc++` added, which stands
+  in for a toolchain that links the runtime statically (here, where the compiler does
+  not: the second cuts the messages' numbers on gcc 12, and is the H200's crash on gcc 13).
+- `minimal`: a one-function extension with the kernel's flags, refusing the same way.
 
-A case's row is "raised" (both calls raised RuntimeError with the op's message), or the
-signal or exit code that ended it, with the child's last lines. With --gdb (a gdb, or
-cuda-gdb where the machine has no gdb), a case that died of a signal runs again under it
-for the native backtrace. Writes exception_probe.json and .md into --out. Nothing is
-timed.
+A case's row is "raised" (both calls raised RuntimeError with the op's whole message,
+its numbers included), "raised, message cut", or the signal or exit code that ended it,
+with the child's last lines and whether its library holds a libstdc++ copy
+(`cpu_build.own_cxx_runtime`). With --gdb (a gdb, or cuda-gdb where the machine has no
+gdb), a case that died of a signal runs again under it for the native backtrace. Writes
+exception_probe.json and .md into --out. Nothing is timed.
 """
 from __future__ import annotations
 
@@ -38,16 +38,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-# The child: load the extension (optionally rebuilt with other flags) and call two ops
-# with bad arguments; prints one line per call.
+# The child: load the extension (optionally rebuilt with other link flags) and call two
+# ops with bad arguments; prints whether its library holds a libstdc++ copy, then one
+# line per call.
 CHILD = r'''
 import json, os, sys, faulthandler
 faulthandler.enable()
 import torch
-cflags = json.loads(os.environ.get("PROBE_CFLAGS", "null"))
+from lamina.kernels import cpu_build
+ldflags = json.loads(os.environ.get("PROBE_LDFLAGS", "null"))
+if ldflags is not None:
+    cpu_build.LDFLAGS = ldflags
 if os.environ.get("PROBE_MINIMAL"):
     from torch.utils import cpp_extension
-    from lamina.kernels import cpu_build
     src = """
 #include <torch/extension.h>
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
@@ -56,7 +59,8 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   return x;
 }
 at::Tensor silu_mul(at::Tensor g, at::Tensor u) {
-  TORCH_CHECK(g.sizes() == u.sizes(), "silu_mul: gate and up must match");
+  TORCH_CHECK(g.sizes() == u.sizes(), "silu_mul: gate and up must match, got ", g.sizes(),
+              " and ", u.sizes());
   return g;
 }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -65,13 +69,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
     ext = cpp_extension.load_inline(name="probe_minimal", cpp_sources=[src],
-                                    extra_cflags=cpu_build.CFLAGS, extra_ldflags=["-fopenmp"])
+                                    extra_cflags=cpu_build.CFLAGS,
+                                    extra_ldflags=cpu_build.LDFLAGS)
 else:
-    from lamina.kernels import cpu_build
-    if cflags is not None:
-        cpu_build.CFLAGS = cflags
     ext = cpu_build.load_cpu_kernel()
-print("loaded", flush=True)
+print("loaded; own libstdc++ copy:", cpu_build.own_cxx_runtime(ext.__file__), flush=True)
 x = torch.randn(4, 8)
 for name, call in (("rms_norm", lambda: ext.rms_norm(x, torch.randn(7), 1e-5)),
                    ("silu_mul", lambda: ext.silu_mul(x, torch.randn(4, 9)))):
@@ -81,30 +83,26 @@ for name, call in (("rms_norm", lambda: ext.rms_norm(x, torch.randn(7), 1e-5)),
     except RuntimeError as e:
         print(name, "raised", str(e).splitlines()[0][:120], flush=True)
 '''
+# what each call's whole message holds: the numbers that a mixed runtime drops
+WHOLE = ("rms_norm raised rms_norm: weight must be [8]", "[4, 8]")
 
 
-def cases(base_flags: list[str]) -> dict[str, dict]:
-    """name -> {"env": extra environment, "cflags": the build's flags or None}."""
-    def flags(*change: tuple[str, str]) -> list[str]:
-        out = list(base_flags)
-        for old, new in change:
-            out = [new if f == old else f for f in out]
-        return out
+def cases(ldflags: list[str]) -> dict[str, dict]:
+    """name -> {"env": extra environment, "ldflags": the build's link flags or None}."""
+    old, static = ["-fopenmp"], ["-static-libstdc++"]
     return {
-        "default": {"env": {}, "cflags": None},
-        "bind_now": {"env": {"LD_BIND_NOW": "1"}, "cflags": None},
-        "no_amx": {"env": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-                           "ATEN_CPU_CAPABILITY": "avx512"}, "cflags": None},
-        "minimal": {"env": {"PROBE_MINIMAL": "1"}, "cflags": None},
-        "O1": {"env": {}, "cflags": flags(("-O3", "-O1"))},
-        "no_native": {"env": {}, "cflags": flags(("-march=native", "-march=x86-64-v4"))},
+        "default": {"env": {}, "ldflags": None},
+        "old_link": {"env": {}, "ldflags": old},
+        "static": {"env": {}, "ldflags": ldflags + static},
+        "static_old_link": {"env": {}, "ldflags": old + static},
+        "minimal": {"env": {"PROBE_MINIMAL": "1"}, "ldflags": None},
     }
 
 
 def run_case(name: str, case: dict, cache: Path, timeout_s: float, gdb: str | None) -> dict:
     env = dict(os.environ, **case["env"])
-    if case["cflags"] is not None:  # its own build, beside the shared one
-        env["PROBE_CFLAGS"] = json.dumps(case["cflags"])
+    if case["ldflags"] is not None:  # its own build, beside the shared one
+        env["PROBE_LDFLAGS"] = json.dumps(case["ldflags"])
         env["LAMINA_CACHE_DIR"] = str(cache / name)
     row = {"case": name, **_child([sys.executable, "-c", CHILD], env, timeout_s)}
     if gdb and row["result"] in {s.name for s in signal.Signals}:
@@ -122,7 +120,7 @@ def _child(cmd: list[str], env: dict, timeout_s: float, lines: int = 8) -> dict:
     out = (p.stdout + p.stderr).strip().splitlines()
     raised = sum(1 for ln in p.stdout.splitlines() if " raised " in ln)
     if p.returncode == 0 and raised == 2:
-        result = "raised"
+        result = "raised" if all(w in p.stdout for w in WHOLE) else "raised, message cut"
     elif p.returncode < 0:
         result = signal.Signals(-p.returncode).name
     else:
@@ -139,7 +137,7 @@ def main() -> None:
     args = ap.parse_args()
     from lamina.kernels import cpu_build
 
-    table = cases(list(cpu_build.CFLAGS))
+    table = cases(list(cpu_build.LDFLAGS))
     rows = []
     with tempfile.TemporaryDirectory() as cache:
         for name in args.cases or table:

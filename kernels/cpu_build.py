@@ -39,6 +39,13 @@ SOURCES = (CSRC / "slot_attention.cpp", CSRC / "page_select.cpp", CSRC / "datapl
 HEADERS = (CSRC / "lamina_ext.h",)  # hashed into the build key with the sources
 BUILD_TIME = "1-2 minutes on 2 cores"  # ~115 s on a Zen 1 EPYC (2026-12-02)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+# -lstdc++ names the shared C++ runtime ahead of what the compiler's driver adds at the
+# end: a toolchain that links libstdc++ statically (-static-libstdc++ in its specs or
+# flags) then takes nothing from the archive, and the library keeps one C++ runtime, the
+# process's. With a second copy inside, every TORCH_CHECK message (an ostringstream)
+# mixed the copies' locales: its numbers vanished (gcc 12) or the process died of SIGSEGV
+# (the H200 machine's gcc 13, benchmarks/RESULTS.md 2026-12-04) instead of raising.
+LDFLAGS = ["-fopenmp", "-lstdc++"]
 
 _lock = threading.Lock()
 _state: dict = {}  # "module" | "error" | "build_s"
@@ -60,7 +67,7 @@ def build_key() -> str:
     h = hashlib.sha256(str(CSRC.resolve()).encode())
     for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(CFLAGS + ["--"] + LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(compiler_version().encode())
     h.update(ninja_version().encode())
@@ -199,9 +206,36 @@ def _build():
     with _ninja_first():
         mod = cpp_extension.load(name="lamina_slot_attention",
                                  sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                                 extra_ldflags=LDFLAGS, build_directory=str(build_dir),
                                  verbose=False)
     _state["build_s"] = time.perf_counter() - t0
     log.info("CPU kernel %s in %.1f s (%s)", "loaded" if cached else "built",
              _state["build_s"], build_dir)
+    path = getattr(mod, "__file__", None)
+    if path and own_cxx_runtime(path):
+        log.warning("the CPU kernel %s carries its own copy of libstdc++ (this toolchain "
+                    "links it statically, past -lstdc++): a bad argument that reaches the "
+                    "kernel may end the process instead of raising", path)
     return mod
+
+
+# libstdc++'s own code (std::locale, std::codecvt): defined in a library that links the
+# shared runtime, never; in one with a static copy inside, by the hundred
+_RUNTIME_SYMBOLS = ("_ZNSt6locale", "_ZNKSt7codecvt")
+
+
+def own_cxx_runtime(library: str | os.PathLike) -> bool | None:
+    """Whether a shared library defines libstdc++'s own symbols, i.e. carries a copy of
+    the C++ runtime beside the process's (see LDFLAGS); None where binutils' `nm` cannot
+    tell (not installed, not an ELF file)."""
+    nm = shutil.which("nm")
+    if nm is None:
+        return None
+    try:
+        p = subprocess.run([nm, "-D", "--defined-only", str(library)], capture_output=True,
+                           text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if p.returncode != 0:
+        return None
+    return any(f" {sym}" in p.stdout for sym in _RUNTIME_SYMBOLS)

@@ -91,10 +91,14 @@ def rdma(sysfs: Path = SYSFS) -> Check:
 
 def kernels() -> list[Check]:
     from lamina.kernels import KernelBuildError, load_cpu_kernel
+    from lamina.kernels.cpu_build import own_cxx_runtime
 
     try:
-        load_cpu_kernel()
-        cpu = Check("cpu attention kernel", True, "compiled C++ (slot attention, data plane)")
+        why = "compiled C++ (slot attention, data plane)"
+        if own_cxx_runtime(load_cpu_kernel().__file__):
+            why += (", but with its own copy of libstdc++ (this toolchain links it "
+                    "statically): a bad argument that reaches it may end the process")
+        cpu = Check("cpu attention kernel", True, why)
     except KernelBuildError as e:
         cpu = Check("cpu attention kernel", False, f"does not build: {e}; the torch "
                     "reference runs instead")
