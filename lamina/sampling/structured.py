@@ -121,13 +121,13 @@ class Guides:
                     raise ValueError("structured output needs the model's tokenizer; this "
                                      "engine has none")
                 import llguidance
-                import llguidance.hf
 
                 t = time.perf_counter()
                 n = len(self._tokenizer)  # the logits may be wider (padding): never drawn
                 if self.vocab_size < 1 << 30:  # the engine's "unknown" is 1 << 30
                     n = max(n, self.vocab_size)
-                ll = llguidance.hf.from_tokenizer(self._tokenizer, n)
+                ll = llguidance.LLTokenizer(_tokenizer_json(self._tokenizer), n_vocab=n,
+                                            eos_token=self._tokenizer.eos_token_id)
                 self._ll = ll
                 log.info("structured output: llguidance's tables for the tokenizer built "
                          "in %.1f s (once per engine)", time.perf_counter() - t)
@@ -161,6 +161,40 @@ class Guides:
         import llguidance
 
         return Guide(llguidance.LLMatcher(self._ll_tokenizer(), grammar))
+
+
+def _tokenizer_json(tokenizer) -> str:
+    """The fast tokenizer's JSON as llguidance reads it (`llguidance.hf.from_tokenizer`
+    passes it whole). llguidance takes a vocabulary for byte-level (GPT-2's bytes spelled
+    as characters: "Ġ" is a space) only where the decoder is `ByteLevel` itself; the
+    tokenizer transformers 5.17 makes from a GGUF has the same vocabulary and
+    pre-tokenizer but wraps that decoder in a `Sequence` (ByteFallback, Fuse, Replace,
+    ByteLevel), and llguidance then took "Ġ" for the bytes of its UTF-8 and refused every
+    token with a space (seen on the H200 machine, 2026-12-04). A byte-level
+    pre-tokenizer says how the vocabulary is spelled, so there the decoder is its
+    `ByteLevel` step alone."""
+    from copy import copy
+
+    backend = copy(tokenizer.backend_tokenizer)  # not the engine's: padding is changed
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    steps = _steps(spec.get("decoder"))
+    byte_level = [d for d in steps if d.get("type") == "ByteLevel"]
+    if byte_level and len(steps) > 1 and any(
+            p.get("type") == "ByteLevel" for p in _steps(spec.get("pre_tokenizer"))):
+        spec["decoder"] = byte_level[0]
+        return json.dumps(spec)
+    return backend.to_str()
+
+
+def _steps(part: dict | None) -> list[dict]:
+    """A tokenizer part's steps: those of a `Sequence`, else the part itself."""
+    if not part:
+        return []
+    if part.get("type") == "Sequence":
+        return list(part.get("decoders") or part.get("pretokenizers") or [])
+    return [part]
 
 
 def _one_line(err: str) -> str:

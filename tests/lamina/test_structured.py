@@ -19,7 +19,7 @@ from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
 from lamina.sampling.sampler import mask_rows, sample_rows
-from lamina.sampling.structured import StructuredOutputs
+from lamina.sampling.structured import Guides, StructuredOutputs, _tokenizer_json
 
 from .test_engine import engine, run
 from .test_recovery import FlakyExecutor
@@ -42,11 +42,14 @@ def _hf_guided(smol, prompt_ids: list[int], spec: StructuredOutputs, max_new: in
     `torch.compile`, whose first call in a process took 3-15 s here; its two lines run
     eagerly below."""
     import llguidance
-    import llguidance.hf
     import llguidance.torch as lt
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    tok = llguidance.hf.from_tokenizer(smol.tokenizer, smol.config.vocab_size)
+    # the tokenizer's JSON as the engine gives it (llguidance.hf passes it unchanged,
+    # which transformers 5.17's GGUF tokenizer needs changed: the table test below)
+    tok = llguidance.LLTokenizer(_tokenizer_json(smol.tokenizer),
+                                 n_vocab=smol.config.vocab_size,
+                                 eos_token=smol.tokenizer.eos_token_id)
     matcher = llguidance.LLMatcher(tok, spec.grammar_text())
     n = len(prompt_ids)
 
@@ -181,6 +184,40 @@ def test_a_grammar_is_checked_once_and_the_kept_ones_are_bounded(smol, monkeypat
     assert len(compiled) == 7
 
 
+# the decoder transformers 5.17 gives SmolLM2's GGUF tokenizer (5.23+: ByteLevel alone)
+WRAPPED_DECODER = {"type": "Sequence", "decoders": [
+    {"type": "ByteFallback"}, {"type": "Fuse"},
+    {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+    {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
+
+
+def test_llguidance_reads_a_byte_level_vocabulary_whatever_decoder_wraps_it(smol):
+    """Every token's bytes in the engine's llguidance table equal HF's decoding of that
+    token alone (where it decodes to whole characters), with the model's tokenizer and
+    with the same vocabulary under transformers 5.17's decoder. With that decoder
+    llguidance's own `hf.from_tokenizer` reads "Ġ" as its UTF-8 bytes, which refused
+    every token with a space on the H200 machine's transformers."""
+    import llguidance.hf
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(smol.tokenizer.backend_tokenizer.to_str())
+    spec["decoder"] = WRAPPED_DECODER
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                      eos_token=smol.tokenizer.eos_token)
+    n = len(smol.tokenizer)
+    special = set(smol.tokenizer.all_special_ids)
+    text = smol.tokenizer.batch_decode([[i] for i in range(n)])
+    whole = [i for i in range(n) if "\ufffd" not in text[i] and i not in special]
+    assert len(whole) > 40000
+    space = smol.tokenizer.encode(" answer")[0]
+    assert llguidance.hf.from_tokenizer(wrapped, n).decode_bytes([space]) == b"\xc4\xa0answer"
+    for tok in (smol.tokenizer, wrapped):
+        guides = Guides(tok, smol.config.vocab_size)
+        ll = guides._ll_tokenizer()
+        assert [ll.decode_bytes([i]) for i in whole] == [text[i].encode() for i in whole]
+        guide = guides.guide(guides.check(StructuredOutputs(regex="The answer is [0-9]+")))
+        assert all(guide.accept(t) for t in tok.encode("The answer is 42")), guide.error()
 @pytest.mark.parametrize("kw, match", [
     (dict(), "exactly one of json, json_object, regex, choice, grammar; got none"),
     (dict(regex="a", choice=["b"]), "got regex, choice"),
