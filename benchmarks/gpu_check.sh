@@ -101,13 +101,14 @@ for s in $steps; do
     exact) model && (cd "$PKG" && timeout "$(limit 200)" python3 -m pytest -q -p no:cacheprovider \
              --import-mode=append --rootdir="$ROOT" "$ROOT/tests/lamina/test_compute_device.py" \
              "$ROOT/tests/lamina/test_gpu_memory.py") 2>&1 | tee "$OUT/exact.log" ;;
-    # the suite but the Ray tests (the image has no ray: the `ray` step brings the kit's),
+    # the suite but tests/cluster (their Ray clusters; the `ray` step runs the GPU one),
+    # the kit's Ray on the path where it was carried (test_cli's `serve` imports it),
     # one pytest process a test file (a crash then takes its file, not the run: xdist's
     # scheduler failed outright once a crashed worker's stand-in collected other tests),
     # WORKERS (12) at a time of the machine's 16 cores, each file at most FILE_S (300)
     # seconds, all of them at most SUITE_S (480); SUITE (repo-relative paths) overrides
     # the files.
-    suite) model && suite_files ;;
+    suite) model && { with_ray || true; } && suite_files ;;
     # whether the compiled kernel's refusals come back as RuntimeErrors here
     # (benchmarks/exception_probe.py; cuda-gdb for a crash's backtrace: there is no gdb)
     crash) (cd "$PKG" && timeout "$(limit 400)" python3 "$ROOT/benchmarks/exception_probe.py" \

@@ -116,7 +116,7 @@ class ComputeWorker:
         t0 = time.perf_counter()
         # its tensors alone, bound to the stored trace (no transformers: half of a
         # start), where an earlier full load here recorded how; else the full load.
-        # GPU slices only when asked (`enabled_for`): no GPU run has checked it yet.
+        # CPU and GPU slices alike unless LAMINA_WEIGHTS_ONLY=0 (`enabled_for`).
         quick = enabled_for(spec.compute_device)
         self.loaded = load_weights_only(spec.model, spec.dtype) if quick else None
         weights_only = self.loaded is not None

@@ -155,6 +155,11 @@ def test_top_level_kernels_from_the_checkout_root_is_hugging_faces():
     search here), the folder loads as itself, as before."""
     from importlib import metadata
     try:
+        metadata.distribution("lamina")
+    except metadata.PackageNotFoundError:  # the root's lamina/ would then be all there is
+        pytest.skip("lamina is not installed: its folders are on PYTHONPATH as a shadow "
+                    "package (benchmarks/gpu_check.sh), which the checkout's root hides")
+    try:
         dist = metadata.distribution("kernels")
     except metadata.PackageNotFoundError:
         dist = None

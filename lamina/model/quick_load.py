@@ -16,8 +16,8 @@ mtime) and the trace file's name, recomputed from the installed torch, transform
 sources and the model's source file, is still the recorded one: anything that would
 make a full load trace differently makes the record stale. Records live under
 `$LAMINA_CACHE_DIR/weights_only`; `LAMINA_WEIGHTS_ONLY=0` loads the full way anyway
-(`LAMINA_TRACE_CACHE=0`, the store off, too); GPU compute workers use them only with
-`LAMINA_WEIGHTS_ONLY=gpu` (`enabled_for`).
+(`LAMINA_TRACE_CACHE=0`, the store off, too), on CPU and GPU compute workers alike
+(`enabled_for`).
 """
 from __future__ import annotations
 
@@ -56,10 +56,12 @@ def _enabled() -> bool:
 
 def enabled_for(compute_device: str) -> bool:
     """Whether a compute worker whose slices run on `compute_device` starts from the
-    weights alone (and records how after a full load): CPU slices unless
-    `LAMINA_WEIGHTS_ONLY=0`; GPU slices only with `LAMINA_WEIGHTS_ONLY=gpu`, until a GPU
-    run has checked that path (`LAMINA_WEIGHTS_ONLY=gpu bash benchmarks/gpu_check.sh ray`)."""
-    return _enabled() and (compute_device == "cpu" or _setting() == "gpu")
+    weights alone (and records how after a full load): on CPU and on GPUs unless
+    `LAMINA_WEIGHTS_ONLY=0`. GPU workers took it only when asked (`gpu`, still accepted)
+    until the Ray GPU test passed that way on an H200 (benchmarks/RESULTS.md,
+    2026-12-04); `bash benchmarks/gpu_check.sh ray` is that check."""
+    del compute_device  # one answer for every device since then; callers still say which
+    return _enabled()
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:

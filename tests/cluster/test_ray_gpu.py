@@ -2,10 +2,8 @@
 slices and sampling on the GPU, two memory workers holding the KV in host DRAM, q/k/v
 through pinned buffers. The 16-prompt mixed-length test equals HF `generate` on the
 same GPU in fp32. Skips without a GPU; `benchmarks/gpu_check.sh ray` runs it there.
-With `LAMINA_WEIGHTS_ONLY=gpu` the compute worker must start from the weights alone (a
-record written here first), the path GPU workers take only when asked until this
-passes on a GPU."""
-import os
+By default the compute worker must start from the weights alone (a record written here
+first); with `LAMINA_WEIGHTS_ONLY=0`, the full way."""
 
 import pytest
 import ray
@@ -20,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_ray_with_a_gpu_compute_worker_equals_hf_generate_on_the_gpu(smol, smol_split,
                                                                      prompts):
-    weights_only = os.environ.get("LAMINA_WEIGHTS_ONLY") == "gpu"
+    weights_only = quick_load.enabled_for("cuda")
     if weights_only:  # smol_split put its trace in the store
         assert quick_load.remember(smol, torch.float32) is not None
     llm = LLM(executor="ray", compute_device="cuda", kv_device="cpu", num_memory_workers=2,

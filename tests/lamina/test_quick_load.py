@@ -120,11 +120,12 @@ def test_weights_only_split_moves_to_a_device_as_its_full_load(tmp_path, records
     assert devices and all(d == meta for d in devices)
 
 
-@pytest.mark.parametrize("env, cpu, gpu", [(None, True, False), ("1", True, False),
+@pytest.mark.parametrize("env, cpu, gpu", [(None, True, True), ("1", True, True),
                                            ("gpu", True, True), ("0", False, False),
                                            ("off", False, False)])
 def test_which_compute_workers_start_weights_only(monkeypatch, env, cpu, gpu):
-    """CPU slices by default; GPU slices only with LAMINA_WEIGHTS_ONLY=gpu; 0 / off: none."""
+    """CPU and GPU slices by default (`gpu`, once the opt-in, still means on); 0 / off:
+    none."""
     if env is None:
         monkeypatch.delenv("LAMINA_WEIGHTS_ONLY", raising=False)
     else:
