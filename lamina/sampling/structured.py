@@ -175,6 +175,9 @@ def _tokenizer_json(tokenizer) -> str:
     `ByteLevel` step alone."""
     from copy import copy
 
+    if not hasattr(tokenizer, "backend_tokenizer"):
+        raise ValueError("structured output needs a fast (Rust-backed) tokenizer; this "
+                         f"model's is a {type(tokenizer).__name__}")
     backend = copy(tokenizer.backend_tokenizer)  # not the engine's: padding is changed
     backend.no_padding()
     backend.no_truncation()

@@ -286,3 +286,15 @@ def test_masked_rows_draw_only_allowed_tokens_with_penalties_and_bias():
     want = int(torch.argmax(torch.where(torch.isin(torch.arange(V), torch.tensor(ok)),
                                         logits[0], float("-inf"))))
     assert out[0] == (want,)  # the bias on a masked token changes nothing
+
+
+def test_a_tokenizer_without_rust_tables_is_named():
+    class SlowTokenizer:  # a Python-only tokenizer: llguidance reads the Rust one's JSON
+        eos_token_id = 0
+
+        def __len__(self):
+            return 100
+
+    with pytest.raises(ValueError, match="needs a fast .Rust-backed. tokenizer; this "
+                                         "model's is a SlowTokenizer"):
+        Guides(SlowTokenizer(), 100).check(StructuredOutputs(regex="a"))
