@@ -74,6 +74,7 @@ from lamina.entrypoints.api_stream import (
     chat_logprobs,
     completion_logprobs,
     sse_events,
+    token_names,
     vllm_prompt_logprobs,
 )
 from lamina.entrypoints.api_tokenize import (
@@ -229,6 +230,9 @@ class _Sampling(_Nullable):
     session_id: str | None = None
     # vLLM's: under `scheduling_policy: priority`, lower is served first
     priority: int = 0
+    # vLLM's: logprobs name each token "token_id:<id>" (a token whose text is part of a
+    # character, or any, identified without the tokenizer); the text itself is unchanged
+    return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     # structured output: OpenAI's, vLLM's, vLLM's older names (`api_fields.structured_outputs`)
@@ -656,6 +660,10 @@ class _Api:
         tok = self.tokenizer
         return [tok.decode([t]) if tok is not None else str(t) for t in ids]
 
+    def _names(self, body: _Sampling):
+        """How a request's logprobs name tokens: their text, or vLLM's "token_id:<id>"."""
+        return token_names if body.return_tokens_as_token_ids else self._decode
+
     async def completions(self, body: CompletionRequest, request: Request,
                           response: Response):
         return await self._answer(self._completions, body, COMPLETION_REFUSED, request,
@@ -759,7 +767,7 @@ class _Api:
             prompts = [prompts]
         head = {"id": f"cmpl-{request.state.request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
-        choice = _CompletionChoices(body, self._decode)
+        choice = _CompletionChoices(body, self._decode, self._names(body))
         if body.stream:
             return await self._run(list(prompts), body, request,
                                    lambda i, c, text, lps, start: {
@@ -794,7 +802,8 @@ class _Api:
         head = {"id": rid, "created": now, "model": self.model_name}
 
         def lp_json(lps):
-            return chat_logprobs(lps, self._decode) if lps is not None else None
+            return chat_logprobs(lps, self._decode, self._names(body)) \
+                if lps is not None else None
 
         if body.stream:
             streams: dict[tuple[int, int], ToolStream] = {}
@@ -881,8 +890,8 @@ class _CompletionChoices:
     """Builds a completion's choices; streamed ones continue their logprobs' text
     offsets from the last token sent."""
 
-    def __init__(self, body: CompletionRequest, decode):
-        self.body, self.decode = body, decode
+    def __init__(self, body: CompletionRequest, decode, names):
+        self.body, self.decode, self.names = body, decode, names  # names: for logprobs
         self.ends: dict[tuple[int, int], int] = {}  # text offset after the last token
 
     def __call__(self, i, c, text, lps, start=0, out=None) -> dict:
@@ -894,7 +903,7 @@ class _CompletionChoices:
             text, ids = prompt_text + text, out.prompt_token_ids + ids
         if lps is not None:
             plps = (out.prompt_logprobs or []) if echo else []
-            lp = completion_logprobs(plps + list(lps), self.decode,
+            lp = completion_logprobs(plps + list(lps), self.names,
                                      self.ends.get((i, c.index), 0), ids=ids if echo else None)
             if lp["tokens"]:
                 self.ends[i, c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])

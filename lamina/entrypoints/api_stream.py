@@ -111,11 +111,19 @@ def vllm_prompt_logprobs(plps, decode: Callable) -> list | None:
     return out
 
 
-def chat_logprobs(lps, decode: Callable) -> dict:
-    """OpenAI chat format."""
+def token_names(ids) -> list[str]:
+    """vLLM's `return_tokens_as_token_ids` names for tokens: "token_id:<id>"."""
+    return [f"token_id:{i}" for i in ids]
+
+
+def chat_logprobs(lps, decode: Callable, names: Callable | None = None) -> dict:
+    """OpenAI chat format; `names` (else `decode`) gives each entry's "token", whose
+    "bytes" are its text's always (vLLM gives the top alternatives the bytes of their
+    "token_id:<id>" names)."""
     def entry(tok_id, lp):
         s = decode([tok_id])[0]
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": names([tok_id])[0] if names else s, "logprob": lp,
+                "bytes": list(s.encode())}
 
     return {"content": [{**entry(t.token_id, t.logprob),
                          "top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps]}

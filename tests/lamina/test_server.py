@@ -163,6 +163,7 @@ def test_stream_equals_plain_completion(server, prompts, hf_greedy, smol):
     text = smol.tokenizer.decode(hf_greedy[4], skip_special_tokens=True)
     body = {"prompt": prompts[4], "max_tokens": 64, "temperature": 0,
             "stop": text[len(text) // 2: len(text) // 2 + 6], "logprobs": 2}
+    server.post("/v1/completions", body)  # the prompt cached: both below see it so
     status, plain = server.post("/v1/completions", body)
     assert status == 200
     events = server.stream("/v1/completions", {**body, "stream_options":
@@ -196,6 +197,47 @@ def test_chat_stream_and_logprobs(server):
     assert "".join(d["content"] for d in deltas) == plain["choices"][0]["message"]["content"]
     status, out = server.post("/v1/chat/completions", {**body, "logprobs": False})
     assert status == 400 and "top_logprobs" in out["error"]["message"]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, prompts, smol):
+    """vLLM's `return_tokens_as_token_ids`: the same greedy answer, its logprobs' tokens
+    and top alternatives named "token_id:<id>" (the ids the answer carries; each
+    alternative's id decodes to the text the plain request shows), text offsets counting
+    those names as vLLM's do, streamed as whole; a chat's "bytes" stay its tokens' text."""
+    def text(name):
+        return smol.tokenizer.decode([int(name.removeprefix("token_id:"))])
+
+    body = {"prompt": prompts[0], "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    named_body = {**body, "return_tokens_as_token_ids": True}
+    (s1, plain), (s2, named) = (server.post("/v1/completions", b) for b in (body, named_body))
+    assert s1 == s2 == 200
+    a, b = plain["choices"][0], named["choices"][0]
+    assert (b["text"], b["token_ids"]) == (a["text"], a["token_ids"])
+    lp, lq = a["logprobs"], b["logprobs"]
+    assert lq["tokens"] == [f"token_id:{t}" for t in a["token_ids"]]
+    assert lq["token_logprobs"] == lp["token_logprobs"]
+    assert [{text(k): v for k, v in top.items()} for top in lq["top_logprobs"]] == \
+        lp["top_logprobs"]
+    assert lq["text_offset"] == [sum(map(len, lq["tokens"][:i])) for i in range(12)]
+    chunks = [e["choices"][0]["logprobs"] for e in server.stream("/v1/completions",
+                                                                   named_body)[:-1]]
+    for key in ("tokens", "top_logprobs", "text_offset"):
+        assert sum((c[key] for c in chunks), []) == lq[key]
+
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    (s1, plain), (s2, named) = (server.post("/v1/chat/completions", b) for b in
+                                (chat, {**chat, "return_tokens_as_token_ids": True}))
+    assert s1 == s2 == 200
+    ids = named["choices"][0]["token_ids"]
+    assert ids == plain["choices"][0]["token_ids"]
+    got, want = (r["choices"][0]["logprobs"]["content"] for r in (named, plain))
+    assert [c["token"] for c in got] == [f"token_id:{t}" for t in ids]
+    assert [(c["bytes"], c["logprob"]) for c in got] == [(c["bytes"], c["logprob"])
+                                                         for c in want]
+    assert [[(text(t["token"]), t["bytes"], t["logprob"]) for t in c["top_logprobs"]]
+            for c in got] == [[(t["token"], t["bytes"], t["logprob"])
+                               for t in c["top_logprobs"]] for c in want]
 
 
 def test_chat_content_parts_and_max_completion_tokens(server):
