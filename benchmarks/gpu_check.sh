@@ -111,8 +111,11 @@ for s in $steps; do
     suite) model && { with_ray || true; } && suite_files ;;
     # whether the compiled kernel's refusals come back as RuntimeErrors here
     # (benchmarks/exception_probe.py; cuda-gdb for a crash's backtrace: there is no gdb)
+    # (CASES: the probe's cases; the -static-libstdc++ ones stand in for a toolchain
+    # that links the runtime in, which that machine's did on its own)
     crash) (cd "$PKG" && timeout "$(limit 400)" python3 "$ROOT/benchmarks/exception_probe.py" \
-             --out "$OUT" --timeout 150 --gdb "$(command -v gdb || command -v cuda-gdb)") \
+             --out "$OUT" --timeout 150 --cases ${CASES:-default old_link minimal} \
+             --gdb "$(command -v gdb || command -v cuda-gdb)") \
              2>&1 | tee "$OUT/crash.log" ;;
     # the Ray executor with a GPU compute worker (RAY_TESTS overrides what it runs)
     ray) model && with_ray && (cd "$PKG" && timeout "$(limit 400)" python3 -m pytest -q \

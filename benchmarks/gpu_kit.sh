@@ -9,21 +9,23 @@
 #   bash benchmarks/gpu_kit.sh        (here, with `make setup` done)
 # Then, on one warm machine, three calls back to back in one batch of tool calls (a
 # machine goes back 30 s after a call; what a call carried stays for the next). The
-# 2026-12-04 session did all three in 629 s of its 900 s of device time, start included:
-#   1. run(carry=[".gpukit/a"], command="DEADLINE_S=190 bash benchmarks/gpu_check.sh crash")
-#      (the model's first half; whether the kernel's refusals raise there, 180 s with the
-#      probe's three rebuilds on 16 cores)
-#   2. run(carry=[".gpukit/ray", ".gpukit/whl"], command="ls .gpukit/*")
-#   3. run(carry=[".gpukit/b"], command=<the two below side by side, OUT=/tmp/... each, then
-#      one tar of them into $OUT: at most 8 files come back>)
+# 2026-12-04 session ran `crash`, then `suite` beside `ray` this way in 629 s of its
+# 900 s of device time, start included. What is left for issue 32, in that budget:
+#   1. run(carry=[".gpukit/a"], command="ls .gpukit/a")   (the model's first half)
+#   2. run(carry=[".gpukit/b", ".gpukit/whl"], command="E2E_ARGS='--setups host-kv-1
+#      host-kv-2' DEADLINE_S=330 bash benchmarks/gpu_check.sh e2e")   (acceptance 2's
+#      host-KV rows, alone on the machine: the memory workers' threads are timed)
+#   3. run(carry=[".gpukit/ray"], command=<the two below side by side, OUT=/tmp/... each,
+#      then one tar of them into $OUT: at most 8 files come back>)
 #      - WORKERS=8 SUITE_S=400 DEADLINE_S=425 bash benchmarks/gpu_check.sh suite
-#        (acceptance 4 and, in its first files, 1: the suite but tests/cluster, ~400 s)
-#      - LAMINA_WEIGHTS_ONLY=0 DEADLINE_S=250 bash benchmarks/gpu_check.sh ray, then
-#        DEADLINE_S=170 bash benchmarks/gpu_check.sh ray
-#        (the Ray executor with the compute worker on the GPU, loaded the full way and from
-#        the weights alone, now the default: 118 s and 101 s beside the suite)
-#   Where time is left: E2E_ARGS="--setups host-kv-1 host-kv-2" gpu_check.sh e2e
-#   (acceptance 2's host rows; the GPU-KV rows were re-measured on 2026-11-28).
+#        (acceptance 4; its first files hold acceptance 1; ~400 s on 2026-12-04, when the
+#        four files of the kernel's refusal tests died of SIGSEGV, fixed since)
+#      - DEADLINE_S=250 bash benchmarks/gpu_check.sh ray, then
+#        LAMINA_WEIGHTS_ONLY=0 DEADLINE_S=170 bash benchmarks/gpu_check.sh ray
+#        (the Ray executor with the compute worker on the GPU, from the weights alone, the
+#        default, and loaded the full way: 101 s and 118 s beside the suite)
+#   Should the kernel's refusal tests still crash there: `DEADLINE_S=190 bash
+#   benchmarks/gpu_check.sh crash` (the probe under cuda-gdb, ~3 min with its rebuilds).
 # Ray is not in the image: .gpukit/ray holds it trimmed (its wheel less the Java jars,
 # the libraries Lamina does not use and the dashboard's web client), xz-packed, 27 MB.
 # The image's torch (2.11) and transformers (5.17) are older than this repo's pins; the
