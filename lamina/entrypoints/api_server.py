@@ -3,7 +3,8 @@
 Data in: JSON requests on /v1/completions, /v1/chat/completions and /v1/responses
 (OpenAI's fields, echo, penalties, logit_bias, chat's text content parts and
 max_completion_tokens included, plus vLLM's top_k, seed, stop_token_ids, ignore_eos,
-min_tokens, repetition_penalty, prompt_logprobs and stream_options.continuous_usage_stats;
+min_tokens, repetition_penalty, prompt_logprobs, stream_options.continuous_usage_stats,
+return_tokens_as_token_ids and a chat's echo (vLLM's sampling fields: `_Sampling`);
 structured output's response_format / structured_outputs / guided_* and a chat's tools
 with a forced tool_choice, made into `StructuredOutputs` by `api_fields` and
 `api_tools`; tools left to "auto", read from the answer by
@@ -85,7 +86,7 @@ from lamina.entrypoints.api_tokenize import (
 )
 from lamina.entrypoints.api_tools import ToolCalling, openai_calls, tool_calling
 from lamina.entrypoints.engine_loop import EngineLoop, beside
-from lamina.entrypoints.llm import chat_prompt, chat_tokens
+from lamina.entrypoints.llm import chat_prompt, chat_tokens, template_message
 from lamina.entrypoints.tool_parsers import PARSERS, ToolParser, ToolStream
 from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
 from lamina.sampling.params import SamplingParams
@@ -321,6 +322,16 @@ class ChatRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: where the last message is the assistant's (an answer continued), the
+    # answer's content begins with it
+    echo: bool = False
+
+    def echoed(self) -> str:
+        """The text `echo` puts before the answer ("" where there is none)."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return ""
+        return template_message(last.model_dump(), len(self.messages) - 1)["content"]
 
     def tool_calling(self, parser: ToolParser | None = None) -> ToolCalling | None:
         return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
@@ -800,6 +811,7 @@ class _Api:
                           else "messages")
         rid, now = f"chatcmpl-{request.state.request_id}", int(time.time())
         head = {"id": rid, "created": now, "model": self.model_name}
+        echoed = body.echoed()
 
         def lp_json(lps):
             return chat_logprobs(lps, self._decode, self._names(body)) \
@@ -821,6 +833,8 @@ class _Api:
                         if "tool_calls" in delta:  # a stream's calls carry their index
                             delta["tool_calls"] = [{"index": k, **tc} for k, tc in
                                                    enumerate(message["tool_calls"])]
+                if echoed and not start:
+                    delta["content"] = echoed + (delta.get("content") or "")
                 return {**head, "object": "chat.completion.chunk", "choices": [{
                     "index": c.index, "delta": delta, "token_ids": c.token_ids[start:],
                     "logprobs": lp_json(lps), "finish_reason": fin}]}
@@ -831,6 +845,8 @@ class _Api:
         choices = []
         for c in outs[0].outputs:
             message, fin = _answer_message(calling, c)
+            if echoed:
+                message["content"] = echoed + (message["content"] or "")
             choices.append({"index": c.index, "message": message, "token_ids": c.token_ids,
                             "logprobs": lp_json(c.logprobs), "finish_reason": fin})
         return {**head, "object": "chat.completion", "choices": choices,

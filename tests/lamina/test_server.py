@@ -240,6 +240,31 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, prompts, 
                                for t in c["top_logprobs"]] for c in want]
 
 
+def test_chat_echo_begins_a_continued_answer_with_its_start(server):
+    """vLLM's chat `echo`: where the last message is the assistant's begun answer, the
+    content is that text and then the same continuation as without echo (streamed as
+    whole); after a user's turn, echo changes nothing."""
+    begun = [{"role": "user", "content": "Name a colour."},
+             {"role": "assistant", "content": [{"type": "text", "text": "My favourite"},
+                                               {"type": "text", "text": "colour is"}]}]
+    body = {"messages": begun, "max_tokens": 8, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    (s1, plain), (s2, echo) = (server.post("/v1/chat/completions", b) for b in
+                               (body, {**body, "echo": True}))
+    assert s1 == s2 == 200
+    a, b = plain["choices"][0], echo["choices"][0]
+    assert b["token_ids"] == a["token_ids"] and len(a["token_ids"]) > 0
+    assert b["message"]["content"] == "My favourite\ncolour is" + a["message"]["content"]
+    events = server.stream("/v1/chat/completions", {**body, "echo": True})
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1]) == \
+        b["message"]["content"]
+    user_last = {**body, "messages": begun[:1], "add_generation_prompt": True,
+                 "continue_final_message": False}
+    (s1, plain), (s2, echo) = (server.post("/v1/chat/completions", b) for b in
+                               (user_last, {**user_last, "echo": True}))
+    assert s1 == s2 == 200 and echo["choices"] == plain["choices"]
+
+
 def test_chat_content_parts_and_max_completion_tokens(server):
     """What current OpenAI clients send (guidellm among them): text content parts (joined
     by newlines, as vLLM joins them) and `max_completion_tokens`, max_tokens' new name."""
