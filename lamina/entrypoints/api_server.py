@@ -814,8 +814,8 @@ class _Api:
         echoed = body.echoed()
 
         def lp_json(lps):
-            return chat_logprobs(lps, self._decode, self._names(body)) \
-                if lps is not None else None
+            names = token_names if body.return_tokens_as_token_ids else None
+            return chat_logprobs(lps, self._decode, names) if lps is not None else None
 
         if body.stream:
             streams: dict[tuple[int, int], ToolStream] = {}
