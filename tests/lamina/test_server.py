@@ -209,6 +209,7 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, prompts, 
 
     body = {"prompt": prompts[0], "max_tokens": 12, "temperature": 0, "logprobs": 2}
     named_body = {**body, "return_tokens_as_token_ids": True}
+    server.post("/v1/completions", body)  # the prompt cached: both below see it so
     (s1, plain), (s2, named) = (server.post("/v1/completions", b) for b in (body, named_body))
     assert s1 == s2 == 200
     a, b = plain["choices"][0], named["choices"][0]
@@ -226,6 +227,7 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, prompts, 
 
     chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8,
             "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    server.post("/v1/chat/completions", chat)
     (s1, plain), (s2, named) = (server.post("/v1/chat/completions", b) for b in
                                 (chat, {**chat, "return_tokens_as_token_ids": True}))
     assert s1 == s2 == 200
@@ -249,6 +251,7 @@ def test_chat_echo_begins_a_continued_answer_with_its_start(server):
                                                {"type": "text", "text": "colour is"}]}]
     body = {"messages": begun, "max_tokens": 8, "temperature": 0,
             "add_generation_prompt": False, "continue_final_message": True}
+    server.post("/v1/chat/completions", body)  # cached: the requests below alike
     (s1, plain), (s2, echo) = (server.post("/v1/chat/completions", b) for b in
                                (body, {**body, "echo": True}))
     assert s1 == s2 == 200
@@ -260,6 +263,7 @@ def test_chat_echo_begins_a_continued_answer_with_its_start(server):
         b["message"]["content"]
     user_last = {**body, "messages": begun[:1], "add_generation_prompt": True,
                  "continue_final_message": False}
+    server.post("/v1/chat/completions", user_last)
     (s1, plain), (s2, echo) = (server.post("/v1/chat/completions", b) for b in
                                (user_last, {**user_last, "echo": True}))
     assert s1 == s2 == 200 and echo["choices"] == plain["choices"]
