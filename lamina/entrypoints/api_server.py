@@ -671,9 +671,11 @@ class _Api:
         tok = self.tokenizer
         return [tok.decode([t]) if tok is not None else str(t) for t in ids]
 
-    def _names(self, body: _Sampling):
-        """How a request's logprobs name tokens: their text, or vLLM's "token_id:<id>"."""
-        return token_names if body.return_tokens_as_token_ids else self._decode
+    @staticmethod
+    def _names(body: _Sampling):
+        """How a request's logprobs name tokens: vLLM's "token_id:<id>", or None (their
+        text)."""
+        return token_names if body.return_tokens_as_token_ids else None
 
     async def completions(self, body: CompletionRequest, request: Request,
                           response: Response):
@@ -814,8 +816,8 @@ class _Api:
         echoed = body.echoed()
 
         def lp_json(lps):
-            names = token_names if body.return_tokens_as_token_ids else None
-            return chat_logprobs(lps, self._decode, names) if lps is not None else None
+            return chat_logprobs(lps, self._decode, self._names(body)) \
+                if lps is not None else None
 
         if body.stream:
             streams: dict[tuple[int, int], ToolStream] = {}
@@ -906,8 +908,9 @@ class _CompletionChoices:
     """Builds a completion's choices; streamed ones continue their logprobs' text
     offsets from the last token sent."""
 
-    def __init__(self, body: CompletionRequest, decode, names):
-        self.body, self.decode, self.names = body, decode, names  # names: for logprobs
+    def __init__(self, body: CompletionRequest, decode, names=None):
+        # names: how logprobs name tokens, where not by their text
+        self.body, self.decode, self.names = body, decode, names or decode
         self.ends: dict[tuple[int, int], int] = {}  # text offset after the last token
 
     def __call__(self, i, c, text, lps, start=0, out=None) -> dict:

@@ -181,14 +181,15 @@ def _tokenizer_json(tokenizer) -> str:
     backend = copy(tokenizer.backend_tokenizer)  # not the engine's: padding is changed
     backend.no_padding()
     backend.no_truncation()
-    spec = json.loads(backend.to_str())
+    text = backend.to_str()
+    spec = json.loads(text)
     steps = _steps(spec.get("decoder"))
     byte_level = [d for d in steps if d.get("type") == "ByteLevel"]
     if byte_level and len(steps) > 1 and any(
             p.get("type") == "ByteLevel" for p in _steps(spec.get("pre_tokenizer"))):
         spec["decoder"] = byte_level[0]
         return json.dumps(spec)
-    return backend.to_str()
+    return text
 
 
 def _steps(part: dict | None) -> list[dict]:
