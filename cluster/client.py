@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import ray
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from lamina.engine.beam_search import BeamSearchParams, beam_search
 from lamina.engine.outputs import RequestOutput
 from lamina.engine.sessions import check_session_id
 from lamina.entrypoints.llm import batch_of, chat_prompt, chat_tokens, per_prompt
@@ -155,6 +156,17 @@ class Client:
             bar.close()
         return outs
 
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[RequestOutput]:
+        """As `LLM.beam_search`: one output a prompt, its beams best first."""
+        tok, eos = self.tokenizer(), ray.get(self.service.limits.remote())["eos_ids"]
+
+        def validate(p, sp):
+            return _call(self.service.validate.remote(p, sp, 0))
+
+        return beam_search(batch_of(prompts, None)[0], params, eos, validate,
+                           lambda ids, plist: self.generate(ids, plist, use_tqdm=False),
+                           lambda ids, skip: tok.decode(ids, skip_special_tokens=skip))
+
     def chat(self, messages, params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
@@ -264,9 +276,13 @@ class _RemoteEngine:
     def vocab_size(self) -> int:
         return self._limits["vocab_size"]
 
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset(self._limits["eos_ids"])
+
     def validate(self, prompt, params, session_id: str | None = None,
-                 priority: int = 0) -> None:
-        _call(self.client.service.validate.remote(prompt, params, priority))
+                 priority: int = 0) -> list[int]:
+        return _call(self.client.service.validate.remote(prompt, params, priority))
 
 
 class RemoteResponseStore:

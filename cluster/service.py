@@ -66,12 +66,14 @@ class LaminaService:
         return ray.get_runtime_context().get_node_id()
 
     def limits(self) -> dict:
-        """The served model's context and vocabulary sizes."""
-        return {"max_len": self.llm.engine.max_len, "vocab_size": self.llm.engine.vocab_size}
+        """The served model's context and vocabulary sizes and its EOS ids."""
+        e = self.llm.engine
+        return {"max_len": e.max_len, "vocab_size": e.vocab_size, "eos_ids": sorted(e.eos_ids)}
 
-    def validate(self, prompt, params, priority: int = 0) -> None:
-        """Raise what `LLM.generate` would for this prompt (ValueError / TypeError)."""
-        self.llm.engine.validate(prompt, params, priority=priority)
+    def validate(self, prompt, params, priority: int = 0) -> list[int]:
+        """Raise what `LLM.generate` would for this prompt (ValueError / TypeError);
+        -> its token ids."""
+        return self.llm.engine.validate(prompt, params, priority=priority)
 
     async def stream(self, key: str, prompt, params, session_id: str | None = None,
                      priority: int = 0):

@@ -1,9 +1,9 @@
 """Lamina: LLM inference with attention offloaded to memory workers.
 
-`from lamina import LLM, SamplingParams, StructuredOutputs, TokensPrompt` (imported lazily, so
-`lamina.memory.allocator` and friends stay light); `lamina.connect()` returns a client
-of the cluster's running Lamina service (lamina.cluster.client, found by name: only
-lamina.cluster imports ray).
+`from lamina import LLM, SamplingParams, BeamSearchParams, StructuredOutputs, TokensPrompt`
+(imported lazily, so `lamina.memory.allocator` and friends stay light);
+`lamina.connect()` returns a client of the cluster's running Lamina service
+(lamina.cluster.client, found by name: only lamina.cluster imports ray).
 """
 import importlib
 import os
@@ -18,7 +18,8 @@ for _var in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
     os.environ.setdefault(_var, ONEDNN_CACHE)
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "TokensPrompt", "connect"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputs", "TokensPrompt",
+           "connect"]
 
 
 def connect(address=None, service="lamina"):
@@ -35,6 +36,9 @@ def __getattr__(name):
     if name == "SamplingParams":
         from lamina.sampling.params import SamplingParams
         return SamplingParams
+    if name == "BeamSearchParams":
+        from lamina.engine.beam_search import BeamSearchParams
+        return BeamSearchParams
     if name == "TokensPrompt":
         from lamina.engine.inputs import TokensPrompt
         return TokensPrompt

@@ -24,6 +24,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None while running
     logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs
+    # beam search's rank of this beam: cumulative logprob / tokens ** length_penalty
+    score: float | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:

@@ -47,7 +47,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lamina.engine.beam_search import BeamSearch, finish_round, next_round
 from lamina.engine.sessions import check_session_id
+from lamina.entrypoints.api_beam import beam_params, with_logprobs
 from lamina.entrypoints.api_fields import (
     CHAT_REFUSED,
     COMPLETION_REFUSED,
@@ -234,6 +236,11 @@ class _Sampling(_Nullable):
     # vLLM's: logprobs name each token "token_id:<id>" (a token whose text is part of a
     # character, or any, identified without the tokenizer); the text itself is unchanged
     return_tokens_as_token_ids: bool = False
+    # vLLM's beam search (`api_beam`): `n` beams, the n best returned, best first;
+    # HF's `early_stopping` (False, True or "never") beside vLLM's fields
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     # structured output: OpenAI's, vLLM's, vLLM's older names (`api_fields.structured_outputs`)
@@ -667,6 +674,52 @@ class _Api:
             log.warning("HTTP request %s failed: %s", request.state.request_id, e)
             return _error(503, f"generation failed: {type(e).__name__}: {e}")
 
+    async def _beam(self, prompts: list, body: _Sampling, request: Request
+                    ) -> list | JSONResponse:
+        """`use_beam_search`: the rounds of each prompt's search (`engine.beam_search`),
+        each round queued, validated, awaited and failed as `_run`'s requests are ->
+        one output a prompt, its beams best first."""
+        if body.model is not None and body.model != self.model_name:
+            return self._params(body, len(prompts))  # the 404 naming the model
+        try:
+            self.config.check(body, len(prompts))
+            searches = await self._off_loop(self._searches, prompts, body)
+        except ValueError as e:
+            return _error(400, str(e), str(e).split(":")[0].split(" ")[0])
+        session = body.session_id or request.headers.get("x-session-id")
+        while asked := next_round(searches):
+            futs = await self._off_loop(self._submit, asyncio.get_running_loop(),
+                                        [ctx for _, ctx in asked],
+                                        searches[0].round_params(), None, session,
+                                        None, body.priority)
+            if isinstance(futs, JSONResponse):
+                return futs
+            outs = await self._wait(futs, request)
+            if isinstance(outs, JSONResponse):
+                return outs
+            finish_round(asked, outs)
+        decode = self.tokenizer.decode
+        k = body.num_logprobs()
+        return [with_logprobs(s.result(i, lambda ids, skip: decode(
+            ids, skip_special_tokens=skip)), k) for i, s in enumerate(searches)]
+
+    def _searches(self, prompts: list, body: _Sampling) -> list[BeamSearch]:
+        """One search a prompt, each checked as `_checked` checks a request."""
+        engine, params, out = self.loop.engine, body.params(), []
+        if not prompts:
+            raise ValueError("prompt: empty list")
+        for i, p in enumerate(prompts):
+            try:
+                ids = engine.validate(p, params, priority=body.priority)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+            new = params.max_tokens if params.max_tokens is not None \
+                else engine.max_len - len(ids)
+            out.append(BeamSearch(ids, beam_params(body, new), engine.eos_ids,
+                                  p if isinstance(p, str) else getattr(p, "prompt", None),
+                                  body.num_logprobs() or 0))
+        return out
+
     def _decode(self, ids) -> list[str]:
         tok = self.tokenizer
         return [tok.decode([t]) if tok is not None else str(t) for t in ids]
@@ -781,11 +834,12 @@ class _Api:
         head = {"id": f"cmpl-{request.state.request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         choice = _CompletionChoices(body, self._decode, self._names(body))
-        if body.stream:
+        if body.stream and not body.use_beam_search:  # (refused with it, by `_beam`)
             return await self._run(list(prompts), body, request,
                                    lambda i, c, text, lps, start: {
                                        **head, "choices": [choice(i, c, text, lps, start)]})
-        outs = await self._run(list(prompts), body, request)
+        outs = await (self._beam if body.use_beam_search else self._run)(
+            list(prompts), body, request)
         if isinstance(outs, JSONResponse):
             return outs
         choices = [choice(i, c, c.text, c.logprobs, out=o) for i, o in enumerate(outs)
@@ -819,7 +873,7 @@ class _Api:
             return chat_logprobs(lps, self._decode, self._names(body)) \
                 if lps is not None else None
 
-        if body.stream:
+        if body.stream and not body.use_beam_search:
             streams: dict[tuple[int, int], ToolStream] = {}
 
             def chunk(i, c, text, lps, start):
@@ -841,7 +895,8 @@ class _Api:
                     "index": c.index, "delta": delta, "token_ids": c.token_ids[start:],
                     "logprobs": lp_json(lps), "finish_reason": fin}]}
             return await self._run([prompt], body, request, chunk)
-        outs = await self._run([prompt], body, request)
+        outs = await (self._beam if body.use_beam_search else self._run)(
+            [prompt], body, request)
         if isinstance(outs, JSONResponse):
             return outs
         choices = []

@@ -93,6 +93,7 @@ def cmd_generate(args) -> int:
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty,
                             structured_outputs=_structured(args))
+    beams = _beam_params(args, params)
     llm = _llm(LLM, args)
     where = (f"{args.memory_workers} Ray memory worker process(es)" if args.executor == "ray"
              else "in-process memory side") + (f", KV on {args.kv_device}, dense part on "
@@ -100,6 +101,8 @@ def cmd_generate(args) -> int:
     print(f"attention offloaded to {where}; dense part: {llm.dense.backend} "
           f"({llm.dense.reason})")
     t = time.perf_counter()
+    if beams is not None:
+        return _print_beams(llm, args, beams)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
                         use_tqdm=False)
@@ -110,6 +113,45 @@ def cmd_generate(args) -> int:
     for p, o in zip(args.prompts, outs):
         print(f"> {p}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, {o.finish_reason}]\n")
     print(f"{n} tokens in {dt:.1f}s ({n / dt:.1f} tok/s, {len(outs)} prompts batched)")
+    llm.shutdown()
+    return 0
+
+
+def _beam_params(args, params):
+    """--beam-width N -> BeamSearchParams (None without it); a sampling flag it would
+    ignore is refused by name."""
+    from lamina import BeamSearchParams, SamplingParams
+
+    if args.beam_width is None:
+        if args.length_penalty != 1.0:
+            raise ValueError("--length-penalty needs --beam-width")
+        return None
+    plain = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                           seed=args.seed, ignore_eos=args.ignore_eos)
+    if params != plain:
+        raise ValueError("--beam-width takes --max-tokens, --ignore-eos, --length-penalty "
+                         "and --chat; leave the sampling flags out")
+    return BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
+                            ignore_eos=args.ignore_eos, temperature=args.temperature,
+                            length_penalty=args.length_penalty)
+
+
+def _print_beams(llm, args, beams) -> int:
+    """Each prompt's beams, best first, with their scores."""
+    from lamina.entrypoints.llm import chat_prompt, chat_tokens
+
+    tok, t = llm.loaded.tokenizer, time.perf_counter()
+    prompts = [chat_tokens(tok, chat_prompt(tok, [{"role": "user", "content": p}]))
+               for p in args.prompts] if args.chat else args.prompts
+    outs = llm.beam_search(prompts, beams)
+    for p, o in zip(args.prompts, outs):
+        print(f"> {p}")
+        for c in o.outputs:
+            print(f"[beam {c.index}, score {c.score:.4f}, {len(c.token_ids)} tokens, "
+                  f"{c.finish_reason}] {c.text.strip()}")
+        print()
+    print(f"{len(outs)} prompts, {beams.beam_width} beams each, in "
+          f"{time.perf_counter() - t:.1f}s")
     llm.shutdown()
     return 0
 
@@ -587,6 +629,11 @@ def _generate_parser(sub) -> None:
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")
     g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    g.add_argument("--beam-width", type=int, default=None, metavar="W",
+                   help="beam search (HF's num_beams, deterministic): print each prompt's "
+                        "W best beams with their scores")
+    g.add_argument("--length-penalty", type=float, default=1.0,
+                   help="with --beam-width: a beam's score is its logprob / length ** this")
     so = g.add_argument_group("structured output (one of)")
     so.add_argument("--json-schema", help="a JSON schema the output follows (@FILE: read it)")
     so.add_argument("--json-object", action="store_true", help="the output is a JSON object")

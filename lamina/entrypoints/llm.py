@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Sequence
 
+from lamina.engine.beam_search import BeamSearchParams, beam_search
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.inputs import TokensPrompt
@@ -179,6 +180,18 @@ class LLM:
         if bar:
             bar.close()
         return results
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[RequestOutput]:
+        """vLLM's `LLM.beam_search`, with HF's algorithm (`lamina.engine.beam_search`):
+        one `RequestOutput` a prompt, its outputs the `beam_width` best beams, best first
+        (each with `score`, `token_ids`, `text`, per-token `logprobs`). Every prompt is
+        checked before any runs; a prompt whose search fails comes back with `error`
+        set, the others go on."""
+        tok = self.loaded.tokenizer
+        return beam_search(
+            batch_of(prompts, None)[0], params, self.engine.eos_ids, self.engine.validate,
+            lambda ids, plist: self.generate(ids, plist, use_tqdm=False),
+            lambda ids, skip: tok.decode(ids, skip_special_tokens=skip))
 
     def chat(self, messages, params: SamplingParams | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -177,6 +177,33 @@ def test_chat_through_the_service_gives_hf_greedy(cluster, smol):
     assert out[0].prompt_token_ids == ids[0].tolist()
 
 
+def test_beam_search_through_the_client_and_an_http_front(cluster, smol):
+    """`Client.beam_search` as `LLM.beam_search`, and `use_beam_search` on a front of the
+    service (its engine's EOS ids and prompt ids come from the service): HF's beams."""
+    from starlette.testclient import TestClient
+
+    from lamina import BeamSearchParams
+    from lamina.cluster.client import ServiceLoop
+    from lamina.entrypoints.api_server import build_app
+    from tests.lamina.test_beam_search import hf_beams
+
+    client = lamina.connect(cluster["cluster"].address)
+    text = "The capital of France is"
+    want, scores = hf_beams(smol.model, smol.tokenizer(text)["input_ids"], 2, 6)
+    out = client.beam_search([text], BeamSearchParams(beam_width=2, max_tokens=6))
+    assert [c.token_ids for c in out[0].outputs] == want
+    assert [c.score for c in out[0].outputs] == pytest.approx(scores, rel=1e-4)
+    loop = ServiceLoop(client)
+    try:
+        r = TestClient(build_app(loop, "smollm2", client.tokenizer())).post(
+            "/v1/completions", json={"prompt": text, "max_tokens": 6, "n": 2,
+                                     "use_beam_search": True})
+        assert r.status_code == 200, r.text
+        assert [c["token_ids"] for c in r.json()["choices"]] == want
+    finally:
+        loop.shutdown()
+
+
 def test_errors_arrive_as_the_local_api_raises_them(cluster, prompts):
     client = lamina.connect(cluster["cluster"].address)
     with pytest.raises(ValueError, match="context is 8192") as e:

@@ -61,6 +61,19 @@ def test_generate_runs_the_engine_on_the_default_model(capsys):
     assert out.count("[5 tokens, length]") == 2 and "2 prompts batched" in out
 
 
+def test_generate_beam_width_prints_the_beams_best_first(capsys):
+    assert main(["generate", "--max-tokens", "6", "--beam-width", "2",
+                 "The capital of France is"]) == 0
+    out = capsys.readouterr().out
+    scores = [float(s) for s in re.findall(r"\[beam \d, score (-[\d.]+), ", out)]
+    assert len(scores) == 2 and scores[0] >= scores[1], out
+    assert "[beam 0, score" in out and "1 prompts, 2 beams each" in out
+    assert main(["generate", "hi", "--beam-width", "2", "--top-p", "0.5"]) == 2
+    assert "leave the sampling flags out" in capsys.readouterr().err
+    assert main(["generate", "hi", "--length-penalty", "2"]) == 2
+    assert "--length-penalty needs --beam-width" in capsys.readouterr().err
+
+
 def test_generate_bad_params_exit_2_before_loading(capsys):
     assert main(["generate", "hi", "--top-p", "1.5"]) == 2
     assert "SamplingParams.top_p" in capsys.readouterr().err

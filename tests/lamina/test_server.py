@@ -890,3 +890,54 @@ def test_tokenize_counts_what_the_routes_feed_the_engine(server, smol, prompts):
         assert status == 400 and body["error"]["param"] == param, (bad, body)
     status, body = server.post("/tokenize", {"model": "other", "prompt": "a"})
     assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def test_use_beam_search_answers_hf_num_beams(server, smol):
+    """vLLM's `use_beam_search` (completions, and chat through the `openai` client): the
+    `n` choices a prompt are HF's num_beams beams, best first, with their logprobs."""
+    import openai
+
+    from tests.lamina.test_beam_search import hf_beams
+
+    tok = smol.tokenizer
+    texts = ["The capital of France is", "Memory is"]
+    status, out = server.post("/v1/completions", {
+        "prompt": texts, "use_beam_search": True, "n": 3, "max_tokens": 8,
+        "logprobs": 2, "length_penalty": 0.5, "seed": 7})
+    assert status == 200, out
+    got = out["choices"]
+    assert [c["index"] for c in got] == list(range(6))
+    ids = [tok(t)["input_ids"] for t in texts]
+    for k, p in enumerate(ids):
+        want, _ = hf_beams(smol.model, p, 3, 8, length_penalty=0.5)
+        assert [c["token_ids"] for c in got[3 * k:3 * k + 3]] == want
+        for c in got[3 * k:3 * k + 3]:
+            assert c["text"] == tok.decode(c["token_ids"])
+            assert all(len(t) == 2 for t in c["logprobs"]["top_logprobs"])
+    assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in got)
+    assert out["usage"]["prompt_tokens"] == sum(map(len, ids))
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=10,
+                                          n=2, extra_body={"use_beam_search": True})
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    want, _ = hf_beams(smol.model, tok(prompt, add_special_tokens=False)["input_ids"], 2, 10)
+    assert [c.message.content for c in chat.choices] == [
+        tok.decode(w[:-1] if w[-1] == 2 else w) for w in want]
+    assert [c.finish_reason for c in chat.choices] == [
+        "stop" if w[-1] == 2 else "length" for w in want]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream": True}, "stream"), ({"temperature": 0.7}, "temperature"),
+    ({"stop": ["."]}, "stop"), ({"n": 11}, "n"), ({"top_p": 0.5}, "top_p"),
+    ({"echo": True, "logprobs": 1}, "echo"), ({"early_stopping": "soon"}, "early_stopping"),
+])
+def test_use_beam_search_refuses_what_it_cannot_honour(server, extra, param):
+    status, out = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 4,
+                                                  "use_beam_search": True, "n": 2, **extra})
+    assert status == 400 and out["error"]["param"] == param, out
+    status, out = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2,
+                                                  "use_beam_search": True, "n": 2})
+    assert status == 200 and len(out["choices"]) == 2
