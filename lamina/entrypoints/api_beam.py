@@ -13,8 +13,10 @@ refuses it too), a `temperature` other than 0 (the search is HF's deterministic 
 and every field that changes how a token is drawn (stop strings and ids, penalties,
 top-p/k, min-p, biases, allowed or banned tokens, structured output, tools, per-request
 KV sparsity) or asks for prompt logprobs: the search ranks the model's own logprobs, so
-a client asking for them would silently get an answer that ignored them. `seed` is
-taken (nothing is drawn at random).
+a client asking for them would silently get an answer that ignored them. So is a
+`session_id` (a round's beams are requests of their own, not turns of a conversation;
+an `X-Session-Id` header is not read for them). `seed` is taken (nothing is drawn at
+random).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ UNSUPPORTED = ("stream", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "m
                "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                "allowed_token_ids", "bad_words", "kv_sparsity", "kv_budget",
                "response_format", "structured_outputs", "guided_json", "guided_regex",
-               "guided_choice", "guided_grammar", "prompt_logprobs", "tools", "tool_choice")
+               "guided_choice", "guided_grammar", "prompt_logprobs", "tools", "tool_choice",
+               "session_id")
 
 
 def beam_params(body, max_tokens: int) -> BeamSearchParams:

@@ -684,14 +684,13 @@ class _Api:
         try:
             self.config.check(body, len(prompts))
             searches = await self._off_loop(self._searches, prompts, body)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             return _error(400, str(e), str(e).split(":")[0].split(" ")[0])
-        session = body.session_id or request.headers.get("x-session-id")
         while asked := next_round(searches):
             futs = await self._off_loop(self._submit, asyncio.get_running_loop(),
                                         [ctx for _, ctx in asked],
-                                        searches[0].round_params(), None, session,
-                                        None, body.priority)
+                                        searches[0].round_params(), None, None, None,
+                                        body.priority)
             if isinstance(futs, JSONResponse):
                 return futs
             outs = await self._wait(futs, request)

@@ -933,6 +933,7 @@ def test_use_beam_search_answers_hf_num_beams(server, smol):
     ({"stream": True}, "stream"), ({"temperature": 0.7}, "temperature"),
     ({"stop": ["."]}, "stop"), ({"n": 11}, "n"), ({"top_p": 0.5}, "top_p"),
     ({"echo": True, "logprobs": 1}, "echo"), ({"early_stopping": "soon"}, "early_stopping"),
+    ({"session_id": "chat-1"}, "session_id"),
 ])
 def test_use_beam_search_refuses_what_it_cannot_honour(server, extra, param):
     status, out = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 4,
