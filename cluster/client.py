@@ -157,7 +157,8 @@ class Client:
         return outs
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[RequestOutput]:
-        """As `LLM.beam_search`: one output a prompt, its beams best first."""
+        """As `LLM.beam_search`: one output a prompt, its beams best first; a round that
+        fails raises its `RequestFailed`, as `generate` does."""
         tok, eos = self.tokenizer(), ray.get(self.service.limits.remote())["eos_ids"]
 
         def validate(p, sp):
