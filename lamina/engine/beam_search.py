@@ -213,12 +213,20 @@ def finish_round(asked: list[tuple[BeamSearch, list[int]]], outs: list[RequestOu
 
 
 def beam_search(prompts: Sequence, params: BeamSearchParams, eos_ids,
-                validate: Callable, generate: Callable, decode: Callable
+                validate: Callable, generate: Callable, decode: Callable,
+                concurrency_limit: int | None = None, on_round: Callable | None = None
                 ) -> list[RequestOutput]:
-    """Every prompt's search run to its end, together (`LLM.beam_search`, the service
-    client's). `validate(prompt, SamplingParams)` -> its token ids (raises naming the
-    problem; all prompts are checked before any runs); `generate(token id lists,
-    SamplingParams list)` -> their outputs; `decode(ids, skip_special_tokens)` -> text."""
+    """Every prompt's search run to its end (`LLM.beam_search`, the service client's).
+    `validate(prompt, SamplingParams)` -> its token ids (raises naming the problem; all
+    prompts are checked before any runs); `generate(token id lists, SamplingParams
+    list)` -> their outputs; `decode(ids, skip_special_tokens)` -> text.
+    `concurrency_limit` (vLLM's): prompts searched at once (None: all); `on_round()`:
+    called after each round (a progress bar)."""
+    if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not
+                                          isinstance(concurrency_limit, int)
+                                          or concurrency_limit < 1):
+        raise ValueError(f"concurrency_limit must be None or an int >= 1, got "
+                         f"{concurrency_limit!r}")
     searches = []
     check = SamplingParams(max_tokens=params.max_tokens, temperature=0, n=params.beam_width)
     for i, p in enumerate(prompts):
@@ -228,7 +236,11 @@ def beam_search(prompts: Sequence, params: BeamSearchParams, eos_ids,
             raise type(e)(f"prompt {i}: {e}") from None
         searches.append(BeamSearch(ids, params, eos_ids, p if isinstance(p, str)
                                    else getattr(p, "prompt", None)))
-    while asked := next_round(searches):
-        finish_round(asked, generate([ctx for _, ctx in asked],
-                                     [s.round_params() for s, _ in asked]))
+    step = concurrency_limit or max(1, len(searches))
+    for start in range(0, len(searches), step):
+        while asked := next_round(searches[start:start + step]):
+            finish_round(asked, generate([ctx for _, ctx in asked],
+                                         [s.round_params() for s, _ in asked]))
+            if on_round is not None:
+                on_round()
     return [s.result(i, decode) for i, s in enumerate(searches)]

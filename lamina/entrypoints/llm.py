@@ -181,17 +181,28 @@ class LLM:
             bar.close()
         return results
 
-    def beam_search(self, prompts, params: BeamSearchParams) -> list[RequestOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.beam_search`, with HF's algorithm (`lamina.engine.beam_search`):
         one `RequestOutput` a prompt, its outputs the `beam_width` best beams, best first
         (each with `score`, `token_ids`, `text`, per-token `logprobs`). Every prompt is
         checked before any runs; a prompt whose search fails comes back with `error`
-        set, the others go on."""
-        tok = self.loaded.tokenizer
-        return beam_search(
-            batch_of(prompts, None)[0], params, self.engine.eos_ids, self.engine.validate,
-            lambda ids, plist: self.generate(ids, plist, use_tqdm=False),
-            lambda ids, skip: tok.decode(ids, skip_special_tokens=skip))
+        set, the others go on. `concurrency_limit`: prompts searched at once (None:
+        all); `use_tqdm`: a bar of the rounds run."""
+        tok, prompts = self.loaded.tokenizer, batch_of(prompts, None)[0]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(desc="beam search rounds", unit="round")
+        try:
+            return beam_search(
+                prompts, params, self.engine.eos_ids, self.engine.validate,
+                lambda ids, plist: self.generate(ids, plist, use_tqdm=False),
+                lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
+                concurrency_limit, bar.update if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
 
     def chat(self, messages, params: SamplingParams | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -83,6 +83,20 @@ def test_the_cases_cover_each_way_a_search_ends(llm, chats):
     assert any(o.metrics["rounds"] == 16 for o in outs)
 
 
+def test_concurrency_limit_searches_prompts_in_turns_alike(llm, chats, capsys):
+    """vLLM's `concurrency_limit` and `use_tqdm`: prompts searched one at a time give
+    the beams they give all at once; the bar counts every round of both turns."""
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    together = llm.beam_search(chats[:2], params)
+    apart = llm.beam_search(chats[:2], params, use_tqdm=True, concurrency_limit=1)
+    assert [[c.token_ids for c in o.outputs] for o in apart] == \
+        [[c.token_ids for c in o.outputs] for o in together]
+    rounds = sum(o.metrics["rounds"] for o in apart)
+    assert f"{rounds}round" in capsys.readouterr().err.replace(" ", "")
+    with pytest.raises(ValueError, match="concurrency_limit must be None or an int >= 1"):
+        llm.beam_search(chats[:1], params, concurrency_limit=0)
+
+
 def test_a_failed_round_fails_its_prompt_alone(smol):
     """A memory worker fails any sequence with a query at the long prompt's position + 3:
     its search reaches it in round 5 (round 1 computes the prompt, round r position
