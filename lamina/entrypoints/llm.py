@@ -8,6 +8,7 @@ them in Ray workers.
 from __future__ import annotations
 
 import inspect
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Sequence
@@ -20,6 +21,8 @@ from lamina.engine.outputs import RequestOutput
 from lamina.entrypoints.logs import configure_logging
 from lamina.executor.base import plugin_executor
 from lamina.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from lamina.entrypoints.deploy_config import LaminaConfig
@@ -190,6 +193,9 @@ class LLM:
         set, the others go on. `concurrency_limit`: prompts searched at once (None:
         all); `use_tqdm`: a bar of the rounds run."""
         tok, prompts = self.loaded.tokenizer, batch_of(prompts, None)[0]
+        if not self.config.prefix_caching:
+            log.warning("beam search with prefix_caching off: every round recomputes each "
+                        "beam's whole context (on, a round computes one token a beam)")
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

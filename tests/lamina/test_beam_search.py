@@ -97,6 +97,26 @@ def test_concurrency_limit_searches_prompts_in_turns_alike(llm, chats, capsys):
         llm.beam_search(chats[:1], params, concurrency_limit=0)
 
 
+def test_without_the_prefix_cache_each_round_computes_whole_contexts(caplog):
+    """The same beams, each round feeding every beam's whole context (counted), and a
+    warning saying so."""
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    prompt = "The capital of France is"
+    outs = {}
+    for caching in (True, False):
+        llm = LLM(num_kv_slots=1024, prefix_caching=caching)
+        try:
+            outs[caching] = llm.beam_search([prompt], params)[0]
+        finally:
+            llm.shutdown()
+    assert [c.token_ids for c in outs[False].outputs] == \
+        [c.token_ids for c in outs[True].outputs]
+    n = len(outs[True].prompt_token_ids)
+    assert outs[True].metrics["computed_tokens"] == n + 3 * 2
+    assert outs[False].metrics["computed_tokens"] == n + 2 * sum(n + r for r in (1, 2, 3))
+    assert "prefix_caching off: every round recomputes" in caplog.text
+
+
 def test_a_failed_round_fails_its_prompt_alone(smol):
     """A memory worker fails any sequence with a query at the long prompt's position + 3:
     its search reaches it in round 5 (round 1 computes the prompt, round r position
