@@ -146,6 +146,9 @@ def _print_beams(llm, args, beams) -> int:
     outs = llm.beam_search(prompts, beams)
     for p, o in zip(args.prompts, outs):
         print(f"> {p}")
+        if o.error is not None:
+            print(f"[failed: {o.error}]")
+            continue
         for c in o.outputs:
             print(f"[beam {c.index}, score {c.score:.4f}, {len(c.token_ids)} tokens, "
                   f"{c.finish_reason}] {c.text.strip()}")
