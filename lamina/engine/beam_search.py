@@ -93,9 +93,12 @@ class BeamSearch:
     this round; `advance(tops)` with each one's top K; `done`; then `result()`."""
 
     def __init__(self, prompt_ids: list[int], params: BeamSearchParams, eos_ids,
-                 prompt: str | None = None, logprobs: int = 0):
-        """`logprobs`: alternatives each output token shows, if more than K."""
-        self.prompt_ids, self.prompt, self.params = list(prompt_ids), prompt, params
+                 prompt=None, logprobs: int = 0):
+        """`prompt`: as given (text, a `TokensPrompt` or ids), for the output's text;
+        `logprobs`: alternatives each output token shows, if more than K."""
+        self.prompt_ids, self.params = list(prompt_ids), params
+        self.prompt: str | None = prompt if isinstance(prompt, str) \
+            else getattr(prompt, "prompt", None)
         self.eos = frozenset() if params.ignore_eos else frozenset(eos_ids)
         self.k = params.keep(len(self.eos))
         self.shown = max(self.k, logprobs)
@@ -234,8 +237,7 @@ def beam_search(prompts: Sequence, params: BeamSearchParams, eos_ids,
             ids = validate(p, check)
         except (ValueError, TypeError) as e:
             raise type(e)(f"prompt {i}: {e}") from None
-        searches.append(BeamSearch(ids, params, eos_ids, p if isinstance(p, str)
-                                   else getattr(p, "prompt", None)))
+        searches.append(BeamSearch(ids, params, eos_ids, p))
     step = concurrency_limit or max(1, len(searches))
     for start in range(0, len(searches), step):
         while asked := next_round(searches[start:start + step]):

@@ -591,9 +591,9 @@ class _Api:
 
     def _params(self, body: _Sampling, n: int) -> SamplingParams | JSONResponse:
         """The request's sampling parameters, or the error answering it."""
-        if body.model is not None and body.model != self.model_name:
-            return _error(404, f"The model `{body.model}` does not exist; this server "
-                          f"serves `{self.model_name}`", "model", "model_not_found")
+        wrong = self._wrong_model(body.model)
+        if wrong is not None:
+            return wrong
         try:
             self.config.check(body, n)
             return body.params()
@@ -679,8 +679,9 @@ class _Api:
         """`use_beam_search`: the rounds of each prompt's search (`engine.beam_search`),
         each round queued, validated, awaited and failed as `_run`'s requests are ->
         one output a prompt, its beams best first."""
-        if body.model is not None and body.model != self.model_name:
-            return self._params(body, len(prompts))  # the 404 naming the model
+        wrong = self._wrong_model(body.model)
+        if wrong is not None:
+            return wrong
         try:
             self.config.check(body, len(prompts))
             searches = await self._off_loop(self._searches, prompts, body)
@@ -705,17 +706,10 @@ class _Api:
     def _searches(self, prompts: list, body: _Sampling) -> list[BeamSearch]:
         """One search a prompt, each checked as `_checked` checks a request."""
         engine, params, out = self.loop.engine, body.params(), []
-        if not prompts:
-            raise ValueError("prompt: empty list")
-        for i, p in enumerate(prompts):
-            try:
-                ids = engine.validate(p, params, priority=body.priority)
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+        for p, ids in zip(prompts, _validated(prompts, self.loop, params, body.priority)):
             new = params.max_tokens if params.max_tokens is not None \
                 else engine.max_len - len(ids)
-            out.append(BeamSearch(ids, beam_params(body, new), engine.eos_ids,
-                                  p if isinstance(p, str) else getattr(p, "prompt", None),
+            out.append(BeamSearch(ids, beam_params(body, new), engine.eos_ids, p,
                                   body.num_logprobs() or 0))
         return out
 
@@ -1006,14 +1000,23 @@ def _param(message: str) -> str:
 
 def _checked(prompts: list, loop: EngineLoop, params: SamplingParams,
              priority: int = 0) -> list:
+    _validated(prompts, loop, params, priority)
+    return prompts
+
+
+def _validated(prompts: list, loop: EngineLoop, params: SamplingParams,
+               priority: int = 0) -> list[list[int]]:
+    """Each prompt's token ids, every one checked (ValueError / TypeError naming the
+    prompt where there are several)."""
     if not prompts:
         raise ValueError("prompt: empty list")
+    out = []
     for i, p in enumerate(prompts):
         try:
-            loop.engine.validate(p, params, priority=priority)
+            out.append(loop.engine.validate(p, params, priority=priority))
         except (ValueError, TypeError) as e:
             raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
-    return prompts
+    return out
 
 
 def listen(host: str, port: int) -> socket.socket:
