@@ -10,7 +10,8 @@ logits, before temperature, top-k and top-p), as vLLM reports them.
 
 Draws are stateless: the generator of a draw is seeded from (sequence seed, position of
 the token drawn), so a sequence recomputed after preemption, or moved to another
-compute worker, draws exactly the tokens it would have drawn.
+compute worker, draws the tokens it would have drawn, and a draw keeps its token when
+its logits differ by float rounding (`sampler.draw_tokens`).
 """
 from __future__ import annotations
 

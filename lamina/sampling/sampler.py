@@ -3,8 +3,9 @@
 Data in: logits [S, V] with each row's `SamplingParams`, seeds, position and history.
 Data out: one token id per row, optional per-row logprobs, and prompt logprobs.
 Draws are keyed by (seed, position), so a sequence recomputed after a recovery draws the
-same tokens; each is one uniform placed in the row's cumulative probabilities (inverse
-CDF). Greedy rows use the compiled argmax kernel.
+same tokens; each is an exponential race keyed by token id (`draw_tokens`), which keeps
+its token when the logits move by float rounding (a batch of other sizes, a prompt fed in
+other chunks, a recomputed context). Greedy rows use the compiled argmax kernel.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from lamina.kernels import argmax_rows, masked_argmax_rows
 from lamina.sampling.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+BLOCK = 256  # tokens a block of draw_tokens' two-level race
+_TINY = 1e-300  # the least exponential a race takes (-log1p(-0) is 0)
 
 PROMPT_CHUNK = 256  # prompt rows per log-softmax
 # drawn rows worked on together: their [G, V] temporaries stay small enough (~0.8 MB
@@ -61,10 +64,11 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 @dataclass(frozen=True)
 class Candidates:
     """What one row may draw: `probs` [m] fp32 (not normalized; a zero is never drawn)
-    over token `ids` [m] (None: every token, in id order)."""
+    over token `ids` [m] (None: every token, in id order) of a `vocab`-token vocabulary."""
 
     probs: torch.Tensor
     ids: torch.Tensor | None
+    vocab: int
 
 
 def candidates(x: torch.Tensor, params: SamplingParams) -> list[Candidates]:
@@ -79,7 +83,7 @@ def candidates(x: torch.Tensor, params: SamplingParams) -> list[Candidates]:
     k = params.top_k
     vals, idx = torch.topk(x, k, dim=-1)  # [G, k], descending
     probs = _nucleus_prefix(torch.softmax(vals, dim=-1), params.top_p)  # the rest are 0
-    out = [Candidates(probs[g], idx[g]) for g in range(G)]
+    out = [Candidates(probs[g], idx[g], V) for g in range(G)]
     # tokens tied with the k-th logit; a row with fewer than k tokens left (min_p, a
     # structured output's mask) has its -inf in the top k: no tie to look for
     tied = (x >= vals[:, -1:]).logical_and_(vals[:, -1:] > float("-inf"))
@@ -87,7 +91,7 @@ def candidates(x: torch.Tensor, params: SamplingParams) -> list[Candidates]:
         if n > k:  # the k-th logit is shared past k: every tied token is kept too
             v, i = torch.topk(x[g], n)
             out[g] = Candidates(_nucleus_prefix(torch.softmax(v, -1)[None],
-                                                params.top_p)[0], i)
+                                                params.top_p)[0], i, V)
     return out
 
 
@@ -109,7 +113,7 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> list[Candidates]:
     NUCLEUS_FIRST are sorted (topk), 4x more while their mass falls short of top_p."""
     G, V = probs.shape
     if top_p >= 1.0:
-        return [Candidates(probs[g], None) for g in range(G)]
+        return [Candidates(probs[g], None, V) for g in range(G)]
     out: list = [None] * G
     left, m = list(range(G)), NUCLEUS_FIRST
     while left:
@@ -119,7 +123,7 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> list[Candidates]:
         kept = _nucleus_prefix(p_sorted, top_p)
         for j, g in enumerate(left):
             if enough[j] or m == V:
-                out[g] = Candidates(kept[j], idx[j])
+                out[g] = Candidates(kept[j], idx[j], V)
         left, m = [g for j, g in enumerate(left) if not (enough[j] or m == V)], m * 4
     return out
 
@@ -241,19 +245,42 @@ def mask_rows(rows: torch.Tensor, masks: list[bytes]) -> torch.Tensor:
 
 
 def draw_tokens(c: Candidates, seeds: tuple[int, ...], position: int) -> tuple[int, ...]:
-    """One token per seed by inverse CDF: a uniform from a generator seeded by (seed,
-    position) is placed among the candidates' running sums (float64), so a token of
-    probability 0 has no width and is never drawn. torch.multinomial took ~1 ms a draw
-    over SmolLM2's 49k vocabulary on one core; this takes ~0.05 ms."""
-    cdf = c.probs.double().cumsum(0)  # [m]
+    """One token per seed by an exponential race: token t with probability p_t scores
+    p_t / E_t, E_t ~ Exp(1), and the highest score wins, which draws t with probability
+    p_t / sum(p) (vLLM's sampler draws the same way). E_t comes from a generator seeded by
+    (seed, position) and is keyed by the token's id, not by where it sits among the
+    candidates, so a draw changes only if the two best scores are within the logits'
+    rounding of each other (~1e-5 of a draw). Placing one uniform among the running sums
+    (inverse CDF, this function before) changed it whenever the sums' rounding crossed a
+    token's edge anywhere below: 0.1-0.2% of draws on SmolLM2's logits of one context fed
+    whole or in two chunks (`benchmarks/sampler_probe.py --stability`).
+    The race runs in two levels, exactly: blocks of BLOCK tokens race by their mass, then
+    the winning block's tokens by theirs, so a draw takes vocab / BLOCK + BLOCK
+    exponentials, not one a token (~0.05 ms a draw over SmolLM2's 49k vocabulary)."""
+    nb = -(-c.vocab // BLOCK)
+    p = c.probs.float()
+    if c.ids is None:  # every token, in id order: [nb, BLOCK] blocks (padded with 0s)
+        blocks = torch.nn.functional.pad(p, (0, nb * BLOCK - p.numel())).view(nb, BLOCK)
+        mass = blocks.sum(1).numpy()  # [nb]
+
+        def within(b: int, e: np.ndarray) -> int:  # e: [BLOCK], one a token of block b
+            return b * BLOCK + int(np.argmax(blocks[b].numpy() / e))
+    else:  # candidates: their blocks by id
+        ids, probs = c.ids.numpy(), p.numpy()  # [m]
+        blk = ids // BLOCK
+        mass = np.bincount(blk, weights=probs, minlength=nb)  # [nb]
+
+        def within(b: int, e: np.ndarray) -> int:
+            at = np.flatnonzero(blk == b)  # the block's candidates
+            tok = ids[at]
+            return int(tok[np.argmax(probs[at] / e[tok - b * BLOCK])])
     out = []
-    for s in seeds:
+    for s in seeds:  # NumPy for the small arrays: a third of torch's per-call time
         g = torch.Generator().manual_seed(draw_seed(s, position))
-        u = torch.rand((), generator=g, dtype=torch.float64)
-        i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-        if i == cdf.numel():  # u * total rounded up to total: the last token drawable
-            i = int(torch.nonzero(c.probs)[-1])
-        out.append(i if c.ids is None else int(c.ids[i]))
+        u = torch.rand(nb + BLOCK, generator=g, dtype=torch.float64).numpy()
+        # Exp(1) draws, > 0 so that a zero probability scores 0 and never wins
+        e = np.maximum(-np.log1p(-u), _TINY)  # [nb blocks, BLOCK in-block]
+        out.append(within(int(np.argmax(mass / e[:nb])), e[nb:]))
     return tuple(out)
 
 

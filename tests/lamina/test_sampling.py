@@ -171,6 +171,50 @@ def test_draws_follow_numpy_over_seeds(monkeypatch, first):
         assert np.abs(freq - ref).max() < 0.025, (t, k, p)  # 6000 draws: 3 sigma ~ 0.02
 
 
+def test_draws_over_blocks_of_the_vocabulary_follow_numpy():
+    """draw_tokens races blocks of BLOCK tokens, then the winner's tokens: on a
+    1000-token vocabulary (three whole blocks and a part) with likely tokens in every
+    block, and mass spread over the rest, the draws over many seeds follow NumPy's
+    distribution for each kind of row (every token, top_k, top_p, both)."""
+    from lamina.sampling.sampler import BLOCK
+
+    V = 1000
+    assert V % BLOCK and V > 3 * BLOCK
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(7)) * 0.5
+    top = [3, 200, 255, 256, 511, 600, 768, 999]  # both sides of blocks' edges
+    logits[top] = torch.tensor([4.0, 3.5, 3.0, 4.2, 2.5, 3.8, 1.0, 3.9])
+    for t, k, p in [(1.0, -1, 1.0), (0.8, 5, 1.0), (1.0, -1, 0.6), (1.2, 6, 0.9)]:
+        params = SamplingParams(temperature=t, top_k=k, top_p=p)
+        draws = [x for row in sample_rows(logits[None], [params], [tuple(range(6000))],
+                                          [2]) for x in row]
+        ref = numpy_probs(logits.numpy(), t, k, p)
+        freq = np.bincount(draws, minlength=V) / 6000
+        assert np.all(freq[ref == 0] == 0), (t, k, p)
+        # each likely token, and the rest of each block together
+        buckets = [[i] for i in top] + [
+            [i for i in range(b, min(b + BLOCK, V)) if i not in top]
+            for b in range(0, V, BLOCK)]
+        for ids in buckets:
+            assert abs(freq[ids].sum() - ref[ids].sum()) < 0.025, (t, k, p, ids)
+
+
+def test_a_draw_keeps_its_token_when_the_logits_move_by_rounding(smol):
+    """A sequence's logits differ by float rounding with what else its step holds, how
+    its prompt was chunked, or after a recomputation. SmolLM2 reads a context of random
+    words whole and as 100 + 200 tokens over its KV cache (logits ~1e-5 apart): every
+    draw at positions 100-299 over 40 seeds is the same from both. Placing one uniform
+    among the running sums (the sampler before) changed 14 of these 8000 draws at
+    temperature 1 and 8 with top_p 0.95."""
+    from lamina.bench.draws import changed_draws, whole_and_chunked
+
+    whole, chunked = whole_and_chunked(smol)
+    assert 1e-6 < float((whole - chunked)[100:].abs().max()) < 1e-3
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0,
+                                                                   top_p=0.95)):
+        assert changed_draws(whole, chunked, params, tuple(range(40)), range(100, 300)) \
+            == [], params
+
+
 def test_a_draw_does_not_depend_on_the_rest_of_the_batch():
     """Rows drawn together (grouped by their parameters, worked on a few at a time) draw
     what each draws alone, on a 49k bf16 vocabulary: ties at the k-th logit, flat rows
