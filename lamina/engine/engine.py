@@ -49,7 +49,7 @@ from lamina.memory.sparsity_config import (
 from lamina.memory.tier_orders import TierMiss
 from lamina.sampling.params import SamplingParams
 from lamina.sampling.structured import Guide, Guides
-from lamina.sampling.token_rules import TokenRules, restrict
+from lamina.sampling.token_rules import TokenRules, fit_width, restrict
 
 log = logging.getLogger(__name__)
 
@@ -494,8 +494,9 @@ class LLMEngine:
             if not w.sample or not (req.guides or req.rules or ban):
                 continue
             g, rows = req.guides[i] if req.guides else None, w.draft + 1
-            masks = ((g.draft_masks(w.guess) if w.draft else g.allowed()) if g is not None
-                     else self._any_token * rows)
+            masks = (fit_width(g.draft_masks(w.guess) if w.draft else g.allowed(), rows,
+                               len(self._any_token)) if g is not None
+                     else self._any_token * rows)  # each the vocabulary's width
             tail = (seq.output[max(0, len(seq.output) - req.rules.context):] if req.rules
                     else [])  # what bad words read
             bans = [ban + (req.rules.banned([*tail, *w.guess[:j]]) if req.rules else ())

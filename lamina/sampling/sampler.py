@@ -16,6 +16,7 @@ import torch
 
 from lamina.kernels import argmax_rows, masked_argmax_rows
 from lamina.sampling.params import SamplingParams
+from lamina.sampling.token_rules import fit_width
 
 _MASK64 = (1 << 64) - 1
 BLOCK = 256  # tokens a block of draw_tokens' two-level race
@@ -183,7 +184,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     the CPU (a CPU generator: the same tokens on any device)."""
     out: list = [None] * len(params)
     groups: dict[tuple, list[int]] = {}
-    masks = masks or [b""] * len(params)
+    width = -(-logits.shape[1] // 8)  # every mask read at the logits' width
+    masks = [fit_width(m, 1, width) if m else m for m in masks or [b""] * len(params)]
     plain = {r for r, m in enumerate(masks) if m and params[r].greedy
              and not (params[r].penalized or params[r].logit_bias)}
     if plain:  # greedy under a structured output: the argmax over its allowed tokens,

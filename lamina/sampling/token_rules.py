@@ -84,6 +84,17 @@ def bitmask(ids: Sequence[int], vocab_size: int) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
+def fit_width(masks: bytes, rows: int, width: int) -> bytes:
+    """`rows` bitmasks of one width, joined -> each cut or padded with zeros (tokens left
+    out) to `width` bytes. Masks of one step must share a width: they are read as one
+    [rows, width] array, and llguidance's come in 32-bit words (6148 bytes for SmolLM2's
+    49152 tokens, where `bitmask` writes 6144)."""
+    if len(masks) == rows * width:
+        return masks
+    m = np.frombuffer(masks, dtype=np.uint8).reshape(rows, -1)[:, :width]  # [rows, <= w]
+    return np.pad(m, ((0, 0), (0, width - m.shape[1]))).tobytes()
+
+
 def restrict(masks: bytes, allowed: bytes | None, bans: Sequence[Sequence[int]]) -> bytes:
     """`len(bans)` bitmasks of one width, joined -> the same with each row ANDed with
     `allowed` (None: unchanged; bits past its width cleared) and row r's `bans[r]`

@@ -20,6 +20,7 @@ from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
 from lamina.sampling.sampler import mask_rows, sample_rows
 from lamina.sampling.structured import Guides, StructuredOutputs, _tokenizer_json
+from lamina.sampling.token_rules import bitmask
 
 from .test_engine import engine, run
 from .test_recovery import FlakyExecutor
@@ -286,6 +287,50 @@ def test_masked_rows_draw_only_allowed_tokens_with_penalties_and_bias():
     want = int(torch.argmax(torch.where(torch.isin(torch.arange(V), torch.tensor(ok)),
                                         logits[0], float("-inf"))))
     assert out[0] == (want,)  # the bias on a masked token changes nothing
+
+
+def test_masks_of_two_widths_in_one_call_each_read_as_alone():
+    """llguidance writes 32-bit words (40 bytes for 300 tokens), `token_rules.bitmask`
+    bytes (38): rows of both widths in one call, greedy and drawn, each draw among its
+    own allowed tokens and as it draws alone (read as one [rows, width] array, the
+    second row's mask shifted by the first's extra bytes)."""
+    V = 300
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(2))
+    ok = [[5, 17, 200, 299], [3, 64, 250], [5, 17, 200, 299], [3, 64, 250]]
+    word = np.zeros((2, (V + 31) // 32), dtype=np.int32)
+    for t in ok[0]:
+        word[0, t >> 5] |= np.uint32(1 << (t & 31)).view(np.int32)
+    masks = [word[0].tobytes(), bitmask(ok[1], V)] * 2
+    assert [len(m) for m in masks] == [40, 38, 40, 38]
+    ps = [SamplingParams(temperature=0)] * 2 + [SamplingParams(temperature=1.0)] * 2
+    seeds = [(1,), (2,), (3, 4, 5), (6, 7, 8)]
+    out = sample_rows(logits, ps, seeds, [9] * 4, masks=masks)
+    alone = [sample_rows(logits[r:r + 1], ps[r:r + 1], seeds[r:r + 1], [9],
+                         masks=masks[r:r + 1])[0] for r in range(4)]
+    assert out == alone
+    assert all(set(row) <= set(ok[r]) for r, row in enumerate(out)), out
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_structured_request_beside_allowed_token_ids_each_as_alone(smol, smol_packed,
+                                                                     temperature):
+    """A JSON request (its masks llguidance's, in words) and one with allowed_token_ids
+    (masks from `bitmask`) draw in the same steps, greedy and sampled: each answers as
+    it does alone, the second among its tokens only. Found by a random workload (the
+    second's draws read a mask shifted by two bytes and left its set)."""
+    allowed = [13, 28, 30, 253, 260, 282, 1463, 1910, 2824]
+    both = [(PROMPT, SamplingParams(max_tokens=16, temperature=temperature, seed=1,
+                                    structured_outputs=StructuredOutputs(json=SCHEMA))),
+            ("The history of printing in Europe", SamplingParams(
+                max_tokens=8, temperature=temperature, seed=2, allowed_token_ids=allowed))]
+    eng = engine(smol, smol_packed, num_kv_slots=2048)
+    ids = [eng.add_request(p, sp) for p, sp in both]
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    alone = [run(engine(smol, smol_packed, num_kv_slots=2048), [p], sp)[0] for p, sp in both]
+    assert [outs[i].token_ids for i in ids] == [a.token_ids for a in alone]
+    assert set(alone[1].token_ids) <= set(allowed) and len(alone[1].token_ids) == 8
 
 
 def test_a_tokenizer_without_rust_tables_is_named():

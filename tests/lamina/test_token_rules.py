@@ -6,6 +6,7 @@ alone. Over HTTP with the openai client: the same fields, continue_final_message
 chat_template_kwargs."""
 import copy
 
+import numpy as np
 import openai
 import pytest
 import torch
@@ -14,7 +15,7 @@ from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.llm import chat_prompt
 from lamina.entrypoints.metrics import EngineMetrics
 from lamina.sampling.params import SamplingParams
-from lamina.sampling.token_rules import TokenRules, bitmask, restrict
+from lamina.sampling.token_rules import TokenRules, bitmask, fit_width, restrict
 from tests.conftest import HF_NEW
 from tests.lamina.test_engine import engine, run
 from tests.lamina.test_server import _Server
@@ -144,6 +145,16 @@ def test_restrict_ands_the_allowed_mask_and_clears_each_rows_bans():
     bits = [[(got[r * 4 + (t >> 3)] >> (t & 7)) & 1 for t in range(32)] for r in (0, 1)]
     assert [t for t in range(32) if bits[0][t]] == [1, 9, 19, 23]
     assert [t for t in range(32) if bits[1][t]] == [2, 19]  # row 1 holds t % 8 < 4 only
+
+
+def test_fit_width_cuts_or_pads_each_row():
+    """Rows of one width, each cut to `width` bytes or padded with zero bytes (tokens
+    left out), row by row, as NumPy slices and pads them."""
+    rows = np.arange(1, 13, dtype=np.uint8).reshape(3, 4)  # 3 rows of 4 bytes
+    assert fit_width(rows.tobytes(), 3, 4) == rows.tobytes()
+    assert fit_width(rows.tobytes(), 3, 2) == rows[:, :2].tobytes()
+    assert fit_width(rows.tobytes(), 3, 6) == np.pad(rows, ((0, 0), (0, 2))).tobytes()
+    assert fit_width(rows.tobytes(), 3, 6)[4:6] == b"\0\0"
 
 
 def test_a_bad_word_is_banned_where_the_output_ends_in_its_other_tokens():
