@@ -73,9 +73,10 @@ class EngineConfig:
     # lamina/dataplane/protocol.py). 1: one frame a layer.
     stream_groups: int = 1
     max_recoveries: int = 3  # failed steps in a row the executor may recover from (0: none)
-    # Steps failing past max_recoveries in a row with no sequence named: bisect the
-    # requests they held to the one behind them, which then fails alone (engine/culprit.py);
-    # False: the engine stops there
+    # Steps failing past max_recoveries in a row with no sequence named, or a request in
+    # more than max_recoveries such steps since it last drew: bisect the requests they
+    # held to the one behind them, which then fails alone (engine/culprit.py); False:
+    # the engine stops there
     find_culprits: bool = True
     worker_timeout_s: float | None = 120.0  # a memory worker silent this long is hung
     # Ray executor: the compute worker answering no step for this long is hung (it is

@@ -121,6 +121,10 @@ class LLMEngine:
         self.kv_kept_tokens = 0  # positions whose KV recoveries kept (not recomputed)
         self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
+        # request id -> failed steps (no sequence named) it was in since it last drew a
+        # token: a request whose prompt trips a fault in its last chunk fails one step
+        # in every few (its earlier chunks run), never past max_recoveries in a row
+        self._fails: dict[int, int] = {}
         # the search for the request behind steps that keep failing (`_narrow`), or None
         self._search: CulpritSearch | None = None
         self._named: int | None = None  # the last culprit named, while no step ran since
@@ -454,6 +458,9 @@ class LLMEngine:
         self.step_timings.append({"tokens": plan.num_tokens, "seqs": len(plan.seqs),
                                   "step_s": now - t0, **(result.timings or {})})
         drawn = self._drawn(plan, result)
+        if self._fails:  # requests that drew have run past whatever failed before
+            for d in drawn:
+                self._fails.pop(self._rid_of(d.seq.seq_id), None)
         if self._search is not None:
             failed += self._searched(drawn, plan.step)
         return failed + self._apply(drawn, now, plan.step)
@@ -701,9 +708,10 @@ class LLMEngine:
         steps keep failing and no one request is behind them, or recovery fails."""
         what = f"step {plan.step} failed: {type(error).__name__}: {error}"
         self._failed_in_row += 1
-        if failed is not None and (self._search is not None
+        stuck = self._count_failure(plan) if failed is not None else None
+        if failed is not None and (self._search is not None or stuck is not None
                                    or self._failed_in_row > self.config.max_recoveries):
-            if not self._narrow(plan, what, failed):
+            if not self._narrow(plan, what, failed, stuck):
                 return False
         elif self._search is None and self._failed_in_row > self.config.max_recoveries:
             # it keeps failing: give up (a search's narrowing failures are its own count)
@@ -775,12 +783,28 @@ class LLMEngine:
         requests it cleared are admitted."""
         return self._search is None or self._search.admits(self._rid_of(seq.seq_id))
 
-    def _narrow(self, plan: StepPlan, what: str, failed: list[RequestOutput]) -> bool:
-        """A step failed with no sequence named, past max_recoveries in a row or while a
-        search runs: start the search, narrow it, or name the request behind the failures
-        (it fails alone, into `failed`). False: give up (the engine stops)."""
+    def _count_failure(self, plan: StepPlan) -> tuple[int, int] | None:
+        """A step failed with no sequence named: each of its requests was in one more.
+        -> (request, its count) for one past max_recoveries since it last drew, or None."""
+        stuck = None
+        for rid in {self._rid_of(s.seq_id) for s in plan.seqs if s.seq_id in self._by_seq}:
+            n = self._fails[rid] = self._fails.get(rid, 0) + 1
+            if n > self.config.max_recoveries and (stuck is None or n > stuck[1]):
+                stuck = (rid, n)
+        return stuck
+
+    def _narrow(self, plan: StepPlan, what: str, failed: list[RequestOutput],
+                stuck: tuple[int, int] | None = None) -> bool:
+        """A step failed with no sequence named, past max_recoveries in a row, with a
+        request that was in more than max_recoveries failed steps since it last drew
+        (`stuck`), or while a search runs: start the search, narrow it, or name the
+        request behind the failures (it fails alone, into `failed`). False: give up (the
+        engine stops)."""
         cfg, search = self.config, self._search
-        gave_up = f"{what}; {self._failed_in_row} failed steps in a row"
+        gave_up = (f"{what}; {self._failed_in_row} failed steps in a row"
+                   if stuck is None or self._failed_in_row > cfg.max_recoveries else
+                   f"{what}; request {stuck[0]} was in {stuck[1]} failed steps since it "
+                   f"last drew a token")
         rids = {self._rid_of(s.seq_id) for s in plan.seqs if s.seq_id in self._by_seq}
         if cfg.max_recoveries == 0 or not cfg.find_culprits or not rids:  # nobody to look for
             self._search = None
@@ -911,6 +935,7 @@ class LLMEngine:
                                  prompt_logprobs=plp)
         if self._search is not None:
             self._search.forget(req.rid)
+        self._fails.pop(req.rid, None)
         n_out = sum(len(s.output) for s in req.seqs)
         ttft = None if req.first_token is None else req.first_token - req.arrival
         longest = max(len(s.output) for s in req.seqs)  # its samples decode side by side

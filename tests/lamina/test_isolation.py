@@ -26,10 +26,12 @@ SLOTS = 3000
 MEM_POS = 700  # past every good request's last position (600 + 12)
 
 
-def engine(smol, split, faults=None, workers=2, slots=SLOTS, caching=True, replicas=1):
+def engine(smol, split, faults=None, workers=2, slots=SLOTS, caching=True, replicas=1,
+           step_tokens=2048):
     """`replicas` > 1: that many compute replicas under the fixed schedule."""
     rep = dict(num_compute_workers=replicas, pipeline="fixed") if replicas > 1 else {}
-    cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=workers, max_step_tokens=2048,
+    cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=workers,
+                       max_step_tokens=step_tokens,
                        faults=faults, prefix_caching=caching, **rep)
     mems = [MemorySide(KVPool(KVPoolConfig.for_specs(split.attention_specs, slots)))
             for _ in range(workers)]
@@ -143,6 +145,34 @@ def test_a_request_every_step_fails_on_is_found_and_fails_alone(smol, smol_packe
     while eng.has_unfinished():
         done = {o.request_id: o for o in eng.step()}
     assert done[rid].token_ids == hf_greedy[0][:NEW]
+
+
+def test_a_request_failing_in_its_last_chunk_is_found_though_steps_between_run(
+        smol, smol_packed, prompts, hf_greedy):
+    """A 301-token prompt fed 64 tokens a step whose last chunk trips a fault no sequence
+    is blamed for, with no KV kept (prefix caching off, as after a worker replaced):
+    each recovery recomputes it from its start, so its first chunks run between its
+    failures and the steps never fail past max_recoveries in a row (the engine looped on
+    it for good). A request in more than max_recoveries failed steps since it last drew
+    starts the search: it fails alone, within a bounded number of steps, and the
+    requests decoding beside it give HF's tokens."""
+    tok = unused_token(prompts, hf_greedy)
+    eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok),
+                 caching=False, step_tokens=64)
+    good = [0, 1, 9]  # 5, 12 and 9 tokens
+    ids = [eng.add_request(prompts[i], GOOD) for i in good]
+    bad = eng.add_request(prompts[6] + [tok], GOOD)  # 300 tokens, then the poison
+    outs = {}
+    for _ in range(100):
+        outs.update({o.request_id: o for o in eng.step()})
+        if not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished(), eng.recoveries[-1]
+    check(outs, ids, bad, [hf_greedy[i] for i in good], "every step it ran in failed")
+    assert "injected fault in layer 2" in outs[bad].error
+    assert eng.free_slots() == [SLOTS, SLOTS] and eng.num_failed_requests == 1
+    # in 4 failed steps, then alone in the search's first probe: named
+    assert len(eng.recoveries) == 5
 
 
 def test_two_such_requests_each_fail_alone(smol, smol_packed, prompts, hf_greedy):
