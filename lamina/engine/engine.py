@@ -106,7 +106,8 @@ class LLMEngine:
                                    scores_prompt=lambda seq: self._scores_prompt(seq.params),
                                    drops=self._drop_rule(layers), admits=self._admits,
                                    propose=self._propose if config.speculative_tokens
-                                   else None)
+                                   else None,
+                                   sparse=lambda seq: self._kv_policy(seq.params).enabled)
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()

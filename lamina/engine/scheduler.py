@@ -165,7 +165,8 @@ class Scheduler:
                  scores_prompt: Callable[[Sequence], bool] | None = None,
                  drops: Callable[[Sequence], bool] | None = None,
                  admits: Callable[[Sequence], bool] | None = None,
-                 propose: Callable[[Sequence, int], tuple[int, ...]] | None = None):
+                 propose: Callable[[Sequence, int], tuple[int, ...]] | None = None,
+                 sparse: Callable[[Sequence], bool] | None = None):
         self.allocs = allocators if isinstance(allocators, list) else [allocators]
         self.config = config
         # whether a sequence's KV policy scores its whole prompt where it is stored
@@ -184,6 +185,10 @@ class Scheduler:
         # speculative decoding: a decoding sequence's draft of at most n tokens (empty:
         # none), fed after its last token (`engine/speculative.py`); None: no drafts
         self.propose = propose
+        # whether a sequence's KV policy cuts its decode rows, which memory workers tell
+        # by their one query: its prompt's last position is then never fed alone (from a
+        # cached prefix or a chunk's tail), so the prompt attends whole as when fed at once
+        self.sparse = sparse or (lambda seq: False)
         # one radix tree per memory worker (`prefix_cache`); None: no caching
         self.caches = [RadixCache(a) for a in self.allocs] if prefix_caching else None
         self.waiting: deque[Sequence] = deque()
@@ -256,7 +261,8 @@ class Scheduler:
                 or self.scores_prompt(seq)):
             return -1, []  # prompt logprobs need every prompt position computed
         n = len(seq.tokens)
-        hits = sorted(((c.match(seq.tokens, n - 1), w) for w, c in enumerate(self.caches)),
+        hits = sorted(((c.match(seq.tokens, n - self._last_fed(seq)), w)
+                       for w, c in enumerate(self.caches)),
                       key=lambda h: (-len(h[0]), h[1]))
         most = max(a.num_free() for a in self.allocs)
         for slots, w in hits:
@@ -278,7 +284,7 @@ class Scheduler:
                 or seq.params.prompt_logprobs is not None or self.scores_prompt(seq)):
             return w, hit, None
         n = len(seq.tokens)
-        m = self.sessions.match(seq.session, seq.tokens, n - 1)
+        m = self.sessions.match(seq.session, seq.tokens, n - self._last_fed(seq))
         if m is None or m.upto <= len(hit):
             return w, hit, None
         pool = (self.caches[m.worker].match(seq.tokens, m.upto) if self.caches is not None
@@ -587,11 +593,20 @@ class Scheduler:
         on the memory workers (one pass over the whole prompt)."""
         return seq.params.prompt_logprobs is None and not self.scores_prompt(seq)
 
+    def _last_fed(self, seq: Sequence) -> int:
+        """How many of seq's last tokens a prefix reused from a cache leaves to feed: 1
+        (the step draws after it), 2 where its KV policy cuts one-query rows."""
+        return 2 if len(seq.tokens) > 1 and self.sparse(seq) else 1
+
     def _feed(self, seq: Sequence, start: int, budget: int, work: list[SeqWork]) -> int:
         """seq's tokens from position `start` into `work`, at most `budget` of them if it
-        `chunks`; it draws after its last token only. -> how many were fed."""
+        `chunks` (a sequence whose KV policy cuts one-query rows is not left one token to
+        feed: 2 then, one over `budget` if it is 1); it draws after its last token only.
+        -> how many were fed."""
         n = seq.num_tokens
         end = min(n, start + budget) if self.chunks(seq) else n
+        if n - end == 1 and self.sparse(seq):
+            end = end - 1 if end - start > 1 else n
         seq.pending = n - end
         work.append(self._work(seq, start, end, (seq.seed, *(f.seed for f in seq.forks)),
                                sample=end == n))

@@ -150,6 +150,35 @@ def test_aborting_a_prompt_midway_caches_only_the_positions_fed():
     assert s.alloc.num_free() == 4  # the other 8 held by the cache alone
 
 
+def test_a_sparse_sequence_never_feeds_its_prompts_last_position_alone():
+    """A sequence whose KV policy cuts one-query rows (`sparse`, here ids >= 10): a
+    cached prefix leaves its last two tokens to feed, where a dense one's leaves one;
+    chunks never leave it a one-token tail (a budget of 1 then feeds the last two)."""
+    def sched(budget):
+        return Scheduler(SchedulerConfig(4, budget), KVAllocator(KVAllocatorConfig(32)),
+                         prefix_caching=True, sparse=lambda seq: seq.seq_id >= 10)
+
+    def fed(s):
+        return [(w.seq_id, w.start_pos, w.token_ids) for w in s.schedule().seqs]
+
+    s = sched(100)
+    s.add(Sequence(0, [10, 11, 12, 13], P))
+    assert fed(s) == [(0, 0, (10, 11, 12, 13))]
+    s.running[0].output.append(99)
+    s.finish(s.running[0], "length")  # its 4 prompt positions cached
+    s.add(Sequence(10, [10, 11, 12, 13, 14], P))
+    s.add(Sequence(1, [10, 11, 12, 13, 15], P))
+    assert fed(s) == [(10, 3, (13, 14)), (1, 4, (15,))]
+    for budget, want in [(3, [(0, (30, 31)), (2, (32, 33))]),
+                         (1, [(0, (30,)), (1, (31,)), (2, (32, 33))])]:
+        s = sched(budget)
+        s.add(Sequence(11, [30, 31, 32, 33], P))
+        assert [fed(s)[0][1:] for _ in want] == want
+    s = sched(3)
+    s.add(Sequence(2, [30, 31, 32, 33], P))  # dense: 3, then its last alone
+    assert [fed(s)[0][1:] for _ in range(2)] == [(0, (30, 31, 32)), (3, (33,))]
+
+
 def test_a_whole_prompt_past_the_budget_goes_alone_and_kv_shortage_is_reported():
     """A prompt that may not be chunked and is longer than the budget (a recompute: the
     engine refuses such a new request) is fed whole in a step of its own, not never."""

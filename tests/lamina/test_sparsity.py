@@ -589,6 +589,28 @@ def test_request_override_in_a_mixed_batch(smol, smol_packed, prompts, hf_greedy
         eng.add_request(prompts[0], SamplingParams(kv_budget=0.2))
 
 
+@pytest.mark.parametrize("policy,budget", [("streaming", 16), ("topk", 0.3)])
+def test_a_prompt_answers_alike_from_a_cached_prefix_or_in_chunks(smol, smol_packed,
+                                                                   prompts, policy, budget):
+    """Memory workers cut one-query rows (decode rows). A prompt's last position fed
+    alone, after a cached prefix or as a chunk's one-token tail, was cut like one, and
+    the request answered otherwise than fed whole. Now such a prompt feeds its last two
+    positions: the same tokens from a prefix cached by a dense request (all but 2 of its
+    40 tokens reused) and chunked 39 + 1 (fed 38 + 2), and not the dense answer."""
+    from tests.lamina.test_engine import engine, run
+
+    p = prompts[2]  # 40 tokens
+    own = SamplingParams(max_tokens=12, temperature=0, kv_sparsity=policy, kv_budget=budget)
+    whole = run(engine(smol, smol_packed), [p], own)[0].token_ids
+    eng = engine(smol, smol_packed)
+    dense = run(eng, [p], SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    cached = run(eng, [p], own)[0]
+    assert cached.token_ids == whole and cached.metrics["cached_tokens"] == len(p) - 2
+    assert run(engine(smol, smol_packed, max_step_tokens=len(p) - 1), [p],
+               own)[0].token_ids == whole
+    assert whole != dense  # the policy cut the decode rows
+
+
 def test_overrides_cross_a_connection_once():
     """The compute end sends a sequence's override to a memory worker once (and again
     after the sequence was released there)."""
