@@ -1,0 +1,282 @@
+"""Random workloads on the local engine, each request checked against its run alone.
+
+A seed draws an engine configuration (memory workers, step budget, batch size, prefix
+caching, n-gram drafts, scheduling policy, KV split, compute replicas under either
+pipeline, session tiers, a fault plan) and 4-13 requests (shared prefixes, chat prompts,
+greedy and seeded sampling, n > 1, stop strings and ids, min_tokens, penalties,
+logit_bias, bad_words, allowed_token_ids, logprobs, prompt_logprobs, structured output,
+per-request KV sparsity, priorities, sessions, streaming), arriving at random steps,
+some aborted mid-way, some carrying a token the fault plan fails on. Everything that
+ran must leave every KV slot free; each request that completed must answer as it does
+alone on a roomy engine of the same configuration (tokens, text, finish reason, error,
+logprobs within 1e-3), and one carrying the fault token must fail alone.
+
+What differs by design when a preempted sequence is recomputed (docs/engine.md) is left
+out: bf16 / int8 pools and the scoring policies h2o / snapkv are not drawn, and a request
+under `streaming` or `topk` is compared only if it was never preempted (a recomputed
+context attends whole).
+
+    python -m tests.lamina.random_workload 0 200    # seeds 0..199, one line each
+
+found the mask widths of 0982a83 (seed 104) and the search of 59b45b2 (seed 165).
+"""
+from __future__ import annotations
+
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from lamina.engine.config import EngineConfig, TierConfig
+from lamina.engine.engine import LLMEngine
+from lamina.executor.local import LocalExecutor
+from lamina.faults import FaultPlan
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.sampling.params import SamplingParams
+
+POISON, LAYER_POISON = 40001, 40002  # tokens no prompt of the workload holds otherwise
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable "
+        "type changed how knowledge spread across Europe. Scholars wrote letters; "
+        "printers set lines of lead. ") * 10
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request of a workload."""
+    at: int  # the step it arrives before
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    abort_at: int | None  # the step it is aborted before (None: never)
+    session: str | None
+    stream: bool
+
+
+@dataclass(frozen=True)
+class Workload:
+    config: dict  # EngineConfig's fields but num_kv_slots and faults
+    slots: int
+    faults: FaultPlan | None
+    asks: tuple[Ask, ...]
+
+
+def engine(lm, split, config: dict, slots: int, faults=None) -> LLMEngine:
+    cfg = EngineConfig(num_kv_slots=slots, faults=faults, **config)
+    tiers = TierConfig(cfg.kv_host_bytes, cfg.kv_disk_dir, cfg.kv_disk_bytes)
+    mems = [MemorySide(KVPool(KVPoolConfig.for_specs(split.attention_specs, slots)),
+                       tiers=tiers, worker=w) for w in range(cfg.num_memory_workers)]
+    ex = LocalExecutor(split, mems, vocab_size=lm.config.vocab_size, faults=faults,
+                       num_compute_workers=cfg.num_compute_workers,
+                       pipeline="rotational" if cfg.pipeline == "rotational" else "fixed")
+    return LLMEngine(cfg, ex, lm.tokenizer, lm.config)
+
+
+def _config(r: random.Random) -> dict:
+    kw = dict(num_memory_workers=r.choice([1, 2]), max_step_tokens=r.choice([32, 96, 512, 2048]),
+              max_batch=r.choice([2, 4, 64]), prefix_caching=r.random() < 0.7,
+              speculative_tokens=r.choice([0, 0, 3]),
+              scheduling_policy=r.choice(["fcfs", "priority"]), split_kv=r.random() < 0.7)
+    if r.random() < 0.25:
+        kw.update(num_compute_workers=2, pipeline=r.choice(["fixed", "rotational"]))
+    elif r.random() < 0.4 and kw["prefix_caching"]:
+        kw.update(kv_host_bytes=r.choice([1 << 20, 64 << 20]),
+                  kv_disk_dir=tempfile.mkdtemp(prefix="lamina-rw-"), kv_disk_bytes=64 << 20)
+    return kw
+
+
+def _prompt(r: random.Random, pool: list[int], chat: list[int]) -> list[int]:
+    k = r.random()
+    if k < 0.2:
+        return list(chat)
+    if k < 0.5:  # a shared prefix, a varied tail
+        return pool[:r.randrange(40, 200)] + [r.randrange(200, 20000)
+                                               for _ in range(r.randrange(0, 6))]
+    start = r.randrange(0, len(pool) - 10)
+    return pool[start:start + r.randrange(1, 250)]
+
+
+def _params(r: random.Random, pool: list[int]) -> SamplingParams:
+    kw: dict = dict(max_tokens=r.randrange(1, 24), temperature=0.0)
+    if r.random() < 0.3:
+        kw.update(temperature=0.8, seed=r.randrange(1000), top_k=r.choice([-1, 20]),
+                  top_p=r.choice([1.0, 0.9]))
+    if r.random() < 0.2:
+        kw["n"] = r.choice([2, 3])
+        if kw["temperature"] == 0:
+            kw.update(temperature=0.7, seed=r.randrange(1000))
+    extras = [("stop", lambda: (r.choice([" the", ".", ",", "ing"]),), 0.2),
+              ("stop_token_ids", lambda: (r.choice(pool[:60]),), 0.15),
+              ("min_tokens", lambda: r.randrange(0, kw["max_tokens"] + 1), 0.15),
+              ("repetition_penalty", lambda: r.choice([1.3, 0.8]), 0.15),
+              ("presence_penalty", lambda: r.choice([1.0, -0.5]), 0.15),
+              ("frequency_penalty", lambda: r.choice([0.5, 0.0]), 0.1),
+              ("logit_bias", lambda: {r.choice(pool[:80]): r.choice([5.0, -100.0])}, 0.15),
+              ("bad_words", lambda: (r.choice(["the", "press", "century"]),), 0.1),
+              ("allowed_token_ids", lambda: tuple(sorted(set(pool[:300]))), 0.1),
+              ("logprobs", lambda: r.choice([0, 2, 5]), 0.2),
+              ("prompt_logprobs", lambda: r.choice([0, 3]), 0.1),
+              ("ignore_eos", lambda: True, 0.1),
+              ("truncate_prompt_tokens", lambda: r.randrange(1, 50), 0.05)]
+    for name, value, p in extras:
+        if r.random() < p:
+            kw[name] = value()
+    if r.random() < 0.1:
+        kw["structured_outputs"] = r.choice([{"choice": ["yes", "no", "maybe so"]},
+                                             {"regex": "[0-9]{2,4}( apples)?"},
+                                             {"json": SCHEMA}])
+    if r.random() < 0.1:
+        kw.update(kv_sparsity=r.choice(["streaming", "topk"]), kv_budget=r.choice([32, 0.5]))
+    return SamplingParams(**kw)
+
+
+def workload(seed: int, lm) -> Workload:
+    r = random.Random(seed)
+    pool = lm.tokenizer(TEXT)["input_ids"]
+    chat = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "List three colours and say why you like them."}],
+        add_generation_prompt=True, tokenize=True)
+    chat = chat if isinstance(chat, list) else chat["input_ids"]
+    config, slots = _config(r), r.choice([300, 600, 3000])
+    faults = None
+    if r.random() < 0.3:
+        faults = r.choice([FaultPlan(compute_token=POISON),
+                           FaultPlan(compute_layer=5, layer_token=LAYER_POISON)])
+    asks = []
+    for _ in range(r.randrange(4, 14)):
+        p = _prompt(r, pool, chat)
+        if faults is not None and r.random() < 0.2:
+            p = p + [POISON if faults.compute_token else LAYER_POISON]
+        asks.append(Ask(r.choice([0, 0, r.randrange(0, 30)]), p, _params(r, pool),
+                        r.randrange(-2, 3), r.randrange(1, 40) if r.random() < 0.15 else None,
+                        r.choice([None, None, "s1", "s2"]) if config.get("kv_host_bytes")
+                        else None, r.random() < 0.3))
+    return Workload(config, slots, faults, tuple(asks))
+
+
+def features(w: Workload) -> set[str]:
+    """What a workload holds, in words (for choosing seeds and checking them)."""
+    c, out = w.config, set()
+    out |= {name for name, on in [
+        ("preempts", w.slots < 3000), ("no-cache", not c["prefix_caching"]),
+        ("drafts", c["speculative_tokens"] > 0), ("tiers", bool(c.get("kv_host_bytes"))),
+        ("chunks", c["max_step_tokens"] <= 96), ("2-memory", c["num_memory_workers"] == 2),
+        ("token-fault", w.faults is not None and w.faults.compute_token is not None),
+        ("layer-fault", w.faults is not None and w.faults.compute_layer is not None)] if on}
+    if c.get("num_compute_workers"):
+        out.add(c["pipeline"])
+    for a in w.asks:
+        p = a.params
+        out |= {name for name, on in [
+            ("structured", p.structured_outputs is not None),
+            ("allowed", p.allowed_token_ids is not None), ("bad-words", bool(p.bad_words)),
+            ("min-tokens", p.min_tokens > 0), ("n", p.n > 1), ("sampled", p.temperature > 0),
+            ("abort", a.abort_at is not None), ("session", a.session is not None),
+            ("stream", a.stream), ("prompt-logprobs", p.prompt_logprobs is not None),
+            ("poison", POISON in a.prompt or LAYER_POISON in a.prompt)] if on}
+        if p.kv_sparsity:
+            out.add(p.kv_sparsity)
+    return out
+
+
+def run(eng: LLMEngine, asks, max_steps: int = 3000) -> tuple[dict, set[int]]:
+    """The asks arriving and aborted at their steps -> ({ask: final output, or the
+    ValueError add_request raised}, the asks aborted)."""
+    ids: dict[int, int | None] = {}
+    outs: dict[int, object] = {}
+    aborted: set[int] = set()
+    for step in range(max_steps):
+        for k, a in enumerate(asks):
+            if a.at == step:
+                try:
+                    ids[k] = eng.add_request(a.prompt, a.params, priority=a.priority,
+                                             session_id=a.session, stream=a.stream)
+                except ValueError as e:
+                    ids[k], outs[k] = None, e
+            if a.abort_at == step and ids.get(k) is not None and k not in outs:
+                eng.abort(ids[k])
+                aborted.add(k)
+        if not eng.has_unfinished() and len(ids) == len(asks):
+            return outs, aborted
+        by_rid = {rid: k for k, rid in ids.items() if rid is not None}
+        for o in eng.step():
+            k = by_rid[o.request_id]
+            if o.finished and k not in aborted:
+                assert k not in outs, f"ask {k} finished twice"
+                outs[k] = o
+    raise AssertionError(f"{max_steps} steps and requests still unfinished")
+
+
+def _seen(o) -> list:
+    """Its samples' tokens, finish reasons and texts, and its error but the request id
+    and step it names."""
+    error = o.error and re.sub(r"request \d+ failed in step \d+", "", o.error)
+    return [(c.token_ids, c.finish_reason, c.text) for c in o.outputs] + [error]
+
+
+def _logprobs(o) -> list[float]:
+    return [t.logprob for c in o.outputs for t in (c.logprobs or [])]
+
+
+def check(seed: int, lm, split) -> list[str]:
+    """-> what went wrong in this seed's workload (empty: nothing)."""
+    w = workload(seed, lm)
+    eng = engine(lm, split, w.config, w.slots, w.faults)
+    free0 = eng.free_slots()
+    outs, aborted = run(eng, w.asks)
+    problems = []
+    if eng.free_slots() != free0 or any(a.stats().shared for a in eng.allocs):
+        problems.append(f"slots free {eng.free_slots()}, were {free0}")
+    ref = engine(lm, split, {**w.config, "kv_host_bytes": 0, "kv_disk_dir": None,
+                             "kv_disk_bytes": 0}, 3000)
+    for k, a in enumerate(w.asks):
+        got = outs.get(k)
+        if k in aborted or isinstance(got, ValueError):
+            continue
+        if got is None:
+            problems.append(f"ask {k}: no output")
+        elif POISON in a.prompt or LAYER_POISON in a.prompt:
+            if got.finish_reason != "error":
+                problems.append(f"ask {k}: its fault token did not fail it: {_seen(got)}")
+        elif not (a.params.kv_sparsity and got.metrics["preemptions"]):
+            alone, _ = run(ref, [Ask(0, a.prompt, a.params, a.priority, None, None, False)])
+            want = alone[0]
+            if isinstance(want, ValueError) or _seen(got) != _seen(want):
+                problems.append(f"ask {k} ({a.params}, {len(a.prompt)} prompt tokens): "
+                                f"got {_seen(got)}, alone {_seen(want)}")
+            elif any(abs(x - y) > 1e-3 for x, y in zip(_logprobs(got), _logprobs(want))):
+                problems.append(f"ask {k}: logprobs {_logprobs(got)} alone {_logprobs(want)}")
+    return problems
+
+
+def main() -> None:
+    import torch
+
+    from lamina.model.loader import load
+    from lamina.splitter import split_model
+    from lamina.splitter.dense import pack_dense
+
+    torch.set_num_threads(2)
+    lm = load()
+    split, _ = pack_dense(split_model(lm.model), "onednn")
+    lo, hi = int(sys.argv[1]), int(sys.argv[2])
+    bad = 0
+    for seed in range(lo, hi):
+        t = time.perf_counter()
+        try:
+            problems = check(seed, lm, split)
+        except Exception as e:  # noqa: BLE001 - a seed that raises is reported, not fatal
+            problems = [f"raised {type(e).__name__}: {e}"]
+        bad += bool(problems)
+        print(f"seed {seed}: {'FAIL' if problems else 'ok'} "
+              f"({time.perf_counter() - t:.1f} s)", flush=True)
+        for p in problems:
+            print("   ", p[:2000], flush=True)
+    print(f"{hi - lo - bad} of {hi - lo} seeds ok")
+
+
+if __name__ == "__main__":
+    main()
