@@ -8,10 +8,7 @@ Why: a step can fail with no sequence named: a bug in a dense slice or a kernel 
 one request's data sets off, a worker that crashes on it. The engine recovers such a
 step (workers back, KV recomputed); when the failures keep coming past
 `EngineConfig.max_recoveries` in a row, stopping would fail every request in flight and
-leave the server dead. The failures need not be in a row: a long prompt whose last chunk
-trips the fault, recomputed from its start after each recovery, runs its first chunks
-between them; so a request in more than max_recoveries failed steps since it last drew
-a token starts a search too. Instead the engine bisects: after each recovery only some of the
+leave the server dead. Instead the engine bisects: after each recovery only some of the
 requests the failed step held (`probe`) are admitted again. A probe that fails narrows
 the suspects to its requests in that step; a probe whose requests each draw a token
 (past the point where they failed) clears them, and the next probe is half of the
@@ -19,6 +16,10 @@ suspects not cleared yet. One request left is tried alone; if that step fails, i
 named: that request fails alone and the others go on. If every suspect is cleared, the
 failures did not follow any one request (a transient fault, or several requests
 together): the search ends and the engine runs on, counting failures in a row afresh.
+The failures need not be in a row: a long prompt whose last chunk trips the fault,
+recomputed from its start after each recovery, runs its first chunks between them; so a
+request in more than max_recoveries failed steps since it last drew a token starts a
+search too.
 
 Requests not among the suspects (arrived since, or waiting then) are held until the
 search ends; cleared requests keep running. Each failed probe costs one recovery, so a

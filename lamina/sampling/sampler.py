@@ -252,13 +252,13 @@ def draw_tokens(c: Candidates, seeds: tuple[int, ...], position: int) -> tuple[i
     p_t / sum(p) (vLLM's sampler draws the same way). E_t comes from a generator seeded by
     (seed, position) and is keyed by the token's id, not by where it sits among the
     candidates, so a draw changes only if the two best scores are within the logits'
-    rounding of each other (~1e-5 of a draw). Placing one uniform among the running sums
-    (inverse CDF, this function before) changed it whenever the sums' rounding crossed a
-    token's edge anywhere below: 0.1-0.2% of draws on SmolLM2's logits of one context fed
-    whole or in two chunks (`benchmarks/sampler_probe.py --stability`).
+    rounding of each other: none of 8000 draws on SmolLM2's logits of one context fed
+    whole or in two chunks (`benchmarks/sampler_probe.py --stability`), where placing one
+    uniform among the running sums (inverse CDF, this function before) changed 0.1-0.2%,
+    whenever the sums' rounding crossed a token's edge anywhere below.
     The race runs in two levels, exactly: blocks of BLOCK tokens race by their mass, then
     the winning block's tokens by theirs, so a draw takes vocab / BLOCK + BLOCK
-    exponentials, not one a token (~0.05 ms a draw over SmolLM2's 49k vocabulary)."""
+    exponentials, not one a token (~0.02-0.04 ms a draw over SmolLM2's 49k vocabulary)."""
     nb = -(-c.vocab // BLOCK)
     p = c.probs.float()
     if c.ids is None:  # every token, in id order: [nb, BLOCK] blocks (padded with 0s)
