@@ -44,6 +44,7 @@ POISON, LAYER_POISON = 40001, 40002  # tokens no prompt of the workload holds ot
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable "
         "type changed how knowledge spread across Europe. Scholars wrote letters; "
         "printers set lines of lead. ") * 10
+DISK = "<a temporary folder>"  # the disk tier's folder: `check` makes one a workload
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
@@ -61,7 +62,7 @@ class Ask:
 
 @dataclass(frozen=True)
 class Workload:
-    config: dict  # EngineConfig's fields but num_kv_slots and faults
+    config: dict  # EngineConfig's fields but num_kv_slots and faults (kv_disk_dir: DISK)
     slots: int
     faults: FaultPlan | None
     asks: tuple[Ask, ...]
@@ -87,7 +88,7 @@ def _config(r: random.Random) -> dict:
         kw.update(num_compute_workers=2, pipeline=r.choice(["fixed", "rotational"]))
     elif r.random() < 0.4 and kw["prefix_caching"]:
         kw.update(kv_host_bytes=r.choice([1 << 20, 64 << 20]),
-                  kv_disk_dir=tempfile.mkdtemp(prefix="lamina-rw-"), kv_disk_bytes=64 << 20)
+                  kv_disk_dir=DISK, kv_disk_bytes=64 << 20)
     return kw
 
 
@@ -227,7 +228,15 @@ def _logprobs(o) -> list[float]:
 def check(seed: int, lm, split) -> list[str]:
     """-> what went wrong in this seed's workload (empty: nothing)."""
     w = workload(seed, lm)
-    eng = engine(lm, split, w.config, w.slots, w.faults)
+    with tempfile.TemporaryDirectory(prefix="lamina-rw-") as disk:
+        config = {**w.config, "kv_disk_dir": disk} if w.config.get("kv_disk_dir") \
+            else w.config
+        return _check(w, config, lm, split)
+
+
+def _check(w: Workload, config: dict, lm, split) -> list[str]:
+    """`check` with the workload's configuration as given (its disk tier's folder real)."""
+    eng = engine(lm, split, config, w.slots, w.faults)
     free0 = eng.free_slots()
     outs, aborted = run(eng, w.asks)
     problems = []
