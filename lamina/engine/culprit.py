@@ -12,8 +12,9 @@ leave the server dead. Instead the engine bisects: after each recovery only some
 requests the failed step held (`probe`) are admitted again. A probe that fails narrows
 the suspects to its requests in that step; a probe whose requests each draw a token
 (past the point where they failed) clears them, and the next probe is half of the
-suspects not cleared yet. One request left is tried alone; if that step fails, it is
-named: that request fails alone and the others go on. If every suspect is cleared, the
+suspects not cleared yet. One request left is tried alone; if that fails twice (a
+worker lost to something else, once, while it ran alone must not name it), it is named:
+that request fails alone and the others go on. If every suspect is cleared, the
 failures did not follow any one request (a transient fault, or several requests
 together): the search ends and the engine runs on, counting failures in a row afresh.
 The failures need not be in a row: a long prompt whose last chunk trips the fault,
@@ -23,13 +24,13 @@ search too.
 
 Requests not among the suspects (arrived since, or waiting then) are held until the
 search ends; cleared requests keep running. Each failed probe costs one recovery, so a
-search over B requests ends within about log2(B) + 2 failed steps.
+search over B requests ends within about log2(B) + 3 failed steps.
 
 A bug that fails every step, whatever it holds, would name each request in turn. So a
 culprit named while an earlier one was named with no step run since must first have an
 alibi checked (`alibi`): the other requests alone run one step. If they do, it is named;
-if they fail too, or there are none, the engine gives up and stops, as it did before
-searches: the failures follow every request, not one.
+if they fail too (twice, as above), or there are none, the engine gives up and stops, as
+it did before searches: the failures follow every request, not one.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ class CulpritSearch:
         self.probe: set[int] = set()
         # a culprit found whose naming waits for the others to run a step (`alibi`)
         self.accused: int | None = None
+        # the requests of a failed step that gives a verdict (a request alone, an alibi),
+        # seen failing once: the verdict waits for the same step to fail again
+        self.unconfirmed: frozenset[int] | None = None
         self._next_probe()
 
     def _next_probe(self) -> None:
@@ -64,12 +68,22 @@ class CulpritSearch:
         """Whether a waiting request may be admitted now."""
         return rid in self.probe or rid in self.cleared
 
+    def confirmed(self, step_rids) -> bool:
+        """A step that gives a verdict failed: True when the same requests' step failed
+        before (the verdict stands), else False (they run the same way again)."""
+        step = frozenset(step_rids)
+        if self.unconfirmed == step:
+            return True
+        self.unconfirmed = step
+        return False
+
     def failed(self, step_rids) -> int | None:
         """A step with these requests failed. -> the culprit when it failed holding that
-        one request alone; else None: the suspects narrow to the probe's requests in the
-        step (cleared ones ran beside them) and the next probe is half of them, or, when
-        one is left, it alone (so two requests failing only together name no one); the
-        search is `done` when the step held no probe request."""
+        one request alone, the second time; else None: the suspects narrow to the
+        probe's requests in the step (cleared ones ran beside them) and the next probe
+        is half of them, or, when one is left, it alone (so two requests failing only
+        together name no one); the search is `done` when the step held no probe
+        request."""
         self.failures += 1
         step = set(step_rids)
         hit = [r for r in self.suspects if r in self.probe and r in step]
@@ -77,7 +91,7 @@ class CulpritSearch:
             self.probe = set()
             return None
         if len(hit) == 1 and step == {hit[0]}:
-            return hit[0]
+            return hit[0] if self.confirmed(step) else None
         self.suspects = hit
         if len(hit) == 1:  # try it alone: hold the cleared ones back for a step
             self.cleared, self.probe = set(), {hit[0]}

@@ -818,6 +818,8 @@ class LLMEngine:
                         gave_up, len(rids))
             return True
         search.error = what
+        if search.accused is not None and not search.confirmed(rids):
+            return True  # the others alone run again
         if search.accused is not None:
             log.error("%s: they fail whatever runs (request %d was named just before, and "
                       "the others failed without it)", gave_up, search.accused)

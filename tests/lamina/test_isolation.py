@@ -5,6 +5,7 @@ finish reason "error" and a message naming the problem, every other request give
 greedy tokens, and the allocators' free counts return to their start. The Ray path is
 in tests/cluster/test_ray_isolation.py, HTTP in test_server_limits.py."""
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -138,8 +139,8 @@ def test_a_request_every_step_fails_on_is_found_and_fails_alone(smol, smol_packe
     assert "injected fault in layer 2 (no sequence named)" in outs[bad].error
     assert eng.free_slots() == [SLOTS, SLOTS] and not eng.scheduler.waiting
     assert eng.num_failed_requests == 1 and len(eng.culprits) == 1
-    # 4 failures in a row start the search; it takes at most log2(12) + 2 more
-    assert 5 <= len(eng.recoveries) <= 4 + math.ceil(math.log2(12)) + 2
+    # 4 failures in a row start the search; it takes at most log2(12) + 3 more
+    assert 5 <= len(eng.recoveries) <= 4 + math.ceil(math.log2(12)) + 3
     assert all("injected fault in layer 2" in r for r in eng.recoveries)
     rid = eng.add_request(prompts[0], GOOD)  # and after it
     while eng.has_unfinished():
@@ -171,8 +172,41 @@ def test_a_request_failing_in_its_last_chunk_is_found_though_steps_between_run(
     check(outs, ids, bad, [hf_greedy[i] for i in good], "every step it ran in failed")
     assert "injected fault in layer 2" in outs[bad].error
     assert eng.free_slots() == [SLOTS, SLOTS] and eng.num_failed_requests == 1
-    # in 4 failed steps, then alone in the search's first probe: named
-    assert len(eng.recoveries) == 5
+    # in 4 failed steps, then alone in the search's first probe, twice: named
+    assert len(eng.recoveries) == 6
+
+
+def test_a_request_whose_lone_step_loses_a_worker_once_is_not_named(
+        smol, smol_packed, prompts, hf_greedy):
+    """A good request and a poison one fail two steps (max_recoveries=1): the search
+    tries the good one alone first, and that step fails too, once, for a reason of its
+    own (a worker killed: a failure of the executor, no sequence named). Before, that
+    named the good request; now it runs alone again and draws, and the poison one is
+    named after failing alone twice. The good one gives HF's tokens."""
+    tok = unused_token(prompts, hf_greedy)
+    eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok))
+    eng.config = replace(eng.config, max_recoveries=1)
+    good = eng.add_request(prompts[0], GOOD)
+    bad = eng.add_request(prompts[1] + [tok], GOOD)
+    execute, lost = eng.executor.execute, []
+
+    def losing_a_worker_once(plan):
+        if eng.searching and not lost and {s.seq_id for s in plan.seqs} == {0}:
+            lost.append(plan.step)
+            raise RuntimeError("memory worker 1 died (killed)")
+        return execute(plan)
+
+    eng.executor.execute = losing_a_worker_once
+    outs = {}
+    for _ in range(40):
+        outs.update({o.request_id: o for o in eng.step()})
+        if not eng.has_unfinished():
+            break
+    assert lost  # the good request (seq 0) ran alone, and that step failed
+    check(outs, [good], bad, [hf_greedy[0]], "every step it ran in failed")
+    assert "injected fault in layer 2" in outs[bad].error
+    assert eng.num_failed_requests == 1 and eng.free_slots() == [SLOTS, SLOTS]
+    assert sum("memory worker 1 died" in r for r in eng.recoveries) == 1
 
 
 def test_two_such_requests_each_fail_alone(smol, smol_packed, prompts, hf_greedy):
