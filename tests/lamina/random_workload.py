@@ -186,13 +186,17 @@ def features(w: Workload) -> set[str]:
     return out
 
 
-def run(eng: LLMEngine, asks, max_steps: int = 3000) -> tuple[dict, set[int]]:
-    """The asks arriving and aborted at their steps -> ({ask: final output, or the
-    ValueError add_request raised}, the asks aborted)."""
+def run(eng: LLMEngine, asks, max_steps: int = 3000,
+        events: dict | None = None) -> tuple[dict, set[int]]:
+    """The asks arriving and aborted at their steps, `events` ({step: a callable}) run
+    before theirs -> ({ask: final output, or the ValueError add_request raised}, the
+    asks aborted)."""
     ids: dict[int, int | None] = {}
     outs: dict[int, object] = {}
     aborted: set[int] = set()
     for step in range(max_steps):
+        if events and step in events:
+            events[step]()
         for k, a in enumerate(asks):
             if a.at == step:
                 try:
@@ -244,15 +248,23 @@ def _check(w: Workload, config: dict, lm, split) -> list[str]:
         problems.append(f"slots free {eng.free_slots()}, were {free0}")
     ref = engine(lm, split, {**w.config, "kv_host_bytes": 0, "kv_disk_dir": None,
                              "kv_disk_bytes": 0}, 3000)
-    for k, a in enumerate(w.asks):
+    return problems + compare(w.asks, outs, aborted, ref,
+                              lambda a: POISON in a.prompt or LAYER_POISON in a.prompt)
+
+
+def compare(asks, outs: dict, aborted: set[int], ref: LLMEngine, faulty) -> list[str]:
+    """Each ask that completed against its run alone on `ref`; those `faulty(ask)` says
+    carry a fault must have failed. -> what differs."""
+    problems = []
+    for k, a in enumerate(asks):
         got = outs.get(k)
         if k in aborted or isinstance(got, ValueError):
             continue
         if got is None:
             problems.append(f"ask {k}: no output")
-        elif POISON in a.prompt or LAYER_POISON in a.prompt:
+        elif faulty(a):
             if got.finish_reason != "error":
-                problems.append(f"ask {k}: its fault token did not fail it: {_seen(got)}")
+                problems.append(f"ask {k}: its fault did not fail it: {_seen(got)}")
         elif not (a.params.kv_sparsity and got.metrics["preemptions"]):
             alone, _ = run(ref, [Ask(0, a.prompt, a.params, a.priority, None, None, False)])
             want = alone[0]

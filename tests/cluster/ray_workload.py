@@ -1,0 +1,274 @@
+"""Random workloads on a Ray deployment, with its workers killed and hung mid-run.
+
+The requests are those of the local generator (`tests/lamina/random_workload.py`: every
+kind, arriving at random steps, some aborted, some carrying a fault token); a seed here
+also draws what happens to the workers: a memory worker or the compute worker killed
+(`ray.kill`) or stopped (SIGSTOP: alive and silent, so only a timeout finds it) before a
+random step, and requests that make the compute worker refuse them, a memory worker
+fail them (its channel closed, its process reset), or a layer raise with no sequence
+named (the culprit search). The engine's own choices (step budget, batch size, prefix
+caching, n-gram drafts, policy, KV split, the slots it may use, session tiers) vary
+per seed over one deployment: each seed runs a fresh `LLMEngine` on the executor after
+a recovery has reset every worker.
+
+Each request that completed must answer as it does alone on a roomy local engine of
+the same engine configuration (tokens, text, finish reason, error, logprobs within
+1e-3), one carrying a fault token must fail alone, every KV slot must be free after,
+every memory worker healthy, and the deployment must still answer a request as HF.
+
+    python -m tests.cluster.ray_workload 0 180    # seeds 0..179, one line each
+
+Its first run found what 126cdac fixes: a kill-compute while the culprit search ran an
+innocent request alone got that request named (seed 23 fails at 56061ef).
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, replace
+from traceback import format_exc
+
+import ray
+
+from lamina.engine.engine import LLMEngine
+from lamina.faults import FaultPlan
+from lamina.sampling.params import SamplingParams
+from tests.lamina.random_workload import (
+    LAYER_POISON,
+    POISON,
+    TEXT,
+    Ask,
+    _params,
+    _prompt,
+    compare,
+    engine,
+    run,
+)
+
+MEM_POS = 600  # a memory worker fails a sequence with a query here: no good one gets there
+FAULTS = FaultPlan(compute_token=POISON, compute_layer=2, layer_token=LAYER_POISON,
+                   memory_pos=MEM_POS)
+# the deployment the workloads run on (`deployment`): the pools hold what any seed's
+# engine may use; steps time out soon enough that a hung worker costs seconds
+POOL_SLOTS, HOST_BYTES = 3000, 64 << 20
+TIMEOUT_S = 8.0  # step and worker timeouts: a step here takes well under a second
+KINDS = ("kill-memory", "kill-compute", "stop-memory", "stop-compute")
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """What happens to a worker before a step."""
+    at: int  # the step it happens before
+    kind: str  # one of KINDS
+    worker: int  # the memory worker's index (0 for the compute worker)
+
+
+@dataclass(frozen=True)
+class RayWorkload:
+    config: dict  # the engine's EngineConfig fields beyond the deployment's
+    slots: int  # of the pools' POOL_SLOTS, those the engine allocates
+    asks: tuple[Ask, ...]
+    events: tuple[WorkerEvent, ...]
+
+
+def deployment(**kw):
+    """The Ray `LLM` the workloads run on (2 memory workers, the fault plan, tiers)."""
+    from lamina import LLM
+
+    return LLM(executor="ray", num_memory_workers=2, num_kv_slots=POOL_SLOTS,
+               kv_host_bytes=HOST_BYTES, faults=FAULTS, step_timeout_s=TIMEOUT_S,
+               worker_timeout_s=TIMEOUT_S, **kw)
+
+
+def _config(r: random.Random) -> dict:
+    kw = dict(max_step_tokens=r.choice([32, 96, 512, 2048]), max_batch=r.choice([2, 4, 64]),
+              prefix_caching=r.random() < 0.7, speculative_tokens=r.choice([0, 0, 3]),
+              scheduling_policy=r.choice(["fcfs", "priority"]), split_kv=r.random() < 0.7)
+    kw["kv_host_bytes"] = HOST_BYTES if kw["prefix_caching"] and r.random() < 0.5 else 0
+    return kw
+
+
+def _poisoned(r: random.Random, pool: list[int], prompt: list[int],
+              params: SamplingParams) -> tuple[list[int], SamplingParams]:
+    """A request that sets off one of the faults."""
+    kind = r.choice(["compute", "layer", "memory"])
+    if kind == "memory":  # its decode reaches MEM_POS: nothing may stop it before
+        return ((pool * 3)[:MEM_POS - r.randrange(0, 8)],
+                SamplingParams(max_tokens=12, temperature=params.temperature,
+                               seed=params.seed, n=params.n, ignore_eos=True))
+    return prompt + [POISON if kind == "compute" else LAYER_POISON], params
+
+
+def workload(seed: int, lm) -> RayWorkload:
+    r = random.Random(seed)
+    pool = lm.tokenizer(TEXT)["input_ids"]
+    chat = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name two rivers and the seas they reach."}],
+        add_generation_prompt=True, tokenize=True)
+    chat = chat if isinstance(chat, list) else chat["input_ids"]
+    config, slots = _config(r), r.choice([700, 1200, POOL_SLOTS])
+    asks = []
+    for _ in range(r.randrange(4, 12)):
+        p, params = _prompt(r, pool, chat), _params(r, pool)
+        if r.random() < 0.15:
+            p, params = _poisoned(r, pool, p, params)
+        asks.append(Ask(r.choice([0, 0, r.randrange(0, 20)]), p, params,
+                        r.randrange(-2, 3), r.randrange(1, 30) if r.random() < 0.15 else None,
+                        r.choice([None, "s1", "s2"]) if config["kv_host_bytes"] else None,
+                        r.random() < 0.3))
+    events = []
+    for _ in range(r.choice([0, 1, 1, 2])):
+        kind = r.choice(KINDS[:2] * 3 + KINDS[2:])  # a hang costs its timeout: rarer
+        events.append(WorkerEvent(r.randrange(1, 25), kind,
+                                  r.randrange(2) if kind.endswith("memory") else 0))
+    return RayWorkload(config, slots, tuple(asks), tuple(events))
+
+
+def features(w: RayWorkload) -> set[str]:
+    """What a workload holds, in words (for choosing seeds and checking them)."""
+    out = {e.kind for e in w.events}
+    c = w.config
+    out |= {name for name, on in [
+        ("preempts", w.slots < POOL_SLOTS), ("no-cache", not c["prefix_caching"]),
+        ("drafts", c["speculative_tokens"] > 0), ("tiers", c["kv_host_bytes"] > 0),
+        ("chunks", c["max_step_tokens"] <= 96)] if on}
+    for a in w.asks:
+        out |= {name for name, on in [
+            ("memory-poison", len(a.prompt) >= MEM_POS - 8),
+            ("poison", POISON in a.prompt), ("layer-poison", LAYER_POISON in a.prompt),
+            ("structured", a.params.structured_outputs is not None),
+            ("abort", a.abort_at is not None), ("session", a.session is not None),
+            ("n", a.params.n > 1), ("sampled", a.params.temperature > 0)] if on}
+    return out
+
+
+def _pid(llm, e: WorkerEvent) -> int:
+    ex = llm.executor
+    if e.kind.endswith("memory"):
+        return ex.memory_info[e.worker]["pid"]
+    return ray.get(ex.compute.__ray_call__.remote(lambda _: os.getpid()))
+
+
+def _happen(llm, eng: LLMEngine, e: WorkerEvent, stopped: list[int], fired: list) -> None:
+    ex = llm.executor
+    if e.kind == "kill-memory":
+        ray.kill(ex.memory[e.worker])
+    elif e.kind == "kill-compute":
+        ray.kill(ex.compute)
+    else:
+        try:
+            pid = _pid(llm, e)
+            os.kill(pid, signal.SIGSTOP)
+        except (ray.exceptions.RayActorError, ProcessLookupError):
+            return  # killed before (at this step, or with no step since): nothing to stop
+        stopped.append(pid)
+    if eng.has_unfinished():  # else the next step that needs the worker finds it
+        fired.append(e.kind)
+
+
+def fresh_engine(llm, w: RayWorkload) -> LLMEngine:
+    """Every worker reset (or replaced), a new engine of the workload's configuration on
+    them: as if the deployment had just started."""
+    ex = llm.executor
+    ex.recover(RuntimeError("a new workload"))
+    cfg = replace(llm.config, num_kv_slots=w.slots, **w.config)
+    return LLMEngine(cfg, ex, llm.loaded.tokenizer, llm.loaded.config)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    problems: tuple[str, ...]  # what went wrong (empty: nothing)
+    fired: tuple[str, ...]  # the worker events that happened while requests ran
+    recoveries: int  # steps the engine recovered from
+    culprits: int  # requests the culprit search named
+
+
+def check(seed: int, llm, lm, split) -> Outcome:
+    """This seed's workload on the deployment `llm`. `lm`, `split`: the model in this
+    process, for the local reference."""
+    w = workload(seed, lm)
+    eng = fresh_engine(llm, w)
+    ex, stopped, fired = llm.executor, [], []
+    ex.ping_timeout_s, ex.health_timeout_s = TIMEOUT_S, TIMEOUT_S / 2
+    events = {}
+    for e in w.events:  # two at one step: both happen
+        prev = events.get(e.at, lambda: None)
+        events[e.at] = (lambda e=e, prev=prev: (prev(), _happen(llm, eng, e, stopped,
+                                                                 fired)))
+    free0, t = eng.free_slots(), time.monotonic()
+    try:
+        outs, aborted = run(eng, w.asks, events=events)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # its replacement's start killed it
+    problems = []
+    if eng.free_slots() != free0 or any(a.stats().shared for a in eng.allocs):
+        problems.append(f"slots free {eng.free_slots()}, were {free0}")
+    ref = engine(lm, split, {**w.config, "num_memory_workers": 2, "kv_host_bytes": 0},
+                 POOL_SLOTS)
+    problems += compare(w.asks, outs, aborted, ref, lambda a: POISON in a.prompt
+                        or LAYER_POISON in a.prompt or len(a.prompt) >= MEM_POS - 8)
+    # a worker killed after the workload's last step is found by the next one
+    probe = lm.tokenizer(TEXT)["input_ids"][5:60]
+    got, want = _greedy(eng, probe, 6), _greedy(ref, probe, 6)
+    if got != want:
+        problems.append(f"after the workload, greedy {got} against {want} alone")
+    for i, m in enumerate(ex.memory):
+        try:
+            error = ray.get(m.health.remote(), timeout=TIMEOUT_S)["error"]
+        except ray.exceptions.ActorDiedError:
+            continue  # killed after its last step: the next step that needs it replaces it
+        if error:
+            problems.append(f"memory worker {i} after the workload: {error}")
+    if time.monotonic() - t > 600:
+        problems.append(f"took {time.monotonic() - t:.0f} s")
+    return Outcome(tuple(problems), tuple(fired), eng.num_recoveries, eng.num_culprits)
+
+
+def _greedy(eng: LLMEngine, prompt: list[int], n: int) -> list[int]:
+    outs, _ = run(eng, [Ask(0, prompt, SamplingParams(max_tokens=n, temperature=0), 0,
+                            None, None, False)])
+    return outs[0].outputs[0].token_ids
+
+
+def main() -> None:
+    import torch
+
+    from lamina.model.loader import load
+    from lamina.splitter import split_model
+    from lamina.splitter.dense import pack_dense
+
+    torch.set_num_threads(2)
+    lm = load()
+    split, _ = pack_dense(split_model(lm.model), "onednn")
+    llm = deployment()
+    lo, hi = int(sys.argv[1]), int(sys.argv[2])
+    bad = 0
+    try:
+        for seed in range(lo, hi):
+            t = time.perf_counter()
+            try:
+                got = check(seed, llm, lm, split)
+                problems, note = got.problems, (f"fired {list(got.fired)}, "
+                                                f"{got.recoveries} recoveries")
+            except Exception as e:  # noqa: BLE001 - a seed that raises is reported
+                problems, note = [f"raised {type(e).__name__}: {e}\n{format_exc()}"], ""
+            bad += bool(problems)
+            print(f"seed {seed}: {'FAIL' if problems else 'ok'} "
+                  f"({time.perf_counter() - t:.1f} s) {sorted(features(workload(seed, lm)))} "
+                  f"{note}", flush=True)
+            for p in problems:
+                print("   ", p[:6000], flush=True)
+    finally:
+        llm.shutdown()
+    print(f"{hi - lo - bad} of {hi - lo} seeds ok")
+
+
+if __name__ == "__main__":
+    main()
