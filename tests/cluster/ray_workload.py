@@ -46,6 +46,7 @@ from tests.lamina.random_workload import (
     compare,
     engine,
     run,
+    texts,
 )
 
 MEM_POS = 600  # a memory worker fails a sequence with a query here: no good one gets there
@@ -104,11 +105,7 @@ def _poisoned(r: random.Random, pool: list[int], prompt: list[int],
 
 def workload(seed: int, lm) -> RayWorkload:
     r = random.Random(seed)
-    pool = lm.tokenizer(TEXT)["input_ids"]
-    chat = lm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name two rivers and the seas they reach."}],
-        add_generation_prompt=True, tokenize=True)
-    chat = chat if isinstance(chat, list) else chat["input_ids"]
+    pool, chat = texts(lm, "Name two rivers and the seas they reach.")
     config, slots = _config(r), r.choice([700, 1200, POOL_SLOTS])
     asks = []
     for _ in range(r.randrange(4, 12)):

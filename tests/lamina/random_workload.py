@@ -137,13 +137,17 @@ def _params(r: random.Random, pool: list[int]) -> SamplingParams:
     return SamplingParams(**kw)
 
 
+def texts(lm, question: str) -> tuple[list[int], list[int]]:
+    """(TEXT's tokens, which prompts are cut from; a chat prompt asking `question`)."""
+    chat = lm.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                            add_generation_prompt=True, tokenize=True)
+    chat = chat if isinstance(chat, list) else chat["input_ids"]
+    return lm.tokenizer(TEXT)["input_ids"], chat
+
+
 def workload(seed: int, lm) -> Workload:
     r = random.Random(seed)
-    pool = lm.tokenizer(TEXT)["input_ids"]
-    chat = lm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "List three colours and say why you like them."}],
-        add_generation_prompt=True, tokenize=True)
-    chat = chat if isinstance(chat, list) else chat["input_ids"]
+    pool, chat = texts(lm, "List three colours and say why you like them.")
     config, slots = _config(r), r.choice([300, 600, 3000])
     faults = None
     if r.random() < 0.3:
