@@ -174,6 +174,10 @@ class ComputeWorker:
             return load(self._model, dtype=self._dtype, with_tokenizer=False).model
         return self.loaded.model
 
+    def ping(self) -> int:
+        """Its process id: an answer at all says the worker is alive and not stuck."""
+        return os.getpid()
+
     def start_report(self) -> WorkerStart:
         return self.start
 

@@ -251,6 +251,7 @@ class RayExecutor(Executor):
         # memory workers that gave no health answer after the failed step: the recovery
         # replaces them without waiting on them a second time
         self._silent: frozenset[int] = frozenset()
+        self._silent_computes: frozenset[int] = frozenset()  # the same, of compute workers
         self.dense = self._get(self.compute.dense_choice.remote(), "the compute worker")
         for r, st in enumerate(self.compute_starts()):
             log.info("compute worker %d: %s in %.1f s, split in %.1f s", r, "weights only"
@@ -450,7 +451,8 @@ class RayExecutor(Executor):
         (`kv_kept`), so the engine recomputes only the KV that was on replaced ones.
         Keeping a worker saves its start (a process, the model, a pool): seconds each.
         False if the cluster cannot give new workers."""
-        for r in self._reset_all("compute", self.ping_timeout_s):
+        silent, self._silent_computes = self._silent_computes, frozenset()
+        for r in self._reset_all("compute", self.ping_timeout_s, silent):
             ray.kill(self.computes[r])
             self.computes[r] = self._new_compute(r)
         self._close_control()
@@ -598,6 +600,27 @@ class RayExecutor(Executor):
                                                 "the memory workers"))
             self._traffic_at = now
         return self._traffic
+
+    def check_workers(self) -> list[str]:
+        """Every worker pinged at once, one bounded wait (`health_timeout_s`): those dead
+        or silent, in words; the silent ones `recover` replaces without asking again."""
+        workers = [("compute", r, c) for r, c in enumerate(self.computes)] + \
+                  [("memory", i, m) for i, m in enumerate(self.memory)]
+        refs = [w.ping.remote() for _, _, w in workers]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.health_timeout_s)[0])
+        found, silent = [], {"compute": set(), "memory": set()}
+        for (role, i, _), ref in zip(workers, refs):
+            if ref not in ready:
+                found.append(f"{role} worker {i}: no answer within {self.health_timeout_s:g} s")
+                silent[role].add(i)
+                continue
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - a dead actor's error, reported
+                found.append(f"{role} worker {i}: {type(e).__name__}")
+        self._silent = frozenset(silent["memory"])
+        self._silent_computes = frozenset(silent["compute"])
+        return found
 
     def _health_errors(self) -> tuple[list[str], list[int]]:
         """After a failed step: what each memory worker reports (asked all at once, one

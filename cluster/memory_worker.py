@@ -181,6 +181,10 @@ class MemoryWorker:
         sends = [x for s in self.servers for x in s.send_tracer.stop()]
         return self.tracer.stop() + sends
 
+    def ping(self) -> int:
+        """Its process id: an answer at all says the worker is alive and not stuck."""
+        return os.getpid()
+
     def health(self) -> dict:
         """Its connections' state: the first error, the steps served (summed), every
         sequence a failed step was blamed on, the payloads received on collective

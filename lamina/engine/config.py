@@ -82,6 +82,10 @@ class EngineConfig:
     # Ray executor: the compute worker answering no step for this long is hung (it is
     # then replaced); None waits forever. Longer than any step may take.
     step_timeout_s: float | None = 600.0
+    # Ray executor: while no request is in the engine, its serving loop checks this often
+    # that every worker answers, and replaces a dead or silent one before a request
+    # needs it (`LLMEngine.check_workers`); None: only steps find them
+    idle_check_s: float | None = 10.0
     # Ray executor: how long the workers' placement group may wait for its resources
     # (busy with other deployments) before the deployment fails naming what is missing
     placement_timeout_s: float = 30.0
@@ -218,7 +222,7 @@ class EngineConfig:
         _need_int(self, "num_memory_workers", 1, "an int >= 1")
         _need_int(self, "max_recoveries", 0, "an int >= 0")
         _need_int(self, "stream_groups", 1, "an int in 1..16", high=16)
-        for name in ("worker_timeout_s", "step_timeout_s"):
+        for name in ("worker_timeout_s", "step_timeout_s", "idle_check_s"):
             _need_seconds(self, name, "a positive number of seconds or None", optional=True)
         _need_seconds(self, "placement_timeout_s", "a positive number of seconds")
         for name in ("cuda_graphs", "local_prefill", "fuse_pointwise", "prefix_caching",

@@ -719,26 +719,10 @@ class LLMEngine:
             log.error("%s; %d failed steps in a row (max_recoveries=%d)", what,
                       self._failed_in_row, self.config.max_recoveries)
             return False
-        t = time.perf_counter()
-        try:
-            ok = self.executor.recover(error)
-        except Exception as e:  # noqa: BLE001 - the original error is what gets raised
-            log.error("%s; recovery failed: %s: %s", what, type(e).__name__, e)
-            return False
-        if not ok:
-            return False
-        kept = self.executor.kv_kept()
-        self.scheduler.clear_cache(set(range(len(self.allocs))) - kept)  # pools gone
         n, total = len(self.scheduler.running), sum(s.num_tokens for s in self.scheduler.running)
-        kept_tokens = self.scheduler.preempt_all(self._intact(plan, kept))
-        if self.sessions is not None:  # the workers' tiers were dropped (reset or gone)
-            for w in range(len(self.allocs)):
-                self.sessions.lost_worker(w)
-        self._check_released()
-        self.recoveries.append(what)
-        self.num_recoveries += 1
-        self.kv_kept_tokens += kept_tokens
-        self.last_recovery_s = time.perf_counter() - t
+        kept_tokens = self._bring_back(error, what, plan)
+        if kept_tokens is None:
+            return False
         search = self._search
         row = (f"{self._failed_in_row} in a row, at most {self.config.max_recoveries}"
                if search is None else f"searching: {len(search.probe)} of the "
@@ -747,6 +731,51 @@ class LLMEngine:
                     "the KV of %d of their %d positions kept, the rest to be recomputed",
                     what, self.last_recovery_s, row, n, kept_tokens, total)
         return True
+
+    def _bring_back(self, error: BaseException, what: str,
+                    plan: StepPlan | None = None) -> int | None:
+        """The executor's workers back (`Executor.recover`), the KV of lost pools dropped
+        from the prefix cache and the sessions' index, every running sequence requeued
+        (what a kept pool holds of it kept for it) -> the positions kept, or None when
+        the workers cannot be brought back."""
+        t = time.perf_counter()
+        try:
+            ok = self.executor.recover(error)
+        except Exception as e:  # noqa: BLE001 - the original error is what gets raised
+            log.error("%s; recovery failed: %s: %s", what, type(e).__name__, e)
+            return None
+        if not ok:
+            return None
+        kept = self.executor.kv_kept()
+        self.scheduler.clear_cache(set(range(len(self.allocs))) - kept)  # pools gone
+        intact = self._intact(plan, kept) if plan is not None else {}
+        kept_tokens = self.scheduler.preempt_all(intact)
+        if self.sessions is not None:  # the workers' tiers were dropped (reset or gone)
+            for w in range(len(self.allocs)):
+                self.sessions.lost_worker(w)
+        self._check_released()
+        self.recoveries.append(what)
+        self.num_recoveries += 1
+        self.kv_kept_tokens += kept_tokens
+        self.last_recovery_s = time.perf_counter() - t
+        return kept_tokens
+
+    def check_workers(self) -> str | None:
+        """While no request is in the engine: whether every worker answers
+        (`Executor.check_workers`); a dead or silent one is replaced now, not found by
+        the next request's step (after `worker_timeout_s` or `step_timeout_s` when it
+        hangs). -> what was found and done, or None (all well, or requests to serve:
+        their steps find failures). Raises when the workers cannot be brought back."""
+        if self.has_unfinished():
+            return None
+        found = self.executor.check_workers()
+        if not found:
+            return None
+        what = f"idle check: {'; '.join(found)}"
+        if self._bring_back(RuntimeError(what), what) is None:
+            raise RuntimeError(f"{what}; the workers could not be brought back")
+        log.warning("%s; workers recovered in %.2f s", what, self.last_recovery_s)
+        return what
 
     def _intact(self, plan: StepPlan, kept: frozenset[int]) -> dict[int, int]:
         """{sequence id: positions whose KV is written} for each running sequence held

@@ -11,10 +11,12 @@ engine. A request the engine failed alone (`RequestOutput.error`) resolves its f
 with `RequestFailed`; the others go on. A failed step the engine recovers from (workers
 replaced, KV kept or recomputed) is invisible here; one it cannot recover from fails every
 request in flight with that error, loudly, and the loop stops taking new work
-(`EngineDead`). With `max_waiting`, `submit` refuses a request (`EngineOverloaded`) while
-that many are queued and not yet running. `drain(timeout_s)` (a server's SIGTERM) finishes
-the requests already taken, refuses new ones (`EngineDead`) and stops when none is left
-or at the timeout.
+(`EngineDead`). While it holds no request it checks the workers every
+`EngineConfig.idle_check_s` (`LLMEngine.check_workers`: a dead or hung one replaced
+before a request needs it). With `max_waiting`, `submit` refuses a request
+(`EngineOverloaded`) while that many are queued and not yet running. `drain(timeout_s)`
+(a server's SIGTERM) finishes the requests already taken, refuses new ones (`EngineDead`)
+and stops when none is left or at the timeout.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class EngineLoop:
         self.stats = {"finished": 0, "aborted": 0, "failed": 0, "rejected": 0}
         self._wake = threading.Event()
         self._stop = False
+        self._busy_at = time.monotonic()  # the latest step, or idle check of the workers
         self.error: BaseException | None = None
         self._keep_going: Callable[[], bool] = lambda: True  # `run`'s condition
         self._drain_until: float | None = None  # `drain`'s deadline (time.monotonic)
@@ -234,16 +237,18 @@ class EngineLoop:
     def _loop(self) -> None:
         while not self._stop and self._keep_going() and not self._drained():
             self._admit()
-            if not self.engine.has_unfinished():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
             try:
+                if not self.engine.has_unfinished():
+                    self._check_idle()
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
                 outs = self.engine.step()
             except Exception as e:  # noqa: BLE001 - fail every waiter loudly, then stop
                 self.error = e
                 self._fail_all(e)
                 return
+            self._busy_at = time.monotonic()
             self._measure(outs)
             for out in outs:
                 if out.finished:
@@ -257,6 +262,15 @@ class EngineLoop:
         self._fail_all(EngineDead(
             f"the server shut down: its drain ({self._drain_s:g} s) ended before this "
             "request finished" if self._drain_until is not None else "engine loop shut down"))
+
+    def _check_idle(self) -> None:
+        """Idle for `idle_check_s` since the latest step or check: check the workers
+        (raises when they cannot be brought back: the loop stops, loudly)."""
+        every = getattr(getattr(self.engine, "config", None), "idle_check_s", None)
+        if every is None or time.monotonic() - self._busy_at < every:
+            return
+        self.engine.check_workers()
+        self._busy_at = time.monotonic()
 
     def _measure(self, outs: list[RequestOutput]) -> None:
         """The step and its finished requests into the metrics; a failure there is

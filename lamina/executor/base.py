@@ -47,6 +47,13 @@ class Executor(ABC):
         recoverable."""
         return False
 
+    def check_workers(self) -> list[str]:
+        """While no step runs: each worker that is dead or does not answer within a
+        bound, in words (empty: every one answered). `recover` then replaces those
+        without waiting on them again. Default: none to check (the workers live in this
+        process, and fail with it)."""
+        return []
+
     def kv_kept(self) -> frozenset[int]:
         """The memory workers whose pools the latest `recover` kept with their bytes
         (reset, not replaced), by index: the KV of every position computed before the

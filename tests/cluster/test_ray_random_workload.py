@@ -3,11 +3,25 @@ killed and hung mid-run: every request that completed answers as it does alone o
 local engine, each one carrying a fault fails alone, every KV slot is free after, and
 the deployment answers on. The seeds were chosen from those `python -m
 tests.cluster.ray_workload 0 180` runs to cover what the generator draws; each must
-still fire the worker events it is kept for (while requests ran)."""
-import pytest
+still fire the worker events it is kept for (while requests ran). Workers that die or
+hang while the engine is idle are found by its idle check."""
+import os
+import signal
+import time
+from dataclasses import replace
 
+import pytest
+import ray
+
+from lamina import SamplingParams
+from lamina.engine.engine import LLMEngine
+from lamina.entrypoints.engine_loop import EngineLoop
 from tests.cluster import keep_ray_for_the_next_module
 from tests.cluster.ray_workload import check, deployment, features, workload
+from tests.conftest import HF_NEW
+from tests.lamina.random_workload import Ask, run
+
+GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 
 SEEDS = {  # seed: (what it draws at least, the worker events that must fire); the note
     23: ({"layer-poison", "memory-poison", "poison", "session", "structured"},
@@ -34,3 +48,49 @@ def test_random_workload_on_ray_answers_as_each_request_alone(llm, smol, smol_pa
     got = check(seed, llm, smol, smol_packed)
     assert got.problems == ()
     assert fire <= set(got.fired) and got.recoveries > 0
+
+
+def test_idle_workers_dead_or_hung_are_replaced_before_a_request_needs_them(
+        llm, prompts, hf_greedy):
+    """With no request in the engine: a killed memory worker and a stopped (SIGSTOP)
+    compute worker are found by `check_workers` and replaced then (the stopped one
+    without a second wait on it); the next requests run with no step failing. Through
+    the serving loop too: a killed worker is replaced within its idle check."""
+    ex = llm.executor
+    ex.recover(RuntimeError("a new test"))
+    eng = LLMEngine(replace(llm.config, idle_check_s=0.5), ex, llm.loaded.tokenizer,
+                    llm.loaded.config)
+    ex.health_timeout_s, ex.ping_timeout_s = 3.0, 30.0
+    assert eng.check_workers() is None and eng.num_recoveries == 0
+    pids, replaced = [i["pid"] for i in ex.memory_info], ex.workers_replaced()
+    ray.kill(ex.memory[1])
+    assert "memory worker 1: ActorDiedError" in eng.check_workers()
+    assert ex.workers_replaced()["memory"] == replaced["memory"] + 1
+    now = [i["pid"] for i in ex.memory_info]
+    assert now[0] == pids[0] and now[1] != pids[1]
+    pid = ray.get(ex.compute.ping.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        assert "compute worker 0: no answer within 3 s" in eng.check_workers()
+        assert time.monotonic() - t < 3.0 + 20  # its start, not the 30 s reset wait
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert ray.get(ex.compute.ping.remote()) != pid and eng.num_recoveries == 2
+    outs, _ = run(eng, [Ask(0, prompts[i], GREEDY, 0, None, None, False) for i in (2, 5)])
+    assert [outs[k].outputs[0].token_ids for k in (0, 1)] == [hf_greedy[2], hf_greedy[5]]
+    assert eng.num_recoveries == 2  # no step failed
+    loop = EngineLoop(eng)
+    try:
+        ray.kill(ex.memory[0])
+        deadline = time.monotonic() + 30
+        while eng.num_recoveries == 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eng.num_recoveries == 3 and "memory worker 0" in eng.recoveries[-1]
+        assert loop.generate(prompts[3], GREEDY, timeout=120).token_ids == hf_greedy[3]
+        assert eng.num_recoveries == 3
+    finally:
+        loop.shutdown()

@@ -5,6 +5,7 @@ recovery kept is reused, not recomputed. Without recovery (off, used up, or refu
 the step's error propagates. Local executor with injected faults; the Ray path (a killed
 memory worker) is in tests/cluster."""
 import logging
+import time
 
 import pytest
 
@@ -44,7 +45,7 @@ class FlakyExecutor(LocalExecutor):
         return super().execute(plan)
 
     def recover(self, error):
-        assert isinstance(error, WorkerGone)
+        assert isinstance(error, WorkerGone) or str(error).startswith("idle check: ")
         if not self.recoverable:
             return False
         super().recover(error)  # the kept pools' workers are reset, as the Ray ones are
@@ -209,7 +210,7 @@ def test_max_recoveries_validated(bad):
         EngineConfig(max_recoveries=bad)
 
 
-@pytest.mark.parametrize("name", ["worker_timeout_s", "step_timeout_s"])
+@pytest.mark.parametrize("name", ["worker_timeout_s", "step_timeout_s", "idle_check_s"])
 @pytest.mark.parametrize("bad", [0, -2.0, float("nan"), float("inf"), True, "60"])
 def test_timeouts_validated(bad, name):
     with pytest.raises(ValueError, match=f"EngineConfig.{name} must be a positive number"):
@@ -243,5 +244,46 @@ def test_engine_loop_keeps_serving_through_a_recovery(smol, smol_packed, prompts
         # nothing running: every live slot is a cached prefix
         assert value("lamina_kv_slots_used", {"memory_worker": "0"}) == value(
             "lamina_kv_slots_cached", {"memory_worker": "0"}) > 0
+    finally:
+        loop.shutdown()
+
+
+def test_the_serving_loop_replaces_a_worker_its_idle_check_finds(smol, smol_packed, prompts,
+                                                                 hf_greedy):
+    """While no request is in it, the loop checks the workers every `idle_check_s`: one
+    found dead is replaced then, its pool's cached prefixes dropped (its pool is NaN
+    now), and the requests after give HF's tokens with no step failing. When the
+    workers cannot be brought back, the loop stops, loudly: new requests get
+    `EngineDead` naming the check."""
+    from lamina.entrypoints.engine_loop import EngineLoop
+    from lamina.errors import EngineDead
+
+    eng = flaky_engine(smol, smol_packed, fail_on=set(), keep=frozenset({0}),
+                       idle_check_s=0.2)
+    found: list[list[str]] = []
+    eng.executor.check_workers = lambda: found.pop() if found else []
+    loop = EngineLoop(eng)
+    try:
+        p = SamplingParams(max_tokens=16, temperature=0)
+        assert [loop.generate(prompts[i], p, 300).token_ids for i in PICK] == \
+            [hf_greedy[i][:16] for i in PICK]
+        assert eng.scheduler.caches[1].size > 0 and eng.num_recoveries == 0
+        found.append(["memory worker 1: ActorDiedError"])
+        deadline = time.monotonic() + 30
+        while eng.num_recoveries == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.recoveries[-1] == "idle check: memory worker 1: ActorDiedError"
+        assert eng.scheduler.caches[1].size == 0 and eng.scheduler.caches[0].size > 0
+        assert [loop.generate(prompts[i], p, 300).token_ids for i in PICK] == \
+            [hf_greedy[i][:16] for i in PICK]
+        assert eng.num_recoveries == 1 and loop.alive  # no step failed
+        eng.executor.recoverable = False
+        found.append(["compute worker 0: no answer within 10 s"])
+        deadline = time.monotonic() + 30
+        while loop.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not loop.alive and "could not be brought back" in str(loop.error)
+        with pytest.raises(EngineDead, match="compute worker 0: no answer"):
+            loop.submit(prompts[0], p)
     finally:
         loop.shutdown()
