@@ -179,8 +179,7 @@ def fresh_engine(llm, w: RayWorkload) -> LLMEngine:
 class Outcome:
     problems: tuple[str, ...]  # what went wrong (empty: nothing)
     fired: tuple[str, ...]  # the worker events that happened while requests ran
-    recoveries: int  # steps the engine recovered from
-    culprits: int  # requests the culprit search named
+    recoveries: int  # recoveries of the engine (failed steps brought back)
 
 
 def check(seed: int, llm, lm, split) -> Outcome:
@@ -225,7 +224,7 @@ def check(seed: int, llm, lm, split) -> Outcome:
             problems.append(f"memory worker {i} after the workload: {error}")
     if time.monotonic() - t > 600:
         problems.append(f"took {time.monotonic() - t:.0f} s")
-    return Outcome(tuple(problems), tuple(fired), eng.num_recoveries, eng.num_culprits)
+    return Outcome(tuple(problems), tuple(fired), eng.num_recoveries)
 
 
 def _greedy(eng: LLMEngine, prompt: list[int], n: int) -> list[int]:

@@ -41,6 +41,20 @@ def llm():
     keep_ray_for_the_next_module()
 
 
+def killed(worker) -> None:
+    """`ray.kill` the worker, and wait until it is gone (the kill is asynchronous: a call
+    sent right after may still be answered)."""
+    ray.kill(worker)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(worker.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("a killed worker still answers after 30 s")
+
+
 @pytest.mark.parametrize("seed", sorted(SEEDS))
 def test_random_workload_on_ray_answers_as_each_request_alone(llm, smol, smol_packed, seed):
     drawn, fire, _ = SEEDS[seed]
@@ -63,7 +77,7 @@ def test_idle_workers_dead_or_hung_are_replaced_before_a_request_needs_them(
     ex.health_timeout_s, ex.ping_timeout_s = 3.0, 30.0
     assert eng.check_workers() is None and eng.num_recoveries == 0
     pids, replaced = [i["pid"] for i in ex.memory_info], ex.workers_replaced()
-    ray.kill(ex.memory[1])
+    killed(ex.memory[1])
     assert "memory worker 1: ActorDiedError" in eng.check_workers()
     assert ex.workers_replaced()["memory"] == replaced["memory"] + 1
     now = [i["pid"] for i in ex.memory_info]
