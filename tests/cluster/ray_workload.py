@@ -146,7 +146,7 @@ def _pid(llm, e: WorkerEvent) -> int:
     ex = llm.executor
     if e.kind.endswith("memory"):
         return ex.memory_info[e.worker]["pid"]
-    return ray.get(ex.compute.__ray_call__.remote(lambda _: os.getpid()))
+    return ray.get(ex.compute.ping.remote())
 
 
 def _happen(llm, eng: LLMEngine, e: WorkerEvent, stopped: list[int], fired: list) -> None:
