@@ -17,6 +17,8 @@ the same engine configuration (tokens, text, finish reason, error, logprobs with
 every memory worker healthy, and the deployment must still answer a request as HF.
 
     python -m tests.cluster.ray_workload 0 180    # seeds 0..179, one line each
+    python -m tests.cluster.ray_workload 0 60 fixed    # on two compute replicas
+    python -m tests.cluster.ray_workload 0 60 rotational    # on a ring of two
 
 Its first run found what 126cdac fixes: a kill-compute while the culprit search ran an
 innocent request alone got that request named (seed 23 fails at 56061ef).
@@ -64,7 +66,7 @@ class WorkerEvent:
     """What happens to a worker before a step."""
     at: int  # the step it happens before
     kind: str  # one of KINDS
-    worker: int  # the memory worker's index (0 for the compute worker)
+    worker: int  # the memory or compute worker's index
 
 
 @dataclass(frozen=True)
@@ -75,20 +77,25 @@ class RayWorkload:
     events: tuple[WorkerEvent, ...]
 
 
-def deployment(**kw):
-    """The Ray `LLM` the workloads run on (2 memory workers, the fault plan, tiers)."""
+def deployment(pipeline: str = "none", **kw):
+    """The Ray `LLM` the workloads run on: 2 memory workers, the fault plan, and one
+    compute worker with session tiers (`pipeline` "none") or two compute replicas
+    ("fixed", "rotational": no tiers, which replicas do not carry yet)."""
     from lamina import LLM
 
+    replicas = {"none": 1, "fixed": 2, "rotational": 2}[pipeline]
     return LLM(executor="ray", num_memory_workers=2, num_kv_slots=POOL_SLOTS,
-               kv_host_bytes=HOST_BYTES, faults=FAULTS, step_timeout_s=TIMEOUT_S,
-               worker_timeout_s=TIMEOUT_S, **kw)
+               kv_host_bytes=HOST_BYTES if replicas == 1 else 0, faults=FAULTS,
+               step_timeout_s=TIMEOUT_S, worker_timeout_s=TIMEOUT_S,
+               num_compute_workers=replicas, pipeline=pipeline, **kw)
 
 
-def _config(r: random.Random) -> dict:
+def _config(r: random.Random, tiers: bool) -> dict:
     kw = dict(max_step_tokens=r.choice([32, 96, 512, 2048]), max_batch=r.choice([2, 4, 64]),
               prefix_caching=r.random() < 0.7, speculative_tokens=r.choice([0, 0, 3]),
               scheduling_policy=r.choice(["fcfs", "priority"]), split_kv=r.random() < 0.7)
-    kw["kv_host_bytes"] = HOST_BYTES if kw["prefix_caching"] and r.random() < 0.5 else 0
+    tiered = tiers and kw["prefix_caching"] and r.random() < 0.5
+    kw["kv_host_bytes"] = HOST_BYTES if tiered else 0
     return kw
 
 
@@ -103,10 +110,12 @@ def _poisoned(r: random.Random, pool: list[int], prompt: list[int],
     return prompt + [POISON if kind == "compute" else LAYER_POISON], params
 
 
-def workload(seed: int, lm) -> RayWorkload:
+def workload(seed: int, lm, replicas: int = 1) -> RayWorkload:
+    """Seed `seed`'s workload for a deployment of `replicas` compute workers (with one,
+    the same draws as before replicas came)."""
     r = random.Random(seed)
     pool, chat = texts(lm, "Name two rivers and the seas they reach.")
-    config, slots = _config(r), r.choice([700, 1200, POOL_SLOTS])
+    config, slots = _config(r, replicas == 1), r.choice([700, 1200, POOL_SLOTS])
     asks = []
     for _ in range(r.randrange(4, 12)):
         p, params = _prompt(r, pool, chat), _params(r, pool)
@@ -120,7 +129,8 @@ def workload(seed: int, lm) -> RayWorkload:
     for _ in range(r.choice([0, 1, 1, 2])):
         kind = r.choice(KINDS[:2] * 3 + KINDS[2:])  # a hang costs its timeout: rarer
         events.append(WorkerEvent(r.randrange(1, 25), kind,
-                                  r.randrange(2) if kind.endswith("memory") else 0))
+                                  r.randrange(2) if kind.endswith("memory") else
+                                  r.randrange(replicas) if replicas > 1 else 0))
     return RayWorkload(config, slots, tuple(asks), tuple(events))
 
 
@@ -146,7 +156,7 @@ def _pid(llm, e: WorkerEvent) -> int:
     ex = llm.executor
     if e.kind.endswith("memory"):
         return ex.memory_info[e.worker]["pid"]
-    return ray.get(ex.compute.ping.remote())
+    return ray.get(ex.computes[e.worker].ping.remote())
 
 
 def _happen(llm, eng: LLMEngine, e: WorkerEvent, stopped: list[int], fired: list) -> None:
@@ -154,7 +164,7 @@ def _happen(llm, eng: LLMEngine, e: WorkerEvent, stopped: list[int], fired: list
     if e.kind == "kill-memory":
         ray.kill(ex.memory[e.worker])
     elif e.kind == "kill-compute":
-        ray.kill(ex.compute)
+        ray.kill(ex.computes[e.worker])
     else:
         try:
             pid = _pid(llm, e)
@@ -185,7 +195,7 @@ class Outcome:
 def check(seed: int, llm, lm, split) -> Outcome:
     """This seed's workload on the deployment `llm`. `lm`, `split`: the model in this
     process, for the local reference."""
-    w = workload(seed, lm)
+    w = workload(seed, lm, llm.config.num_compute_workers)
     eng = fresh_engine(llm, w)
     ex, stopped, fired = llm.executor, [], []
     ex.ping_timeout_s, ex.health_timeout_s = TIMEOUT_S, TIMEOUT_S / 2
@@ -243,8 +253,9 @@ def main() -> None:
     torch.set_num_threads(2)
     lm = load()
     split, _ = pack_dense(split_model(lm.model), "onednn")
-    llm = deployment()
     lo, hi = int(sys.argv[1]), int(sys.argv[2])
+    llm = deployment(sys.argv[3] if len(sys.argv) > 3 else "none")
+    replicas = llm.config.num_compute_workers
     bad = 0
     try:
         for seed in range(lo, hi):
@@ -256,9 +267,9 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a seed that raises is reported
                 problems, note = [f"raised {type(e).__name__}: {e}\n{format_exc()}"], ""
             bad += bool(problems)
+            drawn = sorted(features(workload(seed, lm, replicas)))
             print(f"seed {seed}: {'FAIL' if problems else 'ok'} "
-                  f"({time.perf_counter() - t:.1f} s) {sorted(features(workload(seed, lm)))} "
-                  f"{note}", flush=True)
+                  f"({time.perf_counter() - t:.1f} s) {drawn} {note}", flush=True)
             for p in problems:
                 print("   ", p[:6000], flush=True)
     finally:
