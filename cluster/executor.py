@@ -14,6 +14,8 @@ memory worker; a memory worker serves the R connections over its one pool.
   over the ring and the memory workers send each layer's output there; each returns
   the tokens of the micro-batches whose last slice it ran. One replica failing
   interrupts the others (their sockets shut down), so none waits out its timeout.
+Either way a step's session tier orders go to the memory workers before the step
+(`apply_tiers`, a Ray call), not in a replica's frames.
 
 Data in: `StepPlan`s from the engine. Data out: `StepResult`s. A dead worker surfaces
 as an error naming it; `recover` then resets the live workers and replaces the others
@@ -505,6 +507,8 @@ class RayExecutor(Executor):
         what each worker reported. `TierMiss` (clean) when a memory worker cannot serve a
         tier load: asked before the step is sent."""
         self._check_tier_loads(plan)
+        if plan.tier_orders and len(self.computes) > 1:
+            plan = self._tiers_first(plan)
         try:
             if self.ring:
                 return self._ring_step(plan)
@@ -583,6 +587,21 @@ class RayExecutor(Executor):
             raise TierMiss(sorted(missed), {o.entry for o in loads if o.seq_id in missed},
                            f"memory workers {by}: no valid saved KV for sequences "
                            f"{sorted(missed)}")
+
+    def _tiers_first(self, plan: StepPlan) -> StepPlan:
+        """Compute replicas: the step's tier orders go to their memory workers before the
+        step, not in its frames (each replica sends its own step head, and in a ring
+        every replica sends the whole plan's); -> the plan without them. The loads were
+        checked, so any error is a worker's failure."""
+        by = sorted({o.worker for o in plan.tier_orders})
+        refs = [self.memory[w].apply_tiers.remote([o for o in plan.tier_orders
+                                                   if o.worker == w]) for w in by]
+        try:
+            ray.get(refs, timeout=self.config.worker_timeout_s)
+        except Exception as e:  # any of them: the step fails, is recovered
+            raise WorkerFailure(f"step {plan.step}: the tier orders of memory workers {by}: "
+                                f"{type(e).__name__}: {_last_line(str(e))}") from e
+        return replace(plan, tier_orders=())
 
     def tier_bytes_per_token(self) -> int | None:
         """KV bytes a token takes in the tiers; None without tiers."""

@@ -13,6 +13,7 @@ Ray only creates, configures and supervises it (setup / listen / health calls).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -163,6 +164,12 @@ class MemoryWorker:
         if tiers is None:
             return [o.seq_id for o in loads]
         return [o.seq_id for o in tiers.missing(loads)]
+
+    def apply_tiers(self, orders: list) -> None:
+        """A step's tier orders before the step is sent (compute replicas: not in their
+        frames, `RayExecutor._tiers_first`); under the pool's lock, as its serving."""
+        with self._shared or contextlib.nullcontext():
+            self.memory.apply_tiers(orders)
 
     def tier_stats(self) -> dict:
         return dict(self.memory.tiers.stats) if self.memory.tiers is not None else {}

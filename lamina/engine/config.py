@@ -197,10 +197,6 @@ class EngineConfig:
                     "rotational": "rotational runs n batches over n - 1 replicas"}[mode]
             raise ValueError(f"EngineConfig: {rule}: num_batches={b} does not fit "
                              f"num_compute_workers={n} (it needs num_batches={want})")
-        if n > 1 and self.kv_host_bytes:
-            raise ValueError(f"EngineConfig: session KV tiers (kv_host_bytes) with "
-                             f"num_compute_workers={n} are not supported yet (the "
-                             f"step's split over replicas does not carry tier orders)")
 
     def __post_init__(self):
         self._check_fields()

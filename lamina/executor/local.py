@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -163,6 +163,9 @@ class LocalExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         if self.replica_split is None:
             return self.compute.run(plan, self.link)
+        if plan.tier_orders:  # once, before the split (each replica's step would apply them)
+            apply_tiers(self.memory, plan.tier_orders)
+            plan = replace(plan, tier_orders=())
         return self.replica_split.run(plan,
                                       lambda r, p: self.replicas[r].run(p, self.links[r]))
 

@@ -12,6 +12,8 @@ their memory workers changed, e.g. a bad request refused at the compute side) an
 others succeed, the engine fails those sequences and runs the rest of the step again:
 the replicas that succeeded must not run their part twice (their k/v are written,
 their samplers advanced), so their results are kept and handed back for that rerun.
+A step's session tier orders concern the memory workers, not the replicas: the
+executor carries them out before the split (the sub-plans carry none).
 """
 from __future__ import annotations
 
@@ -38,8 +40,9 @@ class ReplicaSplit:
     def split(self, plan: StepPlan) -> list[StepPlan]:
         """The plan's sequences by replica (each sequence stays on the first it got);
         every replica drops the released ones."""
-        if plan.tier_orders:  # EngineConfig refuses tiers with replicas
-            raise ValueError("KV tier orders cannot be split over compute replicas")
+        if plan.tier_orders:  # they concern memory workers, not replicas
+            raise ValueError("a step's KV tier orders go to the memory workers before "
+                             "its split over compute replicas (the executor's)")
         for sid in plan.released:
             self.home.pop(sid, None)
         load = [0] * self.replicas

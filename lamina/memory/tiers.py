@@ -196,8 +196,12 @@ class TierStore:
         if not self._loads or layer in self._copied:
             return
         self._copied.add(layer)
+        if len(self._copied) == self.pool.config.num_layers:
+            loads, self._loads = self._loads, []  # done: the next steps' serving is plain
+        else:
+            loads = self._loads
         kp, vp = self.pool.layer(layer)
-        for x in self._loads:
+        for x in loads:
             e = self.host[x.entry]
             m = x.index.numel()
             k = e.k[layer, x.src:x.src + m]  # [m, Hkv, D]

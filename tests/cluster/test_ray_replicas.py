@@ -4,13 +4,15 @@ both connected to the same 2 memory workers, which serve the two connections ove
 pool each. Greedy tokens equal HF's on the 16 mixed-length prompts; from the trace, each
 replica's lane runs its own steps' slices at once with the other's, each sequence stays
 on its replica, and a memory worker attends for one replica at a time; a bad request on
-one replica fails alone without the other replica's part running twice; a killed
-replica is replaced and its requests recomputed. Three replicas over one memory worker
+one replica fails alone without the other replica's part running twice; sessions'
+later turns load their KV from the memory workers' host tiers; a killed replica is
+replaced and its requests recomputed. Three replicas over one memory worker
 run locally (tests/lamina/test_replicas.py) and, as a ring, on Ray
 (tests/cluster/test_ray_ring.py) only: four processes take tens of seconds to start on
 two cores."""
 import pytest
 import ray
+import torch
 
 from lamina import LLM, SamplingParams
 from lamina.faults import FaultPlan
@@ -22,13 +24,15 @@ from ..lamina.test_isolation import unused_token
 from ..lamina.test_replicas import traced_fixed_run
 
 GREEDY = SamplingParams(max_tokens=SHORT_NEW, temperature=0)
+HOST_BYTES = 16 << 20  # each memory worker's session tier: ~340 tokens of SmolLM2's KV
 
 
 @pytest.fixture(scope="module")
 def setup(prompts, hf_greedy):
     tok = unused_token(prompts, hf_greedy)
     llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096, max_step_tokens=2048,
-              num_compute_workers=2, pipeline="fixed", faults=FaultPlan(compute_token=tok))
+              num_compute_workers=2, pipeline="fixed", faults=FaultPlan(compute_token=tok),
+              kv_host_bytes=HOST_BYTES)
     yield llm, tok
     llm.shutdown()
     keep_ray_for_the_next_module()
@@ -77,6 +81,41 @@ def test_bad_request_on_one_replica_fails_alone(setup, prompts, hf_greedy):
     assert "compute replica" in outs[bad].error  # the replica that refused it
     assert eng.num_recoveries == recovered  # nothing replaced
     assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
+
+
+def sessions_load_from_the_tiers(llm, smol):
+    """4 sessions' first turns, then (the prefix cache cleared) their second turns: each
+    loads its history from its memory worker's host tier (the orders go to the memory
+    workers before the step, not in the replicas' frames) and answers as HF greedy over
+    the whole history; no load misses, every slot comes back."""
+    tok, eng = smol.tokenizer, llm.engine
+    eng.clear_prefix_cache()
+    names = ["A", "B", "C", "D"]
+    first = [tok(f"Session {s}: tell me something about the number {s}.")["input_ids"]
+             for s in names]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = llm.generate(first, params, use_tqdm=False, session_id=names)
+    llm.generate([[1, 2, 3]], params, use_tqdm=False)  # a step carries the saves
+    eng.clear_prefix_cache()
+    second = [p + o.token_ids + tok(" Why?", add_special_tokens=False)["input_ids"]
+              for p, o in zip(first, outs)]
+    misses = eng.tier_stats()["tier_misses"]
+    got = llm.generate(second, params, use_tqdm=False, session_id=names)
+    # each: its first turn but the last answer token (whose KV no step wrote)
+    assert [o.metrics["tier_cached_tokens"] for o in got] == [len(p) + 7 for p in first]
+    assert eng.tier_stats()["tier_misses"] == misses
+    with torch.no_grad():
+        for p, o in zip(second, got):
+            ids = torch.tensor([p])
+            ref = smol.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=8)[0, len(p):].tolist()
+            assert o.token_ids == ref
+    eng.clear_prefix_cache()
+    assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
+
+
+def test_sessions_over_fixed_replicas_load_from_the_tiers(setup, smol):
+    sessions_load_from_the_tiers(setup[0], smol)
 
 
 def killed_replica_recovers(llm, prompts, hf_greedy, before_kill=lambda ex: None):

@@ -6,8 +6,9 @@ tokens equal HF's on the 16 mixed-length prompts at n = 3 (2 memory workers) and
 (1 memory worker; 8 of the prompts, the first 8 tokens); from one decode step's trace,
 slice k of micro-batch j ran on compute worker (j + k) mod R and its context came from
 the worker of slice k - 1; a request poisoning a compute worker, and one poisoning a
-memory worker mid-ring, each fail alone; a killed compute worker is replaced and the
-requests end with HF's tokens."""
+memory worker mid-ring, each fail alone; sessions' later turns load their KV from the
+memory workers' host tiers; a killed compute worker is replaced and the requests end
+with HF's tokens."""
 from dataclasses import replace
 
 import pytest
@@ -22,7 +23,7 @@ from ..lamina.test_isolation import unused_token
 from ..lamina.test_ring import check_ring
 from ..lamina.test_rotational import traced_decode
 from .test_ray_isolation import MEM_POS, faults_fail_alone
-from .test_ray_replicas import killed_replica_recovers
+from .test_ray_replicas import HOST_BYTES, killed_replica_recovers, sessions_load_from_the_tiers
 
 GREEDY = SamplingParams(max_tokens=SHORT_NEW, temperature=0, ignore_eos=True)
 
@@ -32,7 +33,7 @@ def setup(prompts, hf_greedy):
     tok = unused_token(prompts, hf_greedy)
     llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096, max_step_tokens=2048,
               num_compute_workers=2, pipeline="rotational",
-              faults=FaultPlan(compute_token=tok, memory_pos=MEM_POS))
+              faults=FaultPlan(compute_token=tok, memory_pos=MEM_POS), kv_host_bytes=HOST_BYTES)
     yield llm, tok
     llm.shutdown()
     keep_ray_for_the_next_module()
@@ -74,6 +75,10 @@ def test_compute_and_memory_faults_in_a_ring_fail_alone(setup, prompts, hf_greed
     mid-step on one worker's connection; that worker fails, the other is interrupted
     rather than left waiting out its timeout."""
     faults_fail_alone(*setup, prompts, hf_greedy)
+
+
+def test_sessions_over_a_ring_load_from_the_tiers(setup, smol):
+    sessions_load_from_the_tiers(setup[0], smol)
 
 
 def test_killed_ring_replica_replaced_and_requests_recomputed(setup, prompts, hf_greedy):

@@ -80,8 +80,6 @@ def test_fixed_replicas_greedy_identical_to_hf(smol, smol_packed, prompts, hf_gr
     (dict(num_batches=2), "no pipeline runs 1 batch"),
     (dict(pipeline="auto", num_compute_workers=2), "'auto' chooses between none and rotational"),
     (dict(pipeline="rotational", num_batches=0), "num_batches must be an int >= 1 or None"),
-    (dict(pipeline="fixed", num_compute_workers=2, kv_host_bytes=1 << 20),
-     "session KV tiers .kv_host_bytes. with num_compute_workers=2 are not supported"),
 ])
 def test_bad_replica_configs_refused_by_name(kw, msg):
     with pytest.raises(ValueError, match=msg):

@@ -79,7 +79,8 @@ def _store(tmp_path, disk_bytes=1 << 20, dtype="float32"):
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_store_loads_back_what_it_saved_through_host_and_disk(tmp_path, dtype):
-    """int8 pools too: their rows (one buffer, K then V per slot) move as bytes."""
+    """int8 pools too: their rows (one buffer, K then V per slot) move as bytes. A
+    load holds the memory worker to the per-layer path until its last layer is copied."""
     store, pool = _store(tmp_path, dtype=dtype)
     want_k, want_v = pool.k[:, [3, 5, 9]].clone(), pool.v[:, [3, 5, 9]].clone()
     store.apply([TierOrder("save", 0, 7, 0, (3, 5)), TierOrder("save", 0, 7, 2, (9,)),
@@ -89,7 +90,9 @@ def test_store_loads_back_what_it_saved_through_host_and_disk(tmp_path, dtype):
     store.apply([TierOrder("prefetch", 0, 7)])
     store.apply([TierOrder("load", 0, 7, 0, (12, 13, 14), seq_id=1)])
     for layer in range(2):
+        assert store.loading  # the memory worker serves this step layer by layer
         store.load_layer(layer)
+    assert not store.loading  # every layer copied: the next steps need not be
     assert torch.equal(pool.k[:, [12, 13, 14]], want_k)
     assert torch.equal(pool.v[:, [12, 13, 14]], want_v)
     with pytest.raises(TierMiss) as miss:  # beyond what it holds: a miss, named
@@ -176,7 +179,9 @@ def _engine(smol, split, slots, workers=1, tiers: TierConfig | None = None, **kw
                        kv_host_bytes=t.host_bytes, kv_disk_dir=t.disk_dir,
                        kv_disk_bytes=t.disk_bytes, **kw)
     pools = [KVPool(KVPoolConfig.for_specs(split.attention_specs, slots)) for _ in range(workers)]
-    ex = LocalExecutor(split, [MemorySide(p, tiers=t, worker=w) for w, p in enumerate(pools)])
+    ex = LocalExecutor(split, [MemorySide(p, tiers=t, worker=w) for w, p in enumerate(pools)],
+                       num_compute_workers=cfg.num_compute_workers,
+                       pipeline="rotational" if cfg.pipeline == "rotational" else "fixed")
     return LLMEngine(cfg, ex, smol.tokenizer, smol.config)
 
 
@@ -484,3 +489,35 @@ def test_a_local_recovery_drops_the_tiers_and_computes_the_next_turn(smol, smol_
     want = _run(fresh, [(hist, GREEDY, None)])[0]
     assert done[rid].outputs[0].token_ids == want.outputs[0].token_ids
     eng.executor.shutdown()
+
+
+@pytest.mark.parametrize("pipeline", ["fixed", "rotational"])
+def test_sessions_over_compute_replicas_load_their_saved_kv(smol, smol_packed, pipeline):
+    """Two compute replicas (fixed: each its own sequences; rotational: every replica
+    runs slices of every micro-batch): a step's tier orders go to the memory sides
+    once, before the step is split. 4 sessions x 3 turns over 2 memory sides, the
+    prefix cache cleared before every turn, so each later turn loads its history from
+    the host tier; the answers equal one compute worker's without tiers."""
+    tok = smol.tokenizer
+    on = _engine(smol, smol_packed, 400, workers=2, tiers=TierConfig(1 << 26),
+                 num_compute_workers=2, pipeline=pipeline)
+    off = _engine(smol, smol_packed, 400, workers=2, prefix_caching=False)
+    seen: list = []
+
+    def run_on(turns):
+        on.clear_prefix_cache()
+        seen.extend(_run(on, turns))
+        return seen[-len(turns):]
+
+    got, _ = _conversation(tok, 4, 3, run_on)
+    want, _ = _conversation(tok, 4, 3, lambda turns: _run(off, turns))
+    assert got == want
+    # every session's later turns came from the tier (its history but the last answer
+    # token, whose KV no step wrote)
+    assert all(o.metrics["tier_cached_tokens"] > 0 for o in seen[4:])
+    st = on.tier_stats()
+    assert st["tier_misses"] == 0 and st["tier_hit_tokens"] == sum(
+        o.metrics["tier_cached_tokens"] for o in seen)
+    on.clear_prefix_cache()
+    assert [a.num_free() for a in on.allocs] == [400, 400]
+    on.executor.shutdown()
