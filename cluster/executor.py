@@ -48,6 +48,7 @@ from lamina.kernels import KernelBuildError, is_built, load_cpu_kernel
 from lamina.kernels.cpu_build import BUILD_TIME
 from lamina.memory.sparsity import SCORED
 from lamina.memory.tier_orders import TierMiss, sum_stats
+from lamina.memory.tiers import PREFETCH_WAIT_S
 
 from .compute_worker import ComputeWorker, ComputeWorkerSpec, WorkerStart
 from .memory_worker import MemoryWorker
@@ -582,7 +583,7 @@ class RayExecutor(Executor):
         by = sorted({o.worker for o in loads})
         refs = [self.memory[w].tier_missing.remote([o for o in loads if o.worker == w])
                 for w in by]
-        missed = {s for r in self._get(refs, "the memory workers' tiers") for s in r}
+        missed = {s for r in self._before_step(refs, by, plan.step, "tier check") for s in r}
         if missed:
             raise TierMiss(sorted(missed), {o.entry for o in loads if o.seq_id in missed},
                            f"memory workers {by}: no valid saved KV for sequences "
@@ -594,14 +595,30 @@ class RayExecutor(Executor):
         every replica sends the whole plan's); -> the plan without them. The loads were
         checked, so any error is a worker's failure."""
         by = sorted({o.worker for o in plan.tier_orders})
-        refs = [self.memory[w].apply_tiers.remote([o for o in plan.tier_orders
-                                                   if o.worker == w]) for w in by]
-        try:
-            ray.get(refs, timeout=self.config.worker_timeout_s)
-        except Exception as e:  # any of them: the step fails, is recovered
-            raise WorkerFailure(f"step {plan.step}: the tier orders of memory workers {by}: "
-                                f"{type(e).__name__}: {_last_line(str(e))}") from e
+        self._before_step([self.memory[w].apply_tiers.remote(
+            [o for o in plan.tier_orders if o.worker == w]) for w in by], by, plan.step,
+            "tier orders")
         return replace(plan, tier_orders=())
+
+    def _before_step(self, refs: list, by: list[int], step: int, what: str) -> list:
+        """Memory workers `by`'s answers to calls made before step `step` is sent (the
+        tier check, the tier orders): -> their results. Bounded by `worker_timeout_s`
+        beyond the wait a load may take for its disk read: one that is dead, raises, or
+        stays silent fails the step (`WorkerFailure` naming it; a silent one is
+        replaced by the recovery without a second wait on it)."""
+        wait = self.config.worker_timeout_s
+        wait = None if wait is None else wait + PREFETCH_WAIT_S
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=wait)[0])
+        silent = [w for w, r in zip(by, refs) if r not in ready]
+        if silent:
+            self._silent |= frozenset(silent)
+            raise WorkerFailure(f"step {step}: memory workers {silent} gave no answer to "
+                                f"the {what} within {wait:g} s")
+        try:
+            return ray.get(refs)
+        except Exception as e:  # any of them: the step fails, is recovered
+            raise WorkerFailure(f"step {step}: the {what} of memory workers {by}: "
+                                f"{type(e).__name__}: {_last_line(str(e))}") from e
 
     def tier_bytes_per_token(self) -> int | None:
         """KV bytes a token takes in the tiers; None without tiers."""

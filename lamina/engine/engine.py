@@ -749,6 +749,8 @@ class LLMEngine:
         kept = self.executor.kv_kept()
         self.scheduler.clear_cache(set(range(len(self.allocs))) - kept)  # pools gone
         intact = self._intact(plan, kept) if plan is not None else {}
+        if plan is not None:
+            self._loads_undone(plan)
         kept_tokens = self.scheduler.preempt_all(intact)
         if self.sessions is not None:  # the workers' tiers were dropped (reset or gone)
             for w in range(len(self.allocs)):
@@ -788,6 +790,15 @@ class LLMEngine:
         return {s.seq_id: start.get(s.seq_id, s.written)
                 for s in self.scheduler.running
                 if len(s.segments) == 1 and s.worker in kept and s.seq_id not in loading}
+
+    def _loads_undone(self, plan: StepPlan) -> None:
+        """The running sequences whose tier load the failed step carried reused nothing
+        from the tiers (their KV is computed again): their metrics say so
+        (`tier_cached_tokens` 0, `cached_tokens` the pool's part only)."""
+        loading = {o.seq_id for o in plan.tier_orders if o.op == "load"}
+        for s in self.scheduler.running:
+            if s.seq_id in loading:
+                s.cached, s.tier_cached = s.cached - s.tier_cached, 0
 
     def _check_released(self) -> None:
         """After a recovery every slot is free but those the prefix cache holds: a slot

@@ -4,7 +4,8 @@ local engine, each one carrying a fault fails alone, every KV slot is free after
 the deployment answers on. The seeds were chosen from those `python -m
 tests.cluster.ray_workload 0 180` runs to cover what the generator draws; each must
 still fire the worker events it is kept for (while requests ran). Workers that die or
-hang while the engine is idle are found by its idle check."""
+hang while the engine is idle are found by its idle check; one that hangs before a step
+is sent (asked whether it holds a session's saved KV) fails that step in bounded time."""
 import os
 import signal
 import time
@@ -12,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 import ray
+import torch
 
 from lamina import SamplingParams
 from lamina.engine.engine import LLMEngine
@@ -108,3 +110,46 @@ def test_idle_workers_dead_or_hung_are_replaced_before_a_request_needs_them(
         assert eng.num_recoveries == 3
     finally:
         loop.shutdown()
+
+
+def test_a_memory_worker_hung_at_the_tier_check_fails_the_step_in_bounded_time(
+        llm, smol, monkeypatch):
+    """A session's second turn needs its saved KV from a memory worker that hangs
+    (SIGSTOP) before the step: the check asked before the step is sent gets no answer
+    within `worker_timeout_s` (the allowance for a disk read, 60 s, set to 0 here), the
+    step fails naming the worker, which is replaced without a second wait, and the turn
+    is computed instead: HF's greedy tokens."""
+    monkeypatch.setattr("lamina.cluster.executor.PREFETCH_WAIT_S", 0.0, raising=False)
+    ex, tok = llm.executor, smol.tokenizer
+    ex.recover(RuntimeError("a new test"))
+    eng = LLMEngine(replace(llm.config, idle_check_s=None), ex, llm.loaded.tokenizer,
+                    llm.loaded.config)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first = tok("Session S: tell me something about the number seven.")["input_ids"]
+    outs, _ = run(eng, [Ask(0, first, params, 0, None, "s", False)])
+    run(eng, [Ask(0, [1, 2, 3], params, 0, None, None, False)])  # a step carries the save
+    eng.clear_prefix_cache()
+    w = eng.sessions.sessions["s"].worker
+    second = first + outs[0].outputs[0].token_ids + tok(" Why?", add_special_tokens=False)[
+        "input_ids"]
+    pid = ex.memory_info[w]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        got, _ = run(eng, [Ask(0, second, params, 0, None, "s", False)])
+        took = time.monotonic() - t
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # replaced: killed
+    assert (f"memory workers [{w}] gave no answer to the tier check within 8 s"
+            in eng.recoveries[-1]) and eng.num_recoveries == 1
+    assert took < 8 + 30  # the check's timeout and a new worker's start
+    assert ex.memory_info[w]["pid"] != pid
+    assert got[0].metrics["tier_cached_tokens"] == 0
+    ids = torch.tensor([second])
+    with torch.no_grad():
+        ref = smol.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=8)[0, len(second):].tolist()
+    assert got[0].outputs[0].token_ids == ref

@@ -455,22 +455,28 @@ def test_truncation_reuse_is_refused_without_rotary_positions():
                   None, None)
 
 
-def test_a_local_recovery_drops_the_tiers_and_computes_the_next_turn(smol, smol_packed):
+@pytest.mark.parametrize("loading", [False, True])
+def test_a_local_recovery_drops_the_tiers_and_computes_the_next_turn(smol, smol_packed,
+                                                                     loading):
     """A step that fails part-way on the local executor is recovered: its memory side
     drops the saved sessions with the engine's index (a new, empty tier store), so the
-    next turn is computed, not loaded, and gives the tokens a fresh engine gives."""
+    next turn is computed, not loaded, and gives the tokens a fresh engine gives. With
+    the prefix cache cleared the failed step is the one loading the turn's history from
+    the tier: its metrics then say nothing was reused (the load never counted)."""
     tok = smol.tokenizer
     eng = _engine(smol, smol_packed, 200, tiers=TierConfig(1 << 26))
     ids = tok(SYSTEM + "Tell me about Rome.")["input_ids"]
     out = _run(eng, [(ids, GREEDY, "r")])[0]
     _run(eng, [([1, 2, 3], GREEDY, None)])  # a step carries the save
+    if loading:
+        eng.clear_prefix_cache()
     mem = eng.executor.memory[0]
     old = mem.tiers
     assert old.host and "r" in eng.sessions.sessions
     real, calls = eng.executor.execute, []
 
     def once(plan):
-        calls.append(plan.step)
+        calls.append(plan)
         if len(calls) == 1:
             raise RuntimeError("broke mid-step")
         return real(plan)
@@ -484,7 +490,10 @@ def test_a_local_recovery_drops_the_tiers_and_computes_the_next_turn(smol, smol_
     done = {}
     while eng.has_unfinished():
         done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert [o.op for o in calls[0].tier_orders] == (["load"] if loading else [])
     assert done[rid].metrics["tier_cached_tokens"] == 0
+    if loading:
+        assert done[rid].metrics["cached_tokens"] == 0
     fresh = _engine(smol, smol_packed, 200)
     want = _run(fresh, [(hist, GREEDY, None)])[0]
     assert done[rid].outputs[0].token_ids == want.outputs[0].token_ids
