@@ -78,24 +78,23 @@ class RayWorkload:
 
 
 def deployment(pipeline: str = "none", **kw):
-    """The Ray `LLM` the workloads run on: 2 memory workers, the fault plan, and one
-    compute worker with session tiers (`pipeline` "none") or two compute replicas
-    ("fixed", "rotational": no tiers, which replicas do not carry yet)."""
+    """The Ray `LLM` the workloads run on: 2 memory workers with session tiers, the
+    fault plan, and one compute worker (`pipeline` "none") or two compute replicas
+    ("fixed", "rotational")."""
     from lamina import LLM
 
     replicas = {"none": 1, "fixed": 2, "rotational": 2}[pipeline]
     return LLM(executor="ray", num_memory_workers=2, num_kv_slots=POOL_SLOTS,
-               kv_host_bytes=HOST_BYTES if replicas == 1 else 0, faults=FAULTS,
-               step_timeout_s=TIMEOUT_S, worker_timeout_s=TIMEOUT_S,
-               num_compute_workers=replicas, pipeline=pipeline, **kw)
+               kv_host_bytes=HOST_BYTES, faults=FAULTS, step_timeout_s=TIMEOUT_S,
+               worker_timeout_s=TIMEOUT_S, num_compute_workers=replicas, pipeline=pipeline,
+               **kw)
 
 
-def _config(r: random.Random, tiers: bool) -> dict:
+def _config(r: random.Random) -> dict:
     kw = dict(max_step_tokens=r.choice([32, 96, 512, 2048]), max_batch=r.choice([2, 4, 64]),
               prefix_caching=r.random() < 0.7, speculative_tokens=r.choice([0, 0, 3]),
               scheduling_policy=r.choice(["fcfs", "priority"]), split_kv=r.random() < 0.7)
-    tiered = tiers and kw["prefix_caching"] and r.random() < 0.5
-    kw["kv_host_bytes"] = HOST_BYTES if tiered else 0
+    kw["kv_host_bytes"] = HOST_BYTES if kw["prefix_caching"] and r.random() < 0.5 else 0
     return kw
 
 
@@ -111,18 +110,20 @@ def _poisoned(r: random.Random, pool: list[int], prompt: list[int],
 
 
 def workload(seed: int, lm, replicas: int = 1) -> RayWorkload:
-    """Seed `seed`'s workload for a deployment of `replicas` compute workers (with one,
-    the same draws as before replicas came)."""
+    """Seed `seed`'s workload for a deployment of `replicas` compute workers."""
     r = random.Random(seed)
     pool, chat = texts(lm, "Name two rivers and the seas they reach.")
-    config, slots = _config(r, replicas == 1), r.choice([700, 1200, POOL_SLOTS])
+    config, slots = _config(r), r.choice([700, 1200, POOL_SLOTS])
     asks = []
     for _ in range(r.randrange(4, 12)):
         p, params = _prompt(r, pool, chat), _params(r, pool)
         if r.random() < 0.15:
             p, params = _poisoned(r, pool, p, params)
-        asks.append(Ask(r.choice([0, 0, r.randrange(0, 20)]), p, params,
-                        r.randrange(-2, 3), r.randrange(1, 30) if r.random() < 0.15 else None,
+        at, priority = r.choice([0, 0, r.randrange(0, 20)]), r.randrange(-2, 3)
+        if config["scheduling_policy"] == "fcfs" and priority != -2:
+            priority = 0  # first come, first served refuses a priority: one ask in 5 has one
+        asks.append(Ask(at, p, params, priority,
+                        r.randrange(1, 30) if r.random() < 0.15 else None,
                         r.choice([None, "s1", "s2"]) if config["kv_host_bytes"] else None,
                         r.random() < 0.3))
     events = []
