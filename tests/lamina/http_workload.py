@@ -1,0 +1,293 @@
+"""Random workloads through the OpenAI HTTP server: concurrent clients, some streaming,
+some hanging up mid-answer, some sending a bad field.
+
+A seed draws the engine's configuration (step budget, batch size, prefix caching,
+n-gram drafts, memory workers, KV split, compute replicas) and 4-11 requests to
+`/v1/completions` and `/v1/chat/completions`, each sent from a thread of its own after
+a random delay: greedy or seeded sampling, n, stop strings, penalties, logprobs,
+structured output (JSON schema), `min_tokens`, `ignore_eos`; streamed (SSE) or not;
+some hang up after a few events (a stream) or at once (a plain request); some carry a
+bad value of one field.
+
+Each answer that completed must equal the same request's answer alone on the same
+server after (text, finish reason and logprobs within 1e-3 of each choice; a stream's
+deltas joined); each bad one must be answered 400 naming its field; after, no request
+is left in the engine, every KV slot is free, and no more requests were aborted than
+clients hung up.
+
+    python -m tests.lamina.http_workload 0 100    # seeds 0..99, one line each
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from traceback import format_exc
+
+from lamina.entrypoints.engine_loop import EngineLoop
+from lamina.entrypoints.metrics import EngineMetrics
+from tests.lamina.random_workload import SCHEMA, TEXT, engine
+from tests.lamina.test_server import _Server
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+QUESTIONS = ("Name a colour.", "What is two plus two?", "Write a haiku about rivers.",
+             "List three fruits.", "Say hello in French.")
+# one bad value per field: (field, value); the 400 must name the field
+BAD = (("temperature", -1), ("max_tokens", 0), ("top_p", 1.5), ("n", 0),
+       ("presence_penalty", 3), ("frobnicate", 1), ("logit_bias", {"x": 1}))
+
+
+@dataclass(frozen=True)
+class HttpAsk:
+    delay: float  # seconds after the workload starts that it is sent
+    path: str  # COMPLETIONS or CHAT
+    body: dict  # the JSON body, "stream" included
+    cut: int | None  # hang up after this many events (0: at once), None: read it all
+    bad: str | None  # the field a 400 must name (a bad value), None: a good request
+
+
+@dataclass(frozen=True)
+class HttpWorkload:
+    config: dict  # EngineConfig fields
+    slots: int
+    asks: tuple[HttpAsk, ...]
+
+
+def _config(r: random.Random) -> dict:
+    kw = dict(max_step_tokens=r.choice([32, 512, 2048]), max_batch=r.choice([2, 8, 64]),
+              prefix_caching=r.random() < 0.7, speculative_tokens=r.choice([0, 0, 3]),
+              num_memory_workers=r.choice([1, 2]), split_kv=r.random() < 0.7)
+    if r.random() < 0.25:
+        kw.update(num_compute_workers=2, pipeline=r.choice(["fixed", "rotational"]))
+    return kw
+
+
+def _body(r: random.Random, path: str) -> dict:
+    words = TEXT.split()
+    if path == COMPLETIONS:
+        start = r.randrange(0, len(words) - 5)
+        body: dict = {"prompt": " ".join(words[start:start + r.randrange(2, 60)])}
+    else:
+        body = {"messages": [{"role": "user", "content": r.choice(QUESTIONS)}]}
+    body.update(max_tokens=r.randrange(1, 24), temperature=0.0)
+    if r.random() < 0.4:
+        body.update(temperature=0.8, seed=r.randrange(1000), top_p=r.choice([1.0, 0.9]))
+        if r.random() < 0.3:
+            body["n"] = 2
+    extras = [("stop", lambda: [r.choice([" the", ".", ",", "\n"])], 0.2),
+              ("presence_penalty", lambda: r.choice([1.0, -0.5]), 0.15),
+              ("frequency_penalty", lambda: 0.5, 0.1),
+              ("min_tokens", lambda: r.randrange(0, body["max_tokens"] + 1), 0.15),
+              ("ignore_eos", lambda: True, 0.15)]
+    for name, value, p in extras:
+        if r.random() < p:
+            body[name] = value()
+    if r.random() < 0.25:
+        if path == COMPLETIONS:
+            body["logprobs"] = r.choice([0, 2])
+        else:
+            body.update(logprobs=True, top_logprobs=r.choice([0, 2]))
+    if path == CHAT and r.random() < 0.1:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "a", "schema": SCHEMA}}
+    return body
+
+
+def workload(seed: int) -> HttpWorkload:
+    r = random.Random(seed)
+    config, slots = _config(r), r.choice([600, 3000])
+    asks = []
+    for _ in range(r.randrange(4, 12)):
+        path = r.choice([COMPLETIONS, CHAT])
+        body, bad = _body(r, path), None
+        body["stream"] = r.random() < 0.5
+        if r.random() < 0.15:
+            bad, value = r.choice(BAD)
+            body[bad] = value
+        cut = None
+        if bad is None and r.random() < 0.2:
+            cut = r.randrange(1, 4) if body["stream"] else 0
+        asks.append(HttpAsk(r.choice([0.0, 0.0, r.uniform(0, 1.5)]), path, body, cut, bad))
+    return HttpWorkload(config, slots, tuple(asks))
+
+
+def features(w: HttpWorkload) -> set[str]:
+    """What a workload holds, in words (for choosing seeds and checking them)."""
+    c = w.config
+    out = {name for name, on in [
+        ("replicas", c.get("num_compute_workers", 1) > 1), ("no-cache", not c["prefix_caching"]),
+        ("drafts", c["speculative_tokens"] > 0), ("chunks", c["max_step_tokens"] <= 32),
+        ("2-memory", c["num_memory_workers"] == 2)] if on}
+    for a in w.asks:
+        b = a.body
+        out |= {name for name, on in [
+            ("chat", a.path == CHAT), ("completions", a.path == COMPLETIONS),
+            ("stream", b["stream"] and a.cut is None and a.bad is None),
+            ("cut-stream", a.cut is not None and a.cut > 0), ("cut-plain", a.cut == 0),
+            ("bad", a.bad is not None), ("n", b.get("n") == 2),
+            ("sampled", b["temperature"] > 0), ("logprobs", "logprobs" in b),
+            ("json", "response_format" in b), ("stop", "stop" in b)] if on}
+    return out
+
+
+@dataclass
+class Answer:
+    status: int = 0
+    body: dict | None = None  # a plain answer's JSON (or an error's)
+    events: list | None = None  # a stream's decoded `data:` events, up to [DONE]
+    cut: bool = False  # the client hung up
+
+
+def send(port: int, ask: HttpAsk) -> Answer:
+    """POST the ask, read (or hang up on) its answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        conn.request("POST", ask.path, json.dumps(ask.body),
+                     {"Content-Type": "application/json"})
+        if ask.cut == 0:
+            return Answer(cut=True)  # hangs up before the answer
+        resp = conn.getresponse()
+        if not ask.body.get("stream") or resp.status != 200:
+            return Answer(resp.status, json.loads(resp.read()))
+        events: list = []
+        for line in resp:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+            if ask.cut is not None and len(events) >= ask.cut:
+                return Answer(resp.status, events=events, cut=True)
+        return Answer(resp.status, events=events)
+    finally:
+        conn.close()
+
+
+def choices(path: str, a: Answer) -> dict[int, tuple[str, str | None, list[float]]]:
+    """{choice index: (its text, finish reason, its tokens' logprobs)} of a plain answer
+    or a whole stream."""
+    out: dict[int, list] = {}
+    for part in ([a.body] if a.events is None else [e for e in a.events if e != "[DONE]"]):
+        for c in part.get("choices", []):
+            got = out.setdefault(c["index"], ["", None, []])
+            if path == COMPLETIONS:
+                got[0] += c.get("text") or ""
+                got[2] += (c.get("logprobs") or {}).get("token_logprobs") or []
+            else:
+                got[0] += (c.get("message") or c.get("delta") or {}).get("content") or ""
+                got[2] += [x["logprob"] for x in (c.get("logprobs") or {}).get("content") or []]
+            got[1] = c.get("finish_reason") or got[1]
+    return {i: (t, f, lp) for i, (t, f, lp) in sorted(out.items())}
+
+
+def _compare(k: int, ask: HttpAsk, got: Answer, alone: Answer) -> list[str]:
+    if got.status != 200 or alone.status != 200:
+        return [f"ask {k}: status {got.status}, alone {alone.status}: {got.body or alone.body}"]
+    if got.events is not None and got.events[-1] != "[DONE]":
+        return [f"ask {k}: a stream that did not end with [DONE]: {got.events[-2:]}"]
+    mine, want = choices(ask.path, got), choices(ask.path, alone)
+    if [(t, f) for t, f, _ in mine.values()] != [(t, f) for t, f, _ in want.values()]:
+        return [f"ask {k} ({ask.path}, {ask.body}): got {mine}, alone {want}"]
+    for (_, _, x), (_, _, y) in zip(mine.values(), want.values()):
+        if len(x) != len(y) or any(abs(a - b) > 1e-3 for a, b in zip(x, y)):
+            return [f"ask {k}: logprobs {x}, alone {y}"]
+    return []
+
+
+def check(seed: int, lm, split) -> list[str]:
+    """This seed's workload on a new server; -> what went wrong (empty: nothing)."""
+    w = workload(seed)
+    loop = EngineLoop(engine(lm, split, w.config, w.slots), EngineMetrics())
+    srv = _Server(loop, lm.tokenizer)
+    try:
+        return _run(w, srv, loop)
+    finally:
+        srv.stop()
+        loop.shutdown()
+
+
+def _run(w: HttpWorkload, srv, loop) -> list[str]:
+    answers: dict[int, Answer] = {}
+    eng = loop.engine
+    free0 = eng.free_slots()
+
+    def client(k: int, ask: HttpAsk) -> None:
+        time.sleep(ask.delay)
+        answers[k] = send(srv.port, ask)
+
+    threads = [threading.Thread(target=client, args=(k, a), daemon=True)
+               for k, a in enumerate(w.asks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    problems = [f"ask {k}: no answer in 300 s" for k in range(len(w.asks)) if k not in answers]
+    if not _settled(loop, 60):
+        problems.append("requests still in the engine 60 s after the last answer")
+    cuts = sum(a.cut for a in answers.values())
+    if loop.stats["aborted"] > cuts:
+        problems.append(f"{loop.stats['aborted']} requests aborted, {cuts} clients hung up")
+    for k, ask in enumerate(w.asks):
+        got = answers.get(k)
+        if got is None or got.cut:
+            continue
+        if ask.bad is not None:
+            param = (got.body or {}).get("error", {}).get("param")
+            if got.status != 400 or param != ask.bad:
+                problems.append(f"ask {k}: bad {ask.bad}: {got.status} {got.body}")
+            continue
+        alone = send(srv.port, HttpAsk(0, ask.path, {**ask.body, "stream": False}, None,
+                                       None))
+        problems += _compare(k, ask, got, alone)
+    if eng.free_slots() != free0 or any(a.stats().shared for a in eng.allocs):
+        problems.append(f"slots free {eng.free_slots()}, were {free0}")
+    return problems
+
+
+def _settled(loop, timeout: float) -> bool:
+    """Wait until the loop has held nothing for a second: a request whose client hung
+    up may still be on its way in (the server reads it, then finds the client gone and
+    aborts it). -> False if it did not within `timeout`."""
+    deadline, calm = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        if loop.engine.has_unfinished() or loop.waiting():
+            calm = None
+        elif calm is None:
+            calm = time.monotonic()
+        elif time.monotonic() - calm >= 1.0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def main() -> None:
+    import torch
+
+    from lamina.model.loader import load
+    from lamina.splitter import split_model
+    from lamina.splitter.dense import pack_dense
+
+    torch.set_num_threads(2)
+    lm = load()
+    split, _ = pack_dense(split_model(lm.model), "onednn")
+    lo, hi = int(sys.argv[1]), int(sys.argv[2])
+    bad = 0
+    for seed in range(lo, hi):
+        t = time.perf_counter()
+        try:
+            problems = check(seed, lm, split)
+        except Exception as e:  # noqa: BLE001 - a seed that raises is reported
+            problems = [f"raised {type(e).__name__}: {e}\n{format_exc()}"]
+        bad += bool(problems)
+        print(f"seed {seed}: {'FAIL' if problems else 'ok'} ({time.perf_counter() - t:.1f} s) "
+              f"{sorted(features(workload(seed)))}", flush=True)
+        for p in problems:
+            print("   ", p[:3000], flush=True)
+    print(f"{hi - lo - bad} of {hi - lo} seeds ok")
+
+
+if __name__ == "__main__":
+    main()
