@@ -792,12 +792,13 @@ class LLMEngine:
                 if len(s.segments) == 1 and s.worker in kept and s.seq_id not in loading}
 
     def _loads_undone(self, plan: StepPlan) -> None:
-        """The running sequences whose tier load the failed step carried reused nothing
-        from the tiers (their KV is computed again): their metrics say so
-        (`tier_cached_tokens` 0, `cached_tokens` the pool's part only)."""
+        """The running sequences whose first admission's tier load the failed step
+        carried reused nothing from the tiers (their KV is computed again): their
+        metrics say so (`tier_cached_tokens` 0, `cached_tokens` the pool's part only).
+        A readmission's figures are its first admission's: they stand."""
         loading = {o.seq_id for o in plan.tier_orders if o.op == "load"}
         for s in self.scheduler.running:
-            if s.seq_id in loading:
+            if s.seq_id in loading and not s.num_preemptions:
                 s.cached, s.tier_cached = s.cached - s.tier_cached, 0
 
     def _check_released(self) -> None:
