@@ -104,14 +104,15 @@ def prompts(smol):
     return [ids[:n] for n in LENGTHS]
 
 
-def _hf_greedy(smol, prompts) -> list[list[int]]:
+def hf_greedy_of(smol, prompts, new: int = HF_NEW) -> list[list[int]]:
+    """HF `generate`'s greedy tokens (up to `new`, ending at EOS) after each prompt."""
     eos = smol.tokenizer.eos_token_id
     refs = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
             refs.append(smol.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                            do_sample=False, max_new_tokens=HF_NEW,
+                                            do_sample=False, max_new_tokens=new,
                                             pad_token_id=eos)[0, len(p):].tolist())
     return refs
 
@@ -128,7 +129,7 @@ def hf_greedy(smol, prompts, tmp_path_factory):
     workers share the work on both cores) and reads the other from the run's shared
     temporary folder, waiting while the other worker writes it."""
     if not _XDIST:
-        return _hf_greedy(smol, prompts)
+        return hf_greedy_of(smol, prompts)
     from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp().parent
@@ -139,7 +140,7 @@ def hf_greedy(smol, prompts, tmp_path_factory):
         with FileLock(f"{path}.lock"):
             if not path.exists():
                 part = [prompts[i] for i in _PARTS[k]]
-                path.write_text(json.dumps(dict(zip(_PARTS[k], _hf_greedy(smol, part)))))
+                path.write_text(json.dumps(dict(zip(_PARTS[k], hf_greedy_of(smol, part)))))
             refs.update({int(i): r for i, r in json.loads(path.read_text()).items()})
     return [refs[i] for i in range(len(prompts))]
 

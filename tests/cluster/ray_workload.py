@@ -31,7 +31,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, replace
-from traceback import format_exc
 
 import ray
 
@@ -46,7 +45,9 @@ from tests.lamina.random_workload import (
     _params,
     _prompt,
     compare,
+    each_seed,
     engine,
+    reference_model,
     run,
     texts,
 )
@@ -245,37 +246,18 @@ def _greedy(eng: LLMEngine, prompt: list[int], n: int) -> list[int]:
 
 
 def main() -> None:
-    import torch
-
-    from lamina.model.loader import load
-    from lamina.splitter import split_model
-    from lamina.splitter.dense import pack_dense
-
-    torch.set_num_threads(2)
-    lm = load()
-    split, _ = pack_dense(split_model(lm.model), "onednn")
-    lo, hi = int(sys.argv[1]), int(sys.argv[2])
+    lm, split = reference_model()
     llm = deployment(sys.argv[3] if len(sys.argv) > 3 else "none")
-    replicas = llm.config.num_compute_workers
-    bad = 0
+
+    def one(seed: int) -> tuple[list[str], str]:
+        drawn = sorted(features(workload(seed, lm, llm.config.num_compute_workers)))
+        got = check(seed, llm, lm, split)
+        return list(got.problems), f"{drawn} fired {list(got.fired)}, {got.recoveries} recoveries"
+
     try:
-        for seed in range(lo, hi):
-            t = time.perf_counter()
-            try:
-                got = check(seed, llm, lm, split)
-                problems, note = got.problems, (f"fired {list(got.fired)}, "
-                                                f"{got.recoveries} recoveries")
-            except Exception as e:  # noqa: BLE001 - a seed that raises is reported
-                problems, note = [f"raised {type(e).__name__}: {e}\n{format_exc()}"], ""
-            bad += bool(problems)
-            drawn = sorted(features(workload(seed, lm, replicas)))
-            print(f"seed {seed}: {'FAIL' if problems else 'ok'} "
-                  f"({time.perf_counter() - t:.1f} s) {drawn} {note}", flush=True)
-            for p in problems:
-                print("   ", p[:6000], flush=True)
+        each_seed(int(sys.argv[1]), int(sys.argv[2]), one)
     finally:
         llm.shutdown()
-    print(f"{hi - lo - bad} of {hi - lo} seeds ok")
 
 
 if __name__ == "__main__":

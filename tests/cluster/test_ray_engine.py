@@ -18,7 +18,7 @@ from lamina.cluster.executor import WorkerFailure
 from lamina.model import quick_load
 from lamina.sampling.structured import StructuredOutputs
 from tests.cluster import keep_ray_for_the_next_module
-from tests.conftest import HF_NEW
+from tests.conftest import HF_NEW, hf_greedy_of
 from tests.lamina.test_structured import PROMPT, SCHEMA, _hf_guided
 
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
@@ -453,12 +453,7 @@ def test_ray_sessions_come_back_from_the_tiers_and_a_bad_file_is_recomputed(llm,
     before = dict(eng.tier_stats())
     got = llm.generate(second, params, use_tqdm=False, session_id=["A", "B"])
     after = eng.tier_stats()
-    with torch.no_grad():
-        for p, o in zip(second, got):
-            ids = torch.tensor([p])
-            ref = smol.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=8)[0, len(p):].tolist()
-            assert o.token_ids == ref
+    assert [o.token_ids for o in got] == hf_greedy_of(smol, second, 8)
     # B: its first turn but the last answer token (whose KV no step wrote)
     assert [o.metrics["tier_cached_tokens"] for o in got] == [0, len(first[1]) + 7]
     assert after["tier_misses"] - before["tier_misses"] == 1

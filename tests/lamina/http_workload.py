@@ -26,11 +26,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from traceback import format_exc
 
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
-from tests.lamina.random_workload import SCHEMA, TEXT, engine
+from tests.lamina.random_workload import SCHEMA, TEXT, each_seed, engine, reference_model
 from tests.lamina.test_server import _Server
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -264,29 +263,9 @@ def _settled(loop, timeout: float) -> bool:
 
 
 def main() -> None:
-    import torch
-
-    from lamina.model.loader import load
-    from lamina.splitter import split_model
-    from lamina.splitter.dense import pack_dense
-
-    torch.set_num_threads(2)
-    lm = load()
-    split, _ = pack_dense(split_model(lm.model), "onednn")
-    lo, hi = int(sys.argv[1]), int(sys.argv[2])
-    bad = 0
-    for seed in range(lo, hi):
-        t = time.perf_counter()
-        try:
-            problems = check(seed, lm, split)
-        except Exception as e:  # noqa: BLE001 - a seed that raises is reported
-            problems = [f"raised {type(e).__name__}: {e}\n{format_exc()}"]
-        bad += bool(problems)
-        print(f"seed {seed}: {'FAIL' if problems else 'ok'} ({time.perf_counter() - t:.1f} s) "
-              f"{sorted(features(workload(seed)))}", flush=True)
-        for p in problems:
-            print("   ", p[:3000], flush=True)
-    print(f"{hi - lo - bad} of {hi - lo} seeds ok")
+    lm, split = reference_model()
+    each_seed(int(sys.argv[1]), int(sys.argv[2]), lambda seed: (
+        check(seed, lm, split), str(sorted(features(workload(seed))))))
 
 
 if __name__ == "__main__":

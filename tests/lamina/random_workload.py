@@ -30,7 +30,9 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from traceback import format_exc
 
 from lamina.engine.config import EngineConfig, TierConfig
 from lamina.engine.engine import LLMEngine
@@ -280,7 +282,8 @@ def compare(asks, outs: dict, aborted: set[int], ref: LLMEngine, faulty) -> list
     return problems
 
 
-def main() -> None:
+def reference_model():
+    """(SmolLM2, its packed split) as the workloads' local engines run them, 2 threads."""
     import torch
 
     from lamina.model.loader import load
@@ -289,21 +292,31 @@ def main() -> None:
 
     torch.set_num_threads(2)
     lm = load()
-    split, _ = pack_dense(split_model(lm.model), "onednn")
-    lo, hi = int(sys.argv[1]), int(sys.argv[2])
+    return lm, pack_dense(split_model(lm.model), "onednn")[0]
+
+
+def each_seed(lo: int, hi: int, check_one: Callable[[int], tuple[list[str], str]]) -> None:
+    """`check_one(seed)` -> (what went wrong, a note) for seeds lo..hi-1: a line each (ok
+    or FAIL, its seconds, the note), its problems under it, then the count. A seed that
+    raises is reported with its traceback."""
     bad = 0
     for seed in range(lo, hi):
         t = time.perf_counter()
         try:
-            problems = check(seed, lm, split)
+            problems, note = check_one(seed)
         except Exception as e:  # noqa: BLE001 - a seed that raises is reported, not fatal
-            problems = [f"raised {type(e).__name__}: {e}"]
+            problems, note = [f"raised {type(e).__name__}: {e}\n{format_exc()}"], ""
         bad += bool(problems)
         print(f"seed {seed}: {'FAIL' if problems else 'ok'} "
-              f"({time.perf_counter() - t:.1f} s)", flush=True)
+              f"({time.perf_counter() - t:.1f} s) {note}", flush=True)
         for p in problems:
-            print("   ", p[:2000], flush=True)
+            print("   ", p[:6000], flush=True)
     print(f"{hi - lo - bad} of {hi - lo} seeds ok")
+
+
+def main() -> None:
+    lm, split = reference_model()
+    each_seed(int(sys.argv[1]), int(sys.argv[2]), lambda seed: (check(seed, lm, split), ""))
 
 
 if __name__ == "__main__":
