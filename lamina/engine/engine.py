@@ -748,9 +748,10 @@ class LLMEngine:
             return None
         kept = self.executor.kv_kept()
         self.scheduler.clear_cache(set(range(len(self.allocs))) - kept)  # pools gone
-        intact = self._intact(plan, kept) if plan is not None else {}
-        if plan is not None:
-            self._loads_undone(plan)
+        # the failed step's tier loads may not have finished: nothing of them counts
+        loading = {o.seq_id for o in plan.tier_orders if o.op == "load"} if plan else set()
+        intact = self._intact(plan, kept, loading) if plan is not None else {}
+        self._loads_undone(loading)
         kept_tokens = self.scheduler.preempt_all(intact)
         if self.sessions is not None:  # the workers' tiers were dropped (reset or gone)
             for w in range(len(self.allocs)):
@@ -779,24 +780,22 @@ class LLMEngine:
         log.warning("%s; workers recovered in %.2f s", what, self.last_recovery_s)
         return what
 
-    def _intact(self, plan: StepPlan, kept: frozenset[int]) -> dict[int, int]:
+    def _intact(self, plan: StepPlan, kept: frozenset[int],
+                loading: set[int]) -> dict[int, int]:
         """{sequence id: positions whose KV is written} for each running sequence held
         whole by a pool the recovery kept: the positions before its work in the failed
         step (that step may have written some of its own, not all), or before its
-        unfed prompt. Not a sequence whose tier load the step carried (the load may not
-        have finished)."""
+        unfed prompt. Not a sequence in `loading` (the step carried its tier load)."""
         start = {w.seq_id: w.start_pos for w in plan.seqs}
-        loading = {o.seq_id for o in plan.tier_orders if o.op == "load"}
         return {s.seq_id: start.get(s.seq_id, s.written)
                 for s in self.scheduler.running
                 if len(s.segments) == 1 and s.worker in kept and s.seq_id not in loading}
 
-    def _loads_undone(self, plan: StepPlan) -> None:
-        """The running sequences whose first admission's tier load the failed step
-        carried reused nothing from the tiers (their KV is computed again): their
-        metrics say so (`tier_cached_tokens` 0, `cached_tokens` the pool's part only).
-        A readmission's figures are its first admission's: they stand."""
-        loading = {o.seq_id for o in plan.tier_orders if o.op == "load"}
+    def _loads_undone(self, loading: set[int]) -> None:
+        """The running sequences in `loading`, whose first admission's tier load the
+        failed step carried, reused nothing from the tiers (their KV is computed again):
+        their metrics say so (`tier_cached_tokens` 0, `cached_tokens` the pool's part
+        only). A readmission's figures are its first admission's: they stand."""
         for s in self.scheduler.running:
             if s.seq_id in loading and not s.num_preemptions:
                 s.cached, s.tier_cached = s.cached - s.tier_cached, 0
