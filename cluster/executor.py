@@ -56,6 +56,7 @@ from .placement import node_threads, place
 
 log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
+RECOVER_ATTEMPTS = 3  # a recovery's tries when workers die while it runs
 START_TIMEOUT_S = 120  # a worker's model load and setup, once its bundle is placed
 HEALTH_TIMEOUT_S = 10  # after a failed step: how long the memory workers get to report
 OMP_SPIN = 3_000  # libgomp spin rounds of an idle worker thread before it sleeps
@@ -63,6 +64,10 @@ OMP_SPIN = 3_000  # libgomp spin rounds of an idle worker thread before it sleep
 
 class WorkerFailure(RuntimeError):
     """A Ray worker died or its data plane broke; the step was not computed."""
+
+
+class WorkerTimeout(WorkerFailure):
+    """Workers did not answer a start or setup call within its bound."""
 
 
 def connect_control(addr: tuple) -> ControlClient:
@@ -412,7 +417,7 @@ class RayExecutor(Executor):
         try:
             return ray.get(refs, timeout=wait)
         except ray.exceptions.GetTimeoutError:
-            raise WorkerFailure(
+            raise WorkerTimeout(
                 f"{what} did not start within {wait:g} s: the cluster has no room for "
                 "them (see `ray status`), or a node's first start is building the CPU "
                 f"kernel ({BUILD_TIME}, once; `lamina doctor` on a node builds it "
@@ -428,7 +433,8 @@ class RayExecutor(Executor):
         on its node, else TCP)."""
         self._close_control(r)
         here = ray.get_runtime_context().get_node_id()
-        addr = ray.get(self.computes[r].serve_control.remote(here == compute_node))
+        addr = self._get(self.computes[r].serve_control.remote(here == compute_node),
+                         f"compute worker {r}'s control channel")
         control = connect_control(addr)
         control.channel.set_timeout(self.config.step_timeout_s)
         self.controls[r] = control
@@ -444,7 +450,8 @@ class RayExecutor(Executor):
         """How long the compute workers wait on a silent memory worker before the step
         fails (then `recover` replaces it)."""
         self.config = replace(self.config, worker_timeout_s=seconds)  # validates
-        ray.get([c.set_timeout.remote(seconds) for c in self.computes])
+        self._get([c.set_timeout.remote(seconds) for c in self.computes],
+                  "the compute workers")
 
     def recover(self, error: BaseException) -> bool:
         """After a step broke off mid-way: every worker that is alive and done with the
@@ -453,7 +460,27 @@ class RayExecutor(Executor):
         step) replaced; all are wired afresh. A kept memory worker keeps its pool's bytes
         (`kv_kept`), so the engine recomputes only the KV that was on replaced ones.
         Keeping a worker saves its start (a process, the model, a pool): seconds each.
+        A worker that dies while this runs (its reset, setup or wiring raises) or hangs
+        (a call to it times out: the bound of a worker's start) is found by the next
+        attempt, which replaces it: at most RECOVER_ATTEMPTS in all.
         False if the cluster cannot give new workers."""
+        replaced: set[int] = set()  # memory workers new since the step: no KV of theirs
+        for attempt in range(1, RECOVER_ATTEMPTS + 1):
+            try:
+                self._kv_kept = self._recover_once(replaced)
+                return True
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError,
+                    WorkerTimeout) as e:
+                if attempt == RECOVER_ATTEMPTS:
+                    raise
+                log.warning("recovery: a worker failed while it ran (%s: %s); recovering "
+                            "again (attempt %d of %d)", type(e).__name__,
+                            _last_line(str(e)), attempt + 1, RECOVER_ATTEMPTS)
+        raise AssertionError("unreachable")
+
+    def _recover_once(self, replaced: set[int]) -> frozenset[int]:
+        """One attempt of `recover`; adds the memory workers it replaces to `replaced`
+        (an earlier attempt's stay there: their pools are new) -> the pools kept."""
         silent, self._silent_computes = self._silent_computes, frozenset()
         for r in self._reset_all("compute", self.ping_timeout_s, silent):
             ray.kill(self.computes[r])
@@ -467,8 +494,8 @@ class RayExecutor(Executor):
         for i in lost:
             ray.kill(self.memory[i])
             self.memory[i] = self._new_memory(i)
-        self._kv_kept = self._start_memory(frozenset(range(len(self.memory))) - lost)
-        return True
+        replaced |= lost
+        return self._start_memory(frozenset(range(len(self.memory))) - replaced)
 
     def workers_replaced(self) -> dict[str, int]:
         return dict(self._replaced)
