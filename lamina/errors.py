@@ -10,6 +10,10 @@ the entry points (so each layer catches them by type, not by message).
 - `EngineOverloaded`: the bounded waiting queue is full; retry later (HTTP 429).
 - `EngineDead`: the engine stopped (a failure it could not recover from); new requests
   are refused.
+
+Each pickles with its fields (`__reduce__`): the Lamina service raises them at its
+clients in other processes (Ray pickles an exception with its `args` alone, which
+these constructors do not take).
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ class SequenceFault(RuntimeError):
         self.clean = clean
         super().__init__(message)
 
+    def __reduce__(self):
+        return type(self), (self.seq_ids, str(self), self.clean)
+
 
 class RequestFailed(RuntimeError):
     """One request failed inside the engine; other requests were not affected."""
@@ -29,6 +36,9 @@ class RequestFailed(RuntimeError):
     def __init__(self, request_id: int, message: str):
         self.request_id = request_id
         super().__init__(message)
+
+    def __reduce__(self):
+        return type(self), (self.request_id, str(self))
 
 
 class EngineOverloaded(RuntimeError):
@@ -38,6 +48,9 @@ class EngineOverloaded(RuntimeError):
         self.waiting, self.limit, self.retry_after_s = waiting, limit, retry_after_s
         super().__init__(f"server busy: {waiting} requests waiting (limit {limit}); "
                          f"retry in {retry_after_s:g} s")
+
+    def __reduce__(self):
+        return type(self), (self.waiting, self.limit, self.retry_after_s)
 
 
 class EngineDead(RuntimeError):

@@ -228,6 +228,30 @@ def test_two_such_requests_each_fail_alone(smol, smol_packed, prompts, hf_greedy
     assert eng.num_failed_requests == 2 and eng.free_slots() == [SLOTS]
 
 
+def test_two_such_requests_alone_each_fail_and_the_engine_goes_on(smol, smol_packed,
+                                                                  prompts, hf_greedy):
+    """Two poison requests with no other request in the engine: the second is found with
+    no step run since and nobody else to show the steps run without it, so the engine's
+    own one-token request is its alibi (it was stopped before: two bad requests from a
+    client took the engine down for everyone). Both fail alone, the probe's output is
+    nobody's, every slot is back, and the next request gives HF's tokens."""
+    tok = unused_token(prompts, hf_greedy)
+    eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
+    bad = [eng.add_request(prompts[i] + [tok], GOOD) for i in (0, 1)]
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert sorted(outs) == bad and len(eng.culprits) == 2
+    for i in bad:
+        assert outs[i].finish_reason == "error"
+        assert "every step it ran in failed" in outs[i].error
+    assert eng.free_slots() == [SLOTS] and not eng._reqs and not eng._probes
+    good = eng.add_request(prompts[2], GOOD)
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert outs[good].token_ids == hf_greedy[2][:NEW]
+
+
 def test_a_named_fault_during_a_search_fails_its_request_and_the_search_goes_on(
         smol, smol_packed, prompts, hf_greedy):
     """While the search runs (past max_recoveries failed steps in a row), a fault that
@@ -306,13 +330,17 @@ def test_a_poison_request_with_parallel_samples_is_found_and_all_end(smol, smol_
 
 
 def test_steps_failing_whatever_runs_stop_the_engine(smol, smol_packed, prompts, caplog):
-    """A fault in every step that feeds the text's first token, which every prompt has:
-    not one request's doing. The first request the search finds fails alone (nothing
-    shows otherwise yet); the second is found with no step run since and nobody else
-    to run, so the engine stops with the step's error, as it did before searching."""
-    first = prompts[0][0]
-    eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=first),
-                 workers=1)
+    """Every step fails with no sequence named (a broken worker): not one request's
+    doing. The first request the search finds fails alone (nothing shows otherwise
+    yet); the second is found with no step run since and nobody else in the engine, so
+    the engine's own one-token request runs without it: that fails too (twice), and the
+    engine stops with the step's error, as it did before searching."""
+    eng = engine(smol, smol_packed, workers=1)
+
+    def execute(plan):
+        raise InjectedFault("injected fault in layer 2 (no sequence named)")
+
+    eng.executor.execute = execute
     a, b = (eng.add_request(prompts[i], GOOD) for i in (1, 2))
     outs = {}
     with caplog.at_level("ERROR", logger="lamina.engine.engine"):
@@ -320,8 +348,25 @@ def test_steps_failing_whatever_runs_stop_the_engine(smol, smol_packed, prompts,
             for _ in range(50):
                 outs.update({o.request_id: o for o in eng.step()})
     assert list(outs) == [a] and "every step it ran in failed" in outs[a].error
-    assert any(f"request {b} fails alone, but so did request {a} before it" in r.message
+    assert any(f"they fail whatever runs (request {b} was named just before" in r.message
                for r in caplog.records)
+
+
+def test_the_errors_a_client_gets_pickle_with_their_fields():
+    """The Lamina service raises these at its clients in other processes: Ray pickles
+    them. Each comes back with its fields and message (a `RequestFailed` reached an HTTP
+    front of the service as Ray's "failed to deserialize", a 503 instead of a 500)."""
+    import pickle
+
+    from lamina.errors import EngineDead, EngineOverloaded
+
+    for e, fields in [(RequestFailed(7, "seq 3: bad"), ("request_id",)),
+                      (SequenceFault([3, 4], "bad slots", clean=False), ("seq_ids", "clean")),
+                      (EngineOverloaded(9, 8, 2.5), ("waiting", "limit", "retry_after_s")),
+                      (EngineDead("stopped"), ())]:
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e)
+        assert [getattr(back, f) for f in fields] == [getattr(e, f) for f in fields]
 
 
 def test_culprit_search_off_stops_the_engine(smol, smol_packed, prompts, hf_greedy):
