@@ -28,9 +28,10 @@ search over B requests ends within about log2(B) + 3 failed steps.
 
 A bug that fails every step, whatever it holds, would name each request in turn. So a
 culprit named while an earlier one was named with no step run since must first have an
-alibi checked (`alibi`): the other requests alone run one step. If they do, it is named;
-if they fail too (twice, as above), or there are none, the engine gives up and stops, as
-it did before searches: the failures follow every request, not one.
+alibi checked (`alibi`): the other requests alone run one step (with none in the engine,
+a one-token request of the engine's own: `LLMEngine._probe`). If they do, it is named;
+if they fail too (twice, as above), the engine gives up and stops, as it did before
+searches: the failures follow every request, not one.
 """
 from __future__ import annotations
 

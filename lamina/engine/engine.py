@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 STEP_HISTORY = 4096  # step timings kept (a long-running server must not grow forever)
 ERROR_HISTORY = 100  # recovered step errors kept (their count is `num_recoveries`)
+PROBE_TOKEN = 0  # the engine's own probe request's prompt (`_probe`): any id will do
 
 
 @dataclass
@@ -129,6 +130,7 @@ class LLMEngine:
         # the search for the request behind steps that keep failing (`_narrow`), or None
         self._search: CulpritSearch | None = None
         self._named: int | None = None  # the last culprit named, while no step ran since
+        self._probes: set[int] = set()  # the engine's own requests (`_probe`): no output
         self.culprits: deque[str] = deque(maxlen=ERROR_HISTORY)  # why each was named
         self.num_culprits = 0
         # speculative decoding: tokens guessed, and of them the ones kept
@@ -431,6 +433,14 @@ class LLMEngine:
         """Schedule, execute (failing faulty requests alone, recovering dead workers),
         then apply the drawn tokens: -> the outputs of requests that finished, failed or
         (streamed) progressed."""
+        outs = self._step()
+        if not self._probes:
+            return outs
+        keep = [o for o in outs if o.request_id not in self._probes]
+        self._probes -= {o.request_id for o in outs if o.finished}
+        return keep
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._search_can_go_on()
         failed: list[RequestOutput] = []  # requests failed alone this step
@@ -874,7 +884,8 @@ class LLMEngine:
                 return self._failed_in_row <= cfg.max_recoveries
             return True
         if self._named is not None:  # no step ran since the last one named
-            if not search.alibi(culprit, [r for r in self._reqs if r != culprit]):
+            others = [r for r in self._reqs if r != culprit] or [self._probe()]
+            if not search.alibi(culprit, others):
                 log.error("%s: request %d fails alone, but so did request %d before it "
                           "with no step run since, and no other request can show the "
                           "steps run without it", gave_up, culprit, self._named)
@@ -883,6 +894,15 @@ class LLMEngine:
             return True
         failed += self._convict(culprit, plan.step)
         return True
+
+    def _probe(self) -> int:
+        """A request of the engine's own, one token in and one out: the alibi of a
+        request named right after another when no other request is in the engine (two
+        bad requests alone must not stop it). If steps fail with it too, they fail
+        whatever runs. Its output is nobody's: `step` leaves it out."""
+        rid = self.add_request([PROBE_TOKEN], SamplingParams(max_tokens=1, temperature=0))
+        self._probes.add(rid)
+        return rid
 
     def _searched(self, drawn: list[_Draw], step: int) -> list[RequestOutput]:
         """A step ran while a search goes on: its drawers are cleared, or, when it was
