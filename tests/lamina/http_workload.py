@@ -99,6 +99,11 @@ def _body(r: random.Random, path: str) -> dict:
 def workload(seed: int) -> HttpWorkload:
     r = random.Random(seed)
     config, slots = _config(r), r.choice([600, 3000])
+    return HttpWorkload(config, slots, draw_asks(r))
+
+
+def draw_asks(r: random.Random) -> tuple[HttpAsk, ...]:
+    """4-11 clients' requests, each after a random delay."""
     asks = []
     for _ in range(r.randrange(4, 12)):
         path = r.choice([COMPLETIONS, CHAT])
@@ -111,7 +116,7 @@ def workload(seed: int) -> HttpWorkload:
         if bad is None and r.random() < 0.2:
             cut = r.randrange(1, 4) if body["stream"] else 0
         asks.append(HttpAsk(r.choice([0.0, 0.0, r.uniform(0, 1.5)]), path, body, cut, bad))
-    return HttpWorkload(config, slots, tuple(asks))
+    return tuple(asks)
 
 
 def features(w: HttpWorkload) -> set[str]:
@@ -209,40 +214,54 @@ def check(seed: int, lm, split) -> list[str]:
 
 
 def _run(w: HttpWorkload, srv, loop) -> list[str]:
-    answers: dict[int, Answer] = {}
     eng = loop.engine
     free0 = eng.free_slots()
-
-    def client(k: int, ask: HttpAsk) -> None:
-        time.sleep(ask.delay)
-        answers[k] = send(srv.port, ask)
-
-    threads = [threading.Thread(target=client, args=(k, a), daemon=True)
-               for k, a in enumerate(w.asks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    problems = [f"ask {k}: no answer in 300 s" for k in range(len(w.asks)) if k not in answers]
+    answers, problems = send_all(srv.port, w.asks)
     if not _settled(loop, 60):
         problems.append("requests still in the engine 60 s after the last answer")
     cuts = sum(a.cut for a in answers.values())
     if loop.stats["aborted"] > cuts:
         problems.append(f"{loop.stats['aborted']} requests aborted, {cuts} clients hung up")
-    for k, ask in enumerate(w.asks):
+    problems += check_answers(srv.port, w.asks, answers)
+    if eng.free_slots() != free0 or any(a.stats().shared for a in eng.allocs):
+        problems.append(f"slots free {eng.free_slots()}, were {free0}")
+    return problems
+
+
+def send_all(port: int, asks, timeout: float = 300) -> tuple[dict[int, Answer], list[str]]:
+    """Each ask from a thread of its own after its delay -> ({ask's index: its answer},
+    the asks with no answer within `timeout`)."""
+    answers: dict[int, Answer] = {}
+
+    def client(k: int, ask: HttpAsk) -> None:
+        time.sleep(ask.delay)
+        answers[k] = send(port, ask)
+
+    threads = [threading.Thread(target=client, args=(k, a), daemon=True)
+               for k, a in enumerate(asks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return answers, [f"ask {k}: no answer in {timeout:g} s" for k in range(len(asks))
+                     if k not in answers]
+
+
+def check_answers(port: int, asks, answers: dict[int, Answer], skip=frozenset()) -> list[str]:
+    """Each bad ask answered 400 naming its field; each other one that was read to its
+    end (and not in `skip`) equal to the same request sent alone now."""
+    problems = []
+    for k, ask in enumerate(asks):
         got = answers.get(k)
-        if got is None or got.cut:
+        if got is None or got.cut or k in skip:
             continue
         if ask.bad is not None:
             param = (got.body or {}).get("error", {}).get("param")
             if got.status != 400 or param != ask.bad:
                 problems.append(f"ask {k}: bad {ask.bad}: {got.status} {got.body}")
             continue
-        alone = send(srv.port, HttpAsk(0, ask.path, {**ask.body, "stream": False}, None,
-                                       None))
+        alone = send(port, HttpAsk(0, ask.path, {**ask.body, "stream": False}, None, None))
         problems += _compare(k, ask, got, alone)
-    if eng.free_slots() != free0 or any(a.stats().shared for a in eng.allocs):
-        problems.append(f"slots free {eng.free_slots()}, were {free0}")
     return problems
 
 

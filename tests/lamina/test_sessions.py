@@ -504,8 +504,8 @@ def test_a_local_recovery_drops_the_tiers_and_computes_the_next_turn(smol, smol_
 def test_sessions_over_compute_replicas_load_their_saved_kv(smol, smol_packed, pipeline):
     """Two compute replicas (fixed: each its own sequences; rotational: every replica
     runs slices of every micro-batch): a step's tier orders go to the memory sides
-    once, before the step is split. 4 sessions x 3 turns over 2 memory sides, the
-    prefix cache cleared before every turn, so each later turn loads its history from
+    once, before the step is split. 4 sessions x 2 turns over 2 memory sides, the
+    prefix cache cleared before every turn, so each second turn loads its history from
     the host tier; the answers equal one compute worker's without tiers."""
     tok = smol.tokenizer
     on = _engine(smol, smol_packed, 400, workers=2, tiers=TierConfig(1 << 26),
@@ -518,10 +518,10 @@ def test_sessions_over_compute_replicas_load_their_saved_kv(smol, smol_packed, p
         seen.extend(_run(on, turns))
         return seen[-len(turns):]
 
-    got, _ = _conversation(tok, 4, 3, run_on)
-    want, _ = _conversation(tok, 4, 3, lambda turns: _run(off, turns))
+    got, _ = _conversation(tok, 4, 2, run_on)
+    want, _ = _conversation(tok, 4, 2, lambda turns: _run(off, turns))
     assert got == want
-    # every session's later turns came from the tier (its history but the last answer
+    # every session's second turn came from the tier (its history but the last answer
     # token, whose KV no step wrote)
     assert all(o.metrics["tier_cached_tokens"] > 0 for o in seen[4:])
     st = on.tier_stats()
