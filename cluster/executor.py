@@ -204,6 +204,7 @@ class RayExecutor(Executor):
         self._c_opts, self._m_opts = {**c_opts, **env}, {**m_opts, **env}
         # recovery replaces a compute worker that does not answer a ping within this
         self.ping_timeout_s: float = RECOVER_TIMEOUT_S
+        self._calls_s: float | None = None  # `_get`'s bound while a recovery wires workers
         # after a failed step, how long the memory workers get to report
         self.health_timeout_s: float = HEALTH_TIMEOUT_S
         self.config = config
@@ -333,7 +334,7 @@ class RayExecutor(Executor):
         info = dict(zip(fresh, self._get(
             [self.memory[i].setup.remote(pool_cfg, params, cfg.faults, tiers, rope, sparsity,
                                          len(self.computes)) for i in fresh],
-            "the memory workers")))
+            "the memory workers", start=True)))
         self.memory_info = [info[i] if i in info else self.memory_info[i]
                             for i in range(len(self.memory))]
         self._rotary = rope is not None
@@ -406,13 +407,21 @@ class RayExecutor(Executor):
         return [choose_transport(n == node, shm_enabled(), support.get(w, near), collective)
                 for w, n in zip(self.memory, nodes)]
 
-    def _get(self, refs, what: str):
+    def _get(self, refs, what: str, start: bool = False):
         """`ray.get`, bounded: a worker whose bundle sits on a node that is gone waits
         until Ray declares the node dead and places the bundle elsewhere, or forever
-        where no node has room."""
+        where no node has room. The bound is a worker's start, but while a recovery
+        wires workers that are up (`_calls_s` set) it is that, unless `start` (a call
+        whose work takes long: a pool's setup)."""
         if self._kernel_build is not None:  # not part of the workers' own start
             self._kernel_build.result()
             self._kernel_build = None
+        if self._calls_s is not None and not start:
+            try:
+                return ray.get(refs, timeout=self._calls_s)
+            except ray.exceptions.GetTimeoutError:
+                raise WorkerTimeout(f"{what} gave no answer within {self._calls_s:g} s "
+                                    "while the recovery ran") from None
         wait = START_TIMEOUT_S + self.config.placement_timeout_s
         try:
             return ray.get(refs, timeout=wait)
@@ -482,9 +491,11 @@ class RayExecutor(Executor):
         """One attempt of `recover`; adds the memory workers it replaces to `replaced`
         (an earlier attempt's stay there: their pools are new) -> the pools kept."""
         silent, self._silent_computes = self._silent_computes, frozenset()
+        new = []  # workers this attempt starts
         for r in self._reset_all("compute", self.ping_timeout_s, silent):
             ray.kill(self.computes[r])
             self.computes[r] = self._new_compute(r)
+            new.append(self.computes[r])
         self._close_control()
         if self.replica_split is not None:
             self.replica_split.reset()
@@ -494,8 +505,16 @@ class RayExecutor(Executor):
         for i in lost:
             ray.kill(self.memory[i])
             self.memory[i] = self._new_memory(i)
+            new.append(self.memory[i])
         replaced |= lost
-        return self._start_memory(frozenset(range(len(self.memory))) - replaced)
+        # the new workers up (their start has the whole bound), then the wiring's calls
+        # have a live worker's: a kept one that hangs now fails this attempt soon
+        self._get([w.ping.remote() for w in new], "the new workers", start=True)
+        self._calls_s = self.ping_timeout_s
+        try:
+            return self._start_memory(frozenset(range(len(self.memory))) - replaced)
+        finally:
+            self._calls_s = None
 
     def workers_replaced(self) -> dict[str, int]:
         return dict(self._replaced)
