@@ -28,7 +28,6 @@ import random
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import ray
@@ -39,6 +38,7 @@ from tests.cluster.ray_workload import FAULTS, KINDS, MEM_POS, TIMEOUT_S
 from tests.lamina.http_workload import (
     COMPLETIONS,
     HttpAsk,
+    calm,
     check_answers,
     draw_asks,
     send_all,
@@ -241,19 +241,13 @@ def _settled(client, timeout: float) -> dict | None:
     """The service's status once it has held no request for a second (a request whose
     client hung up may still be on its way in) or it stopped; None if neither happened
     within `timeout`."""
-    deadline, calm = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        s = client.status()
-        if not s["alive"]:
-            return s
-        if s["running"] or s["waiting"]:
-            calm = None
-        elif calm is None:
-            calm = time.monotonic()
-        elif time.monotonic() - calm >= 1.0:
-            return s
-        time.sleep(0.1)
-    return None
+    seen = []
+
+    def busy() -> bool:
+        seen.append(s := client.status())
+        return s["alive"] and bool(s["running"] or s["waiting"])
+
+    return seen[-1] if calm(busy, timeout) else None
 
 
 def main() -> None:

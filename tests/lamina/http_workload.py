@@ -269,13 +269,19 @@ def _settled(loop, timeout: float) -> bool:
     """Wait until the loop has held nothing for a second: a request whose client hung
     up may still be on its way in (the server reads it, then finds the client gone and
     aborts it). -> False if it did not within `timeout`."""
-    deadline, calm = time.monotonic() + timeout, None
+    return calm(lambda: loop.engine.has_unfinished() or loop.waiting(), timeout)
+
+
+def calm(busy, timeout: float) -> bool:
+    """Wait until `busy()` has been false for a second -> False if it was not within
+    `timeout`."""
+    deadline, since = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
-        if loop.engine.has_unfinished() or loop.waiting():
-            calm = None
-        elif calm is None:
-            calm = time.monotonic()
-        elif time.monotonic() - calm >= 1.0:
+        if busy():
+            since = None
+        elif since is None:
+            since = time.monotonic()
+        elif time.monotonic() - since >= 1.0:
             return True
         time.sleep(0.05)
     return False
