@@ -67,7 +67,7 @@ class WorkerFailure(RuntimeError):
 
 
 class WorkerTimeout(WorkerFailure):
-    """Workers did not answer a start or setup call within its bound."""
+    """Workers did not answer a call within its bound (`RayExecutor._get`)."""
 
 
 def connect_control(addr: tuple) -> ControlClient:
@@ -470,8 +470,9 @@ class RayExecutor(Executor):
         (`kv_kept`), so the engine recomputes only the KV that was on replaced ones.
         Keeping a worker saves its start (a process, the model, a pool): seconds each.
         A worker that dies while this runs (its reset, setup or wiring raises) or hangs
-        (a call to it times out: the bound of a worker's start) is found by the next
-        attempt, which replaces it: at most RECOVER_ATTEMPTS in all.
+        (no answer within `ping_timeout_s`; the workers this starts get a start's
+        bound) is found by the next attempt, which replaces it: at most
+        RECOVER_ATTEMPTS in all.
         False if the cluster cannot give new workers."""
         replaced: set[int] = set()  # memory workers new since the step: no KV of theirs
         for attempt in range(1, RECOVER_ATTEMPTS + 1):

@@ -237,11 +237,13 @@ def test_two_such_requests_alone_each_fail_and_the_engine_goes_on(smol, smol_pac
     nobody's, every slot is back, and the next request gives HF's tokens."""
     tok = unused_token(prompts, hf_greedy)
     eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
+    real, probes = eng._probe, []
+    eng._probe = lambda: probes.append(real()) or probes[-1]
     bad = [eng.add_request(prompts[i] + [tok], GOOD) for i in (0, 1)]
     outs = {}
     while eng.has_unfinished():
         outs.update({o.request_id: o for o in eng.step()})
-    assert sorted(outs) == bad and len(eng.culprits) == 2
+    assert sorted(outs) == bad and len(eng.culprits) == 2 and len(probes) == 1
     for i in bad:
         assert outs[i].finish_reason == "error"
         assert "every step it ran in failed" in outs[i].error
