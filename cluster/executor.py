@@ -178,6 +178,8 @@ def bundle_threads(node: dict, role: str, threads: int = 1,
 
 
 class RayExecutor(Executor):
+    _calls_s: float | None = None  # `_get`'s bound while a recovery wires workers
+
     def __init__(self, model, dtype, config, threads: int = 1, address: str | None = None,
                  wide_threads: int | None = None, name: str | None = None):
         if not ray.is_initialized():
@@ -204,7 +206,6 @@ class RayExecutor(Executor):
         self._c_opts, self._m_opts = {**c_opts, **env}, {**m_opts, **env}
         # recovery replaces a compute worker that does not answer a ping within this
         self.ping_timeout_s: float = RECOVER_TIMEOUT_S
-        self._calls_s: float | None = None  # `_get`'s bound while a recovery wires workers
         # after a failed step, how long the memory workers get to report
         self.health_timeout_s: float = HEALTH_TIMEOUT_S
         self.config = config
