@@ -11,6 +11,7 @@ engine's own alibi request (two bad requests alone) and the errors' pickling (a
 `RequestFailed` reached the front as a 503) fix."""
 import pytest
 
+from lamina.errors import EngineOverloaded
 from tests.cluster import keep_ray_for_the_next_module
 from tests.cluster.service_workload import Deployment, check, features, workload
 
@@ -35,3 +36,15 @@ def test_service_workload_answers_as_each_request_alone(deployment, seed):
     got = check(seed, deployment)
     assert got.problems == ()
     assert got.recoveries > 0
+
+
+def test_a_full_queue_reaches_the_front_as_engine_overloaded(deployment):
+    """The service's own errors cross Ray as themselves: a request that would overfill
+    its queue (`ServerConfig.max_waiting`, 1024) is `EngineOverloaded` at the front
+    (its 429 with Retry-After), with the queue's figures; before b858382 the front got
+    Ray's "failed to deserialize" instead."""
+    from lamina.cluster.client import ServiceLoop
+
+    with pytest.raises(EngineOverloaded) as e:
+        ServiceLoop(deployment.client).check_capacity(10 ** 6)
+    assert (e.value.waiting, e.value.limit) == (0, 1024) and e.value.retry_after_s > 0
