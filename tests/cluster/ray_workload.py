@@ -193,6 +193,11 @@ class Outcome:
     fired: tuple[str, ...]  # the worker events that happened while requests ran
     recoveries: int  # recoveries of the engine (failed steps brought back)
 
+    def line(self, drawn: set[str]) -> tuple[list[str], str]:
+        """`each_seed`'s (problems, note) for a workload that drew `drawn`."""
+        return list(self.problems), (f"{sorted(drawn)} fired {list(self.fired)}, "
+                                     f"{self.recoveries} recoveries")
+
 
 def check(seed: int, llm, lm, split) -> Outcome:
     """This seed's workload on the deployment `llm`. `lm`, `split`: the model in this
@@ -250,9 +255,8 @@ def main() -> None:
     llm = deployment(sys.argv[3] if len(sys.argv) > 3 else "none")
 
     def one(seed: int) -> tuple[list[str], str]:
-        drawn = sorted(features(workload(seed, lm, llm.config.num_compute_workers)))
-        got = check(seed, llm, lm, split)
-        return list(got.problems), f"{drawn} fired {list(got.fired)}, {got.recoveries} recoveries"
+        drawn = features(workload(seed, lm, llm.config.num_compute_workers))
+        return check(seed, llm, lm, split).line(drawn)
 
     try:
         each_seed(int(sys.argv[1]), int(sys.argv[2]), one)

@@ -34,7 +34,7 @@ import ray
 
 from lamina.engine.config import EngineConfig
 from lamina.entrypoints.deploy_config import LaminaConfig
-from tests.cluster.ray_workload import FAULTS, KINDS, MEM_POS, TIMEOUT_S
+from tests.cluster.ray_workload import FAULTS, KINDS, MEM_POS, TIMEOUT_S, Outcome
 from tests.lamina.http_workload import (
     COMPLETIONS,
     HttpAsk,
@@ -177,13 +177,6 @@ def _happen(d: Deployment, e: TimedEvent, stopped: list[int], fired: list[str]) 
         fired.append(e.kind)
 
 
-@dataclass(frozen=True)
-class Outcome:
-    problems: tuple[str, ...]  # what went wrong (empty: nothing)
-    fired: tuple[str, ...]  # the worker events that happened while requests ran
-    recoveries: int  # the service's recoveries during the workload
-
-
 def check(seed: int, d: Deployment) -> Outcome:
     """This seed's workload through the deployment `d`."""
     w = workload(seed, d.ids, d.replicas)
@@ -257,9 +250,7 @@ def main() -> None:
         if not d.client.status()["alive"]:  # a seed before stopped it: deploy again
             d.close()
             d = Deployment(pipeline)
-        drawn = sorted(features(workload(seed, d.ids, d.replicas)))
-        got = check(seed, d)
-        return list(got.problems), f"{drawn} fired {list(got.fired)}, {got.recoveries} recoveries"
+        return check(seed, d).line(features(workload(seed, d.ids, d.replicas)))
 
     pipeline = sys.argv[3] if len(sys.argv) > 3 else "none"
     d = Deployment(pipeline)
