@@ -28,10 +28,12 @@ search over B requests ends within about log2(B) + 3 failed steps.
 
 A bug that fails every step, whatever it holds, would name each request in turn. So a
 culprit named while an earlier one was named with no step run since must first have an
-alibi checked (`alibi`): the other requests alone run one step (with none in the engine,
-a one-token request of the engine's own: `LLMEngine._probe`). If they do, it is named;
-if they fail too (twice, as above), the engine gives up and stops, as it did before
-searches: the failures follow every request, not one.
+alibi checked (`alibi`): a one-token request of the engine's own (`LLMEngine._probe`)
+runs one step alone. If it does, the culprit is named; if it fails too (twice, as
+above), the engine gives up and stops, as it did before searches: the failures follow
+every request, not one. Why not the other requests as the alibi (they would make
+progress meanwhile): one of them may be a culprit too, and their step failing would
+stop the engine for everyone (three poisoned requests did).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ class CulpritSearch:
         self.failures = 0  # failed steps seen since it began
         self.error = ""  # the latest failure, as the engine words it
         self.probe: set[int] = set()
-        # a culprit found whose naming waits for the others to run a step (`alibi`)
+        # a culprit found whose naming waits for its alibi to run a step (`alibi`)
         self.accused: int | None = None
         # the requests of a failed step that gives a verdict (a request alone, an alibi),
         # seen failing once: the verdict waits for the same step to fail again
@@ -121,8 +123,8 @@ class CulpritSearch:
                 self._next_probe()
 
     def alibi(self, culprit: int, others) -> bool:
-        """Hold `culprit` and admit only `others` (every other request in the engine):
-        once they run a step it may be named. False when there are none to run."""
+        """Hold `culprit` and admit only `others` (the engine's: its own one-token
+        request): once they run a step it may be named. False when there are none."""
         self.accused = culprit
         self.cleared = set()
         self.suspects = sorted(set(others) - {culprit})

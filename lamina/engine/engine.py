@@ -872,7 +872,8 @@ class LLMEngine:
             return True  # the others alone run again
         if search.accused is not None:
             log.error("%s: they fail whatever runs (request %d was named just before, and "
-                      "the others failed without it)", gave_up, search.accused)
+                      "the engine's own one-token request failed without it)", gave_up,
+                      search.accused)
             self._search = None
             return False
         culprit = search.failed(rids)
@@ -884,22 +885,18 @@ class LLMEngine:
                 return self._failed_in_row <= cfg.max_recoveries
             return True
         if self._named is not None:  # no step ran since the last one named
-            others = [r for r in self._reqs if r != culprit] or [self._probe()]
-            if not search.alibi(culprit, others):
-                log.error("%s: request %d fails alone, but so did request %d before it "
-                          "with no step run since, and no other request can show the "
-                          "steps run without it", gave_up, culprit, self._named)
-                self._search = None
-                return False
+            # its alibi is a request of the engine's own, alone: the others could hold a
+            # culprit too, and their step failing would stop the engine for everyone
+            search.alibi(culprit, [self._probe()])
             return True
         failed += self._convict(culprit, plan.step)
         return True
 
     def _probe(self) -> int:
-        """A request of the engine's own, one token in and one out: the alibi of a
-        request named right after another when no other request is in the engine (two
-        bad requests alone must not stop it). If steps fail with it too, they fail
-        whatever runs. Its output is nobody's: `step` leaves it out."""
+        """A request of the engine's own, one token in and one out, run alone: the alibi
+        of a request named right after another, with no step run since. If steps fail
+        with it too, they fail whatever runs. Its output is nobody's: `step` leaves it
+        out."""
         rid = self.add_request([PROBE_TOKEN], SamplingParams(max_tokens=1, temperature=0))
         self._probes.add(rid)
         return rid

@@ -211,8 +211,9 @@ def test_a_request_whose_lone_step_loses_a_worker_once_is_not_named(
 
 def test_two_such_requests_each_fail_alone(smol, smol_packed, prompts, hf_greedy):
     """Two poison requests ahead of four good ones: the first is named; the second is
-    found with no step run since, so its alibi is checked (the good ones run a step
-    without it) before it is named too. The good ones give HF's tokens."""
+    found with no step run since, so its alibi is checked (the engine's own one-token
+    request runs a step without it) before it is named too. The good ones give HF's
+    tokens."""
     tok = unused_token(prompts, hf_greedy)
     eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
     bad = [eng.add_request(prompts[i] + [tok], GOOD) for i in (0, 1)]
@@ -226,6 +227,28 @@ def test_two_such_requests_each_fail_alone(smol, smol_packed, prompts, hf_greedy
         assert outs[i].finish_reason == "error"
         assert "every step it ran in failed" in outs[i].error
     assert eng.num_failed_requests == 2 and eng.free_slots() == [SLOTS]
+
+
+def test_three_such_requests_each_fail_alone(smol, smol_packed, prompts, hf_greedy):
+    """Three poison requests ahead of three good ones: the second is found with no step
+    run since the first, and the requests left beside it hold the third, so its alibi
+    is the engine's own one-token request alone (the others as its alibi failed too, and
+    the engine stopped for everyone: a random workload's seed 188). All three fail
+    alone; the good ones give HF's tokens."""
+    tok = unused_token(prompts, hf_greedy)
+    eng = engine(smol, smol_packed, FaultPlan(compute_layer=2, layer_token=tok), workers=1)
+    bad = [eng.add_request(prompts[i] + [tok], GOOD) for i in (0, 1, 2)]
+    good = [eng.add_request(prompts[i], GOOD) for i in (3, 4, 5)]
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert [outs[i].token_ids for i in good] == [hf_greedy[i][:NEW] for i in (3, 4, 5)]
+    assert all(outs[i].error is None for i in good)
+    for i in bad:
+        assert outs[i].finish_reason == "error"
+        assert "every step it ran in failed" in outs[i].error
+    assert len(eng.culprits) == 3 and eng.num_failed_requests == 3
+    assert eng.free_slots() == [SLOTS] and not eng._reqs and not eng._probes
 
 
 def test_two_such_requests_alone_each_fail_and_the_engine_goes_on(smol, smol_packed,
