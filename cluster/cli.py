@@ -115,6 +115,9 @@ def _print_status(s: dict, as_json: bool) -> int:
     replaced = ", ".join(f"{n} {role}" for role, n in s["workers_replaced"].items())
     print(f"  recoveries: {s['recoveries']} failed steps recovered, the KV of "
           f"{s['kv_kept_tokens']} positions kept through them; workers replaced: {replaced}")
+    limit = "always" if s["max_restarts"] == -1 else f"at most {s['max_restarts']}"
+    last = f"; the latest because {s['restart_cause']}" if s["restarts"] else ""
+    print(f"  restarts: {s['restarts']} ({limit}){last}")
     return 0
 
 

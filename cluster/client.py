@@ -7,11 +7,15 @@ snapshots as the engine makes progress (cumulative token ids and text, the last 
 final). `Client.generate` runs a batch with a progress bar, like `LLM.generate`.
 Errors arrive as the local API raises them: `ValueError` / `TypeError` for bad input
 (at `submit`, before anything runs), `RequestFailed` for a request the engine failed
-alone, `EngineDead` once the engine stopped.
+alone, `EngineDead` once the engine stopped or the service's process died while the
+request ran. A service that restarts (cluster/service.py) is waited for: a call made
+while it does (`Client.ask`) waits until it answers again, at most `restart_wait_s`.
 """
 from __future__ import annotations
 
+import logging
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from functools import cached_property
@@ -28,7 +32,9 @@ from lamina.errors import EngineDead
 from lamina.sampling.params import SamplingParams
 
 from .executor import connect_ray
-from .service import SERVICE, find
+from .service import SERVICE, START_TIMEOUT_S, ServiceRestarting, find
+
+log = logging.getLogger(__name__)
 
 
 def connect(address: str | None = None, service: str = SERVICE) -> Client:
@@ -40,8 +46,13 @@ def connect(address: str | None = None, service: str = SERVICE) -> Client:
 
 
 def _unwrapped(e: BaseException) -> BaseException:
-    """The service's own exception inside Ray's wrapper (RayTaskError); the service gone
-    (RayActorError) is the local API's `EngineDead`."""
+    """The service's own exception inside Ray's wrapper (RayTaskError); the service's
+    process dead (RayActorError) is the local API's `EngineDead`: gone for good, or
+    restarting (ActorUnavailableError: what it held is lost, later calls wait for it)."""
+    if isinstance(e, ray.exceptions.ActorUnavailableError):
+        return EngineDead("the Lamina service's process died while this call ran; it "
+                          "restarts if its cluster.max_restarts allows (`lamina status`), "
+                          f"and what it held is lost: resubmit ({type(e).__name__}: {e})")
     if isinstance(e, ray.exceptions.RayActorError):
         return EngineDead(f"the Lamina service is gone: {type(e).__name__}: {e}")
     cause = getattr(e, "cause", None)
@@ -74,12 +85,18 @@ class RequestHandle:
         self._last = _call(ref)
         return self._last
 
+    def _cut(self) -> EngineDead:
+        """The stream ended before its final output: the service went away mid-way."""
+        return EngineDead(f"request {self.key}: the Lamina service's stream ended before "
+                          "the final output (its process died; it restarts if its "
+                          "cluster.max_restarts allows): resubmit")
+
     def __iter__(self):
         while not self.done:
             try:
                 ref = next(self._gen)
             except StopIteration:
-                return
+                raise self._cut() from None
             yield self._take(ref)
 
     async def __aiter__(self):
@@ -87,7 +104,7 @@ class RequestHandle:
             try:
                 ref = await self._gen.__anext__()
             except StopAsyncIteration:
-                return
+                raise self._cut() from None
             try:
                 self._last = await ref
             except RAY_ERRORS as e:
@@ -100,7 +117,7 @@ class RequestHandle:
             try:
                 ref = self._gen._next_sync(timeout) if timeout is not None else next(self._gen)
             except StopIteration:
-                break
+                raise self._cut() from None
             if ref.is_nil():
                 raise TimeoutError(f"request {self.key}: no output within {timeout} s")
             self._take(ref)
@@ -109,9 +126,53 @@ class RequestHandle:
 
 
 class Client:
+    restart_wait_s = START_TIMEOUT_S  # how long a call waits for a restarting service
+
     def __init__(self, service, name: str):
         self.service, self.name = service, name
         self._tokenizer = None
+
+    def ask(self, method: str, *args, wait: bool = True):
+        """`service.method(*args)`, raising the service's own exceptions (`_unwrapped`).
+        While the service restarts (its process gone, or its engine stopped and the
+        process about to exit), wait until it answers (`wait_back`), then ask again
+        once; `wait=False`: raise `EngineDead` at once."""
+        try:
+            return ray.get(getattr(self.service, method).remote(*args))
+        except ray.exceptions.ActorUnavailableError as e:
+            why: BaseException = e
+        except RAY_ERRORS as e:
+            why = _unwrapped(e)
+            if not isinstance(why, ServiceRestarting):
+                raise why from None
+        if not wait:
+            raise EngineDead(f"the Lamina service {self.name!r} is restarting "
+                             f"(`lamina status`): {why}") from None
+        self.wait_back()
+        return _call(getattr(self.service, method).remote(*args))
+
+    def wait_back(self) -> None:
+        """Wait for a restarting service to answer again; `EngineDead` if it is gone
+        for good (no restart left) or still silent after `restart_wait_s`."""
+        log.warning("the Lamina service %r is restarting; waiting for it (at most %g s)",
+                    self.name, self.restart_wait_s)
+        deadline = time.monotonic() + self.restart_wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                ray.get(self.service.ready.remote(), timeout=min(left, 10.0))
+                return
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                pass
+            except ray.exceptions.RayActorError as e:
+                raise EngineDead(f"the Lamina service {self.name!r} is gone: "
+                                 f"{type(e).__name__}: {e}") from None
+            except ray.exceptions.RayTaskError as e:
+                if not isinstance(_unwrapped(e), ServiceRestarting):
+                    raise _unwrapped(e) from None
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        raise EngineDead(f"the Lamina service {self.name!r} did not answer within "
+                         f"{self.restart_wait_s:g} s of its restart (`lamina status`, "
+                         "`ray logs`)")
 
     def submit(self, prompt, params: SamplingParams | None = None,
                session_id: str | None = None, priority: int = 0) -> RequestHandle:
@@ -120,13 +181,13 @@ class Client:
         scheduling_policy "priority" (see `LLM.generate`)."""
         params = params or SamplingParams()
         check_session_id(session_id)
-        _call(self.service.validate.remote(prompt, params, priority))
+        self.ask("validate", prompt, params, priority)
         return RequestHandle(self.service, uuid.uuid4().hex, prompt, params, session_id,
                              priority)
 
     def abort(self, handle: RequestHandle) -> bool:
         """Stop the request and free its KV; False if it had finished."""
-        return ray.get(self.service.abort.remote(handle.key))
+        return self.ask("abort", handle.key)
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
@@ -137,10 +198,9 @@ class Client:
         prios = per_prompt(priority, len(prompts), "priorities")
         for i, (p, sp, pr) in enumerate(zip(prompts, plist, prios)):
             try:
-                ray.get(self.service.validate.remote(p, sp, pr))
-            except RAY_ERRORS as e:
-                cause = _unwrapped(e)
-                raise type(cause)(f"prompt {i}: {cause}") from None
+                self.ask("validate", p, sp, pr)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
         handles = [RequestHandle(self.service, uuid.uuid4().hex, p, sp, priority=pr)
                    for p, sp, pr in zip(prompts, plist, prios)]
         bar = None
@@ -159,10 +219,10 @@ class Client:
     def beam_search(self, prompts, params: BeamSearchParams) -> list[RequestOutput]:
         """As `LLM.beam_search`: one output a prompt, its beams best first; a round that
         fails raises its `RequestFailed`, as `generate` does."""
-        tok, eos = self.tokenizer(), ray.get(self.service.limits.remote())["eos_ids"]
+        tok, eos = self.tokenizer(), self.ask("limits")["eos_ids"]
 
         def validate(p, sp):
-            return _call(self.service.validate.remote(p, sp, 0))
+            return self.ask("validate", p, sp, 0)
 
         return beam_search(batch_of(prompts, None)[0], params, eos, validate,
                            lambda ids, plist: self.generate(ids, plist, use_tqdm=False),
@@ -182,13 +242,13 @@ class Client:
             template_kwargs=chat_template_kwargs)) for c in convs]
         return self.generate(prompts, params, use_tqdm)
 
-    def status(self) -> dict:
-        return ray.get(self.service.status.remote())
+    def status(self, wait: bool = True) -> dict:
+        return self.ask("status", wait=wait)
 
     def tokenizer(self):
         """The served model's tokenizer (fetched once)."""
         if self._tokenizer is None:
-            self._tokenizer = ray.get(self.service.tokenizer.remote())
+            self._tokenizer = self.ask("tokenizer")
         return self._tokenizer
 
     def model(self) -> str:
@@ -215,15 +275,15 @@ class ServiceLoop:
     @property
     def alive(self) -> bool:
         try:
-            s = self.client.status()
-        except Exception as e:  # noqa: BLE001 - the service is gone
+            s = self.client.status(wait=False)  # a health check says so, not waits
+        except Exception as e:  # noqa: BLE001 - the service is gone or restarting
             self.error = f"{type(e).__name__}: {e}"
             return False
         self.error = s["error"]
         return s["alive"]
 
     def check_capacity(self, extra: int = 1) -> None:
-        _call(self.client.service.check_capacity.remote(extra))
+        self.client.ask("check_capacity", extra)
 
     def submit(self, prompt, params: SamplingParams, validated: bool = False,
                on_update: Callable[[RequestOutput], None] | None = None,
@@ -267,7 +327,7 @@ class _RemoteEngine:
 
     @cached_property
     def _limits(self) -> dict:
-        return _call(self.client.service.limits.remote())
+        return self.client.ask("limits")
 
     @property
     def max_len(self) -> int:
@@ -283,7 +343,7 @@ class _RemoteEngine:
 
     def validate(self, prompt, params, session_id: str | None = None,
                  priority: int = 0) -> list[int]:
-        return _call(self.client.service.validate.remote(prompt, params, priority))
+        return self.client.ask("validate", prompt, params, priority)
 
 
 class RemoteResponseStore:
@@ -296,16 +356,16 @@ class RemoteResponseStore:
 
     @cached_property
     def capacity(self) -> int:
-        return _call(self.client.service.response_capacity.remote())
+        return self.client.ask("response_capacity")
 
     def get(self, rid: str):
-        return _call(self.client.service.response_get.remote(rid))
+        return self.client.ask("response_get", rid)
 
     def put(self, rid: str, item) -> None:
-        _call(self.client.service.response_put.remote(rid, item))
+        self.client.ask("response_put", rid, item)
 
     def delete(self, rid: str) -> bool:
-        return _call(self.client.service.response_delete.remote(rid))
+        return self.client.ask("response_delete", rid)
 
 
 class _RemoteMetrics:
@@ -315,4 +375,4 @@ class _RemoteMetrics:
         self.client = client
 
     def render(self) -> bytes:
-        return ray.get(self.client.service.metrics_text.remote())
+        return self.client.ask("metrics_text")

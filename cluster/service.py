@@ -15,23 +15,35 @@ stateful process, not a replicated stateless handler; Serve's router, autoscaler
 HTTP proxy would add a hop and a second HTTP stack (ours is `lamina serve --service`).
 The workers are the actor's children: they and the deployment's placement group go with
 it (`lamina down`, or the actor dying).
+
+Why it restarts itself: a deployment shared by every job must not need an operator when
+its process dies (a crash, the OOM killer) or its engine stops (workers that cannot be
+brought back): Ray starts the actor again (`cluster.max_restarts`), which builds a new
+engine, workers and placement group (the old ones went with the old process). The
+requests it held fail at their clients with `EngineDead`, loudly; later ones wait for it
+(cluster/client.py). Its restarts and the latest one's cause live in Ray's key-value
+store, which outlives the process, so `status` can say why it restarted.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import replace
 
 import ray
+from ray.experimental import internal_kv
 
 from lamina.entrypoints.api_responses import ResponseStore, Stored
 from lamina.entrypoints.deploy_config import LaminaConfig
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.llm import LLM
 from lamina.entrypoints.metrics import EngineMetrics
+from lamina.errors import EngineDead
 
 from .executor import connect_ray
 
@@ -39,6 +51,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "lamina"  # the services' Ray namespace: any driver finds them by name
 SERVICE = "lamina"  # the default service name
 START_TIMEOUT_S = 600  # model load + placement + workers
+RESTART_GRACE_S = 2.0  # a stopped engine's errors reach their clients before the exit
 
 
 class ServiceNotFound(LookupError):
@@ -49,11 +62,21 @@ class ServiceError(RuntimeError):
     """The service could not be started (one of that name runs, or it failed)."""
 
 
+class ServiceRestarting(EngineDead):
+    """The service's engine stopped and the service is about to restart: a client waits
+    for it (cluster/client.py) instead of taking the stopped engine's `EngineDead`."""
+
+
 @ray.remote(num_cpus=0)  # the engine loop is light; the workers hold the cores
 class LaminaService:
     def __init__(self, config: LaminaConfig, name: str):
         cluster = replace(config.cluster, executor="ray", address=None)
         self.config, self.name = replace(config, cluster=cluster), name
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.restarts, self.restart_cause = _count_start(name, restarted)
+        if restarted:
+            log.warning("the Lamina service %r restarts (restart %d): %s", name,
+                        self.restarts, self.restart_cause)
         self.llm = LLM.from_config(self.config)
         self.metrics = EngineMetrics()
         self.loop = EngineLoop(self.llm.engine, self.metrics, config.server.max_waiting)
@@ -61,9 +84,46 @@ class LaminaService:
         self.started = time.time()
         # /v1/responses' stored responses, shared by every `lamina serve --service` front
         self.responses = ResponseStore(config.server.max_stored_responses)
+        self._stopping = False  # `shutdown` ran: the engine stopping is no failure
+        threading.Thread(target=self._restart_when_the_engine_stops, daemon=True,
+                         name="lamina-service-watch").start()
+
+    def _restart_when_the_engine_stops(self) -> None:
+        """The engine stopped (a step it could not recover from): exit, so that Ray
+        starts the service again, unless `lamina down` stopped it or no restart is left
+        (then it stays up with its engine stopped, and `status` says why)."""
+        self.loop.join()
+        err = self.loop.error
+        if self._stopping or err is None:
+            return
+        cause = f"its engine stopped: {type(err).__name__}: {err}"
+        if not self._restarts_left():
+            log.error("the Lamina service %r: %s; no restart left (cluster.max_restarts="
+                      "%d)", self.name, cause, self.config.cluster.max_restarts)
+            return
+        log.error("the Lamina service %r: %s; it restarts", self.name, cause)
+        _note_exit(self.name, cause)
+        time.sleep(RESTART_GRACE_S)  # the failed requests' errors on their way out
+        done = threading.Thread(target=self.llm.shutdown, daemon=True)
+        done.start()  # its workers stopped if they answer; else they go with this process
+        done.join(10)
+        os._exit(1)
 
     def ready(self) -> str:
+        self._check_serving()
         return ray.get_runtime_context().get_node_id()
+
+    def _restarts_left(self) -> bool:
+        limit = self.config.cluster.max_restarts
+        return limit == -1 or self.restarts < limit
+
+    def _check_serving(self) -> None:
+        """Raise `ServiceRestarting` once the engine stopped, if this service restarts
+        (the watch exits the process moments later)."""
+        err = self.loop.error
+        if err is not None and not self._stopping and self._restarts_left():
+            raise ServiceRestarting(f"the Lamina service {self.name!r} restarts: its "
+                                    f"engine stopped ({type(err).__name__}: {err})")
 
     def limits(self) -> dict:
         """The served model's context and vocabulary sizes and its EOS ids."""
@@ -73,6 +133,7 @@ class LaminaService:
     def validate(self, prompt, params, priority: int = 0) -> list[int]:
         """Raise what `LLM.generate` would for this prompt (ValueError / TypeError);
         -> its token ids."""
+        self._check_serving()
         return self.llm.engine.validate(prompt, params, priority=priority)
 
     async def stream(self, key: str, prompt, params, session_id: str | None = None,
@@ -85,8 +146,13 @@ class LaminaService:
         def put(item):
             aloop.call_soon_threadsafe(updates.put_nowait, item)
 
-        fut = self.loop.submit(prompt, params, on_update=put,  # bad input raises here
-                               session_id=session_id, priority=priority)
+        self._check_serving()
+        try:
+            fut = self.loop.submit(prompt, params, on_update=put,  # bad input raises here
+                                   session_id=session_id, priority=priority)
+        except EngineDead:
+            self._check_serving()  # it stopped just now
+            raise
         self.futures[key] = fut
         fut.add_done_callback(put)
         try:
@@ -102,6 +168,7 @@ class LaminaService:
 
     def check_capacity(self, extra: int = 1) -> None:
         """Raise `EngineOverloaded` if `extra` more requests would overfill the queue."""
+        self._check_serving()
         self.loop.check_capacity(extra)
 
     def abort(self, key: str) -> bool:
@@ -136,7 +203,9 @@ class LaminaService:
                 "running": len(eng.scheduler.running), **self.loop.stats,
                 "recoveries": eng.num_recoveries, "kv_kept_tokens": eng.kv_kept_tokens,
                 "workers_replaced": ex.workers_replaced(),
-                "placement_group": ex.placement.group.id.hex()}
+                "placement_group": ex.placement.group.id.hex(),
+                "restarts": self.restarts, "restart_cause": self.restart_cause,
+                "max_restarts": self.config.cluster.max_restarts}
 
     def response_capacity(self) -> int:
         return self.responses.capacity
@@ -159,8 +228,40 @@ class LaminaService:
 
     def shutdown(self) -> None:
         """Stop the engine loop, the workers and release the placement group."""
+        self._stopping = True
         self.loop.shutdown()
         self.llm.shutdown()
+        internal_kv._internal_kv_del(_starts_key(self.name), namespace=NAMESPACE)
+
+
+def _starts_key(name: str) -> str:
+    return f"service:{name}:starts"
+
+
+def _count_start(name: str, restarted: bool) -> tuple[int, str | None]:
+    """This start in the service's record -> (restarts so far, why the latest one
+    happened). A first start (`up`) begins a new record; a restart's cause is what the
+    process that exited wrote (`_note_exit`), else its process died."""
+    key, pid = _starts_key(name), os.getpid()
+    record = {"restarts": 0, "cause": None, "exiting": None, "pid": pid}
+    if restarted:
+        old = json.loads(internal_kv._internal_kv_get(key, namespace=NAMESPACE) or b"{}")
+        record["restarts"] = old.get("restarts", 0) + 1
+        record["cause"] = old.get("exiting") or (
+            f"its process (pid {old.get('pid')}) died: killed, or crashed "
+            "(`ray logs` of the service's worker)")
+    internal_kv._internal_kv_put(key, json.dumps(record), overwrite=True,
+                                 namespace=NAMESPACE)
+    return record["restarts"], record["cause"]
+
+
+def _note_exit(name: str, cause: str) -> None:
+    """Why this process exits, for the start that follows (`_count_start`)."""
+    key = _starts_key(name)
+    record = json.loads(internal_kv._internal_kv_get(key, namespace=NAMESPACE) or b"{}")
+    record["exiting"] = cause
+    internal_kv._internal_kv_put(key, json.dumps(record), overwrite=True,
+                                 namespace=NAMESPACE)
 
 
 def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
@@ -177,6 +278,7 @@ def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
         raise ServiceError(f"a Lamina service named {name!r} already runs; "
                            f"`lamina down --name {name}` stops it")
     actor = LaminaService.options(name=name, namespace=NAMESPACE, lifetime="detached",
+                                  max_restarts=config.cluster.max_restarts,
                                   max_concurrency=1000).remote(config, name)
     log.info("starting the Lamina service %r: placement, workers, model (at most %g s; "
              "its workers' logs: `ray logs`)", name, timeout_s)

@@ -5,7 +5,7 @@ Data in: a YAML file (or a dict) with the sections `model`, `engine`, `cluster` 
 
     model:   {path: null, dtype: bfloat16}         # null: the embedded SmolLM2
     engine:  {num_memory_workers: 2, num_kv_slots: 16384, max_batch: 64}
-    cluster: {executor: ray, address: auto}
+    cluster: {executor: ray, address: auto, max_restarts: -1}
     server:  {max_waiting: 1024}
 
 Data out: a validated `LaminaConfig` (`ModelConfig`, `EngineConfig`, `ClusterConfig`,
@@ -47,6 +47,10 @@ class ModelConfig:
 class ClusterConfig:
     executor: str = "local"  # "local": one process; "ray": Ray workers
     address: str | None = None  # Ray cluster ("auto", "host:port"); None: $RAY_ADDRESS or new
+    # A Lamina service (`lamina up`) whose process dies or whose engine stops starts
+    # again, with new workers, up to this many times in its life; -1: always, 0: never.
+    # Only the service reads it: a driver's own engine (`LLM`) has no supervisor.
+    max_restarts: int = -1
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
@@ -54,6 +58,10 @@ class ClusterConfig:
                              f"got {self.executor!r}")
         if self.address is not None and self.executor != "ray":
             raise ValueError("cluster.address is for executor 'ray'")
+        if (not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool)
+                or self.max_restarts < -1):
+            raise ValueError("cluster.max_restarts must be an int >= -1 (-1: always), "
+                             f"got {self.max_restarts!r}")
 
 
 @dataclass(frozen=True)

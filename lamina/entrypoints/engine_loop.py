@@ -156,6 +156,14 @@ class EngineLoop:
         self._drain_s = timeout_s
         self._drain_until = time.monotonic() + timeout_s
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the loop thread to end (`shutdown`, a drain, or a step it could not
+        recover from: then `error` says why) -> whether it has ended."""
+        if self._thread is None:
+            raise RuntimeError("this EngineLoop runs on its caller's thread (`run`)")
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._wake.set()

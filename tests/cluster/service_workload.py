@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import ray
 
 from lamina.engine.config import EngineConfig
-from lamina.entrypoints.deploy_config import LaminaConfig
+from lamina.entrypoints.deploy_config import ClusterConfig, LaminaConfig
 from tests.cluster.ray_workload import FAULTS, KINDS, MEM_POS, TIMEOUT_S, Outcome
 from tests.lamina.http_workload import (
     COMPLETIONS,
@@ -125,7 +125,9 @@ class Deployment:
                               pipeline=pipeline)
         if not ray.is_initialized():  # else the instance a test module before left
             connect_ray(None)
-        self.service = up(LaminaConfig(engine=engine))
+        # no restart: a stopped engine stays stopped, so a seed that stops it fails
+        self.service = up(LaminaConfig(engine=engine,
+                                       cluster=ClusterConfig(executor="ray", max_restarts=0)))
         self.replicas = replicas
         # a stopped worker's ping and health waits: seconds here, not the default 30 s
         ray.get(self.service.__ray_call__.remote(_short_waits))

@@ -3,8 +3,8 @@ one memory node: `lamina_memory: 2`): `lamina up` starts the service, two driver
 submit to it at once, `lamina.connect()` streams / aborts, Ray Jobs run
 examples/submit_job.py and `lamina batch` through it, `lamina serve --service` fronts it
 (its fronts sharing the service's stored responses), `lamina down` leaves nothing
-behind (asserted through Ray's state API). Tests run in file order: each needs the
-service the earlier ones left running."""
+behind (asserted through Ray's state API), a service that dies restarts by itself.
+Tests run in file order: each needs the service the earlier ones left running."""
 from __future__ import annotations
 
 import json
@@ -93,6 +93,14 @@ def alive_actors() -> list[str]:
     from ray.util.state import list_actors
 
     return sorted(a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")]))
+
+
+def lamina_actors() -> list[str]:
+    """The service and its workers alive, and placement groups not removed."""
+    from ray.util.state import list_placement_groups
+
+    return alive_actors() + ["group"] * len([g for g in list_placement_groups()
+                                             if g.state != "REMOVED"])
 
 
 def test_up_refuses_a_bad_config_before_any_actor_starts(cluster):
@@ -408,39 +416,78 @@ def test_http_fronts_of_one_service_share_its_stored_responses(cluster, smol):
 
 
 def test_down_leaves_no_actor_or_placement_group(cluster):
-    from ray.util.state import list_placement_groups
-
     r = lamina_cmd(cluster, "down")
     assert r.returncode == 0, r.stderr[-2000:]
     deadline = time.monotonic() + 30
-    while alive_actors() or [g for g in list_placement_groups()
-                             if g.state not in ("REMOVED",)]:
-        assert time.monotonic() < deadline, (alive_actors(), list_placement_groups())
+    while lamina_actors():
+        assert time.monotonic() < deadline, lamina_actors()
         time.sleep(0.5)
     gone = lamina_cmd(cluster, "status")
     assert gone.returncode == 2 and "lamina up" in gone.stderr
 
 
-def test_a_killed_service_fails_its_requests_as_engine_dead_and_leaves_nothing(cluster,
-                                                                                prompts):
-    """The service process dies mid-request (kill -9): the client's request raises the
-    local API's EngineDead; the workers and the placement group go with the service."""
-    from ray.util.state import list_placement_groups
+RESTARTING = """
+engine: {num_memory_workers: 2, num_kv_slots: 4096, max_step_tokens: 1024,
+         max_recoveries: 0}
+cluster: {executor: ray, max_restarts: 2}
+"""
 
+
+def test_a_dead_service_restarts_until_no_restart_is_left(cluster, prompts, hf_greedy):
+    """The service starts again by itself, new workers and all: once when its engine
+    stops (its memory workers killed, max_recoveries 0), once when its process is killed
+    (kill -9). Each time the request it held fails at the client, the next call waits
+    for the restart and gets HF's greedy tokens, and `status` says why it restarted.
+    With no restart left (max_restarts 2), a third death leaves nothing behind."""
+    from ray.util.state import list_actors
+
+    from lamina.cluster.client import ServiceLoop
     from lamina.errors import EngineDead
 
-    cfg = cluster["tmp"] / "lamina.yaml"
+    cfg = cluster["tmp"] / "restarting.yaml"
+    cfg.write_text(RESTARTING)
     r = lamina_cmd(cluster, "up", "--config", str(cfg), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    deployed = ["LaminaService", "ComputeWorker", "MemoryWorker", "MemoryWorker", "group"]
+    assert sorted(lamina_actors()) == sorted(deployed)
     client = lamina.connect(cluster["cluster"].address)
-    h = client.submit(prompts[8], SamplingParams(max_tokens=400, ignore_eos=True))
-    next(iter(h))  # running
-    os.kill(client.status()["pid"], signal.SIGKILL)
-    with pytest.raises(EngineDead, match="the Lamina service is gone"):
-        h.result()
+    greedy = SamplingParams(max_tokens=HF_NEW, temperature=0)
+
+    def held_when(kill) -> BaseException:
+        h = client.submit(prompts[8], SamplingParams(max_tokens=400, ignore_eos=True))
+        next(iter(h))  # running
+        kill()
+        with pytest.raises(Exception) as e:
+            h.result()
+        return e.value
+
+    before = client.status()
+    mem = [a.pid for a in list_actors(filters=[("state", "=", "ALIVE"),
+                                               ("class_name", "=", "MemoryWorker")])]
+    e = held_when(lambda: [os.kill(pid, signal.SIGKILL) for pid in mem])  # its KV's holder
+    assert "memory worker" in str(e), e  # the step's error, as the engine raised it
+    assert client.generate([prompts[8]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[8]
+    s = client.status()
+    assert (s["restarts"], s["max_restarts"]) == (1, 2) and s["pid"] != before["pid"]
+    assert s["restart_cause"].startswith("its engine stopped: "), s["restart_cause"]
+    assert s["alive"] and sorted(lamina_actors()) == sorted(deployed)  # the old ones gone
+
+    e = held_when(lambda: os.kill(s["pid"], signal.SIGKILL))
+    assert isinstance(e, EngineDead) and "process died while this call ran" in str(e)
+    front = ServiceLoop(client)  # an HTTP front's /health while it restarts: 503, says why
+    assert not front.alive and "is restarting" in front.error
+    assert client.generate([prompts[8]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[8]
+    s2 = client.status()
+    assert s2["restarts"] == 2 and s2["pid"] != s["pid"]
+    assert s2["restart_cause"].startswith(f"its process (pid {s['pid']}) died")
+    out = lamina_cmd(cluster, "status").stdout
+    assert f"restarts: 2 (at most 2); the latest because its process (pid {s['pid']})" in out
+
+    e = held_when(lambda: os.kill(s2["pid"], signal.SIGKILL))
+    assert isinstance(e, EngineDead), e
     deadline = time.monotonic() + 60
-    while alive_actors() or [g for g in list_placement_groups() if g.state != "REMOVED"]:
-        assert time.monotonic() < deadline, (alive_actors(), list_placement_groups())
+    while lamina_actors():
+        assert time.monotonic() < deadline, lamina_actors()
         time.sleep(0.5)
-    with pytest.raises(EngineDead):
+    with pytest.raises(EngineDead, match="the Lamina service is gone"):
         client.submit("hello")

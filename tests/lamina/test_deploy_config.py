@@ -56,6 +56,8 @@ def test_llm_from_config_gives_hf_greedy_tokens(tmp_path, prompts, hf_greedy):
     ("model: {dtype: int8}", "model.dtype must be one of"),  # int8 is the pools' only
     ("engine: {kv_dtype: int4}", "EngineConfig.kv_dtype must be one of"),
     ("cluster: {executor: local, address: auto}", "cluster.address is for executor 'ray'"),
+    ("cluster: {executor: ray, max_restarts: -2}", "cluster.max_restarts must be an int >= -1"),
+    ("cluster: {max_restarts: 1.5}", "'cluster.max_restarts' must be int"),
     ("server: {max_waiting: 0}", "max_waiting must be an int >= 1"),
     ("engine: [1, 2]", "section 'engine' must be a mapping"),
     ("engine: {max_batch: 8", "lamina.yaml"),  # not YAML
