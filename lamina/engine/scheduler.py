@@ -316,9 +316,14 @@ class Scheduler:
     def cache(self, seq: Sequence, upto: int) -> int:
         """Cache seq's first `upto` positions (their KV is written): after its prefill,
         when it finishes, and when it is preempted. Only a sequence held by one worker,
-        and only up to its first position given back. -> the positions cached (0: none)."""
+        and only up to its first position given back; a sparse one only up to its prompt's
+        end: its decode rows attended to a selection of keys, so the KV they wrote (past
+        the first layer) is not what a prompt fed whole writes, and another request
+        reusing it would answer otherwise than alone. -> the positions cached (0: none)."""
         if seq.holes_from is not None:
             upto = min(upto, seq.holes_from)
+        if self.sparse(seq):
+            upto = min(upto, len(seq.prompt))
         if self.caches is None or len(seq.segments) != 1 or upto <= 0:
             return 0
         w = seq.worker

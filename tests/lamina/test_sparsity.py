@@ -611,6 +611,30 @@ def test_a_prompt_answers_alike_from_a_cached_prefix_or_in_chunks(smol, smol_pac
     assert whole != dense  # the policy cut the decode rows
 
 
+def test_a_dense_request_does_not_reuse_the_kv_a_sparse_decode_wrote(smol, smol_packed,
+                                                                     prompts):
+    """A sparse request's decode rows attend to a selection of keys, so the KV they write
+    (every layer past the first) is not what a whole prompt writes. The prefix cache
+    kept it with the request's tokens, and a dense request whose prompt went on from
+    them reused it: its logprobs moved by up to 5% from its run alone (the local random
+    workload's seed 433). Only a sparse request's prompt is cached: the dense request
+    reuses that and answers as alone."""
+    from tests.lamina.test_engine import engine, run
+
+    p = prompts[2]  # 40 tokens
+    eng = engine(smol, smol_packed)
+    sparse = run(eng, [p], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                          kv_sparsity="topk", kv_budget=0.25))[0]
+    q = p + sparse.token_ids[:20]  # its prompt, then 20 tokens its decode rows wrote
+    dense = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
+    got = run(eng, [q], dense)[0]
+    alone = run(engine(smol, smol_packed), [q], dense)[0]
+    lp = [[t.logprob for t in o.outputs[0].logprobs] for o in (got, alone)]
+    assert max(abs(a - b) for a, b in zip(*lp)) < 1e-4, lp
+    assert got.token_ids == alone.token_ids
+    assert got.metrics["cached_tokens"] == len(p)
+
+
 def test_overrides_cross_a_connection_once():
     """The compute end sends a sequence's override to a memory worker once (and again
     after the sequence was released there)."""
