@@ -122,21 +122,30 @@ def _print_status(s: dict, as_json: bool) -> int:
 
 
 def cmd_batch(args) -> int:
-    from lamina.entrypoints.batch import read_input, run_batch
+    from lamina.entrypoints.batch import BatchRetry, read_input, run_batch
     from lamina.entrypoints.engine_loop import beside
 
     read_input(args.input)  # a malformed file is refused before any engine starts
     app, stop, here = _batch_app(args)
+    # a 503 from a service: it restarts, so the line is sent again; a local engine's
+    # 503 means it stopped for good
+    retry = BatchRetry(unavailable=here is None)
     try:
         def answer():
-            return run_batch(app, args.input, args.output, progress=not args.no_progress)
+            return run_batch(app, args.input, args.output, progress=not args.no_progress,
+                             retry=retry)
 
         # a local engine runs on this thread, the one that built it (EngineLoop.run)
         r = beside(here, answer) if here is not None else answer()
     finally:
         stop()
-    print(f"{args.output}: {r.done} answered now ({r.failed} with an error status), "
-          f"{r.skipped} already there, {r.total} in {args.input}", file=sys.stderr)
+    print(f"{args.output}: {r.done} answered now ({r.failed} with an error status, "
+          f"{r.retried} sent again after a 429 / 503), {r.skipped} already there, "
+          f"{r.total} in {args.input}", file=sys.stderr)
+    if r.left:
+        print(f"{r.left} lines left unanswered (the last answer: {r.why_left}); run the "
+              "same command again to answer them", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -50,9 +50,10 @@ def _unwrapped(e: BaseException) -> BaseException:
     process dead (RayActorError) is the local API's `EngineDead`: gone for good, or
     restarting (ActorUnavailableError: what it held is lost, later calls wait for it)."""
     if isinstance(e, ray.exceptions.ActorUnavailableError):
-        return EngineDead("the Lamina service's process died while this call ran; it "
-                          "restarts if its cluster.max_restarts allows (`lamina status`), "
-                          f"and what it held is lost: resubmit ({type(e).__name__}: {e})")
+        return EngineDead("the Lamina service's process died or became unreachable while "
+                          "this call ran; it restarts if its cluster.max_restarts allows "
+                          "(`lamina status`), and what it held is lost: resubmit "
+                          f"({type(e).__name__}: {e})")
     if isinstance(e, ray.exceptions.RayActorError):
         return EngineDead(f"the Lamina service is gone: {type(e).__name__}: {e}")
     cause = getattr(e, "cause", None)

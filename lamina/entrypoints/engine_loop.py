@@ -103,8 +103,8 @@ class EngineLoop:
         fut: Future = Future()
         self._inbox.put(_Add(prompt, params, fut, on_update, session_id, priority))
         self._wake.set()
-        if not self.alive:
-            self._drain(EngineDead(f"engine stopped: {self.error}"))  # lost the race
+        if not self.alive:  # lost the race
+            self._drain(EngineDead(f"engine stopped: {self.error or 'its loop was shut down'}"))
         return fut
 
     def waiting(self) -> int:

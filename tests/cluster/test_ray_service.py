@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -437,11 +438,14 @@ def test_a_dead_service_restarts_until_no_restart_is_left(cluster, prompts, hf_g
     """The service starts again by itself, new workers and all: once when its engine
     stops (its memory workers killed, max_recoveries 0), once when its process is killed
     (kill -9). Each time the request it held fails at the client, the next call waits
-    for the restart and gets HF's greedy tokens, and `status` says why it restarted.
-    With no restart left (max_restarts 2), a third death leaves nothing behind."""
+    for the restart and gets HF's greedy tokens, and `status` says why it restarted; a
+    batch job's lines in flight at the kill are sent again and get HF's tokens. With no
+    restart left (max_restarts 2), a third death leaves nothing behind."""
     from ray.util.state import list_actors
 
     from lamina.cluster.client import ServiceLoop
+    from lamina.entrypoints.api_server import build_app
+    from lamina.entrypoints.batch import run_batch
     from lamina.errors import EngineDead
 
     cfg = cluster["tmp"] / "restarting.yaml"
@@ -466,17 +470,37 @@ def test_a_dead_service_restarts_until_no_restart_is_left(cluster, prompts, hf_g
                                                ("class_name", "=", "MemoryWorker")])]
     e = held_when(lambda: [os.kill(pid, signal.SIGKILL) for pid in mem])  # its KV's holder
     assert "memory worker" in str(e), e  # the step's error, as the engine raised it
-    assert client.generate([prompts[8]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[8]
+    assert client.generate([prompts[3]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[3]
     s = client.status()
     assert (s["restarts"], s["max_restarts"]) == (1, 2) and s["pid"] != before["pid"]
     assert s["restart_cause"].startswith("its engine stopped: "), s["restart_cause"]
     assert s["alive"] and sorted(lamina_actors()) == sorted(deployed)  # the old ones gone
 
+    # a batch job's lines in flight when the process dies are sent again (503: no answer)
+    src, out = cluster["tmp"] / "lines.jsonl", cluster["tmp"] / "answers.jsonl"
+    src.write_text("".join(json.dumps({
+        "custom_id": f"p{i}", "method": "POST", "url": "/v1/completions",
+        "body": {"prompt": prompts[i], "max_tokens": 100, "temperature": 0,
+                 "ignore_eos": True}}) + "\n" for i in (2, 5)))
+    front = ServiceLoop(client)
+    app, report = build_app(front, client.model(), client.tokenizer()), []
+    job = threading.Thread(target=lambda: report.append(run_batch(app, src, out, False)))
+    job.start()
+    deadline = time.monotonic() + 60
+    while client.status()["running"] < 2:
+        assert time.monotonic() < deadline and job.is_alive(), report
+        time.sleep(0.05)
     e = held_when(lambda: os.kill(s["pid"], signal.SIGKILL))
-    assert isinstance(e, EngineDead) and "process died while this call ran" in str(e)
-    front = ServiceLoop(client)  # an HTTP front's /health while it restarts: 503, says why
-    assert not front.alive and "is restarting" in front.error
-    assert client.generate([prompts[8]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[8]
+    assert isinstance(e, EngineDead) and "died or became unreachable while this call ran" in str(e)
+    assert not front.alive and "is restarting" in front.error  # its /health: 503, says why
+    assert client.generate([prompts[3]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[3]
+    job.join(300)
+    assert report and (report[0].done, report[0].failed, report[0].left) == (2, 0, 0)
+    assert report[0].retried == 2  # both were in flight: answered 503, sent again
+    for row in map(json.loads, out.read_text().splitlines()):
+        i = int(row["custom_id"][1:])
+        assert row["response"]["body"]["choices"][0]["token_ids"][:len(hf_greedy[i])] == \
+            hf_greedy[i]  # HF's greedy tokens up to its EOS, which ignore_eos goes past
     s2 = client.status()
     assert s2["restarts"] == 2 and s2["pid"] != s["pid"]
     assert s2["restart_cause"].startswith(f"its process (pid {s['pid']}) died")

@@ -1,6 +1,7 @@
 """`lamina batch`: OpenAI batch files through the server app in process. Answers equal
 `LLM.generate`; a bad line fails alone (its 400); a malformed file is refused naming the
-line; a killed run rerun completes only the missing lines."""
+line; a killed run rerun completes only the missing lines; a 429 is sent again, a line
+no server could answer is left for a rerun, not written."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import pytest
 
 from lamina import LLM, SamplingParams
 from lamina.entrypoints.api_server import build_app
-from lamina.entrypoints.batch import done_ids, read_input, run_batch
+from lamina.entrypoints.batch import BatchRetry, done_ids, read_input, run_batch
 from lamina.entrypoints.engine_loop import EngineLoop
 
 
@@ -108,7 +109,8 @@ def test_a_killed_run_rerun_completes_only_the_missing_lines(llm, tmp_path):
     assert 3 <= len(kept) < n  # killed mid-run
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert f"{n - len(kept)} answered now (0 with an error status), {len(kept)} already " \
+    assert f"{n - len(kept)} answered now (0 with an error status, 0 sent again after a " \
+           f"429 / 503), {len(kept)} already " \
            f"there, {n} in" in rerun.stderr
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(x["custom_id"] for x in rows) == sorted(f"r{i}" for i in range(n))
@@ -118,3 +120,58 @@ def test_a_killed_run_rerun_completes_only_the_missing_lines(llm, tmp_path):
     for x in rows:
         i = int(x["custom_id"][1:])
         assert x["response"]["body"]["choices"][0]["token_ids"] == want[i].token_ids
+
+
+def numbered(tmp_path, n: int, new: int) -> tuple[list[str], object, object]:
+    """An INPUT of n completions (greedy, `new` tokens each) -> (prompts, INPUT, OUTPUT)."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts = [f"Item {i}: the colour of the sky is" for i in range(n)]
+    src.write_text("\n".join(line(f"r{i}", {"prompt": p, "max_tokens": new, "temperature": 0,
+                                            "ignore_eos": True})
+                             for i, p in enumerate(prompts)) + "\n")
+    return prompts, src, out
+
+
+def tokens_by_id(out) -> dict[str, list[int]]:
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert all(x["response"]["status_code"] == 200 for x in rows), rows
+    return {x["custom_id"]: x["response"]["body"]["choices"][0]["token_ids"] for x in rows}
+
+
+def test_lines_a_full_queue_refused_are_sent_again(tmp_path):
+    """A server whose queue is full (other jobs share it) answers 429: no answer, so the
+    line is sent again after the Retry-After, and every line ends 200 with the tokens
+    `LLM.generate` gives (429s were written as the lines' results, for good)."""
+    one = LLM(num_kv_slots=1024, max_batch=1)  # one request runs, one waits, the rest: 429
+    loop = EngineLoop(one.engine, max_waiting=1)
+    try:
+        prompts, src, out = numbered(tmp_path, 5, 6)
+        r = run_batch(build_app(loop, "m", one.loaded.tokenizer), src, out, progress=False)
+        want = {f"r{i}": greedy(one, p, 6, ignore_eos=True) for i, p in enumerate(prompts)}
+        assert tokens_by_id(out) == want
+        assert loop.stats["rejected"] > 0 and (r.done, r.failed, r.left) == (5, 0, 0)
+        assert 3 <= r.retried <= 4  # at most one ran and one waited: the rest refused
+    finally:
+        loop.shutdown()
+        one.shutdown()
+
+
+def test_lines_a_stopped_engine_cannot_answer_are_left_for_a_rerun(llm, tmp_path):
+    """A stopped engine answers 503: not a result. Its lines are left out of OUTPUT
+    (`left`, with the reason), so a rerun on an engine that runs answers every one (a
+    503 line was written and skipped by every rerun)."""
+    prompts, src, out = numbered(tmp_path, 3, 4)
+    dead = EngineLoop(llm.engine)
+    dead.shutdown()
+    r = run_batch(build_app(dead, "m", llm.loaded.tokenizer), src, out, progress=False,
+                  retry=BatchRetry(unavailable=False))
+    assert not out.exists() or out.read_text() == ""
+    assert (r.done, r.left) == (0, 3) and r.why_left.startswith("503: ")
+    loop = EngineLoop(llm.engine)
+    try:
+        r = run_batch(build_app(loop, "m", llm.loaded.tokenizer), src, out, progress=False)
+    finally:
+        loop.shutdown()
+    assert (r.skipped, r.done, r.left) == (0, 3, 0)
+    assert tokens_by_id(out) == {f"r{i}": greedy(llm, p, 4, ignore_eos=True)
+                                 for i, p in enumerate(prompts)}
