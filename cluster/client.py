@@ -187,8 +187,12 @@ class Client:
                              priority)
 
     def abort(self, handle: RequestHandle) -> bool:
-        """Stop the request and free its KV; False if it had finished."""
-        return self.ask("abort", handle.key)
+        """Stop the request and free its KV; False if it had finished, or went with a
+        service that is restarting (not waited for: a front aborts on its event loop)."""
+        try:
+            return self.ask("abort", handle.key, wait=False)
+        except EngineDead:
+            return False
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
@@ -376,4 +380,4 @@ class _RemoteMetrics:
         self.client = client
 
     def render(self) -> bytes:
-        return self.client.ask("metrics_text")
+        return self.client.ask("metrics_text", wait=False)  # a scrape is not held

@@ -477,7 +477,7 @@ def test_a_dead_service_restarts_until_no_restart_is_left(cluster, prompts, hf_g
     assert s["alive"] and sorted(lamina_actors()) == sorted(deployed)  # the old ones gone
 
     # a batch job's lines in flight when the process dies are sent again (503: no answer)
-    src, out = cluster["tmp"] / "lines.jsonl", cluster["tmp"] / "answers.jsonl"
+    src, out = cluster["tmp"] / "restart_in.jsonl", cluster["tmp"] / "restart_out.jsonl"
     src.write_text("".join(json.dumps({
         "custom_id": f"p{i}", "method": "POST", "url": "/v1/completions",
         "body": {"prompt": prompts[i], "max_tokens": 100, "temperature": 0,
