@@ -238,30 +238,35 @@ def _starts_key(name: str) -> str:
     return f"service:{name}:starts"
 
 
+def _starts(name: str) -> dict:
+    """The service's record of its starts in Ray's key-value store ({} if none)."""
+    raw = internal_kv._internal_kv_get(_starts_key(name), namespace=NAMESPACE)
+    return json.loads(raw) if raw else {}
+
+
+def _write_starts(name: str, record: dict) -> None:
+    internal_kv._internal_kv_put(_starts_key(name), json.dumps(record), overwrite=True,
+                                 namespace=NAMESPACE)
+
+
 def _count_start(name: str, restarted: bool) -> tuple[int, str | None]:
     """This start in the service's record -> (restarts so far, why the latest one
     happened). A first start (`up`) begins a new record; a restart's cause is what the
     process that exited wrote (`_note_exit`), else its process died."""
-    key, pid = _starts_key(name), os.getpid()
-    record = {"restarts": 0, "cause": None, "exiting": None, "pid": pid}
+    record = {"restarts": 0, "cause": None, "exiting": None, "pid": os.getpid()}
     if restarted:
-        old = json.loads(internal_kv._internal_kv_get(key, namespace=NAMESPACE) or b"{}")
+        old = _starts(name)
         record["restarts"] = old.get("restarts", 0) + 1
         record["cause"] = old.get("exiting") or (
             f"its process (pid {old.get('pid')}) died: killed, or crashed "
             "(`ray logs` of the service's worker)")
-    internal_kv._internal_kv_put(key, json.dumps(record), overwrite=True,
-                                 namespace=NAMESPACE)
+    _write_starts(name, record)
     return record["restarts"], record["cause"]
 
 
 def _note_exit(name: str, cause: str) -> None:
     """Why this process exits, for the start that follows (`_count_start`)."""
-    key = _starts_key(name)
-    record = json.loads(internal_kv._internal_kv_get(key, namespace=NAMESPACE) or b"{}")
-    record["exiting"] = cause
-    internal_kv._internal_kv_put(key, json.dumps(record), overwrite=True,
-                                 namespace=NAMESPACE)
+    _write_starts(name, {**_starts(name), "exiting": cause})
 
 
 def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",

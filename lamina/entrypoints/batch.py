@@ -117,12 +117,15 @@ def run_batch(app, input_path, output_path, progress: bool = True,
     lines = read_input(input_path)
     have = done_ids(output_path)
     todo = [x for x in lines if x.custom_id not in have]
-    return asyncio.run(_answer(app, todo, output_path, progress, retry,
-                               BatchReport(len(lines), len(lines) - len(todo), 0, 0)))
+    counts, why = asyncio.run(_answer(app, todo, output_path, progress, retry))
+    return BatchReport(len(lines), len(lines) - len(todo), counts["done"], counts["failed"],
+                       counts["left"], why, counts["retried"])
 
 
 async def _answer(app, todo: list[BatchLine], output_path, progress: bool,
-                  retry: BatchRetry, report: BatchReport) -> BatchReport:
+                  retry: BatchRetry) -> tuple[dict[str, int], str | None]:
+    """Post the lines, append their answers to OUTPUT -> (the counts `BatchReport`
+    takes, the last unanswered line's status and message)."""
     import httpx
 
     bar = None
@@ -154,8 +157,7 @@ async def _answer(app, todo: list[BatchLine], output_path, progress: bool,
             await asyncio.gather(*(one(x) for x in todo))
     if bar:
         bar.close()
-    return BatchReport(report.total, report.skipped, counts["done"], counts["failed"],
-                       counts["left"], why[-1] if why else None, counts["retried"])
+    return counts, why[-1] if why else None
 
 
 async def _request(client, line: BatchLine, retry: BatchRetry) -> tuple[dict, int]:
