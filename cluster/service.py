@@ -97,7 +97,7 @@ class LaminaService:
         if self._stopping or err is None:
             return
         cause = f"its engine stopped: {type(err).__name__}: {err}"
-        if not self._restarts_left():
+        if not self._restarting():
             log.error("the Lamina service %r: %s; no restart left (cluster.max_restarts="
                       "%d)", self.name, cause, self.config.cluster.max_restarts)
             return
@@ -113,15 +113,17 @@ class LaminaService:
         self._check_serving()
         return ray.get_runtime_context().get_node_id()
 
-    def _restarts_left(self) -> bool:
+    def _restarting(self) -> bool:
+        """The engine stopped (not by `shutdown`) and a restart is left: the watch
+        exits the process (`_restart_when_the_engine_stops`)."""
         limit = self.config.cluster.max_restarts
-        return limit == -1 or self.restarts < limit
+        return (self.loop.error is not None and not self._stopping
+                and (limit == -1 or self.restarts < limit))
 
     def _check_serving(self) -> None:
-        """Raise `ServiceRestarting` once the engine stopped, if this service restarts
-        (the watch exits the process moments later)."""
-        err = self.loop.error
-        if err is not None and not self._stopping and self._restarts_left():
+        """Raise `ServiceRestarting` while the service is about to restart."""
+        if self._restarting():
+            err = self.loop.error
             raise ServiceRestarting(f"the Lamina service {self.name!r} restarts: its "
                                     f"engine stopped ({type(err).__name__}: {err})")
 
@@ -146,12 +148,11 @@ class LaminaService:
         def put(item):
             aloop.call_soon_threadsafe(updates.put_nowait, item)
 
-        self._check_serving()
         try:
             fut = self.loop.submit(prompt, params, on_update=put,  # bad input raises here
                                    session_id=session_id, priority=priority)
         except EngineDead:
-            self._check_serving()  # it stopped just now
+            self._check_serving()  # stopped, and about to restart: say so
             raise
         self.futures[key] = fut
         fut.add_done_callback(put)
