@@ -32,7 +32,7 @@ from lamina.errors import EngineDead
 from lamina.sampling.params import SamplingParams
 
 from .executor import connect_ray
-from .service import SERVICE, START_TIMEOUT_S, ServiceRestarting, find
+from .service import SERVICE, START_TIMEOUT_S, ServiceRestarting, find, gone_why, starts_of
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +45,31 @@ def connect(address: str | None = None, service: str = SERVICE) -> Client:
     return Client(find(service), service)
 
 
-def _unwrapped(e: BaseException) -> BaseException:
+def _unwrapped(e: BaseException, name: str | None = None) -> BaseException:
     """The service's own exception inside Ray's wrapper (RayTaskError); the service's
-    process dead (RayActorError) is the local API's `EngineDead`: gone for good, or
-    restarting (ActorUnavailableError: what it held is lost, later calls wait for it)."""
+    process dead (RayActorError) is the local API's `EngineDead`: gone for good (`name`:
+    the service's, to say why from its record), or restarting (ActorUnavailableError:
+    what it held is lost, later calls wait for it)."""
     if isinstance(e, ray.exceptions.ActorUnavailableError):
         return EngineDead("the Lamina service's process died or became unreachable while "
                           "this call ran; it restarts if its cluster.max_restarts allows "
                           "(`lamina status`), and what it held is lost: resubmit "
                           f"({type(e).__name__}: {e})")
     if isinstance(e, ray.exceptions.RayActorError):
-        return EngineDead(f"the Lamina service is gone: {type(e).__name__}: {e}")
+        why = _gone_why(name) if name else None
+        return EngineDead(f"the Lamina service{f' {name!r}' if name else ''} is gone"
+                          + (f": {why}" if why else "") + f" ({type(e).__name__}: {e})")
     cause = getattr(e, "cause", None)
     return cause if isinstance(cause, BaseException) else e
+
+
+def _gone_why(name: str) -> str | None:
+    """Why the service `name` ended, from its record in Ray's key-value store (None if
+    there is none, or the cluster does not answer)."""
+    try:
+        return gone_why(starts_of(name))
+    except Exception:  # noqa: BLE001 - the message goes without the reason
+        return None
 
 
 RAY_ERRORS = (ray.exceptions.RayTaskError, ray.exceptions.RayActorError)
@@ -143,7 +155,7 @@ class Client:
         except ray.exceptions.ActorUnavailableError as e:
             why: BaseException = e
         except RAY_ERRORS as e:
-            why = _unwrapped(e)
+            why = _unwrapped(e, self.name)
             if not isinstance(why, ServiceRestarting):
                 raise why from None
         if not wait:
@@ -165,8 +177,7 @@ class Client:
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
                 pass
             except ray.exceptions.RayActorError as e:
-                raise EngineDead(f"the Lamina service {self.name!r} is gone: "
-                                 f"{type(e).__name__}: {e}") from None
+                raise _unwrapped(e, self.name) from None
             except ray.exceptions.RayTaskError as e:
                 if not isinstance(_unwrapped(e), ServiceRestarting):
                     raise _unwrapped(e) from None

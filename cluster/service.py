@@ -73,11 +73,16 @@ class LaminaService:
         cluster = replace(config.cluster, executor="ray", address=None)
         self.config, self.name = replace(config, cluster=cluster), name
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self.restarts, self.restart_cause = _count_start(name, restarted)
+        self.restarts, self.restart_cause = _count_start(
+            name, restarted, config.cluster.max_restarts)
         if restarted:
             log.warning("the Lamina service %r restarts (restart %d): %s", name,
                         self.restarts, self.restart_cause)
-        self.llm = LLM.from_config(self.config)
+        try:
+            self.llm = LLM.from_config(self.config)
+        except BaseException as e:  # Ray ends the actor for good: `find` says why
+            _note_failed_start(name, e)
+            raise
         self.metrics = EngineMetrics()
         self.loop = EngineLoop(self.llm.engine, self.metrics, config.server.max_waiting)
         self.futures: dict[str, Future] = {}
@@ -232,14 +237,14 @@ class LaminaService:
         self._stopping = True
         self.loop.shutdown()
         self.llm.shutdown()
-        internal_kv._internal_kv_del(_starts_key(self.name), namespace=NAMESPACE)
+        _forget_starts(self.name)
 
 
 def _starts_key(name: str) -> str:
     return f"service:{name}:starts"
 
 
-def _starts(name: str) -> dict:
+def starts_of(name: str) -> dict:
     """The service's record of its starts in Ray's key-value store ({} if none)."""
     raw = internal_kv._internal_kv_get(_starts_key(name), namespace=NAMESPACE)
     return json.loads(raw) if raw else {}
@@ -250,13 +255,19 @@ def _write_starts(name: str, record: dict) -> None:
                                  namespace=NAMESPACE)
 
 
-def _count_start(name: str, restarted: bool) -> tuple[int, str | None]:
+def _forget_starts(name: str) -> None:
+    """A service stopped on purpose leaves no record: it is not gone, it was stopped."""
+    internal_kv._internal_kv_del(_starts_key(name), namespace=NAMESPACE)
+
+
+def _count_start(name: str, restarted: bool, max_restarts: int) -> tuple[int, str | None]:
     """This start in the service's record -> (restarts so far, why the latest one
     happened). A first start (`up`) begins a new record; a restart's cause is what the
     process that exited wrote (`_note_exit`), else its process died."""
-    record = {"restarts": 0, "cause": None, "exiting": None, "pid": os.getpid()}
+    record = {"restarts": 0, "cause": None, "exiting": None, "pid": os.getpid(),
+              "max_restarts": max_restarts, "failed": None}
     if restarted:
-        old = _starts(name)
+        old = starts_of(name)
         record["restarts"] = old.get("restarts", 0) + 1
         record["cause"] = old.get("exiting") or (
             f"its process (pid {old.get('pid')}) died: killed, or crashed "
@@ -267,7 +278,29 @@ def _count_start(name: str, restarted: bool) -> tuple[int, str | None]:
 
 def _note_exit(name: str, cause: str) -> None:
     """Why this process exits, for the start that follows (`_count_start`)."""
-    _write_starts(name, {**_starts(name), "exiting": cause})
+    _write_starts(name, {**starts_of(name), "exiting": cause})
+
+
+def _note_failed_start(name: str, e: BaseException) -> None:
+    """Why this start failed (the actor then ends: Ray does not restart an actor whose
+    constructor raised), for `find` to say once the service is gone."""
+    _write_starts(name, {**starts_of(name), "failed": f"{type(e).__name__}: {e}"})
+
+
+def gone_why(record: dict) -> str | None:
+    """Why a service that is no longer on the cluster ended, from its record of starts
+    (`starts_of`); None without a record (never started, or stopped by `lamina down`)."""
+    if not record:
+        return None
+    n, limit = record.get("restarts", 0), record.get("max_restarts")
+    if record.get("failed"):
+        which = f"restart {n}" if n else "start"
+        return f"its {which} failed: {record['failed']}"
+    died = record.get("exiting") or f"its process (pid {record.get('pid')}) died"
+    after = f"after {n} restart{'' if n == 1 else 's'}"
+    if limit is not None and 0 <= limit <= n:
+        return f"{died} {after}, with no restart left (cluster.max_restarts {limit})"
+    return f"{died} {after}, and Ray did not start it again (`ray logs` of the service)"
 
 
 def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
@@ -283,6 +316,7 @@ def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
     else:
         raise ServiceError(f"a Lamina service named {name!r} already runs; "
                            f"`lamina down --name {name}` stops it")
+    _forget_starts(name)  # a gone service's record: this start is a new one
     actor = LaminaService.options(name=name, namespace=NAMESPACE, lifetime="detached",
                                   max_restarts=config.cluster.max_restarts,
                                   max_concurrency=1000).remote(config, name)
@@ -291,8 +325,10 @@ def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
     try:
         ray.get(actor.ready.remote(), timeout=timeout_s)
     except Exception as e:  # noqa: BLE001 - whatever stopped it: kill it, say why
-        ray.kill(actor)
+        ray.kill(actor, no_restart=True)
         cause = getattr(e, "cause", None) or e
+        if not starts_of(name).get("failed"):  # else its constructor said why, unwrapped
+            _note_failed_start(name, cause)  # for `status` to say later
         raise ServiceError(f"the Lamina service {name!r} failed to start: "
                            f"{type(cause).__name__}: {cause}") from None
     return actor  # the caller says it is up (`lamina up` prints it)
@@ -303,8 +339,11 @@ def find(name: str = SERVICE):
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
-        raise ServiceNotFound(f"no Lamina service named {name!r} runs on this Ray "
-                              "cluster; start one with `lamina up`") from None
+        why = gone_why(starts_of(name))
+        raise ServiceNotFound(
+            f"no Lamina service named {name!r} runs on this Ray cluster"
+            + (f" (it is gone: {why})" if why else "")
+            + "; start one with `lamina up`") from None
 
 
 def down(name: str = SERVICE, timeout_s: float = 60) -> None:
@@ -314,3 +353,4 @@ def down(name: str = SERVICE, timeout_s: float = 60) -> None:
         ray.get(actor.shutdown.remote(), timeout=timeout_s)
     finally:
         ray.kill(actor, no_restart=True)
+        _forget_starts(name)  # `shutdown` does too, unless it timed out

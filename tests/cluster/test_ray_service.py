@@ -427,31 +427,54 @@ def test_down_leaves_no_actor_or_placement_group(cluster):
     assert gone.returncode == 2 and "lamina up" in gone.stderr
 
 
+@pytest.mark.parametrize(("record", "why"), [
+    ({}, None),  # never started, or stopped by `lamina down`
+    ({"restarts": 0, "failed": "ModelLoadError: no model"},
+     "its start failed: ModelLoadError: no model"),
+    ({"restarts": 2, "pid": 7, "max_restarts": 2},
+     "its process (pid 7) died after 2 restarts, with no restart left (cluster.max_restarts 2)"),
+    ({"restarts": 1, "pid": 7, "max_restarts": -1},
+     "its process (pid 7) died after 1 restart, and Ray did not start it again (`ray logs` "
+     "of the service)"),
+])
+def test_a_gone_service_is_said_why_from_its_record(record, why):
+    from lamina.cluster.service import gone_why
+
+    assert gone_why(record) == why
+
+
 RESTARTING = """
 engine: {num_memory_workers: 2, num_kv_slots: 4096, max_step_tokens: 1024,
          max_recoveries: 0}
-cluster: {executor: ray, max_restarts: 2}
+cluster: {executor: ray, max_restarts: 3}
 """
 
 
-def test_a_dead_service_restarts_until_no_restart_is_left(cluster, prompts, hf_greedy):
+def test_a_dead_service_restarts_until_a_restart_fails(cluster, prompts, hf_greedy, capsys):
     """The service starts again by itself, new workers and all: once when its engine
     stops (its memory workers killed, max_recoveries 0), once when its process is killed
     (kill -9). Each time the request it held fails at the client, the next call waits
     for the restart and gets HF's greedy tokens, and `status` says why it restarted; a
-    batch job's lines in flight at the kill are sent again and get HF's tokens. With no
-    restart left (max_restarts 2), a third death leaves nothing behind."""
+    batch job's lines in flight at the kill are sent again and get HF's tokens. A third
+    restart that cannot start (its model folder gone) leaves nothing behind, and the
+    waiting client and `lamina status` say why."""
     from ray.util.state import list_actors
 
+    from lamina.cluster.cli import _print_status
     from lamina.cluster.client import ServiceLoop
+    from lamina.cluster.service import up
     from lamina.entrypoints.api_server import build_app
     from lamina.entrypoints.batch import run_batch
+    from lamina.entrypoints.deploy_config import LaminaConfig
     from lamina.errors import EngineDead
+    from lamina.model.loader import default_model_path
 
+    model = cluster["tmp"] / "restart_model"  # the SmolLM2 GGUF, in a folder of its own
+    model.mkdir()
+    (model / default_model_path().name).symlink_to(default_model_path())
     cfg = cluster["tmp"] / "restarting.yaml"
-    cfg.write_text(RESTARTING)
-    r = lamina_cmd(cluster, "up", "--config", str(cfg), timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    cfg.write_text(RESTARTING + f"model: {{path: {model}}}\n")
+    up(LaminaConfig.from_yaml(cfg), timeout_s=600)
     deployed = ["LaminaService", "ComputeWorker", "MemoryWorker", "MemoryWorker", "group"]
     assert sorted(lamina_actors()) == sorted(deployed)
     client = lamina.connect(cluster["cluster"].address)
@@ -472,7 +495,7 @@ def test_a_dead_service_restarts_until_no_restart_is_left(cluster, prompts, hf_g
     assert "memory worker" in str(e), e  # the step's error, as the engine raised it
     assert client.generate([prompts[3]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[3]
     s = client.status()
-    assert (s["restarts"], s["max_restarts"]) == (1, 2) and s["pid"] != before["pid"]
+    assert (s["restarts"], s["max_restarts"]) == (1, 3) and s["pid"] != before["pid"]
     assert s["restart_cause"].startswith("its engine stopped: "), s["restart_cause"]
     assert s["alive"] and sorted(lamina_actors()) == sorted(deployed)  # the old ones gone
 
@@ -504,14 +527,21 @@ def test_a_dead_service_restarts_until_no_restart_is_left(cluster, prompts, hf_g
     s2 = client.status()
     assert s2["restarts"] == 2 and s2["pid"] != s["pid"]
     assert s2["restart_cause"].startswith(f"its process (pid {s['pid']}) died")
-    out = lamina_cmd(cluster, "status").stdout
-    assert f"restarts: 2 (at most 2); the latest because its process (pid {s['pid']})" in out
+    capsys.readouterr()
+    _print_status(s2, as_json=False)  # what `lamina status` prints
+    assert f"restarts: 2 (at most 3); the latest because its process (pid {s['pid']})" in \
+        capsys.readouterr().out
 
+    shutil.rmtree(model)  # the next start cannot load the model
     e = held_when(lambda: os.kill(s2["pid"], signal.SIGKILL))
     assert isinstance(e, EngineDead), e
+    gone = "is gone: its restart 3 failed: ModelLoadError: model path does not exist"
+    with pytest.raises(EngineDead, match=f"the Lamina service 'lamina' {gone}"):
+        client.submit("hello")  # waits for the restart, which fails
     deadline = time.monotonic() + 60
-    while lamina_actors():
+    while lamina_actors():  # the failed start's placement and workers too, if any
         assert time.monotonic() < deadline, lamina_actors()
         time.sleep(0.5)
-    with pytest.raises(EngineDead, match="the Lamina service is gone"):
-        client.submit("hello")
+    r = lamina_cmd(cluster, "status")
+    assert r.returncode == 2 and f"it {gone}" in r.stderr and "lamina up" in r.stderr, \
+        r.stderr[-2000:]
