@@ -22,7 +22,8 @@ brought back): Ray starts the actor again (`cluster.max_restarts`), which builds
 engine, workers and placement group (the old ones went with the old process). The
 requests it held fail at their clients with `EngineDead`, loudly; later ones wait for it
 (cluster/client.py). Its restarts and the latest one's cause live in Ray's key-value
-store, which outlives the process, so `status` can say why it restarted.
+store, which outlives the process, so `status` can say why it restarted, and, once it is
+gone (no restart left, or a restart that could not start), `find` can say why.
 """
 from __future__ import annotations
 
