@@ -425,6 +425,7 @@ def test_down_leaves_no_actor_or_placement_group(cluster):
         time.sleep(0.5)
     gone = lamina_cmd(cluster, "status")
     assert gone.returncode == 2 and "lamina up" in gone.stderr
+    assert "it is gone" not in gone.stderr  # stopped on purpose: no record of its starts
 
 
 @pytest.mark.parametrize(("record", "why"), [
