@@ -23,6 +23,9 @@ def add_parsers(sub) -> None:
     u.set_defaults(fn=cmd_up)
     s = sub.add_parser("status", help="the Lamina service: workers, nodes, KV use, queue")
     s.add_argument("--json", action="store_true", help="print the status as JSON")
+    s.add_argument("--wait", action="store_true",
+                   help="while the service restarts, wait for it to answer (else say so "
+                        "at once)")
     _where(s)
     s.set_defaults(fn=cmd_status)
     d = sub.add_parser("down", help="stop the Lamina service and release its resources")
@@ -75,7 +78,7 @@ def cmd_up(args) -> int:
 
 
 def cmd_status(args) -> int:
-    return _print_status(_client(args).status(), args.json)
+    return _print_status(_client(args).status(wait=args.wait), args.json)
 
 
 def cmd_down(args) -> int:
@@ -100,7 +103,12 @@ def _print_status(s: dict, as_json: bool) -> int:
     if as_json:
         print(json.dumps(s, indent=2))
         return 0
-    state = "running" if s["alive"] else f"STOPPED: {s['error']}"
+    if "workers" not in s:  # Ray is starting its process again (`restarting_status`)
+        print(f"service {s['name']!r}: RESTARTING: {s['error']}; `lamina status --wait` "
+              "waits for it")
+        return 0
+    state = {"running": "running", "restarting": f"RESTARTING: {s['error']}"}.get(
+        s["state"], f"STOPPED: {s['error']}")
     print(f"service {s['name']!r}: {state}, model {s['model']}, up {s['uptime_s']:.0f} s")
     for w in s["workers"]:
         print(f"  {w['role']:<10} node {w['node'][:12]}  {w['threads']} threads  "

@@ -32,7 +32,15 @@ from lamina.errors import EngineDead
 from lamina.sampling.params import SamplingParams
 
 from .executor import connect_ray
-from .service import SERVICE, START_TIMEOUT_S, ServiceRestarting, find, gone_why, starts_of
+from .service import (
+    SERVICE,
+    START_TIMEOUT_S,
+    ServiceRestarting,
+    find,
+    restarting_status,
+    starts_of,
+    why_gone,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +64,11 @@ def _unwrapped(e: BaseException, name: str | None = None) -> BaseException:
                           "(`lamina status`), and what it held is lost: resubmit "
                           f"({type(e).__name__}: {e})")
     if isinstance(e, ray.exceptions.RayActorError):
-        why = _gone_why(name) if name else None
+        why = why_gone(name) if name else None
         return EngineDead(f"the Lamina service{f' {name!r}' if name else ''} is gone"
                           + (f": {why}" if why else "") + f" ({type(e).__name__}: {e})")
     cause = getattr(e, "cause", None)
     return cause if isinstance(cause, BaseException) else e
-
-
-def _gone_why(name: str) -> str | None:
-    """Why the service `name` ended, from its record in Ray's key-value store (None if
-    there is none, or the cluster does not answer)."""
-    try:
-        return gone_why(starts_of(name))
-    except Exception:  # noqa: BLE001 - the message goes without the reason
-        return None
 
 
 RAY_ERRORS = (ray.exceptions.RayTaskError, ray.exceptions.RayActorError)
@@ -149,7 +148,7 @@ class Client:
         """`service.method(*args)`, raising the service's own exceptions (`_unwrapped`).
         While the service restarts (its process gone, or its engine stopped and the
         process about to exit), wait until it answers (`wait_back`), then ask again
-        once; `wait=False`: raise `EngineDead` at once."""
+        once; `wait=False`: raise `ServiceRestarting` (an `EngineDead`) at once."""
         try:
             return ray.get(getattr(self.service, method).remote(*args))
         except ray.exceptions.ActorUnavailableError as e:
@@ -159,8 +158,8 @@ class Client:
             if not isinstance(why, ServiceRestarting):
                 raise why from None
         if not wait:
-            raise EngineDead(f"the Lamina service {self.name!r} is restarting "
-                             f"(`lamina status`): {why}") from None
+            raise ServiceRestarting(f"the Lamina service {self.name!r} is restarting "
+                                    f"(`lamina status`): {why}") from None
         self.wait_back()
         return _call(getattr(self.service, method).remote(*args))
 
@@ -259,7 +258,15 @@ class Client:
         return self.generate(prompts, params, use_tqdm)
 
     def status(self, wait: bool = True) -> dict:
-        return self.ask("status", wait=wait)
+        """The service's status (`LaminaService.status`; its "state": running,
+        restarting or stopped). While Ray starts its process again: wait for it, or
+        (`wait=False`) say so at once, from its record of starts (`restarting_status`)."""
+        try:
+            return self.ask("status", wait=wait)
+        except ServiceRestarting:
+            if wait:
+                raise
+            return restarting_status(self.name, starts_of(self.name), time.time())
 
     def tokenizer(self):
         """The served model's tokenizer (fetched once)."""

@@ -93,6 +93,7 @@ class LaminaService:
         self._stopping = False  # `shutdown` ran: the engine stopping is no failure
         threading.Thread(target=self._restart_when_the_engine_stops, daemon=True,
                          name="lamina-service-watch").start()
+        _note_serving(name)
 
     def _restart_when_the_engine_stops(self) -> None:
         """The engine stopped (a step it could not recover from): exit, so that Ray
@@ -202,7 +203,9 @@ class LaminaService:
                      "threads": info["threads"]}  # as the worker reports it
                     for i, (n, t, info) in enumerate(zip(ex.nodes["memory"], ex.transports,
                                                          ex.memory_info))]
-        return {"name": self.name, "model": self.llm.loaded.source,
+        state = ("running" if self.loop.alive else
+                 "restarting" if self._restarting() else "stopped")
+        return {"name": self.name, "state": state, "model": self.llm.loaded.source,
                 "alive": self.loop.alive, "error": None if self.loop.error is None
                 else f"{type(self.loop.error).__name__}: {self.loop.error}",
                 "uptime_s": round(time.time() - self.started, 1), "pid": os.getpid(),
@@ -264,17 +267,29 @@ def _forget_starts(name: str) -> None:
 def _count_start(name: str, restarted: bool, max_restarts: int) -> tuple[int, str | None]:
     """This start in the service's record -> (restarts so far, why the latest one
     happened). A first start (`up`) begins a new record; a restart's cause is what the
-    process that exited wrote (`_note_exit`), else its process died."""
+    process that exited wrote (`_note_exit`), else its process died. The record says
+    the start is under way (`serving` False, since when) until `_note_serving`."""
     record = {"restarts": 0, "cause": None, "exiting": None, "pid": os.getpid(),
-              "max_restarts": max_restarts, "failed": None}
+              "max_restarts": max_restarts, "failed": None, "serving": False,
+              "since": time.time()}
     if restarted:
         old = starts_of(name)
         record["restarts"] = old.get("restarts", 0) + 1
-        record["cause"] = old.get("exiting") or (
-            f"its process (pid {old.get('pid')}) died: killed, or crashed "
-            "(`ray logs` of the service's worker)")
+        record["cause"] = _why_it_ended(old)
     _write_starts(name, record)
     return record["restarts"], record["cause"]
+
+
+def _why_it_ended(record: dict) -> str:
+    """Why the process of `record` (a start that was serving) ended."""
+    return record.get("exiting") or (
+        f"its process (pid {record.get('pid')}) died: killed, or crashed "
+        "(`ray logs` of the service's worker)")
+
+
+def _note_serving(name: str) -> None:
+    """This start is done: the service answers (a later restart begins after it)."""
+    _write_starts(name, {**starts_of(name), "serving": True})
 
 
 def _note_exit(name: str, cause: str) -> None:
@@ -302,6 +317,38 @@ def gone_why(record: dict) -> str | None:
     if limit is not None and 0 <= limit <= n:
         return f"{died} {after}, with no restart left (cluster.max_restarts {limit})"
     return f"{died} {after}, and Ray did not start it again (`ray logs` of the service)"
+
+
+def restarting_status(name: str, record: dict, now: float) -> dict:
+    """What `status` says of a service Ray is starting again (its calls raise
+    `ActorUnavailableError` meanwhile), from its record of starts: the restart under
+    way (its new process loading since `record["since"]`), or, while the record is
+    still the dead process's (`serving`), the restart about to begin."""
+    if not record:
+        n = cause = since = None
+    elif not record.get("serving", True):  # the new process wrote its start: loading
+        n, cause, since = record.get("restarts"), record.get("cause"), record.get("since")
+    else:
+        n, cause, since = record.get("restarts", 0) + 1, _why_it_ended(record), None
+    which = f"restart {n}" if n is not None else "a restart"
+    limit = record.get("max_restarts")
+    of = f" of at most {limit}" if limit is not None and limit >= 0 else ""
+    doing = (f"loading for {now - since:.0f} s" if since is not None
+             else "its new process not started yet")
+    return {"name": name, "state": "restarting", "alive": False,
+            "error": f"the Lamina service {name!r} is restarting ({which}{of}, {doing})"
+                     + (f": {cause}" if cause else ""),
+            "restarts": n, "max_restarts": limit, "restart_cause": cause,
+            "loading_s": None if since is None else round(now - since, 1)}
+
+
+def why_gone(name: str) -> str | None:
+    """Why the service `name` is no longer on the cluster, from its record (None if it
+    has none, or Ray's key-value store does not answer)."""
+    try:
+        return gone_why(starts_of(name))
+    except Exception:  # noqa: BLE001 - the caller's message goes without the reason
+        return None
 
 
 def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
@@ -340,7 +387,7 @@ def find(name: str = SERVICE):
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
-        why = gone_why(starts_of(name))
+        why = why_gone(name)
         raise ServiceNotFound(
             f"no Lamina service named {name!r} runs on this Ray cluster"
             + (f" (it is gone: {why})" if why else "")

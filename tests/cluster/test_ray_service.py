@@ -444,6 +444,32 @@ def test_a_gone_service_is_said_why_from_its_record(record, why):
     assert gone_why(record) == why
 
 
+DIED = "its process (pid 7) died: killed, or crashed (`ray logs` of the service's worker)"
+
+
+@pytest.mark.parametrize(("record", "said"), [
+    ({}, (None, None, None, "is restarting (a restart, its new process not started yet)")),
+    # the new process wrote its start, 40 s ago: it loads
+    ({"restarts": 2, "cause": DIED, "pid": 9, "max_restarts": 3, "serving": False,
+      "since": 60.0}, (2, DIED, 40.0, "is restarting (restart 2 of at most 3, loading for "
+                                      f"40 s): {DIED}")),
+    # still the record of the process that died (`serving`): the next restart is due
+    ({"restarts": 1, "pid": 7, "max_restarts": -1, "serving": True, "since": 0.0},
+     (2, DIED, None, f"is restarting (restart 2, its new process not started yet): {DIED}")),
+    ({"restarts": 0, "pid": 7, "exiting": "its engine stopped: x", "max_restarts": 5,
+      "serving": True}, (1, "its engine stopped: x", None,
+                         "is restarting (restart 1 of at most 5, its new process not "
+                         "started yet): its engine stopped: x")),
+])
+def test_a_restarting_service_is_said_so_from_its_record(record, said):
+    from lamina.cluster.service import restarting_status
+
+    s = restarting_status("lamina", record, now=100.0)
+    assert (s["state"], s["alive"], s["name"]) == ("restarting", False, "lamina")
+    assert (s["restarts"], s["restart_cause"], s["loading_s"]) == said[:3]
+    assert s["error"] == f"the Lamina service 'lamina' {said[3]}"
+
+
 RESTARTING = """
 engine: {num_memory_workers: 2, num_kv_slots: 4096, max_step_tokens: 1024,
          max_recoveries: 0}
@@ -516,6 +542,14 @@ def test_a_dead_service_restarts_until_a_restart_fails(cluster, prompts, hf_gree
         time.sleep(0.05)
     e = held_when(lambda: os.kill(s["pid"], signal.SIGKILL))
     assert isinstance(e, EngineDead) and "died or became unreachable while this call ran" in str(e)
+    r = client.status(wait=False)  # answered at once while Ray starts the process again
+    assert (r["state"], r["restarts"], r["max_restarts"]) == ("restarting", 2, 3), r
+    assert r["restart_cause"].startswith(f"its process (pid {s['pid']}) died"), r
+    capsys.readouterr()
+    _print_status(r, as_json=False)  # what `lamina status` prints meanwhile
+    assert capsys.readouterr().out.startswith(
+        "service 'lamina': RESTARTING: the Lamina service 'lamina' is restarting (restart 2 "
+        "of at most 3, "), r
     assert not front.alive and "is restarting" in front.error  # its /health: 503, says why
     assert client.generate([prompts[3]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[3]
     job.join(300)
