@@ -22,8 +22,10 @@ brought back): Ray starts the actor again (`cluster.max_restarts`), which builds
 engine, workers and placement group (the old ones went with the old process). The
 requests it held fail at their clients with `EngineDead`, loudly; later ones wait for it
 (cluster/client.py). Its restarts and the latest one's cause live in Ray's key-value
-store, which outlives the process, so `status` can say why it restarted, and, once it is
-gone (no restart left, or a restart that could not start), `find` can say why.
+store, which outlives the process, so `status` can say why it restarted (at once, while
+it restarts: `restarting_status`), and, once it is gone (no restart left, or a restart
+that could not start), `find` can say why. Its stored responses are kept there too
+(`KVResponses`): a conversation goes on through a restart.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import ray
 from ray.experimental import internal_kv
@@ -89,7 +91,8 @@ class LaminaService:
         self.futures: dict[str, Future] = {}
         self.started = time.time()
         # /v1/responses' stored responses, shared by every `lamina serve --service` front
-        self.responses = ResponseStore(config.server.max_stored_responses)
+        # and kept through restarts
+        self.responses = ResponseStore(config.server.max_stored_responses, KVResponses(name))
         self._stopping = False  # `shutdown` ran: the engine stopping is no failure
         threading.Thread(target=self._restart_when_the_engine_stops, daemon=True,
                          name="lamina-service-watch").start()
@@ -241,7 +244,7 @@ class LaminaService:
         self._stopping = True
         self.loop.shutdown()
         self.llm.shutdown()
-        _forget_starts(self.name)
+        _forget(self.name)
 
 
 def _starts_key(name: str) -> str:
@@ -259,9 +262,43 @@ def _write_starts(name: str, record: dict) -> None:
                                  namespace=NAMESPACE)
 
 
-def _forget_starts(name: str) -> None:
-    """A service stopped on purpose leaves no record: it is not gone, it was stopped."""
-    internal_kv._internal_kv_del(_starts_key(name), namespace=NAMESPACE)
+def _forget(name: str) -> None:
+    """A service stopped on purpose leaves nothing in Ray's key-value store: no record
+    of its starts (it is not gone, it was stopped), no stored responses (the next
+    deployment starts with none)."""
+    internal_kv._internal_kv_del(f"service:{name}:", del_by_prefix=True,
+                                 namespace=NAMESPACE)
+
+
+class KVResponses:
+    """The service's stored responses in Ray's key-value store (`ResponseBacking`), so
+    that its restarts keep them: one key a response (a put writes one response, not the
+    store), the order they were saved in kept in each value. The store lives in Ray's
+    GCS beside the record of starts: it outlives the service's process, not the
+    cluster."""
+
+    def __init__(self, name: str):
+        self.prefix, self._seq = f"service:{name}:response:", 0
+
+    def load(self) -> list[tuple[str, Stored]]:
+        rows = []
+        for key in internal_kv._internal_kv_list(self.prefix, namespace=NAMESPACE):
+            raw = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+            if raw:  # else dropped since the listing
+                row = json.loads(raw)
+                rows.append((row["seq"], key.decode()[len(self.prefix):],
+                             Stored(**row["item"])))
+        rows.sort(key=lambda r: r[0])
+        self._seq = rows[-1][0] if rows else 0
+        return [(rid, item) for _, rid, item in rows]
+
+    def save(self, rid: str, item: Stored) -> None:
+        self._seq += 1
+        internal_kv._internal_kv_put(self.prefix + rid, json.dumps(
+            {"seq": self._seq, "item": asdict(item)}), overwrite=True, namespace=NAMESPACE)
+
+    def drop(self, rid: str) -> None:
+        internal_kv._internal_kv_del(self.prefix + rid, namespace=NAMESPACE)
 
 
 def _count_start(name: str, restarted: bool, max_restarts: int) -> tuple[int, str | None]:
@@ -364,7 +401,7 @@ def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
     else:
         raise ServiceError(f"a Lamina service named {name!r} already runs; "
                            f"`lamina down --name {name}` stops it")
-    _forget_starts(name)  # a gone service's record: this start is a new one
+    _forget(name)  # a gone service's record and responses: this start is a new one
     actor = LaminaService.options(name=name, namespace=NAMESPACE, lifetime="detached",
                                   max_restarts=config.cluster.max_restarts,
                                   max_concurrency=1000).remote(config, name)
@@ -401,4 +438,4 @@ def down(name: str = SERVICE, timeout_s: float = 60) -> None:
         ray.get(actor.shutdown.remote(), timeout=timeout_s)
     finally:
         ray.kill(actor, no_restart=True)
-        _forget_starts(name)  # `shutdown` does too, unless it timed out
+        _forget(name)  # `shutdown` does too, unless it timed out

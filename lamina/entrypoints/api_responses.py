@@ -14,20 +14,25 @@ Stored responses (`store`, OpenAI's default) keep their conversation in `Respons
 a bounded in-memory LRU: `previous_response_id` continues it, and the chain's first
 response id is the request's `session_id`, so with KV tiers each turn's KV is kept for
 the next (`lamina.engine.sessions`); without them the prefix cache reuses what is still
-in the pools. A restart forgets stored responses (a 400 naming `previous_response_id`).
-Over a Lamina service (`lamina serve --service`), the store is the service's: every HTTP
-front of that deployment reads and continues the same responses.
+in the pools. A local server's restart forgets stored responses (a 400 naming
+`previous_response_id`). Over a Lamina service (`lamina serve --service`), the store is
+the service's: every HTTP front of that deployment reads and continues the same
+responses, and a copy in Ray's key-value store (`ResponseBacking`, cluster/service.py)
+carries them through the service's restarts.
 """
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 # Responses fields that would change the answer: accepted only with a value that asks
 # for nothing this server lacks (as `api_fields.CHAT_REFUSED`)
@@ -85,12 +90,34 @@ def listed(items: list[dict], limit: int, order: str, after: str | None) -> dict
             "last_id": page[-1]["id"] if page else None, "has_more": len(seq) > limit}
 
 
-class ResponseStore:
-    """The last `capacity` stored responses, least recently used dropped first."""
+class ResponseBacking(Protocol):
+    """A durable copy of a `ResponseStore` (writes go through it; a new store loads it)."""
 
-    def __init__(self, capacity: int):
+    def load(self) -> list[tuple[str, Stored]]:
+        """The responses saved and not dropped, least recently saved first."""
+
+    def save(self, rid: str, item: Stored) -> None: ...
+
+    def drop(self, rid: str) -> None: ...
+
+
+class ResponseStore:
+    """The last `capacity` stored responses, least recently used dropped first. With a
+    `backing`, it starts with the backing's responses (least recently saved dropped
+    first from then on) and every put, drop and delete is written through to it; a
+    backing that fails leaves the response in memory only (logged), never the request
+    failed."""
+
+    def __init__(self, capacity: int, backing: ResponseBacking | None = None):
         self.capacity, self._items = capacity, OrderedDict[str, Stored]()
         self._lock = threading.Lock()
+        self._backing = backing
+        if backing is not None:
+            saved = self._through(backing.load) or []
+            cut = max(0, len(saved) - capacity)  # saved under a larger capacity
+            for rid, _ in saved[:cut]:
+                self._through(backing.drop, rid)
+            self._items.update(saved[cut:])
 
     def get(self, rid: str) -> Stored | None:
         with self._lock:
@@ -100,14 +127,34 @@ class ResponseStore:
             return got
 
     def put(self, rid: str, item: Stored) -> None:
-        with self._lock:
+        with self._lock:  # the backing's writes under it too: in the memory's order
             self._items[rid] = item
+            self._items.move_to_end(rid)
+            self._write("save", rid, item)
             while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+                old, _ = self._items.popitem(last=False)
+                self._write("drop", old)
 
     def delete(self, rid: str) -> bool:
         with self._lock:
-            return self._items.pop(rid, None) is not None
+            found = self._items.pop(rid, None) is not None
+            if found:
+                self._write("drop", rid)
+            return found
+
+    def _write(self, op: str, *args) -> None:
+        if self._backing is not None:
+            self._through(getattr(self._backing, op), *args)
+
+    @staticmethod
+    def _through(fn, *args):
+        """`fn(*args)`, a backing's call; its failure logged, None returned."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - the store goes on in memory
+            log.warning("stored responses: the durable copy failed (%s %s: %s: %s); "
+                        "kept in memory only", fn.__name__, args[:1], type(e).__name__, e)
+            return None
 
 
 def new_id(prefix: str) -> str:

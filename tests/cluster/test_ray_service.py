@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from ray.experimental import internal_kv
 
 import lamina
 from lamina import SamplingParams
@@ -426,6 +427,8 @@ def test_down_leaves_no_actor_or_placement_group(cluster):
     gone = lamina_cmd(cluster, "status")
     assert gone.returncode == 2 and "lamina up" in gone.stderr
     assert "it is gone" not in gone.stderr  # stopped on purpose: no record of its starts
+    # nor its stored responses (the fronts' test above left one)
+    assert internal_kv._internal_kv_list("service:lamina:", namespace="lamina") == []
 
 
 @pytest.mark.parametrize(("record", "why"), [
@@ -477,15 +480,19 @@ cluster: {executor: ray, max_restarts: 3}
 """
 
 
-def test_a_dead_service_restarts_until_a_restart_fails(cluster, prompts, hf_greedy, capsys):
+def test_a_dead_service_restarts_until_a_restart_fails(cluster, smol, prompts, hf_greedy,
+                                                      capsys):
     """The service starts again by itself, new workers and all: once when its engine
     stops (its memory workers killed, max_recoveries 0), once when its process is killed
     (kill -9). Each time the request it held fails at the client, the next call waits
-    for the restart and gets HF's greedy tokens, and `status` says why it restarted; a
-    batch job's lines in flight at the kill are sent again and get HF's tokens. A third
-    restart that cannot start (its model folder gone) leaves nothing behind, and the
-    waiting client and `lamina status` say why."""
+    for the restart and gets HF's greedy tokens, and `status` says why it restarted
+    (at once while it restarts); a stored response is kept through the restart and its
+    conversation continued with HF's text; a batch job's lines in flight at the kill
+    are sent again and get HF's tokens. A third restart that cannot start (its model
+    folder gone) leaves nothing behind, and the waiting client and `lamina status` say
+    why."""
     from ray.util.state import list_actors
+    from starlette.testclient import TestClient
 
     from lamina.cluster.cli import _print_status
     from lamina.cluster.client import ServiceLoop
@@ -495,6 +502,7 @@ def test_a_dead_service_restarts_until_a_restart_fails(cluster, prompts, hf_gree
     from lamina.entrypoints.deploy_config import LaminaConfig
     from lamina.errors import EngineDead
     from lamina.model.loader import default_model_path
+    from tests.lamina.test_responses import _hf
 
     model = cluster["tmp"] / "restart_model"  # the SmolLM2 GGUF, in a folder of its own
     model.mkdir()
@@ -515,6 +523,11 @@ def test_a_dead_service_restarts_until_a_restart_fails(cluster, prompts, hf_gree
             h.result()
         return e.value
 
+    web = TestClient(build_app(ServiceLoop(client), client.model(), client.tokenizer()))
+    first = [{"role": "user", "content": "Name a colour."}]
+    stored = web.post("/v1/responses", json={"input": first[0]["content"],
+                                             "max_output_tokens": 8, "temperature": 0})
+    assert stored.status_code == 200, stored.text
     before = client.status()
     mem = [a.pid for a in list_actors(filters=[("state", "=", "ALIVE"),
                                                ("class_name", "=", "MemoryWorker")])]
@@ -525,6 +538,15 @@ def test_a_dead_service_restarts_until_a_restart_fails(cluster, prompts, hf_gree
     assert (s["restarts"], s["max_restarts"]) == (1, 3) and s["pid"] != before["pid"]
     assert s["restart_cause"].startswith("its engine stopped: "), s["restart_cause"]
     assert s["alive"] and sorted(lamina_actors()) == sorted(deployed)  # the old ones gone
+    rid = stored.json()["id"]  # the stored response, kept through the restart
+    assert web.get(f"/v1/responses/{rid}").json() == stored.json()
+    r = web.post("/v1/responses", json={"input": "And another one?", "max_output_tokens": 8,
+                                        "previous_response_id": rid, "temperature": 0})
+    assert r.status_code == 200, r.text
+    answer = stored.json()["output"][0]["content"][0]["text"]
+    _, text = _hf(smol, [*first, {"role": "assistant", "content": answer},
+                         {"role": "user", "content": "And another one?"}], 8)
+    assert r.json()["output"][0]["content"][0]["text"] == text
 
     # a batch job's lines in flight when the process dies are sent again (503: no answer)
     src, out = cluster["tmp"] / "restart_in.jsonl", cluster["tmp"] / "restart_out.jsonl"

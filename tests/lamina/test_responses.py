@@ -225,6 +225,58 @@ def test_a_store_that_is_gone_answers_503_naming_it():
         assert r.json()["error"]["message"] == "the Lamina service is gone: RayActorError"
 
 
+class DictBacking:
+    """A `ResponseBacking` in a dict, its calls logged; those named in `fail` raise."""
+
+    def __init__(self, saved=(), fail=()):
+        self.saved, self.calls, self.fail = dict(saved), [], set(fail)
+
+    def _call(self, *call):
+        self.calls.append(call)
+        if call[0] in self.fail:
+            raise ConnectionError("the key-value store does not answer")
+
+    def load(self):
+        self._call("load")
+        return list(self.saved.items())
+
+    def save(self, rid, item):
+        self._call("save", rid)
+        self.saved.pop(rid, None)
+        self.saved[rid] = item
+
+    def drop(self, rid):
+        self._call("drop", rid)
+        del self.saved[rid]
+
+
+def test_a_store_over_a_backing_starts_with_its_responses_and_writes_through(caplog):
+    """A service's store (`ResponseStore` over `KVResponses`): it starts with what the
+    backing kept (over its capacity, the oldest dropped there too), every put, eviction
+    and delete reaches the backing, and a new store over it starts where this one left;
+    a backing that fails leaves the responses in memory, each failure logged."""
+    from lamina.entrypoints.api_responses import ResponseStore, Stored
+
+    item = {r: Stored({"id": r}, [], r, []) for r in "abcde"}
+    b = DictBacking([(r, item[r]) for r in "abc"])  # saved before, the oldest first
+    store = ResponseStore(2, b)  # a smaller capacity than they were saved under
+    assert b.calls == [("load",), ("drop", "a")] and list(b.saved) == ["b", "c"]
+    assert store.get("a") is None and store.get("b") == item["b"]  # b: the latest used
+    store.put("d", item["d"])  # evicts c, the least recently used
+    assert store.get("c") is None and list(b.saved) == ["b", "d"]
+    assert store.delete("b") and not store.delete("b")
+    assert b.calls[2:] == [("save", "d"), ("drop", "c"), ("drop", "b")]
+    again = ResponseStore(2, b)  # the next process of the service
+    assert again.get("d") == item["d"] and again.get("b") is None and b.calls[-1] == ("load",)
+
+    bad = DictBacking(fail={"load", "save", "drop"})
+    store = ResponseStore(2, bad)
+    store.put("e", item["e"])
+    assert store.get("e") == item["e"] and store.delete("e") and store.get("e") is None
+    assert bad.calls == [("load",), ("save", "e"), ("drop", "e")]
+    assert caplog.text.count("kept in memory only") == 3, caplog.text
+
+
 @pytest.mark.parametrize("slow", ["store", "submit"])
 def test_a_service_fronts_slow_calls_leave_its_event_loop_free(slow):
     """Over a service (a `remote` loop) each stored-response, validate, capacity and
