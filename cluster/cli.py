@@ -126,6 +126,8 @@ def _print_status(s: dict, as_json: bool) -> int:
     limit = "always" if s["max_restarts"] == -1 else f"at most {s['max_restarts']}"
     last = f"; the latest because {s['restart_cause']}" if s["restarts"] else ""
     print(f"  restarts: {s['restarts']} ({limit}){last}")
+    print(f"  stored responses: {s['stored_responses']} (at most "
+          f"{s['max_stored_responses']}, kept through restarts)")
     return 0
 
 

@@ -218,7 +218,9 @@ class LaminaService:
                 "workers_replaced": ex.workers_replaced(),
                 "placement_group": ex.placement.group.id.hex(),
                 "restarts": self.restarts, "restart_cause": self.restart_cause,
-                "max_restarts": self.config.cluster.max_restarts}
+                "max_restarts": self.config.cluster.max_restarts,
+                "stored_responses": len(self.responses),
+                "max_stored_responses": self.responses.capacity}
 
     def response_capacity(self) -> int:
         return self.responses.capacity

@@ -119,6 +119,9 @@ class ResponseStore:
                 self._through(backing.drop, rid)
             self._items.update(saved[cut:])
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def get(self, rid: str) -> Stored | None:
         with self._lock:
             got = self._items.get(rid)

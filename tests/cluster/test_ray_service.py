@@ -586,8 +586,11 @@ def test_a_dead_service_restarts_until_a_restart_fails(cluster, smol, prompts, h
     assert s2["restart_cause"].startswith(f"its process (pid {s['pid']}) died")
     capsys.readouterr()
     _print_status(s2, as_json=False)  # what `lamina status` prints
+    printed = capsys.readouterr().out
     assert f"restarts: 2 (at most 3); the latest because its process (pid {s['pid']})" in \
-        capsys.readouterr().out
+        printed
+    # the response stored before the first restart and the one that continued it
+    assert "stored responses: 2 (at most 1024, kept through restarts)" in printed
 
     shutil.rmtree(model)  # the next start cannot load the model
     e = held_when(lambda: os.kill(s2["pid"], signal.SIGKILL))
