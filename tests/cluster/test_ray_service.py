@@ -2,7 +2,8 @@
 one memory node: `lamina_memory: 2`): `lamina up` starts the service, two drivers
 submit to it at once, `lamina.connect()` streams / aborts, Ray Jobs run
 examples/submit_job.py and `lamina batch` through it, `lamina serve --service` fronts it
-(its fronts sharing the service's stored responses), `lamina down` leaves nothing
+(its fronts sharing the service's stored responses, a full queue their 429),
+`lamina down` leaves nothing
 behind (asserted through Ray's state API), a service that dies restarts by itself.
 Tests run in file order: each needs the service the earlier ones left running."""
 from __future__ import annotations
@@ -415,6 +416,33 @@ def test_http_fronts_of_one_service_share_its_stored_responses(cluster, smol):
     finally:
         for loop in loops:
             loop.shutdown()
+
+
+def test_a_front_over_a_full_service_answers_429(cluster):
+    """The service's queue bound (its server.max_waiting, 1024) reaches an HTTP front
+    over it as OpenAI's 429 `server_busy` with Retry-After: the service raised
+    `EngineOverloaded` for a completions request of 1025 prompts (the front's own
+    bound, max_prompts, raised to let them through), and nothing of it was queued."""
+    from starlette.testclient import TestClient
+
+    from lamina.cluster.client import ServiceLoop
+    from lamina.entrypoints.api_server import ServerConfig, build_app
+
+    client = lamina.connect(cluster["cluster"].address)
+    loop = ServiceLoop(client)
+    web = TestClient(build_app(loop, "smollm2", client.tokenizer(),
+                               ServerConfig(max_prompts=1025)))
+    before = client.status()
+    try:
+        r = web.post("/v1/completions", json={"prompt": ["Hi"] * 1025, "max_tokens": 1})
+    finally:
+        loop.shutdown()
+    assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+    err = r.json()["error"]
+    assert err["code"] == "server_busy" and "(limit 1024)" in err["message"], err
+    after = client.status()
+    assert (after["waiting"], after["running"]) == (0, 0)
+    assert after["finished"] + after["aborted"] == before["finished"] + before["aborted"]
 
 
 def test_down_leaves_no_actor_or_placement_group(cluster):
