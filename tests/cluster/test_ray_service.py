@@ -3,9 +3,9 @@ one memory node: `lamina_memory: 2`): `lamina up` starts the service, two driver
 submit to it at once, `lamina.connect()` streams / aborts, Ray Jobs run
 examples/submit_job.py and `lamina batch` through it, `lamina serve --service` fronts it
 (its fronts sharing the service's stored responses, a full queue their 429),
-`lamina down` leaves nothing
-behind (asserted through Ray's state API), a service that dies restarts by itself.
-Tests run in file order: each needs the service the earlier ones left running."""
+`lamina down` leaves nothing behind (asserted through Ray's state API), a service that
+dies restarts by itself. Tests run in file order: each needs the service the earlier
+ones left running."""
 from __future__ import annotations
 
 import json
