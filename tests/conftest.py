@@ -16,6 +16,12 @@ if not torch.cuda.is_available():
 # it on for some processes and not others.
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
+# Test engines' host pools on ordinary pages (`EngineConfig.kv_huge_pages`' default, here
+# and in every process the tests start): on VMs that give freed memory back to their
+# host, huge pages take ~5-15x as long to fault in, which was ~230 s of tests/lamina's
+# ~1440 test seconds. The pool's own test (test_kv_pool.py) still asks for them.
+os.environ.setdefault("LAMINA_KV_HUGE_PAGES", "0")
+
 # `make test` runs two pytest-xdist workers. Each keeps torch to one thread, so the two
 # share the cores instead of oversubscribing them. Tests that start Ray clusters or make
 # network namespaces run one after another on one of them (a second local Ray cluster

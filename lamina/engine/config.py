@@ -6,8 +6,9 @@ raises `ValueError` naming the field.
 """
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from lamina.engine.scheduler import POLICIES, SchedulerConfig
@@ -36,6 +37,16 @@ KV_DTYPES = ("float32", "bfloat16", "int8")
 DEVICE_NAME = r"cpu|cuda(:\d+)?"
 
 
+def _env_flag(name: str, default: bool = True) -> bool:
+    """An on/off environment variable ("1"/"0"; unset: `default`); else ValueError."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(f"${name} must be 0 or 1, got {raw!r}")
+    return raw.strip() == "1"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     num_kv_slots: int = 16384  # token slots in each memory worker's KV pool
@@ -52,6 +63,11 @@ class EngineConfig:
     # (kernels/quant.py), ~0.27x fp32's bytes
     kv_dtype: str = "float32"
     kv_device: str = "cpu"  # memory workers' pool device: "cpu" (host DRAM) or "cuda[:i]"
+    # host pools on transparent huge pages (madvise): attention reads scattered slots
+    # faster, but where the kernel hands huge pages out slowly (VMs whose freed memory
+    # goes back to their host) a pool takes ~5x longer to allocate; default from
+    # $LAMINA_KV_HUGE_PAGES ("0": off), else on
+    kv_huge_pages: bool = field(default_factory=lambda: _env_flag("LAMINA_KV_HUGE_PAGES"))
     # the slices', sampling's device: "cpu" or "cuda[:i]" (memory workers on the host
     # get q/k/v through pinned buffers; on the same GPU, directly)
     compute_device: str = "cpu"
@@ -222,7 +238,8 @@ class EngineConfig:
             _need_seconds(self, name, "a positive number of seconds or None", optional=True)
         _need_seconds(self, "placement_timeout_s", "a positive number of seconds")
         for name in ("cuda_graphs", "local_prefill", "fuse_pointwise", "prefix_caching",
-                     "find_culprits", "kv_evict", "truncation_reuse", "clamp_max_tokens"):
+                     "find_culprits", "kv_evict", "truncation_reuse", "clamp_max_tokens",
+                     "kv_huge_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")

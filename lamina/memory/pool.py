@@ -103,7 +103,7 @@ class KVPoolConfig:
     @staticmethod
     def for_specs(specs: Sequence, num_slots: int, dtype: str = "float32",
                   device: str = "cpu", key_scales=None,
-                  pool_bytes: int | None = None) -> "KVPoolConfig":
+                  pool_bytes: int | None = None, huge_pages: bool = True) -> "KVPoolConfig":
         """From the splitter's `AttentionSpec`s (all layers must share one KV shape);
         `key_scales` (int8 only): a tensor [L, Hkv, D] or flat floats; `pool_bytes`: as
         many slots as fit in that many bytes (instead of `num_slots`)."""
@@ -120,7 +120,7 @@ class KVPoolConfig:
                 raise ValueError(f"kv_pool_bytes {pool_bytes} holds no token: one takes "
                                  f"{per} bytes of {dtype} KV")
             num_slots = pool_bytes // per
-        return KVPoolConfig(len(specs), num_slots, hkv, d, dv, dtype, device,
+        return KVPoolConfig(len(specs), num_slots, hkv, d, dv, dtype, device, huge_pages,
                             key_scales=key_scales if dtype == "int8" else None)
 
 

@@ -62,6 +62,9 @@ def test_ray_greedy_identical_to_hf(llm, prompts, hf_greedy):
     # chunks, the first from the 262 tokens the 7 before it leave
     assert llm.engine.step_timings[0]["tokens"] == 1024
     assert llm.dense.backend == "onednn"  # the compute worker's linears run prepacked
+    # the memory workers' pools on the pages the config asks for (the suite: ordinary
+    # ones, tests/conftest.py; a pool config's own default is huge pages)
+    assert llm.executor.pool_config.huge_pages is llm.engine.config.kv_huge_pages is False
     assert not hasattr(llm.loaded, "model")  # the weights live in the workers only
     # the compute worker read its weights alone and bound them to the stored trace,
     # with no transformers in its process

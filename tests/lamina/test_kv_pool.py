@@ -4,6 +4,7 @@ import torch
 
 from lamina.memory.allocator import CopySlot, KVAllocator, KVAllocatorConfig
 from lamina.memory.pool import KVPool, KVPoolConfig
+from tests.tiny_models import tiny_model
 
 
 def test_layout_and_sizes():
@@ -92,6 +93,42 @@ def test_host_pool_on_huge_pages_and_zeroed():
         assert _huge_kib_at(pool.k.data_ptr()) >= 2048
     plain = KVPool(KVPoolConfig(2, 8192, 3, 64, huge_pages=False))
     assert not plain.k.any() and plain.k.shape == pool.k.shape
+
+
+@pytest.mark.parametrize(("env", "huge"), [("1", True), ("0", False), (None, True)])
+def test_kv_huge_pages_defaults_from_the_environment(monkeypatch, env, huge):
+    from lamina.engine.config import EngineConfig
+
+    if env is None:
+        monkeypatch.delenv("LAMINA_KV_HUGE_PAGES", raising=False)
+    else:
+        monkeypatch.setenv("LAMINA_KV_HUGE_PAGES", env)
+    assert EngineConfig().kv_huge_pages is huge
+    assert EngineConfig(kv_huge_pages=not huge).kv_huge_pages is not huge  # given: kept
+    monkeypatch.setenv("LAMINA_KV_HUGE_PAGES", "yes")
+    with pytest.raises(ValueError, match=r"\$LAMINA_KV_HUGE_PAGES must be 0 or 1, got 'yes'"):
+        EngineConfig()
+
+
+def test_an_engines_pools_are_on_the_pages_its_config_asks_for(tmp_path, smol):
+    """`LLM(kv_huge_pages=...)` reaches each memory worker's pool: on huge pages the
+    mapping is backed by them (where the kernel grants them on `madvise`); off, an
+    ordinary tensor, which the kernel backs with 4 KiB pages in its `madvise` mode."""
+    from lamina import LLM
+
+    model = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(model, safe_serialization=True)
+    smol.tokenizer.save_pretrained(model)
+    for huge in (True, False):
+        llm = LLM(str(model), num_memory_workers=2, num_kv_slots=65536, kv_huge_pages=huge)
+        try:
+            for side in llm.executor.memory:
+                assert side.pool.config.huge_pages is huge and side.pool.k.nbytes > 2 << 20
+                backed = _huge_kib_at(side.pool.k.data_ptr())
+                if _thp_mode() == "madvise":
+                    assert (backed >= 2048) is huge, backed
+        finally:
+            llm.shutdown()
 
 
 def test_host_zeros_small_and_bf16():
