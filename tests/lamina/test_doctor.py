@@ -64,3 +64,23 @@ def test_doctor_command_prints_every_check(capsys):
     assert got["transport tcp"]["ok"] and not got["transport rdma"]["ok"]
     assert main(["doctor"]) == 0
     assert "transport rdma" in capsys.readouterr().out
+
+
+def test_kv_pages_say_whether_pools_get_huge_pages_and_what_they_cost(tmp_path, monkeypatch):
+    thp = tmp_path / "enabled"
+    thp.write_text("always [madvise] never\n")
+    monkeypatch.setenv("LAMINA_KV_HUGE_PAGES", "1")
+    c = doctor.kv_pages(thp, mib=4)
+    assert c.ok and c.why.startswith("THP madvise: faulting 4 MiB in took "), c.why
+    assert " ms on huge pages, " in c.why and c.why.count(" ms on 4 KiB ones") == 1
+    monkeypatch.setenv("LAMINA_KV_HUGE_PAGES", "0")
+    assert doctor.kv_pages(thp) == doctor.Check(
+        "kv huge pages", False, "LAMINA_KV_HUGE_PAGES=0: host pools on 4 KiB pages")
+    monkeypatch.setenv("LAMINA_KV_HUGE_PAGES", "1")
+    thp.write_text("always madvise [never]\n")
+    assert doctor.kv_pages(thp).why == ("the kernel's THP mode is never: host pools on "
+                                        "4 KiB pages")
+    assert doctor.kv_pages(tmp_path / "absent").why.startswith("the kernel's THP mode is never")
+    monkeypatch.setenv("LAMINA_KV_HUGE_PAGES", "on")
+    assert doctor.kv_pages(thp) == doctor.Check(
+        "kv huge pages", False, "$LAMINA_KV_HUGE_PAGES must be 0 or 1, got 'on'")
