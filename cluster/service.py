@@ -268,7 +268,8 @@ def _forget(name: str) -> None:
     """A service stopped on purpose leaves nothing in Ray's key-value store: no record
     of its starts (it is not gone, it was stopped), no stored responses (the next
     deployment starts with none)."""
-    internal_kv._internal_kv_del(f"service:{name}:", del_by_prefix=True,
+    internal_kv._internal_kv_del(_starts_key(name), namespace=NAMESPACE)
+    internal_kv._internal_kv_del(KVResponses(name).prefix, del_by_prefix=True,
                                  namespace=NAMESPACE)
 
 

@@ -155,8 +155,9 @@ class ResponseStore:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - the store goes on in memory
-            log.warning("stored responses: the durable copy failed (%s %s: %s: %s); "
-                        "kept in memory only", fn.__name__, args[:1], type(e).__name__, e)
+            log.warning("stored responses: the durable copy's %s%s failed (%s: %s); kept "
+                        "in memory only", fn.__name__, f" of {args[0]}" if args else "",
+                        type(e).__name__, e)
             return None
 
 
