@@ -39,6 +39,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, replace
 
 import ray
+from prometheus_client import Gauge
 from ray.experimental import internal_kv
 
 from lamina.entrypoints.api_responses import ResponseStore, Stored
@@ -93,10 +94,21 @@ class LaminaService:
         # /v1/responses' stored responses, shared by every `lamina serve --service` front
         # and kept through restarts
         self.responses = ResponseStore(config.server.max_stored_responses, KVResponses(name))
+        self._gauges()
         self._stopping = False  # `shutdown` ran: the engine stopping is no failure
         threading.Thread(target=self._restart_when_the_engine_stops, daemon=True,
                          name="lamina-service-watch").start()
         _note_serving(name)
+
+    def _gauges(self) -> None:
+        """The service's own series beside the engine's: its restarts (from its record,
+        so they outlive the process, unlike the counters, which start afresh) and its
+        stored responses."""
+        r = self.metrics.registry
+        Gauge("lamina_service_restarts", "Times Ray started the Lamina service again "
+              "(kept through restarts)", registry=r).set(self.restarts)
+        Gauge("lamina_stored_responses", "Responses the service stores (kept through "
+              "restarts)", registry=r).set_function(lambda: len(self.responses))
 
     def _restart_when_the_engine_stops(self) -> None:
         """The engine stopped (a step it could not recover from): exit, so that Ray

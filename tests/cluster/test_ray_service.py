@@ -619,6 +619,9 @@ def test_a_dead_service_restarts_until_a_restart_fails(cluster, smol, prompts, h
         printed
     # the response stored before the first restart and the one that continued it
     assert "stored responses: 2 (at most 1024, kept through restarts)" in printed
+    scraped = client.ask("metrics_text").decode()  # what its HTTP fronts' /metrics give
+    assert "\nlamina_service_restarts 2.0\n" in scraped, scraped[-3000:]
+    assert "\nlamina_stored_responses 2.0\n" in scraped
 
     shutil.rmtree(model)  # the next start cannot load the model
     e = held_when(lambda: os.kill(s2["pid"], signal.SIGKILL))
