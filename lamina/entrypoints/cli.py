@@ -528,6 +528,9 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
                    help="topk: score exactly the keys of the pages covering this multiple "
                         "of the budget and keep the best (3: near dense quality, reads "
                         "more; 0: page bounds alone)")
+    p.add_argument("--kv-huge-pages", action=argparse.BooleanOptionalAction, default=None,
+                   help="host KV pools on transparent huge pages (default: "
+                        "$LAMINA_KV_HUGE_PAGES, else on; `lamina doctor` times both here)")
     p.add_argument("--kv-evict", action=argparse.BooleanOptionalAction, default=True,
                    help="streaming gives back the slots of the keys its window has passed "
                         "(--no-kv-evict keeps every slot)")
@@ -569,14 +572,17 @@ def _llm(LLM, args, **kw):
                    speculative_ngram_min=args.speculative_ngram[0],
                    speculative_ngram_max=args.speculative_ngram[1],
                    **({"kv_pool_bytes": int(args.kv_pool_gib * 2 ** 30)}
-                      if args.kv_pool_gib else {}), **kw)
+                      if args.kv_pool_gib else {}),
+                   **({"kv_huge_pages": args.kv_huge_pages}
+                      if args.kv_huge_pages is not None else {}), **kw)
     from lamina.entrypoints.deploy_config import LaminaConfig
 
     cfg = LaminaConfig.from_yaml(args.config)
     given = _flags_given(args, ("model", "executor", "memory_workers", "kv_device",
                                 "compute_device", "dense_backend", "dtype", "kv_dtype",
                                 "kv_pool_gib", "kv_sparsity", "kv_budget", "kv_layer_budgets",
-                                "kv_topk_rescore", "kv_evict", "speculative_tokens",
+                                "kv_topk_rescore", "kv_evict", "kv_huge_pages",
+                                "speculative_tokens",
                                 "speculative_ngram", *kw))
     if given:
         raise ValueError(f"--config {args.config} sets the engine: drop {', '.join(given)} "
