@@ -382,16 +382,17 @@ def restarting_status(name: str, record: dict, now: float) -> dict:
         n, cause, since = record.get("restarts"), record.get("cause"), record.get("since")
     else:
         n, cause, since = record.get("restarts", 0) + 1, _why_it_ended(record), None
+    loading = None if since is None else round(now - since, 1)
     which = f"restart {n}" if n is not None else "a restart"
     limit = record.get("max_restarts")
     of = f" of at most {limit}" if limit is not None and limit >= 0 else ""
-    doing = (f"loading for {now - since:.0f} s" if since is not None
+    doing = (f"loading for {loading:.0f} s" if loading is not None
              else "its new process not started yet")
     return {"name": name, "state": "restarting", "alive": False,
             "error": f"the Lamina service {name!r} is restarting ({which}{of}, {doing})"
                      + (f": {cause}" if cause else ""),
             "restarts": n, "max_restarts": limit, "restart_cause": cause,
-            "loading_s": None if since is None else round(now - since, 1)}
+            "loading_s": loading}
 
 
 def why_gone(name: str) -> str | None:

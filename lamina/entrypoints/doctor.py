@@ -29,6 +29,7 @@ from pathlib import Path
 from lamina.dataplane.collective import collective_mode
 from lamina.dataplane.rdma import SYSFS, probe
 from lamina.dataplane.transport import shm_enabled
+from lamina.memory.pool import THP_ENABLED
 
 
 @dataclass(frozen=True)
@@ -148,10 +149,7 @@ def weights_only_start() -> Check:
     return Check("weights-only start", ok, f"default model, float32: {why}")
 
 
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def kv_pages(thp: Path = THP, mib: int = 64) -> Check:
+def kv_pages(thp: Path = Path(THP_ENABLED), mib: int = 64) -> Check:
     """Whether host KV pools ask for transparent huge pages (`EngineConfig.kv_huge_pages`,
     its default from $LAMINA_KV_HUGE_PAGES) and the kernel grants them; if so, what
     faulting `mib` MiB in costs here on huge and on 4 KiB pages (a pool's start)."""
@@ -160,17 +158,14 @@ def kv_pages(thp: Path = THP, mib: int = 64) -> Check:
     import torch
 
     from lamina.engine.config import EngineConfig
-    from lamina.memory.pool import host_zeros
+    from lamina.memory.pool import host_zeros, thp_mode
 
     name = "kv huge pages"
     try:
         on = EngineConfig().kv_huge_pages
     except ValueError as e:
         return Check(name, False, str(e))
-    try:
-        mode = thp.read_text().split("[", 1)[1].split("]", 1)[0]
-    except (OSError, IndexError):
-        mode = "never"
+    mode = thp_mode(str(thp))
     if not on or mode == "never":
         why = "LAMINA_KV_HUGE_PAGES=0" if not on else "the kernel's THP mode is never"
         return Check(name, False, f"{why}: host pools on 4 KiB pages")

@@ -183,6 +183,17 @@ class KVPool:
 
 
 HUGE_PAGE = 2 << 20
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode(path: str = THP_ENABLED) -> str:
+    """The kernel's transparent-huge-page mode ("always", "madvise" or "never"; "never"
+    where it cannot be read): with "madvise" only `host_zeros`' advised mappings get them."""
+    try:
+        with open(path) as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "never"
 
 
 def host_zeros(shape: Sequence[int], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:

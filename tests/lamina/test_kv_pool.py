@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lamina.memory.allocator import CopySlot, KVAllocator, KVAllocatorConfig
-from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.memory.pool import KVPool, KVPoolConfig, thp_mode
 from tests.tiny_models import tiny_model
 
 
@@ -60,14 +60,6 @@ def test_for_specs_from_the_splitter(smol_split):
     assert (c.num_layers, c.num_kv_heads, c.head_dim, c.v_head_dim) == (30, 3, 64, 64)
 
 
-def _thp_mode() -> str:
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return "unknown"
-    return text.split("[")[1].split("]")[0]
-
-
 def _huge_kib_at(addr: int) -> int:
     """AnonHugePages of the mapping holding `addr`, from /proc/self/smaps."""
     inside = False
@@ -89,7 +81,7 @@ def test_host_pool_on_huge_pages_and_zeroed():
     pool.write(1, torch.tensor([5, 8000], dtype=torch.int32), torch.ones(2, 3, 64),
                torch.ones(2, 3, 64))
     assert pool.k[1].sum().item() == 2 * 3 * 64
-    if _thp_mode() in ("always", "madvise"):  # the kernel grants THP to this mapping
+    if thp_mode() in ("always", "madvise"):  # the kernel grants THP to this mapping
         assert _huge_kib_at(pool.k.data_ptr()) >= 2048
     plain = KVPool(KVPoolConfig(2, 8192, 3, 64, huge_pages=False))
     assert not plain.k.any() and plain.k.shape == pool.k.shape
@@ -125,7 +117,7 @@ def test_an_engines_pools_are_on_the_pages_its_config_asks_for(tmp_path, smol):
             for side in llm.executor.memory:
                 assert side.pool.config.huge_pages is huge and side.pool.k.nbytes > 2 << 20
                 backed = _huge_kib_at(side.pool.k.data_ptr())
-                if _thp_mode() == "madvise":
+                if thp_mode() == "madvise":
                     assert (backed >= 2048) is huge, backed
         finally:
             llm.shutdown()
