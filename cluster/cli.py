@@ -126,9 +126,17 @@ def _print_status(s: dict, as_json: bool) -> int:
     limit = "always" if s["max_restarts"] == -1 else f"at most {s['max_restarts']}"
     last = f"; the latest because {s['restart_cause']}" if s["restarts"] else ""
     print(f"  restarts: {s['restarts']} ({limit}){last}")
-    print(f"  stored responses: {s['stored_responses']} (at most "
-          f"{s['max_stored_responses']}, kept through restarts)")
+    print(f"  stored responses: {s['stored_responses']}, {_size(s['stored_response_bytes'])} "
+          f"(at most {s['max_stored_responses']} and {_size(s['max_stored_response_bytes'])},"
+          f" kept through restarts)")
     return 0
+
+
+def _size(n: int) -> str:
+    """Bytes in words: 900 B, 4.2 KiB, 256.0 MiB."""
+    if n < 1024:
+        return f"{n} B"
+    return f"{n / 1024:.1f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
 
 def cmd_batch(args) -> int:

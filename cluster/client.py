@@ -377,15 +377,14 @@ class RemoteResponseStore:
     def __init__(self, client: Client):
         self.client = client
 
-    @cached_property
-    def capacity(self) -> int:
-        return self.client.ask("response_capacity")
+    def bound(self) -> str:
+        return self.client.ask("response_bound")
 
     def get(self, rid: str):
         return self.client.ask("response_get", rid)
 
-    def put(self, rid: str, item) -> None:
-        self.client.ask("response_put", rid, item)
+    def put(self, rid: str, item) -> bool:
+        return self.client.ask("response_put", rid, item)
 
     def delete(self, rid: str) -> bool:
         return self.client.ask("response_delete", rid)

@@ -93,7 +93,8 @@ class LaminaService:
         self.started = time.time()
         # /v1/responses' stored responses, shared by every `lamina serve --service` front
         # and kept through restarts
-        self.responses = ResponseStore(config.server.max_stored_responses, KVResponses(name))
+        self.responses = ResponseStore(config.server.max_stored_responses, KVResponses(name),
+                                       config.server.max_stored_response_bytes)
         self._gauges()
         self._stopping = False  # `shutdown` ran: the engine stopping is no failure
         threading.Thread(target=self._restart_when_the_engine_stops, daemon=True,
@@ -109,6 +110,8 @@ class LaminaService:
               "(kept through restarts)", registry=r).set(self.restarts)
         Gauge("lamina_stored_responses", "Responses the service stores (kept through "
               "restarts)", registry=r).set_function(lambda: len(self.responses))
+        Gauge("lamina_stored_response_bytes", "Bytes of the responses the service stores "
+              "(their JSON)", registry=r).set_function(lambda: self.responses.nbytes)
 
     def _restart_when_the_engine_stops(self) -> None:
         """The engine stopped (a step it could not recover from): exit, so that Ray
@@ -232,16 +235,18 @@ class LaminaService:
                 "restarts": self.restarts, "restart_cause": self.restart_cause,
                 "max_restarts": self.config.cluster.max_restarts,
                 "stored_responses": len(self.responses),
-                "max_stored_responses": self.responses.capacity}
+                "max_stored_responses": self.responses.capacity,
+                "stored_response_bytes": self.responses.nbytes,
+                "max_stored_response_bytes": self.responses.max_bytes}
 
-    def response_capacity(self) -> int:
-        return self.responses.capacity
+    def response_bound(self) -> str:
+        return self.responses.bound()
 
     def response_get(self, rid: str) -> Stored | None:
         return self.responses.get(rid)
 
-    def response_put(self, rid: str, item: Stored) -> None:
-        self.responses.put(rid, item)
+    def response_put(self, rid: str, item: Stored) -> bool:
+        return self.responses.put(rid, item)
 
     def response_delete(self, rid: str) -> bool:
         return self.responses.delete(rid)

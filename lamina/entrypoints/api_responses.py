@@ -11,10 +11,10 @@ the chat stream's chunks (`response_events`: created, output items and their par
 text deltas, function call arguments, completed).
 
 Stored responses (`store`, OpenAI's default) keep their conversation in `ResponseStore`,
-a bounded in-memory LRU: `previous_response_id` continues it, and the chain's first
-response id is the request's `session_id`, so with KV tiers each turn's KV is kept for
-the next (`lamina.engine.sessions`); without them the prefix cache reuses what is still
-in the pools. A local server's restart forgets stored responses (a 400 naming
+an in-memory LRU bounded by count and by bytes: `previous_response_id` continues it, and
+the chain's first response id is the request's `session_id`, so with KV tiers each
+turn's KV is kept for the next (`lamina.engine.sessions`); without them the prefix cache
+reuses what is still in the pools. A local server's restart forgets stored responses (a 400 naming
 `previous_response_id`). Over a Lamina service (`lamina serve --service`), the store is
 the service's: every HTTP front of that deployment reads and continues the same
 responses, and a copy in Ray's key-value store (`ResponseBacking`, cluster/service.py)
@@ -29,7 +29,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -101,26 +101,44 @@ class ResponseBacking(Protocol):
     def drop(self, rid: str) -> None: ...
 
 
-class ResponseStore:
-    """The last `capacity` stored responses, least recently used dropped first. With a
-    `backing`, it starts with the backing's responses (least recently saved dropped
-    first from then on) and every put, drop and delete is written through to it; a
-    backing that fails leaves the response in memory only (logged), never the request
-    failed."""
+def stored_bytes(item: Stored) -> int:
+    """What a stored response costs its store: its JSON's bytes (what a durable copy
+    writes), the whole conversation included, so a chain's turns grow with it."""
+    return len(json.dumps(asdict(item)).encode())
 
-    def __init__(self, capacity: int, backing: ResponseBacking | None = None):
-        self.capacity, self._items = capacity, OrderedDict[str, Stored]()
+
+class ResponseStore:
+    """The last `capacity` stored responses, at most `max_bytes` of them together
+    (`stored_bytes`), least recently used dropped first; a response larger than
+    `max_bytes` alone is not stored (`put` says so). With a `backing`, it starts with
+    the backing's responses (least recently saved dropped first from then on) and every
+    put, drop and delete is written through to it; a backing that fails leaves the
+    response in memory only (logged), never the request failed."""
+
+    def __init__(self, capacity: int, backing: ResponseBacking | None = None,
+                 max_bytes: int | None = None):
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._items, self._sizes = OrderedDict[str, Stored](), dict[str, int]()
         self._lock = threading.Lock()
         self._backing = backing
         if backing is not None:
-            saved = self._through(backing.load) or []
-            cut = max(0, len(saved) - capacity)  # saved under a larger capacity
-            for rid, _ in saved[:cut]:
-                self._through(backing.drop, rid)
-            self._items.update(saved[cut:])
+            saved = self._through(backing.load) or []  # under other bounds, maybe
+            for rid, item in saved:
+                self._items[rid], self._sizes[rid] = item, stored_bytes(item)
+            self._evict()
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        """The stored responses' bytes together."""
+        return sum(self._sizes.values())
+
+    def bound(self) -> str:
+        """What the store keeps, in words (for the errors that name a dropped one)."""
+        most = f" and at most {self.max_bytes} bytes" if self.max_bytes is not None else ""
+        return f"the last {self.capacity} responses{most}"
 
     def get(self, rid: str) -> Stored | None:
         with self._lock:
@@ -129,21 +147,38 @@ class ResponseStore:
                 self._items.move_to_end(rid)
             return got
 
-    def put(self, rid: str, item: Stored) -> None:
+    def put(self, rid: str, item: Stored) -> bool:
+        """Stores `item` (the least recently used dropped past the bounds) -> False
+        where it alone is over `max_bytes` (then not stored, a warning logged)."""
+        size = stored_bytes(item)
+        if self.max_bytes is not None and size > self.max_bytes:
+            log.warning("stored responses: %s is %d bytes, over the store's %d alone; not "
+                        "stored (it cannot be continued or retrieved)", rid, size,
+                        self.max_bytes)
+            return False
         with self._lock:  # the backing's writes under it too: in the memory's order
-            self._items[rid] = item
+            self._items[rid], self._sizes[rid] = item, size
             self._items.move_to_end(rid)
             self._write("save", rid, item)
-            while len(self._items) > self.capacity:
-                old, _ = self._items.popitem(last=False)
-                self._write("drop", old)
+            self._evict()
+        return True
 
     def delete(self, rid: str) -> bool:
         with self._lock:
             found = self._items.pop(rid, None) is not None
             if found:
+                del self._sizes[rid]
                 self._write("drop", rid)
             return found
+
+    def _evict(self) -> None:
+        """The least recently used dropped until both bounds hold."""
+        total = self.nbytes
+        while len(self._items) > self.capacity or (
+                self.max_bytes is not None and total > self.max_bytes):
+            old, _ = self._items.popitem(last=False)
+            total -= self._sizes.pop(old)
+            self._write("drop", old)
 
     def _write(self, op: str, *args) -> None:
         if self._backing is not None:

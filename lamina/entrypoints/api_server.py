@@ -127,8 +127,11 @@ class ServerConfig:
     # "mistral", "pythonic"), which tool_choice "auto" needs; None: "auto" is a 400
     tool_call_parser: str | None = None
     # /v1/responses kept for previous_response_id and GET (in memory; least recently
-    # used dropped first)
+    # used dropped first past either bound). Each holds its whole conversation, so a
+    # long chat's turns cost the sum of their histories; over a service the store is
+    # also a copy in Ray's GCS (the head node's memory), which the byte bound caps.
     max_stored_responses: int = 1024
+    max_stored_response_bytes: int = 256 << 20
 
     def __post_init__(self):
         t = self.shutdown_timeout_s
@@ -144,7 +147,8 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.allowed_origins must be a list of origins "
                              f"(non-empty strings), got {origins!r}")
         for name in ("max_body_bytes", "max_prompts", "max_n", "max_stop", "max_stop_chars",
-                     "max_logit_bias", "retry_after_s", "max_stored_responses"):
+                     "max_logit_bias", "retry_after_s", "max_stored_responses",
+                     "max_stored_response_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ServerConfig.{name} must be an int >= 1, got {v!r}")
@@ -516,7 +520,8 @@ class _Api:
         # /v1/responses: a service's loop brings the deployment's store (every front
         # over it reads the same responses); a local one keeps its own
         self.stored = getattr(loop, "response_store", None) or \
-            ResponseStore(config.max_stored_responses)
+            ResponseStore(config.max_stored_responses,
+                          max_bytes=config.max_stored_response_bytes)
         self.remote = getattr(loop, "remote", False)
 
     async def _off_loop(self, fn, *args, **kw):
@@ -739,8 +744,9 @@ class _Api:
         got = await self._off_loop(self.stored.get, rid)
         if got is None:
             return _error(404, f"no stored response {rid!r} (not stored, deleted, or "
-                          f"dropped: this deployment keeps the last "
-                          f"{self.stored.capacity})", "response_id", "not_found")
+                          f"dropped: this deployment keeps "
+                          f"{await self._off_loop(self.stored.bound)})", "response_id",
+                          "not_found")
         return got.response
 
     async def response_input_items(self, rid: str, limit: int = 20, order: str = "desc",
@@ -770,8 +776,8 @@ class _Api:
             if prev is None:
                 return _error(400, f"previous_response_id: no stored response "
                               f"{body.previous_response_id!r} (not stored, deleted, or "
-                              f"dropped: this deployment keeps the last "
-                              f"{self.stored.capacity} in memory)",
+                              f"dropped: this deployment keeps "
+                              f"{await self._off_loop(self.stored.bound)})",
                               "previous_response_id", "previous_response_not_found")
         rid = new_id("resp")
         try:
@@ -786,10 +792,10 @@ class _Api:
             chat.session_id = session  # with KV tiers each turn's KV waits for the next
 
         async def keep(resp: dict) -> None:
-            if body.store:
-                await self._off_loop(self.stored.put, rid, Stored(
+            if body.store and not await self._off_loop(self.stored.put, rid, Stored(
                     resp, [*call.history, *call.messages, answer_message(resp["output"])],
-                    session, items))
+                    session, items)):
+                resp["store"] = False  # over the store's bytes alone: the answer says so
 
         out = await self._chat(chat, request)
         if isinstance(out, JSONResponse):

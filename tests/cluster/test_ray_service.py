@@ -618,11 +618,19 @@ def test_a_dead_service_restarts_until_a_restart_fails(cluster, smol, prompts, h
     printed = capsys.readouterr().out
     assert f"restarts: 2 (at most 3); the latest because its process (pid {s['pid']})" in \
         printed
-    # the response stored before the first restart and the one that continued it
-    assert "stored responses: 2 (at most 1024, kept through restarts)" in printed
+    # the response stored before the first restart and the one that continued it, their
+    # bytes the JSON of what the service holds (reloaded from its copy twice since)
+    held = [client.ask("response_get", x) for x in (rid, r.json()["id"])]
+    nbytes = sum(len(json.dumps({"response": h.response, "messages": h.messages,
+                                 "session": h.session, "inputs": h.inputs}).encode())
+                 for h in held)
+    assert s2["stored_response_bytes"] == nbytes
+    assert (f"stored responses: 2, {nbytes / 1024:.1f} KiB (at most 1024 and 256.0 MiB, "
+            f"kept through restarts)") in printed
     scraped = client.ask("metrics_text").decode()  # what its HTTP fronts' /metrics give
     assert "\nlamina_service_restarts 2.0\n" in scraped, scraped[-3000:]
     assert "\nlamina_stored_responses 2.0\n" in scraped
+    assert f"\nlamina_stored_response_bytes {float(nbytes)}\n" in scraped
 
     shutil.rmtree(model)  # the next start cannot load the model
     e = held_when(lambda: os.kill(s2["pid"], signal.SIGKILL))

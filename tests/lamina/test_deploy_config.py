@@ -59,6 +59,7 @@ def test_llm_from_config_gives_hf_greedy_tokens(tmp_path, prompts, hf_greedy):
     ("cluster: {executor: ray, max_restarts: -2}", "cluster.max_restarts must be an int >= -1"),
     ("cluster: {max_restarts: 1.5}", "'cluster.max_restarts' must be int"),
     ("server: {max_waiting: 0}", "max_waiting must be an int >= 1"),
+    ("server: {max_stored_response_bytes: 0}", "max_stored_response_bytes must be an int >= 1"),
     ("engine: [1, 2]", "section 'engine' must be a mapping"),
     ("engine: {max_batch: 8", "lamina.yaml"),  # not YAML
 ])

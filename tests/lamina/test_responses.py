@@ -205,7 +205,8 @@ def test_a_store_that_is_gone_answers_503_naming_it():
     from lamina.errors import EngineDead
 
     class GoneStore:
-        capacity = 8
+        def bound(self):
+            return "the last 8 responses"
 
         def get(self, rid):
             raise EngineDead("the Lamina service is gone: RayActorError")
@@ -277,6 +278,68 @@ def test_a_store_over_a_backing_starts_with_its_responses_and_writes_through(cap
     assert caplog.text.count("kept in memory only") == 3, caplog.text
 
 
+def test_a_store_keeps_its_byte_bound_least_recently_used_first(caplog):
+    """`max_bytes` bounds the stored responses' JSON together (the whole conversation
+    each holds): past it the least recently used go, as past the count; one over it
+    alone is not stored (`put` False, logged, nothing written through); a backing saved
+    under a larger bound starts trimmed to this one, the least recently saved first."""
+    from lamina.entrypoints.api_responses import ResponseStore, Stored
+
+    def item(rid, chars):  # a response whose conversation holds `chars` characters
+        return Stored({"id": rid}, [{"role": "user", "content": "x" * chars}], rid, [])
+
+    def size(it):  # independent of the store: the JSON the durable copy writes
+        return len(json.dumps({"response": it.response, "messages": it.messages,
+                               "session": it.session, "inputs": it.inputs}).encode())
+
+    a, b, c = item("a", 300), item("b", 300), item("c", 500)
+    bound = size(a) + size(b) + 10  # a and b fit together, c with either does not
+    store = ResponseStore(8, max_bytes=bound)
+    assert store.put("a", a) and store.put("b", b) and store.nbytes == size(a) + size(b)
+    assert store.get("a") == a  # b is now the least recently used
+    assert store.put("c", c) and store.get("b") is None and store.get("a") is None
+    assert len(store) == 1 and store.nbytes == size(c)
+    big = item("big", bound)
+    assert not store.put("big", big) and store.get("big") is None and store.get("c") == c
+    assert "big is " in caplog.text and "not stored" in caplog.text
+    assert store.bound() == f"the last 8 responses and at most {bound} bytes"
+
+    back = DictBacking([("a", a), ("b", b), ("c", c)])
+    again = ResponseStore(8, back, max_bytes=bound)  # c alone fits: a and b dropped
+    assert back.calls == [("load",), ("drop", "a"), ("drop", "b")] and len(again) == 1
+    assert not again.put("big", big) and back.calls[-1] == ("drop", "b")  # no write
+
+
+def test_a_response_over_the_stores_bytes_is_answered_unstored(srv, smol):
+    """A response larger than `max_stored_response_bytes` alone is answered whole, its
+    `store` false (the stream's final event too); retrieving or continuing it names
+    the store's bounds. A smaller one on the same server is stored."""
+    bound = 6000
+    small = _KeyServer(srv.loop, smol.tokenizer, ServerConfig(
+        api_key=KEY, max_stored_response_bytes=bound))
+    try:
+        cl = small.client()
+        kept = cl.responses.create(model="smollm2", input="Hi", max_output_tokens=2)
+        assert kept.store and cl.responses.retrieve(kept.id).id == kept.id
+        long = "Say the words back: " + "lamina " * 600  # ~4 KB, twice in a stored one
+        r = cl.responses.create(model="smollm2", input=long, max_output_tokens=2)
+        assert r.store is False and r.status == "incomplete"
+        events = list(cl.responses.create(model="smollm2", input=long, max_output_tokens=2,
+                                          stream=True))
+        assert events[-1].response.store is False
+        for rid in (r.id, events[-1].response.id):
+            with pytest.raises(openai.NotFoundError) as e:
+                cl.responses.retrieve(rid)
+            assert f"keeps the last 1024 responses and at most {bound} bytes" in str(e.value)
+        with pytest.raises(openai.BadRequestError) as e:
+            cl.responses.create(model="smollm2", previous_response_id=r.id, input="Hi",
+                                max_output_tokens=2)
+        assert e.value.param == "previous_response_id" and f"{bound} bytes" in str(e.value)
+        assert cl.responses.retrieve(kept.id).id == kept.id
+    finally:
+        small.stop()
+
+
 @pytest.mark.parametrize("slow", ["store", "submit"])
 def test_a_service_fronts_slow_calls_leave_its_event_loop_free(slow):
     """Over a service (a `remote` loop) each stored-response, validate, capacity and
@@ -297,7 +360,8 @@ def test_a_service_fronts_slow_calls_leave_its_event_loop_free(slow):
         release.wait(5)  # without the worker thread: the event loop stalls this long
 
     class SlowStore:
-        capacity = 8
+        def bound(self):
+            return "the last 8 responses"
 
         def get(self, rid):
             stall()
