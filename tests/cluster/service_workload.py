@@ -9,11 +9,13 @@ replicas), an HTTP front over it (`build_app` over `ServiceLoop`, what `lamina s
 seeded, n = 2, stop strings, penalties, logprobs, JSON schema; some hang up, some carry
 a bad field), some more that set off the service's fault plan (a token the compute
 worker refuses, a layer that raises with no sequence named, a memory worker that fails
-a position), and 0-2 things that happen to the workers at random moments: killed
-(`ray.kill`) or stopped (SIGSTOP: alive and silent, so only a timeout finds it).
+a position), 0-2 conversations over the Responses API (stored in the service), and
+0-2 things that happen to the workers at random moments: killed (`ray.kill`) or
+stopped (SIGSTOP: alive and silent, so only a timeout finds it).
 
 Each answer that completed must equal the same request sent alone through the front
-after; each bad one must be a 400 naming its field; each poisoned one a 500
+after (a conversation's turn: continuing the same stored turn, and `GET` returns it);
+each bad one must be a 400 naming its field; each poisoned one a 500
 `request_failed` (a stream: an error event) while the others go on; after, the service
 is alive, holds no request, every KV slot is free, no more requests were aborted than
 clients hung up and no more failed than were poisoned.
@@ -37,11 +39,16 @@ from lamina.entrypoints.deploy_config import ClusterConfig, LaminaConfig
 from tests.cluster.ray_workload import FAULTS, KINDS, MEM_POS, TIMEOUT_S, Outcome
 from tests.lamina.http_workload import (
     COMPLETIONS,
+    Chain,
     HttpAsk,
     calm,
+    chain_cuts,
     check_answers,
+    check_chains,
     draw_asks,
+    draw_chains,
     send_all,
+    start_chains,
 )
 from tests.lamina.random_workload import LAYER_POISON, POISON, TEXT, each_seed
 from tests.lamina.test_server import _Server
@@ -62,6 +69,7 @@ class ServiceWorkload:
     asks: tuple[HttpAsk, ...]
     poisoned: frozenset[int]  # the asks that set off a fault: they must fail alone
     events: tuple[TimedEvent, ...]
+    chains: tuple[Chain, ...] = ()  # Responses conversations, stored in the service
 
 
 def _poisoned(r: random.Random, ids: list[int]) -> HttpAsk:
@@ -93,7 +101,9 @@ def workload(seed: int, ids: list[int], replicas: int = 1) -> ServiceWorkload:
         events.append(TimedEvent(r.uniform(0.1, 3.0), kind,
                                  r.randrange(2) if kind.endswith("memory") else
                                  r.randrange(replicas)))
-    return ServiceWorkload(tuple(asks), frozenset(poisoned), tuple(events))
+    # the chains from a generator of their own: the seeds drawn before them keep theirs
+    return ServiceWorkload(tuple(asks), frozenset(poisoned), tuple(events),
+                           draw_chains(random.Random(f"chains {seed}")))
 
 
 def features(w: ServiceWorkload) -> set[str]:
@@ -107,6 +117,10 @@ def features(w: ServiceWorkload) -> set[str]:
             ("n", a.body.get("n") == 2), ("sampled", a.body["temperature"] > 0),
             ("logprobs", "logprobs" in a.body), ("json", "response_format" in a.body)]
             if on}
+    for c in w.chains:
+        out |= {name for name, on in [
+            ("responses", True), ("responses-chain", len(c.turns) > 1),
+            ("responses-cut", c.cut is not None)] if on}
     return out
 
 
@@ -188,9 +202,12 @@ def check(seed: int, d: Deployment) -> Outcome:
     timers = [threading.Timer(e.delay, _happen, (d, e, stopped, fired)) for e in w.events]
     for t in timers:
         t.start()
+    talks = start_chains(d.front.port, w.chains)
     try:
         answers, problems = send_all(d.front.port, w.asks)
     finally:
+        chained, late = talks()
+        problems += late
         for t in timers:
             t.join(60)
         for pid in stopped:
@@ -205,7 +222,7 @@ def check(seed: int, d: Deployment) -> Outcome:
     if not after["alive"]:
         return Outcome((f"the service stopped: {after['error']}", *problems), tuple(fired),
                        after["recoveries"] - before["recoveries"])
-    cuts = sum(a.cut for a in answers.values())
+    cuts = sum(a.cut for a in answers.values()) + chain_cuts(chained)
     aborted, failed = (after[k] - before[k] for k in ("aborted", "failed"))
     if aborted > cuts:
         problems.append(f"{aborted} requests aborted, {cuts} clients hung up")
@@ -214,6 +231,7 @@ def check(seed: int, d: Deployment) -> Outcome:
     for k in sorted(w.poisoned):
         problems += _failed_alone(k, answers.get(k))
     problems += check_answers(d.front.port, w.asks, answers, skip=w.poisoned)
+    problems += check_chains(d.front.port, w.chains, chained)
     if [x["free"] for x in after["kv"]] != [SLOTS] * len(after["kv"]):
         problems.append(f"KV slots free after: {after['kv']}")
     return Outcome(tuple(problems), tuple(fired), after["recoveries"] - before["recoveries"])

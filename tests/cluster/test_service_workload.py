@@ -1,8 +1,9 @@
 """Random HTTP workloads on the deploy-once path (`tests/cluster/service_workload.py`): a
 Lamina service on Ray, an HTTP front over it, concurrent clients (streamed and plain,
-some hanging up, some with a bad field, some poisoned) while the service's workers are
-killed or stopped at random moments. Every answer that completed equals the same
-request alone, every bad one is a 400 naming its field, every poisoned one a 500
+some hanging up, some with a bad field, some poisoned; conversations over the Responses
+API) while the service's workers are killed or stopped at random moments. Every answer
+that completed equals the same request alone (a conversation's turn: continuing the
+same stored turn), every bad one is a 400 naming its field, every poisoned one a 500
 `request_failed` while the others go on, and after, the service is alive and holds
 nothing. The events are timed, not tied to steps: whether one lands while requests run
 varies between runs; the poisoned requests make every seed here recover. Its first run
@@ -17,7 +18,7 @@ from tests.cluster.service_workload import Deployment, check, features, workload
 
 SEEDS = {  # seed: what it draws at least
     0: {"kill-compute", "kill-memory", "poison", "bad", "cut-plain", "json", "stream"},
-    6: {"kill-compute", "poison", "bad", "sampled"},
+    6: {"kill-compute", "poison", "bad", "sampled", "responses-chain"},
     8: {"kill-memory", "stop-compute", "poison", "n", "json"},
 }
 

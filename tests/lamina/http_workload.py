@@ -1,5 +1,6 @@
 """Random workloads through the OpenAI HTTP server: concurrent clients, some streaming,
-some hanging up mid-answer, some sending a bad field.
+some hanging up mid-answer, some sending a bad field; beside them, conversations over
+the Responses API.
 
 A seed draws the engine's configuration (step budget, batch size, prefix caching,
 n-gram drafts, memory workers, KV split, compute replicas) and 4-11 requests to
@@ -32,7 +33,7 @@ from lamina.entrypoints.metrics import EngineMetrics
 from tests.lamina.random_workload import SCHEMA, TEXT, each_seed, engine, reference_model
 from tests.lamina.test_server import _Server
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 QUESTIONS = ("Name a colour.", "What is two plus two?", "Write a haiku about rivers.",
              "List three fruits.", "Say hello in French.")
 # one bad value per field: (field, value); the 400 must name the field
@@ -50,10 +51,20 @@ class HttpAsk:
 
 
 @dataclass(frozen=True)
+class Chain:
+    """A Responses conversation from one client: its turns sent one after another, each
+    continuing the one before (`previous_response_id`)."""
+    delay: float
+    turns: tuple[dict, ...]  # each turn's body, "stream" and "store" included
+    cut: int | None  # the last turn streamed and hung up after this many events
+
+
+@dataclass(frozen=True)
 class HttpWorkload:
     config: dict  # EngineConfig fields
     slots: int
     asks: tuple[HttpAsk, ...]
+    chains: tuple[Chain, ...] = ()
 
 
 def _config(r: random.Random) -> dict:
@@ -99,7 +110,27 @@ def _body(r: random.Random, path: str) -> dict:
 def workload(seed: int) -> HttpWorkload:
     r = random.Random(seed)
     config, slots = _config(r), r.choice([600, 3000])
-    return HttpWorkload(config, slots, draw_asks(r))
+    # the chains from a generator of their own: the seeds drawn before them keep theirs
+    return HttpWorkload(config, slots, draw_asks(r), draw_chains(random.Random(f"chains {seed}")))
+
+
+def draw_chains(r: random.Random) -> tuple[Chain, ...]:
+    """0-2 Responses conversations of 1-3 turns, stored but for some last turns."""
+    chains = []
+    for _ in range(r.choice([0, 1, 1, 2])):
+        turns = []
+        for _ in range(r.choice([1, 2, 2, 3])):
+            body = {"input": r.choice(QUESTIONS), "max_output_tokens": r.randrange(1, 16),
+                    "temperature": 0.0, "stream": r.random() < 0.5, "store": True}
+            if r.random() < 0.3:
+                body.update(temperature=0.8, seed=r.randrange(1000))
+            if r.random() < 0.3:
+                body["instructions"] = "Answer in a few words."
+            turns.append(body)
+        turns[-1]["store"] = r.random() < 0.8
+        cut = r.randrange(1, 4) if turns[-1]["stream"] and r.random() < 0.2 else None
+        chains.append(Chain(r.choice([0.0, r.uniform(0, 1.5)]), tuple(turns), cut))
+    return tuple(chains)
 
 
 def draw_asks(r: random.Random) -> tuple[HttpAsk, ...]:
@@ -135,6 +166,12 @@ def features(w: HttpWorkload) -> set[str]:
             ("bad", a.bad is not None), ("n", b.get("n") == 2),
             ("sampled", b["temperature"] > 0), ("logprobs", "logprobs" in b),
             ("json", "response_format" in b), ("stop", "stop" in b)] if on}
+    for c in w.chains:
+        out |= {name for name, on in [
+            ("responses", True), ("responses-chain", len(c.turns) > 1),
+            ("responses-stream", any(t["stream"] for t in c.turns)),
+            ("responses-unstored", not c.turns[-1]["store"]),
+            ("responses-cut", c.cut is not None)] if on}
     return out
 
 
@@ -168,6 +205,104 @@ def send(port: int, ask: HttpAsk) -> Answer:
         return Answer(resp.status, events=events)
     finally:
         conn.close()
+
+
+def get(port: int, path: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def send_chain(port: int, chain: Chain, prev: str | None = None) -> list[Answer]:
+    """The chain's turns, each continuing the one before -> their answers, up to the
+    first that failed or was hung up on."""
+    out: list[Answer] = []
+    for k, body in enumerate(chain.turns):
+        last = k == len(chain.turns) - 1
+        ask = HttpAsk(0, RESPONSES, {**body, "previous_response_id": prev},
+                      chain.cut if last else None, None)
+        out.append(send(port, ask))
+        if out[-1].status != 200 or out[-1].cut:
+            break
+        prev = response_of(out[-1])["id"]
+    return out
+
+
+def response_of(a: Answer) -> dict:
+    """A Responses answer's Response: the body, or the stream's last event's."""
+    return a.body if a.events is None else a.events[-1]["response"]
+
+
+def text_of(response: dict) -> str:
+    return "".join(p["text"] for it in response["output"] if it["type"] == "message"
+                   for p in it["content"])
+
+
+def start_chains(port: int, chains, timeout: float = 300):
+    """Each chain from a thread of its own after its delay -> a function that waits for
+    them: ({chain's index: its answers}, the chains with no end within `timeout`)."""
+    chained: dict[int, list[Answer]] = {}
+
+    def converse(c: int, chain: Chain) -> None:
+        time.sleep(chain.delay)
+        chained[c] = send_chain(port, chain)
+
+    talks = [threading.Thread(target=converse, args=(c, ch), daemon=True)
+             for c, ch in enumerate(chains)]
+    for t in talks:
+        t.start()
+
+    def wait() -> tuple[dict[int, list[Answer]], list[str]]:
+        for t in talks:
+            t.join(timeout)
+        return chained, [f"chain {c}: no end in {timeout:g} s" for c in range(len(chains))
+                         if c not in chained]
+    return wait
+
+
+def chain_cuts(chained: dict[int, list[Answer]]) -> int:
+    return sum(a.cut for got in chained.values() for a in got)
+
+
+def check_chains(port: int, chains, chained: dict[int, list[Answer]]) -> list[str]:
+    return [p for c, got in sorted(chained.items())
+            for p in check_chain(port, c, chains[c], got)]
+
+
+def check_chain(port: int, c: int, chain: Chain, got: list[Answer]) -> list[str]:
+    """Each turn answered whole: its text and status those of the same turn sent alone
+    now (continuing the same stored turn before it), a stream's deltas its text, and
+    what `GET` returns the Response itself (a 404 where it was not stored)."""
+    prev = None
+    for k, (body, a) in enumerate(zip(chain.turns, got)):
+        where = f"chain {c} turn {k}"
+        if a.cut:
+            return []
+        if a.status != 200:
+            return [f"{where}: status {a.status}: {a.body}"]
+        resp = response_of(a)
+        if a.events is not None:
+            deltas = "".join(e.get("delta", "") for e in a.events
+                             if e["type"] == "response.output_text.delta")
+            if deltas != text_of(resp) or resp["status"] not in ("completed", "incomplete"):
+                return [f"{where}: stream {resp['status']}, deltas {deltas!r}, text "
+                        f"{text_of(resp)!r}"]
+        alone = send(port, HttpAsk(0, RESPONSES, {**body, "stream": False, "store": False,
+                                                  "previous_response_id": prev}, None, None))
+        if alone.status != 200 or (text_of(resp), resp["status"]) != (
+                text_of(alone.body), alone.body["status"]):
+            return [f"{where} ({body}): {text_of(resp)!r} {resp['status']}, alone "
+                    f"{alone.status} {alone.body if alone.status != 200 else text_of(alone.body)}"]
+        status, stored = get(port, f"{RESPONSES}/{resp['id']}")
+        if (status, stored if status == 200 else None) != (
+                (200, resp) if body["store"] else (404, None)):
+            return [f"{where}: GET {status} (store {body['store']}): {stored}"]
+        prev = resp["id"]
+    return []
 
 
 def choices(path: str, a: Answer) -> dict[int, tuple[str, str | None, list[float]]]:
@@ -216,13 +351,17 @@ def check(seed: int, lm, split) -> list[str]:
 def _run(w: HttpWorkload, srv, loop) -> list[str]:
     eng = loop.engine
     free0 = eng.free_slots()
+    talks = start_chains(srv.port, w.chains)
     answers, problems = send_all(srv.port, w.asks)
+    chained, late = talks()
+    problems += late
     if not _settled(loop, 60):
         problems.append("requests still in the engine 60 s after the last answer")
-    cuts = sum(a.cut for a in answers.values())
+    cuts = sum(a.cut for a in answers.values()) + chain_cuts(chained)
     if loop.stats["aborted"] > cuts:
         problems.append(f"{loop.stats['aborted']} requests aborted, {cuts} clients hung up")
     problems += check_answers(srv.port, w.asks, answers)
+    problems += check_chains(srv.port, w.chains, chained)
     if eng.free_slots() != free0 or any(a.stats().shared for a in eng.allocs):
         problems.append(f"slots free {eng.free_slots()}, were {free0}")
     return problems
