@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from dataclasses import replace
 
 SERVICE = "lamina"  # = service.SERVICE (not imported here: that would import ray)
 
@@ -19,6 +20,12 @@ def add_parsers(sub) -> None:
     u.add_argument("--config", default=None, help="a LaminaConfig YAML file")
     u.add_argument("--timeout", type=float, default=600,
                    help="seconds to wait for the model and workers to come up")
+    u.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI API on this port of this node, as part of the "
+                        "deployment (cluster.http_port; 0: a free port)")
+    u.add_argument("--http-host", default=None,
+                   help="the address that front listens on (cluster.http_host; default "
+                        "0.0.0.0)")
     _where(u)
     u.set_defaults(fn=cmd_up)
     s = sub.add_parser("status", help="the Lamina service: workers, nodes, KV use, queue")
@@ -71,6 +78,9 @@ def cmd_up(args) -> int:
     from .service import up
 
     config = LaminaConfig.from_yaml(args.config) if args.config else LaminaConfig()
+    http = {k: v for k, v in (("http_port", args.http_port), ("http_host", args.http_host))
+            if v is not None}
+    config = replace(config, cluster=replace(config.cluster, **http))
     with _said():  # the config was checked above, before any actor starts
         up(config, args.name, args.address or "auto", args.timeout)
     print(f"Lamina service {args.name!r} is up", flush=True)
@@ -126,6 +136,9 @@ def _print_status(s: dict, as_json: bool) -> int:
     limit = "always" if s["max_restarts"] == -1 else f"at most {s['max_restarts']}"
     last = f"; the latest because {s['restart_cause']}" if s["restarts"] else ""
     print(f"  restarts: {s['restarts']} ({limit}){last}")
+    front = s.get("http")
+    print(f"  HTTP: {front['url']} (its front's pid {front['pid']})" if front else
+          f"  HTTP: no front of its own (`lamina serve --service {s['name']}` serves it)")
     print(f"  stored responses: {s['stored_responses']}, {_size(s['stored_response_bytes'])} "
           f"(at most {s['max_stored_responses']} and {_size(s['max_stored_response_bytes'])},"
           f" kept through restarts)")

@@ -234,7 +234,7 @@ class LaminaService:
                 "placement_group": ex.placement.group.id.hex(),
                 "restarts": self.restarts, "restart_cause": self.restart_cause,
                 "max_restarts": self.config.cluster.max_restarts,
-                "stored_responses": len(self.responses),
+                "http": front_of(self.name), "stored_responses": len(self.responses),
                 "max_stored_responses": self.responses.capacity,
                 "stored_response_bytes": self.responses.nbytes,
                 "max_stored_response_bytes": self.responses.max_bytes}
@@ -279,6 +279,26 @@ def starts_of(name: str) -> dict:
 def _write_starts(name: str, record: dict) -> None:
     internal_kv._internal_kv_put(_starts_key(name), json.dumps(record), overwrite=True,
                                  namespace=NAMESPACE)
+
+
+def _front_key(name: str) -> str:
+    return f"service:{name}:http"
+
+
+def front_of(name: str) -> dict | None:
+    """The record of the service's HTTP front (cluster/front.py: "url", "pid", "node",
+    "since"), None if it has none."""
+    raw = internal_kv._internal_kv_get(_front_key(name), namespace=NAMESPACE)
+    return json.loads(raw) if raw else None
+
+
+def note_front(name: str, record: dict) -> None:
+    internal_kv._internal_kv_put(_front_key(name), json.dumps(record), overwrite=True,
+                                 namespace=NAMESPACE)
+
+
+def forget_front(name: str) -> None:
+    internal_kv._internal_kv_del(_front_key(name), namespace=NAMESPACE)
 
 
 def _forget(name: str) -> None:
@@ -412,7 +432,10 @@ def why_gone(name: str) -> str | None:
 def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
        timeout_s: float = START_TIMEOUT_S):
     """Start the service `name` on the running cluster at `address`; return its handle
-    once its workers are up. Refuses a second service of the same name."""
+    once its workers are up, and its HTTP front serving where `cluster.http_port` asks
+    for one (cluster/front.py). Refuses a second service of the same name."""
+    from .front import check_port, start_front, stop_front
+
     if not ray.is_initialized():
         connect_ray(address)
     try:
@@ -422,6 +445,11 @@ def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
     else:
         raise ServiceError(f"a Lamina service named {name!r} already runs; "
                            f"`lamina down --name {name}` stops it")
+    stop_front(name)  # a gone service's front would answer for the gone one
+    try:
+        check_port(config.cluster)  # in use: said now, not after the model is up
+    except ValueError as e:
+        raise ServiceError(f"the Lamina service {name!r}'s HTTP front: {e}") from None
     _forget(name)  # a gone service's record and responses: this start is a new one
     actor = LaminaService.options(name=name, namespace=NAMESPACE, lifetime="detached",
                                   max_restarts=config.cluster.max_restarts,
@@ -437,6 +465,12 @@ def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
             _note_failed_start(name, cause)  # for `status` to say later
         raise ServiceError(f"the Lamina service {name!r} failed to start: "
                            f"{type(cause).__name__}: {cause}") from None
+    if config.cluster.http_port is not None:
+        try:
+            start_front(name, config.cluster, config.server, timeout_s)
+        except ServiceError:
+            down(name)  # all or nothing: a deployment without the front it asked for
+            raise
     return actor  # the caller says it is up (`lamina up` prints it)
 
 
@@ -453,8 +487,12 @@ def find(name: str = SERVICE):
 
 
 def down(name: str = SERVICE, timeout_s: float = 60) -> None:
-    """Stop the service: its engine, workers and placement group, then the actor."""
+    """Stop the service: its HTTP front, its engine, workers and placement group, then
+    the actor."""
+    from .front import stop_front
+
     actor = find(name)
+    stop_front(name)
     try:
         ray.get(actor.shutdown.remote(), timeout=timeout_s)
     finally:

@@ -51,6 +51,12 @@ class ClusterConfig:
     # again, with new workers, up to this many times in its life; -1: always, 0: never.
     # Only the service reads it: a driver's own engine (`LLM`) has no supervisor.
     max_restarts: int = -1
+    # The service's own HTTP front (OpenAI API, cluster/front.py): `lamina up` starts it
+    # on its node, on this port (0: a free one; `lamina status` shows the URL), and Ray
+    # restarts it when its process dies. None: none (`lamina serve --service` serves
+    # the service from anywhere, as many as you like).
+    http_port: int | None = None
+    http_host: str = "0.0.0.0"
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
@@ -62,6 +68,14 @@ class ClusterConfig:
                 or self.max_restarts < -1):
             raise ValueError("cluster.max_restarts must be an int >= -1 (-1: always), "
                              f"got {self.max_restarts!r}")
+        port = self.http_port
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool)
+                                 or not 0 <= port <= 65535):
+            raise ValueError(f"cluster.http_port must be a port (0-65535; 0: a free one) "
+                             f"or null, got {port!r}")
+        if not isinstance(self.http_host, str) or not self.http_host:
+            raise ValueError(f"cluster.http_host must be an address to serve on, got "
+                             f"{self.http_host!r}")
 
 
 @dataclass(frozen=True)

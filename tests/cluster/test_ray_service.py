@@ -111,15 +111,26 @@ def test_up_refuses_a_bad_config_before_any_actor_starts(cluster):
     bad.write_text("engine: {num_memory_workers: -1}\n")
     r = lamina_cmd(cluster, "up", "--config", str(bad))
     assert r.returncode == 2 and "num_memory_workers" in r.stderr, r.stderr[-2000:]
+    with socket.socket() as held:  # another server on the port its front asks for
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = lamina_cmd(cluster, "up", "--http-port", str(port))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"HTTP front: cannot serve on 0.0.0.0:{port}: Address already in use" in r.stderr
     assert alive_actors() == []
 
 
 def test_up_places_the_workers_and_status_shows_them(cluster):
     cfg = cluster["tmp"] / "lamina.yaml"
     cfg.write_text(CONFIG)
-    r = lamina_cmd(cluster, "up", "--config", str(cfg), timeout=600)
+    cluster["http"] = free_port()  # the deployment's own HTTP front (cluster.http_port)
+    r = lamina_cmd(cluster, "up", "--config", str(cfg), "--http-port", str(cluster["http"]),
+                   timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Lamina service 'lamina' is up" in r.stdout and "memory 1" in r.stdout
+    ip = cluster["cluster"].head_node.node_ip_address
+    assert f"HTTP: http://{ip}:{cluster['http']} (its front's pid " in r.stdout, r.stdout
     again = lamina_cmd(cluster, "up", "--config", str(cfg))
     assert again.returncode != 0 and "already runs" in again.stderr, again.stderr[-2000:]
     s = json.loads(lamina_cmd(cluster, "status", "--json").stdout)
@@ -418,6 +429,33 @@ def test_http_fronts_of_one_service_share_its_stored_responses(cluster, smol):
             loop.shutdown()
 
 
+def test_the_deployments_own_front_serves_and_comes_back(cluster, prompts, hf_greedy):
+    """`lamina up --http-port P` (the test above): the OpenAI API on P, answering with
+    HF's greedy tokens, its URL in `status`; its process killed, Ray starts it again on
+    the same port, the record names the new process, and it answers as before."""
+    from openai import OpenAI
+
+    port = cluster["http"]
+    client = lamina.connect(cluster["cluster"].address)
+    front = client.status()["http"]
+    assert front["url"].endswith(f":{port}")
+    oai = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+    def complete(i: int) -> list[int]:
+        r = oai.completions.create(model=oai.models.list().data[0].id, prompt=prompts[i],
+                                   max_tokens=SHORT_NEW, temperature=0)
+        return r.choices[0].model_extra["token_ids"]
+
+    assert complete(5) == hf_greedy[5][:SHORT_NEW]
+    os.kill(front["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while (again := client.status()["http"])["pid"] == front["pid"]:
+        assert time.monotonic() < deadline, again
+        time.sleep(0.5)
+    assert again["url"] == front["url"] and again["since"] > front["since"]
+    assert complete(7) == hf_greedy[7][:SHORT_NEW]
+
+
 def test_a_front_over_a_full_service_answers_429(cluster):
     """The service's queue bound (its server.max_waiting, 1024) reaches an HTTP front
     over it as OpenAI's 429 `server_busy` with Retry-After: the service raised
@@ -452,6 +490,8 @@ def test_down_leaves_no_actor_or_placement_group(cluster):
     while lamina_actors():
         assert time.monotonic() < deadline, lamina_actors()
         time.sleep(0.5)
+    with pytest.raises(ConnectionRefusedError):  # its front went with it
+        socket.create_connection(("127.0.0.1", cluster["http"]), timeout=5).close()
     gone = lamina_cmd(cluster, "status")
     assert gone.returncode == 2 and "lamina up" in gone.stderr
     assert "it is gone" not in gone.stderr  # stopped on purpose: no record of its starts
