@@ -129,7 +129,8 @@ def _print_status(s: dict, as_json: bool) -> int:
               f"requests, {k['cached']} cached prefix tokens")
     print(f"  queue: {s['waiting']} waiting, {s['running']} running; finished "
           f"{s['finished']}, aborted {s['aborted']}, failed {s['failed']}, "
-          f"rejected {s['rejected']}")
+          f"rejected {s['rejected']}; clients {s['clients']} (requests of silent ones "
+          f"aborted: {s['orphans_aborted']})")
     replaced = ", ".join(f"{n} {role}" for role, n in s["workers_replaced"].items())
     print(f"  recoveries: {s['recoveries']} failed steps recovered, the KV of "
           f"{s['kv_kept_tokens']} positions kept through them; workers replaced: {replaced}")

@@ -84,9 +84,9 @@ def _call(ref):
 
 class RequestHandle:
     def __init__(self, service, key: str, prompt, params: SamplingParams,
-                 session_id: str | None = None, priority: int = 0):
+                 session_id: str | None = None, priority: int = 0, owner: str | None = None):
         self.key, self._service = key, service
-        self._gen = service.stream.remote(key, prompt, params, session_id, priority)
+        self._gen = service.stream.remote(key, prompt, params, session_id, priority, owner)
         self._last: RequestOutput | None = None
 
     @property
@@ -143,6 +143,10 @@ class Client:
     def __init__(self, service, name: str):
         self.service, self.name = service, name
         self._tokenizer = None
+        # this client's lease: renewed from a thread while it lives, so the service
+        # aborts its requests once it goes silent (its process died: nobody reads them)
+        self.id, self._lease = uuid.uuid4().hex, threading.Lock()
+        self._renewing = False
 
     def ask(self, method: str, *args, wait: bool = True):
         """`service.method(*args)`, raising the service's own exceptions (`_unwrapped`).
@@ -193,8 +197,33 @@ class Client:
         params = params or SamplingParams()
         check_session_id(session_id)
         self.ask("validate", prompt, params, priority)
+        return self.handle(prompt, params, session_id, priority)
+
+    def handle(self, prompt, params: SamplingParams, session_id: str | None = None,
+               priority: int = 0) -> RequestHandle:
+        """A validated request sent to the service under this client's lease."""
+        self._keep_lease()
         return RequestHandle(self.service, uuid.uuid4().hex, prompt, params, session_id,
-                             priority)
+                             priority, self.id)
+
+    def _keep_lease(self) -> None:
+        """Start renewing this client's lease (once): every third of the service's
+        `cluster.client_lease_s`, a call that waits for nothing."""
+        with self._lease:
+            if self._renewing:
+                return
+            every = self.ask("client_lease_s") / 3
+            threading.Thread(target=self._renew, args=(every,), daemon=True,
+                             name="lamina-lease").start()
+            self._renewing = True
+
+    def _renew(self, every: float) -> None:
+        while True:
+            time.sleep(every)
+            try:
+                self.service.renew.remote(self.id)  # its answer is not waited for
+            except Exception:  # noqa: BLE001 - Ray shutting down in this process
+                return
 
     def abort(self, handle: RequestHandle) -> bool:
         """Stop the request and free its KV; False if it had finished, or went with a
@@ -216,8 +245,7 @@ class Client:
                 self.ask("validate", p, sp, pr)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        handles = [RequestHandle(self.service, uuid.uuid4().hex, p, sp, priority=pr)
-                   for p, sp, pr in zip(prompts, plist, prios)]
+        handles = [self.handle(p, sp, priority=pr) for p, sp, pr in zip(prompts, plist, prios)]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -314,8 +342,7 @@ class ServiceLoop:
         check_session_id(session_id)
         if not validated:
             self.engine.validate(prompt, params, priority=priority)
-        handle = RequestHandle(self.client.service, uuid.uuid4().hex, prompt, params,
-                               session_id, priority)
+        handle = self.client.handle(prompt, params, session_id, priority)
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
         self._handles[fut] = handle

@@ -50,6 +50,7 @@ from lamina.entrypoints.metrics import EngineMetrics
 from lamina.errors import EngineDead
 
 from .executor import connect_ray
+from .leases import ClientLeases
 
 log = logging.getLogger(__name__)
 NAMESPACE = "lamina"  # the services' Ray namespace: any driver finds them by name
@@ -95,10 +96,13 @@ class LaminaService:
         # and kept through restarts
         self.responses = ResponseStore(config.server.max_stored_responses, KVResponses(name),
                                        config.server.max_stored_response_bytes)
+        self.leases, self.orphans = ClientLeases(config.cluster.client_lease_s), 0
         self._gauges()
         self._stopping = False  # `shutdown` ran: the engine stopping is no failure
         threading.Thread(target=self._restart_when_the_engine_stops, daemon=True,
                          name="lamina-service-watch").start()
+        threading.Thread(target=self._abort_the_silent_clients_requests, daemon=True,
+                         name="lamina-leases").start()
         _note_serving(name)
 
     def _gauges(self) -> None:
@@ -134,6 +138,28 @@ class LaminaService:
         done.join(10)
         os._exit(1)
 
+    def _abort_the_silent_clients_requests(self) -> None:
+        """Every second (or third of the lease), abort the requests of clients silent
+        past their lease (`ClientLeases`): their process died, nobody reads them."""
+        every = min(1.0, self.leases.lease_s / 3)
+        while not self._stopping:
+            time.sleep(every)
+            for gone in self.leases.silent(time.monotonic()):
+                fut = self.futures.get(gone.key)
+                if fut is not None and not fut.done():
+                    log.warning("request %s aborted: its client %s was last heard from %.0f "
+                                "s ago (cluster.client_lease_s %g; its process died?)",
+                                gone.key, gone.owner[:8], gone.silent_s, self.leases.lease_s)
+                    self.orphans += 1
+                    self.loop.abort(fut)
+
+    def client_lease_s(self) -> float:
+        return self.leases.lease_s
+
+    def renew(self, owner: str) -> None:
+        """Client `owner` lives (`Client._keep_lease`)."""
+        self.leases.heard(owner, time.monotonic())
+
     def ready(self) -> str:
         self._check_serving()
         return ray.get_runtime_context().get_node_id()
@@ -164,9 +190,10 @@ class LaminaService:
         return self.llm.engine.validate(prompt, params, priority=priority)
 
     async def stream(self, key: str, prompt, params, session_id: str | None = None,
-                     priority: int = 0):
+                     priority: int = 0, owner: str | None = None):
         """One request's progress: `RequestOutput` snapshots, the last one final. A
-        consumer that goes away (the generator closed) aborts the request."""
+        consumer that goes away (the generator closed) aborts the request, and so does
+        its client's silence past the lease (`owner`: the client's id)."""
         aloop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
@@ -180,6 +207,8 @@ class LaminaService:
             self._check_serving()  # stopped, and about to restart: say so
             raise
         self.futures[key] = fut
+        if owner is not None:
+            self.leases.hold(key, owner, time.monotonic())
         fut.add_done_callback(put)
         try:
             while True:
@@ -190,6 +219,7 @@ class LaminaService:
                 yield item
         finally:
             self.futures.pop(key, None)
+            self.leases.release(key)
             self.loop.abort(fut)  # no-op when it finished
 
     def check_capacity(self, extra: int = 1) -> None:
@@ -234,7 +264,8 @@ class LaminaService:
                 "placement_group": ex.placement.group.id.hex(),
                 "restarts": self.restarts, "restart_cause": self.restart_cause,
                 "max_restarts": self.config.cluster.max_restarts,
-                "http": front_of(self.name), "stored_responses": len(self.responses),
+                "http": front_of(self.name), "clients": self.leases.clients(),
+                "orphans_aborted": self.orphans, "stored_responses": len(self.responses),
                 "max_stored_responses": self.responses.capacity,
                 "stored_response_bytes": self.responses.nbytes,
                 "max_stored_response_bytes": self.responses.max_bytes}

@@ -57,6 +57,10 @@ class ClusterConfig:
     # the service from anywhere, as many as you like).
     http_port: int | None = None
     http_host: str = "0.0.0.0"
+    # A client of the service (a driver, a Ray job, an HTTP front) renews a lease every
+    # third of this while it lives; one silent for longer (its process died) has its
+    # requests aborted, so nobody's requests hold the batch and the KV to their end.
+    client_lease_s: float = 30.0
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
@@ -73,6 +77,11 @@ class ClusterConfig:
                                  or not 0 <= port <= 65535):
             raise ValueError(f"cluster.http_port must be a port (0-65535; 0: a free one) "
                              f"or null, got {port!r}")
+        lease = self.client_lease_s
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 < lease \
+                < float("inf"):
+            raise ValueError(f"cluster.client_lease_s must be a number of seconds > 0, "
+                             f"got {lease!r}")
         if not isinstance(self.http_host, str) or not self.http_host:
             raise ValueError(f"cluster.http_host must be an address to serve on, got "
                              f"{self.http_host!r}")

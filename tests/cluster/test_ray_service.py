@@ -38,8 +38,9 @@ PICK = [0, 1, 3, 5, 7, 9, 12, 14]  # 8 prompts of 5-600 tokens
 CONFIG = """
 engine: {num_memory_workers: 2, num_kv_slots: 4096, max_step_tokens: 1024,
          scheduling_policy: priority}
-cluster: {executor: ray}
+cluster: {executor: ray, client_lease_s: 6}
 """
+LEASE_S = 6.0  # a dead client's requests are aborted within this and a second
 
 
 def free_port() -> int:
@@ -431,8 +432,10 @@ def test_http_fronts_of_one_service_share_its_stored_responses(cluster, smol):
 
 def test_the_deployments_own_front_serves_and_comes_back(cluster, prompts, hf_greedy):
     """`lamina up --http-port P` (the test above): the OpenAI API on P, answering with
-    HF's greedy tokens, its URL in `status`; its process killed, Ray starts it again on
-    the same port, the record names the new process, and it answers as before."""
+    HF's greedy tokens, its URL in `status`; its process killed mid-stream, the stream's
+    request is aborted within the front's client lease (not run to its 4000th token),
+    Ray starts the front again on the same port, the record names the new process, and
+    it answers as before."""
     from openai import OpenAI
 
     port = cluster["http"]
@@ -447,10 +450,22 @@ def test_the_deployments_own_front_serves_and_comes_back(cluster, prompts, hf_gr
         return r.choices[0].model_extra["token_ids"]
 
     assert complete(5) == hf_greedy[5][:SHORT_NEW]
+    # a stream in flight when the front's process dies: nobody reads it any more, so
+    # the service aborts it once the front's lease runs out, not at its last token
+    before = client.status()
+    long = oai.completions.create(model=oai.models.list().data[0].id, prompt=prompts[5],
+                                  max_tokens=4000, temperature=0, stream=True,
+                                  extra_body={"ignore_eos": True})
+    next(iter(long))
     os.kill(front["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 120
+    killed = time.monotonic()
+    while (s := client.status())["running"]:
+        assert time.monotonic() - killed < LEASE_S + 5, s  # 4000 tokens take minutes here
+        time.sleep(0.5)
+    assert s["orphans_aborted"] == before["orphans_aborted"] + 1
+    assert s["aborted"] == before["aborted"] + 1
     while (again := client.status()["http"])["pid"] == front["pid"]:
-        assert time.monotonic() < deadline, again
+        assert time.monotonic() - killed < 120, again
         time.sleep(0.5)
     assert again["url"] == front["url"] and again["since"] > front["since"]
     assert complete(7) == hf_greedy[7][:SHORT_NEW]
