@@ -137,16 +137,48 @@ class RequestHandle:
         return self._last
 
 
+# This process's lease with each service it sends requests to (by name): one id and one
+# thread renewing it while the process lives, however many Clients it makes, so the
+# service aborts its requests once it goes silent (its process died: nobody reads them)
+_leases: dict[str, str] = {}
+_leases_lock = threading.Lock()
+
+
+def _lease_of(client: Client) -> str:
+    """The process's lease id with `client`'s service; the first one starts renewing
+    it."""
+    with _leases_lock:
+        lease = _leases.get(client.name)
+        if lease is None:
+            lease = _leases[client.name] = uuid.uuid4().hex
+            threading.Thread(target=_renew, args=(client.name, lease), daemon=True,
+                             name=f"lamina-lease-{client.name}").start()
+        return lease
+
+
+def _renew(name: str, lease: str) -> None:
+    """Renew `lease` with the service `name` as it is now (found by name each time: a
+    service that `lamina down` and `up` replaced is a new actor), every third of the
+    lease it answers with (its `cluster.client_lease_s`); a service that does not
+    answer (restarting, gone) is tried again a second later."""
+    every = 1.0
+    while True:
+        time.sleep(every)
+        if not ray.is_initialized():  # shut down here (else `find` would start a Ray)
+            every = 1.0
+            continue
+        try:
+            every = ray.get(find(name).renew.remote(lease), timeout=every) / 3
+        except Exception:  # noqa: BLE001 - none now, or Ray shutting down: try again
+            every = 1.0
+
+
 class Client:
     restart_wait_s = START_TIMEOUT_S  # how long a call waits for a restarting service
 
     def __init__(self, service, name: str):
         self.service, self.name = service, name
         self._tokenizer = None
-        # this client's lease: renewed from a thread while it lives, so the service
-        # aborts its requests once it goes silent (its process died: nobody reads them)
-        self.id, self._lease = uuid.uuid4().hex, threading.Lock()
-        self._renewing = False
 
     def ask(self, method: str, *args, wait: bool = True):
         """`service.method(*args)`, raising the service's own exceptions (`_unwrapped`).
@@ -201,29 +233,9 @@ class Client:
 
     def handle(self, prompt, params: SamplingParams, session_id: str | None = None,
                priority: int = 0) -> RequestHandle:
-        """A validated request sent to the service under this client's lease."""
-        self._keep_lease()
+        """A validated request sent to the service under this process's lease."""
         return RequestHandle(self.service, uuid.uuid4().hex, prompt, params, session_id,
-                             priority, self.id)
-
-    def _keep_lease(self) -> None:
-        """Start renewing this client's lease (once): every third of the service's
-        `cluster.client_lease_s`, a call that waits for nothing."""
-        with self._lease:
-            if self._renewing:
-                return
-            every = self.ask("client_lease_s") / 3
-            threading.Thread(target=self._renew, args=(every,), daemon=True,
-                             name="lamina-lease").start()
-            self._renewing = True
-
-    def _renew(self, every: float) -> None:
-        while True:
-            time.sleep(every)
-            try:
-                self.service.renew.remote(self.id)  # its answer is not waited for
-            except Exception:  # noqa: BLE001 - Ray shutting down in this process
-                return
+                             priority, _lease_of(self))
 
     def abort(self, handle: RequestHandle) -> bool:
         """Stop the request and free its KV; False if it had finished, or went with a

@@ -4,7 +4,7 @@ driver killed, an HTTP front's process gone) are aborted instead of running to t
 last token for nobody.
 
 Data in: a request's key and its client's id as the request starts (`hold`), the
-client's renewals (`heard`, every third of the lease: `Client._keep_lease`), the
+client's renewals (`heard`, every third of the lease: `client._renew`), the
 request's end (`release`). Data out: `silent(now)`, the requests whose client has not
 been heard from for longer than the lease, each given once.
 

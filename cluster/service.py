@@ -153,12 +153,10 @@ class LaminaService:
                     self.orphans += 1
                     self.loop.abort(fut)
 
-    def client_lease_s(self) -> float:
-        return self.leases.lease_s
-
-    def renew(self, owner: str) -> None:
-        """Client `owner` lives (`Client._keep_lease`)."""
+    def renew(self, owner: str) -> float:
+        """Client `owner` lives (`client._renew`) -> the lease, in seconds."""
         self.leases.heard(owner, time.monotonic())
+        return self.leases.lease_s
 
     def ready(self) -> str:
         self._check_serving()

@@ -245,23 +245,7 @@ def text_of(response: dict) -> str:
 def start_chains(port: int, chains, timeout: float = 300):
     """Each chain from a thread of its own after its delay -> a function that waits for
     them: ({chain's index: its answers}, the chains with no end within `timeout`)."""
-    chained: dict[int, list[Answer]] = {}
-
-    def converse(c: int, chain: Chain) -> None:
-        time.sleep(chain.delay)
-        chained[c] = send_chain(port, chain)
-
-    talks = [threading.Thread(target=converse, args=(c, ch), daemon=True)
-             for c, ch in enumerate(chains)]
-    for t in talks:
-        t.start()
-
-    def wait() -> tuple[dict[int, list[Answer]], list[str]]:
-        for t in talks:
-            t.join(timeout)
-        return chained, [f"chain {c}: no end in {timeout:g} s" for c in range(len(chains))
-                         if c not in chained]
-    return wait
+    return start_each(chains, lambda c: send_chain(port, c), "chain {}: no end", timeout)
 
 
 def chain_cuts(chained: dict[int, list[Answer]]) -> int:
@@ -370,20 +354,30 @@ def _run(w: HttpWorkload, srv, loop) -> list[str]:
 def send_all(port: int, asks, timeout: float = 300) -> tuple[dict[int, Answer], list[str]]:
     """Each ask from a thread of its own after its delay -> ({ask's index: its answer},
     the asks with no answer within `timeout`)."""
-    answers: dict[int, Answer] = {}
+    return start_each(asks, lambda a: send(port, a), "ask {}: no answer", timeout)()
 
-    def client(k: int, ask: HttpAsk) -> None:
-        time.sleep(ask.delay)
-        answers[k] = send(port, ask)
 
-    threads = [threading.Thread(target=client, args=(k, a), daemon=True)
-               for k, a in enumerate(asks)]
+def start_each(items, send_one, late: str, timeout: float):
+    """`send_one(item)` for each item (each with a `delay`), from a thread of its own
+    after its delay -> a function that waits for them: ({item's index: what it
+    returned}, `late` of those not done within `timeout`)."""
+    got: dict[int, object] = {}
+
+    def run(k: int, item) -> None:
+        time.sleep(item.delay)
+        got[k] = send_one(item)
+
+    threads = [threading.Thread(target=run, args=(k, it), daemon=True)
+               for k, it in enumerate(items)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout)
-    return answers, [f"ask {k}: no answer in {timeout:g} s" for k in range(len(asks))
-                     if k not in answers]
+
+    def wait() -> tuple[dict, list[str]]:
+        for t in threads:
+            t.join(timeout)
+        return got, [f"{late.format(k)} in {timeout:g} s" for k in range(len(items))
+                     if k not in got]
+    return wait
 
 
 def check_answers(port: int, asks, answers: dict[int, Answer], skip=frozenset()) -> list[str]:
