@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from dataclasses import replace
 
@@ -26,6 +27,9 @@ def add_parsers(sub) -> None:
     u.add_argument("--http-host", default=None,
                    help="the address that front listens on (cluster.http_host; default "
                         "0.0.0.0)")
+    u.add_argument("--api-key", default=None,
+                   help="that front requires 'Authorization: Bearer KEY' on /v1/* (or "
+                        "LAMINA_API_KEY; kept out of config files)")
     _where(u)
     u.set_defaults(fn=cmd_up)
     s = sub.add_parser("status", help="the Lamina service: workers, nodes, KV use, queue")
@@ -80,7 +84,15 @@ def cmd_up(args) -> int:
     config = LaminaConfig.from_yaml(args.config) if args.config else LaminaConfig()
     http = {k: v for k, v in (("http_port", args.http_port), ("http_host", args.http_host))
             if v is not None}
-    config = replace(config, cluster=replace(config.cluster, **http))
+    key = args.api_key or os.environ.get("LAMINA_API_KEY") or None
+    config = replace(config, cluster=replace(config.cluster, **http),
+                     server=replace(config.server, api_key=key or config.server.api_key))
+    c = config.cluster
+    if c.http_port is not None and config.server.api_key is None and \
+            c.http_host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"note: the HTTP front on {c.http_host}:{c.http_port} answers anyone who "
+              "reaches it (no API key: --api-key, $LAMINA_API_KEY or server.api_key)",
+              file=sys.stderr)
     with _said():  # the config was checked above, before any actor starts
         up(config, args.name, args.address or "auto", args.timeout)
     print(f"Lamina service {args.name!r} is up", flush=True)

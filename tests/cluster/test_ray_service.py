@@ -41,6 +41,7 @@ engine: {num_memory_workers: 2, num_kv_slots: 4096, max_step_tokens: 1024,
 cluster: {executor: ray, client_lease_s: 6}
 """
 LEASE_S = 6.0  # a dead client's requests are aborted within this and a second
+FRONT_KEY = "sk-front-test"  # the API key of the deployment's own HTTP front
 
 
 def free_port() -> int:
@@ -88,9 +89,9 @@ def post_json(port: int, path: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def lamina_cmd(cluster, *args, timeout=300):
-    return subprocess.run([*LAMINA, *args], env=cluster["env"], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+def lamina_cmd(cluster, *args, timeout=300, env=None):
+    return subprocess.run([*LAMINA, *args], env={**cluster["env"], **(env or {})},
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def alive_actors() -> list[str]:
@@ -119,6 +120,7 @@ def test_up_refuses_a_bad_config_before_any_actor_starts(cluster):
         r = lamina_cmd(cluster, "up", "--http-port", str(port))
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"HTTP front: cannot serve on 0.0.0.0:{port}: Address already in use" in r.stderr
+    assert "answers anyone who reaches it (no API key" in r.stderr  # a note, said first
     assert alive_actors() == []
 
 
@@ -127,8 +129,9 @@ def test_up_places_the_workers_and_status_shows_them(cluster):
     cfg.write_text(CONFIG)
     cluster["http"] = free_port()  # the deployment's own HTTP front (cluster.http_port)
     r = lamina_cmd(cluster, "up", "--config", str(cfg), "--http-port", str(cluster["http"]),
-                   timeout=600)
+                   timeout=600, env={"LAMINA_API_KEY": FRONT_KEY})  # kept out of the file
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "no API key" not in r.stderr
     assert "Lamina service 'lamina' is up" in r.stdout and "memory 1" in r.stdout
     ip = cluster["cluster"].head_node.node_ip_address
     assert f"HTTP: http://{ip}:{cluster['http']} (its front's pid " in r.stdout, r.stdout
@@ -431,18 +434,21 @@ def test_http_fronts_of_one_service_share_its_stored_responses(cluster, smol):
 
 
 def test_the_deployments_own_front_serves_and_comes_back(cluster, prompts, hf_greedy):
-    """`lamina up --http-port P` (the test above): the OpenAI API on P, answering with
-    HF's greedy tokens, its URL in `status`; its process killed mid-stream, the stream's
-    request is aborted within the front's client lease (not run to its 4000th token),
-    Ray starts the front again on the same port, the record names the new process, and
-    it answers as before."""
+    """`lamina up --http-port P` (the test above): the OpenAI API on P behind the API key
+    `up` took from $LAMINA_API_KEY, answering with HF's greedy tokens, its URL in
+    `status`; its process killed mid-stream, the stream's request is aborted within the
+    front's client lease (not run to its 4000th token), Ray starts the front again on
+    the same port, the record names the new process, and it answers as before."""
+    import openai
     from openai import OpenAI
 
     port = cluster["http"]
     client = lamina.connect(cluster["cluster"].address)
     front = client.status()["http"]
     assert front["url"].endswith(f":{port}")
-    oai = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):  # `up` took $LAMINA_API_KEY for it
+        OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none").models.list()
+    oai = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=FRONT_KEY, max_retries=0)
 
     def complete(i: int) -> list[int]:
         r = oai.completions.create(model=oai.models.list().data[0].id, prompt=prompts[i],
