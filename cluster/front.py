@@ -6,7 +6,8 @@ comes back when its process dies.
 Data in: the service's name, the address to serve on (`cluster.http_host`,
 `cluster.http_port`; 0: a free port) and the deployment's `ServerConfig`. Data out: the
 front's URL (`start_front`), kept in Ray's key-value store beside the service's record
-(`front_of`), so `lamina status` shows where to send HTTP clients; `stop_front` ends it.
+(`service.front_of`), so `lamina status` shows where to send HTTP clients; `stop_front`
+ends it.
 
 The front is a detached actor named `<service>:http` in the services' namespace, pinned
 to the node `lamina up` ran on (the head, on a `ray up` cluster: the address users
