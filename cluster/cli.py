@@ -100,7 +100,12 @@ def cmd_up(args) -> int:
 
 
 def cmd_status(args) -> int:
-    return _print_status(_client(args).status(wait=args.wait), args.json)
+    from .front import front_state
+
+    s = _client(args).status(wait=args.wait)
+    if "http" in s:  # the record, and whether its process serves right now
+        s["http"] = front_state(s["name"])
+    return _print_status(s, args.json)
 
 
 def cmd_down(args) -> int:
@@ -149,13 +154,20 @@ def _print_status(s: dict, as_json: bool) -> int:
     limit = "always" if s["max_restarts"] == -1 else f"at most {s['max_restarts']}"
     last = f"; the latest because {s['restart_cause']}" if s["restarts"] else ""
     print(f"  restarts: {s['restarts']} ({limit}){last}")
-    front = s.get("http")
-    print(f"  HTTP: {front['url']} (its front's pid {front['pid']})" if front else
-          f"  HTTP: no front of its own (`lamina serve --service {s['name']}` serves it)")
+    print(f"  HTTP: {_front(s['http'], s['name'])}")
     print(f"  stored responses: {s['stored_responses']}, {_size(s['stored_response_bytes'])} "
           f"(at most {s['max_stored_responses']} and {_size(s['max_stored_response_bytes'])},"
           f" kept through restarts)")
     return 0
+
+
+def _front(front: dict | None, name: str) -> str:
+    if front is None:
+        return f"no front of its own (`lamina serve --service {name}` serves it)"
+    state = {"serving": f"its front's pid {front['pid']}",
+             "restarting": "RESTARTING: its front's process died; Ray starts it again",
+             "gone": "GONE: its front's actor was removed; `lamina down`, then `up`"}
+    return f"{front['url']} ({state[front.get('state', 'serving')]})"
 
 
 def _size(n: int) -> str:

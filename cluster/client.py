@@ -336,6 +336,12 @@ class ServiceLoop:
         self._handles: dict[Future, RequestHandle] = {}
 
     @property
+    def owner(self) -> str:
+        """This process's lease id with the service (what its background responses are
+        stored under: the service fails them if this process dies)."""
+        return _lease_of(self.client)
+
+    @property
     def alive(self) -> bool:
         try:
             s = self.client.status(wait=False)  # a health check says so, not waits

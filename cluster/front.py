@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from lamina.entrypoints.api_server import ServerConfig, listen
 from lamina.entrypoints.deploy_config import ClusterConfig
 
-from .service import NAMESPACE, ServiceError, find, forget_front, note_front
+from .service import NAMESPACE, ServiceError, find, forget_front, front_of, note_front
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,37 @@ class HttpFront:
         note_front(service, self.record)
         log.info("the HTTP front of the Lamina service %r serves on %s", service,
                  self.record["url"])
+        threading.Thread(target=self._exit_with_the_server, daemon=True,
+                         name="lamina-http-watch").start()
+
+    def _exit_with_the_server(self) -> None:
+        """uvicorn on a thread ends only by a crash (nothing here asks it to stop; `ray
+        kill` ends the process): the process exits with it, so Ray starts a front that
+        serves, rather than keeping an actor that answers `ready` over a closed port."""
+        self.thread.join()
+        log.error("the HTTP front's server ended; its process exits for Ray to restart it")
+        os._exit(1)
 
     def ready(self) -> dict:
         return self.record
+
+
+def front_state(service: str, timeout_s: float = 2.0) -> dict | None:
+    """The service's front record (`service.front_of`) with its "state" now: "serving"
+    (its process answered within `timeout_s`), "restarting" (it did not: Ray is starting
+    its process again, whose constructor waits for the service), or "gone" (no actor
+    by its name, e.g. removed by hand). None when the service has no front."""
+    record = front_of(service)
+    if record is None:
+        return None
+    try:
+        front = ray.get_actor(front_name(service), namespace=NAMESPACE)
+    except ValueError:
+        return {**record, "state": "gone"}
+    try:
+        return {**ray.get(front.ready.remote(), timeout=timeout_s), "state": "serving"}
+    except Exception:  # noqa: BLE001 - a timeout, or its process died meanwhile
+        return {**record, "state": "restarting"}
 
 
 def check_port(cluster: ClusterConfig) -> None:

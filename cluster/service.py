@@ -144,7 +144,9 @@ class LaminaService:
         every = min(1.0, self.leases.lease_s / 3)
         while not self._stopping:
             time.sleep(every)
+            owners = set()
             for gone in self.leases.silent(time.monotonic()):
+                owners.add(gone.owner)
                 fut = self.futures.get(gone.key)
                 if fut is not None and not fut.done():
                     log.warning("request %s aborted: its client %s was last heard from %.0f "
@@ -152,6 +154,11 @@ class LaminaService:
                                 gone.key, gone.owner[:8], gone.silent_s, self.leases.lease_s)
                     self.orphans += 1
                     self.loop.abort(fut)
+            for owner in owners:  # the background responses its HTTP front ran
+                self.responses.fail_owned(owner, f"the HTTP front running it (client "
+                                          f"{owner[:8]}) went silent past its lease "
+                                          f"(cluster.client_lease_s {self.leases.lease_s:g}"
+                                          "); its request was aborted")
 
     def renew(self, owner: str) -> float:
         """Client `owner` lives (`client._renew`) -> the lease, in seconds."""

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 # Responses fields that would change the answer: accepted only with a value that asks
 # for nothing this server lacks (as `api_fields.CHAT_REFUSED`)
 RESPONSES_REFUSED: dict[str, tuple[Any, str]] = {
-    "background": (lambda v, b: not v, "background responses are not supported by this "
-                                        "server"),
     "conversation": (lambda v, b: v is None, "conversations are not supported by this "
                                              "server; use previous_response_id"),
     "prompt": (lambda v, b: v is None, "stored prompt templates are not supported by this "
@@ -52,12 +50,16 @@ RESPONSES_REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 
+PENDING = ("queued", "in_progress")  # a background response's statuses while it runs
+
+
 @dataclass
 class Stored:
     response: dict  # the Response object as returned
     messages: list[dict]  # the conversation in chat's shape, answer included, no instructions
     session: str  # the chain's first response id
     inputs: list[dict]  # this request's input items, as `input_items` lists them
+    owner: str | None = None  # a running background response's front (its lease id)
 
 
 def input_items(items) -> list[dict]:
@@ -162,6 +164,22 @@ class ResponseStore:
             self._write("save", rid, item)
             self._evict()
         return True
+
+    def fail_owned(self, owner: str, error: str) -> list[str]:
+        """The background responses still running on the front `owner` (it died) marked
+        failed with `error` -> their ids."""
+        with self._lock:
+            ids = [rid for rid, it in self._items.items() if it.owner == owner and
+                   it.response.get("status") in PENDING]
+            for rid in ids:
+                it = self._items[rid]
+                self._items[rid] = replace(it, response={
+                    **it.response, "status": "failed",
+                    "error": {"code": "server_error", "message": error}})
+                self._sizes[rid] = stored_bytes(self._items[rid])
+                self._write("save", rid, self._items[rid])
+            self._evict()
+        return ids
 
     def delete(self, rid: str) -> bool:
         with self._lock:
@@ -308,17 +326,18 @@ def to_chat(req, previous: Stored | None) -> ChatCall:
     history = list(previous.messages) if previous is not None else []
     messages = input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    streamed = req.stream or bool(req.background)  # a background one reads its events
     tools, choice = _chat_tools(req.tools, req.tool_choice)
     body: dict[str, Any] = {
         "messages": system + history + messages, "temperature": req.temperature,
         "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
         "max_completion_tokens": req.max_output_tokens, "tools": tools,
         "tool_choice": choice, "parallel_tool_calls": req.parallel_tool_calls,
-        "response_format": _response_format(req.text), "stream": req.stream,
+        "response_format": _response_format(req.text), "stream": streamed,
         "logprobs": req.top_logprobs is not None or "message.output_text.logprobs" in (
             req.include or []),
         "top_logprobs": req.top_logprobs,
-        "stream_options": {"include_usage": True} if req.stream else None,
+        "stream_options": {"include_usage": True} if streamed else None,
         "structured_outputs": req.structured_outputs, "user": req.user,
         "priority": req.priority or None}
     return ChatCall({k: v for k, v in body.items() if v is not None}, history, messages,
@@ -375,8 +394,8 @@ def response_object(rid: str, req, model: str, output: list, finish: str | None,
         "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
-        "store": req.store, "metadata": req.metadata or {}, "user": req.user,
-        "usage": usage(chat_usage)}
+        "store": req.store, "background": bool(req.background),
+        "metadata": req.metadata or {}, "user": req.user, "usage": usage(chat_usage)}
 
 
 def answer_message(output: list[dict]) -> dict:

@@ -9,7 +9,8 @@ structured output's response_format / structured_outputs / guided_* and a chat's
 with a forced tool_choice, made into `StructuredOutputs` by `api_fields` and
 `api_tools`; tools left to "auto", read from the answer by
 `ServerConfig.tool_call_parser` (`tool_parsers`); a Responses request made a chat
-request by `api_responses`, which keeps the stored ones; OpenAI's other fields taken or
+request by `api_responses`, which keeps the stored ones (`background: true` ones run on
+a task, polled and cancelled: `api_background`); OpenAI's other fields taken or
 refused by name in `api_fields`). Data out: completion JSON with text (or a chat's
 tool_calls), token ids, logprobs, finish reasons and usage, or a Response; with `stream:
 true`, server-sent events of text deltas, then `data: [DONE]` (Responses: its own
@@ -49,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lamina.engine.beam_search import BeamSearch, finish_round, next_round
 from lamina.engine.sessions import check_session_id
+from lamina.entrypoints.api_background import Background, pending
 from lamina.entrypoints.api_beam import beam_params, with_logprobs
 from lamina.entrypoints.api_fields import (
     CHAT_REFUSED,
@@ -385,6 +387,7 @@ class ResponsesRequest(_Nullable):
     user: str | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's
     priority: int = 0  # vLLM's
+    background: bool = False  # answered at once, polled (`api_background`)
 
 
 _KINDS = {400: "invalid_request_error", 401: "invalid_request_error",
@@ -486,6 +489,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
     app.get("/v1/responses/{rid}")(api.get_response)
     app.get("/v1/responses/{rid}/input_items")(api.response_input_items)
     app.delete("/v1/responses/{rid}")(api.delete_response)
+    app.post("/v1/responses/{rid}/cancel")(api.cancel_response)
     app.post("/tokenize")(api.tokenize)  # vLLM's
     app.post("/detokenize")(api.detokenize)
     return app
@@ -523,6 +527,7 @@ class _Api:
             ResponseStore(config.max_stored_responses,
                           max_bytes=config.max_stored_response_bytes)
         self.remote = getattr(loop, "remote", False)
+        self.background = Background(self.stored, self._off_loop, watch=self.remote)
 
     async def _off_loop(self, fn, *args, **kw):
         """fn(*args, **kw). Over a service (`remote` loop: each call a round trip to it)
@@ -766,7 +771,21 @@ class _Api:
     async def delete_response(self, rid: str):
         if not await self._off_loop(self.stored.delete, rid):
             return _error(404, f"no stored response {rid!r}", "response_id", "not_found")
+        self.background.stop(rid)  # running here: its request aborted
         return {"id": rid, "object": "response.deleted", "deleted": True}
+
+    async def cancel_response(self, rid: str):
+        """A background response stopped (`Background.cancel`); one already finished is
+        returned as it is."""
+        got = await self._off_loop(self.stored.get, rid)
+        if got is None:
+            return _error(404, f"no stored response {rid!r}", "response_id", "not_found")
+        if not got.response.get("background"):
+            return _error(400, f"only background responses can be cancelled; {rid!r} was "
+                          "answered in its own request", "response_id")
+        if not pending(got):
+            return got.response
+        return await self.background.cancel(rid, got)
 
     async def _responses(self, body: ResponsesRequest, request: Request):
         """A Responses request answered by the chat path (`api_responses`)."""
@@ -787,6 +806,10 @@ class _Api:
         except (ValueError, ValidationError) as e:
             where = str(e).split(":")[0].split("\n")[0]
             return _error(400, str(e), responses_field(where.split(".")[0]))
+        if body.background and (not body.store or body.stream):
+            return _error(400, "background: a background response is stored (store: true) "
+                          "and polled (GET /v1/responses/{id}); streamed background "
+                          "responses are not supported by this server", "background")
         session = call.session or rid
         if body.store and chat.session_id is None and "x-session-id" not in request.headers:
             chat.session_id = session  # with KV tiers each turn's KV waits for the next
@@ -800,6 +823,9 @@ class _Api:
         out = await self._chat(chat, request)
         if isinstance(out, JSONResponse):
             return _renamed(out)
+        if isinstance(out, StreamingResponse) and body.background:
+            return await self._in_background(rid, body, call, session, items,
+                                             out.body_iterator)
         if isinstance(out, StreamingResponse):
             return StreamingResponse(response_events(out.body_iterator, rid, body,
                                                      self.model_name, keep),
@@ -810,6 +836,22 @@ class _Api:
                                ch["finish_reason"], out["usage"])
         await keep(resp)
         return resp
+
+    async def _in_background(self, rid: str, body: ResponsesRequest, call, session: str,
+                             items: list, chunks) -> dict | JSONResponse:
+        """The request's Response `queued` at once; its chat stream (already submitted)
+        read on a task of this front (`api_background`)."""
+        async def nothing(_resp: dict) -> None:  # `Background` stores the last one
+            return None
+
+        first = Stored(response_object(rid, body, self.model_name, [], None, None, "queued"),
+                       [*call.history, *call.messages], session, items,
+                       getattr(self.loop, "owner", None))
+        events = response_events(chunks, rid, body, self.model_name, nothing)
+        try:
+            return await self.background.start(rid, first, events)
+        except ValueError as e:
+            return _error(400, str(e), "background")
 
     async def _answer(self, handler, body: _Sampling, refused: dict, request: Request,
                       response: Response):

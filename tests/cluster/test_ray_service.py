@@ -147,6 +147,7 @@ def test_up_places_the_workers_and_status_shows_them(cluster):
     # each worker's share of its node's cores: 2 / 1 compute slot, 4 / 2 memory slots
     assert [w["threads"] for w in s["workers"]] == [2, 2, 2]
     assert [k["free"] for k in s["kv"]] == [4096, 4096]
+    assert s["http"]["state"] == "serving" and s["http"]["node"] == head
 
 
 DRIVER = """
@@ -400,47 +401,86 @@ def test_http_fronts_of_one_service_share_its_stored_responses(cluster, smol):
     over its own `ServiceLoop`, as two front processes behind a load balancer would
     be): a response stored through one is retrieved through the other and continued
     there with HF's greedy text for the whole conversation; deleted through the
-    second, the first answers 404 for it."""
+    second, the first answers 404 for it. A background response started on one is
+    polled to HF's text through the other, and one cancelled through the other is
+    stopped by the front that runs it (it reads the record every second)."""
     from starlette.testclient import TestClient
 
     from lamina.cluster.client import ServiceLoop
     from lamina.entrypoints.api_server import build_app
-    from tests.lamina.test_responses import _hf
 
     client = lamina.connect(cluster["cluster"].address)
     loops = [ServiceLoop(client) for _ in range(2)]
-    a, b = (TestClient(build_app(loop, "smollm2", client.tokenizer())) for loop in loops)
-    try:
-        first = [{"role": "user", "content": "Name a colour."}]
-        r = a.post("/v1/responses", json={"input": first[0]["content"],
-                                          "max_output_tokens": 8, "temperature": 0})
-        assert r.status_code == 200, r.text
-        rid, answer = r.json()["id"], r.json()["output"][0]["content"][0]["text"]
-        assert b.get(f"/v1/responses/{rid}").json() == r.json()
-        r2 = b.post("/v1/responses", json={"input": "And another one?", "max_output_tokens": 8,
-                                           "previous_response_id": rid, "temperature": 0})
-        assert r2.status_code == 200, r2.text
-        history = [*first, {"role": "assistant", "content": answer},
-                   {"role": "user", "content": "And another one?"}]
-        ids, text = _hf(smol, history, 8)
-        assert r2.json()["output"][0]["content"][0]["text"] == text
-        assert r2.json()["usage"]["input_tokens"] == len(ids)
-        assert b.delete(f"/v1/responses/{rid}").status_code == 200
-        gone = a.get(f"/v1/responses/{rid}")
-        assert gone.status_code == 404 and "keeps the last 1024" in gone.text, gone.text
-    finally:
-        for loop in loops:
-            loop.shutdown()
+    # each front's event loop kept for the test (its background responses run there)
+    with TestClient(build_app(loops[0], "smollm2", client.tokenizer())) as a, \
+            TestClient(build_app(loops[1], "smollm2", client.tokenizer())) as b:
+        _share_and_background(client, smol, a, b)
+    for loop in loops:
+        loop.shutdown()
+
+
+def _settled(front, rid: str, until=("completed", "incomplete", "failed", "cancelled")):
+    deadline = time.monotonic() + 120
+    while (got := front.get(f"/v1/responses/{rid}").json())["status"] not in until:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
+    return got
+
+
+def _share_and_background(client, smol, a, b) -> None:
+    """The fronts `a` and `b` over one service (the test above)."""
+    from tests.lamina.test_responses import _hf
+
+    first = [{"role": "user", "content": "Name a colour."}]
+    r = a.post("/v1/responses", json={"input": first[0]["content"],
+                                      "max_output_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    rid, answer = r.json()["id"], r.json()["output"][0]["content"][0]["text"]
+    assert b.get(f"/v1/responses/{rid}").json() == r.json()
+    r2 = b.post("/v1/responses", json={"input": "And another one?", "max_output_tokens": 8,
+                                       "previous_response_id": rid, "temperature": 0})
+    assert r2.status_code == 200, r2.text
+    history = [*first, {"role": "assistant", "content": answer},
+               {"role": "user", "content": "And another one?"}]
+    ids, text = _hf(smol, history, 8)
+    assert r2.json()["output"][0]["content"][0]["text"] == text
+    assert r2.json()["usage"]["input_tokens"] == len(ids)
+    assert b.delete(f"/v1/responses/{rid}").status_code == 200
+    gone = a.get(f"/v1/responses/{rid}")
+    assert gone.status_code == 404 and "keeps the last 1024" in gone.text, gone.text
+
+    bg = a.post("/v1/responses", json={"input": first[0]["content"], "temperature": 0,
+                                       "max_output_tokens": 8, "background": True})
+    assert bg.status_code == 200 and bg.json()["status"] == "queued", bg.text
+    done = _settled(b, bg.json()["id"])
+    assert done["output"][0]["content"][0]["text"] == _hf(smol, first, 8)[1]
+    before = client.status()["aborted"]
+    long = a.post("/v1/responses", json={
+        "input": "Sing.", "max_output_tokens": 900, "background": True,
+        "structured_outputs": {"regex": "(la ){400}"}}).json()
+    _settled(b, long["id"], ("in_progress",))
+    cancelled = b.post(f"/v1/responses/{long['id']}/cancel")
+    assert cancelled.json()["status"] == "cancelled", cancelled.text
+    deadline = time.monotonic() + 10  # a's next read of the record, then a step
+    while client.status()["aborted"] == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1.5)  # a has stopped it: it leaves the record as b marked it
+    assert a.get(f"/v1/responses/{long['id']}").json()["status"] == "cancelled"
 
 
 def test_the_deployments_own_front_serves_and_comes_back(cluster, prompts, hf_greedy):
     """`lamina up --http-port P` (the test above): the OpenAI API on P behind the API key
     `up` took from $LAMINA_API_KEY, answering with HF's greedy tokens, its URL in
     `status`; its process killed mid-stream, the stream's request is aborted within the
-    front's client lease (not run to its 4000th token), Ray starts the front again on
-    the same port, the record names the new process, and it answers as before."""
+    front's client lease (not run to its 4000th token) and a background response it
+    ran is marked failed, Ray starts the front again on the same port (RESTARTING in
+    `status` meanwhile), the record names the new process, and it answers as before;
+    its actor removed by hand, `status` says GONE."""
     import openai
     from openai import OpenAI
+
+    from lamina.cluster.front import front_state
 
     port = cluster["http"]
     client = lamina.connect(cluster["cluster"].address)
@@ -463,18 +503,35 @@ def test_the_deployments_own_front_serves_and_comes_back(cluster, prompts, hf_gr
                                   max_tokens=4000, temperature=0, stream=True,
                                   extra_body={"ignore_eos": True})
     next(iter(long))
+    bg = oai.responses.create(model=oai.models.list().data[0].id, input="Sing.",
+                              max_output_tokens=900, background=True,
+                              extra_body={"structured_outputs": {"regex": "(la ){400}"}})
+    while client.status()["running"] < 2:  # both at their tokens when the front dies
+        time.sleep(0.1)
     os.kill(front["pid"], signal.SIGKILL)
     killed = time.monotonic()
+    assert front_state("lamina")["state"] == "restarting"  # its process starts again
     while (s := client.status())["running"]:
         assert time.monotonic() - killed < LEASE_S + 5, s  # 4000 tokens take minutes here
         time.sleep(0.5)
-    assert s["orphans_aborted"] == before["orphans_aborted"] + 1
-    assert s["aborted"] == before["aborted"] + 1
+    assert s["orphans_aborted"] == before["orphans_aborted"] + 2
+    assert s["aborted"] == before["aborted"] + 2
+    failed = client.ask("response_get", bg.id).response  # not left "in_progress"
+    assert failed["status"] == "failed", failed
+    assert "went silent past its lease" in failed["error"]["message"], failed
     while (again := client.status()["http"])["pid"] == front["pid"]:
         assert time.monotonic() - killed < 120, again
         time.sleep(0.5)
     assert again["url"] == front["url"] and again["since"] > front["since"]
     assert complete(7) == hf_greedy[7][:SHORT_NEW]
+    assert front_state("lamina") == {**again, "state": "serving"}
+    # its actor removed by hand (not by `lamina down`): status says so, not the old pid
+    ray.kill(ray.get_actor("lamina:http", namespace="lamina"), no_restart=True)
+    while (gone := front_state("lamina"))["state"] != "gone":
+        assert time.monotonic() - killed < 150, gone
+        time.sleep(0.2)
+    shown = lamina_cmd(cluster, "status").stdout
+    assert f"HTTP: {front['url']} (GONE: its front's actor was removed" in shown, shown
 
 
 def test_a_front_over_a_full_service_answers_429(cluster):
@@ -683,7 +740,8 @@ def test_a_dead_service_restarts_until_a_restart_fails(cluster, smol, prompts, h
     # bytes the JSON of what the service holds (reloaded from its copy twice since)
     held = [client.ask("response_get", x) for x in (rid, r.json()["id"])]
     nbytes = sum(len(json.dumps({"response": h.response, "messages": h.messages,
-                                 "session": h.session, "inputs": h.inputs}).encode())
+                                 "session": h.session, "inputs": h.inputs,
+                                 "owner": h.owner}).encode())
                  for h in held)
     assert s2["stored_response_bytes"] == nbytes
     assert (f"stored responses: 2, {nbytes / 1024:.1f} KiB (at most 1024 and 256.0 MiB, "

@@ -7,6 +7,7 @@ from well-formed, numbered events; structured output through the client's `parse
 function tools forced, "auto" read by the server's parser, results sent back as
 `function_call_output`; fields this server cannot honour refused by name."""
 import json
+import time
 
 import openai
 import pydantic
@@ -178,7 +179,8 @@ def test_function_tools_forced_auto_and_their_results(srv):
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),  # polled: so stored
+    ({"background": True, "stream": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
@@ -193,6 +195,71 @@ def test_what_cannot_be_honoured_is_refused_by_name(srv, kw, param):
     assert e.value.param == param, e.value
     assert srv.client().responses.create(model="smollm2", input="Hi",
                                          max_output_tokens=2).status
+
+
+def _settled(cl, rid: str, until=("completed", "incomplete", "failed", "cancelled"),
+             within_s: float = 120.0):
+    """The stored response `rid` polled until its status is one of `until`."""
+    deadline = time.monotonic() + within_s
+    while (r := cl.responses.retrieve(rid)).status not in until:
+        assert time.monotonic() < deadline, r
+        time.sleep(0.05)
+    return r
+
+
+def _until(cond, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_background_responses_are_polled_cancelled_and_deleted(srv, smol):
+    """`background: true`: the Response comes back at once, `queued`, empty; polled, it
+    ends with HF's greedy text and usage, and continues as a stored conversation. One
+    cancelled while it runs is `cancelled` and stays so, its request aborted and its
+    KV freed; one deleted while it runs is aborted too. Cancelling a finished one
+    returns it as it is; one answered in its own request cannot be cancelled."""
+    cl, loop = srv.client(), srv.loop
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    r = cl.responses.create(model="smollm2", input=question[0]["content"],
+                            max_output_tokens=24, temperature=0, background=True)
+    assert (r.status, r.background, r.output) == ("queued", True, [])
+    done = _settled(cl, r.id)
+    ids, text = _hf(smol, question, 24)
+    assert done.output_text == text and done.usage.input_tokens == len(ids)
+    assert done.status == ("incomplete" if done.usage.output_tokens == 24 else "completed")
+    assert done.background and done.created_at == r.created_at
+    nxt = cl.responses.create(model="smollm2", previous_response_id=r.id, max_output_tokens=8,
+                              input="And of Italy?", temperature=0)
+    _, text2 = _hf(smol, [*question, {"role": "assistant", "content": text},
+                          {"role": "user", "content": "And of Italy?"}], 8)
+    assert nxt.output_text == text2
+    assert cl.responses.cancel(r.id).model_dump() == done.model_dump()  # finished: as is
+
+    free, aborted = loop.engine.free_slots(), loop.stats["aborted"]
+    long = {"model": "smollm2", "input": "Sing.", "max_output_tokens": 900,
+            "background": True, "extra_body": {"structured_outputs": {"regex": "(la ){400}"}}}
+    running = cl.responses.create(**long)
+    _settled(cl, running.id, ("in_progress",))  # its first tokens are out
+    cancelled = cl.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.id == running.id
+    _until(lambda: loop.stats["aborted"] == aborted + 1)  # the engine's next step
+    assert cl.responses.retrieve(running.id).status == "cancelled"  # not overwritten
+    assert not loop.engine.scheduler.running and loop.engine.free_slots() == free
+    gone = cl.responses.create(**long)
+    _settled(cl, gone.id, ("in_progress",))
+    cl.responses.delete(gone.id)
+    _until(lambda: loop.stats["aborted"] == aborted + 2)
+    assert loop.engine.free_slots() == free
+    with pytest.raises(openai.NotFoundError):
+        cl.responses.retrieve(gone.id)
+    plain = cl.responses.create(model="smollm2", input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        cl.responses.cancel(plain.id)
+    assert e.value.param == "response_id" and "only background responses" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        cl.responses.cancel("resp_none")
 
 
 def test_a_store_that_is_gone_answers_503_naming_it():
@@ -278,6 +345,29 @@ def test_a_store_over_a_backing_starts_with_its_responses_and_writes_through(cap
     assert caplog.text.count("kept in memory only") == 3, caplog.text
 
 
+def test_a_dead_fronts_running_background_responses_are_failed():
+    """`fail_owned`: exactly the responses still running (queued or in progress) on the
+    front that died are failed, with the error given, and written through; its
+    finished ones, other fronts' and unowned ones are left as they are."""
+    from lamina.entrypoints.api_responses import ResponseStore, Stored
+
+    rows = {"a": ("f1", "in_progress"), "b": ("f1", "completed"), "c": ("f1", "queued"),
+            "d": ("f2", "in_progress"), "e": (None, "queued")}
+    back = DictBacking([(r, Stored({"id": r, "status": st}, [], r, [], owner))
+                        for r, (owner, st) in rows.items()])
+    store = ResponseStore(8, back)
+    assert store.fail_owned("f1", "its front died") == ["a", "c"]
+    assert back.calls[1:] == [("save", "a"), ("save", "c")]
+    for r, (_owner, st) in rows.items():
+        got = store.get(r).response
+        want = {"id": r, "status": st}
+        if r in "ac":
+            want = {"id": r, "status": "failed",
+                    "error": {"code": "server_error", "message": "its front died"}}
+        assert got == want and back.saved[r].response == want
+    assert store.fail_owned("f1", "again") == []
+
+
 def test_a_store_keeps_its_byte_bound_least_recently_used_first(caplog):
     """`max_bytes` bounds the stored responses' JSON together (the whole conversation
     each holds): past it the least recently used go, as past the count; one over it
@@ -290,7 +380,8 @@ def test_a_store_keeps_its_byte_bound_least_recently_used_first(caplog):
 
     def size(it):  # independent of the store: the JSON the durable copy writes
         return len(json.dumps({"response": it.response, "messages": it.messages,
-                               "session": it.session, "inputs": it.inputs}).encode())
+                               "session": it.session, "inputs": it.inputs,
+                               "owner": it.owner}).encode())
 
     a, b, c = item("a", 300), item("b", 300), item("c", 500)
     bound = size(a) + size(b) + 10  # a and b fit together, c with either does not
@@ -313,7 +404,8 @@ def test_a_store_keeps_its_byte_bound_least_recently_used_first(caplog):
 def test_a_response_over_the_stores_bytes_is_answered_unstored(srv, smol):
     """A response larger than `max_stored_response_bytes` alone is answered whole, its
     `store` false (the stream's final event too); retrieving or continuing it names
-    the store's bounds. A smaller one on the same server is stored."""
+    the store's bounds. A smaller one on the same server is stored; a background one
+    (polled, so it must be stored) is refused."""
     bound = 6000
     small = _KeyServer(srv.loop, smol.tokenizer, ServerConfig(
         api_key=KEY, max_stored_response_bytes=bound))
@@ -336,6 +428,12 @@ def test_a_response_over_the_stores_bytes_is_answered_unstored(srv, smol):
                                 max_output_tokens=2)
         assert e.value.param == "previous_response_id" and f"{bound} bytes" in str(e.value)
         assert cl.responses.retrieve(kept.id).id == kept.id
+        free = srv.loop.engine.free_slots()
+        with pytest.raises(openai.BadRequestError) as e:  # polled: it must be stored
+            cl.responses.create(model="smollm2", input=long, max_output_tokens=2,
+                                background=True)
+        assert e.value.param == "background" and "max_stored_response_bytes" in str(e.value)
+        _until(lambda: srv.loop.engine.free_slots() == free)  # its request aborted
     finally:
         small.stop()
 
