@@ -43,6 +43,7 @@ from tests.lamina.http_workload import (
     HttpAsk,
     calm,
     chain_cuts,
+    chain_features,
     check_answers,
     check_chains,
     draw_asks,
@@ -117,11 +118,7 @@ def features(w: ServiceWorkload) -> set[str]:
             ("n", a.body.get("n") == 2), ("sampled", a.body["temperature"] > 0),
             ("logprobs", "logprobs" in a.body), ("json", "response_format" in a.body)]
             if on}
-    for c in w.chains:
-        out |= {name for name, on in [
-            ("responses", True), ("responses-chain", len(c.turns) > 1),
-            ("responses-cut", c.cut is not None)] if on}
-    return out
+    return out | chain_features(w.chains)
 
 
 class Deployment:

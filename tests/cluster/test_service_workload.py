@@ -18,7 +18,7 @@ from tests.cluster.service_workload import Deployment, check, features, workload
 
 SEEDS = {  # seed: what it draws at least
     0: {"kill-compute", "kill-memory", "poison", "bad", "cut-plain", "json", "stream"},
-    6: {"kill-compute", "poison", "bad", "sampled", "responses-chain"},
+    6: {"kill-compute", "poison", "bad", "sampled", "responses-chain", "responses-background"},
     8: {"kill-memory", "stop-compute", "poison", "n", "json"},
 }
 

@@ -8,7 +8,8 @@ n-gram drafts, memory workers, KV split, compute replicas) and 4-11 requests to
 a random delay: greedy or seeded sampling, n, stop strings, penalties, logprobs,
 structured output (JSON schema), `min_tokens`, `ignore_eos`; streamed (SSE) or not;
 some hang up after a few events (a stream) or at once (a plain request); some carry a
-bad value of one field.
+bad value of one field. Some Responses turns run in the background (polled until they
+end; some last ones cancelled at once: then they must stay cancelled).
 
 Each answer that completed must equal the same request's answer alone on the same
 server after (text, finish reason and logprobs within 1e-3 of each choice; a stream's
@@ -57,6 +58,7 @@ class Chain:
     delay: float
     turns: tuple[dict, ...]  # each turn's body, "stream" and "store" included
     cut: int | None  # the last turn streamed and hung up after this many events
+    cancel: bool = False  # the last turn in the background, cancelled once it is queued
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,14 @@ def draw_chains(r: random.Random) -> tuple[Chain, ...]:
         turns[-1]["store"] = r.random() < 0.8
         cut = r.randrange(1, 4) if turns[-1]["stream"] and r.random() < 0.2 else None
         chains.append(Chain(r.choice([0.0, r.uniform(0, 1.5)]), tuple(turns), cut))
+    # background turns from a generator of their own (the draws above keep theirs)
+    b = random.Random(r.random())
+    for k, chain in enumerate(chains):
+        for body in chain.turns:
+            if body["store"] and not body["stream"] and b.random() < 0.35:
+                body["background"] = True
+        cancel = chain.turns[-1].get("background", False) and b.random() < 0.4
+        chains[k] = Chain(chain.delay, chain.turns, chain.cut, cancel)
     return tuple(chains)
 
 
@@ -166,12 +176,20 @@ def features(w: HttpWorkload) -> set[str]:
             ("bad", a.bad is not None), ("n", b.get("n") == 2),
             ("sampled", b["temperature"] > 0), ("logprobs", "logprobs" in b),
             ("json", "response_format" in b), ("stop", "stop" in b)] if on}
-    for c in w.chains:
+    return out | chain_features(w.chains)
+
+
+def chain_features(chains) -> set[str]:
+    """What Responses conversations hold, in words."""
+    out: set[str] = set()
+    for c in chains:
         out |= {name for name, on in [
             ("responses", True), ("responses-chain", len(c.turns) > 1),
             ("responses-stream", any(t["stream"] for t in c.turns)),
             ("responses-unstored", not c.turns[-1]["store"]),
-            ("responses-cut", c.cut is not None)] if on}
+            ("responses-cut", c.cut is not None),
+            ("responses-background", any(t.get("background") for t in c.turns)),
+            ("responses-cancel", c.cancel)] if on}
     return out
 
 
@@ -180,7 +198,8 @@ class Answer:
     status: int = 0
     body: dict | None = None  # a plain answer's JSON (or an error's)
     events: list | None = None  # a stream's decoded `data:` events, up to [DONE]
-    cut: bool = False  # the client hung up
+    cut: bool = False  # the client hung up (a background response: it was cancelled)
+    queued: dict | None = None  # a background response's first answer
 
 
 def send(port: int, ask: HttpAsk) -> Answer:
@@ -226,10 +245,28 @@ def send_chain(port: int, chain: Chain, prev: str | None = None) -> list[Answer]
         ask = HttpAsk(0, RESPONSES, {**body, "previous_response_id": prev},
                       chain.cut if last else None, None)
         out.append(send(port, ask))
+        if body.get("background") and out[-1].status == 200:
+            out[-1] = settle(port, out[-1].body, chain.cancel and last)
         if out[-1].status != 200 or out[-1].cut:
             break
         prev = response_of(out[-1])["id"]
     return out
+
+
+def settle(port: int, queued: dict, cancel: bool, within_s: float = 300) -> Answer:
+    """A background response (its first answer `queued`), cancelled at once if
+    `cancel`, polled until it ends -> its last Response (`cut`: it was cancelled)."""
+    path = f"{RESPONSES}/{queued['id']}"
+    if cancel:
+        send(port, HttpAsk(0, f"{path}/cancel", {}, None, None))
+    deadline = time.monotonic() + within_s
+    while (got := get(port, path))[0] == 200 and got[1]["status"] in ("queued",
+                                                                       "in_progress"):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    status, body = got
+    return Answer(status, body, cut=body.get("status") == "cancelled", queued=queued)
 
 
 def response_of(a: Answer) -> dict:
@@ -264,11 +301,19 @@ def check_chain(port: int, c: int, chain: Chain, got: list[Answer]) -> list[str]
     prev = None
     for k, (body, a) in enumerate(zip(chain.turns, got)):
         where = f"chain {c} turn {k}"
+        if a.queued is not None and (a.queued["status"], a.queued["output"]) != ("queued", []):
+            return [f"{where}: in the background, first answered {a.queued}"]
+        if a.cut and a.queued is not None:  # cancelled: it stays so
+            status, stored = get(port, f"{RESPONSES}/{a.queued['id']}")
+            return [] if (status, stored.get("status")) == (200, "cancelled") else [
+                f"{where}: cancelled, then GET {status}: {stored}"]
         if a.cut:
             return []
         if a.status != 200:
             return [f"{where}: status {a.status}: {a.body}"]
         resp = response_of(a)
+        if a.queued is not None and resp["status"] not in ("completed", "incomplete"):
+            return [f"{where}: in the background, it ended {resp}"]
         if a.events is not None:
             deltas = "".join(e.get("delta", "") for e in a.events
                              if e["type"] == "response.output_text.delta")
@@ -276,6 +321,7 @@ def check_chain(port: int, c: int, chain: Chain, got: list[Answer]) -> list[str]
                 return [f"{where}: stream {resp['status']}, deltas {deltas!r}, text "
                         f"{text_of(resp)!r}"]
         alone = send(port, HttpAsk(0, RESPONSES, {**body, "stream": False, "store": False,
+                                                  "background": False,
                                                   "previous_response_id": prev}, None, None))
         if alone.status != 200 or (text_of(resp), resp["status"]) != (
                 text_of(alone.body), alone.body["status"]):
