@@ -434,6 +434,9 @@ class RemoteResponseStore:
     def delete(self, rid: str) -> bool:
         return self.client.ask("response_delete", rid)
 
+    def statuses(self, rids: list[str]) -> dict[str, str | None]:
+        return self.client.ask("response_statuses", rids)
+
 
 class _RemoteMetrics:
     content_type = CONTENT_TYPE_LATEST

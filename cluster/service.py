@@ -287,6 +287,9 @@ class LaminaService:
     def response_delete(self, rid: str) -> bool:
         return self.responses.delete(rid)
 
+    def response_statuses(self, rids: list[str]) -> dict[str, str | None]:
+        return self.responses.statuses(rids)
+
     def tokenizer(self):
         """The model's tokenizer (clients decode and apply chat templates with it)."""
         return self.llm.loaded.tokenizer

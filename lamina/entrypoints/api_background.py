@@ -11,11 +11,12 @@ change of status (not at each token: over a service every write is a round trip)
 
 The store is the shared state: over a Lamina service (`lamina serve --service`, the
 deployment's own front) every front reads it, so a response started on one front is
-polled, cancelled or deleted through any. The front that runs it watches its record
-(every `poll_s`) and stops the request when another front marked it cancelled or
-deleted it. A front that dies with responses running leaves them to the service: its
-client lease runs out, the service aborts the requests and marks the responses `failed`
-(`ResponseStore.fail_owned`, by the front's lease id in `Stored.owner`).
+polled, cancelled or deleted through any. The front that runs it reads the statuses
+of all it runs every `poll_s` (one round trip) and stops a request whose record
+another front marked cancelled or deleted. A front that dies with responses running
+leaves them to the service: its client lease runs out, the service aborts the requests
+and marks the responses `failed` (`ResponseStore.fail_owned`, by the front's lease id in
+`Stored.owner`).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class Background:
                  poll_s: float = POLL_S):
         self.stored, self.off_loop, self.watch, self.poll_s = stored, off_loop, watch, poll_s
         self.tasks: dict[str, asyncio.Task] = {}
+        self._watcher: asyncio.Task | None = None  # held: the loop keeps weak references
 
     async def start(self, rid: str, first: Stored, events: AsyncIterator[str]) -> dict:
         """Store `first` (its Response `queued`) and run `events` on a task -> that
@@ -66,8 +68,8 @@ class Background:
                                                       name=f"lamina-background-{rid}")
         self.tasks[rid] = task
         task.add_done_callback(lambda _: self.tasks.pop(rid, None))
-        if self.watch:
-            asyncio.get_running_loop().create_task(self._watch(rid, task))
+        if self.watch and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
         return first.response
 
     async def _run(self, rid: str, first: Stored, events: AsyncIterator[str]) -> None:
@@ -110,19 +112,21 @@ class Background:
                 now, "failed", "the answer is larger than the store's "
                 "max_stored_response_bytes alone; it was not kept", output=[]))
 
-    async def _watch(self, rid: str, task: asyncio.Task) -> None:
-        """Stop `task` once its record is cancelled or deleted (by another front)."""
-        while not task.done():
+    async def _watch(self) -> None:
+        """Every `poll_s` while this front runs any, one read of all their statuses
+        (one round trip, however many run): those cancelled or deleted (by another
+        front) are stopped."""
+        while self.tasks:
             await asyncio.sleep(self.poll_s)
-            if task.done():
-                return
             try:
-                now = await self.off_loop(self.stored.get, rid)
+                now = await self.off_loop(self.stored.statuses, list(self.tasks))
             except Exception as e:  # noqa: BLE001 - the service restarting: look again
-                log.debug("background response %s: its record unread (%s)", rid, e)
+                log.debug("background responses: their records unread (%s)", e)
                 continue
-            if now is None or now.response["status"] == "cancelled":
-                task.cancel()
+            for rid, status in now.items():
+                task = self.tasks.get(rid)
+                if task is not None and status in (None, "cancelled"):
+                    task.cancel()
 
     async def cancel(self, rid: str, item: Stored) -> dict:
         """Cancel the running response `rid` (`item`: its record) -> its Response,

@@ -165,6 +165,13 @@ class ResponseStore:
             self._evict()
         return True
 
+    def statuses(self, rids: list[str]) -> dict[str, str | None]:
+        """{id: its Response's status, None where not stored}, without touching their
+        places in the LRU order."""
+        with self._lock:
+            return {rid: (it.response.get("status") if (it := self._items.get(rid))
+                          is not None else None) for rid in rids}
+
     def fail_owned(self, owner: str, error: str) -> list[str]:
         """The background responses still running on the front `owner` (it died) marked
         failed with `error` -> their ids."""

@@ -348,7 +348,8 @@ def test_a_store_over_a_backing_starts_with_its_responses_and_writes_through(cap
 def test_a_dead_fronts_running_background_responses_are_failed():
     """`fail_owned`: exactly the responses still running (queued or in progress) on the
     front that died are failed, with the error given, and written through; its
-    finished ones, other fronts' and unowned ones are left as they are."""
+    finished ones, other fronts' and unowned ones are left as they are. `statuses`
+    reads them without touching the least-recently-used order."""
     from lamina.entrypoints.api_responses import ResponseStore, Stored
 
     rows = {"a": ("f1", "in_progress"), "b": ("f1", "completed"), "c": ("f1", "queued"),
@@ -366,6 +367,12 @@ def test_a_dead_fronts_running_background_responses_are_failed():
                     "error": {"code": "server_error", "message": "its front died"}}
         assert got == want and back.saved[r].response == want
     assert store.fail_owned("f1", "again") == []
+    assert store.statuses(["a", "b", "zz"]) == {"a": "failed", "b": "completed", "zz": None}
+    two = ResponseStore(2)
+    for r in "xyz":
+        two.put(r, Stored({"id": r, "status": "queued"}, [], r, []))
+        assert two.statuses(["x"]) == {"x": "queued" if r != "z" else None}
+    assert two.get("y") is not None  # x, read by `statuses` only, was the oldest
 
 
 def test_a_store_keeps_its_byte_bound_least_recently_used_first(caplog):
