@@ -745,7 +745,11 @@ class _Api:
         return await self._answer(self._responses, body, RESPONSES_REFUSED, request,
                                   response)
 
-    async def get_response(self, rid: str):
+    async def get_response(self, rid: str, stream: bool = False):
+        if stream:  # OpenAI's resumption of a background response's events
+            return _error(400, "stream: a stored response's events are not kept by this "
+                          "server; retrieve it without stream (a background one: poll "
+                          "until its status is no longer queued or in_progress)", "stream")
         got = await self._off_loop(self.stored.get, rid)
         if got is None:
             return _error(404, f"no stored response {rid!r} (not stored, deleted, or "

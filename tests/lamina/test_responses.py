@@ -219,7 +219,8 @@ def test_background_responses_are_polled_cancelled_and_deleted(srv, smol):
     ends with HF's greedy text and usage, and continues as a stored conversation. One
     cancelled while it runs is `cancelled` and stays so, its request aborted and its
     KV freed; one deleted while it runs is aborted too. Cancelling a finished one
-    returns it as it is; one answered in its own request cannot be cancelled."""
+    returns it as it is; one answered in its own request cannot be cancelled. Its
+    events cannot be resumed (`stream` on GET: a 400 naming it)."""
     cl, loop = srv.client(), srv.loop
     question = [{"role": "user", "content": "What is the capital of France?"}]
     r = cl.responses.create(model="smollm2", input=question[0]["content"],
@@ -260,6 +261,9 @@ def test_background_responses_are_polled_cancelled_and_deleted(srv, smol):
     assert e.value.param == "response_id" and "only background responses" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         cl.responses.cancel("resp_none")
+    with pytest.raises(openai.BadRequestError) as e:  # no events kept to resume
+        cl.responses.retrieve(r.id, stream=True)
+    assert e.value.param == "stream"
 
 
 def test_a_store_that_is_gone_answers_503_naming_it():
