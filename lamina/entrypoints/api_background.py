@@ -2,7 +2,9 @@
 vLLM's): the request is answered at once with its Response `queued`, runs on a task of
 the HTTP front that took it, and its client polls `GET /v1/responses/{id}` (`queued`,
 `in_progress`, then `completed`, `incomplete`, `failed` or `cancelled`) or cancels it
-(`POST /v1/responses/{id}/cancel`).
+(`POST /v1/responses/{id}/cancel`). With `stream`, its events are sent as they come and
+kept (`follow`): a client that hangs up leaves it running and resumes with `GET
+/v1/responses/{id}?stream=true&starting_after=N` on the same front.
 
 Data in: the stored record the request starts with (`Stored`, its Response `queued`)
 and its Responses event stream (`api_responses.response_events` over the chat stream,
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -32,6 +35,24 @@ from lamina.entrypoints.api_responses import PENDING, Stored, answer_message
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often a running response's front reads its record (another front's cancel)
+KEPT_LOGS = 64  # finished streamed responses whose events a front keeps to resume
+
+
+class _Log:
+    """A streamed background response's events so far (index = `sequence_number`)."""
+
+    def __init__(self):
+        self.events: list[str] = []
+        self.done = False
+        self.changed = asyncio.Event()
+
+    def add(self, event: str | None) -> None:
+        """One more event (None: the last was sent)."""
+        if event is None:
+            self.done = True
+        else:
+            self.events.append(event)
+        self.changed.set()
 
 
 def status_of(item: Stored, status: str, error: str | None = None, output=None) -> Stored:
@@ -55,16 +76,25 @@ class Background:
                  poll_s: float = POLL_S):
         self.stored, self.off_loop, self.watch, self.poll_s = stored, off_loop, watch, poll_s
         self.tasks: dict[str, asyncio.Task] = {}
+        self.logs: OrderedDict[str, _Log] = OrderedDict()  # streamed ones, by id
         self._watcher: asyncio.Task | None = None  # held: the loop keeps weak references
 
-    async def start(self, rid: str, first: Stored, events: AsyncIterator[str]) -> dict:
+    async def start(self, rid: str, first: Stored, events: AsyncIterator[str],
+                    streamed: bool = False) -> dict:
         """Store `first` (its Response `queued`) and run `events` on a task -> that
-        Response; ValueError when the store cannot hold it."""
+        Response; ValueError when the store cannot hold it. `streamed`: its events are
+        kept (`follow`), the last `KEPT_LOGS` finished ones' too."""
         if not await self.off_loop(self.stored.put, rid, first):
             await events.aclose()  # its request aborted
             raise ValueError("background: the request alone is larger than the store's "
                              "max_stored_response_bytes; send it without background")
-        task = asyncio.get_running_loop().create_task(self._run(rid, first, events),
+        kept = None
+        if streamed:
+            kept = self.logs[rid] = _Log()
+            done = [k for k, v in self.logs.items() if v.done]
+            for k in done[:max(0, len(done) - KEPT_LOGS)]:
+                del self.logs[k]
+        task = asyncio.get_running_loop().create_task(self._run(rid, first, events, kept),
                                                       name=f"lamina-background-{rid}")
         self.tasks[rid] = task
         task.add_done_callback(lambda _: self.tasks.pop(rid, None))
@@ -72,10 +102,34 @@ class Background:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
         return first.response
 
-    async def _run(self, rid: str, first: Stored, events: AsyncIterator[str]) -> None:
+    async def follow(self, rid: str, after: int = -1) -> AsyncIterator[str]:
+        """The streamed response `rid`'s events after the `after`-th, as they come, to
+        its last. A reader that goes away leaves the response running."""
+        kept, k = self.logs[rid], after + 1
+        while True:
+            while k < len(kept.events):
+                yield kept.events[k]
+                k += 1
+            if kept.done:
+                return
+            kept.changed.clear()
+            await kept.changed.wait()
+
+    async def _run(self, rid: str, first: Stored, events: AsyncIterator[str],
+                   kept: _Log | None) -> None:
+        try:
+            await self._read(rid, first, events, kept)
+        finally:
+            if kept is not None:
+                kept.add(None)
+
+    async def _read(self, rid: str, first: Stored, events: AsyncIterator[str],
+                    kept: _Log | None) -> None:
         item, final = first, None
         try:
             async for raw in events:
+                if kept is not None:
+                    kept.add(raw)
                 ev = json.loads(raw.split("data: ", 1)[1])
                 kind = ev["type"]
                 if kind in ("response.completed", "response.incomplete", "response.failed"):

@@ -432,10 +432,10 @@ async def response_events(chunks: AsyncIterator[str], rid: str, req, model: str,
                           done) -> AsyncIterator[str]:
     """The chat stream's `data:` chunks -> the Responses event stream; `done(response)`
     (a coroutine function) is awaited with the final Response (to store it) before
-    `response.completed`."""
+    `response.completed`. A background one is created `queued` (as its first answer)."""
     ev, msg_id = _Events(), new_id("msg")
-    yield ev("response.created", response=response_object(rid, req, model, [], None, None,
-                                                          "in_progress"))
+    yield ev("response.created", response=response_object(
+        rid, req, model, [], None, None, "queued" if req.background else "in_progress"))
     yield ev("response.in_progress", response=response_object(rid, req, model, [], None,
                                                               None, "in_progress"))
     text, lps, calls, finish, chat_usage, opened = "", [], [], None, None, False

@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lamina.engine.beam_search import BeamSearch, finish_round, next_round
 from lamina.engine.sessions import check_session_id
-from lamina.entrypoints.api_background import Background, pending
+from lamina.entrypoints.api_background import KEPT_LOGS, Background, pending
 from lamina.entrypoints.api_beam import beam_params, with_logprobs
 from lamina.entrypoints.api_fields import (
     CHAT_REFUSED,
@@ -745,11 +745,16 @@ class _Api:
         return await self._answer(self._responses, body, RESPONSES_REFUSED, request,
                                   response)
 
-    async def get_response(self, rid: str, stream: bool = False):
-        if stream:  # OpenAI's resumption of a background response's events
-            return _error(400, "stream: a stored response's events are not kept by this "
-                          "server; retrieve it without stream (a background one: poll "
-                          "until its status is no longer queued or in_progress)", "stream")
+    async def get_response(self, rid: str, stream: bool = False,
+                           starting_after: int = -1):
+        if stream and rid in self.background.logs:  # its events resumed
+            return StreamingResponse(self.background.follow(rid, starting_after),
+                                     media_type="text/event-stream")
+        if stream:
+            return _error(400, f"stream: this front keeps the events of the background "
+                          f"responses it runs with stream: true (and of the last "
+                          f"{KEPT_LOGS} finished), and {rid!r} is none of them; retrieve "
+                          f"it without stream", "stream")
         got = await self._off_loop(self.stored.get, rid)
         if got is None:
             return _error(404, f"no stored response {rid!r} (not stored, deleted, or "
@@ -810,10 +815,9 @@ class _Api:
         except (ValueError, ValidationError) as e:
             where = str(e).split(":")[0].split("\n")[0]
             return _error(400, str(e), responses_field(where.split(".")[0]))
-        if body.background and (not body.store or body.stream):
+        if body.background and not body.store:
             return _error(400, "background: a background response is stored (store: true) "
-                          "and polled (GET /v1/responses/{id}); streamed background "
-                          "responses are not supported by this server", "background")
+                          "and polled (GET /v1/responses/{id})", "background")
         session = call.session or rid
         if body.store and chat.session_id is None and "x-session-id" not in request.headers:
             chat.session_id = session  # with KV tiers each turn's KV waits for the next
@@ -843,8 +847,9 @@ class _Api:
 
     async def _in_background(self, rid: str, body: ResponsesRequest, call, session: str,
                              items: list, chunks) -> dict | JSONResponse:
-        """The request's Response `queued` at once; its chat stream (already submitted)
-        read on a task of this front (`api_background`)."""
+        """The request's Response `queued` at once (with `stream`, its events as they
+        come); its chat stream (already submitted) read on a task of this front
+        (`api_background`)."""
         async def nothing(_resp: dict) -> None:  # `Background` stores the last one
             return None
 
@@ -853,9 +858,13 @@ class _Api:
                        getattr(self.loop, "owner", None))
         events = response_events(chunks, rid, body, self.model_name, nothing)
         try:
-            return await self.background.start(rid, first, events)
+            queued = await self.background.start(rid, first, events, body.stream)
         except ValueError as e:
             return _error(400, str(e), "background")
+        if body.stream:  # its events as they come; a client gone leaves it running
+            return StreamingResponse(self.background.follow(rid),
+                                     media_type="text/event-stream")
+        return queued
 
     async def _answer(self, handler, body: _Sampling, refused: dict, request: Request,
                       response: Response):

@@ -403,7 +403,8 @@ def test_http_fronts_of_one_service_share_its_stored_responses(cluster, smol):
     there with HF's greedy text for the whole conversation; deleted through the
     second, the first answers 404 for it. A background response started on one is
     polled to HF's text through the other, and one cancelled through the other is
-    stopped by the front that runs it (it reads the record every second)."""
+    stopped by the front that runs it (it reads the record every second); a streamed
+    one's events are resumed on its front (the same events) and refused by the other."""
     from starlette.testclient import TestClient
 
     from lamina.cluster.client import ServiceLoop
@@ -454,6 +455,22 @@ def _share_and_background(client, smol, a, b) -> None:
     assert bg.status_code == 200 and bg.json()["status"] == "queued", bg.text
     done = _settled(b, bg.json()["id"])
     assert done["output"][0]["content"][0]["text"] == _hf(smol, first, 8)[1]
+    # streamed in the background: its events from a, resumed on a; b keeps none of them
+    with a.stream("POST", "/v1/responses", json={
+            "input": first[0]["content"], "temperature": 0, "max_output_tokens": 8,
+            "background": True, "stream": True}) as st:
+        events = [json.loads(x[6:]) for x in st.iter_lines() if x.startswith("data: {")]
+    sid = events[0]["response"]["id"]
+    assert events[0]["response"]["status"] == "queued", events[0]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert "".join(e.get("delta", "") for e in events if e["type"] ==
+                   "response.output_text.delta") == _hf(smol, first, 8)[1]
+    again = a.get(f"/v1/responses/{sid}", params={"stream": "true", "starting_after": 2})
+    assert [json.loads(x[6:]) for x in again.text.splitlines()
+            if x.startswith("data: {")] == events[3:]
+    other = b.get(f"/v1/responses/{sid}", params={"stream": "true"})
+    assert other.status_code == 400 and other.json()["error"]["param"] == "stream"
+    assert b.get(f"/v1/responses/{sid}").json()["output"] == events[-1]["response"]["output"]
     before = client.status()["aborted"]
     long = a.post("/v1/responses", json={
         "input": "Sing.", "max_output_tokens": 900, "background": True,

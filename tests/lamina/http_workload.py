@@ -9,7 +9,8 @@ a random delay: greedy or seeded sampling, n, stop strings, penalties, logprobs,
 structured output (JSON schema), `min_tokens`, `ignore_eos`; streamed (SSE) or not;
 some hang up after a few events (a stream) or at once (a plain request); some carry a
 bad value of one field. Some Responses turns run in the background (polled until they
-end; some last ones cancelled at once: then they must stay cancelled).
+end, streamed ones hung up on too; some last ones cancelled at once: then they must stay
+cancelled).
 
 Each answer that completed must equal the same request's answer alone on the same
 server after (text, finish reason and logprobs within 1e-3 of each choice; a stream's
@@ -136,9 +137,10 @@ def draw_chains(r: random.Random) -> tuple[Chain, ...]:
     b = random.Random(r.random())
     for k, chain in enumerate(chains):
         for body in chain.turns:
-            if body["store"] and not body["stream"] and b.random() < 0.35:
-                body["background"] = True
-        cancel = chain.turns[-1].get("background", False) and b.random() < 0.4
+            if body["store"] and b.random() < 0.35:
+                body["background"] = True  # a stream of it hung up on runs on
+        last = chain.turns[-1]
+        cancel = last.get("background", False) and not last["stream"] and b.random() < 0.4
         chains[k] = Chain(chain.delay, chain.turns, chain.cut, cancel)
     return tuple(chains)
 
@@ -189,7 +191,9 @@ def chain_features(chains) -> set[str]:
             ("responses-unstored", not c.turns[-1]["store"]),
             ("responses-cut", c.cut is not None),
             ("responses-background", any(t.get("background") for t in c.turns)),
-            ("responses-cancel", c.cancel)] if on}
+            ("responses-cancel", c.cancel),
+            ("responses-background-cut", c.cut is not None and bool(
+                c.turns[-1].get("background")))] if on}
     return out
 
 
@@ -200,6 +204,7 @@ class Answer:
     events: list | None = None  # a stream's decoded `data:` events, up to [DONE]
     cut: bool = False  # the client hung up (a background response: it was cancelled)
     queued: dict | None = None  # a background response's first answer
+    deltas: str | None = None  # a streamed background one: its events' text
 
 
 def send(port: int, ask: HttpAsk) -> Answer:
@@ -246,16 +251,21 @@ def send_chain(port: int, chain: Chain, prev: str | None = None) -> list[Answer]
                       chain.cut if last else None, None)
         out.append(send(port, ask))
         if body.get("background") and out[-1].status == 200:
-            out[-1] = settle(port, out[-1].body, chain.cancel and last)
+            out[-1] = settle(port, out[-1], chain.cancel and last)
         if out[-1].status != 200 or out[-1].cut:
             break
         prev = response_of(out[-1])["id"]
     return out
 
 
-def settle(port: int, queued: dict, cancel: bool, within_s: float = 300) -> Answer:
-    """A background response (its first answer `queued`), cancelled at once if
-    `cancel`, polled until it ends -> its last Response (`cut`: it was cancelled)."""
+def settle(port: int, first: Answer, cancel: bool, within_s: float = 300) -> Answer:
+    """A background response (`first`: its answer, or its events up to where the
+    client hung up), cancelled at once if `cancel`, polled until it ends -> its last
+    Response (`cut`: it was cancelled), with the text its events had (`deltas`)."""
+    queued = first.body if first.events is None else first.events[0]["response"]
+    deltas = None if first.events is None else "".join(
+        e.get("delta", "") for e in first.events
+        if e != "[DONE]" and e["type"] == "response.output_text.delta")
     path = f"{RESPONSES}/{queued['id']}"
     if cancel:
         send(port, HttpAsk(0, f"{path}/cancel", {}, None, None))
@@ -266,7 +276,8 @@ def settle(port: int, queued: dict, cancel: bool, within_s: float = 300) -> Answ
             break
         time.sleep(0.05)
     status, body = got
-    return Answer(status, body, cut=body.get("status") == "cancelled", queued=queued)
+    return Answer(status, body, cut=body.get("status") == "cancelled", queued=queued,
+                  deltas=deltas)
 
 
 def response_of(a: Answer) -> dict:
@@ -314,6 +325,9 @@ def check_chain(port: int, c: int, chain: Chain, got: list[Answer]) -> list[str]
         resp = response_of(a)
         if a.queued is not None and resp["status"] not in ("completed", "incomplete"):
             return [f"{where}: in the background, it ended {resp}"]
+        if a.deltas is not None and not text_of(resp).startswith(a.deltas):
+            return [f"{where}: in the background, streamed {a.deltas!r}, then "
+                    f"{text_of(resp)!r}"]
         if a.events is not None:
             deltas = "".join(e.get("delta", "") for e in a.events
                              if e["type"] == "response.output_text.delta")

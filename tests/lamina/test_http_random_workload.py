@@ -6,7 +6,7 @@ and `GET` returns it as answered; one in the background: polled to the same, or
 cancelled and staying so), every bad one is a 400 naming its field, and after, the
 engine holds nothing and every KV slot is free.
 The seeds were chosen to cover what the generator draws (all pass: `python -m
-tests.lamina.http_workload 0 60` and `... 1255 1275`)."""
+tests.lamina.http_workload 0 60`, `... 1255 1275` and `... 2020 2030`)."""
 import pytest
 
 from tests.lamina.http_workload import check, features, workload
@@ -16,8 +16,8 @@ SEEDS = {  # seed: what it holds at least
            "responses-background", "responses-cancel", "responses-chain"},
     29: {"2-memory", "drafts", "cut-plain", "cut-stream", "bad", "n", "logprobs", "stop",
          "responses-cut", "responses-unstored"},
-    43: {"2-memory", "chunks", "cut-plain", "cut-stream", "json", "n", "completions",
-         "responses-chain", "responses-stream"},
+    2027: {"2-memory", "chunks", "cut-plain", "cut-stream", "json", "n", "completions",
+           "responses-chain", "responses-stream", "responses-background-cut"},
 }
 
 

@@ -180,7 +180,6 @@ def test_function_tools_forced_auto_and_their_results(srv):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),
     ({"background": True, "store": False}, "background"),  # polled: so stored
-    ({"background": True, "stream": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
@@ -261,9 +260,36 @@ def test_background_responses_are_polled_cancelled_and_deleted(srv, smol):
     assert e.value.param == "response_id" and "only background responses" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         cl.responses.cancel("resp_none")
-    with pytest.raises(openai.BadRequestError) as e:  # no events kept to resume
+    with pytest.raises(openai.BadRequestError) as e:  # not streamed: no events kept
         cl.responses.retrieve(r.id, stream=True)
     assert e.value.param == "stream"
+
+
+def test_a_streamed_background_response_runs_on_when_its_client_hangs_up(srv, smol):
+    """`background` with `stream`: its events as they come; the client hangs up after a
+    few deltas and the response runs on; `GET ?stream=true&starting_after=N` sends the
+    rest, numbered on from N, to the last, and the deltas together are HF's greedy
+    text, which the stored Response holds too."""
+    cl = srv.client()
+    question = [{"role": "user", "content": "Write a haiku about rivers."}]
+    stream = cl.responses.create(model="smollm2", input=question[0]["content"],
+                                 max_output_tokens=24, temperature=0, background=True,
+                                 stream=True)
+    head = []
+    for ev in stream:
+        head.append(ev)
+        if sum(e.type == "response.output_text.delta" for e in head) == 3:
+            break
+    stream.close()  # hung up: it runs on
+    rid = head[0].response.id
+    rest = list(cl.responses.retrieve(rid, stream=True,
+                                      starting_after=head[-1].sequence_number))
+    events = head + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == _hf(smol, question, 24)[1]
+    assert rest[-1].type in ("response.completed", "response.incomplete")
+    assert rest[-1].response.output_text == text and _settled(cl, rid).output_text == text
 
 
 def test_a_store_that_is_gone_answers_503_naming_it():
