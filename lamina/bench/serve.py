@@ -69,9 +69,11 @@ def warm_up(url: str, prompt_tokens: int) -> None:
 
 def summarize(bench: dict) -> dict:
     """A guidellm benchmark record -> the row's numbers. ok / failed count every request
-    the run made (its scheduler's totals); the tokens, rates and latencies are those of
-    the requests guidellm measured: the ones that ended within its own measured window
-    (`measured`; one finishing just after the stop time it computes is left out)."""
+    the run made: the larger of its scheduler's totals and its lists, each of which can
+    miss the last request (the totals are the scheduler's state as of the last request
+    it accounted, which may be one behind; the lists hold the requests that ended within
+    its measured window). The tokens, rates and latencies are those of the requests
+    guidellm measured (`measured`)."""
     reqs, m = bench["requests"], bench["metrics"]
     made = bench["scheduler_metrics"]["requests_made"]
     ok = reqs["successful"]
@@ -80,7 +82,8 @@ def summarize(bench: dict) -> dict:
     def p(name, q):
         return m[name]["successful"]["percentiles"][q] if ok else None
 
-    return {"ok": made["successful"], "failed": made["errored"] + made["incomplete"],
+    return {"ok": max(made["successful"], len(ok)),
+            "failed": max(made["errored"] + made["incomplete"], len(failed)),
             "measured": len(ok), "errors": [r["info"]["error"] for r in failed][:3],
             "output_tokens": [r["output_tokens"] for r in ok],
             "tok_s": sum(r["output_tokens"] or 0 for r in ok) / bench["duration"],
