@@ -130,10 +130,9 @@ class Background:
             async for raw in events:
                 if kept is not None:
                     kept.add(raw)
-                ev = json.loads(raw.split("data: ", 1)[1])
-                kind = ev["type"]
+                kind = raw[len("event: "):raw.index("\n")]  # the frame's first line
                 if kind in ("response.completed", "response.incomplete", "response.failed"):
-                    final = ev["response"]
+                    final = json.loads(raw.split("data: ", 1)[1])["response"]  # once
                 elif item.response["status"] == "queued" and kind not in (
                         "response.created", "response.in_progress"):
                     item = status_of(item, "in_progress")  # its first token is out
