@@ -31,7 +31,7 @@ from lamina.dataplane.collective import (
     host_store,
     open_path,
 )
-from lamina.dataplane.protocol import MemoryServer
+from lamina.dataplane.protocol import MemoryServer, Routes
 from lamina.dataplane.transport import (
     ShmRing,
     SocketChannel,
@@ -73,7 +73,7 @@ class MemoryWorker:
         self.memory = self.params = None
         self.servers: list[MemoryServer] = []  # one per connected compute worker
         # by connection: the replica index of the compute worker (the order of `listen`)
-        self.by_replica: dict[int, MemoryServer] = {}
+        self.routes = Routes(index)
         self._rdma: list = []  # per RDMA connection: (its verbs, its peer's endpoint set)
         self._connections = 0  # endpoints opened, any transport: the next one's replica
         self._shared = None  # the pool's lock when several compute workers share it
@@ -142,6 +142,7 @@ class MemoryWorker:
         executor replaces this worker instead."""
         for srv in self._listening:  # wakes an `accept` still waiting (Linux: EINVAL)
             close_endpoint(srv)
+        self.routes.close()  # wakes a ring output waiting for a connection
         for s in self.servers:  # wakes a read or write still blocked on the socket
             shut(getattr(s.ch, "sock", None))
         deadline = time.monotonic() + timeout_s
@@ -151,7 +152,7 @@ class MemoryWorker:
                 t.join(max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in threads):
             return False
-        self.servers, self.by_replica, self._rdma = [], {}, []
+        self.servers, self.routes, self._rdma = [], Routes(self.index), []
         self._listening, self._threads, self._connections = [], [], 0
         if self.memory is not None:
             self.memory.reset()
@@ -259,19 +260,10 @@ class MemoryWorker:
         self.sched_batch = batch_policy()
         server = MemoryServer(self.memory, self.params, ch, f"memory worker {self.index}",
                               tracer=self.tracer, shared=self._shared, index=replica,
-                              route=self._route)
+                              route=self.routes.send)
         self.servers.append(server)
-        self.by_replica[replica] = server
+        self.routes.add(replica, server)
         server.serve()
-
-    def _route(self, replica: int, frame) -> None:
-        """A frame out on compute worker `replica`'s connection (its send thread, in
-        the order handed over)."""
-        server = self.by_replica.get(replica)
-        if server is None:
-            raise RuntimeError(f"memory worker {self.index}: no connection to compute "
-                               f"worker {replica} to send a ring step's output on")
-        server.send_queued(frame)
 
 
 def _accept(srv: socket.socket) -> socket.socket | None:

@@ -461,6 +461,50 @@ class _MicroBatch:
     seqs: tuple[int, ...]  # each batch entry's sequence
 
 
+ROUTE_WAIT_S = 30.0  # how long a ring step's output waits for its connection to be served
+
+
+class Routes:
+    """A memory worker's connections by compute replica, for a ring step's outputs
+    (`MemoryServer.route`: replica r's output goes out on replica r + 1's connection).
+
+    A connection is here once its serving thread has accepted it, which can be after
+    its compute worker connected and sent a step on another connection (a recovery
+    reconnects every link, then steps at once; on a busy machine the accepting thread
+    may not have run yet). So an output for a replica not here yet waits for it, up to
+    `wait_s`, rather than failing the step; `close` (the worker's reset) ends the wait."""
+
+    def __init__(self, worker: int = 0, wait_s: float = ROUTE_WAIT_S):
+        self.worker, self.wait_s = worker, wait_s
+        self._servers: dict[int, MemoryServer] = {}
+        self._changed = threading.Condition()
+        self._closed = False
+
+    def add(self, replica: int, server: MemoryServer) -> None:
+        with self._changed:
+            self._servers[replica] = server
+            self._changed.notify_all()
+
+    def send(self, replica: int, frame) -> None:
+        """`frame` out on replica `replica`'s connection (after those queued there)."""
+        with self._changed:
+            self._changed.wait_for(lambda: replica in self._servers or self._closed,
+                                   timeout=self.wait_s)
+            server = self._servers.get(replica)
+        if server is None:
+            why = "its connections were closed" if self._closed else \
+                f"it was not connected within {self.wait_s:g} s"
+            raise RuntimeError(f"memory worker {self.worker}: no connection to compute "
+                               f"worker {replica} to send a ring step's output on ({why})")
+        server.send_queued(frame)
+
+    def close(self) -> None:
+        """No more connections (a reset): every waiting `send` fails now."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+
 class MemoryServer:
     """The memory end of one compute worker's channel: `serve` runs steps until the peer
     closes. A malformed frame or a failed step ends it with `error` set (the peer then

@@ -10,6 +10,7 @@ replica of slice k - 1, and no lane ran two tasks at once. Plus the rule, the co
 their refusals, unit by unit."""
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,7 +20,7 @@ from lamina import SamplingParams
 from lamina.compute.compute_side import ComputeSide
 from lamina.compute.ring import Context, Ring
 from lamina.dataplane.migration import ChannelContextLink
-from lamina.dataplane.protocol import MemoryServer, SocketLink
+from lamina.dataplane.protocol import MemoryServer, Routes, SocketLink
 from lamina.dataplane.transport import FrameError, SocketChannel
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
@@ -48,13 +49,12 @@ class RingExecutor(Executor):
         self.servers = []
         for w in range(workers):
             mem = MemorySide(KVPool(KVPoolConfig.for_specs(split.attention_specs, SLOTS)))
-            lock, by_replica = threading.Lock(), {}
+            lock, routes = threading.Lock(), Routes(w)
             for r in range(replicas):
                 a, b = socket.socketpair()
                 srv = MemoryServer(mem, self.params, SocketChannel(b), f"memory worker {w}",
-                                   shared=lock, index=r,
-                                   route=lambda to, f, by=by_replica: by[to].send_queued(f))
-                by_replica[r] = srv
+                                   shared=lock, index=r, route=routes.send)
+                routes.add(r, srv)
                 self.servers.append(srv)
                 threading.Thread(target=srv.serve, daemon=True).start()
                 self.links[r].append(SocketChannel(a))
@@ -178,3 +178,42 @@ def test_a_memory_server_refuses_a_ring_frame_it_cannot_route(smol_packed):
                                                                      dtype=torch.int32),)})()
     with pytest.raises(FrameError, match="bad ring frame .* no routes"):
         srv._ring(5, 2)
+
+
+class _Sent:
+    def __init__(self):
+        self.frames = []
+
+    def send_queued(self, frame):
+        self.frames.append(frame)
+
+
+def test_a_ring_output_waits_for_the_connection_it_goes_to():
+    """A ring step's output for a replica whose connection is not served yet (its
+    accept not run: a recovery reconnects, then steps at once) waits for it and goes
+    out on it; one that never comes fails after the bound, naming the replica; a reset
+    (`close`) ends a wait at once. The Ray ring test saw the step fail instead
+    ("no connection to compute worker 1") right after a recovery."""
+    routes, late = Routes(worker=3, wait_s=30), _Sent()
+    sender = threading.Thread(target=routes.send, args=(1, "frame"))
+    sender.start()
+    time.sleep(0.3)
+    assert sender.is_alive() and late.frames == []  # waiting, nothing sent
+    routes.add(1, late)
+    sender.join(5)
+    assert not sender.is_alive() and late.frames == ["frame"]
+    routes.send(1, "next")  # connected: no wait
+    assert late.frames == ["frame", "next"]
+
+    routes.wait_s, t0 = 0.2, time.monotonic()
+    with pytest.raises(RuntimeError, match=r"memory worker 3: no connection to compute "
+                                           r"worker 2 .*not connected within 0.2 s"):
+        routes.send(2, "frame")
+    assert 0.2 <= time.monotonic() - t0 < 5
+
+    closing = Routes(worker=0, wait_s=60)
+    threading.Timer(0.2, closing.close).start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker 1 .*its connections were closed"):
+        closing.send(1, "frame")
+    assert time.monotonic() - t0 < 5
