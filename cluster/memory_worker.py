@@ -198,7 +198,7 @@ class MemoryWorker:
         sequence a failed step was blamed on, the payloads received on collective
         paths."""
         ss = self.servers
-        return {"error": next((s.error for s in ss if s.error), None),
+        return {"error": self.routes.failure or next((s.error for s in ss if s.error), None),
                 "steps": sum(s.steps for s in ss),
                 "path_payloads": sum(getattr(getattr(s.ch, "peer", None), "received", 0)
                                      for s in ss),
@@ -261,9 +261,14 @@ class MemoryWorker:
         server = MemoryServer(self.memory, self.params, ch, f"memory worker {self.index}",
                               tracer=self.tracer, shared=self._shared, index=replica,
                               route=self.routes.send)
+        if not self.routes.add(replica, server):  # another connection's step failed
+            ch.close()  # its compute worker fails its step now, not at its timeout
+            return
         self.servers.append(server)
-        self.routes.add(replica, server)
         server.serve()
+        if server.error:  # every connection's step fails with it (`Routes`)
+            for other in self.routes.fail(server, server.error):
+                shut(getattr(other.ch, "sock", None))
 
 
 def _accept(srv: socket.socket) -> socket.socket | None:

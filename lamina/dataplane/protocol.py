@@ -466,24 +466,37 @@ ROUTE_WAIT_S = 30.0  # how long a ring step's output waits for its connection to
 
 class Routes:
     """A memory worker's connections by compute replica, for a ring step's outputs
-    (`MemoryServer.route`: replica r's output goes out on replica r + 1's connection).
+    (`MemoryServer.route`: replica r's output goes out on replica r + 1's connection),
+    and the one failure that ends them all.
 
     A connection is here once its serving thread has accepted it, which can be after
     its compute worker connected and sent a step on another connection (a recovery
     reconnects every link, then steps at once; on a busy machine the accepting thread
     may not have run yet). So an output for a replica not here yet waits for it, up to
-    `wait_s`, rather than failing the step; `close` (the worker's reset) ends the wait."""
+    `wait_s`, rather than failing the step; `close` (the worker's reset) ends the wait.
+
+    Once a connection's step fails (`fail`), every other connection fails with it, those
+    accepted later too (`add` refuses them): in a ring one step spans every connection,
+    and a compute worker waiting on a sound connection for an output the failed one was
+    to route to it would otherwise wait out its timeout while its peer waits on it (120 s
+    seen). A recovery follows any failed step and resets the worker (a new `Routes`)."""
 
     def __init__(self, worker: int = 0, wait_s: float = ROUTE_WAIT_S):
         self.worker, self.wait_s = worker, wait_s
         self._servers: dict[int, MemoryServer] = {}
         self._changed = threading.Condition()
         self._closed = False
+        self.failure: str | None = None  # the first failed step's error
 
-    def add(self, replica: int, server: MemoryServer) -> None:
+    def add(self, replica: int, server: MemoryServer) -> bool:
+        """Register `server`; False when a step of this worker failed already (the
+        caller closes its channel unserved)."""
         with self._changed:
+            if self.failure is not None:
+                return False
             self._servers[replica] = server
             self._changed.notify_all()
+            return True
 
     def send(self, replica: int, frame) -> None:
         """`frame` out on replica `replica`'s connection (after those queued there)."""
@@ -492,11 +505,21 @@ class Routes:
                                    timeout=self.wait_s)
             server = self._servers.get(replica)
         if server is None:
-            why = "its connections were closed" if self._closed else \
-                f"it was not connected within {self.wait_s:g} s"
+            why = ("a step on another of its connections failed" if self.failure else
+                   "its connections were closed" if self._closed else
+                   f"it was not connected within {self.wait_s:g} s")
             raise RuntimeError(f"memory worker {self.worker}: no connection to compute "
                                f"worker {replica} to send a ring step's output on ({why})")
         server.send_queued(frame)
+
+    def fail(self, server: MemoryServer, error: str) -> list[MemoryServer]:
+        """`server`'s step failed with `error` -> the other connections, to shut down
+        (every later one is refused, every waiting `send` fails)."""
+        with self._changed:
+            self.failure = self.failure or error
+            self._closed = True
+            self._changed.notify_all()
+            return [s for s in self._servers.values() if s is not server]
 
     def close(self) -> None:
         """No more connections (a reset): every waiting `send` fails now."""

@@ -217,3 +217,32 @@ def test_a_ring_output_waits_for_the_connection_it_goes_to():
     with pytest.raises(RuntimeError, match="worker 1 .*its connections were closed"):
         closing.send(1, "frame")
     assert time.monotonic() - t0 < 5
+
+
+def test_a_failed_connection_fails_every_other_one_of_its_worker():
+    """Once one connection's step fails, the others are handed back to be shut down,
+    one accepted later is refused, and a waiting output fails at once naming why; the
+    first error is kept (a later, induced one does not replace it). Without it a
+    compute worker waited out its 120 s timeout on a sound connection for an output
+    the failed one was to route to it, while its peer waited on it."""
+    routes, first, second = Routes(worker=1, wait_s=60), _Sent(), _Sent()
+    assert routes.add(0, first) and routes.add(1, second)
+    waiting = []
+
+    def send():
+        try:
+            routes.send(2, "frame")
+        except RuntimeError as e:
+            waiting.append(str(e))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(0.2)
+    assert routes.fail(first, "memory worker 1: injected fault") == [second]
+    sender.join(5)
+    assert waiting == ["memory worker 1: no connection to compute worker 2 to send a ring "
+                       "step's output on (a step on another of its connections failed)"]
+    assert routes.fail(second, "memory worker 1: send failed") == [first]
+    assert routes.failure == "memory worker 1: injected fault"
+    assert not routes.add(2, _Sent())  # a connection accepted after: refused
+    assert Routes().failure is None  # a reset's new routes: none failed
