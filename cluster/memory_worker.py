@@ -71,8 +71,7 @@ class MemoryWorker:
         torch.set_num_threads(threads)
         self.index = index
         self.memory = self.params = None
-        self.servers: list[MemoryServer] = []  # one per connected compute worker
-        # by connection: the replica index of the compute worker (the order of `listen`)
+        # each connected compute worker's server, by its replica (the order of `listen`)
         self.routes = Routes(index)
         self._rdma: list = []  # per RDMA connection: (its verbs, its peer's endpoint set)
         self._connections = 0  # endpoints opened, any transport: the next one's replica
@@ -152,11 +151,16 @@ class MemoryWorker:
                 t.join(max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in threads):
             return False
-        self.servers, self.routes, self._rdma = [], Routes(self.index), []
+        self.routes, self._rdma = Routes(self.index), []
         self._listening, self._threads, self._connections = [], [], 0
         if self.memory is not None:
             self.memory.reset()
         return True
+
+    @property
+    def servers(self) -> list[MemoryServer]:
+        """One per connected compute worker, in the order they were served."""
+        return self.routes.servers()
 
     def tier_missing(self, loads: list) -> list[int]:
         """Of a step's tier loads (before it is sent), the sequences whose saved KV this
@@ -264,7 +268,6 @@ class MemoryWorker:
         if not self.routes.add(replica, server):  # another connection's step failed
             ch.close()  # its compute worker fails its step now, not at its timeout
             return
-        self.servers.append(server)
         server.serve()
         if server.error:  # every connection's step fails with it (`Routes`)
             for other in self.routes.fail(server, server.error):

@@ -498,6 +498,10 @@ class Routes:
             self._changed.notify_all()
             return True
 
+    def servers(self) -> list[MemoryServer]:
+        with self._changed:
+            return list(self._servers.values())
+
     def send(self, replica: int, frame) -> None:
         """`frame` out on replica `replica`'s connection (after those queued there)."""
         with self._changed:
