@@ -30,7 +30,7 @@ from lamina.engine.auto_pipeline import AutoPipeline
 from lamina.engine.config import EngineConfig
 from lamina.engine.culprit import CulpritSearch
 from lamina.engine.detokenizer import IncrementalDetokenizer
-from lamina.engine.inputs import TokensPrompt
+from lamina.engine.inputs import TokensPrompt, check_unicode
 from lamina.engine.messages import StepPlan, StepResult
 from lamina.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from lamina.engine.scheduler import Scheduler, Sequence
@@ -339,6 +339,7 @@ class LLMEngine:
                 raise ValueError("empty prompt")
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            check_unicode(prompt, "prompt")
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         else:
             if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):

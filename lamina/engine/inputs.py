@@ -22,3 +22,14 @@ class TokensPrompt:
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+
+
+def check_unicode(text: str, what: str) -> None:
+    """ValueError naming `what` where `text` cannot be UTF-8: a lone surrogate, which a
+    JSON `\\ud800` escape alone decodes to (the tokenizer's own error names only its
+    argument's types)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate "
+                         f"U+{ord(text[e.start]):04X} at character {e.start}") from None

@@ -52,6 +52,7 @@ from lamina.engine.beam_search import BeamSearch, finish_round, next_round
 from lamina.engine.sessions import check_session_id
 from lamina.entrypoints.api_background import KEPT_LOGS, Background, pending
 from lamina.entrypoints.api_beam import beam_params, with_logprobs
+from lamina.entrypoints.api_body import TextRoute
 from lamina.entrypoints.api_fields import (
     CHAT_REFUSED,
     COMPLETION_REFUSED,
@@ -469,6 +470,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
     if config.max_waiting is not None and loop.max_waiting is None:
         loop.max_waiting = config.max_waiting
     app = FastAPI(title="Lamina", description="attention-offloaded LLM inference")
+    app.router.route_class = TextRoute  # bodies with lone surrogates: 400 (`api_body`)
     app.add_middleware(_Guard, config=config)
     if config.allowed_origins:  # outside the guard: a preflight carries no API key
         from starlette.middleware.cors import CORSMiddleware
@@ -496,7 +498,7 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException):
-    return _error(exc.status_code, str(exc.detail))
+    return _error(exc.status_code, str(exc.detail), getattr(exc, "param", None))
 
 
 async def _engine_dead(request: Request, exc: EngineDead):

@@ -169,7 +169,10 @@ async def _request(client, line: BatchLine, retry: BatchRetry) -> tuple[dict, in
             "param": "stream", "code": None}}), 0
     delay, until, tries = retry.first_delay_s, None, 0
     while True:
-        r = await client.post(line.url, json=line.body)
+        # the body as JSON with \u escapes: one that holds text no UTF-8 can carry (a
+        # lone surrogate) reaches the server, which answers the line a 400 naming it
+        r = await client.post(line.url, content=json.dumps(line.body),
+                              headers={"content-type": "application/json"})
         row, tries, now = _row(line, r.status_code, r.json()), tries + 1, time.monotonic()
         until = now + retry.wait_s if until is None else until
         if r.status_code not in NOT_NOW or now >= until or (

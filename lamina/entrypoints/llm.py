@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 from lamina.engine.beam_search import BeamSearchParams, beam_search
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
-from lamina.engine.inputs import TokensPrompt
+from lamina.engine.inputs import TokensPrompt, check_unicode
 from lamina.engine.outputs import RequestOutput
 from lamina.entrypoints.logs import configure_logging
 from lamina.executor.base import plugin_executor
@@ -281,6 +281,7 @@ def chat_tokens(tokenizer, text: str) -> TokensPrompt:
     """A chat prompt written by `chat_prompt` -> its token ids with no special tokens
     added (the template wrote those it wants), as HF's apply_chat_template(tokenize=True)
     and vLLM tokenize a chat; the text rides along for `RequestOutput.prompt`."""
+    check_unicode(text, "the chat prompt its messages make")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return TokensPrompt(tuple(ids), text)
 
@@ -322,4 +323,5 @@ def template_message(msg: dict, i: int = 0) -> dict:
     elif not isinstance(content, str):
         raise ValueError(f"messages.{i}.content: a string or a list of text parts, got "
                          f"{type(content).__name__}")
+    check_unicode(content, f"messages.{i}.content")
     return {**{k: v for k, v in msg.items() if v is not None}, "content": content}

@@ -39,6 +39,7 @@ def _normal(eng, prompts, hf_greedy):
     ({"a": 1}, OK, TypeError, "got dict"),
     (7, OK, TypeError, "got int"),
     ("", OK, ValueError, "empty prompt"),
+    ("ok \ud800", OK, ValueError, "not valid Unicode: a lone surrogate U+D800 at character 3"),
     ([], OK, ValueError, "empty prompt"),
     ([1, True], OK, ValueError, "non-negative ints"),
     ([1, 2.0], OK, ValueError, "non-negative ints"),

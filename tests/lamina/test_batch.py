@@ -67,13 +67,14 @@ def test_answers_equal_generate_and_a_bad_line_fails_alone(llm, tmp_path):
         line("stream", {"prompt": "hello", "stream": True}),
         line("chat", {"messages": chat, "max_tokens": 10, "temperature": 0},
              url="/v1/chat/completions"),
+        line("not text", {"prompt": "hi \ud800", "max_tokens": 2}),  # a lone surrogate
     ]) + "\n")
     loop = EngineLoop(llm.engine)
     try:
         r = run_batch(build_app(loop, "m", llm.loaded.tokenizer), src, out, progress=False)
     finally:
         loop.shutdown()
-    assert (r.total, r.skipped, r.done, r.failed) == (4, 0, 4, 2)
+    assert (r.total, r.skipped, r.done, r.failed) == (5, 0, 5, 3)
     rows = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
     assert rows["plain"]["response"]["status_code"] == 200
     assert rows["plain"]["response"]["body"]["choices"][0]["token_ids"] == greedy(
@@ -81,6 +82,10 @@ def test_answers_equal_generate_and_a_bad_line_fails_alone(llm, tmp_path):
     assert rows["bad"]["response"]["status_code"] == 400
     assert rows["bad"]["response"]["body"]["error"]["param"] == "max_tokens"
     assert rows["stream"]["response"]["body"]["error"]["param"] == "stream"
+    err = rows["not text"]["response"]["body"]["error"]
+    assert rows["not text"]["response"]["status_code"] == 400 and err["param"] == "prompt"
+    assert "prompt: not valid Unicode: a lone surrogate U+D800 at character 3" in \
+        err["message"]
     prompt = llm.loaded.tokenizer.apply_chat_template(chat, tokenize=False,
                                                       add_generation_prompt=True)
     assert rows["chat"]["response"]["body"]["choices"][0]["token_ids"] == greedy(

@@ -32,6 +32,25 @@ def test_a_template_that_names_developer_gets_it_and_a_refusal_names_messages(sm
         chat_prompt(tok, [{"role": "user", "content": "x"}])
 
 
+def test_text_that_is_not_unicode_is_refused_naming_where(smol):
+    """A lone surrogate (what a JSON `\\ud800` escape alone decodes to) in a message or
+    in the prompt a template writes: a ValueError saying where, not the tokenizer's
+    TypeError about its argument's types."""
+    from lamina.entrypoints.llm import chat_tokens
+
+    tok = smol.tokenizer
+    with pytest.raises(ValueError, match="^messages.1.content is not valid Unicode: a lone "
+                                         "surrogate U[+]D800 at character 2$"):
+        chat_prompt(tok, [{"role": "user", "content": "x"},
+                          {"role": "user", "content": [{"type": "text", "text": "ab\ud800"}]}])
+    with pytest.raises(ValueError, match="^the chat prompt its messages make is not valid "
+                                         "Unicode: a lone surrogate U[+]DBFF at character 1$"):
+        chat_tokens(tok, "a\udbff")
+    emoji = "\U0001f600"  # a surrogate pair in JSON: one character, kept
+    assert chat_tokens(tok, emoji).prompt_token_ids == \
+        tuple(tok(emoji, add_special_tokens=False)["input_ids"])
+
+
 def test_a_chat_gets_the_special_tokens_its_template_writes_once(smol, smol_packed):
     """Llama's way: a tokenizer that puts BOS before every text it encodes and a template
     that writes `{{ bos_token }}` itself. A chat's prompt over HTTP (what the engine is
