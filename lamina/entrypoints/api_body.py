@@ -55,8 +55,16 @@ def lone_surrogate(value: Any, path: tuple = ()) -> tuple[tuple, int, str] | Non
 class _TextRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            value = json.loads(await self.body())
-            found = lone_surrogate(value)
+            body = await self.body()
+            try:
+                value = json.loads(body)
+                found = lone_surrogate(value)
+            except json.JSONDecodeError:
+                raise  # FastAPI's 400, with where in the body
+            except RecursionError:
+                raise BadText("body: JSON nested too deeply to read", None) from None
+            except ValueError as e:  # an integer of more digits than Python converts
+                raise BadText(f"body: not read: {str(e).split(';')[0]}", None) from None
             if found:
                 path, at, char = found
                 where = ".".join(str(p) for p in path) or "body"
