@@ -188,16 +188,20 @@ class EngineLoop:
 
     # -- the loop thread --
     def _admit(self) -> None:
+        aborted = False
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
+                if aborted:  # its KV is free now, whether or not a step follows
+                    self._refresh_metrics()
                 return
             if isinstance(msg, _Abort):
                 rid = self._rids.get(msg.future)
                 out = self.engine.abort(rid) if rid is not None else None
                 if out is not None:
                     self.stats["aborted"] += 1
+                    aborted = True
                     if self.metrics is not None:
                         self.metrics.request(out, aborted=True)
                     self._resolve(out)
@@ -277,7 +281,13 @@ class EngineLoop:
         every = getattr(getattr(self.engine, "config", None), "idle_check_s", None)
         if every is None or time.monotonic() - self._busy_at < every:
             return
-        self.engine.check_workers()
+        try:
+            found = self.engine.check_workers()
+        except Exception:  # the workers could not be brought back: the loop stops
+            self._refresh_metrics()
+            raise
+        if found:  # workers replaced: /metrics shows it now, not after the next step
+            self._refresh_metrics()
         self._busy_at = time.monotonic()
 
     def _measure(self, outs: list[RequestOutput]) -> None:
@@ -292,6 +302,14 @@ class EngineLoop:
                     self.metrics.request(out)
         except Exception:  # a metrics bug must not stop serving
             log.exception("updating the metrics after a step failed")
+
+    def _refresh_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.refresh(self.engine)
+        except Exception:  # a metrics bug must not stop serving
+            log.exception("updating the metrics failed")
 
     def _fail_all(self, e: BaseException) -> None:
         """Stop taking work and fail every request still waiting or running with `e`."""

@@ -123,6 +123,13 @@ class EngineMetrics:
         self.steps.inc()
         self.generation_tokens.inc(drawn)
         self._time(engine.step_timings[-1] if engine.step_timings else None)
+        self.refresh(engine)
+
+    def refresh(self, engine) -> None:
+        """The engine's state now (its gauges; the recoveries and replaced workers it
+        counts): after each step, and after what changes it between steps (an abort
+        frees KV; an idle check replaces workers), so an idle engine's /metrics is not
+        left at its last step's."""
         if engine.num_recoveries > self._recovered:
             self.recoveries.inc(engine.num_recoveries - self._recovered)
             self._recovered = engine.num_recoveries

@@ -256,13 +256,16 @@ def test_the_serving_loop_replaces_a_worker_its_idle_check_finds(smol, smol_pack
     workers cannot be brought back, the loop stops, loudly: new requests get
     `EngineDead` naming the check."""
     from lamina.entrypoints.engine_loop import EngineLoop
+    from lamina.entrypoints.metrics import EngineMetrics
     from lamina.errors import EngineDead
 
     eng = flaky_engine(smol, smol_packed, fail_on=set(), keep=frozenset({0}),
                        idle_check_s=0.2)
     found: list[list[str]] = []
     eng.executor.check_workers = lambda: found.pop() if found else []
-    loop = EngineLoop(eng)
+    metrics = EngineMetrics()
+    loop = EngineLoop(eng, metrics=metrics)
+    value = metrics.registry.get_sample_value
     try:
         p = SamplingParams(max_tokens=16, temperature=0)
         assert [loop.generate(prompts[i], p, 300).token_ids for i in PICK] == \
@@ -270,10 +273,12 @@ def test_the_serving_loop_replaces_a_worker_its_idle_check_finds(smol, smol_pack
         assert eng.scheduler.caches[1].size > 0 and eng.num_recoveries == 0
         found.append(["memory worker 1: ActorDiedError"])
         deadline = time.monotonic() + 30
-        while eng.num_recoveries == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while not value("lamina_recoveries_total") and time.monotonic() < deadline:
+            time.sleep(0.05)  # /metrics shows the recovery before any step follows it
+        assert value("lamina_recoveries_total") == 1
         assert eng.recoveries[-1] == "idle check: memory worker 1: ActorDiedError"
         assert eng.scheduler.caches[1].size == 0 and eng.scheduler.caches[0].size > 0
+        assert value("lamina_kv_slots_cached", {"memory_worker": "1"}) == 0
         assert [loop.generate(prompts[i], p, 300).token_ids for i in PICK] == \
             [hf_greedy[i][:16] for i in PICK]
         assert eng.num_recoveries == 1 and loop.alive  # no step failed

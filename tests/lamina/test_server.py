@@ -406,6 +406,15 @@ def test_disconnected_client_is_aborted(server, prompts, stream):
     while loop.engine.has_unfinished() and time.time() < deadline:
         time.sleep(0.1)
     assert loop.engine.free_slots()[0] == loop.engine.config.num_kv_slots
+    # /metrics says so with no step after the abort: nothing runs, no KV is held
+    worker0 = (("memory_worker", "0"),)
+    while time.time() < deadline:
+        m = _metrics(server)
+        if m[("lamina_sequences_running", ())] == 0:
+            break
+        time.sleep(0.1)
+    assert m[("lamina_sequences_running", ())] == 0
+    assert m[("lamina_kv_slots_used", worker0)] == m[("lamina_kv_slots_cached", worker0)]
 
 
 class _Broken:
