@@ -5,6 +5,7 @@ no server could answer is left for a rerun, not written."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -68,13 +69,14 @@ def test_answers_equal_generate_and_a_bad_line_fails_alone(llm, tmp_path):
         line("chat", {"messages": chat, "max_tokens": 10, "temperature": 0},
              url="/v1/chat/completions"),
         line("not text", {"prompt": "hi \ud800", "max_tokens": 2}),  # a lone surrogate
+        line("nan", {"prompt": "hi", "max_tokens": 2, "temperature": math.nan}),
     ]) + "\n")
     loop = EngineLoop(llm.engine)
     try:
         r = run_batch(build_app(loop, "m", llm.loaded.tokenizer), src, out, progress=False)
     finally:
         loop.shutdown()
-    assert (r.total, r.skipped, r.done, r.failed) == (5, 0, 5, 3)
+    assert (r.total, r.skipped, r.done, r.failed) == (6, 0, 6, 4)
     rows = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
     assert rows["plain"]["response"]["status_code"] == 200
     assert rows["plain"]["response"]["body"]["choices"][0]["token_ids"] == greedy(
@@ -86,6 +88,10 @@ def test_answers_equal_generate_and_a_bad_line_fails_alone(llm, tmp_path):
     assert rows["not text"]["response"]["status_code"] == 400 and err["param"] == "prompt"
     assert "prompt: not valid Unicode: a lone surrogate U+D800 at character 3" in \
         err["message"]
+    # NaN, which Python's JSON reads from the file (httpx's own encoder refused to send
+    # it, and the batch stopped): the server's 400 naming the field
+    err = rows["nan"]["response"]["body"]["error"]
+    assert rows["nan"]["response"]["status_code"] == 400 and err["param"] == "temperature"
     prompt = llm.loaded.tokenizer.apply_chat_template(chat, tokenize=False,
                                                       add_generation_prompt=True)
     assert rows["chat"]["response"]["body"]["choices"][0]["token_ids"] == greedy(
