@@ -41,9 +41,10 @@ def lone_surrogate(value: Any, path: tuple = ()) -> tuple[tuple, int, str] | Non
         return (path, m.start(), m.group()) if m else None
     if isinstance(value, dict):
         for k, v in value.items():
-            key = k.encode("utf-8", "backslashreplace").decode()
-            found = lone_surrogate(k, (*path, key)) or lone_surrogate(v, (*path, k))
-            if found:
+            if m := _SURROGATE.search(k):
+                escaped = k.encode("utf-8", "backslashreplace").decode()
+                return (*path, escaped), m.start(), m.group()
+            if found := lone_surrogate(v, (*path, k)):
                 return found
     elif isinstance(value, list):
         for i, v in enumerate(value):
