@@ -249,7 +249,9 @@ class Client:
                  use_tqdm: bool = True,
                  priority: int | Sequence[int] = 0) -> list[RequestOutput]:
         """Outputs in prompt order; every prompt validated before any is queued.
-        `priority`: one, or one per prompt (see `LLM.generate`)."""
+        `priority`: one, or one per prompt (see `LLM.generate`). When it raises (Ctrl-C,
+        a request failed), its requests still queued or running are aborted at the
+        service first: no one would read them."""
         prompts, plist = batch_of(prompts, params)
         prios = per_prompt(priority, len(prompts), "priorities")
         for i, (p, sp, pr) in enumerate(zip(prompts, plist, prios)):
@@ -257,18 +259,27 @@ class Client:
                 self.ask("validate", p, sp, pr)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        handles = [self.handle(p, sp, priority=pr) for p, sp, pr in zip(prompts, plist, prios)]
+        handles: list[RequestHandle] = []
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(handles), desc="generate", unit="req")
-        outs = []
-        for h in handles:
-            outs.append(h.result())
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        try:
+            for p, sp, pr in zip(prompts, plist, prios):
+                handles.append(self.handle(p, sp, priority=pr))
+            outs = []
+            for h in handles:
+                outs.append(h.result())
+                if bar:
+                    bar.update(1)
+        except BaseException:  # Ctrl-C, or a request failed: the rest would run unread
+            for h in handles:
+                if not h.done:
+                    self.abort(h)
+            raise
+        finally:
             if bar:
-                bar.update(1)
-        if bar:
-            bar.close()
+                bar.close()
         return outs
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[RequestOutput]:

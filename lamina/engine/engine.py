@@ -133,6 +133,8 @@ class LLMEngine:
         self._probes: set[int] = set()  # the engine's own requests (`_probe`): no output
         self.culprits: deque[str] = deque(maxlen=ERROR_HISTORY)  # why each was named
         self.num_culprits = 0
+        # what cut the last step part-way, until the engine has been reset after it
+        self._cut: BaseException | None = None
         # speculative decoding: tokens guessed, and of them the ones kept
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -387,17 +389,18 @@ class LLMEngine:
         req.rules = TokenRules.of(params, self.tokenizer, self.vocab_size)
         if req.rules is not None:  # the engine applies them: they need not cross
             params = replace(params, allowed_token_ids=None, bad_words=())
-        self._reqs[rid] = req
         for i in range(params.n):
-            seq = Sequence(next(self._sid), list(ids), params, seed=seed + i,
-                           session=session_id, priority=priority)
-            req.seqs.append(seq)
+            req.seqs.append(Sequence(next(self._sid), list(ids), params, seed=seed + i,
+                                     session=session_id, priority=priority))
             req.texts.append(None)
             req.detok.append(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
                              if self.tokenizer is not None else None)
-            self._by_seq[seq.seq_id] = (req, i)
         # n > 1: one prefill; the siblings fork the parent's KV after it (scheduler.fork).
         req.seqs[0].forks = req.seqs[1:]
+        # registered once whole (a Ctrl-C in between leaves no half request behind);
+        # a request known but not queued is one `abort` and `Scheduler.reset` handle
+        self._by_seq.update((s.seq_id, (req, i)) for i, s in enumerate(req.seqs))
+        self._reqs[rid] = req
         self.scheduler.add(req.seqs[0])
         if session_id is not None and self.sessions is not None:
             self.sessions.queued(session_id)  # pinned; its KV on disk is read back now
@@ -419,12 +422,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def request_ids(self) -> set[int]:
+        """The ids of the requests added and not yet finished or aborted."""
+        return set(self._reqs)
+
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a request now and free its KV; its output so far, finish reason "abort"
         for the unfinished samples. None if it is not (or no longer) running."""
         req = self._reqs.get(request_id)
         if req is None:
             return None
+        self._settle()  # what it has written is cached: only after a whole step
         for seq in req.seqs:
             self.scheduler.abort(seq)
         return self._output(req, time.perf_counter())
@@ -433,8 +441,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute (failing faulty requests alone, recovering dead workers),
         then apply the drawn tokens: -> the outputs of requests that finished, failed or
-        (streamed) progressed."""
-        outs = self._step()
+        (streamed) progressed. A step cut part-way from outside (KeyboardInterrupt,
+        SystemExit) re-raises once the engine is reset (`_reset_after_cut`)."""
+        self._settle()
+        try:
+            outs = self._step()
+        except BaseException as e:
+            if not isinstance(e, Exception):  # not the step's own error: it was cut
+                self._cut = e
+                self._settle()
+            raise
         if not self._probes:
             return outs
         keep = [o for o in outs if o.request_id not in self._probes]
@@ -774,6 +790,38 @@ class LLMEngine:
         self.last_recovery_s = time.perf_counter() - t
         return kept_tokens
 
+    def _settle(self) -> None:
+        """If a step was cut part-way and the engine not yet reset after it (the cut
+        came during the reset itself), reset it now."""
+        if self._cut is not None:
+            self._reset_after_cut(self._cut)
+            self._cut = None
+
+    def _reset_after_cut(self, cause: BaseException) -> None:
+        """A step cut wherever it was (a second Ctrl-C: `LLM.generate`): the scheduler's
+        tables, the allocators, the workers' per-sequence state and any KV the step
+        half wrote cannot be trusted. The workers are reset (`Executor.recover`, as
+        after a failed step), the scheduler starts again from the unfinished sequences
+        (`Scheduler.reset`: each computed again from its tokens so far; the prefix
+        cache emptied), the sessions' saved KV is forgotten. Raises when the workers
+        cannot be brought back."""
+        what = f"a step cut part-way ({type(cause).__name__})"
+        t = time.perf_counter()
+        if not self.executor.recover(cause):
+            raise RuntimeError(f"{what}; its workers could not be brought back")
+        live = [s for req in self._reqs.values() for s in req.seqs]
+        requeued = self.scheduler.reset(live)
+        if self.sessions is not None:
+            for w in range(len(self.allocs)):
+                self.sessions.lost_worker(w)
+        self._check_released()
+        self.recoveries.append(what)
+        self.num_recoveries += 1
+        self.last_recovery_s = time.perf_counter() - t
+        log.warning("%s; workers reset in %.2f s, prefix cache emptied, %d sequences back "
+                    "to the queue to be computed again", what, self.last_recovery_s,
+                    requeued)
+
     def check_workers(self) -> str | None:
         """While no request is in the engine: whether every worker answers
         (`Executor.check_workers`); a dead or silent one is replaced now, not found by
@@ -1009,8 +1057,8 @@ class LLMEngine:
                    "preemptions": sum(s.num_preemptions for s in req.seqs),
                    "cached_tokens": req.seqs[0].cached,  # prompt tokens reused
                    "tier_cached_tokens": req.seqs[0].tier_cached}  # of them, from tiers
-        for s in req.seqs:
-            del self._by_seq[s.seq_id]
-        del self._reqs[req.rid]
+        for s in req.seqs:  # (pop: one cut part-way here is finished by its abort)
+            self._by_seq.pop(s.seq_id, None)
+        self._reqs.pop(req.rid, None)
         return RequestOutput(req.rid, req.prompt, req.prompt_ids, outs, metrics,
                              prompt_logprobs=plp, error=error)

@@ -134,6 +134,11 @@ class RadixCache:
         self.size = 0
         return freed
 
+    def forget(self) -> None:
+        """Drop every entry without touching the allocator (it is being reset too)."""
+        self.root.children.clear()
+        self.size = 0
+
     def _nodes(self):
         stack = list(self.root.children.values())
         while stack:

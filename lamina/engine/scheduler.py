@@ -694,6 +694,34 @@ class Scheduler:
         seq.status, seq.cached, seq.tier_cached = "waiting", 0, 0
         self.waiting.appendleft(seq)
 
+    def reset(self, live: Iterable[Sequence]) -> int:
+        """After a step cut part-way (`LLMEngine.step`): what the scheduler half did
+        (a slot taken, a sequence half admitted, a table sent) cannot be trusted, so it
+        starts again from the sequences alone. The allocators and prefix caches are
+        emptied; every unfinished sequence of `live` (its requests' sequences: those
+        running, then any a cut left outside both queues, then those waiting; a
+        sibling not yet forked off stays with its parent) waits to be computed again
+        from its tokens so far, holding nothing. -> the sequences requeued from
+        outside the waiting queue."""
+        queued = {id(s) for s in (*self.running, *self.waiting)}
+        riders = {id(k) for s in live for k in s.forks}
+        loose = [s for s in live if s.status != "finished" and id(s) not in queued
+                 and id(s) not in riders]
+        ran = [*self.running, *loose]
+        for cache in self.caches or ():
+            cache.forget()
+        for a in self.allocs:
+            a.reset()
+        for seq in (*ran, *self.waiting):
+            seq.segments, seq.evicted, seq.sent, seq.pending, seq.kept = [], (0, 0), 0, 0, 0
+            seq.pending_drop, seq.new_drops, seq.first_dropped = [], (), -1
+            seq.status = "waiting"
+        for seq in self.running:  # a preemption, as far as its figures go
+            seq.num_preemptions += 1
+        self.waiting = deque([*ran, *self.waiting])
+        self.running, self._released = [], []
+        return len(ran)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = "finished", reason
         if reason != "error":  # every position fed but the last drawn token's has KV

@@ -18,6 +18,7 @@ from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.inputs import TokensPrompt, check_unicode
 from lamina.engine.outputs import RequestOutput
+from lamina.entrypoints.interrupts import StepBoundary
 from lamina.entrypoints.logs import configure_logging
 from lamina.executor.base import plugin_executor
 from lamina.sampling.params import SamplingParams
@@ -157,7 +158,9 @@ class LLM:
         """`session_id`: the conversation each prompt continues (one id, or one per
         prompt); with KV tiers (`kv_host_bytes`) its KV outlives the pool for the next
         turn. `priority` (one, or one per prompt): with scheduling_policy "priority",
-        lower is served first."""
+        lower is served first. Ctrl-C stops the call once the step in flight ends
+        (KeyboardInterrupt; a second one stops the step too): its requests are aborted
+        and the engine is left as before the call."""
         prompts, plist = batch_of(prompts, params)
         sids = per_prompt(session_id, len(prompts), "session ids")
         prios = per_prompt(priority, len(prompts), "priorities")
@@ -166,24 +169,38 @@ class LLM:
                 self.engine.validate(p, sp, sid, pr)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        order = {self.engine.add_request(p, sp, session_id=sid, priority=pr): i
-                 for i, p, sp, sid, pr in zip(range(len(prompts)), prompts, plist, sids,
-                                              prios)}
+        order: dict[int, int] = {}  # request id -> its prompt's index
+        before = self.engine.request_ids()
         results: list = [None] * len(prompts)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(prompts), desc="generate", unit="req")
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if not out.finished:
-                    continue
-                results[order[out.request_id]] = out
-                if bar:
-                    bar.update(1)
-        if bar:
-            bar.close()
+        try:
+            for i, (p, sp, sid, pr) in enumerate(zip(prompts, plist, sids, prios)):
+                order[self.engine.add_request(p, sp, session_id=sid, priority=pr)] = i
+            self._run(order, results, bar)
+        except BaseException:  # Ctrl-C or a step's error: the call's requests go
+            for rid in sorted(self.engine.request_ids() - before):  # one half-added too
+                self.engine.abort(rid)
+            raise
+        finally:
+            if bar:
+                bar.close()
         return results
+
+    def _run(self, order: dict[int, int], results: list, bar) -> None:
+        """Step until every request has finished, each output into `results` at its
+        prompt's index; a Ctrl-C stops after the step in flight (`StepBoundary`)."""
+        with StepBoundary() as stop:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        if bar:
+                            bar.update(1)
+                if stop.asked:
+                    raise KeyboardInterrupt
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[RequestOutput]:

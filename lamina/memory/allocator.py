@@ -245,6 +245,13 @@ class KVAllocator:
                 released.append(s)
         return released
 
+    def reset(self) -> None:
+        """Every slot free, no request: as new (after a step cut part-way, when no table
+        can be trusted: `Scheduler.reset`)."""
+        self._free = list(range(self.config.num_slots - 1, -1, -1))
+        self._ref = [0] * self.config.num_slots
+        self._tables = {}
+
     # -- internals --
     def _table(self, req) -> list[int]:
         try:

@@ -481,6 +481,40 @@ def test_hung_memory_worker_times_out_and_is_replaced(llm, prompts, hf_greedy, m
     assert hung not in {i["pid"] for i in llm.executor.memory_info}
 
 
+def test_a_second_ctrl_c_mid_step_resets_the_workers_and_the_engine_serves_on(
+        llm, prompts, hf_greedy, monkeypatch):
+    """Two Ctrl-Cs while the compute worker runs a prefill: the first is held to the
+    step's end (`StepBoundary`), the second cuts the driver's wait on the worker. The
+    engine resets the workers and itself (tests/lamina/test_interrupt.py): no request
+    is left, every slot is free, and the next call gives HF's tokens."""
+    assert threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own
+    eng, ex = llm.engine, llm.executor
+    eng.clear_prefix_cache()
+    recoveries, call = eng.num_recoveries, ex._call
+
+    def calling(r, plan):
+        if plan.step == first:  # two Ctrl-Cs, apart (a second one pending is no second)
+            for at in (0.05, 0.1):
+                threading.Timer(at, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return call(r, plan)
+
+    first = eng.scheduler.step
+    monkeypatch.setattr(ex, "_call", calling)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([prompts[8], prompts[7], prompts[6]], GREEDY, use_tqdm=False)
+    finally:
+        monkeypatch.undo()
+        signal.signal(signal.SIGINT, handler)
+    assert eng.num_recoveries == recoveries + 1
+    assert eng.recoveries[-1] == "a step cut part-way (KeyboardInterrupt)"
+    assert eng.request_ids() == set() and not eng.has_unfinished()
+    assert eng.free_slots() == [4096, 4096]
+    outs = llm.generate([prompts[8], prompts[5]], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy[8], hf_greedy[5]]
+
+
 def test_ray_sessions_come_back_from_the_tiers_and_a_bad_file_is_recomputed(llm, smol):
     """Two sessions' first turns: A is demoted to a disk file on its memory worker when B
     is saved (the host tier holds one). The file is corrupted; with the prefix cache

@@ -268,6 +268,33 @@ def test_abort_frees_the_requests_kv(cluster, prompts):
     assert client.status()["aborted"] >= 1
 
 
+def test_ctrl_c_in_generate_aborts_its_requests_at_the_service(cluster, prompts,
+                                                               monkeypatch):
+    """A client's `generate` interrupted (Ctrl-C while it waits for the first answer)
+    aborts its requests at the service: none runs on unread, their KV is freed."""
+    from lamina.cluster.client import RequestHandle
+
+    client = lamina.connect(cluster["cluster"].address)
+    before = client.status()
+
+    def interrupted(self, timeout=None):
+        next(iter(self))  # running at the service
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RequestHandle, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        client.generate([prompts[8], prompts[3]], SamplingParams(max_tokens=400,
+                                                                 ignore_eos=True),
+                        use_tqdm=False)
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10
+    free = [k["free"] for k in before["kv"]]
+    while (s := client.status())["running"] or [k["free"] for k in s["kv"]] != free:
+        assert time.monotonic() < deadline, (s["running"], s["kv"], free)
+        time.sleep(0.1)
+    assert s["aborted"] == before["aborted"] + 2
+
+
 def test_killed_memory_workers_are_replaced_under_the_service(cluster, prompts, hf_greedy):
     """Deployed once, the service recovers by itself: both memory workers killed (kill
     -9) mid-generation are replaced, the request still ends with HF's greedy tokens, and

@@ -354,3 +354,38 @@ def test_a_preempted_sequence_keeps_its_kv_in_the_cache_exact():
     assert (work.seq_id, work.token_ids, work.start_pos) == (1, (23, 24), 3)
     assert work.slots[:3] == (3, 4, 5) and b.kept == 0 and b.cached == 0
     assert len(set(work.slots)) == 5
+
+
+def test_reset_after_a_cut_starts_again_from_the_sequences_alone():
+    """A step cut part-way (`LLMEngine.step`) may leave a sequence half admitted (out of
+    the queue, slots taken, not running) and tables half sent: `reset` empties the
+    allocator and the prefix cache and queues every unfinished sequence, those that ran
+    first; the next plan is a fresh scheduler's, slot for slot."""
+    allocs = [KVAllocator(KVAllocatorConfig(16))]
+    s = Scheduler(SchedulerConfig(4, 100), allocs, prefix_caching=True)
+    a, b = Sequence(0, [10, 11, 12], P), Sequence(1, [20, 21], SamplingParams(n=2))
+    kid, c, gone = Sequence(2, [20, 21], P), Sequence(3, [30], P), Sequence(4, [40, 41], P)
+    b.forks = [kid]
+    for q in (gone, a):
+        s.add(q)
+    s.schedule()
+    gone.output.append(42)
+    s.finish(gone, "length")  # its prompt cached: slots 0 1 held by the tree
+    a.output.append(13)
+    s.add(b)
+    s.add(c)
+    s.waiting.remove(b)  # b cut half admitted: its slots taken, in neither queue
+    allocs[0].allocate(b.seq_id, 2)
+    b.status = "running"
+    assert allocs[0].num_free() == 16 - 2 - 3 - 2 and s.caches[0].size == 2
+    assert s.reset([a, b, kid, c, gone]) == 2
+    assert allocs[0].free_list() == list(range(16)) and allocs[0].requests() == []
+    assert s.caches[0].size == 0 and s.running == []
+    assert list(s.waiting) == [a, b, c]  # kid rides with b, gone is finished
+    assert [(q.status, q.segments, q.sent, q.num_preemptions) for q in (a, b, c)] == [
+        ("waiting", [], 0, 1), ("waiting", [], 0, 0), ("waiting", [], 0, 0)]
+    plan = s.schedule()
+    pb = SamplingParams(n=2)
+    assert plan.seqs == (SeqWork(0, (10, 11, 12, 13), 0, (0, 1, 2, 3), params=P),
+                         SeqWork(1, (20, 21), 0, (4, 5), params=pb, seeds=(0, 0)),
+                         SeqWork(3, (30,), 0, (6,), params=P))

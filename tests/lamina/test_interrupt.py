@@ -1,0 +1,167 @@
+"""Ctrl-C during `LLM.generate` (local executor, SmolLM2). The first stops the call once
+the step in flight ends; a second cuts that step where it is, and the engine resets
+itself (workers, scheduler, prefix cache). Either way the call raises KeyboardInterrupt,
+no request of it is left, every KV slot is free or cached, and the next calls give HF's
+greedy tokens: a prompt the first Ctrl-C stopped reuses the KV it had written (it was
+whole). A cut at any line of the engine's Python (scheduler, allocator, prefix cache,
+engine) leaves it as sound. The Ray client's `generate` is in
+tests/cluster/test_ray_service.py."""
+import os
+import random
+import signal
+import sys
+import threading
+
+import pytest
+
+from lamina import LLM, SamplingParams
+from lamina.compute.compute_side import ComputeSide
+from tests.conftest import HF_NEW
+
+SLOTS = 4096
+CHUNK = 256  # max_step_tokens: the 600-token prompt is fed in 3 steps
+GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM(num_kv_slots=SLOTS, max_step_tokens=CHUNK)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler in place (what `StepBoundary` replaces), as in a
+    script or a notebook's cell; the signal goes to this (the main) thread."""
+    assert threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def ctrl_c() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def assert_left_as_before(llm, recoveries: int) -> None:
+    eng = llm.engine
+    assert eng.request_ids() == set() and not eng.has_unfinished()
+    assert eng.num_recoveries == recoveries
+    assert eng.free_slots() == [SLOTS]  # free, or held by the prefix cache alone
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+
+
+@pytest.mark.parametrize("at_step,written", [(2, 2 * CHUNK), (5, 600 + 2)])
+def test_ctrl_c_ends_the_step_in_flight_then_stops_the_call(
+        llm, prompts, hf_greedy, python_sigint, monkeypatch, at_step, written):
+    """Ctrl-C in step 2 (the prompt's second chunk) or step 5 (its third decode): that
+    step runs to its end, no other starts, the call raises; the KV that step wrote is
+    whole, so the same prompt next reuses it and gives HF's tokens."""
+    eng, calls, ended = llm.engine, [], []
+    eng.clear_prefix_cache()
+    step, recoveries = eng.step, eng.num_recoveries
+
+    def stepping():
+        calls.append(1)
+        if len(calls) == at_step:
+            ctrl_c()  # handled here, in the main thread: held by StepBoundary
+        out = step()
+        ended.append(1)
+        return out
+
+    monkeypatch.setattr(eng, "step", stepping)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompts[8], prompts[3]], GREEDY, use_tqdm=False)
+    assert (len(calls), len(ended)) == (at_step, at_step)
+    monkeypatch.undo()
+    assert_left_as_before(llm, recoveries)
+    out = llm.generate([prompts[8]], GREEDY, use_tqdm=False)[0]
+    assert out.token_ids == hf_greedy[8]
+    assert out.metrics["cached_tokens"] == min(written, len(prompts[8]) - 1)
+
+
+def test_a_second_ctrl_c_cuts_the_step_and_the_engine_resets_itself(
+        llm, prompts, hf_greedy, python_sigint, monkeypatch):
+    """Both Ctrl-Cs at layer 15 of the third step: the second raises there, mid-layer;
+    the engine resets its workers and drops its prefix cache (nothing the cut step
+    half wrote is kept), says so in `recoveries`, and serves as before."""
+    eng, submits = llm.engine, []
+    recoveries, submit = eng.num_recoveries, ComputeSide._submit
+    layers = llm.loaded.config.num_hidden_layers
+
+    def submitting(self, layer, *args):
+        submits.append(layer)
+        if len(submits) == 2 * layers + 15:
+            ctrl_c()  # held
+            ctrl_c()  # raises: the step is cut here
+        return submit(self, layer, *args)
+
+    monkeypatch.setattr(ComputeSide, "_submit", submitting)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompts[8], prompts[5]], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert len(submits) == 2 * layers + 15  # it raised where the second one came
+    assert_left_as_before(llm, recoveries + 1)
+    assert eng.recoveries[-1] == "a step cut part-way (KeyboardInterrupt)"
+    assert eng.scheduler.caches[0].size == 0  # all slots free
+    outs = llm.generate([prompts[8], prompts[5]], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy[8], hf_greedy[5]]
+
+
+ENGINE_FILES = tuple(os.path.join("lamina", *p) for p in [
+    ("engine", "engine.py"), ("engine", "scheduler.py"), ("engine", "prefix_cache.py"),
+    ("memory", "allocator.py")])
+
+
+class CutAt:
+    """A trace function raising KeyboardInterrupt at the n-th line the engine's Python
+    runs (what Python's own handler of a second Ctrl-C does, wherever it lands)."""
+
+    def __init__(self, n: int):
+        self.seen, self.n = 0, n
+
+    def __call__(self, frame, event, arg):
+        if not frame.f_code.co_filename.endswith(ENGINE_FILES):
+            return None
+        if event == "line":
+            self.seen += 1
+            if self.seen == self.n:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+        return self
+
+
+def test_a_cut_at_any_line_of_the_engine_leaves_it_sound(llm, prompts, hf_greedy):
+    """Cuts at 16 lines spread over one call (adding, scheduling chunks and forks,
+    allocating, caching, applying, aborting): after each, no request is left, every
+    slot is free once the cache is cleared, and a request gives HF's tokens."""
+    eng, rng = llm.engine, random.Random(0)
+    work = [prompts[i] for i in (6, 1, 9)]  # 300, 12 and 9 tokens
+    params = [SamplingParams(max_tokens=6, temperature=0),
+              SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=3),
+              SamplingParams(max_tokens=4, temperature=0)]
+    whole = CutAt(0)
+    eng.clear_prefix_cache()  # each call starts alike: it runs the same lines
+    sys.settrace(whole)  # counts the lines of one whole call
+    try:
+        llm.generate(work, params, use_tqdm=False)
+    finally:
+        sys.settrace(None)
+    cut = 0
+    for n in sorted(rng.sample(range(1, whole.seen), 16)):
+        eng.clear_prefix_cache()
+        sys.settrace(CutAt(n))
+        try:
+            llm.generate(work, params, use_tqdm=False)
+        except KeyboardInterrupt:
+            cut += 1
+        finally:
+            sys.settrace(None)
+        assert eng.request_ids() == set() and not eng.has_unfinished(), n
+        eng.clear_prefix_cache()
+        assert [a.num_free() for a in eng.allocs] == [SLOTS], n
+        again = llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0),
+                             use_tqdm=False)[0]
+        assert again.token_ids == hf_greedy[0][:4], n
+    assert cut == 16
