@@ -135,6 +135,8 @@ class LLMEngine:
         self.num_culprits = 0
         # what cut the last step part-way, until the engine has been reset after it
         self._cut: BaseException | None = None
+        # whether the last step raised (unrecovered): the KV it was writing is not known
+        self._step_failed = False
         # speculative decoding: tokens guessed, and of them the ones kept
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -432,9 +434,9 @@ class LLMEngine:
         req = self._reqs.get(request_id)
         if req is None:
             return None
-        self._settle()  # what it has written is cached: only after a whole step
-        for seq in req.seqs:
-            self.scheduler.abort(seq)
+        self._settle()
+        for seq in req.seqs:  # what it wrote is cached, unless the last step failed
+            self.scheduler.abort(seq, keep_kv=not self._step_failed)
         return self._output(req, time.perf_counter())
 
     # -- the step loop --
@@ -442,15 +444,18 @@ class LLMEngine:
         """Schedule, execute (failing faulty requests alone, recovering dead workers),
         then apply the drawn tokens: -> the outputs of requests that finished, failed or
         (streamed) progressed. A step cut part-way from outside (KeyboardInterrupt,
-        SystemExit) re-raises once the engine is reset (`_reset_after_cut`)."""
+        SystemExit) re-raises once the engine is reset (`_reset_after_cut`); after a
+        step's own error (not recovered) an abort caches none of the aborted KV."""
         self._settle()
         try:
             outs = self._step()
         except BaseException as e:
+            self._step_failed = True
             if not isinstance(e, Exception):  # not the step's own error: it was cut
                 self._cut = e
                 self._settle()
             raise
+        self._step_failed = False
         if not self._probes:
             return outs
         keep = [o for o in outs if o.request_id not in self._probes]

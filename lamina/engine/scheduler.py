@@ -722,18 +722,20 @@ class Scheduler:
         self.running, self._released = [], []
         return len(ran)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, keep_kv: bool = True) -> None:
+        """`keep_kv`: cache its KV (prefix caching) unless it failed ("error")."""
         seq.status, seq.finish_reason = "finished", reason
-        if reason != "error":  # every position fed but the last drawn token's has KV
+        if keep_kv and reason != "error":  # every position fed but the last drawn has KV
             self.cache(seq, seq.written)
         self._release(seq)
         self.running.remove(seq)
 
-    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+    def abort(self, seq: Sequence, reason: str = "abort", keep_kv: bool = True) -> None:
         """Drop an unfinished seq wherever it is (running, waiting, or a fork not yet
-        forked off) and free its KV; it finishes with `reason`."""
+        forked off) and free its KV; it finishes with `reason`. `keep_kv` False: its KV
+        is not cached (the last step failed: what it wrote is not known)."""
         if seq.status == "running":
-            self.finish(seq, reason)
+            self.finish(seq, reason, keep_kv)
         elif seq.status == "waiting":
             if seq in self.waiting:
                 self.waiting.remove(seq)

@@ -4,13 +4,15 @@ itself (workers, scheduler, prefix cache). Either way the call raises KeyboardIn
 no request of it is left, every KV slot is free or cached, and the next calls give HF's
 greedy tokens: a prompt the first Ctrl-C stopped reuses the KV it had written (it was
 whole). A cut at any line of the engine's Python (scheduler, allocator, prefix cache,
-engine) leaves it as sound. The Ray client's `generate` is in
-tests/cluster/test_ray_service.py."""
+engine) leaves it as sound. A step's own error, not recovered, leaves `generate` the same
+way, and none of the KV that step was writing is cached. The Ray client's `generate` is
+in tests/cluster/test_ray_service.py."""
 import os
 import random
 import signal
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -107,6 +109,34 @@ def test_a_second_ctrl_c_cuts_the_step_and_the_engine_resets_itself(
     assert eng.scheduler.caches[0].size == 0  # all slots free
     outs = llm.generate([prompts[8], prompts[5]], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [hf_greedy[8], hf_greedy[5]]
+
+
+def test_a_failed_step_leaves_generate_with_its_requests_and_caches_none_of_its_kv(
+        llm, prompts, hf_greedy, monkeypatch):
+    """Recovery off, layer 20 of the prompt's first chunk raises: `generate` raises that
+    error with its request aborted; the KV of the chunk (layers 0-19 written, the rest
+    not) is not cached, so the prompt next is computed whole and gives HF's tokens."""
+    eng, submit = llm.engine, ComputeSide._submit
+    eng.clear_prefix_cache()
+    config, recoveries = eng.config, eng.num_recoveries
+
+    def failing(self, layer, *args):
+        if layer == 20:
+            raise RuntimeError("a bug in layer 20")
+        return submit(self, layer, *args)
+
+    monkeypatch.setattr(ComputeSide, "_submit", failing)
+    eng.config = replace(config, max_recoveries=0, find_culprits=False)
+    try:
+        with pytest.raises(RuntimeError, match="a bug in layer 20"):
+            llm.generate([prompts[8]], GREEDY, use_tqdm=False)
+    finally:
+        eng.config = config
+        monkeypatch.undo()
+    assert_left_as_before(llm, recoveries)
+    assert eng.scheduler.caches[0].size == 0
+    out = llm.generate([prompts[8]], GREEDY, use_tqdm=False)[0]
+    assert out.token_ids == hf_greedy[8] and out.metrics["cached_tokens"] == 0
 
 
 ENGINE_FILES = tuple(os.path.join("lamina", *p) for p in [
