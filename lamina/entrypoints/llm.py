@@ -193,14 +193,15 @@ class LLM:
         """Step until every request has finished, each output into `results` at its
         prompt's index; a Ctrl-C stops after the step in flight (`StepBoundary`)."""
         with StepBoundary() as stop:
-            while self.engine.has_unfinished():
+            while self.engine.has_unfinished() and not stop.asked:
                 for out in self.engine.step():
                     if out.finished:
                         results[order[out.request_id]] = out
                         if bar:
                             bar.update(1)
-                if stop.asked:
-                    raise KeyboardInterrupt
+            if stop.asked:  # (after the last step too: the Ctrl-C is not lost)
+                raise KeyboardInterrupt("generate stopped after the step in flight; its "
+                                        "requests were aborted")
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[RequestOutput]:
