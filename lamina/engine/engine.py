@@ -785,15 +785,21 @@ class LLMEngine:
         intact = self._intact(plan, kept, loading) if plan is not None else {}
         self._loads_undone(loading)
         kept_tokens = self.scheduler.preempt_all(intact)
-        if self.sessions is not None:  # the workers' tiers were dropped (reset or gone)
+        self.kv_kept_tokens += kept_tokens
+        self._recovered(what, t)
+        return kept_tokens
+
+    def _recovered(self, what: str, since: float) -> None:
+        """After the workers were reset or replaced and every running sequence requeued:
+        the sessions' saved KV went with the workers' tiers, no slot may be left held
+        (`_check_released`), and the recovery is counted."""
+        if self.sessions is not None:
             for w in range(len(self.allocs)):
                 self.sessions.lost_worker(w)
         self._check_released()
         self.recoveries.append(what)
         self.num_recoveries += 1
-        self.kv_kept_tokens += kept_tokens
-        self.last_recovery_s = time.perf_counter() - t
-        return kept_tokens
+        self.last_recovery_s = time.perf_counter() - since
 
     def _settle(self) -> None:
         """If a step was cut part-way and the engine not yet reset after it (the cut
@@ -814,15 +820,8 @@ class LLMEngine:
         t = time.perf_counter()
         if not self.executor.recover(cause):
             raise RuntimeError(f"{what}; its workers could not be brought back")
-        live = [s for req in self._reqs.values() for s in req.seqs]
-        requeued = self.scheduler.reset(live)
-        if self.sessions is not None:
-            for w in range(len(self.allocs)):
-                self.sessions.lost_worker(w)
-        self._check_released()
-        self.recoveries.append(what)
-        self.num_recoveries += 1
-        self.last_recovery_s = time.perf_counter() - t
+        requeued = self.scheduler.reset([s for r in self._reqs.values() for s in r.seqs])
+        self._recovered(what, t)
         log.warning("%s; workers reset in %.2f s, prefix cache emptied, %d sequences back "
                     "to the queue to be computed again", what, self.last_recovery_s,
                     requeued)

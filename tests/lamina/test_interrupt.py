@@ -144,6 +144,18 @@ ENGINE_FILES = tuple(os.path.join("lamina", *p) for p in [
     ("memory", "allocator.py")])
 
 
+def assert_sound(llm, slots: int, prompts, hf_greedy, where) -> None:
+    """After a call cut anywhere: no request left, every slot free once the prefix
+    cache is cleared, and a greedy request gives HF's tokens."""
+    eng = llm.engine
+    assert eng.request_ids() == set() and not eng.has_unfinished(), where
+    eng.clear_prefix_cache()
+    assert [a.num_free() for a in eng.allocs] == [slots], where
+    again = llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0),
+                         use_tqdm=False)[0]
+    assert again.token_ids == hf_greedy[0][:4], where
+
+
 class CutAt:
     """A trace function raising KeyboardInterrupt at the n-th line the engine's Python
     runs (what Python's own handler of a second Ctrl-C does, wherever it lands)."""
@@ -188,12 +200,7 @@ def test_a_cut_at_any_line_of_the_engine_leaves_it_sound(llm, prompts, hf_greedy
             cut += 1
         finally:
             sys.settrace(None)
-        assert eng.request_ids() == set() and not eng.has_unfinished(), n
-        eng.clear_prefix_cache()
-        assert [a.num_free() for a in eng.allocs] == [SLOTS], n
-        again = llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0),
-                             use_tqdm=False)[0]
-        assert again.token_ids == hf_greedy[0][:4], n
+        assert_sound(llm, SLOTS, prompts, hf_greedy, n)
     assert cut == 12
 
 
@@ -210,7 +217,6 @@ def test_cut_soak(prompts, hf_greedy):
     seed, calls = map(int, SOAK.split(":"))
     llm = LLM(num_kv_slots=512, max_step_tokens=64)
     eng, rng, cuts = llm.engine, random.Random(seed), 0
-    check = SamplingParams(max_tokens=4, temperature=0)
     for call in range(calls):
         work = [prompts[8][:rng.randrange(2, 300)] for _ in range(rng.randrange(1, 6))]
         params = [SamplingParams(max_tokens=rng.randrange(1, 30), n=rng.choice([1, 1, 2]),
@@ -222,10 +228,6 @@ def test_cut_soak(prompts, hf_greedy):
             cuts += 1
         finally:
             sys.settrace(None)
-        assert eng.request_ids() == set() and not eng.has_unfinished(), call
-        eng.clear_prefix_cache()
-        assert [a.num_free() for a in eng.allocs] == [512], call
-        again = llm.generate([prompts[0]], check, use_tqdm=False)[0]
-        assert again.token_ids == hf_greedy[0][:4], call
+        assert_sound(llm, 512, prompts, hf_greedy, call)
     print(f"seed {seed}: {calls} calls, {cuts} cut, engine resets {eng.num_recoveries}")
     llm.shutdown()
