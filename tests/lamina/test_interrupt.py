@@ -144,6 +144,19 @@ ENGINE_FILES = tuple(os.path.join("lamina", *p) for p in [
     ("memory", "allocator.py")])
 
 
+def cut_at(n: int, llm, work, params) -> bool:
+    """`llm.generate(work, params)` cut at the n-th line of the engine's Python;
+    -> whether it was cut (False: the call ended first)."""
+    sys.settrace(CutAt(n))
+    try:
+        llm.generate(work, params, use_tqdm=False)
+        return False
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+
+
 def assert_sound(llm, slots: int, prompts, hf_greedy, where) -> None:
     """After a call cut anywhere: no request left, every slot free once the prefix
     cache is cleared, and a greedy request gives HF's tokens."""
@@ -193,13 +206,7 @@ def test_a_cut_at_any_line_of_the_engine_leaves_it_sound(llm, prompts, hf_greedy
     cut = 0
     for n in sorted(rng.sample(range(1, whole.seen), 12)):
         eng.clear_prefix_cache()
-        sys.settrace(CutAt(n))
-        try:
-            llm.generate(work, params, use_tqdm=False)
-        except KeyboardInterrupt:
-            cut += 1
-        finally:
-            sys.settrace(None)
+        cut += cut_at(n, llm, work, params)
         assert_sound(llm, SLOTS, prompts, hf_greedy, n)
     assert cut == 12
 
@@ -221,13 +228,7 @@ def test_cut_soak(prompts, hf_greedy):
         work = [prompts[8][:rng.randrange(2, 300)] for _ in range(rng.randrange(1, 6))]
         params = [SamplingParams(max_tokens=rng.randrange(1, 30), n=rng.choice([1, 1, 2]),
                                  temperature=rng.choice([0, 1.0]), seed=1) for _ in work]
-        sys.settrace(CutAt(rng.randrange(1, 20000)))
-        try:
-            llm.generate(work, params, use_tqdm=False)
-        except KeyboardInterrupt:
-            cuts += 1
-        finally:
-            sys.settrace(None)
+        cuts += cut_at(rng.randrange(1, 20000), llm, work, params)
         assert_sound(llm, 512, prompts, hf_greedy, call)
     print(f"seed {seed}: {calls} calls, {cuts} cut, engine resets {eng.num_recoveries}")
     llm.shutdown()
