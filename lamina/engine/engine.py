@@ -425,8 +425,9 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def request_ids(self) -> set[int]:
-        """The ids of the requests added and not yet finished or aborted."""
-        return set(self._reqs)
+        """The ids of the requests added and not yet finished or aborted (not the
+        engine's own: a culprit search's probes)."""
+        return set(self._reqs) - self._probes
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a request now and free its KV; its output so far, finish reason "abort"

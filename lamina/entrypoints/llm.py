@@ -11,13 +11,14 @@ import inspect
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 from lamina.engine.beam_search import BeamSearchParams, beam_search
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.inputs import TokensPrompt, check_unicode
 from lamina.engine.outputs import RequestOutput
+from lamina.entrypoints.calls import Call, CallRequest, SharedEngine
 from lamina.entrypoints.interrupts import StepBoundary
 from lamina.entrypoints.logs import configure_logging
 from lamina.executor.base import plugin_executor
@@ -141,6 +142,7 @@ class LLM:
             self.config = replace(self.config, split_kv=False)
         self.engine = LLMEngine(self.config, self.executor, self.loaded.tokenizer,
                                 self.loaded.config)
+        self._shared = SharedEngine(self.engine)  # generate's calls from any thread
 
     @classmethod
     def from_config(cls, config: LaminaConfig) -> LLM:
@@ -160,7 +162,8 @@ class LLM:
         turn. `priority` (one, or one per prompt): with scheduling_policy "priority",
         lower is served first. Ctrl-C stops the call once the step in flight ends
         (KeyboardInterrupt; a second one stops the step too): its requests are aborted
-        and the engine is left as before the call."""
+        and the engine is left as before the call. Calls from several threads share the
+        engine: their requests batch together and each call returns with its own."""
         prompts, plist = batch_of(prompts, params)
         sids = per_prompt(session_id, len(prompts), "session ids")
         prios = per_prompt(priority, len(prompts), "priorities")
@@ -169,39 +172,25 @@ class LLM:
                 self.engine.validate(p, sp, sid, pr)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        order: dict[int, int] = {}  # request id -> its prompt's index
-        before = self.engine.request_ids()
-        results: list = [None] * len(prompts)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        call = Call(len(prompts), bar.update if bar is not None else None)
         try:
-            for i, (p, sp, sid, pr) in enumerate(zip(prompts, plist, sids, prios)):
-                order[self.engine.add_request(p, sp, session_id=sid, priority=pr)] = i
-            self._run(order, results, bar)
+            self._shared.add(call, [CallRequest(*r) for r in zip(prompts, plist, sids, prios)])
+            with StepBoundary() as stop:
+                self._shared.run(call, stop)
+            if stop.asked:  # (after the last step too: the Ctrl-C is not lost)
+                raise KeyboardInterrupt("generate stopped after the step in flight; its "
+                                        "requests were aborted")
         except BaseException:  # Ctrl-C or a step's error: the call's requests go
-            for rid in sorted(self.engine.request_ids() - before):  # one half-added too
-                self.engine.abort(rid)
+            self._shared.abort(call)
             raise
         finally:
             if bar:
                 bar.close()
-        return results
-
-    def _run(self, order: dict[int, int], results: list, bar) -> None:
-        """Step until every request has finished, each output into `results` at its
-        prompt's index; a Ctrl-C stops after the step in flight (`StepBoundary`)."""
-        with StepBoundary() as stop:
-            while self.engine.has_unfinished() and not stop.asked:
-                for out in self.engine.step():
-                    if out.finished:
-                        results[order[out.request_id]] = out
-                        if bar:
-                            bar.update(1)
-            if stop.asked:  # (after the last step too: the Ctrl-C is not lost)
-                raise KeyboardInterrupt("generate stopped after the step in flight; its "
-                                        "requests were aborted")
+        return cast(list[RequestOutput], call.results)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
                     concurrency_limit: int | None = None) -> list[RequestOutput]:

@@ -5,8 +5,10 @@ no request of it is left, every KV slot is free or cached, and the next calls gi
 greedy tokens: a prompt the first Ctrl-C stopped reuses the KV it had written (it was
 whole). A cut at any line of the engine's Python (scheduler, allocator, prefix cache,
 engine) leaves it as sound. A step's own error, not recovered, leaves `generate` the same
-way, and none of the KV that step was writing is cached. The Ray client's `generate` is
-in tests/cluster/test_ray_service.py."""
+way, and none of the KV that step was writing is cached. Calls from several threads
+share the engine (a Ctrl-C stops the main thread's alone); a call beside a request added
+to the engine directly is refused. The Ray client's `generate` is in
+tests/cluster/test_ray_service.py."""
 import os
 import random
 import signal
@@ -137,6 +139,90 @@ def test_a_failed_step_leaves_generate_with_its_requests_and_caches_none_of_its_
     assert eng.scheduler.caches[0].size == 0
     out = llm.generate([prompts[8]], GREEDY, use_tqdm=False)[0]
     assert out.token_ids == hf_greedy[8] and out.metrics["cached_tokens"] == 0
+
+
+def generate_in(llm, prompts, got: dict, key, start: threading.Barrier | None = None):
+    """A thread calling `llm.generate`: its outputs (or its error) in `got[key]`."""
+    def call():
+        if start is not None:
+            start.wait()
+        try:
+            got[key] = llm.generate(prompts, GREEDY, use_tqdm=False)
+        except BaseException as e:  # noqa: BLE001 (the thread hands its error to the test)
+            got[key] = e
+    t = threading.Thread(target=call)
+    t.start()
+    return t
+
+
+def test_calls_from_threads_batch_together_and_each_gets_its_own(llm, prompts, hf_greedy,
+                                                                monkeypatch):
+    """Three threads call `generate` at once: each call gets its own prompts' HF greedy
+    tokens, in its order; some step carried requests of all three (one batch, not three
+    in turn); the engine ends holding nothing. Before, two threads stepping the engine
+    at once broke a step (`ValueError: seq 2: 0 slots from position 2 ...`)."""
+    eng, picks, got, seen = llm.engine, [[1, 9], [3], [0, 4, 10]], {}, []
+    step = eng.step
+
+    def stepping():
+        seen.append(eng.request_ids())
+        return step()
+
+    monkeypatch.setattr(eng, "step", stepping)
+    start = threading.Barrier(len(picks))
+    for t in [generate_in(llm, [prompts[i] for i in pick], got, k, start)
+              for k, pick in enumerate(picks)]:
+        t.join(120)
+    for k, pick in enumerate(picks):
+        assert [o.token_ids for o in got[k]] == [hf_greedy[i] for i in pick], got[k]
+    ids = [{o.request_id for o in got[k]} for k in range(len(picks))]
+    assert any(all(held & mine for mine in ids) for held in seen)
+    assert eng.request_ids() == set() and eng.free_slots() == [SLOTS]
+
+
+def test_ctrl_c_stops_the_main_threads_call_alone(llm, prompts, hf_greedy, python_sigint,
+                                                  monkeypatch):
+    """Another thread's call runs while the main thread's is Ctrl-C'd in its third
+    step: the main thread's call raises with its request aborted, the other call runs
+    on to HF's tokens."""
+    eng, got, mine = llm.engine, {}, []
+    step, before = eng.step, eng.num_recoveries
+
+    def stepping():
+        if threading.current_thread() is threading.main_thread():
+            mine.append(1)
+            if len(mine) == 3:
+                ctrl_c()  # held to this step's end
+        return step()
+
+    monkeypatch.setattr(eng, "step", stepping)
+    other = generate_in(llm, [prompts[8]], got, "other")
+    while not eng.request_ids():
+        pass  # the other call's request is in
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompts[3]], GREEDY, use_tqdm=False)
+    assert len(mine) == 3
+    other.join(120)
+    assert [o.token_ids for o in got["other"]] == [hf_greedy[8]]
+    assert_left_as_before(llm, before)
+
+
+def test_a_call_beside_a_request_added_directly_is_refused_and_changes_nothing(
+        llm, prompts, hf_greedy):
+    """`generate` steps every request its engine holds: beside one added to
+    `llm.engine` directly (whose output it would take), it refuses to start, naming it;
+    nothing is added or run. Before, it ran both and failed on that request's output
+    (KeyError)."""
+    eng = llm.engine
+    rid = eng.add_request(prompts[2], GREEDY)
+    with pytest.raises(RuntimeError, match=rf"added to it directly \(ids \[{rid}\]\)"):
+        llm.generate([prompts[3]], GREEDY, use_tqdm=False)
+    assert eng.request_ids() == {rid}
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.finished]
+    assert [(o.request_id, o.token_ids) for o in outs] == [(rid, hf_greedy[2])]
+    assert llm.generate([prompts[3]], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy[3]
 
 
 ENGINE_FILES = tuple(os.path.join("lamina", *p) for p in [
