@@ -41,7 +41,7 @@ from lamina.dataplane.control import ControlClient, StepError
 from lamina.dataplane.rdma import RdmaSupport, TransportChoice, choose_transport, probe
 from lamina.dataplane.transport import SocketChannel, connect_stream, shm_enabled
 from lamina.engine.messages import StepPlan, StepResult
-from lamina.errors import SequenceFault
+from lamina.errors import EngineDead, SequenceFault
 from lamina.executor.base import Executor
 from lamina.executor.replicas import ReplicaSplit, is_hard, merged, replica_faults
 from lamina.kernels import KernelBuildError, is_built, load_cpu_kernel
@@ -475,6 +475,7 @@ class RayExecutor(Executor):
         bound) is found by the next attempt, which replaces it: at most
         RECOVER_ATTEMPTS in all.
         False if the cluster cannot give new workers."""
+        self._check_open()  # a shut executor's placement is gone: nothing to start on
         replaced: set[int] = set()  # memory workers new since the step: no KV of theirs
         for attempt in range(1, RECOVER_ATTEMPTS + 1):
             try:
@@ -555,6 +556,7 @@ class RayExecutor(Executor):
         frame went out, or after every output came back), else `WorkerFailure` naming
         what each worker reported. `TierMiss` (clean) when a memory worker cannot serve a
         tier load: asked before the step is sent."""
+        self._check_open()
         self._check_tier_loads(plan)
         if plan.tier_orders and len(self.computes) > 1:
             plan = self._tiers_first(plan)
@@ -755,8 +757,14 @@ class RayExecutor(Executor):
                                           for a in [*self.computes, *self.memory]],
                                          "trace stop") for s in spans]
 
+    def _check_open(self) -> None:
+        if getattr(self, "_shut", False):
+            raise EngineDead("the Ray executor was shut down (LLM.shutdown()): its workers "
+                             "and placement group are gone")
+
     def shutdown(self) -> None:
-        """Kill the workers and free their placement; a second call does nothing."""
+        """Kill the workers and free their placement; a second call does nothing. Steps
+        and recoveries then raise `EngineDead`."""
         if getattr(self, "_shut", False):
             return
         self._shut = True

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lamina.engine.outputs import RequestOutput
+from lamina.errors import EngineDead
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,15 @@ class SharedEngine:
         self._cv = threading.Condition()
         self._issued = self._serving = 0
         self._gone: set[int] = set()  # tickets given up while waiting
+        self._closed: str | None = None  # why calls are refused (`close`)
+
+    def close(self, why: str) -> None:
+        """Refuse calls from now on, and the steps of those in flight, saying `why`."""
+        self._closed = why
+
+    def check_open(self) -> None:
+        if self._closed is not None:
+            raise EngineDead(self._closed)
 
     def _enter(self, call: Call | None = None) -> bool:
         """Wait for the engine, in turn. With `call`: False (not entered) once another
@@ -93,6 +103,7 @@ class SharedEngine:
         """Queue the call's requests, all or none (one half-added is aborted too)."""
         self._enter()
         try:
+            self.check_open()
             held = self.engine.request_ids()
             others = sorted(held - self._owner.keys())
             if others:
@@ -122,6 +133,7 @@ class SharedEngine:
             try:
                 if stop.asked:  # asked while another thread's step ran
                     return
+                self.check_open()
                 for out in self.engine.step():
                     owner = self._owner.pop(out.request_id, None) if out.finished else None
                     if owner is not None:

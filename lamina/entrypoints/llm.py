@@ -164,6 +164,7 @@ class LLM:
         (KeyboardInterrupt; a second one stops the step too): its requests are aborted
         and the engine is left as before the call. Calls from several threads share the
         engine: their requests batch together and each call returns with its own."""
+        self._shared.check_open()
         prompts, plist = batch_of(prompts, params)
         sids = per_prompt(session_id, len(prompts), "session ids")
         prios = per_prompt(priority, len(prompts), "priorities")
@@ -233,6 +234,11 @@ class LLM:
         return self.generate(prompts, params, **kw)
 
     def shutdown(self) -> None:
+        """Stop the workers (a Ray deployment's, with its placement group); later calls
+        raise `EngineDead`, and so does one still running in another thread, at its
+        next step. A second call does nothing."""
+        self._shared.close("this LLM was shut down (LLM.shutdown()): its workers are gone; "
+                           "make a new LLM")
         self.executor.shutdown()
 
 

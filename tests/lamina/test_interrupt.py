@@ -7,8 +7,8 @@ whole). A cut at any line of the engine's Python (scheduler, allocator, prefix c
 engine) leaves it as sound. A step's own error, not recovered, leaves `generate` the same
 way, and none of the KV that step was writing is cached. Calls from several threads
 share the engine (a Ctrl-C stops the main thread's alone); a call beside a request added
-to the engine directly is refused. The Ray client's `generate` is in
-tests/cluster/test_ray_service.py."""
+to the engine directly is refused; `LLM.shutdown()` stops a call in flight. The Ray
+client's `generate` is in tests/cluster/test_ray_service.py."""
 import os
 import random
 import signal
@@ -20,6 +20,7 @@ import pytest
 
 from lamina import LLM, SamplingParams
 from lamina.compute.compute_side import ComputeSide
+from lamina.errors import EngineDead
 from tests.conftest import HF_NEW
 
 SLOTS = 4096
@@ -318,3 +319,21 @@ def test_cut_soak(prompts, hf_greedy):
         assert_sound(llm, 512, prompts, hf_greedy, call)
     print(f"seed {seed}: {calls} calls, {cuts} cut, engine resets {eng.num_recoveries}")
     llm.shutdown()
+
+
+def test_shutdown_stops_a_call_in_flight_and_refuses_later_ones(llm, prompts):
+    """Last of the module's tests on its LLM (this one shuts it): `LLM.shutdown()` while
+    another thread's `generate` runs: that call raises `EngineDead` before its next
+    step, its request aborted; a later call raises it at once. Before, the call ran on
+    to its end on the shut executor."""
+    eng, got = llm.engine, {}
+    start = eng.scheduler.step
+    other = generate_in(llm, [prompts[8]], got, "other")
+    while eng.scheduler.step < start + 4:
+        pass  # its prompt in, decoding
+    llm.shutdown()
+    other.join(60)
+    assert isinstance(got["other"], EngineDead) and "LLM.shutdown()" in str(got["other"])
+    assert eng.request_ids() == set() and eng.scheduler.step < start + 8
+    with pytest.raises(EngineDead, match="make a new LLM"):
+        llm.generate([prompts[1]], GREEDY, use_tqdm=False)
