@@ -38,7 +38,12 @@ class Call:
     def __init__(self, n: int, on_output=None):
         self.results: list[RequestOutput | None] = [None] * n
         self.left = n
+        self.error: Exception | None = None  # a step's error it ends with
         self._on_output = on_output  # e.g. a progress bar's update
+
+    @property
+    def over(self) -> bool:
+        return not self.left or self.error is not None
 
     def done(self, index: int, out: RequestOutput) -> None:
         self.results[index] = out
@@ -71,19 +76,19 @@ class SharedEngine:
 
     def _enter(self, call: Call | None = None) -> bool:
         """Wait for the engine, in turn. With `call`: False (not entered) once another
-        thread's step has finished the call's requests."""
+        thread's step has finished the call's requests, or failed."""
         with self._cv:
             ticket, self._issued = self._issued, self._issued + 1
             try:
                 while self._serving != ticket:
-                    if call is not None and not call.left:
+                    if call is not None and call.over:
                         self._gone.add(ticket)
                         return False
                     self._cv.wait()
             except BaseException:  # a second Ctrl-C while waiting: the turn is given up
                 self._gone.add(ticket)
                 raise
-            if call is not None and not call.left:
+            if call is not None and call.over:
                 self._next()
                 return False
             return True
@@ -126,20 +131,34 @@ class SharedEngine:
 
     def run(self, call: Call, stop) -> None:
         """Step until the call's requests have finished, or `stop.asked` (a Ctrl-C held
-        to the step's end); each step's finished outputs go to their calls."""
-        while call.left and not stop.asked:
+        to the step's end); each step's finished outputs go to their calls. A step's
+        error (the engine could not recover from it) ends every call whose requests it
+        held, as a step's error stops a server's loop: each raises it, and its requests
+        are aborted, the engine left as before those calls."""
+        while not call.over and not stop.asked:
             if not self._enter(call):
-                return
+                break
             try:
                 if stop.asked:  # asked while another thread's step ran
                     return
                 self.check_open()
-                for out in self.engine.step():
-                    owner = self._owner.pop(out.request_id, None) if out.finished else None
-                    if owner is not None:
-                        owner[0].done(owner[1], out)
+                self._step()
             finally:
                 self._leave()
+        if call.error is not None:
+            raise call.error
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:
+            for other, _ in self._owner.values():
+                other.error = e
+            raise
+        for out in outs:
+            owner = self._owner.pop(out.request_id, None) if out.finished else None
+            if owner is not None:
+                owner[0].done(owner[1], out)
 
     def abort(self, call: Call) -> None:
         """Abort the call's unfinished requests (a Ctrl-C, or an error leaving it)."""

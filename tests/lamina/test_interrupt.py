@@ -181,6 +181,41 @@ def test_calls_from_threads_batch_together_and_each_gets_its_own(llm, prompts, h
     assert eng.request_ids() == set() and eng.free_slots() == [SLOTS]
 
 
+def test_a_failed_step_ends_every_call_it_held(llm, prompts, hf_greedy, monkeypatch):
+    """Recovery off, two threads' calls in one batch, a step fails at layer 20: both
+    calls raise that error with their requests aborted, whichever thread ran the step
+    (the other's requests were in it too: it is the failure a server's loop stops at);
+    the next call gives HF's tokens."""
+    eng, got, submit = llm.engine, {}, ComputeSide._submit
+    config, start = eng.config, eng.scheduler.step
+    held = threading.Event()
+
+    def failing(self, layer, *args):
+        if layer == 20 and eng.scheduler.step >= start + 6 and held.is_set():
+            raise RuntimeError("a bug in layer 20")
+        return submit(self, layer, *args)
+
+    def stepping():  # the failing step holds both calls' requests
+        if len(eng.request_ids()) == 2:
+            held.set()
+        return step()
+
+    step = eng.step
+    monkeypatch.setattr(ComputeSide, "_submit", failing)
+    monkeypatch.setattr(eng, "step", stepping)
+    eng.config = replace(config, max_recoveries=0, find_culprits=False)
+    try:
+        start_both = threading.Barrier(2)
+        for t in [generate_in(llm, [prompts[i]], got, i, start_both) for i in (3, 5)]:
+            t.join(120)
+    finally:
+        eng.config = config
+        monkeypatch.undo()
+    assert [str(got[i]) for i in (3, 5)] == ["a bug in layer 20"] * 2, got
+    assert eng.request_ids() == set() and eng.free_slots() == [SLOTS]
+    assert llm.generate([prompts[5]], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy[5]
+
+
 def test_ctrl_c_stops_the_main_threads_call_alone(llm, prompts, hf_greedy, python_sigint,
                                                   monkeypatch):
     """Another thread's call runs while the main thread's is Ctrl-C'd in its third
