@@ -142,7 +142,15 @@ class LLM:
             self.config = replace(self.config, split_kv=False)
         self.engine = LLMEngine(self.config, self.executor, self.loaded.tokenizer,
                                 self.loaded.config)
-        self._shared = SharedEngine(self.engine)  # generate's calls from any thread
+        self._shared_engine = SharedEngine(self.engine)  # generate's calls, any thread
+
+    @property
+    def _shared(self) -> SharedEngine:
+        """`generate`'s way into the engine (made again if `engine` was replaced)."""
+        shared = self.__dict__.get("_shared_engine")
+        if shared is None or shared.engine is not self.engine:
+            shared = self._shared_engine = SharedEngine(self.engine)
+        return shared
 
     @classmethod
     def from_config(cls, config: LaminaConfig) -> LLM:
