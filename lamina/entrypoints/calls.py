@@ -12,6 +12,12 @@ as a server's requests do, and each call returns as soon as its own outputs are 
 whichever thread's step drew them. A request added to the engine directly (not through
 `generate`) would be stepped to its end with its output lost: a call refuses to start
 beside one.
+
+Why not the server's `EngineLoop` (one thread of its own steps, callers wait on
+futures): here the steps run on the callers' own threads. A script's single call then
+steps on the main thread, the one that built the model, where libgomp's threads keep
+spinning between regions (a step on another thread took 1.4-1.5x as long:
+docs/engine.md), and its Ctrl-C stays its own (`interrupts.py`).
 """
 from __future__ import annotations
 
