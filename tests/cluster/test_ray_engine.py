@@ -566,41 +566,6 @@ def test_dead_memory_worker_fails_the_step_loudly(llm, prompts):
             eng.step()
 
 
-def test_shutdown_fails_the_call_in_flight_and_later_calls_at_once(llm, prompts):
-    """`LLM.shutdown()` while another thread's `generate` runs: that call raises within
-    seconds, its request aborted; later calls, and a step of the engine used directly,
-    raise `EngineDead` at once. Before, a step after the shutdown went on to recover the
-    workers, to start new ones on the removed placement group: still waiting after 300 s.
-    The module's deployment is shut here; the test after this one starts its own."""
-    eng, got = llm.engine, {}
-    params = SamplingParams(max_tokens=400, ignore_eos=True)
-
-    def call():
-        try:
-            llm.generate([prompts[8]], params, use_tqdm=False)
-        except Exception as e:  # noqa: BLE001 (handed to the test)
-            got["error"] = e
-
-    start = eng.scheduler.step
-    thread = threading.Thread(target=call)
-    thread.start()
-    while eng.scheduler.step < start + 4:  # its prompt in, decoding
-        time.sleep(0.01)
-    t = time.monotonic()
-    llm.shutdown()
-    thread.join(60)
-    assert not thread.is_alive() and time.monotonic() - t < 30
-    assert isinstance(got["error"], (EngineDead, WorkerFailure)), got
-    assert eng.request_ids() == set()
-    with pytest.raises(EngineDead, match=r"this LLM was shut down \(LLM.shutdown\(\)\)"):
-        llm.generate([prompts[1]], GREEDY, use_tqdm=False)
-    rid = eng.add_request(prompts[1], GREEDY)
-    with pytest.raises(EngineDead, match="the Ray executor was shut down"):
-        eng.step()
-    eng.abort(rid)
-    assert time.monotonic() - t < 30
-
-
 def test_ray_int8_pools_and_sparsity_answer_as_local(llm, prompts, hf_greedy):
     """kv_dtype='int8' with an h2o budget of 48 tokens on Ray: the compute worker
     calibrates the key channel scales (on the text the local executor uses), the memory
@@ -608,8 +573,7 @@ def test_ray_int8_pools_and_sparsity_answer_as_local(llm, prompts, hf_greedy):
     turned off: h2o scores a prompt's keys where they are stored) and decode rows attend
     to h2o's selection there, and the slots of the keys it left out at every layer are
     given back: greedy answers equal the local executor's keeping every slot. Last
-    here: the module's deployment goes first (the test before shut it), to free its
-    CPUs."""
+    here on the module's deployment: it goes first, to free its CPUs."""
     llm.shutdown()
     batch = [prompts[i] for i in (1, 4, 8)]  # 12, 200, 600 tokens: one under the budget
     params = SamplingParams(max_tokens=12, temperature=0)
@@ -636,3 +600,40 @@ def test_ray_int8_pools_and_sparsity_answer_as_local(llm, prompts, hf_greedy):
         ray_llm.shutdown()
     assert got == want
     assert holes >= 64  # the 600-token prompt's keys gone at every layer: given back
+
+
+def test_shutdown_fails_the_call_in_flight_and_later_calls_at_once(prompts):
+    """`LLM.shutdown()` while another thread's `generate` runs: that call raises within
+    seconds, its request aborted; later calls, and a step of the engine used directly,
+    raise `EngineDead` at once. Before, a step after the shutdown went on to recover the
+    workers, to start new ones on the removed placement group: still waiting after 300 s.
+    A deployment of its own (the module's is shut by the test before)."""
+    llm = LLM(executor="ray", num_memory_workers=1, num_kv_slots=2048)
+    eng, got = llm.engine, {}
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    def call():
+        try:
+            llm.generate([prompts[8]], params, use_tqdm=False)
+        except Exception as e:  # noqa: BLE001 (handed to the test)
+            got["error"] = e
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while eng.scheduler.step < 4:  # its prompt in, decoding
+        assert thread.is_alive() and time.monotonic() < deadline, got
+        time.sleep(0.01)
+    t = time.monotonic()
+    llm.shutdown()
+    thread.join(60)
+    assert not thread.is_alive() and time.monotonic() - t < 30
+    assert isinstance(got["error"], (EngineDead, WorkerFailure)), got
+    assert eng.request_ids() == set()
+    with pytest.raises(EngineDead, match=r"this LLM was shut down \(LLM.shutdown\(\)\)"):
+        llm.generate([prompts[1]], GREEDY, use_tqdm=False)
+    rid = eng.add_request(prompts[1], GREEDY)
+    with pytest.raises(EngineDead, match="the Ray executor was shut down"):
+        eng.step()
+    eng.abort(rid)
+    assert time.monotonic() - t < 30
