@@ -14,6 +14,7 @@ import random
 import signal
 import sys
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -156,6 +157,15 @@ def generate_in(llm, prompts, got: dict, key, start: threading.Barrier | None = 
     return t
 
 
+def wait_until(ready, thread: threading.Thread, got: dict, within_s: float = 120) -> None:
+    """Until `ready()`, while `thread` (a `generate_in`) runs: a call that ended first
+    fails the test with its error, not a wait without end."""
+    deadline = time.monotonic() + within_s
+    while not ready():
+        assert thread.is_alive() and time.monotonic() < deadline, got
+        time.sleep(0.001)
+
+
 def test_calls_from_threads_batch_together_and_each_gets_its_own(llm, prompts, hf_greedy,
                                                                 monkeypatch):
     """Three threads call `generate` at once: each call gets its own prompts' HF greedy
@@ -233,8 +243,7 @@ def test_ctrl_c_stops_the_main_threads_call_alone(llm, prompts, hf_greedy, pytho
 
     monkeypatch.setattr(eng, "step", stepping)
     other = generate_in(llm, [prompts[8]], got, "other")
-    while not eng.request_ids():
-        pass  # the other call's request is in
+    wait_until(lambda: eng.request_ids(), other, got)  # the other call's request is in
     with pytest.raises(KeyboardInterrupt):
         llm.generate([prompts[3]], GREEDY, use_tqdm=False)
     assert len(mine) == 3
@@ -364,8 +373,7 @@ def test_shutdown_stops_a_call_in_flight_and_refuses_later_ones(llm, prompts):
     eng, got = llm.engine, {}
     start = eng.scheduler.step
     other = generate_in(llm, [prompts[8]], got, "other")
-    while eng.scheduler.step < start + 4:
-        pass  # its prompt in, decoding
+    wait_until(lambda: eng.scheduler.step >= start + 4, other, got)  # decoding
     llm.shutdown()
     other.join(60)
     assert isinstance(got["other"], EngineDead) and "LLM.shutdown()" in str(got["other"])
