@@ -20,6 +20,7 @@ from lamina.model import quick_load
 from lamina.sampling.structured import StructuredOutputs
 from tests.cluster import keep_ray_for_the_next_module
 from tests.conftest import HF_NEW, hf_greedy_of
+from tests.lamina.test_interrupt import generate_in, wait_until
 from tests.lamina.test_structured import PROMPT, SCHEMA, _hf_guided
 
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
@@ -610,25 +611,14 @@ def test_shutdown_fails_the_call_in_flight_and_later_calls_at_once(prompts):
     A deployment of its own (the module's is shut by the test before)."""
     llm = LLM(executor="ray", num_memory_workers=1, num_kv_slots=2048)
     eng, got = llm.engine, {}
-    params = SamplingParams(max_tokens=400, ignore_eos=True)
-
-    def call():
-        try:
-            llm.generate([prompts[8]], params, use_tqdm=False)
-        except Exception as e:  # noqa: BLE001 (handed to the test)
-            got["error"] = e
-
-    thread = threading.Thread(target=call)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while eng.scheduler.step < 4:  # its prompt in, decoding
-        assert thread.is_alive() and time.monotonic() < deadline, got
-        time.sleep(0.01)
+    thread = generate_in(llm, [prompts[8]], got, "call",
+                         params=SamplingParams(max_tokens=400, ignore_eos=True))
+    wait_until(lambda: eng.scheduler.step >= 4, thread, got)  # its prompt in, decoding
     t = time.monotonic()
     llm.shutdown()
     thread.join(60)
     assert not thread.is_alive() and time.monotonic() - t < 30
-    assert isinstance(got["error"], (EngineDead, WorkerFailure)), got
+    assert isinstance(got["call"], (EngineDead, WorkerFailure)), got
     assert eng.request_ids() == set()
     with pytest.raises(EngineDead, match=r"this LLM was shut down \(LLM.shutdown\(\)\)"):
         llm.generate([prompts[1]], GREEDY, use_tqdm=False)

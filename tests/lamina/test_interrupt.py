@@ -143,13 +143,14 @@ def test_a_failed_step_leaves_generate_with_its_requests_and_caches_none_of_its_
     assert out.token_ids == hf_greedy[8] and out.metrics["cached_tokens"] == 0
 
 
-def generate_in(llm, prompts, got: dict, key, start: threading.Barrier | None = None):
+def generate_in(llm, prompts, got: dict, key, start: threading.Barrier | None = None,
+                params: SamplingParams = GREEDY):
     """A thread calling `llm.generate`: its outputs (or its error) in `got[key]`."""
     def call():
         if start is not None:
             start.wait()
         try:
-            got[key] = llm.generate(prompts, GREEDY, use_tqdm=False)
+            got[key] = llm.generate(prompts, params, use_tqdm=False)
         except BaseException as e:  # noqa: BLE001 (the thread hands its error to the test)
             got[key] = e
     t = threading.Thread(target=call)
