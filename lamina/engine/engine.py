@@ -36,7 +36,7 @@ from lamina.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from lamina.engine.scheduler import Scheduler, Sequence
 from lamina.engine.sessions import SessionIndex, check_session_id
 from lamina.engine.speculative import NgramIndex
-from lamina.errors import SequenceFault
+from lamina.errors import EngineDead, SequenceFault
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
 from lamina.memory.sparsity_config import (
     FOR_GOOD,
@@ -140,6 +140,7 @@ class LLMEngine:
         # speculative decoding: tokens guessed, and of them the ones kept
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self._shut: str | None = None  # why `shutdown` closed the engine, once it has
 
     def _kv_policy(self, params: SamplingParams) -> SparsityConfig:
         """A request's KV sparsity: its own (`SamplingParams.kv_sparsity` / `kv_budget`)
@@ -369,6 +370,7 @@ class LLMEngine:
         when it finishes and brought back for the next turn (any string of 1-128 letters,
         digits, . _ : @ -; a new one starts a session). `priority`: under
         scheduling_policy "priority", lower is served first (may be negative)."""
+        self._check_open()
         check_session_id(session_id)
         self.check_priority(priority)
         ids = self.validate(prompt, params)
@@ -440,6 +442,18 @@ class LLMEngine:
             self.scheduler.abort(seq, keep_kv=not self._step_failed)
         return self._output(req, time.perf_counter())
 
+    def shutdown(self, why: str = "the engine was shut down (LLMEngine.shutdown())") -> None:
+        """Stop the executor's workers; later `add_request`s and `step`s raise
+        `EngineDead(why)` (whatever the executor: a local one keeps no state of its own
+        to refuse with). A second call does nothing."""
+        if self._shut is None:
+            self._shut = why
+            self.executor.shutdown()
+
+    def _check_open(self) -> None:
+        if self._shut is not None:
+            raise EngineDead(self._shut)
+
     # -- the step loop --
     def step(self) -> list[RequestOutput]:
         """Schedule, execute (failing faulty requests alone, recovering dead workers),
@@ -447,6 +461,7 @@ class LLMEngine:
         (streamed) progressed. A step cut part-way from outside (KeyboardInterrupt,
         SystemExit) re-raises once the engine is reset (`_reset_after_cut`); after a
         step's own error (not recovered) an abort caches none of the aborted KV."""
+        self._check_open()
         self._settle()
         try:
             outs = self._step()

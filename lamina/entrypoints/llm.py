@@ -245,9 +245,9 @@ class LLM:
         """Stop the workers (a Ray deployment's, with its placement group); later calls
         raise `EngineDead`, and so does one still running in another thread, at its
         next step. A second call does nothing."""
-        self._shared.close("this LLM was shut down (LLM.shutdown()): its workers are gone; "
-                           "make a new LLM")
-        self.executor.shutdown()
+        why = "this LLM was shut down (LLM.shutdown()): its workers are gone; make a new LLM"
+        self._shared.close(why)
+        self.engine.shutdown(why)
 
 
 def chat_prompt(tokenizer, messages: list[dict], tools: list | None = None,

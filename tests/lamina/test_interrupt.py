@@ -381,3 +381,10 @@ def test_shutdown_stops_a_call_in_flight_and_refuses_later_ones(llm, prompts):
     assert eng.request_ids() == set() and eng.scheduler.step < start + 8
     with pytest.raises(EngineDead, match="make a new LLM"):
         llm.generate([prompts[1]], GREEDY, use_tqdm=False)
+    # the engine itself, used directly, refuses too (the local executor keeps no state
+    # of its own to refuse with): before, it took the request and stepped on
+    with pytest.raises(EngineDead, match="make a new LLM"):
+        eng.add_request(prompts[1], GREEDY)
+    with pytest.raises(EngineDead, match="make a new LLM"):
+        eng.step()
+    assert eng.request_ids() == set() and not eng.has_unfinished()
