@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hmac
+import inspect
 import json
 import logging
 import re
@@ -39,6 +40,8 @@ import socket
 import threading
 import time
 import uuid
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -480,21 +483,39 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
     app.exception_handler(StarletteHTTPException)(_http_error)
     app.exception_handler(RequestValidationError)(_bad_body)
     app.exception_handler(EngineDead)(_engine_dead)
-    api = _Api(loop, model_name, tokenizer, config)
-    app.get("/health")(api.health)
-    app.get("/metrics")(api.metrics)
-    app.get("/v1/models")(api.models)
-    app.get("/v1/models/{model:path}")(api.model)  # a served name may hold slashes
-    app.post("/v1/completions")(api.completions)
-    app.post("/v1/chat/completions")(api.chat)
-    app.post("/v1/responses")(api.responses)
-    app.get("/v1/responses/{rid}")(api.get_response)
-    app.get("/v1/responses/{rid}/input_items")(api.response_input_items)
-    app.delete("/v1/responses/{rid}")(api.delete_response)
-    app.post("/v1/responses/{rid}/cancel")(api.cancel_response)
-    app.post("/tokenize")(api.tokenize)  # vLLM's
-    app.post("/detokenize")(api.detokenize)
+    api = app.state.api = _Api(loop, model_name, tokenizer, config)  # the app holds it
+    app.get("/health")(_weakly(api.health))
+    app.get("/metrics")(_weakly(api.metrics))
+    app.get("/v1/models")(_weakly(api.models))
+    app.get("/v1/models/{model:path}")(_weakly(api.model))  # a served name may hold slashes
+    app.post("/v1/completions")(_weakly(api.completions))
+    app.post("/v1/chat/completions")(_weakly(api.chat))
+    app.post("/v1/responses")(_weakly(api.responses))
+    app.get("/v1/responses/{rid}")(_weakly(api.get_response))
+    app.get("/v1/responses/{rid}/input_items")(_weakly(api.response_input_items))
+    app.delete("/v1/responses/{rid}")(_weakly(api.delete_response))
+    app.post("/v1/responses/{rid}/cancel")(_weakly(api.cancel_response))
+    app.post("/tokenize")(_weakly(api.tokenize))  # vLLM's
+    app.post("/detokenize")(_weakly(api.detokenize))
     return app
+
+
+def _weakly(handler: Callable) -> Callable:
+    """A route's handler (an `_Api` coroutine method) that holds its `_Api` weakly.
+    FastAPI keeps every endpoint it has classified in module-level caches
+    (`fastapi.dependencies.models`, 4096 entries each): a bound method there would keep
+    the `_Api`, its engine loop and the engine's KV pools alive after the app is gone,
+    in a process that serves again (a notebook, the tests, a batch run after a server).
+    The app holds the `_Api` (`app.state.api`); FastAPI reads the method's signature."""
+    ref = weakref.WeakMethod(handler)
+
+    async def route(*args: Any, **kw: Any) -> Any:
+        return await ref()(*args, **kw)  # type: ignore[misc]
+
+    route.__signature__ = inspect.signature(handler)  # type: ignore[attr-defined]
+    route.__name__, route.__qualname__ = handler.__name__, handler.__qualname__
+    route.__doc__ = handler.__doc__
+    return route
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException):

@@ -2,6 +2,7 @@
 HF greedy, concurrent requests batch, bad input answers 400 naming the field and the
 server keeps serving, chat, n > 1, streaming (SSE) equals the plain answer, logprobs, a
 disconnected stream is aborted, engine failure answers 503."""
+import gc
 import json
 import re
 import signal
@@ -12,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -856,6 +858,27 @@ def _get(url: str):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def test_an_app_that_is_gone_keeps_nothing_of_its_engine_alive():
+    """FastAPI caches the endpoints it has classified at module level (4096 of each):
+    routes that held their handlers' object strongly kept the engine loop, and with a
+    real one the engine's KV pools, alive after the app was gone (in this file each
+    server's engine, ~360 MB, stayed to the end of the run)."""
+    from starlette.testclient import TestClient
+
+    class Loop:  # what /health and /v1/models read of a loop
+        max_waiting, alive, draining = None, True, False
+
+    loop = Loop()
+    gone = weakref.ref(loop)
+    with TestClient(build_app(loop, "smollm2")) as web:  # classified: routes served
+        assert web.get("/health").json() == {"status": "ok"}
+        assert web.get("/v1/models").json()["data"][0]["id"] == "smollm2"
+        assert "/v1/completions" in web.get("/openapi.json").json()["paths"]
+    del loop, web
+    gc.collect()
+    assert gone() is None
 
 
 def test_tokenize_counts_what_the_routes_feed_the_engine(server, smol, prompts):
