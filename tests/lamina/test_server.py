@@ -881,6 +881,44 @@ def test_an_app_that_is_gone_keeps_nothing_of_its_engine_alive():
     assert gone() is None
 
 
+def test_the_loop_hands_freed_memory_back_each_time_it_goes_idle(smol, smol_packed, prompts,
+                                                                 monkeypatch):
+    """glibc keeps what a long-running server frees (`benchmarks/server_rss_probe.py`):
+    the loop calls `malloc_trim` once each time it goes idle after work, never while a
+    request runs; LAMINA_MALLOC_TRIM=0: off."""
+    from lamina.entrypoints import engine_loop
+
+    assert engine_loop._malloc_trim() is not None  # glibc's, here
+    monkeypatch.setenv("LAMINA_MALLOC_TRIM", "0")
+    engine_loop._malloc_trim.cache_clear()
+    assert engine_loop._malloc_trim() is None
+    engine_loop._malloc_trim.cache_clear()
+    monkeypatch.delenv("LAMINA_MALLOC_TRIM")
+    eng = _engine(smol, smol_packed)
+    busy: list[bool] = []  # at each call: whether the engine held a request
+    monkeypatch.setattr(engine_loop, "_malloc_trim",
+                        lambda: lambda pad: busy.append(eng.has_unfinished()) or 1)
+    loop = EngineLoop(eng)
+
+    def settled(n: int) -> list[bool]:
+        deadline = time.monotonic() + 30
+        while len(busy) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # idle on: no further call
+        return busy
+
+    try:
+        p = SamplingParams(max_tokens=8, temperature=0)
+        assert settled(0) == []  # idle from the start: nothing freed yet
+        for f in [loop.submit(prompts[i], p) for i in range(3)]:
+            f.result(timeout=300)
+        assert settled(1) == [False]  # one call for the burst, once it ended
+        loop.generate(prompts[3], p, 300)
+        assert settled(2) == [False, False]
+    finally:
+        loop.shutdown()
+
+
 def test_tokenize_counts_what_the_routes_feed_the_engine(server, smol, prompts):
     """vLLM's /tokenize: a prompt's count and ids are the `prompt_tokens` a completion
     reports for it, and a chat's (with a tool) the chat route's; token strings and the

@@ -1,0 +1,105 @@
+"""`lamina serve`'s RSS over many requests, with and without handing freed memory back.
+
+    python benchmarks/server_rss_probe.py [--requests 2000] [--concurrency 8]
+        [--every 250] [--max-tokens 16] [--out DIR]
+
+Two local servers (SmolLM2, the default engine), one after the other: the baseline with
+`LAMINA_MALLOC_TRIM=0` (the engine loop never calls glibc's `malloc_trim`), then as
+shipped (it calls it each time the loop goes idle, `engine_loop.release_freed_memory`).
+Each gets the same --requests completions (seeded sampling, --max-tokens each, half
+streamed) from --concurrency client threads; its RSS is read every --every requests.
+Reported: RSS after the first --every (warm) and at the end, and the growth between.
+Writes server_rss_probe.json and .md into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from lamina.bench.common import _write, cpu_name
+
+
+def rss_mb(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(url: str, i: int, max_tokens: int) -> None:
+    body = {"prompt": f"Request {i}: tell me about the number {i * 7}",
+            "max_tokens": max_tokens, "temperature": 0.8, "seed": i, "stream": i % 2 == 0}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        r.read()
+
+
+def one_server(trim: bool, args) -> list[int]:
+    """RSS (MB) after every --every requests."""
+    port = free_port()
+    env = {**os.environ, "LAMINA_MALLOC_TRIM": "1" if trim else "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "lamina.entrypoints.cli", "serve",
+                             "--executor", "local", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the server did not start") from None
+                time.sleep(1)
+        seen = []
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            for k in range(0, args.requests, args.every):
+                list(pool.map(lambda i: request(url, i, args.max_tokens),
+                              range(k, min(k + args.every, args.requests))))
+                seen.append(rss_mb(proc.pid))
+                print(f"  trim={trim} {min(k + args.every, args.requests)} requests: "
+                      f"RSS {seen[-1]} MB", flush=True)
+        return seen
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--every", type=int, default=250)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=Path("bench_out"))
+    args = ap.parse_args()
+    runs = {way: one_server(way == "trimmed", args) for way in ("baseline", "trimmed")}
+    rows = [["server", f"RSS after {args.every} (MB)",
+             f"RSS after {args.requests} (MB)", "growth (MB)"]]
+    result = {"cpu": cpu_name(), "args": {k: str(v) for k, v in vars(args).items()}}
+    for way, seen in runs.items():
+        result[way] = {"rss_mb": seen, "growth_mb": seen[-1] - seen[0]}
+        rows.append([way, str(seen[0]), str(seen[-1]), str(seen[-1] - seen[0])])
+    for r in rows:
+        print(" | ".join(r))
+    print("paths:", *_write(args.out, "server_rss_probe", result, rows))
+
+
+if __name__ == "__main__":
+    main()
