@@ -605,10 +605,11 @@ def test_ray_int8_pools_and_sparsity_answer_as_local(llm, prompts, hf_greedy):
 
 def test_shutdown_fails_the_call_in_flight_and_later_calls_at_once(prompts):
     """`LLM.shutdown()` while another thread's `generate` runs: that call raises within
-    seconds, its request aborted; later calls, and a step of the engine used directly,
-    raise `EngineDead` at once. Before, a step after the shutdown went on to recover the
-    workers, to start new ones on the removed placement group: still waiting after 300 s.
-    A deployment of its own (the module's is shut by the test before)."""
+    seconds, its request aborted; later calls, the engine's own `add_request` and `step`,
+    and its executor's `recover` raise `EngineDead` at once. Before, a step after the
+    shutdown went on to recover the workers, to start new ones on the removed placement
+    group: still waiting after 300 s. A deployment of its own (the module's is shut by
+    the test before)."""
     llm = LLM(executor="ray", num_memory_workers=1, num_kv_slots=2048)
     eng, got = llm.engine, {}
     thread = generate_in(llm, [prompts[8]], got, "call",
@@ -622,8 +623,10 @@ def test_shutdown_fails_the_call_in_flight_and_later_calls_at_once(prompts):
     assert eng.request_ids() == set()
     with pytest.raises(EngineDead, match=r"this LLM was shut down \(LLM.shutdown\(\)\)"):
         llm.generate([prompts[1]], GREEDY, use_tqdm=False)
-    rid = eng.add_request(prompts[1], GREEDY)
-    with pytest.raises(EngineDead, match="the Ray executor was shut down"):
+    with pytest.raises(EngineDead, match=r"this LLM was shut down \(LLM.shutdown\(\)\)"):
+        eng.add_request(prompts[1], GREEDY)
+    with pytest.raises(EngineDead, match=r"this LLM was shut down \(LLM.shutdown\(\)\)"):
         eng.step()
-    eng.abort(rid)
+    with pytest.raises(EngineDead, match="the Ray executor was shut down"):
+        llm.executor.recover(RuntimeError("a step after the shutdown"))  # nothing started
     assert time.monotonic() - t < 30
