@@ -16,28 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lamina.bench.common import _write, cpu_name
-
-
-def rss_mb(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) // 1024
-    return 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lamina.bench.load import Server, _free_port, lamina_serve_cmd, rss
 
 
 def request(url: str, i: int, max_tokens: int) -> None:
@@ -51,34 +35,21 @@ def request(url: str, i: int, max_tokens: int) -> None:
 
 def one_server(trim: bool, args) -> list[int]:
     """RSS (MB) after every --every requests."""
-    port = free_port()
-    env = {**os.environ, "LAMINA_MALLOC_TRIM": "1" if trim else "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "lamina.entrypoints.cli", "serve",
-                             "--executor", "local", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    port = _free_port()
+    server = Server(port, [], cmd=lamina_serve_cmd("local", 2, "--port", str(port)),
+                    env={**os.environ, "LAMINA_MALLOC_TRIM": "1" if trim else "0"})
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the server did not start") from None
-                time.sleep(1)
         seen = []
         with ThreadPoolExecutor(args.concurrency) as pool:
             for k in range(0, args.requests, args.every):
-                list(pool.map(lambda i: request(url, i, args.max_tokens),
+                list(pool.map(lambda i: request(server.url, i, args.max_tokens),
                               range(k, min(k + args.every, args.requests))))
-                seen.append(rss_mb(proc.pid))
+                seen.append(rss(server.proc.pid)[1] // 1024)
                 print(f"  trim={trim} {min(k + args.every, args.requests)} requests: "
                       f"RSS {seen[-1]} MB", flush=True)
         return seen
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop()
 
 
 def main() -> None:
