@@ -383,8 +383,8 @@ def release_freed_memory() -> None:
     long-running server frees (every batch shape's tensors, requests' buffers) in its
     heaps and arenas, and its RSS creeps up: `lamina serve` grew 50 MB over 1750
     requests, 27 MB when trimmed each time the loop went idle
-    (`benchmarks/server_rss_probe.py`, benchmarks/RESULTS.md). About 1-2 ms a call on a
-    3 GB process, made only when no request is running. `LAMINA_MALLOC_TRIM=0`: off."""
+    (`benchmarks/server_rss_probe.py`, benchmarks/RESULTS.md). About 1-2 ms a call (a
+    2.3 GB process), made only when no request is running. `LAMINA_MALLOC_TRIM=0`: off."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
