@@ -898,7 +898,10 @@ def test_the_loop_hands_freed_memory_back_each_time_it_goes_idle(smol, smol_pack
     busy: list[bool] = []  # at each call: whether the engine held a request
     monkeypatch.setattr(engine_loop, "_malloc_trim",
                         lambda: lambda pad: busy.append(eng.has_unfinished()) or 1)
-    loop = EngineLoop(eng)
+    loop = EngineLoop(eng, thread=False)
+    p = SamplingParams(max_tokens=8, temperature=0)
+    burst = [loop.submit(prompts[i], p) for i in range(3)]  # queued: taken in one go
+    running = threading.Thread(target=loop.run, daemon=True)
 
     def settled(n: int) -> list[bool]:
         deadline = time.monotonic() + 30
@@ -908,15 +911,15 @@ def test_the_loop_hands_freed_memory_back_each_time_it_goes_idle(smol, smol_pack
         return busy
 
     try:
-        p = SamplingParams(max_tokens=8, temperature=0)
-        assert settled(0) == []  # idle from the start: nothing freed yet
-        for f in [loop.submit(prompts[i], p) for i in range(3)]:
+        running.start()
+        for f in burst:
             f.result(timeout=300)
         assert settled(1) == [False]  # one call for the burst, once it ended
         loop.generate(prompts[3], p, 300)
         assert settled(2) == [False, False]
     finally:
         loop.shutdown()
+        running.join(10)
 
 
 def test_tokenize_counts_what_the_routes_feed_the_engine(server, smol, prompts):
