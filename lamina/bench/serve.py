@@ -10,6 +10,9 @@ concurrency, requests ok / failed, output tok/s (the measured successful request
 tokens over the level's wall time), TTFT p50 / p95, inter-token latency p50, request
 latency p50, and ours over vLLM's tok/s where vLLM ran; in the JSON also the server's
 start (wall seconds until /health answers), its warm-up and each level's guidellm process.
+ok / failed are the server's own count of the level's requests (its /metrics counters
+before and after the level), the client's record beside them (`client_ok`,
+`client_failed`): guidellm's can miss the last request of a run.
 
 Only one server runs at a time: on a small machine they would share cores.
 """
@@ -67,13 +70,38 @@ def warm_up(url: str, prompt_tokens: int) -> None:
             json.load(r)
 
 
+def server_counts(url: str) -> dict:
+    """The server's own count of the requests that left it so far, from its /metrics:
+    {"ok": finished (stop or length), "failed": errored, aborted or refused before the
+    engine}. vLLM counts only its successes there ("failed" is None for it)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    n = {"ok": 0.0, "failed": 0.0, "vllm_ok": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "lamina_requests_total":
+                ok = s.labels.get("finish") in ("stop", "length")
+                n["ok" if ok else "failed"] += s.value
+            elif s.name == "lamina_requests_rejected_total":
+                n["failed"] += s.value
+            elif s.name == "vllm:request_success_total":
+                n["vllm_ok"] += s.value
+    if n["vllm_ok"]:
+        return {"ok": int(n["vllm_ok"]), "failed": None}
+    return {"ok": int(n["ok"]), "failed": int(n["failed"])}
+
+
 def summarize(bench: dict) -> dict:
-    """A guidellm benchmark record -> the row's numbers. ok / failed count every request
-    the run made: the larger of its scheduler's totals and its lists, each of which can
-    miss the last request (the totals are the scheduler's state as of the last request
-    it accounted, which may be one behind; the lists hold the requests that ended within
-    its measured window). The tokens, rates and latencies are those of the requests
-    guidellm measured (`measured`)."""
+    """A guidellm benchmark record -> the row's numbers. client_ok / client_failed count
+    every request the run made as guidellm recorded it: the larger of its scheduler's
+    totals and its lists, each of which can miss the last request (the totals are the
+    scheduler's state as of the last request it accounted, which may be one behind; the
+    lists hold the requests that ended within its measured window). The tokens, rates
+    and latencies are those of the requests guidellm measured (`measured`)."""
     reqs, m = bench["requests"], bench["metrics"]
     made = bench["scheduler_metrics"]["requests_made"]
     ok = reqs["successful"]
@@ -82,8 +110,8 @@ def summarize(bench: dict) -> dict:
     def p(name, q):
         return m[name]["successful"]["percentiles"][q] if ok else None
 
-    return {"ok": max(made["successful"], len(ok)),
-            "failed": max(made["errored"] + made["incomplete"], len(failed)),
+    return {"client_ok": max(made["successful"], len(ok)),
+            "client_failed": max(made["errored"] + made["incomplete"], len(failed)),
             "measured": len(ok), "errors": [r["info"]["error"] for r in failed][:3],
             "output_tokens": [r["output_tokens"] for r in ok],
             "tok_s": sum(r["output_tokens"] or 0 for r in ok) / bench["duration"],
@@ -91,6 +119,15 @@ def summarize(bench: dict) -> dict:
             "ttft_p95_ms": p("time_to_first_token_ms", "p95"),
             "itl_p50_ms": p("inter_token_latency_ms", "p50"),
             "latency_p50_s": p("request_latency", "p50")}
+
+
+def _counted(before: dict, after: dict, row: dict) -> dict:
+    """The row with the server's count of the level's requests as ok / failed (the
+    client's where the server does not count failures)."""
+    ok = after["ok"] - before["ok"]
+    failed = (row["client_failed"] if after["failed"] is None
+              else after["failed"] - before["failed"])
+    return {"ok": ok, "failed": failed, **row}
 
 
 def _servers(executors, dtype: str, memory_workers: int, vllm_python: str | None,
@@ -122,12 +159,13 @@ def _levels(name, cmd, env, levels, tok_dir, prompt_tokens, output_tokens, tmp) 
         print(f"{name}: healthy after {start['start_s']:.1f} s, warmed up in "
               f"{start['warmup_s']:.1f} s", flush=True)
         for c, n in levels:
-            t = time.perf_counter()
+            t, before = time.perf_counter(), server_counts(server.url)
             bench = guidellm(server.url, tok_dir, c, n, prompt_tokens, output_tokens,
                              tmp / f"{name.replace(' ', '-')}-{c}.json")
+            client_s, after = round(time.perf_counter() - t, 2), server_counts(server.url)
             rows.append({"server": name, "concurrency": c, "requests": n,
-                         **summarize(bench), **start,
-                         "client_s": round(time.perf_counter() - t, 2)})
+                         **_counted(before, after, summarize(bench)), **start,
+                         "client_s": client_s})
             r = rows[-1]
             print(f"{name} c={c}: {r['ok']}/{n} ok, {r['tok_s']:.1f} tok/s, TTFT p50 "
                   f"{r['ttft_p50_ms'] or 0:.0f} ms, ITL p50 {r['itl_p50_ms'] or 0:.1f} ms "

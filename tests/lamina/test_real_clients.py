@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from lamina.bench.serve import OFFLINE, guidellm, summarize
+from lamina.bench.serve import OFFLINE, guidellm, server_counts, summarize
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
 from tests.conftest import _XDIST
@@ -67,12 +67,16 @@ def test_guidellm_benchmark_runs_clean(served, tmp_path):
     """guidellm's default shape, chat; its completions shape runs in
     `test_bench_serve_quick`."""
     srv, tok_dir = served
+    before = server_counts(srv.url)
     bench = guidellm(srv.url, tok_dir, 4, 8, 48, 12, tmp_path / "guidellm.json",
                      route="/v1/chat/completions")
-    requests, row = bench["requests"], summarize(bench)
+    after, requests, row = server_counts(srv.url), bench["requests"], summarize(bench)
     errors = [r["info"]["error"] for r in requests["errored"] + requests["incomplete"]]
     assert not errors, errors[:2]
-    assert (row["ok"], row["failed"]) == (8, 0), row  # every request the run made
+    # the server's own count: every request the run made finished, none failed
+    assert (after["ok"] - before["ok"], after["failed"] - before["failed"]) == (8, 0)
+    # guidellm's record can miss the last request (`summarize`'s docstring), never add one
+    assert row["client_failed"] == 0 and len(requests["successful"]) <= row["client_ok"] <= 8
     # the requests guidellm measured (it leaves out one ending after the stop time it
     # computes, as `lamina.bench.serve.summarize` says): each checked whole
     done = requests["successful"]
@@ -173,8 +177,10 @@ def test_bench_serve_quick(tmp_path):
                  str(tmp_path)]) == 0
     result = json.loads((tmp_path / "serve.json").read_text())
     [row] = result["rows"]
+    # ok / failed: the server's count of the level's requests (its /metrics)
     assert (row["server"], row["concurrency"], row["ok"], row["failed"]) == \
         ("lamina local", 2, 4, 0)
+    assert row["client_failed"] == 0 and row["measured"] <= row["client_ok"] <= 4
     # guidellm measures the requests that ended before the stop time it computes (on a
     # busy machine the last one may end after it): those each got their 8 tokens
     assert 1 <= row["measured"] <= 4 and row["output_tokens"] == [8] * row["measured"]
