@@ -4,11 +4,15 @@
         [--repeat 3] [--dtype bfloat16] [--out DIR]
 
 SmolLM2 on the local executor (CPU). --threads callers, each with --prompts chat
-prompts (--new tokens each, greedy, `ignore_eos`), three ways on one engine: "at once"
+prompts (--new tokens each, greedy, `ignore_eos`), five ways on one engine: "at once"
 (each caller a thread calling `generate` at the same time: one engine stepped in turn,
-`lamina/entrypoints/calls.py`), "in turn" (the same calls one after another, the
-batches a single caller gets) and "one call" (every prompt in one `generate`: the
-batch a server would form). Reported (medians of --repeat): wall time, the callers'
+`lamina/entrypoints/calls.py`), "at once, main too" (the same, one of the callers the
+main thread), "in turn" (the same calls one after another, the batches a single caller
+gets), "one call" (every prompt in one `generate` on the main thread: the batch a
+server would form) and "one call, threads parked" (the same beside --threads - 1 idle
+threads that each ran one 512x512 matmul: each has an OpenMP team of its own, and
+libgomp's threads spin between regions only while the process has no more of them than
+cores). Reported (medians of --repeat): wall time, the callers'
 median and last finish, and steps run. The tokens are asserted equal between the ways
 in float32 (in bfloat16 a CPU GEMM may round differently for another row count). Writes
 threads_probe.json and .md into --out.
@@ -16,6 +20,7 @@ threads_probe.json and .md into --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import threading
 import time
@@ -29,6 +34,31 @@ TOPICS = ["the history of Rome", "how bees make honey", "why the sky is blue",
           "how a bicycle works", "the water cycle"]
 
 
+@contextlib.contextmanager
+def parked(n: int):
+    """`n` threads that ran one torch matmul (an OpenMP team each), idle while inside."""
+    import torch
+
+    started, done = threading.Barrier(n + 1), threading.Event()
+
+    def park():
+        a = torch.randn(512, 512)
+        (a @ a).sum()
+        started.wait()
+        done.wait()
+
+    threads = [threading.Thread(target=park) for _ in range(n)]
+    for t in threads:
+        t.start()
+    started.wait()
+    try:
+        yield
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+
+
 def one_run(llm: LLM, calls: list[list[str]], params: SamplingParams, way: str) -> dict:
     eng, t0 = llm.engine, time.perf_counter()
     step0, ends, tokens = eng.scheduler.step, [0.0] * len(calls), [None] * len(calls)
@@ -37,17 +67,22 @@ def one_run(llm: LLM, calls: list[list[str]], params: SamplingParams, way: str) 
         tokens[k] = [o.token_ids for o in llm.generate(calls[k], params, use_tqdm=False)]
         ends[k] = time.perf_counter() - t0
 
-    if way == "at once":
-        threads = [threading.Thread(target=call, args=(k,)) for k in range(len(calls))]
+    if way.startswith("at once"):
+        main = way == "at once, main too"  # the main thread makes call 0
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(main, len(calls))]
         for t in threads:
             t.start()
+        if main:
+            call(0)
         for t in threads:
             t.join()
     elif way == "in turn":
         for k in range(len(calls)):
             call(k)
     else:
-        outs = llm.generate([p for c in calls for p in c], params, use_tqdm=False)
+        with parked(len(calls) - 1 if way == "one call, threads parked" else 0):
+            t0 = time.perf_counter()
+            outs = llm.generate([p for c in calls for p in c], params, use_tqdm=False)
         n = len(calls[0])
         tokens = [[o.token_ids for o in outs[k * n:(k + 1) * n]] for k in range(len(calls))]
         ends = [time.perf_counter() - t0] * len(calls)
@@ -73,14 +108,14 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     llm.generate([p for c in calls for p in c], SamplingParams(max_tokens=1),
                  use_tqdm=False)  # warm: kernels, and every prompt in the prefix cache
-    ways = ("at once", "in turn", "one call")
+    ways = ("at once", "at once, main too", "in turn", "one call", "one call, threads parked")
     runs: dict[str, list[dict]] = {w: [] for w in ways}
     for _ in range(args.repeat):
         for w in ways:
             runs[w].append(one_run(llm, calls, params, w))
     if args.dtype == "float32":
-        assert runs["at once"][0]["tokens"] == runs["in turn"][0]["tokens"] == \
-            runs["one call"][0]["tokens"], "tokens changed"
+        assert all(r[0]["tokens"] == runs["one call"][0]["tokens"] for r in runs.values()), \
+            "tokens changed"
     keys = ("wall_s", "median_end_s", "last_end_s", "steps")
     med = {w: {k: statistics.median(r[k] for r in rs) for k in keys} for w, rs in runs.items()}
     table = [["way", "wall s", "callers' median end s", "last end s", "steps",
