@@ -5,9 +5,11 @@
 
 Two local servers (SmolLM2, the default engine), one after the other: the baseline with
 `LAMINA_MALLOC_TRIM=0` (the engine loop never calls glibc's `malloc_trim`), then as
-shipped (it calls it each time the loop goes idle, `engine_loop.release_freed_memory`).
+shipped (it calls it each time the loop goes idle, and every `TRIM_BUSY_S` under load:
+`engine_loop.release_freed_memory`).
 Each gets the same --requests completions (seeded sampling, --max-tokens each, half
-streamed) from --concurrency client threads; its RSS is read every --every requests.
+streamed) from --concurrency client threads, each sending its next as soon as its last
+ended; its RSS is read each time another --every requests have ended, under load.
 Reported: RSS after the first --every (warm) and at the end, and the growth between.
 Writes server_rss_probe.json and .md into --out.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,19 +38,29 @@ def request(url: str, i: int, max_tokens: int) -> None:
 
 
 def one_server(trim: bool, args) -> list[int]:
-    """RSS (MB) after every --every requests."""
+    """RSS (MB) each time another --every requests have ended, read while the load goes
+    on: --concurrency clients each send their next request as soon as their last ends,
+    so the loop is never idle for long (the last requests' tail aside)."""
     port = _free_port()
     server = Server(port, [], cmd=lamina_serve_cmd("local", 2, "--port", str(port)),
                     env={**os.environ, "LAMINA_MALLOC_TRIM": "1" if trim else "0"})
+    ended, lock, seen = [0], threading.Lock(), []
+
+    def one(i: int) -> None:
+        request(server.url, i, args.max_tokens)
+        with lock:
+            ended[0] += 1
+
     try:
-        seen = []
         with ThreadPoolExecutor(args.concurrency) as pool:
-            for k in range(0, args.requests, args.every):
-                list(pool.map(lambda i: request(server.url, i, args.max_tokens),
-                              range(k, min(k + args.every, args.requests))))
-                seen.append(rss(server.proc.pid)[1] // 1024)
-                print(f"  trim={trim} {min(k + args.every, args.requests)} requests: "
-                      f"RSS {seen[-1]} MB", flush=True)
+            running = pool.map(one, range(args.requests))
+            while len(seen) < args.requests // args.every:
+                time.sleep(0.05)
+                if ended[0] >= (len(seen) + 1) * args.every:
+                    seen.append(rss(server.proc.pid)[1] // 1024)
+                    print(f"  trim={trim} {ended[0]} requests: RSS {seen[-1]} MB",
+                          flush=True)
+            list(running)  # a client's error shows here
         return seen
     finally:
         server.stop()

@@ -14,7 +14,8 @@ request in flight with that error, loudly, and the loop stops taking new work
 (`EngineDead`). While it holds no request it checks the workers every
 `EngineConfig.idle_check_s` (`LLMEngine.check_workers`: a dead or hung one replaced
 before a request needs it), and each time it goes idle it hands the memory freed since
-back to the system (`release_freed_memory`). With `max_waiting`, `submit` refuses a request
+back to the system (`release_freed_memory`; under load that never lets it go idle, every
+`TRIM_BUSY_S` between steps). With `max_waiting`, `submit` refuses a request
 (`EngineOverloaded`) while that many are queued and not yet running. `drain(timeout_s)`
 (a server's SIGTERM) finishes the requests already taken, refuses new ones (`EngineDead`)
 and stops when none is left or at the timeout.
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["EngineDead", "EngineLoop", "EngineOverloaded", "RequestFailed", "beside"]
 T = TypeVar("T")
+TRIM_BUSY_S = 30.0  # under load, at most this long between two `release_freed_memory`
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class EngineLoop:
         self._stop = False
         self._busy_at = time.monotonic()  # the latest step, or idle check of the workers
         self._stepped = False  # a step ran since the loop was last idle
+        self._trimmed_at = time.monotonic()  # the latest `release_freed_memory`
         self.error: BaseException | None = None
         self._keep_going: Callable[[], bool] = lambda: True  # `run`'s condition
         self._drain_until: float | None = None  # `drain`'s deadline (time.monotonic)
@@ -259,7 +262,7 @@ class EngineLoop:
                 if not self.engine.has_unfinished():
                     if self._stepped:  # idle after work: once, before waiting
                         self._stepped = False
-                        release_freed_memory()
+                        self._release_freed_memory()
                     self._check_idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -271,15 +274,10 @@ class EngineLoop:
                 return
             self._busy_at, self._stepped = time.monotonic(), True
             self._measure(outs)
-            for out in outs:
-                if out.finished:
-                    self.stats["finished"] += 1
-                    self._resolve(out)
-                    continue
-                try:
-                    self._updates[out.request_id](out)
-                except Exception:  # a broken listener must not stop serving
-                    log.exception("on_update for request %d failed", out.request_id)
+            self._deliver(outs)
+            if self._busy_at - self._trimmed_at >= TRIM_BUSY_S and \
+                    self.engine.has_unfinished():  # (else the idle one comes next)
+                self._release_freed_memory()  # after the step's tokens are out
         self._fail_all(EngineDead(
             f"the server shut down: its drain ({self._drain_s:g} s) ended before this "
             "request finished" if self._drain_until is not None else "engine loop shut down"))
@@ -311,6 +309,21 @@ class EngineLoop:
                     self.metrics.request(out)
         except Exception:  # a metrics bug must not stop serving
             log.exception("updating the metrics after a step failed")
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            if out.finished:
+                self.stats["finished"] += 1
+                self._resolve(out)
+                continue
+            try:
+                self._updates[out.request_id](out)
+            except Exception:  # a broken listener must not stop serving
+                log.exception("on_update for request %d failed", out.request_id)
+
+    def _release_freed_memory(self) -> None:
+        release_freed_memory()
+        self._trimmed_at = time.monotonic()
 
     def _refresh_metrics(self) -> None:
         if self.metrics is None:
@@ -381,10 +394,11 @@ def _malloc_trim() -> Callable[[int], int] | None:
 def release_freed_memory() -> None:
     """Hand the memory this process has freed back to the system. glibc keeps what a
     long-running server frees (every batch shape's tensors, requests' buffers) in its
-    heaps and arenas, and its RSS creeps up: `lamina serve` grew 50 MB over 1750
-    requests, 27 MB when trimmed each time the loop went idle
-    (`benchmarks/server_rss_probe.py`, benchmarks/RESULTS.md). About 1-2 ms a call (a
-    2.3 GB process), made only when no request is running. `LAMINA_MALLOC_TRIM=0`: off."""
+    heaps and arenas, and its RSS creeps up: under a steady load `lamina serve` grew 58 MB
+    from 250 to 3000 requests, 16 MB when trimmed (`benchmarks/server_rss_probe.py`,
+    benchmarks/RESULTS.md). About 1-2 ms a call (a 2.3 GB process): the loop makes it
+    when it goes idle, and under load once every `TRIM_BUSY_S` (the next step starts
+    that much later). `LAMINA_MALLOC_TRIM=0`: off."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -884,8 +884,9 @@ def test_an_app_that_is_gone_keeps_nothing_of_its_engine_alive():
 def test_the_loop_hands_freed_memory_back_each_time_it_goes_idle(smol, smol_packed, prompts,
                                                                  monkeypatch):
     """glibc keeps what a long-running server frees (`benchmarks/server_rss_probe.py`):
-    the loop calls `malloc_trim` once each time it goes idle after work, never while a
-    request runs; LAMINA_MALLOC_TRIM=0: off."""
+    the loop calls `malloc_trim` once each time it goes idle after work; while requests
+    run, only once `TRIM_BUSY_S` has passed since the last call, between steps (under a
+    load that never lets it go idle, the RSS crept on); LAMINA_MALLOC_TRIM=0: off."""
     from lamina.entrypoints import engine_loop
 
     assert engine_loop._malloc_trim() is not None  # glibc's, here
@@ -896,8 +897,9 @@ def test_the_loop_hands_freed_memory_back_each_time_it_goes_idle(smol, smol_pack
     monkeypatch.delenv("LAMINA_MALLOC_TRIM")
     eng = _engine(smol, smol_packed)
     busy: list[bool] = []  # at each call: whether the engine held a request
-    monkeypatch.setattr(engine_loop, "_malloc_trim",
-                        lambda: lambda pad: busy.append(eng.has_unfinished()) or 1)
+    at: list[float] = []  # and when
+    monkeypatch.setattr(engine_loop, "_malloc_trim", lambda: lambda pad: (
+        busy.append(eng.has_unfinished()), at.append(time.monotonic()))[0] or 1)
     loop = EngineLoop(eng, thread=False)
     p = SamplingParams(max_tokens=8, temperature=0)
     burst = [loop.submit(prompts[i], p) for i in range(3)]  # queued: taken in one go
@@ -917,6 +919,16 @@ def test_the_loop_hands_freed_memory_back_each_time_it_goes_idle(smol, smol_pack
         assert settled(1) == [False]  # one call for the burst, once it ended
         loop.generate(prompts[3], p, 300)
         assert settled(2) == [False, False]
+        monkeypatch.setattr(engine_loop, "TRIM_BUSY_S", 0.2)  # as if 30 s were 0.2 s
+        t0 = time.monotonic()
+        long = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        loop.generate(prompts[5], long, 300)
+        took, calls = time.monotonic() - t0, settled(3)[2:]
+        # every 0.2 s of the request a call between its steps, then one as it ended
+        assert calls[-1] is False and all(calls[:-1]) and len(calls) >= 2, (took, calls)
+        assert len(calls) - 1 <= took / 0.2 + 1, (took, calls)
+        gaps = [b - a for a, b in zip(at[2:], at[3:])]
+        assert all(g >= 0.2 for g in gaps[:-1]), gaps
     finally:
         loop.shutdown()
         running.join(10)
