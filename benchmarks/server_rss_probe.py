@@ -47,9 +47,11 @@ def one_server(trim: bool, args) -> list[int]:
     ended, lock, seen = [0], threading.Lock(), []
 
     def one(i: int) -> None:
-        request(server.url, i, args.max_tokens)
-        with lock:
-            ended[0] += 1
+        try:
+            request(server.url, i, args.max_tokens)
+        finally:  # a failed request ends too (its error shows below), the reads go on
+            with lock:
+                ended[0] += 1
 
     try:
         with ThreadPoolExecutor(args.concurrency) as pool:
