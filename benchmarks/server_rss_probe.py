@@ -43,8 +43,8 @@ def request(url: str, i: int, max_tokens: int) -> None:
 def reading(server: Server) -> dict[str, int]:
     """{process: RSS MB}: the server, and under Ray its workers (by class, numbered)."""
     out, n = {"server": rss(server.proc.pid)[1] // 1024}, {}
-    for _, (cmd, kib) in sorted(snapshot(server).items()):  # pid order: start order
-        role = cmd.split()[0]
+    for _, (cmd, kib) in sorted(snapshot(server).items()):  # numbered in pid order
+        role = cmd.split()[0].split(".")[0]  # "ray::MemoryWorker.ping" in a call
         if role in ("ray::ComputeWorker", "ray::MemoryWorker"):
             k = n[role] = n.get(role, -1) + 1
             out[f"{role[5:]} {k}"] = kib // 1024
