@@ -919,7 +919,8 @@ def test_the_loop_hands_freed_memory_back_each_time_it_goes_idle(smol, smol_pack
         assert settled(1) == [False]  # one call for the burst, once it ended
         loop.generate(prompts[3], p, 300)
         assert settled(2) == [False, False]
-        monkeypatch.setattr(engine_loop, "TRIM_BUSY_S", 0.2)  # as if 30 s were 0.2 s
+        # as if 30 s were 0.2 s (raising=False: the code before had none, and failed below)
+        monkeypatch.setattr(engine_loop, "TRIM_BUSY_S", 0.2, raising=False)
         t0 = time.monotonic()
         long = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
         loop.generate(prompts[5], long, 300)
