@@ -40,15 +40,22 @@ def request(url: str, i: int, max_tokens: int) -> None:
         r.read()
 
 
-def reading(server: Server) -> dict[str, int]:
-    """{process: RSS MB}: the server, and under Ray its workers (by class, numbered)."""
-    out, n = {"server": rss(server.proc.pid)[1] // 1024}, {}
-    for _, (cmd, kib) in sorted(snapshot(server).items()):  # numbered in pid order
+def ray_workers(server: Server) -> dict[str, int]:
+    """{"ComputeWorker 0" / "MemoryWorker k": pid} of the Ray workers under `server`,
+    numbered in pid order."""
+    out, n = {}, {}
+    for pid, (cmd, _) in sorted(snapshot(server).items()):
         role = cmd.split()[0].split(".")[0]  # "ray::MemoryWorker.ping" in a call
         if role in ("ray::ComputeWorker", "ray::MemoryWorker"):
             k = n[role] = n.get(role, -1) + 1
-            out[f"{role[5:]} {k}"] = kib // 1024
+            out[f"{role[5:]} {k}"] = pid
     return out
+
+
+def reading(server: Server) -> dict[str, int]:
+    """{process: RSS MB}: the server, and under Ray its workers."""
+    procs = {"server": server.proc.pid, **ray_workers(server)}
+    return {name: r[1] // 1024 for name, pid in procs.items() if (r := rss(pid)) is not None}
 
 
 def one_server(trim: bool, args) -> list[dict[str, int]]:

@@ -17,10 +17,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from lamina.bench.load import Server, _free_port, lamina_serve_cmd, snapshot
+from lamina.bench.load import Server, _free_port, lamina_serve_cmd
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_rss_probe import request  # a sibling script, not a package
+from server_rss_probe import ray_workers, request  # a sibling script, not a package
 
 WARM = 250
 
@@ -51,9 +51,7 @@ def main() -> None:
     try:
         with ThreadPoolExecutor(args.concurrency) as pool:
             list(pool.map(lambda i: request(server.url, i, 16), range(WARM)))
-            workers = {f"{cmd.split()[0].split('.')[0]} (pid {pid})": pid
-                       for pid, (cmd, _) in snapshot(server).items()
-                       if cmd.startswith(("ray::ComputeWorker", "ray::MemoryWorker"))}
+            workers = ray_workers(server)
             before = {k: mappings(p) for k, p in workers.items()}
             list(pool.map(lambda i: request(server.url, i, 16), range(WARM, args.requests)))
             after = {k: mappings(p) for k, p in workers.items()}
