@@ -29,6 +29,7 @@ from lamina.memory.tier_orders import TierConfig
 # "auto": none or rotational (n = 2, one replica) per step size, whichever measured
 # faster (engine/auto_pipeline.py).
 PIPELINES = ("none", "rotational", "fixed", "auto")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 # The compute side's linears (`lamina.splitter.dense.DENSE_BACKENDS`, which the engine
 # does not import: it never loads the model code; a test keeps the two equal).
 DENSE_BACKENDS = ("auto", "eager", "onednn", "avx512bf16")
@@ -80,6 +81,11 @@ class EngineConfig:
     # decoding, admission and preemption; a waiting request may preempt running ones of
     # lower priority (engine/scheduler.py)
     scheduling_policy: str = "fcfs"
+    # A sequence preempted for room: "recompute" computes again, at its readmission, what
+    # the pool's prefix cache lost of its KV; "swap" saves its KV to its memory worker's
+    # host tier (kv_host_bytes > 0) and loads it back instead (vLLM's names); "auto":
+    # swap where there is a host tier
+    preemption_mode: str = "auto"
     seed: int = 0  # seeds requests that bring no seed of their own
     pipeline: str = "none"  # "none" | "rotational" | "fixed" | "auto" (see PIPELINES)
     split_kv: bool = True  # a sequence's KV may span memory workers (merged by LSE)
@@ -244,7 +250,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")
         for name, allowed in (("kv_dtype", KV_DTYPES), ("dense_backend", DENSE_BACKENDS),
-                              ("pipeline", PIPELINES), ("scheduling_policy", POLICIES)):
+                              ("pipeline", PIPELINES), ("scheduling_policy", POLICIES),
+                              ("preemption_mode", PREEMPTION_MODES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"EngineConfig.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
@@ -265,6 +272,9 @@ class EngineConfig:
         if self.truncation_reuse and self.kv_dtype == "int8":
             raise ValueError("EngineConfig.truncation_reuse re-rotates saved float keys; "
                              "it is not offered with kv_dtype='int8'")
+        if self.preemption_mode == "swap" and not self.kv_host_bytes:
+            raise ValueError("EngineConfig.preemption_mode='swap' saves preempted sequences' "
+                             "KV to the host tier: set kv_host_bytes > 0")
         if self.kv_host_bytes and not self.prefix_caching:
             raise ValueError("EngineConfig.kv_host_bytes needs prefix_caching (the tiers "
                              "keep what the pool's prefix cache evicts)")

@@ -108,7 +108,8 @@ class LLMEngine:
                                    drops=self._drop_rule(layers), admits=self._admits,
                                    propose=self._propose if config.speculative_tokens
                                    else None,
-                                   sparse=lambda seq: self._kv_policy(seq.params).enabled)
+                                   sparse=lambda seq: self._kv_policy(seq.params).enabled,
+                                   swap=config.preemption_mode != "recompute")
         self._rng = random.Random(config.seed)
         self._rid = itertools.count()
         self._sid = itertools.count()
@@ -249,7 +250,8 @@ class LLMEngine:
             return {}
         out = {"sessions": len(self.sessions.sessions),
                "host_bytes": self.sessions.host_bytes(),
-               "disk_bytes": self.sessions.disk_bytes(), **self.sessions.metrics}
+               "disk_bytes": self.sessions.disk_bytes(), **self.sessions.metrics,
+               "parked_tokens": self.scheduler.parked_tokens}
         out.update(getattr(self.executor, "tier_traffic", dict)())
         return out
 
@@ -1076,7 +1078,9 @@ class LLMEngine:
                    "output_tokens": n_out,
                    "preemptions": sum(s.num_preemptions for s in req.seqs),
                    "cached_tokens": req.seqs[0].cached,  # prompt tokens reused
-                   "tier_cached_tokens": req.seqs[0].tier_cached}  # of them, from tiers
+                   "tier_cached_tokens": req.seqs[0].tier_cached,  # of them, from tiers
+                   # positions readmissions after preemptions computed again, all samples
+                   "recomputed_tokens": sum(s.recomputed for s in req.seqs)}
         for s in req.seqs:  # (pop: one cut part-way here is finished by its abort)
             self._by_seq.pop(s.seq_id, None)
         self._reqs.pop(req.rid, None)

@@ -16,7 +16,11 @@ only. Its slots are all allocated at admission. When a running sequence cannot g
 its next slot, the newest running sequences are preempted: their slots are freed and
 they wait at the front of the queue, to be recomputed later. Nothing is dropped. With
 prefix caching a preempted sequence's KV stays cached (evictable, from its end first,
-as others need the slots), so its readmission recomputes only what was taken.
+as others need the slots), so its readmission recomputes only what was taken. With the
+session tiers and `swap` (`EngineConfig.preemption_mode`), its KV is also saved to its
+worker's host tier (`_park`), and its readmission loads from there what the pool's
+cache lost: only the last drawn token is computed (`Sequence.recomputed` counts the
+positions a readmission did compute again).
 
 Policies (`SchedulerConfig.policy`): "fcfs" serves sequences in arrival order.
 "priority" (vLLM's convention: a lower `Sequence.priority` is served first; ties in
@@ -121,6 +125,11 @@ class Sequence:
     first_dropped: int = -1
     ngrams: NgramIndex | None = None  # speculative decoding: its n-grams' index
     priority: int = 0  # policy "priority": lower is served first
+    # preemptions: the tier entry holding its KV saved when it was last preempted (None:
+    # none); positions whose KV it had then; positions readmissions computed again
+    parked: str | None = None
+    lost: int = 0
+    recomputed: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -166,7 +175,7 @@ class Scheduler:
                  drops: Callable[[Sequence], bool] | None = None,
                  admits: Callable[[Sequence], bool] | None = None,
                  propose: Callable[[Sequence, int], tuple[int, ...]] | None = None,
-                 sparse: Callable[[Sequence], bool] | None = None):
+                 sparse: Callable[[Sequence], bool] | None = None, swap: bool = False):
         self.allocs = allocators if isinstance(allocators, list) else [allocators]
         self.config = config
         # whether a sequence's KV policy scores its whole prompt where it is stored
@@ -179,6 +188,9 @@ class Scheduler:
         # slots may go back when reported); None: none does
         self.drops = drops
         self.sessions = sessions  # sessions' KV beyond the pools; None: no tiers
+        # whether a sequence preempted for room saves its KV to the tiers (`_park`)
+        self.swap = swap and sessions is not None
+        self.parked_tokens = 0  # positions `_park` saved
         # whether a waiting sequence may be admitted now (the engine's culprit search
         # holds the others back; they keep their place); None: every one
         self.admits = admits
@@ -277,14 +289,15 @@ class Scheduler:
 
     def _tier_hit(self, seq: Sequence, extra: int, w: int,
                   hit: list[int]) -> tuple[int, list[int], TierMatch | None]:
-        """Where seq's session has more of its tokens saved in the tiers than the pool
-        hit holds: (its worker, the pool slots of the prefix there, the match); else
-        (w, hit, None) unchanged."""
-        if (self.sessions is None or seq.session is None
-                or seq.params.prompt_logprobs is not None or self.scores_prompt(seq)):
+        """Where seq's session (or its own KV, saved when it was preempted) has more of
+        its tokens saved in the tiers than the pool hit holds: (its worker, the pool
+        slots of the prefix there, the match); else (w, hit, None) unchanged."""
+        if self.sessions is None or not self._tiers_serve(seq):
             return w, hit, None
         n = len(seq.tokens)
-        m = self.sessions.match(seq.session, seq.tokens, n - self._last_fed(seq))
+        found = [self.sessions.match(key, seq.tokens, n - self._last_fed(seq))
+                 for key in (seq.parked, seq.session) if key is not None]
+        m = max((x for x in found if x is not None), key=lambda x: x.upto, default=None)
         if m is None or m.upto <= len(hit):
             return w, hit, None
         pool = (self.caches[m.worker].match(seq.tokens, m.upto) if self.caches is not None
@@ -293,15 +306,21 @@ class Scheduler:
             return w, hit, None
         return m.worker, pool, m
 
+    def _tiers_serve(self, seq: Sequence) -> bool:
+        """Whether the tiers may give seq KV: not when every prompt position must be
+        computed (prompt logprobs, a policy scoring its prompt)."""
+        return (self.sessions is not None and seq.params.prompt_logprobs is None
+                and not self.scores_prompt(seq))
+
     def _load(self, seq: Sequence, m: TierMatch, first: int, slots: list[int]) -> None:
         """Order the tier loads of positions first..m.upto-1 into seq's `slots`: those
         before m.prefix where they were saved, the rest shifted."""
-        assert self.sessions is not None and seq.session is not None
+        assert self.sessions is not None
         if first < m.prefix:
-            self.sessions.load(seq.session, seq.seq_id, first, slots[first:m.prefix])
+            self.sessions.load(m.session, seq.seq_id, first, slots[first:m.prefix])
         a = max(first, m.prefix)
         if a < m.upto:
-            self.sessions.load(seq.session, seq.seq_id, a, slots[a:m.upto], m.shift)
+            self.sessions.load(m.session, seq.seq_id, a, slots[a:m.upto], m.shift)
 
     def _room_keeping(self, w: int, n: int, keep: list[int]) -> bool:
         """`_room`, without evicting the slots about to be reused: they are held for the
@@ -349,16 +368,41 @@ class Scheduler:
             self._released.append(seq.seq_id)
             seq.sent = 0
 
-    def _preempt(self, seq: Sequence, written: int | None = None) -> None:
+    def _preempt(self, seq: Sequence, written: int | None = None, park: bool = True) -> None:
         """seq back to the front of the queue, its slots freed. With prefix caching its
         first `written` positions (default: every position fed before this step) are
         cached first: their slots stay evictable until others need them, and its
-        readmission takes back what is left of them (`Sequence.kept`)."""
-        seq.kept = self.cache(seq, seq.written if written is None else written)
+        readmission takes back what is left of them (`Sequence.kept`); with `swap`
+        (and `park`) they are saved to its worker's host tier too (`_park`)."""
+        seq.lost = seq.written if written is None else written
+        seq.kept = self.cache(seq, seq.lost)
+        if park and self.swap:
+            self._park(seq, seq.lost)
         self._release(seq)
         self.running.remove(seq)
         seq.status, seq.num_preemptions = "waiting", seq.num_preemptions + 1
         self.waiting.appendleft(seq)
+
+    def _park(self, seq: Sequence, n: int) -> None:
+        """Save seq's first n positions' KV to its worker's host tier (the order rides in
+        the plan being made, carried out before the step writes into the slots freed).
+        Not a sequence split over workers or with slots given back (its table has
+        holes), nor one larger than the host tier."""
+        assert self.sessions is not None
+        if (n <= 0 or len(seq.segments) != 1 or seq.holes_from is not None
+                or not self._tiers_serve(seq)
+                or n * self.sessions.bytes_per_token > self.sessions.config.host_bytes):
+            return
+        seq.parked = seq.parked or f"#preempted:{seq.seq_id}"  # no session id has '#'
+        slots = self.allocs[seq.worker].slots(seq.seq_id)[:n]
+        self.parked_tokens += self.sessions.saved(seq.parked, seq.worker, seq.tokens[:n],
+                                                  slots)
+
+    def _unpark(self, seq: Sequence) -> None:
+        """seq ended: the KV saved when it was preempted is not wanted any more."""
+        if seq.parked is not None and self.sessions is not None:
+            self.sessions.discard(seq.parked)
+        seq.parked = None
 
     def preempt_all(self, keep: Mapping[int, int] | None = None) -> int:
         """Every running sequence back to the waiting queue, in admission order ahead of
@@ -368,7 +412,7 @@ class Scheduler:
         readmission reuses them and computes only the rest. -> the positions cached."""
         kept = 0
         for seq in reversed(list(self.running)):  # newest first: the oldest ends in front
-            self._preempt(seq, (keep or {}).get(seq.seq_id, 0))
+            self._preempt(seq, (keep or {}).get(seq.seq_id, 0), park=False)
             kept += seq.kept
         return kept
 
@@ -581,6 +625,9 @@ class Scheduler:
         seq.kept = 0
         if not seq.num_preemptions:  # what its prompt reused, not a readmission's own KV
             seq.cached, seq.tier_cached = reuse, reuse - len(hit)
+        if seq.lost:  # a readmission: of the positions it had KV for, those not reused
+            seq.recomputed += max(0, seq.lost - reuse)
+            seq.lost = min(seq.lost, reuse)  # what a tier load that misses still loses
         if reuse:
             self.allocs[w].adopt(seq.seq_id, hit, n - len(hit))
             seq.segments.append((w, 0))
@@ -600,8 +647,10 @@ class Scheduler:
 
     def _last_fed(self, seq: Sequence) -> int:
         """How many of seq's last tokens a prefix reused from a cache leaves to feed: 1
-        (the step draws after it), 2 where its KV policy cuts one-query rows."""
-        return 2 if len(seq.tokens) > 1 and self.sparse(seq) else 1
+        (the step draws after it), 2 where its KV policy cuts one-query rows and its
+        prompt's last token is the last (a readmission's last token is a drawn one, fed
+        alone as when it was drawn)."""
+        return 2 if len(seq.tokens) > 1 and self.sparse(seq) and not seq.output else 1
 
     def _feed(self, seq: Sequence, start: int, budget: int, work: list[SeqWork]) -> int:
         """seq's tokens from position `start` into `work`, at most `budget` of them if it
@@ -714,6 +763,7 @@ class Scheduler:
             a.reset()
         for seq in (*ran, *self.waiting):
             seq.segments, seq.evicted, seq.sent, seq.pending, seq.kept = [], (0, 0), 0, 0, 0
+            seq.lost = 0  # what the cut makes it compute again is not a preemption's
             seq.pending_drop, seq.new_drops, seq.first_dropped = [], (), -1
             seq.status = "waiting"
         for seq in self.running:  # a preemption, as far as its figures go
@@ -728,6 +778,7 @@ class Scheduler:
         if keep_kv and reason != "error":  # every position fed but the last drawn has KV
             self.cache(seq, seq.written)
         self._release(seq)
+        self._unpark(seq)
         self.running.remove(seq)
 
     def abort(self, seq: Sequence, reason: str = "abort", keep_kv: bool = True) -> None:
@@ -740,3 +791,4 @@ class Scheduler:
             if seq in self.waiting:
                 self.waiting.remove(seq)
             seq.status, seq.finish_reason, seq.forks = "finished", reason, []
+            self._unpark(seq)

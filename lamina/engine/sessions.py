@@ -13,7 +13,8 @@ slots. The host tier is kept under its bound by demoting least recently used ses
 disk (in the background), the disk tier by dropping them. A session with a queued turn is
 never demoted or dropped, and queuing a turn whose KV is on disk orders a prefetch at
 once, so the read runs while the turn waits; admission then loads the KV into fresh pool
-slots layer by layer, in place of prefilling those positions.
+slots layer by layer, in place of prefilling those positions. The scheduler also keeps
+preempted sequences' KV here, each under a name of its own (`Scheduler._park`).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ MIN_SHIFTED_RUN = 16
 
 @dataclass(frozen=True)
 class TierMatch:
+    session: str  # the entry it matched (a session, or a preempted sequence's)
     worker: int
     prefix: int  # positions 0..prefix-1 match the saved ones where they are
     upto: int  # positions prefix..upto-1 match saved positions + shift
@@ -107,9 +109,10 @@ class SessionIndex:
         else:
             self._balance()  # unpinned: it may now move down a tier
 
-    def saved(self, session: str, worker: int, tokens: list[int], slots: list[int]) -> None:
-        """A turn finished with `tokens`' KV at `slots` on `worker`: save what the tier
-        lacks (from the first position that differs from what it holds)."""
+    def saved(self, session: str, worker: int, tokens: list[int], slots: list[int]) -> int:
+        """A turn finished (or a sequence was preempted, `Scheduler._park`) with
+        `tokens`' KV at `slots` on `worker`: save what the tier lacks (from the first
+        position that differs from what it holds). -> the positions ordered saved."""
         e = self.sessions.get(session)
         if e is not None and (e.worker != worker or not e.host):
             self._drop(e)  # elsewhere, or only on disk: save the whole history anew
@@ -122,13 +125,14 @@ class SessionIndex:
             self.metrics["saved_tokens"] += len(tokens) - same
         e.tokens, e.disk, e.tick = list(tokens), False, next(self._clock)
         self._balance()
+        return len(tokens) - same
 
     def match(self, session: str | None, tokens: list[int], limit: int) -> TierMatch | None:
         """What of `tokens` (its first `limit` at most) the session's saved KV holds:
         a common prefix, then (with truncation reuse) the longest run found later in
         the saved history (the turns between were dropped). None if nothing."""
         e = self.sessions.get(session) if session is not None else None
-        if e is None or not (e.host or e.disk):
+        if session is None or e is None or not (e.host or e.disk):
             return None
         k0 = common_len(e.tokens, tokens, 0, limit)
         upto, shift = k0, 0
@@ -136,7 +140,7 @@ class SessionIndex:
             j, m = _later_run(e.tokens, tokens, k0, limit)
             if m >= MIN_SHIFTED_RUN:
                 upto, shift = k0 + m, j - k0
-        return TierMatch(e.worker, k0, upto, shift) if upto else None
+        return TierMatch(session, e.worker, k0, upto, shift) if upto else None
 
     def load(self, session: str, seq_id: int, start: int, slots: list[int],
              shift: int = 0) -> None:
@@ -159,6 +163,12 @@ class SessionIndex:
             del self.sessions[s]
         self.metrics["tier_misses"] += len(gone)
         return gone
+
+    def discard(self, session: str) -> None:
+        """Drop an entry no longer wanted (a preempted sequence's, once it ended)."""
+        e = self.sessions.pop(session, None)
+        if e is not None and (e.host or e.disk):
+            self._orders.append(TierOrder("drop", e.worker, e.id))  # not a bound's drop
 
     def lost_worker(self, worker: int) -> None:
         """A memory worker was replaced: its tiers are gone."""

@@ -43,6 +43,10 @@ class EngineMetrics:
         self.preemptions = Counter("lamina_preemptions", "Sequences preempted (back "
                                    "to the queue; their cached KV taken back at "
                                    "readmission, the rest recomputed)", registry=r)
+        self.recomputed = Counter("lamina_preemption_recomputed_tokens", "Positions whose "
+                                  "KV readmissions after preemptions computed again (what "
+                                  "neither the pool's cache nor the host tier kept)",
+                                  registry=r)
         self.recoveries = Counter("lamina_recoveries", "Failed steps recovered (live "
                                   "workers reset, dead or stuck ones replaced; running "
                                   "sequences requeued)", registry=r)
@@ -93,7 +97,8 @@ class EngineMetrics:
                                     "saved (pool to host), loaded (host to pool), written "
                                     "and read (disk)", ["kind"], registry=r)
         self.tier_events = Counter("lamina_kv_tier_events", "Tier hit tokens (loaded, not "
-                                   "computed), prefetches ordered, misses (recomputed)",
+                                   "computed), prefetches ordered, misses (recomputed), "
+                                   "positions of preempted sequences saved (parked_tokens)",
                                    ["event"], registry=r)
         self._tier_seen: dict[str, int] = {}
         self.ttft = Histogram("lamina_time_to_first_token_seconds", "Arrival to first "
@@ -188,7 +193,8 @@ class EngineMetrics:
                 ("read_bytes", self.tier_traffic, "read"),
                 ("tier_hit_tokens", self.tier_events, "hit_tokens"),
                 ("prefetches", self.tier_events, "prefetches"),
-                ("tier_misses", self.tier_events, "misses")):
+                ("tier_misses", self.tier_events, "misses"),
+                ("parked_tokens", self.tier_events, "parked_tokens")):
             grew = st.get(key, 0) - self._tier_seen.get(key, 0)
             if grew > 0:
                 counter.labels(label).inc(grew)
@@ -202,6 +208,7 @@ class EngineMetrics:
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.cache_hits.inc(out.metrics.get("cached_tokens", 0))
         self.preemptions.inc(out.metrics.get("preemptions", 0))
+        self.recomputed.inc(out.metrics.get("recomputed_tokens", 0))
         for hist, key in ((self.ttft, "ttft_s"), (self.queue, "queue_s"),
                           (self.tpot, "tpot_s")):
             if out.metrics.get(key) is not None:

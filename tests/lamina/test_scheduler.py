@@ -3,7 +3,9 @@ import pytest
 
 from lamina.engine.messages import SeqWork
 from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from lamina.engine.sessions import SessionIndex
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
+from lamina.memory.tier_orders import TierConfig, TierOrder
 from lamina.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=8)
@@ -354,6 +356,47 @@ def test_a_preempted_sequence_keeps_its_kv_in_the_cache_exact():
     assert (work.seq_id, work.token_ids, work.start_pos) == (1, (23, 24), 3)
     assert work.slots[:3] == (3, 4, 5) and b.kept == 0 and b.cached == 0
     assert len(set(work.slots)) == 5
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_a_preempted_sequence_is_saved_to_the_tier_and_loaded_back_exact(swap):
+    """With the session tiers and `swap`, a sequence preempted for room has its written
+    positions saved to its worker's host tier, in the plan of the step that frees their
+    slots; readmitted after the pool's cache lost part of them, it takes back what the
+    pool kept, loads the rest into fresh slots and feeds only its last drawn token (also
+    under a KV policy that cuts one-query rows: the token was drawn, so fed alone as
+    then). Its entry is dropped once it ends. Without swap the lost positions are
+    computed again (`Sequence.recomputed`)."""
+    tiers = SessionIndex(TierConfig(host_bytes=100), bytes_per_token=1)
+    s = Scheduler(SchedulerConfig(4, 100, split_kv=False), [KVAllocator(KVAllocatorConfig(8))],
+                  prefix_caching=True, sessions=tiers, swap=swap, sparse=lambda seq: True)
+    a, b = Sequence(0, [10, 11, 12], P), Sequence(1, [20, 21, 22, 23], P)
+    s.add(a)
+    s.add(b)
+    s.schedule()  # a: slots 0-2, b: 3-6
+    a.output.append(13)
+    b.output.append(24)
+    plan = s.schedule()  # a takes slot 7; b has none: preempted
+    assert b.status == "waiting" and b.parked == ("#preempted:1" if swap else None)
+    assert plan.tier_orders == ((TierOrder("save", 0, 0, 0, (3, 4, 5, 6)),) if swap else ())
+    for t in (14, 15):  # a's next two slots are b's cached 6, then 5
+        a.output.append(t)
+        assert s.schedule().seqs[0].slots == ((6,) if t == 14 else (5,))
+    a.output.append(16)
+    s.finish(a, "length")
+    plan = s.schedule()
+    (work,) = plan.seqs
+    assert work.slots[:2] == (3, 4)  # what the pool kept of b
+    if swap:  # positions 2-3 loaded from the tier into fresh slots; only 24 is fed
+        assert plan.tier_orders == (TierOrder("load", 0, 0, 2, (7, 6), seq_id=1),)
+        assert (work.token_ids, work.start_pos, work.slots) == ((24,), 4, (3, 4, 7, 6, 5))
+    else:
+        assert (plan.tier_orders, work.token_ids, work.start_pos) == ((), (22, 23, 24), 2)
+    assert (b.recomputed, s.parked_tokens) == ((0, 4) if swap else (2, 0))
+    b.output.append(25)
+    s.finish(b, "length")
+    assert s.schedule().tier_orders == ((TierOrder("drop", 0, 0),) if swap else ())
+    assert tiers.sessions == {} and tiers.host_bytes() == 0
 
 
 def test_reset_after_a_cut_starts_again_from_the_sequences_alone():

@@ -45,7 +45,7 @@ def test_index_saves_only_new_positions_and_moves_lru_unpinned_sessions_down():
                                 TierOrder("demote", 0, 0))  # a: LRU, unpinned
     ix.done("b")
     assert ix.take_orders() == () and ix.host_bytes() == 6 and ix.disk_bytes() == 5
-    assert ix.match("a", [1, 2, 3, 9, 9], 4) == TierMatch(0, 3, 3, 0)
+    assert ix.match("a", [1, 2, 3, 9, 9], 4) == TierMatch("a", 0, 3, 3, 0)
     ix.queued("a")  # a's next turn: read back from disk at once, b goes down instead
     assert ix.take_orders() == (TierOrder("prefetch", 0, 0), TierOrder("demote", 1, 1))
     assert (ix.host_bytes(), ix.disk_bytes()) == (5, 11)
@@ -349,6 +349,54 @@ def test_tier_loads_bring_back_the_saved_kv_bytes(smol, smol_packed):
     after = eng.scheduler.caches[0].match(hist, n)
     assert len(after) == n
     assert torch.equal(pool.k[:, after], k0) and torch.equal(pool.v[:, after], v0)
+
+
+# -- preemption: a preempted sequence's KV swapped to the host tier and back --
+@pytest.mark.parametrize("mode", ["auto", "recompute"])
+def test_preempted_sequences_swap_to_the_host_tier_and_back(smol, smol_packed, prompts,
+                                                            hf_greedy, mode):
+    """Six prompts (12-128 tokens, 32 new each) in a 250-slot pool with a host tier:
+    growth preempts sequences and others' growth then evicts their cached KV. "auto"
+    (swap: the tier is there) saves each preempted sequence's KV to the tier and loads
+    back what the pool lost, so no readmission computes any of it again; "recompute"
+    computes it. Both give HF's greedy tokens, and leave every slot free and, once a
+    step has carried the last drops, no entry in the tier."""
+    pick = [1, 3, 4, 10, 11, 12]
+    eng = _engine(smol, smol_packed, 250, tiers=TierConfig(1 << 26), preemption_mode=mode)
+    per_token = eng.executor.tier_bytes_per_token()
+    outs = _run(eng, [(prompts[i], SamplingParams(max_tokens=32, temperature=0), None)
+                      for i in pick])
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy[i] for i in pick]
+    assert sum(o.metrics["preemptions"] for o in outs) >= 6
+    recomputed = sum(o.metrics["recomputed_tokens"] for o in outs)
+    st = eng.tier_stats()
+    if mode == "auto":
+        assert recomputed == 0 and st["parked_tokens"] > 100 and st["tier_hit_tokens"] > 0
+        assert st["saved_bytes"] == st["parked_tokens"] * per_token
+        assert st["loaded_bytes"] == st["tier_hit_tokens"] * per_token
+    else:
+        assert recomputed > 0 and st["parked_tokens"] == st["saved_bytes"] == 0
+    metrics = EngineMetrics()
+    for o in outs:
+        metrics.request(o)
+    metrics.step(eng, 0)
+    got = {(x.name, tuple(x.labels.values())): x.value
+           for fam in text_string_to_metric_families(metrics.render().decode())
+           for x in fam.samples}
+    assert got["lamina_preemption_recomputed_tokens_total", ()] == recomputed
+    assert got.get(("lamina_kv_tier_events_total", ("parked_tokens",)), 0) == \
+        st["parked_tokens"]
+    _run(eng, [([1, 2, 3], GREEDY, None)])  # a step carries the last drops
+    assert eng.free_slots() == [250] and eng.sessions.sessions == {}
+    assert eng.executor.memory[0].tiers.host == {}
+
+
+def test_swap_preemption_needs_the_host_tier():
+    with pytest.raises(ValueError, match="preemption_mode='swap' saves .* kv_host_bytes"):
+        EngineConfig(preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode must be one of"):
+        EngineConfig(preemption_mode="spill", kv_host_bytes=1 << 20)
+    assert EngineConfig(preemption_mode="swap", kv_host_bytes=1 << 20).preemption_mode == "swap"
 
 
 # -- truncation: kept turns move to new positions --
