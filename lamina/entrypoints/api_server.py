@@ -485,6 +485,8 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
     app.exception_handler(EngineDead)(_engine_dead)
     api = app.state.api = _Api(loop, model_name, tokenizer, config)  # the app holds it
     app.get("/health")(_weakly(api.health))
+    app.api_route("/ping", methods=["GET", "POST"])(_weakly(api.health))  # vLLM's (SageMaker)
+    app.get("/version")(_weakly(api.version))  # vLLM's
     app.get("/metrics")(_weakly(api.metrics))
     app.get("/v1/models")(_weakly(api.models))
     app.get("/v1/models/{model:path}")(_weakly(api.model))  # a served name may hold slashes
@@ -566,6 +568,10 @@ class _Api:
         if getattr(self.loop, "draining", False):  # a load balancer sends no more here
             return _error(503, "shutting down: finishing the requests in flight")
         return {"status": "ok"}
+
+    async def version(self):
+        from lamina import __version__
+        return {"version": __version__}
 
     async def metrics(self):
         m = self.loop.metrics

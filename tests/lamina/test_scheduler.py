@@ -327,6 +327,18 @@ def test_eviction_gives_back_slots_in_chunks_exact():
     s.cache(a, 9)  # no cache: a no-op, and never of positions past a hole
 
 
+def _fill_then_preempt(s: Scheduler):
+    """a (3 tokens) and b (4) take slots 0-2 and 3-6 of 8; each draws a token; a then
+    takes the last free slot (7) and b, with none, is preempted. -> (a, b, that plan)"""
+    a, b = Sequence(0, [10, 11, 12], P), Sequence(1, [20, 21, 22, 23], P)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    a.output.append(13)
+    b.output.append(24)
+    return a, b, s.schedule()
+
+
 def test_a_preempted_sequence_keeps_its_kv_in_the_cache_exact():
     """With prefix caching, a preempted sequence's written positions stay cached: their
     slots are evictable, taken from its end one at a time as others need them; readmitted,
@@ -334,13 +346,7 @@ def test_a_preempted_sequence_keeps_its_kv_in_the_cache_exact():
     the rest."""
     s = Scheduler(SchedulerConfig(4, 100), KVAllocator(KVAllocatorConfig(8)),
                   prefix_caching=True)
-    a, b = Sequence(0, [10, 11, 12], P), Sequence(1, [20, 21, 22, 23], P)
-    s.add(a)
-    s.add(b)
-    s.schedule()  # a: slots 0-2, b: 3-6
-    a.output.append(13)
-    b.output.append(24)
-    plan = s.schedule()  # a takes the last free slot (7); b has none: preempted
+    a, b, plan = _fill_then_preempt(s)
     assert plan.seqs == (SeqWork(0, (13,), 3, (7,), params=P, slots_from=3),)
     assert b.status == "waiting" and b.num_preemptions == 1 and b.kept == 4
     assert s.caches[0].match([20, 21, 22, 23]) == [3, 4, 5, 6]  # its 4 written positions
@@ -370,13 +376,7 @@ def test_a_preempted_sequence_is_saved_to_the_tier_and_loaded_back_exact(swap):
     tiers = SessionIndex(TierConfig(host_bytes=100), bytes_per_token=1)
     s = Scheduler(SchedulerConfig(4, 100, split_kv=False), [KVAllocator(KVAllocatorConfig(8))],
                   prefix_caching=True, sessions=tiers, swap=swap, sparse=lambda seq: True)
-    a, b = Sequence(0, [10, 11, 12], P), Sequence(1, [20, 21, 22, 23], P)
-    s.add(a)
-    s.add(b)
-    s.schedule()  # a: slots 0-2, b: 3-6
-    a.output.append(13)
-    b.output.append(24)
-    plan = s.schedule()  # a takes slot 7; b has none: preempted
+    a, b, plan = _fill_then_preempt(s)
     assert b.status == "waiting" and b.parked == ("#preempted:1" if swap else None)
     assert plan.tier_orders == ((TierOrder("save", 0, 0, 0, (3, 4, 5, 6)),) if swap else ())
     for t in (14, 15):  # a's next two slots are b's cached 6, then 5

@@ -22,6 +22,7 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+import lamina
 from lamina.entrypoints.api_server import build_app
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
@@ -148,6 +149,8 @@ def test_nan_temperature_is_400(server):
 def test_chat_n_seed_health_models(server, smol):
     status, h = server.get("/health")
     assert (status, h) == (200, {"status": "ok"})
+    assert server.get("/ping") == (200, {"status": "ok"})  # vLLM's routes
+    assert server.get("/version") == (200, {"version": lamina.__version__})
     assert server.get("/v1/models")[1]["data"][0]["id"] == "smollm2"
     body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 10,
             "temperature": 0.8, "seed": 3, "n": 2}
