@@ -192,11 +192,8 @@ def cmd_serve(args) -> int:
 
     config = _server_config(args)
     if args.service is not None:
-        given = _flags_given(args, ("config", "model", "executor", "memory_workers",
-                                    "kv_device", "compute_device", "dense_backend",
-                                    "dtype", "max_batch", "max_step_tokens",
-                                    "clamp_max_tokens", "speculative_tokens",
-                                    "scheduling_policy"))
+        given = _flags_given(args, ("config", *ENGINE_FLAGS, "max_batch", "max_step_tokens",
+                                    "clamp_max_tokens", "scheduling_policy"))
         if given:
             raise ValueError(f"--service serves the running service's engine: drop "
                              f"{', '.join(given)}")
@@ -488,6 +485,14 @@ def _dense_backend_arg(p, help: str) -> None:
                    choices=["auto", "eager", "onednn", "avx512bf16"], help=help)
 
 
+# what `_engine_args` adds but --config (a test keeps the two equal)
+ENGINE_FLAGS = ("model", "executor", "memory_workers", "kv_device", "compute_device",
+                "dense_backend", "dtype", "kv_pool_gib", "kv_dtype", "kv_sparsity",
+                "kv_budget", "kv_layer_budgets", "kv_topk_rescore", "kv_host_gib",
+                "kv_disk_dir", "kv_disk_gib", "preemption_mode", "kv_huge_pages", "kv_evict",
+                "speculative_tokens", "speculative_ngram")
+
+
 def _engine_args(p, executor: str, memory_workers: int) -> None:
     """The engine options `generate` and `serve` share (read back by `_llm`)."""
     p.add_argument("--config", default=None,
@@ -528,6 +533,19 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
                    help="topk: score exactly the keys of the pages covering this multiple "
                         "of the budget and keep the best (3: near dense quality, reads "
                         "more; 0: page bounds alone)")
+    p.add_argument("--kv-host-gib", type=float, default=0.0,
+                   help="each memory worker's host-DRAM tier in GiB, beyond its pool: "
+                        "sessions' KV (requests with a session_id) and preempted "
+                        "sequences' (see --preemption-mode); 0: none")
+    p.add_argument("--kv-disk-dir", default=None,
+                   help="with --kv-host-gib: least recently used sessions' KV moves to "
+                        "checksummed files here (up to --kv-disk-gib)")
+    p.add_argument("--kv-disk-gib", type=float, default=0.0,
+                   help="the disk tier's bound in GiB, per memory worker")
+    p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"],
+                   help="a sequence preempted for room: swap its KV to the host tier and "
+                        "load it back, or recompute what the pool's cache lost; auto: swap "
+                        "with --kv-host-gib")
     p.add_argument("--kv-huge-pages", action=argparse.BooleanOptionalAction, default=None,
                    help="host KV pools on transparent huge pages (default: "
                         "$LAMINA_KV_HUGE_PAGES, else on; `lamina doctor` times both here)")
@@ -571,6 +589,9 @@ def _llm(LLM, args, **kw):
                    speculative_tokens=args.speculative_tokens,
                    speculative_ngram_min=args.speculative_ngram[0],
                    speculative_ngram_max=args.speculative_ngram[1],
+                   kv_host_bytes=int(args.kv_host_gib * 2 ** 30), kv_disk_dir=args.kv_disk_dir,
+                   kv_disk_bytes=int(args.kv_disk_gib * 2 ** 30),
+                   preemption_mode=args.preemption_mode,
                    **({"kv_pool_bytes": int(args.kv_pool_gib * 2 ** 30)}
                       if args.kv_pool_gib else {}),
                    **({"kv_huge_pages": args.kv_huge_pages}
@@ -578,12 +599,7 @@ def _llm(LLM, args, **kw):
     from lamina.entrypoints.deploy_config import LaminaConfig
 
     cfg = LaminaConfig.from_yaml(args.config)
-    given = _flags_given(args, ("model", "executor", "memory_workers", "kv_device",
-                                "compute_device", "dense_backend", "dtype", "kv_dtype",
-                                "kv_pool_gib", "kv_sparsity", "kv_budget", "kv_layer_budgets",
-                                "kv_topk_rescore", "kv_evict", "kv_huge_pages",
-                                "speculative_tokens",
-                                "speculative_ngram", *kw))
+    given = _flags_given(args, (*ENGINE_FLAGS, *kw))
     if given:
         raise ValueError(f"--config {args.config} sets the engine: drop {', '.join(given)} "
                          f"(or put them in the file)")

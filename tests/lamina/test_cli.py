@@ -201,9 +201,30 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
     assert main(["serve", "--port", "0"]) == 0
     assert main(["serve", "--port", "0", "--scheduling-policy", "priority"]) == 0
     assert [k["scheduling_policy"] for k in seen] == ["fcfs", "priority"]
+    seen.clear()
+    assert main(["serve", "--port", "0", "--kv-host-gib", "0.5", "--kv-disk-dir", "/kv",
+                 "--kv-disk-gib", "2", "--preemption-mode", "swap"]) == 0
+    assert main(["generate", "hi"]) == 0
+    assert [(k["kv_host_bytes"], k["kv_disk_dir"], k["kv_disk_bytes"], k["preemption_mode"])
+            for k in seen] == [(1 << 29, "/kv", 2 << 30, "swap"), (0, None, 0, "auto")]
     with pytest.raises(SystemExit):  # argparse: not a choice
         main(["generate", "--dtype", "float16", "hi"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_every_engine_flag_is_checked_against_config_and_service(capsys):
+    """ENGINE_FLAGS names every flag `_engine_args` adds but --config: a flag missing
+    there would be dropped in silence beside --config or --service."""
+    import argparse
+
+    from lamina.entrypoints.cli import ENGINE_FLAGS, _engine_args
+
+    p = argparse.ArgumentParser()
+    _engine_args(p, "local", 1)
+    assert {a.dest for a in p._actions} - {"help", "config"} == set(ENGINE_FLAGS)
+    assert main(["serve", "--service", "lamina", "--kv-dtype", "int8"]) == 2
+    assert "--service serves the running service's engine: drop --kv-dtype" in \
+        capsys.readouterr().err
 
 
 def test_serve_takes_its_port_before_the_model_loads(monkeypatch, capsys):
