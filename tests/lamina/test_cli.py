@@ -217,11 +217,14 @@ def test_every_engine_flag_is_checked_against_config_and_service(capsys):
     there would be dropped in silence beside --config or --service."""
     import argparse
 
+    from lamina.engine.config import PREEMPTION_MODES
     from lamina.entrypoints.cli import ENGINE_FLAGS, _engine_args
 
     p = argparse.ArgumentParser()
     _engine_args(p, "local", 1)
     assert {a.dest for a in p._actions} - {"help", "config"} == set(ENGINE_FLAGS)
+    choices = {a.dest: a.choices for a in p._actions}
+    assert tuple(choices["preemption_mode"]) == PREEMPTION_MODES  # the CLI loads no engine
     assert main(["serve", "--service", "lamina", "--kv-dtype", "int8"]) == 2
     assert "--service serves the running service's engine: drop --kv-dtype" in \
         capsys.readouterr().err
