@@ -485,7 +485,8 @@ def build_app(loop: EngineLoop, model_name: str, tokenizer=None,
     app.exception_handler(EngineDead)(_engine_dead)
     api = app.state.api = _Api(loop, model_name, tokenizer, config)  # the app holds it
     app.get("/health")(_weakly(api.health))
-    app.api_route("/ping", methods=["GET", "POST"])(_weakly(api.health))  # vLLM's (SageMaker)
+    app.get("/ping")(_weakly(api.health))  # vLLM's (SageMaker's), GET and POST
+    app.post("/ping")(_weakly(api.health))
     app.get("/version")(_weakly(api.version))  # vLLM's
     app.get("/metrics")(_weakly(api.metrics))
     app.get("/v1/models")(_weakly(api.models))

@@ -149,7 +149,7 @@ def test_nan_temperature_is_400(server):
 def test_chat_n_seed_health_models(server, smol):
     status, h = server.get("/health")
     assert (status, h) == (200, {"status": "ok"})
-    assert server.get("/ping") == (200, {"status": "ok"})  # vLLM's routes
+    assert server.get("/ping") == server.post("/ping", {}) == (200, {"status": "ok"})  # vLLM's
     assert server.get("/version") == (200, {"version": lamina.__version__})
     assert server.get("/v1/models")[1]["data"][0]["id"] == "smollm2"
     body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 10,
