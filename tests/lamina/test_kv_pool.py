@@ -60,17 +60,22 @@ def test_for_specs_from_the_splitter(smol_split):
     assert (c.num_layers, c.num_kv_heads, c.head_dim, c.v_head_dim) == (30, 3, 64, 64)
 
 
-def _huge_kib_at(addr: int) -> int:
-    """AnonHugePages of the mapping holding `addr`, from /proc/self/smaps."""
+def _smaps_at(addr: int, key: str) -> str:
+    """The `key:` line's value of the mapping holding `addr`, from /proc/self/smaps."""
     inside = False
     for line in open("/proc/self/smaps"):
-        head = line.split()[0]
+        head, _, rest = line.partition(" ")
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= addr < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return 0
+        elif inside and head == key + ":":
+            return rest.strip()
+    return ""
+
+
+def _huge_kib_at(addr: int) -> int:
+    """AnonHugePages of the mapping holding `addr`."""
+    return int(_smaps_at(addr, "AnonHugePages").split()[0] or 0)
 
 
 def test_host_pool_on_huge_pages_and_zeroed():
@@ -103,9 +108,11 @@ def test_kv_huge_pages_defaults_from_the_environment(monkeypatch, env, huge):
 
 
 def test_an_engines_pools_are_on_the_pages_its_config_asks_for(tmp_path, smol):
-    """`LLM(kv_huge_pages=...)` reaches each memory worker's pool: on huge pages the
-    mapping is backed by them (where the kernel grants them on `madvise`); off, an
-    ordinary tensor, which the kernel backs with 4 KiB pages in its `madvise` mode."""
+    """`LLM(kv_huge_pages=...)` reaches each memory worker's pool: on huge pages its
+    mapping is advised so (VmFlags `hg`) and backed by them (where the kernel grants
+    them on `madvise`); off, an ordinary tensor, in a mapping never advised. (Not its
+    AnonHugePages: an ordinary allocation shares its mapping with other memory; one CI
+    run read 256 MiB of huge pages in the mapping of a 25 MB pool.)"""
     from lamina import LLM
 
     model = tmp_path / "tiny"
@@ -116,9 +123,12 @@ def test_an_engines_pools_are_on_the_pages_its_config_asks_for(tmp_path, smol):
         try:
             for side in llm.executor.memory:
                 assert side.pool.config.huge_pages is huge and side.pool.k.nbytes > 2 << 20
-                backed = _huge_kib_at(side.pool.k.data_ptr())
-                if thp_mode() == "madvise":
-                    assert (backed >= 2048) is huge, backed
+                addr = side.pool.k.data_ptr()
+                flags = _smaps_at(addr, "VmFlags")
+                assert ("hg" in flags.split()) is huge, (flags, _smaps_at(addr, "Size"),
+                                                         _huge_kib_at(addr))
+                if huge and thp_mode() == "madvise":
+                    assert _huge_kib_at(addr) >= 2048
         finally:
             llm.shutdown()
 
