@@ -18,7 +18,8 @@ model: `lamina.model.prepare.key_channel_scales`).
 
 Host pools sit on transparent huge pages where the kernel allows them (`huge_pages`):
 a decode step reads rows at scattered slots, so with 4 KiB pages nearly every key's K
-and V rows take a TLB miss; 2 MiB pages remove most of them.
+and V rows take a TLB miss; 2 MiB pages remove most of them. Off, a pool's mapping is
+advised against them, so it keeps 4 KiB pages under THP `always` too.
 """
 from __future__ import annotations
 
@@ -197,19 +198,22 @@ def thp_mode(path: str = THP_ENABLED) -> str:
 
 
 def host_zeros(shape: Sequence[int], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
-    """A zeroed host tensor; with `huge_pages`, on a private anonymous mapping advised
-    MADV_HUGEPAGE and aligned to 2 MiB, so Linux backs it with transparent huge pages
-    when its THP mode is `always` or `madvise` (elsewhere: ordinary pages, same tensor).
-    The tensor keeps the mapping alive (torch.frombuffer holds a reference)."""
+    """A zeroed host tensor on a private anonymous mapping of its own, aligned to 2 MiB.
+    With `huge_pages` it is advised MADV_HUGEPAGE, so Linux backs it with transparent
+    huge pages when its THP mode is `always` or `madvise`; without, MADV_NOHUGEPAGE, so
+    it stays on 4 KiB pages even under `always` (where huge pages fault in slowly, the
+    reason to turn them off). Under 2 MiB, or where `mmap` lacks the advice: an
+    ordinary tensor. The tensor keeps the mapping alive (torch.frombuffer holds a
+    reference)."""
     n = 1
     for d in shape:
         n *= int(d)
     nbytes = n * torch.empty((), dtype=dtype).element_size()
-    advise = getattr(mmap, "MADV_HUGEPAGE", None)
-    if not huge_pages or advise is None or nbytes < HUGE_PAGE:
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE", None)
+    if advice is None or nbytes < HUGE_PAGE:
         return torch.zeros(tuple(shape), dtype=dtype)
     m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(advise)  # before the first touch, so the faults take huge pages
+    m.madvise(advice)  # before the first touch, so the faults take the pages it asks
     raw = torch.frombuffer(m, dtype=torch.uint8)
     off = -raw.data_ptr() % HUGE_PAGE
     t = raw[off:off + nbytes].view(dtype).view(tuple(shape))

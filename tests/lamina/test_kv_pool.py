@@ -90,6 +90,8 @@ def test_host_pool_on_huge_pages_and_zeroed():
         assert _huge_kib_at(pool.k.data_ptr()) >= 2048
     plain = KVPool(KVPoolConfig(2, 8192, 3, 64, huge_pages=False))
     assert not plain.k.any() and plain.k.shape == pool.k.shape
+    assert "nh" in _smaps_at(plain.k.data_ptr(), "VmFlags").split()
+    assert _huge_kib_at(plain.k.data_ptr()) == 0  # 4 KiB pages, whatever the THP mode
 
 
 @pytest.mark.parametrize(("env", "huge"), [("1", True), ("0", False), (None, True)])
@@ -110,9 +112,9 @@ def test_kv_huge_pages_defaults_from_the_environment(monkeypatch, env, huge):
 def test_an_engines_pools_are_on_the_pages_its_config_asks_for(tmp_path, smol):
     """`LLM(kv_huge_pages=...)` reaches each memory worker's pool: on huge pages its
     mapping is advised so (VmFlags `hg`) and backed by them (where the kernel grants
-    them on `madvise`); off, an ordinary tensor, in a mapping never advised. (Not its
-    AnonHugePages: an ordinary allocation shares its mapping with other memory; one CI
-    run read 256 MiB of huge pages in the mapping of a 25 MB pool.)"""
+    them on `madvise`); off, its mapping is advised against them (`nh`) and holds none,
+    whatever the kernel's mode. (An ordinary allocation would share its mapping with
+    other memory, which a CI run found advised and on 256 MiB of huge pages.)"""
     from lamina import LLM
 
     model = tmp_path / "tiny"
@@ -124,11 +126,13 @@ def test_an_engines_pools_are_on_the_pages_its_config_asks_for(tmp_path, smol):
             for side in llm.executor.memory:
                 assert side.pool.config.huge_pages is huge and side.pool.k.nbytes > 2 << 20
                 addr = side.pool.k.data_ptr()
-                flags = _smaps_at(addr, "VmFlags")
-                assert ("hg" in flags.split()) is huge, (flags, _smaps_at(addr, "Size"),
-                                                         _huge_kib_at(addr))
+                flags = _smaps_at(addr, "VmFlags").split()
+                why = (flags, _smaps_at(addr, "Size"), _huge_kib_at(addr))
+                assert ("hg" in flags, "nh" in flags) == (huge, not huge), why
                 if huge and thp_mode() == "madvise":
-                    assert _huge_kib_at(addr) >= 2048
+                    assert _huge_kib_at(addr) >= 2048, why
+                if not huge:
+                    assert _huge_kib_at(addr) == 0, why
         finally:
             llm.shutdown()
 
