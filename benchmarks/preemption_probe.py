@@ -2,9 +2,10 @@
 
     python benchmarks/preemption_probe.py [--batch 32] [--slots 3072] [--prompt 64]
                                           [--new 128] [--repeat 3] [--executor ray]
-                                          [--out DIR]
+                                          [--memory-workers 2] [--out DIR]
 
-SmolLM2 through `LLM` (local executor or --executor ray, one memory worker, CPU, one
+SmolLM2 through `LLM` (local executor or --executor ray, one memory worker or
+--memory-workers sharing --slots evenly, their KV split over them as it grows, CPU, one
 torch thread). B requests of --prompt tokens (each "Request <b>:", then `lamina bench
 e2e`'s text, so two share at most the few tokens before their numbers differ) and --new
 tokens each (greedy, ignore_eos), in a pool of --slots token slots: too few for every
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--executor", default="local", choices=["local", "ray"])
+    ap.add_argument("--memory-workers", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -74,8 +76,8 @@ def main() -> None:
                 "caching on + swap to the host tier": {  # room for twice every sequence's KV
                     "preemption_mode": "swap", "kv_host_bytes": 2 * need * 48 * 1024}}
     for name, kw in settings.items():
-        llm = LLM(executor=args.executor, num_kv_slots=args.slots, max_batch=args.batch,
-                  **kw)
+        llm = LLM(executor=args.executor, num_memory_workers=args.memory_workers,
+                  num_kv_slots=args.slots // args.memory_workers, max_batch=args.batch, **kw)
         prompts = distinct_prompts(llm.loaded.tokenizer, args.batch, args.prompt)
         runs = [run(llm, prompts, args.new) for _ in range(args.repeat)]
         llm.shutdown()
@@ -90,7 +92,7 @@ def main() -> None:
                       "yes" if row["same_tokens"] else "NO"])
         print(" | ".join(table[-1]), flush=True)
     result = {"cpu": cpu_name(), "threads": 1, "executor": args.executor,
-              "batch": args.batch, "slots": args.slots,
+              "memory_workers": args.memory_workers, "batch": args.batch, "slots": args.slots,
               "kv_need": need, "prompt_tokens": args.prompt, "new_tokens": args.new,
               "repeat": args.repeat, "rows": rows}
     for path in _write(Path(args.out), "preemption_probe", result, table):

@@ -723,15 +723,13 @@ class LLMEngine:
 
     def _save_session(self, seq: Sequence) -> None:
         """A session's turn finished: its KV (every position but the last drawn token's)
-        goes to its worker's host tier, from the first position not saved yet. Not for a
-        sequence whose KV is split over workers."""
+        goes to its worker's host tier, from the first position not saved yet; of a KV
+        split over workers, the part on its first worker (the next turn computes the
+        rest)."""
         assert self.sessions is not None and seq.session is not None
-        if len(seq.segments) != 1:
-            log.info("session %s: its KV spans memory workers, not saved", seq.session)
-            return
-        n = seq.num_tokens - 1
-        slots = self.allocs[seq.worker].slots(seq.seq_id)[:n]
-        self.sessions.saved(seq.session, seq.worker, seq.tokens[:n], slots)
+        w, n = seq.first_part(seq.num_tokens - 1)
+        slots = self.allocs[w].slots(seq.seq_id)[:n]
+        self.sessions.saved(seq.session, w, seq.tokens[:n], slots)
 
     def _fail(self, fault: SequenceFault, step: int) -> list[RequestOutput]:
         """Fail the requests owning the faulty sequences alone: every sample of each is

@@ -165,6 +165,13 @@ class Sequence:
     def workers(self) -> list[int]:
         return [w for w, _ in self.segments]
 
+    def first_part(self, upto: int) -> tuple[int, int]:
+        """(its first range's worker, how many of its first `upto` positions are there):
+        what one worker's prefix cache or tier can hold of a KV split over workers."""
+        if len(self.segments) > 1:
+            upto = min(upto, self.segments[1][1])  # where the second worker's range starts
+        return self.segments[0][0], upto
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocators: KVAllocator | list[KVAllocator],
@@ -248,13 +255,15 @@ class Scheduler:
         return None
 
     def _spill(self, seq: Sequence) -> int | None:
-        """A worker this sequence has no range on that can take one more slot (not for a
-        sequence with positions given back: those stay on one worker)."""
+        """A worker this sequence has no range on that can take one more slot, the most
+        free first, evicting a cached prefix if need be (a live sequence wins over the
+        cache, as in `_room`); not for a sequence with positions given back: those stay
+        on one worker."""
         if not self.config.split_kv or seq.holes_from is not None:
             return None
-        free = [w for w in range(len(self.allocs))
-                if w not in seq.workers and self.allocs[w].can_allocate(1)]
-        return max(free, key=lambda w: (self.allocs[w].num_free(), -w)) if free else None
+        ws = sorted((w for w in range(len(self.allocs)) if w not in seq.workers),
+                    key=lambda w: (-self.allocs[w].num_free(), w))
+        return next((w for w in ws if self._room(w, 1)), None)
 
     def _room(self, w: int, n: int) -> bool:
         """Whether worker w can take n more slots, evicting cached prefixes if need be
@@ -283,7 +292,7 @@ class Scheduler:
             # (or the sequence's own KV, cached when it was preempted: it was placed there)
             if (slots and (len(slots) >= most - self.allocs[w].num_free()
                            or 0 < seq.kept <= len(slots))
-                    and self._room_keeping(w, n - len(slots) + extra, slots)):
+                    and self._room_after(w, slots, n - len(slots), 0, extra)):
                 return w, slots
         return -1, []
 
@@ -302,7 +311,7 @@ class Scheduler:
             return w, hit, None
         pool = (self.caches[m.worker].match(seq.tokens, m.upto) if self.caches is not None
                 else [])  # any start of it still in the pool is shared, not loaded
-        if not self._room_keeping(m.worker, n - len(pool) + extra, pool):
+        if not self._room_after(m.worker, pool, n - len(pool), m.upto - len(pool), extra):
             return w, hit, None
         return m.worker, pool, m
 
@@ -332,10 +341,40 @@ class Scheduler:
         finally:
             a.release(keep)
 
+    def _room_after(self, w: int, keep: list[int], rest: int, must: int, extra: int) -> bool:
+        """Room for the `rest` positions after the prefix `keep` reused on worker w (+
+        `extra` fork slots): all on w (evicting cached prefixes), else, with `split_kv`
+        and no forks, at least `must` of them on w (a tier load's: they go where the
+        prefix is) and the others in the other workers' free slots (`_spill_rest`)."""
+        if self._room_keeping(w, rest + extra, keep):
+            return True
+        if not self.config.split_kv or extra:
+            return False
+        others = sum(self._capacity(v) for v in range(len(self.allocs)) if v != w)
+        return self._room_keeping(w, max(must, rest - others), keep)
+
+    def _capacity(self, w: int) -> int:
+        """Slots worker w can give: free, or held only by cached prefixes."""
+        return self.allocs[w].num_free() + (self.caches[w].evictable() if self.caches else 0)
+
+    def _spill_rest(self, seq: Sequence, pos: int) -> None:
+        """Slots for seq's positions from `pos` on, on the workers it does not use yet,
+        the most free first, evicting cached prefixes there if need be (`_room_after`
+        found the room)."""
+        n = len(seq.tokens)
+        for w in sorted(range(len(self.allocs)), key=lambda v: (-self._capacity(v), v)):
+            take = min(n - pos, self._capacity(w))
+            if take and w not in seq.workers and self._room(w, take):
+                self.allocs[w].allocate(seq.seq_id, take)
+                seq.segments.append((w, pos))
+                pos += take
+        assert pos == n, f"sequence {seq.seq_id}: {n - pos} positions without a slot"
+
     def cache(self, seq: Sequence, upto: int) -> int:
         """Cache seq's first `upto` positions (their KV is written): after its prefill,
-        when it finishes, and when it is preempted. Only a sequence held by one worker,
-        and only up to its first position given back; a sparse one only up to its prompt's
+        when it finishes, and when it is preempted. Of a sequence split over workers,
+        the part on its first worker (a cached prefix is one worker's slots); only up to
+        its first position given back; a sparse one only up to its prompt's
         end: its decode rows attended to a selection of keys, so the KV they wrote (past
         the first layer) is not what a prompt fed whole writes, and another request
         reusing it would answer otherwise than alone. -> the positions cached (0: none)."""
@@ -343,9 +382,11 @@ class Scheduler:
             upto = min(upto, seq.holes_from)
         if self.sparse(seq):
             upto = min(upto, len(seq.prompt))
-        if self.caches is None or len(seq.segments) != 1 or upto <= 0:
+        if self.caches is None or not seq.segments:
             return 0
-        w = seq.worker
+        w, upto = seq.first_part(upto)
+        if upto <= 0:
+            return 0
         self.caches[w].insert(seq.tokens[:upto], self.allocs[w].slots(seq.seq_id)[:upto])
         return upto
 
@@ -386,17 +427,17 @@ class Scheduler:
     def _park(self, seq: Sequence, n: int) -> None:
         """Save seq's first n positions' KV to its worker's host tier (the order rides in
         the plan being made, carried out before the step writes into the slots freed).
-        Not a sequence split over workers or with slots given back (its table has
-        holes), nor one larger than the host tier."""
+        A sequence split over workers saves its first worker's part (an entry loads
+        into one worker's slots; the rest is computed again). Not one with slots given
+        back (its table has holes), nor one larger than the host tier."""
         assert self.sessions is not None
-        if (n <= 0 or len(seq.segments) != 1 or seq.holes_from is not None
-                or not self._tiers_serve(seq)
+        w, n = seq.first_part(n)
+        if (n <= 0 or seq.holes_from is not None or not self._tiers_serve(seq)
                 or n * self.sessions.bytes_per_token > self.sessions.config.host_bytes):
             return
         seq.parked = seq.parked or f"#preempted:{seq.seq_id}"  # no session id has '#'
-        slots = self.allocs[seq.worker].slots(seq.seq_id)[:n]
-        self.parked_tokens += self.sessions.saved(seq.parked, seq.worker, seq.tokens[:n],
-                                                  slots)
+        slots = self.allocs[w].slots(seq.seq_id)[:n]
+        self.parked_tokens += self.sessions.saved(seq.parked, w, seq.tokens[:n], slots)
 
     def _unpark(self, seq: Sequence) -> None:
         """seq ended: the KV saved when it was preempted is not wanted any more."""
@@ -628,9 +669,12 @@ class Scheduler:
         if seq.lost:  # a readmission: of the positions it had KV for, those not reused
             seq.recomputed += max(0, seq.lost - reuse)
             seq.lost = min(seq.lost, reuse)  # what a tier load that misses still loses
-        if reuse:
-            self.allocs[w].adopt(seq.seq_id, hit, n - len(hit))
+        if reuse:  # on w what fits there (all but where `_room_after` split it)
+            here = min(n - len(hit), self.allocs[w].num_free())
+            self.allocs[w].adopt(seq.seq_id, hit, here)
             seq.segments.append((w, 0))
+            if len(hit) + here < n:
+                self._spill_rest(seq, len(hit) + here)
             if tier is not None:  # the rest of the reused prefix comes from the tiers
                 self._load(seq, tier, len(hit), self.allocs[w].slots(seq.seq_id))
         else:

@@ -148,3 +148,36 @@ def test_a_memory_worker_hung_at_the_tier_check_fails_the_step_in_bounded_time(
     assert ex.memory_info[w]["pid"] != pid
     assert got[0].metrics["tier_cached_tokens"] == 0
     assert [got[0].outputs[0].token_ids] == hf_greedy_of(smol, [second], 8)
+
+
+def test_preempted_sequences_swap_to_the_workers_host_tiers(llm, prompts, hf_greedy):
+    """Five prompts (12-90 tokens, 32 new each) in 125 slots on each of the two memory
+    workers, their KV split over both as they grow: growth preempts sequences. With
+    swap (the default with a host tier) each preempted one's KV on its first worker is
+    saved to that worker's host tier in the step's frames and loaded back at its
+    readmission; the tokens are HF's greedy ones either way, swap computes fewer
+    positions again than recompute, the bytes the workers saved and loaded are the
+    positions parked and loaded, and no slot or entry is left."""
+    ex, pick, recomputed = llm.executor, [1, 3, 10, 11, 12], {}
+    per_token = ex.tier_bytes_per_token()
+    for mode in ("recompute", "auto"):
+        ex.recover(RuntimeError("a new test"))
+        eng = LLMEngine(replace(llm.config, num_kv_slots=125, idle_check_s=None,
+                                preemption_mode=mode), ex, llm.loaded.tokenizer,
+                        llm.loaded.config)
+        time.sleep(1.1)  # the executor asks the workers' traffic at most once a second
+        before = ex.tier_traffic()
+        outs, _ = run(eng, [Ask(0, prompts[i], GREEDY, 0, None, None, False) for i in pick])
+        assert [outs[k].outputs[0].token_ids for k in range(5)] == [hf_greedy[i] for i in pick]
+        assert sum(o.metrics["preemptions"] for o in outs.values()) >= 3
+        recomputed[mode] = sum(o.metrics["recomputed_tokens"] for o in outs.values())
+        run(eng, [Ask(0, [1, 2, 3], GREEDY, 0, None, None, False)])  # a step: the drops
+        time.sleep(1.1)
+        st = eng.tier_stats()
+        assert st["saved_bytes"] - before["saved_bytes"] == st["parked_tokens"] * per_token
+        assert st["loaded_bytes"] - before["loaded_bytes"] == \
+            st["tier_hit_tokens"] * per_token
+        assert (st["parked_tokens"] > 50 and st["tier_hit_tokens"] > 0) is (mode == "auto")
+        assert eng.free_slots() == [125, 125] and eng.sessions.sessions == {}
+        assert eng.num_recoveries == 0
+    assert recomputed["auto"] < recomputed["recompute"], recomputed

@@ -399,6 +399,48 @@ def test_a_preempted_sequence_is_saved_to_the_tier_and_loaded_back_exact(swap):
     assert tiers.sessions == {} and tiers.host_bytes() == 0
 
 
+def test_a_split_sequence_parks_its_first_workers_part_and_comes_back_split_exact():
+    """KV split over two workers of 4 slots ("priority", swap): b (3 tokens, priority
+    1) grows from worker 0 onto worker 1; c (priority 0) displaces it. b's part on its
+    first worker (positions 0-3) is cached and saved to that worker's tier; c, growing
+    past worker 1, evicts b's cached slots on worker 0 from their end rather than
+    preempting itself. Readmitted, b takes back what the pool kept (position 0), loads
+    positions 1-3 from the tier on worker 0 and puts the rest on worker 1: it computes
+    only positions 4-6, split as before."""
+    tiers = SessionIndex(TierConfig(host_bytes=100), bytes_per_token=1)
+    s = Scheduler(SchedulerConfig(4, 100, split_kv=True, policy="priority"),
+                  [KVAllocator(KVAllocatorConfig(4)), KVAllocator(KVAllocatorConfig(4))],
+                  prefix_caching=True, sessions=tiers, swap=True)
+    b = Sequence(0, [20, 21, 22], P, priority=1)
+    s.add(b)
+    for t in (100, 101, 102, 103):
+        s.schedule()
+        b.output.append(t)
+    assert b.segments == [(0, 0), (1, 4)] and s.allocs[1].slots(0) == [0, 1]
+    c = Sequence(1, [30, 31, 32, 33], P, priority=0)
+    s.add(c)
+    plan = s.schedule()
+    assert plan.seqs == (SeqWork(1, (30, 31, 32, 33), 0, (0, 1, 2, 3), params=P, worker=1),)
+    assert plan.tier_orders == (TierOrder("save", 0, 0, 0, (0, 1, 2, 3)),)
+    assert (b.status, b.parked, b.kept, s.parked_tokens) == ("waiting", "#preempted:0", 4, 4)
+    for t, slot in ((114, 3), (115, 2), (116, 1)):  # onto worker 0, b's cache from its end
+        c.output.append(t)
+        assert s.schedule().seqs[0].slots == (slot,)
+    assert c.segments == [(1, 0), (0, 4)] and c.num_preemptions == 0
+    c.output.append(117)
+    s.finish(c, "length")
+    plan = s.schedule()
+    assert plan.tier_orders == (TierOrder("load", 0, 0, 1, (3, 2, 1), seq_id=0),)
+    (work,) = plan.seqs
+    assert (work.token_ids, work.start_pos, work.slots) == ((101, 102, 103), 4,
+                                                            (0, 3, 2, 1, 1, 2, 3))
+    assert work.segments == ((0, 0), (1, 4)) and b.recomputed == 2
+    b.output.append(104)
+    s.finish(b, "length")
+    assert s.schedule().tier_orders == (TierOrder("drop", 0, 0),)
+    assert tiers.sessions == {}
+
+
 def test_reset_after_a_cut_starts_again_from_the_sequences_alone():
     """A step cut part-way (`LLMEngine.step`) may leave a sequence half admitted (out of
     the queue, slots taken, not running) and tables half sent: `reset` empties the

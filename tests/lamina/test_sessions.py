@@ -238,7 +238,7 @@ def test_multi_turn_sessions_with_tiers_equal_tiers_off_and_hf(smol, smol_packed
     workers, slots = 2, 56
     tok = smol.tokenizer
     per_token = KVPoolConfig.for_specs(smol_packed.attention_specs, 1).bytes_per_slot
-    tiers = TierConfig(host_bytes=150 * per_token, disk_dir=str(tmp_path),
+    tiers = TierConfig(host_bytes=120 * per_token, disk_dir=str(tmp_path),
                        disk_bytes=4000 * per_token)
     on = _engine(smol, smol_packed, slots, workers=workers, tiers=tiers)
     off = _engine(smol, smol_packed, slots, workers=workers, prefix_caching=False)
