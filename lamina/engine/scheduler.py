@@ -358,17 +358,24 @@ class Scheduler:
         return self.allocs[w].num_free() + (self.caches[w].evictable() if self.caches else 0)
 
     def _spill_rest(self, seq: Sequence, pos: int) -> None:
-        """Slots for seq's positions from `pos` on, on the workers it does not use yet,
-        the most free first, evicting cached prefixes there if need be (`_room_after`
-        found the room)."""
-        n = len(seq.tokens)
-        for w in sorted(range(len(self.allocs)), key=lambda v: (-self._capacity(v), v)):
-            take = min(n - pos, self._capacity(w))
-            if take and w not in seq.workers and self._room(w, take):
-                self.allocs[w].allocate(seq.seq_id, take)
-                seq.segments.append((w, pos))
-                pos += take
-        assert pos == n, f"sequence {seq.seq_id}: {n - pos} positions without a slot"
+        """Slots for seq's positions from `pos` on, on the workers it does not use yet:
+        their free slots first (the most free worker first), then those cached prefixes
+        hold (evicted; `_room_after` counted them). One range per worker."""
+        others = sorted((v for v in range(len(self.allocs)) if v not in seq.workers),
+                        key=lambda v: (-self.allocs[v].num_free(), v))
+        take, left = dict.fromkeys(others, 0), len(seq.tokens) - pos
+        for evict in (False, True):
+            for v in others:
+                can = self._capacity(v) if evict else self.allocs[v].num_free()
+                more = min(left, can - take[v])
+                take[v], left = take[v] + more, left - more
+        assert left == 0, f"sequence {seq.seq_id}: {left} positions without a slot"
+        for v in others:
+            if take[v] and self._room(v, take[v]):
+                self.allocs[v].allocate(seq.seq_id, take[v])
+                seq.segments.append((v, pos))
+                pos += take[v]
+        assert pos == len(seq.tokens), f"sequence {seq.seq_id}: positions without a slot"
 
     def cache(self, seq: Sequence, upto: int) -> int:
         """Cache seq's first `upto` positions (their KV is written): after its prefill,

@@ -441,6 +441,35 @@ def test_a_split_sequence_parks_its_first_workers_part_and_comes_back_split_exac
     assert tiers.sessions == {}
 
 
+def test_a_cached_prefix_no_worker_can_finish_is_reused_and_the_rest_split_exact():
+    """Three workers of 6 slots: x's prompt (5 tokens) is cached on worker 0, y's (4)
+    on worker 1, z runs on worker 2. A 12-token prompt starting with x's takes its
+    cached slots and worker 0's last free slot (positions 0-5); the rest goes to the
+    other workers' free slots, the most free first (worker 2's three, worker 1's two),
+    and only then to a slot y's cached prefix held (the end of that prefix): worker 2
+    holds positions 6-8, worker 1 9-11. Only positions 5-11 are computed (not all 12,
+    split, with every cache emptied)."""
+    s = Scheduler(SchedulerConfig(4, 100, split_kv=True),
+                  [KVAllocator(KVAllocatorConfig(6)) for _ in range(3)], prefix_caching=True)
+    x, y, z = Sequence(0, [1, 2, 3, 4, 5], P), Sequence(1, [9, 9, 9, 9], P), Sequence(2, [7, 7], P)
+    for seq in (x, y, z):
+        s.add(seq)
+    assert [(w.worker, w.slots) for w in s.schedule().seqs] == [
+        (0, (0, 1, 2, 3, 4)), (1, (0, 1, 2, 3)), (2, (0, 1))]
+    for seq in (x, y):
+        seq.output.append(50)
+        s.finish(seq, "length")
+    z.output.append(70)
+    q = Sequence(3, list(range(1, 13)), P)
+    s.add(q)
+    work = s.schedule().seqs
+    assert work[1] == SeqWork(3, (6, 7, 8, 9, 10, 11, 12), 5,
+                              (0, 1, 2, 3, 4, 5, 3, 4, 5, 3, 4, 5), params=P,
+                              segments=((0, 0), (2, 6), (1, 9)))
+    assert [a.num_free() for a in s.allocs] == [0, 0, 0]
+    assert s.caches[1].match([9, 9, 9, 9]) == [0, 1, 2] and s.caches[0].evictable() == 0
+
+
 def test_reset_after_a_cut_starts_again_from_the_sequences_alone():
     """A step cut part-way (`LLMEngine.step`) may leave a sequence half admitted (out of
     the queue, slots taken, not running) and tables half sent: `reset` empties the
