@@ -292,7 +292,7 @@ class Scheduler:
             # (or the sequence's own KV, cached when it was preempted: it was placed there)
             if (slots and (len(slots) >= most - self.allocs[w].num_free()
                            or 0 < seq.kept <= len(slots))
-                    and self._room_after(w, slots, n - len(slots), 0, extra)):
+                    and self._room_after(w, slots, n - len(slots), 0, extra, seq.kept > 0)):
                 return w, slots
         return -1, []
 
@@ -311,7 +311,8 @@ class Scheduler:
             return w, hit, None
         pool = (self.caches[m.worker].match(seq.tokens, m.upto) if self.caches is not None
                 else [])  # any start of it still in the pool is shared, not loaded
-        if not self._room_after(m.worker, pool, n - len(pool), m.upto - len(pool), extra):
+        if not self._room_after(m.worker, pool, n - len(pool), m.upto - len(pool), extra,
+                                True):
             return w, hit, None
         return m.worker, pool, m
 
@@ -341,17 +342,23 @@ class Scheduler:
         finally:
             a.release(keep)
 
-    def _room_after(self, w: int, keep: list[int], rest: int, must: int, extra: int) -> bool:
+    def _room_after(self, w: int, keep: list[int], rest: int, must: int, extra: int,
+                    own: bool) -> bool:
         """Room for the `rest` positions after the prefix `keep` reused on worker w (+
         `extra` fork slots): all on w (evicting cached prefixes), else, with `split_kv`
         and no forks, at least `must` of them on w (a tier load's: they go where the
-        prefix is) and the others in the other workers' free slots (`_spill_rest`)."""
+        prefix is) and the others on the other workers (`_spill_rest`). Not split where
+        another worker holds the whole sequence, unless the prefix is the sequence's
+        `own` KV (a readmission's, a session's: long, and costly to compute again; a
+        split costs each step one more worker's partial attention)."""
         if self._room_keeping(w, rest + extra, keep):
             return True
         if not self.config.split_kv or extra:
             return False
-        others = sum(self._capacity(v) for v in range(len(self.allocs)) if v != w)
-        return self._room_keeping(w, max(must, rest - others), keep)
+        others = [self._capacity(v) for v in range(len(self.allocs)) if v != w]
+        if not own and max(others, default=0) >= len(keep) + rest:
+            return False
+        return self._room_keeping(w, max(must, rest - sum(others)), keep)
 
     def _capacity(self, w: int) -> int:
         """Slots worker w can give: free, or held only by cached prefixes."""

@@ -470,6 +470,29 @@ def test_a_cached_prefix_no_worker_can_finish_is_reused_and_the_rest_split_exact
     assert s.caches[1].match([9, 9, 9, 9]) == [0, 1, 2] and s.caches[0].evictable() == 0
 
 
+def test_a_fresh_prompt_goes_whole_where_it_fits_rather_than_split_for_a_prefix():
+    """Two workers of 10 slots: x's prompt (5 tokens) cached on worker 0, which has 2
+    free slots beside it; y's (6) cached on worker 1. An 8-token prompt starting with
+    x's would have to split to reuse it; worker 1 holds it whole (evicting y's prefix
+    from its end), so it goes there and computes its 8 positions. (A readmission's own
+    KV is reused split: the test above.)"""
+    s = Scheduler(SchedulerConfig(4, 100, split_kv=True),
+                  [KVAllocator(KVAllocatorConfig(10)) for _ in range(2)], prefix_caching=True)
+    x, y = Sequence(0, [1, 2, 3, 4, 5], P), Sequence(1, [9] * 6, P)
+    for seq in (x, y):
+        s.add(seq)
+    s.schedule()
+    for seq in (x, y):
+        seq.output.append(50)
+        s.finish(seq, "length")
+    s.allocs[0].allocate("held", 3)
+    q = Sequence(2, list(range(1, 9)), P)
+    s.add(q)
+    assert s.schedule().seqs == (SeqWork(2, tuple(range(1, 9)), 0, (2, 3, 4, 5, 6, 7, 8, 9),
+                                         params=P, worker=1),)
+    assert q.segments == [(1, 0)] and s.caches[1].match([9] * 6) == [0, 1]
+
+
 def test_reset_after_a_cut_starts_again_from_the_sequences_alone():
     """A step cut part-way (`LLMEngine.step`) may leave a sequence half admitted (out of
     the queue, slots taken, not running) and tables half sent: `reset` empties the
