@@ -377,12 +377,10 @@ class Scheduler:
                 more = min(left, can - take[v])
                 take[v], left = take[v] + more, left - more
         assert left == 0, f"sequence {seq.seq_id}: {left} positions without a slot"
-        for v in others:
-            if take[v] and self._room(v, take[v]):
-                self.allocs[v].allocate(seq.seq_id, take[v])
-                seq.segments.append((v, pos))
-                pos += take[v]
-        assert pos == len(seq.tokens), f"sequence {seq.seq_id}: positions without a slot"
+        place = [(v, take[v]) for v in others if take[v]]
+        for v, t in place:
+            self._room(v, t)  # evicts what cached prefixes hold of the t slots
+        self._allocate(seq, place, pos)
 
     def cache(self, seq: Sequence, upto: int) -> int:
         """Cache seq's first `upto` positions (their KV is written): after its prefill,
@@ -772,9 +770,10 @@ class Scheduler:
             seq.first_dropped = pos[0] if seq.first_dropped < 0 else min(seq.first_dropped,
                                                                          pos[0])
 
-    def _allocate(self, seq: Sequence, place: list[tuple[int, int]]) -> None:
-        """Fresh slots for all of seq's tokens, over the workers `place` names."""
-        n, pos = len(seq.tokens), 0
+    def _allocate(self, seq: Sequence, place: list[tuple[int, int]], pos: int = 0) -> None:
+        """Fresh slots for seq's tokens from position `pos` on, over the workers `place`
+        names."""
+        n = len(seq.tokens)
         for w, take in place:
             take = min(take, n - pos)
             if take:
