@@ -262,8 +262,8 @@ def test_memory_ends_hold_each_running_sequences_table(smol, smol_packed, prompt
     workers; greedy tokens equal HF's; finished sequences' tables go with the next
     step's metadata. Two micro-batches a step (the memory end's Python loop; every other
     test here runs the tables through the C++ one too)."""
-    pick = [8, 1, 3, 4, 10, 11]  # the 600-token prompt spans both 400-slot pools
-    eng, ex = linked_engine(smol, smol_packed, 400, pipeline="rotational")
+    pick = [8, 1, 3, 4, 10, 11]  # the 600-token prompt spans both 360-slot pools
+    eng, ex = linked_engine(smol, smol_packed, 360, pipeline="rotational")
     greedy = SamplingParams(max_tokens=16, temperature=0)
     ids = [eng.add_request(prompts[i], greedy) for i in pick]
     out, split = {}, 0
