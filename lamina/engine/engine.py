@@ -726,10 +726,8 @@ class LLMEngine:
         goes to its worker's host tier, from the first position not saved yet; of a KV
         split over workers, the part on its first worker (the next turn computes the
         rest)."""
-        assert self.sessions is not None and seq.session is not None
-        w, n = seq.first_part(seq.num_tokens - 1)
-        slots = self.allocs[w].slots(seq.seq_id)[:n]
-        self.sessions.saved(seq.session, w, seq.tokens[:n], slots)
+        assert seq.session is not None
+        self.scheduler.save(seq, seq.session, seq.num_tokens - 1)
 
     def _fail(self, fault: SequenceFault, step: int) -> list[RequestOutput]:
         """Fail the requests owning the faulty sequences alone: every sample of each is

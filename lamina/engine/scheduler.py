@@ -448,8 +448,16 @@ class Scheduler:
                 or n * self.sessions.bytes_per_token > self.sessions.config.host_bytes):
             return
         seq.parked = seq.parked or f"#preempted:{seq.seq_id}"  # no session id has '#'
+        self.parked_tokens += self.save(seq, seq.parked, n)
+
+    def save(self, seq: Sequence, key: str, upto: int) -> int:
+        """Order seq's first `upto` positions' KV (of a KV split over workers, its first
+        worker's part) saved under `key` in that worker's host tier, from the first
+        position the entry lacks. -> the positions ordered saved."""
+        assert self.sessions is not None
+        w, n = seq.first_part(upto)
         slots = self.allocs[w].slots(seq.seq_id)[:n]
-        self.parked_tokens += self.sessions.saved(seq.parked, w, seq.tokens[:n], slots)
+        return self.sessions.saved(key, w, seq.tokens[:n], slots)
 
     def _unpark(self, seq: Sequence) -> None:
         """seq ended: the KV saved when it was preempted is not wanted any more."""
