@@ -18,9 +18,11 @@ they wait at the front of the queue, to be recomputed later. Nothing is dropped.
 prefix caching a preempted sequence's KV stays cached (evictable, from its end first,
 as others need the slots), so its readmission recomputes only what was taken. With the
 session tiers and `swap` (`EngineConfig.preemption_mode`), its KV is also saved to its
-worker's host tier (`_park`), and its readmission loads from there what the pool's
-cache lost: only the last drawn token is computed (`Sequence.recomputed` counts the
-positions a readmission did compute again).
+workers' host tiers, each worker's part to its own (`_park`), and its readmission loads
+from there what the pools' cache lost, each part back onto its worker (`_parts_hit`):
+only the last drawn token is computed, or also positions its first worker had no room
+to take back (`Skip`) (`Sequence.recomputed` counts the positions a readmission did
+compute again).
 
 Policies (`SchedulerConfig.policy`): "fcfs" serves sequences in arrival order.
 "priority" (vLLM's convention: a lower `Sequence.priority` is served first; ties in
@@ -67,6 +69,38 @@ from lamina.memory.allocator import KVAllocator
 from lamina.sampling.params import SamplingParams
 
 POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class Part:
+    """A sequence's positions start..end-1 whose KV is on one memory worker (a KV split
+    over workers has one per worker, in position order)."""
+
+    worker: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class PartsHit:
+    """What a readmission takes back of its parked parts (`Scheduler._parts_hit`): its
+    pool slots on its first worker, where its first worker's range ends, and the later
+    parts to load (empty: none)."""
+
+    hit: list[int]
+    end: int
+    parts: list[Part]
+
+
+@dataclass(frozen=True)
+class Skip:
+    """Positions start..end-1 of a readmitted sequence whose KV is loaded (`loads`:
+    (tier entry, pool slots)) once the positions before them are computed: its
+    parts' KV comes back after a gap its first worker could not hold."""
+
+    start: int
+    end: int
+    loads: tuple[tuple[str, tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -128,6 +162,10 @@ class Sequence:
     # preemptions: the tier entry holding its KV saved when it was last preempted (None:
     # none); positions whose KV it had then; positions readmissions computed again
     parked: str | None = None
+    # of that KV, each worker's part, in position order (the first is `parked`'s; a later
+    # one has an entry of its own on its worker: `Scheduler._part_key`)
+    parts: tuple[Part, ...] = ()
+    skip: Skip | None = None  # positions its chunks skip, loaded instead (`Skip`)
     lost: int = 0
     recomputed: int = 0
 
@@ -171,6 +209,12 @@ class Sequence:
         if len(self.segments) > 1:
             upto = min(upto, self.segments[1][1])  # where the second worker's range starts
         return self.segments[0][0], upto
+
+    def parts_upto(self, upto: int) -> list[Part]:
+        """Its first `upto` positions as one `Part` per worker holding some of them."""
+        bounds = [a for _, a in self.segments[1:]] + [upto]
+        return [Part(w, a, min(b, upto)) for (w, a), b in zip(self.segments, bounds)
+                if a < min(b, upto)]
 
 
 class Scheduler:
@@ -316,6 +360,86 @@ class Scheduler:
             return w, hit, None
         return m.worker, pool, m
 
+    def _parts_hit(self, seq: Sequence, extra: int, w: int, hit: list[int],
+                   tier: TierMatch | None) -> PartsHit:
+        """A readmission's later parts of its KV saved when it was preempted (`_park`),
+        each to be loaded back onto its worker (a range per worker, as before): those
+        still saved that fit there, in order. Its first worker keeps its first part
+        whole (from its pool and tier: `hit` cut to it, as another sequence's cached KV
+        may match further) or, with no room there, what its pool still holds: the
+        positions between are then computed on the next part's worker before the
+        parts are loaded (`Skip`)."""
+        none = PartsHit(hit, 0, [])
+        if len(seq.parts) < 2 or extra or self.sessions is None:
+            return none
+        first = seq.parts[0]
+        if w not in (-1, first.worker) or (tier is not None and (
+                tier.session != seq.parked or tier.shift)):
+            return none
+        if tier is None and self.caches is not None:  # (`_hit` may have found no room)
+            hit = self.caches[first.worker].match(seq.tokens, first.end)
+        whole = (tier.upto if tier is not None else len(hit)) >= first.end
+        if not (whole or tier is None) or (not whole and self.sparse(seq)):
+            return none  # (a sparse one: its gap might be one decode-like row)
+        end = first.end if whole else len(hit)
+        limit, parts = len(seq.tokens) - self._last_fed(seq), []
+        for p in seq.parts[1:]:
+            m = self.sessions.match(self._part_key(seq, p), seq.tokens[p.start:p.end],
+                                    p.end - p.start)
+            if (p.end > limit or m is None or m.worker != p.worker
+                    or m.prefix < p.end - p.start):
+                break
+            parts.append(p)
+        while parts and not self._room_parts(seq, hit[:end], end, parts):
+            parts.pop()
+        return PartsHit(hit[:end], end, parts) if parts else none
+
+    def _room_parts(self, seq: Sequence, hit: list[int], end: int, parts: list[Part]) -> bool:
+        """Room for seq's positions 0..end-1 on its first worker (the pool's `hit`
+        there kept), `parts` on their workers (the first of them from `end` on), and the
+        positions after them on the last one's worker, or what it cannot take on the
+        workers seq does not use (`_spill_rest`); cached prefixes evicted where they
+        must be."""
+        first = seq.parts[0]
+        if end > len(hit) and not self._room_keeping(first.worker, end - len(hit), hit):
+            return False
+        starts = [end] + [p.start for p in parts[1:]]  # where each worker's range starts
+        sizes = [p.end - a for p, a in zip(parts, starts)]
+        if not all(self._room(p.worker, n) for p, n in zip(parts[:-1], sizes)):
+            return False
+        used = {first.worker, *(p.worker for p in parts)}
+        others = sum(self._capacity(v) for v in range(len(self.allocs)) if v not in used)
+        rest = len(seq.tokens) - parts[-1].end
+        return self._room(parts[-1].worker, sizes[-1] + max(0, rest - others))
+
+    def _place_parts(self, seq: Sequence, got: PartsHit) -> None:
+        """seq's slots as `_room_parts` planned them; its parts' loads ordered, or
+        after a gap left to its feed (`Skip`)."""
+        n, first, last = len(seq.tokens), seq.parts[0], got.parts[-1]
+        if got.end:
+            self.allocs[first.worker].adopt(seq.seq_id, got.hit, got.end - len(got.hit))
+            seq.segments.append((first.worker, 0))
+        starts = [got.end] + [p.start for p in got.parts[1:]]  # (as `_room_parts`)
+        here = min(n - starts[-1], self.allocs[last.worker].num_free())
+        self._allocate(seq, [(p.worker, p.end - a) for p, a in zip(got.parts[:-1], starts)]
+                       + [(last.worker, here)], got.end)
+        if starts[-1] + here < n:
+            self._spill_rest(seq, starts[-1] + here)
+        loads = tuple((self._part_key(seq, p), tuple(
+            self.allocs[p.worker].slots(seq.seq_id)[p.start - a:p.end - a]))
+            for p, a in zip(got.parts, starts))
+        if got.end < first.end:
+            seq.skip = Skip(first.end, last.end, loads)
+        else:
+            self._load_parts(seq, loads)
+
+    def _load_parts(self, seq: Sequence, loads: tuple[tuple[str, tuple[int, ...]], ...]
+                    ) -> None:
+        """Order each (part's entry, pool slots) loaded from its worker's tier."""
+        assert self.sessions is not None
+        for key, slots in loads:
+            self.sessions.load(key, seq.seq_id, 0, list(slots))
+
     def _tiers_serve(self, seq: Sequence) -> bool:
         """Whether the tiers may give seq KV: not when every prompt position must be
         computed (prompt logprobs, a policy scoring its prompt)."""
@@ -414,7 +538,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         for w in seq.workers:
             self.allocs[w].free(seq.seq_id)
-        seq.segments, seq.evicted = [], (0, 0)
+        seq.segments, seq.evicted, seq.skip = [], (0, 0), None
         seq.pending_drop, seq.new_drops, seq.first_dropped = [], (), -1
         seq.pending = 0
         if seq.sent:
@@ -437,33 +561,55 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _park(self, seq: Sequence, n: int) -> None:
-        """Save seq's first n positions' KV to its worker's host tier (the order rides in
-        the plan being made, carried out before the step writes into the slots freed).
-        A sequence split over workers saves its first worker's part (an entry loads
-        into one worker's slots; the rest is computed again). Not one with slots given
-        back (its table has holes), nor one larger than the host tier."""
+        """Save seq's first n positions' KV to the host tiers (the orders ride in the
+        plan being made, carried out before the step writes into the slots freed): of a
+        KV split over workers, each worker's part to that worker's tier, the first
+        under `seq.parked`, a later one under an entry of its own (`_part_key`); its
+        readmission loads each back onto its worker (`_parts_hit`). Not one with slots
+        given back (its table has holes); a part larger than the host tier ends the
+        parts saved there."""
         assert self.sessions is not None
-        w, n = seq.first_part(n)
-        if (n <= 0 or seq.holes_from is not None or not self._tiers_serve(seq)
-                or n * self.sessions.bytes_per_token > self.sessions.config.host_bytes):
+        if n <= 0 or seq.holes_from is not None or not self._tiers_serve(seq):
             return
         seq.parked = seq.parked or f"#preempted:{seq.seq_id}"  # no session id has '#'
-        self.parked_tokens += self.save(seq, seq.parked, n)
+        parts: list[Part] = []
+        for p in seq.parts_upto(n):
+            if (p.end - p.start) * self.sessions.bytes_per_token > \
+                    self.sessions.config.host_bytes:
+                break
+            self.parked_tokens += self._save_part(seq, self._part_key(seq, p), p)
+            parts.append(p)
+        for p in seq.parts[1:]:  # a later part the new ones do not replace
+            if not any(q.start == p.start for q in parts[1:]):
+                self.sessions.discard(self._part_key(seq, p))
+        seq.parts = tuple(parts)
+
+    @staticmethod
+    def _part_key(seq: Sequence, p: Part) -> str:
+        """The tier entry of a preempted sequence's part: `parked`, `parked@start`."""
+        assert seq.parked is not None
+        return seq.parked if p.start == 0 else f"{seq.parked}@{p.start}"
 
     def save(self, seq: Sequence, key: str, upto: int) -> int:
         """Order seq's first `upto` positions' KV (of a KV split over workers, its first
         worker's part) saved under `key` in that worker's host tier, from the first
         position the entry lacks. -> the positions ordered saved."""
+        return self._save_part(seq, key, seq.parts_upto(upto)[0]) if upto > 0 else 0
+
+    def _save_part(self, seq: Sequence, key: str, p: Part) -> int:
+        """Order part p of seq's KV saved under `key` in its worker's host tier (the
+        entry's positions count from p.start). -> the positions ordered saved."""
         assert self.sessions is not None
-        w, n = seq.first_part(upto)
-        slots = self.allocs[w].slots(seq.seq_id)[:n]
-        return self.sessions.saved(key, w, seq.tokens[:n], slots)
+        slots = self.allocs[p.worker].slots(seq.seq_id)[:p.end - p.start]
+        return self.sessions.saved(key, p.worker, seq.tokens[p.start:p.end], slots)
 
     def _unpark(self, seq: Sequence) -> None:
         """seq ended: the KV saved when it was preempted is not wanted any more."""
         if seq.parked is not None and self.sessions is not None:
             self.sessions.discard(seq.parked)
-        seq.parked = None
+            for p in seq.parts[1:]:
+                self.sessions.discard(self._part_key(seq, p))
+        seq.parked, seq.parts = None, ()
 
     def preempt_all(self, keep: Mapping[int, int] | None = None) -> int:
         """Every running sequence back to the waiting queue, in admission order ahead of
@@ -676,7 +822,11 @@ class Scheduler:
             return 0
         w, hit = self._hit(seq, k)
         w, hit, tier = self._tier_hit(seq, k, w, hit)
-        reuse = tier.upto if tier is not None else len(hit)  # positions not computed
+        got = self._parts_hit(seq, k, w, hit, tier)
+        if got.parts:  # positions not computed: those kept and loaded
+            reuse = got.end + got.parts[-1].end - seq.parts[0].end
+        else:
+            reuse = tier.upto if tier is not None else len(hit)
         if not self.chunks(seq) and n - reuse > budget and work:
             return 0  # (alone in a step it goes whole: a recompute past the budget)
         place = None if reuse else self._place(n + k)  # room for each fork's first slot
@@ -689,19 +839,21 @@ class Scheduler:
         if seq.lost:  # a readmission: of the positions it had KV for, those not reused
             seq.recomputed += max(0, seq.lost - reuse)
             seq.lost = min(seq.lost, reuse)  # what a tier load that misses still loses
-        if reuse:  # on w what fits there (all but where `_room_after` split it)
+        if got.parts:  # its KV's parts back on their workers (after a gap: `Skip`)
+            self._place_parts(seq, got)
+        elif reuse:  # on w what fits there (all but where `_room_after` split it)
             here = min(n - len(hit), self.allocs[w].num_free())
             self.allocs[w].adopt(seq.seq_id, hit, here)
             seq.segments.append((w, 0))
             if len(hit) + here < n:
                 self._spill_rest(seq, len(hit) + here)
-            if tier is not None:  # the rest of the reused prefix comes from the tiers
-                self._load(seq, tier, len(hit), self.allocs[w].slots(seq.seq_id))
         else:
             self._allocate(seq, place or [])
+        if tier is not None:  # the rest of the reused prefix comes from the tiers
+            self._load(seq, tier, len(hit), self.allocs[w].slots(seq.seq_id))
         seq.status = "running"
         self.running.append(seq)
-        return self._feed(seq, reuse, budget, work)
+        return self._feed(seq, got.end if seq.skip else reuse, budget, work)
 
     def chunks(self, seq: Sequence) -> bool:
         """Whether seq's prompt may be fed over several steps: not when it asks for
@@ -720,11 +872,17 @@ class Scheduler:
         """seq's tokens from position `start` into `work`, at most `budget` of them if it
         `chunks` (a sequence whose KV policy cuts one-query rows is not left one token to
         feed: 2 then, one over `budget` if it is 1); it draws after its last token only.
-        -> how many were fed."""
-        n = seq.num_tokens
+        A `Skip`'s positions are not fed: its loads are ordered once the positions
+        before it are computed, with the positions after it. -> how many were fed."""
+        n, skip = seq.num_tokens, seq.skip
+        if skip is not None and start == skip.start:  # (in a later step than the gap)
+            self._load_parts(seq, skip.loads)
+            start, seq.skip = skip.end, None
         end = min(n, start + budget) if self.chunks(seq) else n
         if n - end == 1 and self.sparse(seq):
             end = end - 1 if end - start > 1 else n
+        if seq.skip is not None:
+            end = min(end, seq.skip.start)
         seq.pending = n - end
         work.append(self._work(seq, start, end, (seq.seed, *(f.seed for f in seq.forks)),
                                sample=end == n))
@@ -828,6 +986,7 @@ class Scheduler:
             a.reset()
         for seq in (*ran, *self.waiting):
             seq.segments, seq.evicted, seq.sent, seq.pending, seq.kept = [], (0, 0), 0, 0, 0
+            seq.skip = None
             seq.lost = 0  # what the cut makes it compute again is not a preemption's
             seq.pending_drop, seq.new_drops, seq.first_dropped = [], (), -1
             seq.status = "waiting"

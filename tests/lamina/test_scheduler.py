@@ -2,7 +2,7 @@
 import pytest
 
 from lamina.engine.messages import SeqWork
-from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from lamina.engine.scheduler import Part, Scheduler, SchedulerConfig, Sequence, Skip
 from lamina.engine.sessions import SessionIndex
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
 from lamina.memory.tier_orders import TierConfig, TierOrder
@@ -399,14 +399,12 @@ def test_a_preempted_sequence_is_saved_to_the_tier_and_loaded_back_exact(swap):
     assert tiers.sessions == {} and tiers.host_bytes() == 0
 
 
-def test_a_split_sequence_parks_its_first_workers_part_and_comes_back_split_exact():
+def _split_b_preempted_and_c_done():
     """KV split over two workers of 4 slots ("priority", swap): b (3 tokens, priority
-    1) grows from worker 0 onto worker 1; c (priority 0) displaces it. b's part on its
-    first worker (positions 0-3) is cached and saved to that worker's tier; c, growing
-    past worker 1, evicts b's cached slots on worker 0 from their end rather than
-    preempting itself. Readmitted, b takes back what the pool kept (position 0), loads
-    positions 1-3 from the tier on worker 0 and puts the rest on worker 1: it computes
-    only positions 4-6, split as before."""
+    1) grows from worker 0 onto worker 1; c (priority 0) displaces it. Each worker's
+    part of b's KV (positions 0-3 on worker 0, 4-5 on worker 1) is saved to that
+    worker's tier, the first also cached; c, growing past worker 1, evicts b's cached
+    slots on worker 0 from their end rather than preempting itself, and finishes."""
     tiers = SessionIndex(TierConfig(host_bytes=100), bytes_per_token=1)
     s = Scheduler(SchedulerConfig(4, 100, split_kv=True, policy="priority"),
                   [KVAllocator(KVAllocatorConfig(4)), KVAllocator(KVAllocatorConfig(4))],
@@ -421,14 +419,45 @@ def test_a_split_sequence_parks_its_first_workers_part_and_comes_back_split_exac
     s.add(c)
     plan = s.schedule()
     assert plan.seqs == (SeqWork(1, (30, 31, 32, 33), 0, (0, 1, 2, 3), params=P, worker=1),)
-    assert plan.tier_orders == (TierOrder("save", 0, 0, 0, (0, 1, 2, 3)),)
-    assert (b.status, b.parked, b.kept, s.parked_tokens) == ("waiting", "#preempted:0", 4, 4)
+    assert plan.tier_orders == (TierOrder("save", 0, 0, 0, (0, 1, 2, 3)),
+                                TierOrder("save", 1, 1, 0, (0, 1)))
+    assert (b.status, b.parked, b.kept, s.parked_tokens) == ("waiting", "#preempted:0", 4, 6)
+    assert b.parts == (Part(0, 0, 4), Part(1, 4, 6))
+    assert set(tiers.sessions) == {"#preempted:0", "#preempted:0@4"}
     for t, slot in ((114, 3), (115, 2), (116, 1)):  # onto worker 0, b's cache from its end
         c.output.append(t)
         assert s.schedule().seqs[0].slots == (slot,)
     assert c.segments == [(1, 0), (0, 4)] and c.num_preemptions == 0
     c.output.append(117)
     s.finish(c, "length")
+    return s, tiers, b
+
+
+def test_a_split_sequence_parks_each_workers_part_and_comes_back_split_exact():
+    """Readmitted, b takes back what worker 0's pool kept (position 0), loads positions
+    1-3 from worker 0's tier and 4-5 from worker 1's onto worker 1 (evicting c's cached
+    prefix there from its end), which also takes position 6: only that last drawn token
+    is computed, split as before. Its end drops both entries."""
+    s, tiers, b = _split_b_preempted_and_c_done()
+    plan = s.schedule()
+    assert plan.tier_orders == (TierOrder("load", 1, 1, 0, (1, 2), seq_id=0),
+                                TierOrder("load", 0, 0, 1, (3, 2, 1), seq_id=0))
+    (work,) = plan.seqs
+    assert (work.token_ids, work.start_pos, work.slots) == ((103,), 6,
+                                                            (0, 3, 2, 1, 1, 2, 3))
+    assert work.segments == ((0, 0), (1, 4)) and b.recomputed == 0
+    assert s.caches[1].match([30, 31, 32, 33]) == [0] and [a.num_free() for a in s.allocs] == [0, 0]
+    b.output.append(104)
+    s.finish(b, "length")
+    assert s.schedule().tier_orders == (TierOrder("drop", 0, 0), TierOrder("drop", 1, 1))
+    assert tiers.sessions == {} and (b.parked, b.parts) == (None, ())
+
+
+def test_a_split_sequence_whose_later_part_is_gone_loads_its_first_part_exact():
+    """As above, but worker 1's tier lost b's part (its worker replaced): b loads
+    positions 1-3 on worker 0 and computes 4-6 on worker 1, split as before."""
+    s, tiers, b = _split_b_preempted_and_c_done()
+    tiers.lost_worker(1)
     plan = s.schedule()
     assert plan.tier_orders == (TierOrder("load", 0, 0, 1, (3, 2, 1), seq_id=0),)
     (work,) = plan.seqs
@@ -439,6 +468,59 @@ def test_a_split_sequence_parks_its_first_workers_part_and_comes_back_split_exac
     s.finish(b, "length")
     assert s.schedule().tier_orders == (TierOrder("drop", 0, 0),)
     assert tiers.sessions == {}
+
+
+def test_a_first_worker_without_room_for_its_part_computes_the_gap_then_loads_exact():
+    """Workers of 4 and 8 slots ("priority", swap). z (5 tokens, priority 0) fills
+    worker 1; b (3 tokens, priority 1) grows from worker 0 onto worker 1, where z's
+    growth then preempts it: its parts (positions 0-3 on worker 0, 4 on worker 1) go
+    to their workers' tiers. z spills onto worker 0, evicting b's cached positions 3
+    and 2, and finishes; y (priority 0) takes worker 0's free slots before b comes
+    back. Worker 0 holds b's positions 0-1 and has no room for 2-3: b computes them
+    on worker 1 (no draw), then, the next step, loads position 4 there from its tier
+    and feeds its last token (the executor's table grows from position 4): 2
+    positions computed again of 5."""
+    tiers = SessionIndex(TierConfig(host_bytes=100), bytes_per_token=1)
+    s = Scheduler(SchedulerConfig(4, 100, split_kv=True, policy="priority"),
+                  [KVAllocator(KVAllocatorConfig(4)), KVAllocator(KVAllocatorConfig(8))],
+                  prefix_caching=True, sessions=tiers, swap=True)
+    z, b = Sequence(0, [9] * 5, P, priority=0), Sequence(1, [20, 21, 22], P, priority=1)
+    s.add(z)
+    s.add(b)
+    for zt, bt in ((100, 101), (102, 103), (104, 105)):
+        s.schedule()
+        z.output.append(zt)
+        b.output.append(bt)
+    assert (z.segments, b.segments) == ([(1, 0)], [(0, 0), (1, 4)])
+    plan = s.schedule()  # z's next slot: b, the lowest on worker 1, is preempted
+    assert plan.tier_orders == (TierOrder("save", 0, 0, 0, (0, 1, 2, 3)),
+                                TierOrder("save", 1, 1, 0, (7,)))
+    assert (b.status, b.parts) == ("waiting", (Part(0, 0, 4), Part(1, 4, 5)))
+    z.output.append(106)
+    for t, slot in ((107, 3), (108, 2)):  # onto worker 0, b's cache from its end
+        assert s.schedule().seqs[0].slots == (slot,)
+        z.output.append(t)
+    s.finish(z, "length")
+    y = Sequence(2, [50, 51], P, priority=0)
+    s.add(y)
+    plan = s.schedule()
+    assert [(w.seq_id, w.slots) for w in plan.seqs[:1]] == [(2, (3, 2))]
+    gap = plan.seqs[1]
+    assert (gap.seq_id, gap.token_ids, gap.start_pos, gap.slots, gap.sample,
+            gap.segments) == (1, (22, 101), 2, (0, 1, 4, 5), False, ((0, 0), (1, 2)))
+    assert plan.tier_orders == () and b.recomputed == 2
+    assert b.skip == Skip(4, 5, (("#preempted:1@4", (6,)),))
+    y.output.append(110)
+    plan = s.schedule()
+    last = plan.seqs[1]
+    assert (last.seq_id, last.token_ids, last.start_pos, last.slots_from, last.slots,
+            last.sample) == (1, (105,), 5, 4, (6, 7), True)
+    assert plan.tier_orders == (TierOrder("load", 1, 1, 0, (6,), seq_id=1),)
+    assert b.skip is None and s.allocs[1].slots(1) == [4, 5, 6, 7]
+    b.output.append(111)
+    y.output.append(112)
+    s.finish(b, "length")
+    assert s.schedule().tier_orders == (TierOrder("drop", 0, 0), TierOrder("drop", 1, 1))
 
 
 def test_a_cached_prefix_no_worker_can_finish_is_reused_and_the_rest_split_exact():

@@ -353,29 +353,45 @@ def test_tier_loads_bring_back_the_saved_kv_bytes(smol, smol_packed):
 
 # -- preemption: a preempted sequence's KV swapped to the host tier and back --
 @pytest.mark.parametrize("mode", ["auto", "recompute"])
+@pytest.mark.parametrize("workers,slots", [(1, 250), (2, 125)])
 def test_preempted_sequences_swap_to_the_host_tier_and_back(smol, smol_packed, prompts,
-                                                            hf_greedy, mode):
-    """Six prompts (12-128 tokens, 32 new each) in a 250-slot pool with a host tier:
+                                                            hf_greedy, mode, workers, slots):
+    """Six prompts (12-128 tokens, 32 new each) in 250 slots with a host tier, on one
+    memory worker or split over two (sequences' KV then spans both as they grow):
     growth preempts sequences and others' growth then evicts their cached KV. "auto"
-    (swap: the tier is there) saves each preempted sequence's KV to the tier and loads
-    back what the pool lost, so no readmission computes any of it again; "recompute"
-    computes it. Both give HF's greedy tokens, and leave every slot free and, once a
-    step has carried the last drops, no entry in the tier."""
+    (swap: the tier is there) saves each preempted sequence's KV to the tiers, each
+    worker's part to that worker's, and loads back what the pools lost: on one worker
+    no readmission computes any of it again; over two, a first worker whose pool lost
+    the end of its part and has no room for it computes those positions on the next
+    worker, then loads the parts after them (`Skip`: the executor's table of the
+    sequence grows from before the positions fed). "recompute" computes it all. Both
+    give HF's greedy tokens, and leave every slot free and, once a step has carried
+    the last drops, no entry in the tiers."""
     pick = [1, 3, 4, 10, 11, 12]
-    eng = _engine(smol, smol_packed, 250, tiers=TierConfig(1 << 26), preemption_mode=mode)
+    eng = _engine(smol, smol_packed, slots, workers, tiers=TierConfig(1 << 26),
+                  preemption_mode=mode)
     per_token = eng.executor.tier_bytes_per_token()
+    loaded, plans = [], []
+    load, schedule = eng.sessions.load, eng.scheduler.schedule
+    eng.sessions.load = lambda key, *a: (loaded.append(key), load(key, *a))[1]
+    eng.scheduler.schedule = lambda: (plans.append(schedule()), plans[-1])[1]
     outs = _run(eng, [(prompts[i], SamplingParams(max_tokens=32, temperature=0), None)
                       for i in pick])
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy[i] for i in pick]
     assert sum(o.metrics["preemptions"] for o in outs) >= 6
     recomputed = sum(o.metrics["recomputed_tokens"] for o in outs)
     st = eng.tier_stats()
+    skips = [w for p in plans for w in p.seqs if 0 < w.slots_from < w.start_pos]
+    parts = [key for key in loaded if "@" in key]  # a later worker's part
     if mode == "auto":
-        assert recomputed == 0 and st["parked_tokens"] > 100 and st["tier_hit_tokens"] > 0
+        assert st["parked_tokens"] > 100 and st["tier_hit_tokens"] > 0
+        assert (recomputed == 0) is (workers == 1) and bool(parts) is bool(skips) is (
+            workers == 2)
         assert st["saved_bytes"] == st["parked_tokens"] * per_token
         assert st["loaded_bytes"] == st["tier_hit_tokens"] * per_token
     else:
         assert recomputed > 0 and st["parked_tokens"] == st["saved_bytes"] == 0
+        assert loaded == parts == skips == []
     metrics = EngineMetrics()
     for o in outs:
         metrics.request(o)
@@ -387,8 +403,8 @@ def test_preempted_sequences_swap_to_the_host_tier_and_back(smol, smol_packed, p
     assert got.get(("lamina_kv_tier_events_total", ("parked_tokens",)), 0) == \
         st["parked_tokens"]
     _run(eng, [([1, 2, 3], GREEDY, None)])  # a step carries the last drops
-    assert eng.free_slots() == [250] and eng.sessions.sessions == {}
-    assert eng.executor.memory[0].tiers.host == {}
+    assert eng.free_slots() == [slots] * workers and eng.sessions.sessions == {}
+    assert all(m.tiers.host == {} for m in eng.executor.memory)
 
 
 def test_swap_preemption_needs_the_host_tier():
