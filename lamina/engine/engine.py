@@ -840,6 +840,20 @@ class LLMEngine:
                     "to the queue to be computed again", what, self.last_recovery_s,
                     requeued)
 
+    def flush(self) -> bool:
+        """While no request is in the engine: send the workers what the last steps left
+        for the next plan (the tables of sequences that ended, to drop; tier orders: a
+        finished turn's save, the drop of a preempted sequence's saved KV), in a step
+        with no rows, so an idle engine's workers hold nothing it no longer needs and
+        a session's KV is in its tier at once. The serving loop calls it when it goes
+        idle, `LLM.generate` when it returns. -> whether a step was sent."""
+        if self.has_unfinished() or not self.scheduler.owes_workers():
+            return False
+        plan = self.scheduler.schedule()
+        assert not plan.seqs, plan.seqs
+        self._execute(plan, [])
+        return True
+
     def check_workers(self) -> str | None:
         """While no request is in the engine: whether every worker answers
         (`Executor.check_workers`); a dead or silent one is replaced now, not found by

@@ -535,6 +535,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def owes_workers(self) -> bool:
+        """Whether the next plan would tell the workers something beside its work:
+        tables to drop, tier orders (a finished turn's save, a parked entry's drop)."""
+        return bool(self._released or (self.sessions is not None and self.sessions.has_orders()))
+
     def _release(self, seq: Sequence) -> None:
         for w in seq.workers:
             self.allocs[w].free(seq.seq_id)

@@ -171,9 +171,15 @@ class SessionIndex:
             self._orders.append(TierOrder("drop", e.worker, e.id))  # not a bound's drop
 
     def lost_worker(self, worker: int) -> None:
-        """A memory worker was replaced: its tiers are gone."""
+        """A memory worker was replaced: its tiers are gone, and the orders not sent yet
+        to it with them (a save from slots of a pool that is gone would keep an entry
+        no index names)."""
         for s in [s for s, e in self.sessions.items() if e.worker == worker]:
             del self.sessions[s]
+        self._orders = [o for o in self._orders if o.worker != worker]
+
+    def has_orders(self) -> bool:
+        return bool(self._orders)
 
     def take_orders(self) -> tuple[TierOrder, ...]:
         out, self._orders = tuple(self._orders), []

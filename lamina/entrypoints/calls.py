@@ -165,6 +165,8 @@ class SharedEngine:
             owner = self._owner.pop(out.request_id, None) if out.finished else None
             if owner is not None:
                 owner[0].done(owner[1], out)
+        if not self.engine.has_unfinished():  # idle: what its workers are owed, now
+            self.engine.flush()
 
     def abort(self, call: Call) -> None:
         """Abort the call's unfinished requests (a Ctrl-C, or an error leaving it)."""

@@ -13,9 +13,10 @@ replaced, KV kept or recomputed) is invisible here; one it cannot recover from f
 request in flight with that error, loudly, and the loop stops taking new work
 (`EngineDead`). While it holds no request it checks the workers every
 `EngineConfig.idle_check_s` (`LLMEngine.check_workers`: a dead or hung one replaced
-before a request needs it), and each time it goes idle it hands the memory freed since
-back to the system (`release_freed_memory`; under load that never lets it go idle, every
-`TRIM_BUSY_S` between steps). With `max_waiting`, `submit` refuses a request
+before a request needs it), and each time it goes idle it sends the workers what the
+last steps left them (`LLMEngine.flush`: tables to drop, tier orders) and hands the
+memory freed since back to the system (`release_freed_memory`; under load that never
+lets it go idle, every `TRIM_BUSY_S` between steps). With `max_waiting`, `submit` refuses a request
 (`EngineOverloaded`) while that many are queued and not yet running. `drain(timeout_s)`
 (a server's SIGTERM) finishes the requests already taken, refuses new ones (`EngineDead`)
 and stops when none is left or at the timeout.
@@ -262,6 +263,7 @@ class EngineLoop:
                 if not self.engine.has_unfinished():
                     if self._stepped:  # idle after work: once, before waiting
                         self._stepped = False
+                        self.engine.flush()
                         self._release_freed_memory()
                     self._check_idle()
                     self._wake.wait(0.05)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +19,8 @@ from lamina import SamplingParams
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.sessions import SessionIndex, TierMatch, check_session_id
+from lamina.entrypoints.calls import Call, CallRequest, SharedEngine
+from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
 from lamina.executor.local import LocalExecutor
 from lamina.memory.memory_side import MemorySide
@@ -58,6 +62,17 @@ def test_index_saves_only_new_positions_and_moves_lru_unpinned_sessions_down():
     assert TierOrder("drop", 1, 1) in orders and "b" not in ix.sessions
     assert ix.forget([0]) == ["a"] and ix.take_orders() == (TierOrder("drop", 0, 0),)
     assert ix.match("a", [1, 2], 1) is None
+
+
+def test_a_replaced_workers_unsent_orders_go_with_its_entries():
+    """Orders not sent yet to a worker that was replaced are dropped with its entries: a
+    save from slots of a pool that is gone would leave an entry no index names."""
+    ix = SessionIndex(TierConfig(host_bytes=100), 1)
+    ix.saved("a", 0, [1, 2, 3], [7, 8, 9])
+    ix.saved("b", 1, [4, 5], [0, 1])
+    ix.lost_worker(0)
+    assert ix.take_orders() == (TierOrder("save", 1, 1, 0, (0, 1)),)
+    assert list(ix.sessions) == ["b"] and not ix.has_orders()
 
 
 def test_session_ids_are_checked():
@@ -402,9 +417,38 @@ def test_preempted_sequences_swap_to_the_host_tier_and_back(smol, smol_packed, p
     assert got["lamina_preemption_recomputed_tokens_total", ()] == recomputed
     assert got.get(("lamina_kv_tier_events_total", ("parked_tokens",)), 0) == \
         st["parked_tokens"]
-    _run(eng, [([1, 2, 3], GREEDY, None)])  # a step carries the last drops
+    # idle: the parked entries' drops wait for the next plan; `flush` sends them at once
+    assert any(m.tiers.host for m in eng.executor.memory) is (mode == "auto")
+    assert eng.flush() and not eng.flush()
     assert eng.free_slots() == [slots] * workers and eng.sessions.sessions == {}
     assert all(m.tiers.host == {} for m in eng.executor.memory)
+
+
+def test_an_idle_engine_sends_its_workers_what_the_last_step_left(smol, smol_packed):
+    """A finished turn's save (and the table to drop) rides the next plan: with no next
+    request, `LLM.generate` (`SharedEngine`) and the serving loop (`EngineLoop`) send it
+    in a step with no rows as the engine goes idle, so the session's KV is in its tier
+    at once, not whenever a request comes. The engine's own `flush` sends nothing twice,
+    nor while a request is in it."""
+    ids = smol.tokenizer(SYSTEM + "Tell me about Rome.")["input_ids"]
+    eng = _engine(smol, smol_packed, 200, tiers=TierConfig(1 << 26))
+    mem = eng.executor.memory[0]
+    shared, call = SharedEngine(eng), Call(1)
+    shared.add(call, [CallRequest(ids, GREEDY, "r")])
+    shared.run(call, SimpleNamespace(asked=False))
+    assert call.results[0].finished and list(mem.tiers.host) == [eng.sessions.sessions["r"].id]
+    assert not eng.scheduler.owes_workers() and not eng.flush()
+    loop = EngineLoop(eng)
+    try:
+        assert loop.submit(ids, GREEDY, session_id="s").result(timeout=60).finished
+        t = time.monotonic()
+        while eng.scheduler.owes_workers() and time.monotonic() - t < 10:
+            time.sleep(0.01)
+        assert len(mem.tiers.host) == 2 and not eng.scheduler.owes_workers()
+    finally:
+        loop.shutdown()
+    eng.add_request(ids, GREEDY)
+    assert not eng.flush() and eng.has_unfinished()
 
 
 def test_swap_preemption_needs_the_host_tier():
@@ -531,7 +575,7 @@ def test_a_local_recovery_drops_the_tiers_and_computes_the_next_turn(smol, smol_
     eng = _engine(smol, smol_packed, 200, tiers=TierConfig(1 << 26))
     ids = tok(SYSTEM + "Tell me about Rome.")["input_ids"]
     out = _run(eng, [(ids, GREEDY, "r")])[0]
-    _run(eng, [([1, 2, 3], GREEDY, None)])  # a step carries the save
+    assert eng.flush()  # idle: the save goes out now
     if loading:
         eng.clear_prefix_cache()
     mem = eng.executor.memory[0]
@@ -570,7 +614,9 @@ def test_sessions_over_compute_replicas_load_their_saved_kv(smol, smol_packed, p
     runs slices of every micro-batch): a step's tier orders go to the memory sides
     once, before the step is split. 4 sessions x 2 turns over 2 memory sides, the
     prefix cache cleared before every turn, so each second turn loads its history from
-    the host tier; the answers equal one compute worker's without tiers."""
+    the host tier; the answers equal one compute worker's without tiers. The last
+    turns' saves go out with the idle engine's `flush` (a step with no rows, split
+    over no replica)."""
     tok = smol.tokenizer
     on = _engine(smol, smol_packed, 400, workers=2, tiers=TierConfig(1 << 26),
                  num_compute_workers=2, pipeline=pipeline)
@@ -591,6 +637,10 @@ def test_sessions_over_compute_replicas_load_their_saved_kv(smol, smol_packed, p
     st = on.tier_stats()
     assert st["tier_misses"] == 0 and st["tier_hit_tokens"] == sum(
         o.metrics["tier_cached_tokens"] for o in seen)
+    assert on.flush() and not on.scheduler.owes_workers()  # the last turns' saves, at once
+    entries = on.sessions.sessions.values()
+    assert {e.id: on.executor.memory[e.worker].tiers.host[e.id].n for e in entries} == {
+        e.id: len(e.tokens) for e in entries}
     on.clear_prefix_cache()
     assert [a.num_free() for a in on.allocs] == [400, 400]
     on.executor.shutdown()
