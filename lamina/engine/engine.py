@@ -847,6 +847,8 @@ class LLMEngine:
         with no rows, so an idle engine's workers hold nothing it no longer needs and
         a session's KV is in its tier at once. The serving loop calls it when it goes
         idle, `LLM.generate` when it returns. -> whether a step was sent."""
+        self._check_open()
+        self._settle()
         if self.has_unfinished() or not self.scheduler.owes_workers():
             return False
         plan = self.scheduler.schedule()

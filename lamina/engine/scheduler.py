@@ -203,13 +203,6 @@ class Sequence:
     def workers(self) -> list[int]:
         return [w for w, _ in self.segments]
 
-    def first_part(self, upto: int) -> tuple[int, int]:
-        """(its first range's worker, how many of its first `upto` positions are there):
-        what one worker's prefix cache or tier can hold of a KV split over workers."""
-        if len(self.segments) > 1:
-            upto = min(upto, self.segments[1][1])  # where the second worker's range starts
-        return self.segments[0][0], upto
-
     def parts_upto(self, upto: int) -> list[Part]:
         """Its first `upto` positions as one `Part` per worker holding some of them."""
         bounds = [a for _, a in self.segments[1:]] + [upto]
@@ -518,11 +511,10 @@ class Scheduler:
             upto = min(upto, seq.holes_from)
         if self.sparse(seq):
             upto = min(upto, len(seq.prompt))
-        if self.caches is None or not seq.segments:
+        parts = seq.parts_upto(upto)
+        if self.caches is None or not parts:
             return 0
-        w, upto = seq.first_part(upto)
-        if upto <= 0:
-            return 0
+        w, upto = parts[0].worker, parts[0].end
         self.caches[w].insert(seq.tokens[:upto], self.allocs[w].slots(seq.seq_id)[:upto])
         return upto
 

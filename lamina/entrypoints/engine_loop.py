@@ -16,10 +16,10 @@ request in flight with that error, loudly, and the loop stops taking new work
 before a request needs it), and each time it goes idle it sends the workers what the
 last steps left them (`LLMEngine.flush`: tables to drop, tier orders) and hands the
 memory freed since back to the system (`release_freed_memory`; under load that never
-lets it go idle, every `TRIM_BUSY_S` between steps). With `max_waiting`, `submit` refuses a request
-(`EngineOverloaded`) while that many are queued and not yet running. `drain(timeout_s)`
-(a server's SIGTERM) finishes the requests already taken, refuses new ones (`EngineDead`)
-and stops when none is left or at the timeout.
+lets it go idle, every `TRIM_BUSY_S` between steps). With `max_waiting`, `submit`
+refuses a request (`EngineOverloaded`) while that many are queued and not yet running.
+`drain(timeout_s)` (a server's SIGTERM) finishes the requests already taken, refuses new
+ones (`EngineDead`) and stops when none is left or at the timeout.
 """
 from __future__ import annotations
 
