@@ -122,8 +122,23 @@ class RadixCache:
         return freed
 
     def evictable(self) -> int:
-        """Slots eviction could free now (held by the tree alone)."""
-        return sum(1 for x in self._nodes() for s in x.slots if self.alloc.refcount(s) == 1)
+        """Slots eviction could free now: as `evict` goes, from each leaf's end the
+        slots the tree alone holds, and a node's own once its children all go. Not
+        every slot the tree alone holds: a sequence that gave back positions inside a
+        cached prefix (`streaming`) keeps the slots after them, and the tree's slots
+        before those stay until it ends."""
+        gone: dict[int, bool] = {}  # node -> whether eviction would take it whole
+        total = 0
+        for x in reversed(list(self._nodes())):  # every node after its descendants
+            if all(gone[id(c)] for c in x.children.values()):
+                own = 0
+                while own < len(x.slots) and self.alloc.refcount(x.slots[-1 - own]) == 1:
+                    own += 1
+                total += own
+                gone[id(x)] = own == len(x.slots)
+            else:
+                gone[id(x)] = False
+        return total
 
     def clear(self) -> int:
         """Drop every entry (e.g. the worker's pool was lost); -> slots freed."""

@@ -18,6 +18,12 @@ computed any of its KV again (a recomputed context attends whole; with the sessi
 a preempted sequence's KV is saved and loaded back instead).
 
     python -m tests.lamina.random_workload 0 150    # seeds 0..149, one line each
+    python -m tests.lamina.random_workload 0 60 --swap-split
+
+`--swap-split` makes each draw's engine swap KV split over workers (`_swap_split`: two
+memory workers, `split_kv`, prefix caching and the host and disk tiers, 160 or 220
+slots each, 16-63 new tokens a request): the seeds above rarely split a sequence they
+preempt.
 
 A draft of this generator found what 419f72e (a sampled draw that rounding changed),
 0982a83 (masks of two widths read as one array), 59b45b2 (a culprit search that never
@@ -32,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from traceback import format_exc
 
 from lamina.engine.config import EngineConfig, TierConfig
@@ -148,7 +154,7 @@ def texts(lm, question: str) -> tuple[list[int], list[int]]:
     return lm.tokenizer(TEXT)["input_ids"], chat
 
 
-def workload(seed: int, lm) -> Workload:
+def workload(seed: int, lm, swap_split: bool = False) -> Workload:
     r = random.Random(seed)
     pool, chat = texts(lm, "List three colours and say why you like them.")
     config, slots = _config(r), r.choice([300, 600, 3000])
@@ -165,7 +171,21 @@ def workload(seed: int, lm) -> Workload:
                         r.randrange(-2, 3), r.randrange(1, 40) if r.random() < 0.15 else None,
                         r.choice([None, None, "s1", "s2"]) if config.get("kv_host_bytes")
                         else None, r.random() < 0.3))
-    return Workload(config, slots, faults, tuple(asks))
+    w = Workload(config, slots, faults, tuple(asks))
+    return _swap_split(w, r) if swap_split else w
+
+
+def _swap_split(w: Workload, r: random.Random) -> Workload:
+    """`w` on an engine that preempts sequences split over two memory workers and swaps
+    them to the tiers, its requests drawing 16-63 tokens."""
+    config = {k: v for k, v in w.config.items() if k not in ("num_compute_workers",
+                                                              "pipeline")}
+    config.update(num_memory_workers=2, split_kv=True, prefix_caching=True,
+                  kv_host_bytes=r.choice([1 << 20, 64 << 20]), kv_disk_dir=DISK,
+                  kv_disk_bytes=64 << 20)
+    asks = tuple(replace(a, params=replace(a.params, max_tokens=r.randrange(16, 64)))
+                 for a in w.asks)
+    return Workload(config, r.choice([160, 220]), w.faults, asks)
 
 
 def features(w: Workload) -> set[str]:
@@ -236,9 +256,9 @@ def _logprobs(o) -> list[float]:
     return [t.logprob for c in o.outputs for t in (c.logprobs or [])]
 
 
-def check(seed: int, lm, split) -> list[str]:
+def check(seed: int, lm, split, swap_split: bool = False) -> list[str]:
     """-> what went wrong in this seed's workload (empty: nothing)."""
-    w = workload(seed, lm)
+    w = workload(seed, lm, swap_split)
     with tempfile.TemporaryDirectory(prefix="lamina-rw-") as disk:
         config = {**w.config, "kv_disk_dir": disk} if w.config.get("kv_disk_dir") \
             else w.config
@@ -317,7 +337,9 @@ def each_seed(lo: int, hi: int, check_one: Callable[[int], tuple[list[str], str]
 
 def main() -> None:
     lm, split = reference_model()
-    each_seed(int(sys.argv[1]), int(sys.argv[2]), lambda seed: (check(seed, lm, split), ""))
+    swap_split = "--swap-split" in sys.argv[3:]
+    each_seed(int(sys.argv[1]), int(sys.argv[2]),
+              lambda seed: (check(seed, lm, split, swap_split), ""))
 
 
 if __name__ == "__main__":

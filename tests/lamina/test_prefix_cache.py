@@ -52,6 +52,26 @@ def test_clear_returns_every_slot():
     assert c.clear() == 5 and a.num_free() == 8 and c.size == 0
 
 
+def test_evictable_counts_what_eviction_frees_past_a_sequences_holes():
+    """A running sequence shares a cached prefix and gives back positions 1-3 inside it
+    (`streaming`): the tree alone holds those slots, but eviction goes from the leaf's
+    end, which the sequence still holds, so it can free none, and `evictable` says so
+    (a plan counting them took slots that were never freed). A branch the tree alone
+    holds is evicted whole, its parent's slots only once the sequence ends."""
+    a = KVAllocator(KVAllocatorConfig(8))
+    c = RadixCache(a)
+    a.allocate("r", 6)
+    c.insert([1, 2, 3, 4, 5, 6], a.slots("r"))  # slots 0-5
+    a.allocate("b", 1)
+    c.insert([1, 2, 3, 4, 5, 6, 7], a.slots("r") + a.slots("b"))  # a branch: slot 6
+    a.free("b")
+    a.drop("r", 1, 4)  # slots 1-3: the tree's alone now
+    assert c.evictable() == 1 and c.evict(4) == 1 and a.num_free() == 2
+    assert c.evictable() == 0 and c.evict(4) == 0
+    a.free("r")
+    assert c.evictable() == 6 and c.evict(6) == 6 and a.num_free() == 8
+
+
 @pytest.fixture(scope="module")
 def cached(smol, smol_packed):
     """An engine with prefix caching over the session's split (as `LLM` builds one)."""
