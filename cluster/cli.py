@@ -1,4 +1,5 @@
-"""The cluster commands of `lamina`: `up`, `status`, `down`, `batch`, and `serve --service`.
+"""The cluster commands of `lamina`: `up`, `status`, `scale`, `down`, `batch`, and
+`serve --service`.
 
 Data in: the command's flags (and a `LaminaConfig` YAML for `up`). Data out: the
 service started or stopped, its status printed, a batch's OUTPUT file. `lamina`'s
@@ -39,6 +40,13 @@ def add_parsers(sub) -> None:
                         "at once)")
     _where(s)
     s.set_defaults(fn=cmd_status)
+    c = sub.add_parser("scale", help="grow or shrink the service's KV pool (its memory "
+                       "workers) while it serves")
+    c.add_argument("--memory-workers", type=int, required=True,
+                   help="how many memory workers from now on (fewer: the sequences with "
+                        "KV on a leaving one are preempted and computed again)")
+    _where(c)
+    c.set_defaults(fn=cmd_scale)
     d = sub.add_parser("down", help="stop the Lamina service and release its resources")
     _where(d)
     d.set_defaults(fn=cmd_down)
@@ -106,6 +114,16 @@ def cmd_status(args) -> int:
     if "http" in s:  # the record, and whether its process serves right now
         s["http"] = front_state(s["name"])
     return _print_status(s, args.json)
+
+
+def cmd_scale(args) -> int:
+    client = _client(args)
+    with _said():
+        done = client.scale_memory_workers(args.memory_workers)
+    print(f"service {args.name!r}: memory workers {done['before']} -> {done['after']} in "
+          f"{done['seconds']:.1f} s; {done['preempted']} running sequences preempted, "
+          f"{done['recompute_tokens']} positions to compute again")
+    return 0
 
 
 def cmd_down(args) -> int:

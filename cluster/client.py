@@ -319,6 +319,13 @@ class Client:
                 raise
             return restarting_status(self.name, starts_of(self.name), time.time())
 
+    def scale_memory_workers(self, n: int) -> dict:
+        """Grow or shrink the service's KV pool to `n` memory workers while it serves
+        (`LaminaService.scale`) -> what was done: before, after, the running sequences
+        preempted (their KV was on a leaving worker) and their positions to compute
+        again, seconds."""
+        return self.ask("scale", n)
+
     def tokenizer(self):
         """The served model's tokenizer (fetched once)."""
         if self._tokenizer is None:

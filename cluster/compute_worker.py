@@ -193,14 +193,19 @@ class ComputeWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def connect(self, addresses: list, timeout_s: float | None = None) -> dict:
-        """Open the data plane to each memory worker (replacing any earlier one). A
-        worker that does not answer within `timeout_s` fails the step (`PeerTimeout`).
-        -> {"pid", "rdma": {worker index: this end's RDMA endpoint}} (the executor hands
-        each to its memory worker's `accept_rdma`)."""
-        self.disconnect()
+    def connect(self, addresses: list, timeout_s: float | None = None, first: int = 0) -> dict:
+        """Open the data plane to each memory worker (replacing any earlier one), or,
+        with `first` > 0, to memory workers `first`.. joining those it has (a pool
+        grown while it serves). A worker that does not answer within `timeout_s` fails
+        the step (`PeerTimeout`). -> {"pid", "rdma": {worker index: this end's RDMA
+        endpoint}} (the executor hands each to its memory worker's `accept_rdma`)."""
+        if first == 0:
+            self.disconnect()
+        elif len(self.channels) != first:
+            raise RuntimeError(f"memory workers from {first} on: this compute worker has "
+                               f"{len(self.channels)}")
         mine = {}
-        for i, (kind, *addr) in enumerate(addresses):
+        for i, (kind, *addr) in enumerate(addresses, start=first):
             if addr and isinstance(addr[-1], Rendezvous):  # tensors on a collective path
                 rdv, addr = addr[-1], addr[:-1]
                 sock = connect_stream(kind, addr[0] if kind == "unix" else addr)
@@ -225,7 +230,19 @@ class ComputeWorker:
             else:
                 self.channels.append(SocketChannel(connect_stream(kind, addr)))
         self.set_timeout(timeout_s)
+        self.compute.num_workers = len(self.channels)
         return {"pid": os.getpid(), "rdma": mine}
+
+    def keep_memory(self, n: int) -> None:
+        """Hang up on memory workers n.. (they leave the deployment), between steps."""
+        with self._lock:
+            for ch in self.channels[n:]:
+                try:
+                    ch.close()
+                except OSError:
+                    pass
+            del self.channels[n:]
+            self.compute.num_workers = n
 
     def set_timeout(self, seconds: float | None) -> None:
         for ch in (*self.channels, self._ring_out, self._ring_in):

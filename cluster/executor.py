@@ -52,7 +52,7 @@ from lamina.memory.tiers import PREFETCH_WAIT_S
 
 from .compute_worker import ComputeWorker, ComputeWorkerSpec, WorkerStart
 from .memory_worker import MemoryWorker
-from .placement import node_threads, place
+from .placement import Placement, node_threads, place
 
 log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
@@ -211,8 +211,12 @@ class RayExecutor(Executor):
         self.config = config
         # every worker's resources reserved at once, or a clear error in bounded time
         # placement group names are unique per cluster: one deployment, one name
+        self.placement_name = name or f"lamina-{uuid.uuid4().hex[:8]}"
         self.placement = place(c_opts, m_opts, m, config.placement_timeout_s,
-                               name or f"lamina-{uuid.uuid4().hex[:8]}", r_n)
+                               self.placement_name, r_n)
+        self._threads_asked = (threads, wide_threads)  # (`_memory_home`)
+        # memory workers added past the group's bundles: index -> their own group
+        self._groups: dict[int, Placement] = {}
         # per bundle: (threads, threads of steps whose memory workers sit idle)
         self.worker_threads = [
             bundle_threads(res, "compute" if b < r_n else "memory", threads, wide_threads)
@@ -300,9 +304,20 @@ class RayExecutor(Executor):
             replace(self._compute_spec, replica=r, threads=threads, wide_threads=wide))
 
     def _new_memory(self, i: int):
-        threads, _ = self.worker_threads[self.placement.computes + i]
-        return MemoryWorker.options(**self._m_opts, **self.placement.memory(i)).remote(
-            i, threads)
+        home, threads = self._memory_home(i)
+        return MemoryWorker.options(**self._m_opts, **home).remote(i, threads)
+
+    def _memory_home(self, i: int) -> tuple[dict, int]:
+        """Memory worker i's bundle (actor options) and torch threads: the deployment's
+        group holds the workers it started with; one added later has a group of its
+        own (`add_memory_workers`)."""
+        base = len(self.placement.bundles) - self.placement.computes
+        if i < base:
+            return self.placement.memory(i), self.worker_threads[self.placement.computes + i][0]
+        group = self._groups[i]
+        threads, wide = self._threads_asked
+        return group.memory(0), bundle_threads(group.node_resources()[0], "memory", threads,
+                                               wide)[0]
 
     def _start_memory(self, kept: frozenset[int] = frozenset()) -> frozenset[int]:
         """Fresh memory workers (empty pools) in every place but `kept` (workers `reset`
@@ -331,10 +346,10 @@ class RayExecutor(Executor):
         self.pool_slots = pool_cfg.num_slots  # kv_pool_bytes may have set it
         tiers = cfg.tiers if cfg.tiers.enabled else None
         rope = self._get(self.compute.rotary.remote(), "the compute worker") if tiers else None
+        self._setup_args = (pool_cfg, params, cfg.faults, tiers, rope, sparsity)  # (`add_...`)
         fresh = [i for i in range(len(self.memory)) if i not in kept]
         info = dict(zip(fresh, self._get(
-            [self.memory[i].setup.remote(pool_cfg, params, cfg.faults, tiers, rope, sparsity,
-                                         len(self.computes)) for i in fresh],
+            [self.memory[i].setup.remote(*self._setup_args, len(self.computes)) for i in fresh],
             "the memory workers", start=True)))
         self.memory_info = [info[i] if i in info else self.memory_info[i]
                             for i in range(len(self.memory))]
@@ -365,34 +380,38 @@ class RayExecutor(Executor):
             log.info("compute worker %d -> compute worker %d (contexts): %s", r,
                      (r + 1) % r_n, transport(addrs[(r + 1) % r_n]))
 
-    def _wire(self, r: int, nodes: list[str], rdma_seen: list[int]) -> tuple:
+    def _wire(self, r: int, nodes: list[str], rdma_seen: list[int], first: int = 0) -> tuple:
         """Connect compute worker `r` to every memory worker and open its control
-        channel. Each pair's transport (`choose_transport`): co-located, a Unix socket
-        (+ shared memory); across nodes RDMA where both ends can run it, else TCP.
+        channel; with `first` > 0, to memory workers `first`.. only (`nodes` theirs;
+        added to a deployment that runs: its control channel stays). Each pair's
+        transport (`choose_transport`): co-located, a Unix socket (+ shared memory);
+        across nodes RDMA where both ends can run it, else TCP.
         -> (its node, addresses, transport names, choices)."""
-        cfg, compute = self.config, self.computes[r]
+        cfg, compute, workers = self.config, self.computes[r], self.memory[first:]
         node = self._get(compute.node_id.remote(), f"compute worker {r}")
-        choices = self._transports(compute, node, nodes)
-        addrs = self._get([w.listen.remote(c.kind) for w, c in zip(self.memory, choices)],
+        choices = self._transports(compute, node, nodes, workers)
+        addrs = self._get([w.listen.remote(c.kind) for w, c in zip(workers, choices)],
                           "the memory workers' data plane")
-        mine = self._get(compute.connect.remote(addrs, cfg.worker_timeout_s),
+        mine = self._get(compute.connect.remote(addrs, cfg.worker_timeout_s, first),
                          f"compute worker {r}'s data plane")
         self._get([self.memory[i].accept_rdma.remote(ep, rdma_seen[i])
                    for i, ep in mine["rdma"].items()], "the memory workers' RDMA queue pairs")
         for i in mine["rdma"]:
             rdma_seen[i] += 1
         names = [transport(a) for a in addrs]
-        for i, (n, t, c) in enumerate(zip(nodes, names, choices)):
+        for i, (n, t, c) in enumerate(zip(nodes, names, choices), start=first):
             log.info("compute worker %d (node %s) <-> memory worker %d (node %s): %s (%s)",
                      r, node[:8], i, n[:8], t, c.why)
-        self._open_control(r, node)
+        if first == 0:
+            self._open_control(r, node)
         return node, addrs, names, choices
 
-    def _transports(self, compute, node: str, nodes: list[str]) -> list[TransportChoice]:
-        """Each memory worker's transport choice for `compute` (on `node`); RDMA needs it
-        on both nodes (`probe` runs where each worker runs: devices and pyverbs are per
-        host)."""
-        far = [w for w, n in zip(self.memory, nodes) if n != node]
+    def _transports(self, compute, node: str, nodes: list[str],
+                    workers: list) -> list[TransportChoice]:
+        """Each of `workers`' transport choice for `compute` (on `node`; `nodes`: theirs);
+        RDMA needs it on both nodes (`probe` runs where each worker runs: devices and
+        pyverbs are per host)."""
+        far = [w for w, n in zip(workers, nodes) if n != node]
         support = {}
         if far:
             here = self._get(compute.__ray_call__.remote(lambda s: probe()),
@@ -406,7 +425,7 @@ class RayExecutor(Executor):
         near = RdmaSupport(False, (), "same node")
         collective = collective_backend(self.config.compute_device, self.config.kv_device)
         return [choose_transport(n == node, shm_enabled(), support.get(w, near), collective)
-                for w, n in zip(self.memory, nodes)]
+                for w, n in zip(workers, nodes)]
 
     def _get(self, refs, what: str, start: bool = False):
         """`ray.get`, bounded: a worker whose bundle sits on a node that is gone waits
@@ -524,6 +543,80 @@ class RayExecutor(Executor):
 
     def kv_kept(self) -> frozenset[int]:
         return self._kv_kept
+
+    def add_memory_workers(self, k: int) -> None:
+        """`k` more memory workers, each in a placement group of its own (one bundle, as
+        the deployment's memory bundles; bounded by `placement_timeout_s`), or in a
+        bundle of the deployment's own group that a removal left idle; set up as the
+        others (the same pool layout, tiers, KV policy) and wired to every compute
+        worker while the others stay connected. Raises, leaving none of them behind,
+        when they cannot be had."""
+        self._check_open()
+        first, cfg = len(self.memory), self.config
+        base = len(self.placement.bundles) - self.placement.computes
+        new: list = []
+        try:
+            for i in range(first, first + k):
+                if i >= base:
+                    self._groups[i] = place({}, self._m_opts, 1, cfg.placement_timeout_s,
+                                            f"{self.placement_name}-m{i}", num_compute=0)
+                new.append(self._new_memory(i))
+            self._get([w.ping.remote() for w in new], "the new memory workers", start=True)
+            info = self._get([w.setup.remote(*self._setup_args, len(self.computes))
+                              for w in new], "the new memory workers", start=True)
+            nodes = self._get([w.__ray_call__.remote(
+                lambda s: ray.get_runtime_context().get_node_id()) for w in new],
+                "the new memory workers")
+            self.memory += new
+            seen = [0] * (first + k)  # per memory worker, its RDMA connections so far
+            wired = [self._wire(r, nodes, seen, first) for r in range(len(self.computes))]
+        except BaseException:
+            try:
+                self._get([c.keep_memory.remote(first) for c in self.computes],
+                          "the compute workers")
+            except Exception as e:  # noqa: BLE001 - the add's own error is the one raised
+                log.warning("could not unwire the memory workers not added: %s: %s",
+                            type(e).__name__, e)
+            del self.memory[first:]
+            self._drop_memory(first, new)
+            raise
+        self.memory_info += info
+        self.nodes["memory"] += nodes
+        self.addresses += wired[0][1]
+        self.transports += wired[0][2]
+        self.transport_choices += wired[0][3]
+        self._counted()
+        log.info("memory workers %d..%d added (nodes %s)", first, first + k - 1,
+                 ", ".join(n[:8] for n in nodes))
+
+    def remove_memory_workers(self, n: int) -> None:
+        """Memory workers n.. leave: every compute worker hangs up on them, their tier
+        files go, their processes are stopped and the placement groups of their own
+        removed (a bundle of the deployment's group stays reserved for a later add)."""
+        self._check_open()
+        self._get([c.keep_memory.remote(n) for c in self.computes], "the compute workers")
+        self._drop_memory(n, self.memory[n:])
+        for lst in (self.memory, self.memory_info, self.nodes["memory"], self.addresses,
+                    self.transports, self.transport_choices):
+            del lst[n:]
+        self._silent = frozenset(i for i in self._silent if i < n)
+        self._counted()
+
+    def _drop_memory(self, first: int, workers: list) -> None:
+        """Stop `workers` (memory workers `first`..) and free their own groups."""
+        if self.config.tiers.enabled and workers:  # their files go with them
+            ray.wait([w.close_tiers.remote() for w in workers], num_returns=len(workers),
+                     timeout=HEALTH_TIMEOUT_S)
+        for w in workers:
+            ray.kill(w)
+        for i in [i for i in self._groups if i >= first]:
+            self._groups.pop(i).remove()
+
+    def _counted(self) -> None:
+        """The memory worker count, where a replaced compute worker reads it."""
+        m = len(self.memory)
+        self.config = replace(self.config, num_memory_workers=m)
+        self._compute_spec = replace(self._compute_spec, num_memory_workers=m)
 
     def _reset_all(self, role: str, wait: float,
                    silent: frozenset[int] = frozenset()) -> frozenset[int]:
@@ -778,6 +871,8 @@ class RayExecutor(Executor):
             self.replica_split.shutdown()
         if self._ring_pool is not None:
             self._ring_pool.shutdown(wait=False)
+        for group in self._groups.values():
+            group.remove()
         self.placement.remove()
 
 

@@ -140,7 +140,9 @@ def shortfall(bundles: tuple, free: dict, num_memory: int, timeout_s: float,
     what = (", ".join(short) if short else
             "enough is free in total, but no node has room for one bundle "
             f"({', '.join(str(b) for b in bundles)})")
-    return (f"could not place {num_compute} compute worker{'s' * (num_compute > 1)} and "
-            f"{num_memory} memory workers within "
+    computes = (f"{num_compute} compute worker{'s' * (num_compute > 1)} and "
+                if num_compute else "")
+    return (f"could not place {computes}{num_memory} memory worker{'s' * (num_memory > 1)} "
+            "within "
             f"{timeout_s:g} s: {what}; other deployments may hold them (see `ray status`; "
             "raise placement_timeout_s to wait longer)")

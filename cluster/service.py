@@ -83,6 +83,10 @@ class LaminaService:
         if restarted:
             log.warning("the Lamina service %r restarts (restart %d): %s", name,
                         self.restarts, self.restart_cause)
+        scaled = scale_of(name)
+        if restarted and scaled is not None:  # `scale` changed it: the restart keeps it
+            self.config = replace(self.config, engine=replace(
+                self.config.engine, num_memory_workers=scaled))
         try:
             self.llm = LLM.from_config(self.config)
         except BaseException as e:  # Ray ends the actor for good: `find` says why
@@ -275,6 +279,20 @@ class LaminaService:
                 "stored_response_bytes": self.responses.nbytes,
                 "max_stored_response_bytes": self.responses.max_bytes}
 
+    async def scale(self, memory_workers: int) -> dict:
+        """Change the deployment's memory workers to `memory_workers` between two of the
+        engine's steps, requests running (`LLMEngine.scale_memory_workers`); the count
+        is kept for the service's restarts. -> what was done (`MemoryScale`, as a dict)."""
+        self._check_serving()
+        fut = self.loop.call(lambda engine: engine.scale_memory_workers(memory_workers))
+        done = await asyncio.wrap_future(fut)  # the actor's other calls go on meanwhile
+        engine = replace(self.config.engine, num_memory_workers=done.after)
+        self.config = replace(self.config, engine=engine)
+        self.llm.config = replace(self.llm.config, num_memory_workers=done.after)
+        internal_kv._internal_kv_put(_scale_key(self.name), json.dumps(done.after),
+                                     overwrite=True, namespace=NAMESPACE)
+        return asdict(done)
+
     def response_bound(self) -> str:
         return self.responses.bound()
 
@@ -320,6 +338,16 @@ def _write_starts(name: str, record: dict) -> None:
                                  namespace=NAMESPACE)
 
 
+def _scale_key(name: str) -> str:
+    return f"service:{name}:memory_workers"
+
+
+def scale_of(name: str) -> int | None:
+    """The memory workers `LaminaService.scale` last set (None: never)."""
+    raw = internal_kv._internal_kv_get(_scale_key(name), namespace=NAMESPACE)
+    return json.loads(raw) if raw else None
+
+
 def _front_key(name: str) -> str:
     return f"service:{name}:http"
 
@@ -345,6 +373,7 @@ def _forget(name: str) -> None:
     of its starts (it is not gone, it was stopped), no stored responses (the next
     deployment starts with none)."""
     internal_kv._internal_kv_del(_starts_key(name), namespace=NAMESPACE)
+    internal_kv._internal_kv_del(_scale_key(name), namespace=NAMESPACE)
     internal_kv._internal_kv_del(KVResponses(name).prefix, del_by_prefix=True,
                                  namespace=NAMESPACE)
 

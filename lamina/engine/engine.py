@@ -32,7 +32,7 @@ from lamina.engine.culprit import CulpritSearch
 from lamina.engine.detokenizer import IncrementalDetokenizer
 from lamina.engine.inputs import TokensPrompt, check_unicode
 from lamina.engine.messages import StepPlan, StepResult
-from lamina.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from lamina.engine.outputs import CompletionOutput, MemoryScale, RequestOutput, TokenLogprob
 from lamina.engine.scheduler import Scheduler, Sequence
 from lamina.engine.sessions import SessionIndex, check_session_id
 from lamina.engine.speculative import NgramIndex
@@ -872,6 +872,53 @@ class LLMEngine:
             raise RuntimeError(f"{what}; the workers could not be brought back")
         log.warning("%s; workers recovered in %.2f s", what, self.last_recovery_s)
         return what
+
+    def scale_memory_workers(self, n: int) -> MemoryScale:
+        """Change the number of memory workers to `n`, between steps (the caller's
+        thread is the one that steps), requests running or not. More: the executor
+        starts them (`Executor.add_memory_workers`; their pools have this one's slots)
+        and new sequences are placed on them from the next step, split KV spills onto
+        them. Fewer: the last ones leave; each running sequence with KV on one is
+        preempted first and computes that KV again when readmitted (what the kept
+        workers hold of it is reused); their cached prefixes and the sessions' KV in
+        their tiers go with them. Refused (ValueError, nothing changed) when a request
+        in the engine would no longer fit the pools. -> what was done."""
+        self._check_open()
+        self._settle()
+        before, t = len(self.allocs), time.perf_counter()
+        if n < 1:
+            raise ValueError(f"memory workers must be >= 1, not {n}")
+        if n > before:
+            self.executor.add_memory_workers(n - before)  # raises first: nothing changed
+            self.scheduler.add_workers([KVAllocator(KVAllocatorConfig(self.config.num_kv_slots))
+                                        for _ in range(n - before)])
+            hit: list[Sequence] = []
+        elif n < before:
+            self._check_fits(n)
+            hit = self.scheduler.retire_workers(n)
+            if self.sessions is not None:
+                for w in range(n, before):
+                    self.sessions.lost_worker(w)
+            self.executor.remove_memory_workers(n)
+        else:
+            hit = []
+        self.config = replace(self.config, num_memory_workers=n)
+        done = MemoryScale(before, n, len(hit), sum(s.lost - s.kept for s in hit),
+                           time.perf_counter() - t)
+        log.info("memory workers %d -> %d in %.2f s (%d running sequences preempted, %d "
+                 "positions to compute again)", before, n, done.seconds, done.preempted,
+                 done.recompute_tokens)
+        return done
+
+    def _check_fits(self, n: int) -> None:
+        """Refuse `n` memory workers when a request in the engine would not fit them."""
+        cap = self.config.num_kv_slots * (n if self.config.split_kv else 1)
+        seqs = [s for r in self._reqs.values() for s in r.seqs if s.status != "finished"]
+        big = max(seqs, key=lambda s: len(s.tokens), default=None)
+        if big is not None and len(big.tokens) + 1 > cap:
+            raise ValueError(f"{n} memory workers hold {cap} KV positions a sequence; "
+                             f"sequence {big.seq_id} of request {self._by_seq[big.seq_id][0].rid}"
+                             f" has {len(big.tokens)} tokens")
 
     def _intact(self, plan: StepPlan, kept: frozenset[int],
                 loading: set[int]) -> dict[int, int]:

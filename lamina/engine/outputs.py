@@ -56,3 +56,13 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+@dataclass(frozen=True)
+class MemoryScale:
+    """What `LLMEngine.scale_memory_workers` did."""
+    before: int  # memory workers before
+    after: int  # and after
+    preempted: int  # running sequences preempted: they had KV on a leaving worker
+    recompute_tokens: int  # their positions whose KV went with it (computed again)
+    seconds: float

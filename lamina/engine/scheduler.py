@@ -524,6 +524,39 @@ class Scheduler:
         return sum(c.clear() for w, c in enumerate(self.caches or [])
                    if workers is None or w in workers)
 
+    def add_workers(self, allocators: list[KVAllocator]) -> None:
+        """Memory workers joined (ids after the present ones): from the next plan on,
+        new sequences may be placed on them and split KV may spill onto them."""
+        self.allocs.extend(allocators)
+        if self.caches is not None:
+            self.caches.extend(RadixCache(a) for a in allocators)
+
+    def retire_workers(self, n: int) -> list[Sequence]:
+        """Keep memory workers 0..n-1 only (the others leave the deployment): every
+        running sequence with KV on a leaving worker is preempted, its KV there gone
+        with the worker (what a kept worker holds of its first part is cached for its
+        readmission; nothing is parked: a leaving worker's tier goes too); the leaving
+        workers' cached prefixes are dropped and their allocators removed. The
+        sessions' entries on them are the caller's (`SessionIndex.lost_worker`).
+        -> the sequences preempted."""
+        if not 1 <= n <= len(self.allocs):
+            raise ValueError(f"keep 1..{len(self.allocs)} memory workers, not {n}")
+        hit = [s for s in self.running if any(w >= n for w in s.workers)]
+        for seq in reversed(hit):  # newest first: the oldest ends in front
+            first = seq.segments[0][0]
+            self._preempt(seq, park=False)
+            if first >= n:  # what it cached went to a leaving worker's tree
+                seq.kept = 0
+        for w in range(n, len(self.allocs)):
+            if self.caches is not None:
+                self.caches[w].clear()
+            left = self.allocs[w].requests()
+            assert not left, f"memory worker {w} still holds sequences {left}"
+        del self.allocs[n:]
+        if self.caches is not None:
+            del self.caches[n:]
+        return hit
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

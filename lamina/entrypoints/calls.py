@@ -168,6 +168,15 @@ class SharedEngine:
         if not self.engine.has_unfinished():  # idle: what its workers are owed, now
             self.engine.flush()
 
+    def call(self, fn):
+        """`fn(engine)` in turn with the calls' steps (between two of them) -> its result."""
+        self._enter()
+        try:
+            self.check_open()
+            return fn(self.engine)
+        finally:
+            self._leave()
+
     def abort(self, call: Call) -> None:
         """Abort the call's unfinished requests (a Ctrl-C, or an error leaving it)."""
         self._enter()

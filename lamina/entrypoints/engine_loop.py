@@ -19,7 +19,8 @@ memory freed since back to the system (`release_freed_memory`; under load that n
 lets it go idle, every `TRIM_BUSY_S` between steps). With `max_waiting`, `submit`
 refuses a request (`EngineOverloaded`) while that many are queued and not yet running.
 `drain(timeout_s)` (a server's SIGTERM) finishes the requests already taken, refuses new
-ones (`EngineDead`) and stops when none is left or at the timeout.
+ones (`EngineDead`) and stops when none is left or at the timeout. `call(fn)` runs work on
+the engine itself between two steps (`scale_memory_workers`), on the loop thread.
 """
 from __future__ import annotations
 
@@ -63,6 +64,13 @@ class _Abort:
     future: Future  # of the request to stop
 
 
+@dataclass(frozen=True)
+class _Call:
+    """Work on the engine itself, run by the loop thread between two steps (`call`)."""
+    fn: Callable[[LLMEngine], Any]
+    future: Future
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, metrics=None, max_waiting: int | None = None,
                  thread: bool = True):
@@ -75,7 +83,7 @@ class EngineLoop:
                                         or isinstance(max_waiting, bool) or max_waiting < 1):
             raise ValueError(f"max_waiting must be an int >= 1 or None, got {max_waiting!r}")
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
-        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
         self._futures: dict[int, Future] = {}
         self._rids: dict[Future, int] = {}
         self._updates: dict[int, Callable] = {}
@@ -137,6 +145,19 @@ class EngineLoop:
         if not fut.done():
             self._inbox.put(_Abort(fut))
             self._wake.set()
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future:
+        """Run `fn(engine)` on the loop thread between two steps (the engine is not
+        thread-safe; e.g. `LLMEngine.scale_memory_workers`) -> a future of its result
+        or its exception. The requests in flight go on after it."""
+        if not self.alive:
+            raise EngineDead(f"engine stopped: {self.error or 'its loop was shut down'}")
+        fut: Future = Future()
+        self._inbox.put(_Call(fn, fut))
+        self._wake.set()
+        if not self.alive:  # lost the race
+            self._drain(EngineDead(f"engine stopped: {self.error or 'its loop was shut down'}"))
+        return fut
 
     def generate(self, prompt, params: SamplingParams, timeout: float | None = None
                  ) -> RequestOutput:
@@ -206,6 +227,9 @@ class EngineLoop:
                 if aborted:  # its KV is free now, whether or not a step follows
                     self._refresh_metrics()
                 return
+            if isinstance(msg, _Call):
+                self._run_call(msg)
+                continue
             if isinstance(msg, _Abort):
                 rid = self._rids.get(msg.future)
                 out = self.engine.abort(rid) if rid is not None else None
@@ -230,6 +254,18 @@ class EngineLoop:
             self._futures[rid], self._rids[fut] = fut, rid
             if msg.on_update is not None:
                 self._updates[rid] = msg.on_update
+
+    def _run_call(self, msg: _Call) -> None:
+        if not msg.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = msg.fn(self.engine)
+        except Exception as e:  # noqa: BLE001 - the caller's to handle; the loop goes on
+            self._refresh_metrics()
+            msg.future.set_exception(e)
+        else:
+            self._refresh_metrics()  # (before the caller hears of it)
+            msg.future.set_result(result)
 
     def _resolve(self, out: RequestOutput) -> None:
         fut = self._futures.pop(out.request_id)
@@ -352,7 +388,7 @@ class EngineLoop:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(msg, _Add) and msg.future.set_running_or_notify_cancel():
+            if isinstance(msg, (_Add, _Call)) and msg.future.set_running_or_notify_cancel():
                 msg.future.set_exception(e)
 
 

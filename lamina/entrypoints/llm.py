@@ -17,7 +17,7 @@ from lamina.engine.beam_search import BeamSearchParams, beam_search
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.inputs import TokensPrompt, check_unicode
-from lamina.engine.outputs import RequestOutput
+from lamina.engine.outputs import MemoryScale, RequestOutput
 from lamina.entrypoints.calls import Call, CallRequest, SharedEngine
 from lamina.entrypoints.interrupts import StepBoundary
 from lamina.entrypoints.logs import configure_logging
@@ -240,6 +240,14 @@ class LLM:
             continue_final_message=continue_final_message,
             template_kwargs=chat_template_kwargs)) for c in convs]
         return self.generate(prompts, params, **kw)
+
+    def scale_memory_workers(self, n: int) -> MemoryScale:
+        """Grow or shrink the KV pool to `n` memory workers, between two steps of the
+        `generate` calls running in other threads (`LLMEngine.scale_memory_workers`:
+        fewer workers preempt the sequences that had KV on a leaving one)."""
+        done = self._shared.call(lambda engine: engine.scale_memory_workers(n))
+        self.config = replace(self.config, num_memory_workers=n)
+        return done
 
     def shutdown(self) -> None:
         """Stop the workers (a Ray deployment's, with its placement group); later calls

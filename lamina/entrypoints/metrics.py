@@ -80,6 +80,9 @@ class EngineMetrics:
         self.waiting = Gauge("lamina_sequences_waiting", "Sequences queued", registry=r)
         self.rejected = Counter("lamina_requests_rejected", "Requests refused before "
                                 "queueing", ["reason"], registry=r)
+        self.memory_workers = Gauge("lamina_memory_workers", "Memory workers holding the "
+                                    "KV pool (`scale_memory_workers` changes it)", registry=r)
+        self._workers = 0  # memory workers at the last refresh
         self.kv_used = Gauge("lamina_kv_slots_used", "Token slots in use (by requests "
                              "and the prefix cache)", ["memory_worker"], registry=r)
         self.kv_cached = Gauge("lamina_kv_slots_cached", "Token slots the prefix cache "
@@ -165,6 +168,11 @@ class EngineMetrics:
         for w, (alloc, cache) in enumerate(zip(engine.allocs, caches)):
             self.kv_used.labels(str(w)).set(alloc.config.num_slots - alloc.num_free())
             self.kv_cached.labels(str(w)).set(cache.size if cache is not None else 0)
+        for w in range(len(engine.allocs), self._workers):  # scaled down: their series go
+            self.kv_used.remove(str(w))
+            self.kv_cached.remove(str(w))
+        self._workers = len(engine.allocs)
+        self.memory_workers.set(self._workers)
 
     def _time(self, t: dict | None) -> None:
         """The step's wall time, tokens and parts (once per `step_timings` entry)."""

@@ -69,6 +69,17 @@ class Executor(ABC):
         executor has no processes of its own to replace."""
         return {}
 
+    def add_memory_workers(self, k: int) -> None:
+        """Start `k` more memory workers (indices after the present ones), each with a
+        pool like the others', wired to every compute worker; raises, changing nothing,
+        when they cannot be had. Called between steps (`LLMEngine.scale_memory_workers`)."""
+        raise NotImplementedError(f"the {type(self).__name__} cannot add memory workers")
+
+    def remove_memory_workers(self, n: int) -> None:
+        """Keep memory workers 0..n-1; the others are unwired and stopped (the engine
+        moved every sequence off them first). Called between steps."""
+        raise NotImplementedError(f"the {type(self).__name__} cannot remove memory workers")
+
     def start_trace(self) -> None:
         """Record every device's timeline (`lamina.trace`) from the next step on."""
         raise NotImplementedError(f"the {type(self).__name__} records no trace")

@@ -189,6 +189,33 @@ class LocalExecutor(Executor):
     def kv_kept(self) -> frozenset[int]:
         return frozenset(range(len(self.memory)))
 
+    def add_memory_workers(self, k: int) -> None:
+        """`k` more memory sides like the first (`MemorySide.sibling`), each with its lock,
+        lane and (rotational) thread; every replica's packing counts them."""
+        shared = self.link.shared
+        for _ in range(k):
+            w = len(self.memory)
+            self.memory.append(self.memory[0].sibling(w))  # the links' list too
+            shared.locks.append(threading.Lock())
+            shared.tracers.append(Tracer(f"memory{w}"))
+            if shared.threads is not None:
+                shared.threads.append(ThreadPoolExecutor(1, f"lamina-memory{w}"))
+        for c in self.replicas:
+            c.num_workers = len(self.memory)
+
+    def remove_memory_workers(self, n: int) -> None:
+        """Memory sides n.. go (their tier files with them)."""
+        shared = self.link.shared
+        for m in self.memory[n:]:
+            if m.tiers is not None:
+                m.tiers.close()
+        for th in (shared.threads or [])[n:]:
+            th.shutdown()
+        for lst in (self.memory, shared.locks, shared.tracers, shared.threads or []):
+            del lst[n:]
+        for c in self.replicas:
+            c.num_workers = n
+
     def _tracers(self) -> list[Tracer]:
         return [*(lane for c in self.replicas for lane in c.lanes),
                 *self.link.shared.tracers]

@@ -63,6 +63,14 @@ class MemorySide:
         self.backend = backend or select_backend(device=self.device)
         self.faults = faults  # a lamina.faults.FaultPlan (tests) or None
         self._step: _CheckedStep | None = None  # this step's metadata, checked
+        self._tier_config, self._rope = tiers, rope_inv_freq  # (`sibling`)
+
+    def sibling(self, worker: int) -> MemorySide:
+        """A new memory side set up as this one (pool layout, tiers, KV policy, faults),
+        with an empty pool of its own: memory worker `worker`."""
+        return MemorySide(KVPool(self.pool.config), faults=self.faults,
+                          tiers=self._tier_config, worker=worker, rope_inv_freq=self._rope,
+                          sparsity=self._config)
 
     def check(self, new_slots, batch, seq_ids: tuple[int, ...] = ()) -> None:
         """Once per step: the batch's index scans and the new slots' range (per layer,

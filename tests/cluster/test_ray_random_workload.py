@@ -190,3 +190,53 @@ def test_preempted_sequences_swap_to_the_workers_host_tiers(llm, prompts, hf_gre
         assert eng.free_slots() == [125, 125] and eng.sessions.sessions == {}
         assert eng.num_recoveries == 0
     assert recomputed["auto"] < recomputed["recompute"], recomputed
+
+
+def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, prompts,
+                                                                      hf_greedy):
+    """Six prompts in 125 slots on each of the deployment's two memory workers. After
+    6 steps a third joins (a placement group of its own; wired while the others stay
+    connected: their processes and pools are the same), new and growing sequences take
+    its slots; 10 steps later it leaves, the sequences with KV on it preempted and
+    computed again; its group is removed. Then through `LLM`: down to one worker (a
+    bundle of the deployment's own group left idle) and up to two again (that bundle
+    taken again, no new group). Every request gives HF's greedy tokens, no step fails,
+    every slot ends free."""
+    ex, pick = llm.executor, [1, 3, 4, 10, 11, 12]
+    ex.recover(RuntimeError("a new test"))
+    eng = LLMEngine(replace(llm.config, num_kv_slots=125, idle_check_s=None), ex,
+                    llm.loaded.tokenizer, llm.loaded.config)
+    pids = [i["pid"] for i in ex.memory_info]
+    ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
+    done = {}
+
+    def steps(n):
+        for _ in range(n):
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+
+    steps(6)
+    grown = eng.scale_memory_workers(3)
+    assert (grown.before, grown.after) == (2, 3) and len(ex.memory) == 3
+    assert [i["pid"] for i in ex.memory_info[:2]] == pids and list(ex._groups) == [2]
+    group = ex._groups[2].group.id.hex()
+    assert ray.util.placement_group_table()[group]["state"] == "CREATED"
+    steps(10)
+    assert any(2 in s.workers for s in eng.scheduler.running)
+    shrunk = eng.scale_memory_workers(2)
+    assert shrunk.preempted > 0 and len(ex.memory) == len(ex.transports) == 2
+    assert ex._groups == {} and ray.util.placement_group_table()[group]["state"] == "REMOVED"
+    while eng.has_unfinished():
+        steps(1)
+    assert [done[i].outputs[0].token_ids for i in ids] == [hf_greedy[i] for i in pick]
+    assert eng.num_recoveries == 0 and eng.free_slots() == [125, 125]
+    assert [i["pid"] for i in ex.memory_info] == pids
+    # through LLM, whose engine takes its turn between generate's steps
+    llm.engine.flush()
+    assert llm.scale_memory_workers(1).after == 1 and llm.config.num_memory_workers == 1
+    outs = llm.generate([prompts[1]], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == hf_greedy[1]
+    assert llm.scale_memory_workers(2).after == 2 and ex._groups == {}
+    assert ex.memory_info[1]["pid"] != pids[1]
+    outs = llm.generate([prompts[i] for i in pick], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy[i] for i in pick]
+    assert llm.engine.num_recoveries == 0

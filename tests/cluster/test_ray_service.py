@@ -321,6 +321,46 @@ def test_killed_memory_workers_are_replaced_under_the_service(cluster, prompts, 
             in lamina_cmd(cluster, "status").stdout)
 
 
+def test_lamina_scale_puts_a_memory_worker_on_a_node_that_joined_and_takes_it_off(
+        cluster, prompts, hf_greedy):
+    """A memory node joins the cluster (as `ray up`'s autoscaler adds one): `lamina
+    scale --memory-workers 3` starts a third memory worker on it while a request
+    generates, in a placement group of its own, and `status` shows it there; the
+    request and later ones get HF's greedy tokens; `--memory-workers 2` takes it off
+    (its group removed) and the node can go. A count of 0 is refused by name, the
+    service serving on."""
+    c = cluster["cluster"]
+    client = lamina.connect(c.address)
+    before = sorted(lamina_actors())
+    node = c.add_node(num_cpus=2, resources={"lamina_memory": 1},
+                      temp_dir=tempfile.mkdtemp(prefix="ls", dir="/tmp"))
+    c.wait_for_nodes()
+    greedy = SamplingParams(max_tokens=HF_NEW, temperature=0)
+    h = client.submit(prompts[8], greedy)
+    next(iter(h))  # running
+    r = lamina_cmd(cluster, "scale", "--memory-workers", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "memory workers 2 -> 3 in " in r.stdout and "0 running sequences preempted" in \
+        r.stdout, r.stdout
+    s = client.status()
+    mem = [w for w in s["workers"] if w["role"].startswith("memory")]
+    assert [w["role"] for w in mem] == ["memory 0", "memory 1", "memory 2"]
+    assert mem[2]["node"] == node.node_id and mem[2]["threads"] == 2
+    assert [k["free"] for k in s["kv"]][2] == 4096
+    assert sorted(lamina_actors()) == sorted([*before, "MemoryWorker", "group"])
+    assert h.result().token_ids == hf_greedy[8]
+    outs = client.generate([prompts[i] for i in PICK], greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy[i] for i in PICK]
+    bad = lamina_cmd(cluster, "scale", "--memory-workers", "0")
+    assert bad.returncode == 2 and "memory workers must be >= 1, not 0" in bad.stderr
+    r = lamina_cmd(cluster, "scale", "--memory-workers", "2")
+    assert r.returncode == 0 and "memory workers 3 -> 2" in r.stdout, r.stderr[-3000:]
+    assert sorted(lamina_actors()) == before
+    assert len(client.status()["kv"]) == 2
+    c.remove_node(node)
+    assert client.generate([prompts[3]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[3]
+
+
 @pytest.fixture(scope="module")
 def local_greedy():
     """`LLM.generate` in this process (local executor): the reference for job outputs."""

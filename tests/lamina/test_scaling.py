@@ -1,0 +1,241 @@
+"""Memory workers added to and removed from a running engine (`scale_memory_workers`):
+exact scheduler states, HF greedy tokens across the changes, refusals, the serving
+loop's and `LLM`'s ways in."""
+import threading
+
+import pytest
+
+from lamina.engine.config import EngineConfig
+from lamina.engine.engine import LLMEngine
+from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from lamina.engine.sessions import SessionIndex
+from lamina.entrypoints.engine_loop import EngineLoop
+from lamina.executor.local import LocalExecutor
+from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
+from lamina.memory.memory_side import MemorySide
+from lamina.memory.pool import KVPool, KVPoolConfig
+from lamina.memory.tier_orders import TierConfig
+from lamina.sampling.params import SamplingParams
+
+P = SamplingParams(max_tokens=8)
+GREEDY = SamplingParams(max_tokens=32, temperature=0)
+
+
+def _plan(s: Scheduler) -> list[tuple]:
+    return [(w.seq_id, w.token_ids, w.start_pos, w.slots, w.worker, w.segments)
+            for w in s.schedule().seqs]
+
+
+def test_retiring_a_worker_preempts_exactly_the_sequences_on_it_and_adding_one_places_exact():
+    """Two workers of 6 slots, split KV: a on worker 0, b on worker 1, c on worker 0
+    then spilled onto worker 1. Keeping worker 0 alone preempts b and c (oldest in
+    front), a runs on; c's part on worker 0 is cached for it, b's KV is gone: worker 1's
+    allocator and tree leave. A worker added later takes b back, computed whole."""
+    allocs = [KVAllocator(KVAllocatorConfig(6)) for _ in range(2)]
+    s = Scheduler(SchedulerConfig(4, 100, True), allocs, prefix_caching=True)
+    a, b, c = Sequence(0, [10, 11, 12], P), Sequence(1, [20, 21, 22], P), Sequence(2, [30, 31], P)
+    for q in (a, b, c):
+        s.add(q)
+    assert _plan(s) == [(0, (10, 11, 12), 0, (0, 1, 2), 0, ()),
+                        (1, (20, 21, 22), 0, (0, 1, 2), 1, ()),
+                        (2, (30, 31), 0, (3, 4), 0, ())]
+    for q in (a, b, c):
+        q.output.append(40 + q.seq_id)
+    assert _plan(s) == [(0, (40,), 3, (5,), 0, ()), (1, (41,), 3, (3,), 1, ()),
+                        (2, (42,), 2, (4,), 0, ((0, 0), (1, 2)))]  # c spills
+    for q in (a, b, c):
+        q.output.append(50 + q.seq_id)
+    hit = s.retire_workers(1)
+    assert hit == [b, c] and list(s.waiting) == [b, c] and s.running == [a]
+    assert [(q.lost, q.kept, q.segments, q.num_preemptions) for q in (b, c)] == [
+        (4, 0, [], 1), (3, 2, [], 1)]  # c's first part (2 positions) cached on worker 0
+    assert s.allocs is allocs and len(allocs) == 1 and len(s.caches) == 1
+    assert allocs[0].requests() == [0] and allocs[0].slots(0) == [0, 1, 2, 5]
+    assert s.caches[0].match([30, 31, 42]) == [3, 4] and allocs[0].num_free() == 0
+    plan = s.schedule()
+    assert plan.released == (2, 1)  # the executor drops their tables
+    # a's growth evicts c's cached prefix (a running sequence wins over the cache)
+    assert [(w.seq_id, w.slots, w.worker) for w in plan.seqs] == [(0, (4,), 0)]
+    s.add_workers([KVAllocator(KVAllocatorConfig(6))])
+    assert len(s.caches) == 2
+    a.output.append(60)
+    assert _plan(s) == [(0, (60,), 5, (3,), 0, ()),
+                        (1, (20, 21, 22, 41, 51), 0, (0, 1, 2, 3, 4), 1, ())]
+    assert list(s.waiting) == [c]  # worker 1 has 1 slot left, worker 0 none
+    with pytest.raises(ValueError, match="keep 1..2 memory workers, not 0"):
+        s.retire_workers(0)
+
+
+def test_retiring_the_first_worker_of_a_split_sequence_caches_nothing_for_it():
+    """Three workers of 4 slots. Of the sequences with a part on worker 2 when it
+    leaves, one whose first part is on a kept worker has that part cached (`kept`); one
+    whose first part is on worker 2 keeps nothing: what it cached went with that
+    worker's tree; its later part on kept worker 1 is freed, not cached (a cached
+    prefix starts at position 0)."""
+    allocs = [KVAllocator(KVAllocatorConfig(4)) for _ in range(3)]
+    s = Scheduler(SchedulerConfig(4, 100, True), allocs, prefix_caching=True)
+    a = Sequence(0, [1, 2, 3, 4], P)
+    b = Sequence(1, [5, 6, 7, 8], P)
+    c = Sequence(2, [9, 10, 11], P)
+    for q in (a, b, c):
+        s.add(q)
+    s.schedule()
+    assert [q.segments for q in (a, b, c)] == [[(0, 0)], [(1, 0)], [(2, 0)]]
+    for q in (a, b, c):
+        q.output.append(20)
+    s.schedule()  # a spills onto worker 2; b gives way, c spills onto its slots
+    assert [q.segments for q in (a, b, c)] == [[(0, 0), (2, 4)], [], [(2, 0), (1, 3)]]
+    for q in (a, c):  # the step drew their next tokens
+        q.output.append(21)
+    hit = s.retire_workers(2)
+    assert hit == [a, c] and [(q.lost, q.kept) for q in hit] == [(5, 4), (4, 0)]
+    assert list(s.waiting) == [a, c, b] and s.running == []
+    # worker 0's 4 slots hold a's prefix; worker 1's 3 of b's (cached when b gave way,
+    # one slot taken by c's spill), c's slot there free
+    assert [cache.size for cache in s.caches] == [4, 3]
+    assert s.caches[1].match([5, 6, 7, 8]) == [0, 1, 2]
+    assert [x.requests() for x in allocs] == [[], []]
+    assert [x.num_free() for x in allocs] == [0, 1]
+
+
+def _engine(smol, split, slots: int, workers: int, **kw) -> LLMEngine:
+    cfg = EngineConfig(num_memory_workers=workers, num_kv_slots=slots, max_step_tokens=2048,
+                       **kw)
+    t = cfg.tiers
+    pools = [KVPool(KVPoolConfig.for_specs(split.attention_specs, slots))
+             for _ in range(workers)]
+    ex = LocalExecutor(split, [MemorySide(p, tiers=t, worker=w) for w, p in enumerate(pools)])
+    return LLMEngine(cfg, ex, smol.tokenizer, smol.config)
+
+
+PICK = [1, 3, 4, 10, 11, 12]  # prompts of 12-128 tokens
+
+
+def test_an_engine_grows_and_shrinks_its_pool_while_it_generates_exact(
+        smol, smol_packed, prompts, hf_greedy):
+    """Six prompts (sharing prefixes) in one pool of 160 slots (split KV): too small
+    for them all as they grow, so sequences are preempted. After 8 steps two workers
+    join: the waiting ones
+    are admitted onto them and the growing ones spill; after 12 more the pool shrinks to
+    one again, preempting every sequence with KV on a leaving worker (its KV there
+    computed again on readmission). Every request gives HF's greedy tokens, and at the
+    end every slot of the one worker left is free."""
+    eng = _engine(smol, smol_packed, 160, 1)
+    ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
+    done = {}
+
+    def steps(n):
+        for _ in range(n):
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+
+    steps(8)
+    assert len(eng.scheduler.waiting) > 0  # the one pool holds only some of them
+    grown = eng.scale_memory_workers(3)
+    assert (grown.before, grown.after, grown.preempted, grown.recompute_tokens) == (1, 3, 0, 0)
+    assert len(eng.executor.memory) == len(eng.allocs) == 3
+    assert eng.config.num_memory_workers == 3
+    steps(1)
+    assert {w for s in eng.scheduler.running for w in s.workers} == {0, 1, 2}
+    steps(11)
+    on_leaving = [s for s in eng.scheduler.running if any(w > 0 for w in s.workers)]
+    lost = sum(s.written for s in on_leaving)
+    assert on_leaving
+    shrunk = eng.scale_memory_workers(1)
+    assert (shrunk.before, shrunk.after, shrunk.preempted) == (3, 1, len(on_leaving))
+    assert 0 < shrunk.recompute_tokens <= lost
+    assert len(eng.executor.memory) == len(eng.allocs) == 1
+    assert eng.executor.compute.num_workers == 1
+    while eng.has_unfinished():
+        steps(1)
+    assert [done[i].outputs[0].token_ids for i in ids] == [hf_greedy[i] for i in PICK]
+    assert sum(done[i].metrics["preemptions"] for i in ids) >= len(on_leaving)
+    assert eng.free_slots() == [160]
+
+
+def test_scaling_refuses_what_would_not_fit_and_changes_nothing(smol, smol_packed, prompts):
+    """Fewer workers than a request in the engine needs (its KV split over them), or
+    none: ValueError naming it, the engine as before; the request then finishes."""
+    eng = _engine(smol, smol_packed, 100, 3)
+    rid = eng.add_request(prompts[5], SamplingParams(max_tokens=3, temperature=0))  # 200
+    eng.step()  # its prompt, split over the three workers, and its first token
+    held = [a.num_free() for a in eng.allocs]
+    with pytest.raises(ValueError, match=f"1 memory workers hold 100 KV positions a "
+                                         f"sequence; sequence 0 of request {rid} has 201 "
+                                         "tokens"):
+        eng.scale_memory_workers(1)
+    with pytest.raises(ValueError, match="memory workers must be >= 1, not 0"):
+        eng.scale_memory_workers(0)
+    assert [a.num_free() for a in eng.allocs] == held and len(eng.executor.memory) == 3
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.free_slots() == [100] * 3
+
+
+def test_a_leaving_workers_sessions_go_and_the_others_stay(smol, smol_packed):
+    """Sessions' KV saved in a leaving worker's tier is forgotten (the next turn
+    computes it); a kept worker's stays and is loaded."""
+    eng = _engine(smol, smol_packed, 200, 2, kv_host_bytes=1 << 26)
+    tok = smol.tokenizer
+    turns = {s: tok(f"Tell me about city number {s}.")["input_ids"] for s in ("a", "b")}
+    for s, p in turns.items():
+        eng.add_request(p, SamplingParams(max_tokens=4, temperature=0), session_id=s)
+    while eng.has_unfinished():
+        eng.step()
+    eng.flush()  # the saves reach the tiers
+    where = {s: e.worker for s, e in eng.sessions.sessions.items()}
+    assert sorted(where.values()) == [0, 1]
+    eng.scale_memory_workers(1)
+    kept = [s for s, w in where.items() if w == 0]
+    assert sorted(eng.sessions.sessions) == kept
+    assert isinstance(eng.sessions, SessionIndex)
+
+
+def test_the_serving_loop_scales_between_steps_and_its_requests_go_on(
+        smol, smol_packed, prompts, hf_greedy):
+    """`EngineLoop.call`: the change runs on the loop thread between two steps while
+    requests stream; each gives HF's greedy tokens. A call that raises fails its own
+    future only. /metrics follows the count: `lamina_memory_workers`, and a leaving
+    worker's KV series removed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lamina.entrypoints.metrics import EngineMetrics
+
+    def series(name):
+        return {tuple(x.labels.values()): x.value
+                for fam in text_string_to_metric_families(metrics.render().decode())
+                for x in fam.samples if x.name == name}
+
+    eng, metrics = _engine(smol, smol_packed, 160, 1), EngineMetrics()
+    loop = EngineLoop(eng, metrics)
+    try:
+        seen = threading.Event()
+        futs = [loop.submit(prompts[i], GREEDY, on_update=lambda out: seen.set())
+                for i in PICK]
+        assert seen.wait(60)
+        grown = loop.call(lambda e: e.scale_memory_workers(2)).result(60)
+        assert (grown.before, grown.after) == (1, 2)
+        assert series("lamina_memory_workers") == {(): 2}
+        assert set(series("lamina_kv_slots_used")) == {("0",), ("1",)}
+        bad = loop.call(lambda e: e.scale_memory_workers(0))
+        with pytest.raises(ValueError, match="not 0"):
+            bad.result(60)
+        shrunk = loop.call(lambda e: e.scale_memory_workers(1)).result(60)
+        assert (shrunk.before, shrunk.after) == (2, 1)
+        assert series("lamina_memory_workers") == {(): 1}  # worker 1's series gone
+        assert set(series("lamina_kv_slots_used")) == set(series("lamina_kv_slots_cached")) \
+            == {("0",)}
+        outs = [f.result(120) for f in futs]
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy[i] for i in PICK]
+        assert loop.alive
+    finally:
+        loop.shutdown()
+
+
+def test_tiers_of_added_workers_are_set_up_as_the_first_ones(smol, smol_packed):
+    eng = _engine(smol, smol_packed, 64, 1, kv_host_bytes=1 << 20)
+    eng.scale_memory_workers(2)
+    new = eng.executor.memory[1]
+    assert new.tiers is not None and new.tiers.worker == 1
+    assert new.pool.config == eng.executor.memory[0].pool.config
+    assert new.pool.k.data_ptr() != eng.executor.memory[0].pool.k.data_ptr()
+    assert TierConfig(1 << 20).host_bytes == new.tiers.config.host_bytes
