@@ -122,7 +122,8 @@ def cmd_scale(args) -> int:
         done = client.scale_memory_workers(args.memory_workers)
     print(f"service {args.name!r}: memory workers {done['before']} -> {done['after']} in "
           f"{done['seconds']:.1f} s; {done['preempted']} running sequences preempted, "
-          f"{done['recompute_tokens']} positions to compute again")
+          f"{done['recompute_tokens']} positions to compute again, "
+          f"{done['moved_tokens']} saved positions moved to the workers kept")
     return 0
 
 

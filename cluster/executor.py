@@ -47,7 +47,7 @@ from lamina.executor.replicas import ReplicaSplit, is_hard, merged, replica_faul
 from lamina.kernels import KernelBuildError, is_built, load_cpu_kernel
 from lamina.kernels.cpu_build import BUILD_TIME
 from lamina.memory.sparsity import SCORED
-from lamina.memory.tier_orders import TierMiss, sum_stats
+from lamina.memory.tier_orders import TierMiss, TierMove, sum_stats
 from lamina.memory.tiers import PREFETCH_WAIT_S
 
 from .compute_worker import ComputeWorker, ComputeWorkerSpec, WorkerStart
@@ -588,6 +588,18 @@ class RayExecutor(Executor):
         self._counted()
         log.info("memory workers %d..%d added (nodes %s)", first, first + k - 1,
                  ", ".join(n[:8] for n in nodes))
+
+    def move_tiers(self, moves: tuple[TierMove, ...]) -> frozenset[int]:
+        """Each source worker exports its entries (one Ray object per source and dest),
+        which the dest worker takes straight from the object store: the KV does not
+        pass through this process."""
+        by: dict[tuple[int, int], list[int]] = {}
+        for m in moves:
+            by.setdefault((m.source, m.dest), []).append(m.entry)
+        refs = [self.memory[d].adopt_tiers.remote(self.memory[s].export_tiers.remote(ids))
+                for (s, d), ids in by.items()]
+        done = self._get(refs, "the memory workers' tier moves", start=True)
+        return frozenset(e for ids in done for e in ids)
 
     def remove_memory_workers(self, n: int) -> None:
         """Memory workers n.. leave: every compute worker hangs up on them, their tier

@@ -176,6 +176,14 @@ class MemoryWorker:
         with self._shared or contextlib.nullcontext():
             self.memory.apply_tiers(orders)
 
+    def export_tiers(self, entries: list[int]) -> dict:
+        """Copies of saved entries for another memory worker (`TierStore.export`)."""
+        return self.memory.tiers.export(entries) if self.memory.tiers is not None else {}
+
+    def adopt_tiers(self, entries: dict) -> list[int]:
+        """Entries another memory worker exported, into this one's host tier."""
+        return self.memory.tiers.adopt(entries) if self.memory.tiers is not None else []
+
     def tier_stats(self) -> dict:
         return dict(self.memory.tiers.stats) if self.memory.tiers is not None else {}
 

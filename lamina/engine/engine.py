@@ -46,7 +46,7 @@ from lamina.memory.sparsity_config import (
     evictable,
     layer_shares,
 )
-from lamina.memory.tier_orders import TierMiss
+from lamina.memory.tier_orders import TierMiss, TierMove
 from lamina.sampling.params import SamplingParams
 from lamina.sampling.structured import Guide, Guides
 from lamina.sampling.token_rules import TokenRules, fit_width, restrict
@@ -878,47 +878,88 @@ class LLMEngine:
         thread is the one that steps), requests running or not. More: the executor
         starts them (`Executor.add_memory_workers`; their pools have this one's slots)
         and new sequences are placed on them from the next step, split KV spills onto
-        them. Fewer: the last ones leave; each running sequence with KV on one is
-        preempted first and computes that KV again when readmitted (what the kept
-        workers hold of it is reused); their cached prefixes and the sessions' KV in
-        their tiers go with them. Refused (ValueError, nothing changed) when a request
-        in the engine would no longer fit the pools. -> what was done."""
+        them. Fewer: the last ones leave (`_shrink`). Refused (ValueError, nothing
+        changed) when a request in the engine would no longer fit the pools.
+        -> what was done."""
         self._check_open()
         self._settle()
         before, t = len(self.allocs), time.perf_counter()
         if n < 1:
             raise ValueError(f"memory workers must be >= 1, not {n}")
+        done = MemoryScale(before, n, 0, 0, 0, 0.0)
         if n > before:
             self.executor.add_memory_workers(n - before)  # raises first: nothing changed
             self.scheduler.add_workers([KVAllocator(KVAllocatorConfig(self.config.num_kv_slots))
                                         for _ in range(n - before)])
-            hit: list[Sequence] = []
         elif n < before:
             self._check_fits(n)
-            hit = self.scheduler.retire_workers(n)
-            if self.sessions is not None:
-                for w in range(n, before):
-                    self.sessions.lost_worker(w)
-            self.executor.remove_memory_workers(n)
-        else:
-            hit = []
+            done = self._shrink(n)
         self.config = replace(self.config, num_memory_workers=n)
-        done = MemoryScale(before, n, len(hit), sum(s.lost - s.kept for s in hit),
-                           time.perf_counter() - t)
-        log.info("memory workers %d -> %d in %.2f s (%d running sequences preempted, %d "
-                 "positions to compute again)", before, n, done.seconds, done.preempted,
-                 done.recompute_tokens)
+        done = replace(done, seconds=time.perf_counter() - t)
+        log.info("memory workers %d -> %d in %.2f s: %d running sequences preempted, %d "
+                 "positions to compute again, %d saved positions moved to the workers "
+                 "kept", before, n, done.seconds, done.preempted, done.recompute_tokens,
+                 done.moved_tokens)
         return done
+
+    def _shrink(self, n: int) -> MemoryScale:
+        """Workers n.. leave. Each running sequence with KV on one is preempted; with
+        swap its parts are saved to their workers' tiers, and the saved entries on the
+        leaving workers (those parts, sessions' KV) are moved into kept workers' host
+        tiers first (`Scheduler.relocations`, `Executor.move_tiers`, in a step with no
+        rows that carries the saves), so a readmission loads them rather than
+        computing them again; what cannot move (no tiers, no kept worker free for a
+        part, a source that fails) is computed again. Their cached prefixes go."""
+        before = len(self.allocs)
+        hit = self.scheduler.retire_workers(n)
+        moved: dict[str, int] = {}
+        if self.sessions is not None:
+            wanted = {k: w for k, w in self.scheduler.relocations(n).items()
+                      if k in self.sessions.sessions}
+            if self._execute(self.scheduler.orders_plan(), []) is not None and wanted:
+                moved = self._move_tiers(wanted)
+            for w in range(n, before):
+                self.sessions.lost_worker(w)
+        self.executor.remove_memory_workers(n)
+        again = 0
+        for seq in hit:  # positions neither its kept pool nor a kept tier holds
+            saved = 0
+            for p in seq.parts:
+                e = self.sessions.sessions.get(self.scheduler.part_key(seq, p)) \
+                    if self.sessions is not None else None
+                if e is None or e.worker >= n:
+                    break
+                saved = p.end
+            again += seq.lost - max(seq.kept, saved)
+        index = self.sessions.sessions if self.sessions is not None else {}
+        tokens = sum(len(index[k].tokens) for k in moved)
+        return MemoryScale(before, n, len(hit), again, tokens, 0.0)
+
+    def _move_tiers(self, wanted: dict[str, int]) -> dict[str, int]:
+        """Entries {key: kept worker} moved there (`Executor.move_tiers`) -> those that
+        were; a failed move is logged and moves none (their KV is computed again)."""
+        assert self.sessions is not None
+        index = self.sessions.sessions
+        moves = tuple(TierMove(index[k].id, index[k].worker, w) for k, w in wanted.items())
+        try:
+            ids = self.executor.move_tiers(moves)
+        except Exception as e:  # noqa: BLE001 - the scale-down goes on without them
+            log.warning("moving saved KV off the leaving memory workers failed (%s: %s): "
+                        "it is computed again", type(e).__name__, e)
+            return {}
+        moved = {k: w for k, w in wanted.items() if index[k].id in ids}
+        self.sessions.relocated(moved)
+        return moved
 
     def _check_fits(self, n: int) -> None:
         """Refuse `n` memory workers when a request in the engine would not fit them."""
         cap = self.config.num_kv_slots * (n if self.config.split_kv else 1)
-        seqs = [s for r in self._reqs.values() for s in r.seqs if s.status != "finished"]
-        big = max(seqs, key=lambda s: len(s.tokens), default=None)
-        if big is not None and len(big.tokens) + 1 > cap:
+        live = [(len(s.tokens), s.seq_id, r.rid) for r in self._reqs.values() for s in r.seqs
+                if s.status != "finished"]
+        size, sid, rid = max(live, default=(0, -1, -1))
+        if size + 1 > cap:
             raise ValueError(f"{n} memory workers hold {cap} KV positions a sequence; "
-                             f"sequence {big.seq_id} of request {self._by_seq[big.seq_id][0].rid}"
-                             f" has {len(big.tokens)} tokens")
+                             f"sequence {sid} of request {rid} has {size} tokens")
 
     def _intact(self, plan: StepPlan, kept: frozenset[int],
                 loading: set[int]) -> dict[int, int]:

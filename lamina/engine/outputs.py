@@ -64,5 +64,6 @@ class MemoryScale:
     before: int  # memory workers before
     after: int  # and after
     preempted: int  # running sequences preempted: they had KV on a leaving worker
-    recompute_tokens: int  # their positions whose KV went with it (computed again)
+    recompute_tokens: int  # their positions no kept pool or tier holds (computed again)
+    moved_tokens: int  # saved positions (parked parts, sessions) moved to kept workers
     seconds: float

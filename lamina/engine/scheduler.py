@@ -163,7 +163,7 @@ class Sequence:
     # none); positions whose KV it had then; positions readmissions computed again
     parked: str | None = None
     # of that KV, each worker's part, in position order (the first is `parked`'s; a later
-    # one has an entry of its own on its worker: `Scheduler._part_key`)
+    # one has an entry of its own on its worker: `Scheduler.part_key`)
     parts: tuple[Part, ...] = ()
     skip: Skip | None = None  # positions its chunks skip, loaded instead (`Skip`)
     lost: int = 0
@@ -377,7 +377,7 @@ class Scheduler:
         end = first.end if whole else len(hit)
         limit, parts = len(seq.tokens) - self._last_fed(seq), []
         for p in seq.parts[1:]:
-            m = self.sessions.match(self._part_key(seq, p), seq.tokens[p.start:p.end],
+            m = self.sessions.match(self.part_key(seq, p), seq.tokens[p.start:p.end],
                                     p.end - p.start)
             if (p.end > limit or m is None or m.worker != p.worker
                     or m.prefix < p.end - p.start):
@@ -418,7 +418,7 @@ class Scheduler:
                        + [(last.worker, here)], got.end)
         if starts[-1] + here < n:
             self._spill_rest(seq, starts[-1] + here)
-        loads = tuple((self._part_key(seq, p), tuple(
+        loads = tuple((self.part_key(seq, p), tuple(
             self.allocs[p.worker].slots(seq.seq_id)[p.start - a:p.end - a]))
             for p, a in zip(got.parts, starts))
         if got.end < first.end:
@@ -533,18 +533,18 @@ class Scheduler:
 
     def retire_workers(self, n: int) -> list[Sequence]:
         """Keep memory workers 0..n-1 only (the others leave the deployment): every
-        running sequence with KV on a leaving worker is preempted, its KV there gone
-        with the worker (what a kept worker holds of its first part is cached for its
-        readmission; nothing is parked: a leaving worker's tier goes too); the leaving
-        workers' cached prefixes are dropped and their allocators removed. The
-        sessions' entries on them are the caller's (`SessionIndex.lost_worker`).
-        -> the sequences preempted."""
+        running sequence with KV on a leaving worker is preempted (what a kept worker
+        holds of its first part is cached for its readmission; with swap each part is
+        saved to its worker's tier, a leaving worker's too: `relocations` says where
+        those go before the worker does); the leaving workers' cached prefixes are
+        dropped and their allocators removed. The sessions' entries on them are the
+        caller's. -> the sequences preempted."""
         if not 1 <= n <= len(self.allocs):
             raise ValueError(f"keep 1..{len(self.allocs)} memory workers, not {n}")
         hit = [s for s in self.running if any(w >= n for w in s.workers)]
         for seq in reversed(hit):  # newest first: the oldest ends in front
             first = seq.segments[0][0]
-            self._preempt(seq, park=False)
+            self._preempt(seq)
             if first >= n:  # what it cached went to a leaving worker's tree
                 seq.kept = 0
         for w in range(n, len(self.allocs)):
@@ -556,6 +556,47 @@ class Scheduler:
         if self.caches is not None:
             del self.caches[n:]
         return hit
+
+    def relocations(self, n: int) -> dict[str, int]:
+        """Where each saved entry on workers n.. goes before they leave, {entry key:
+        kept worker}: a sequence's parked part to a kept worker none of its other
+        parts use (its parts updated; with none free, that part and the later ones
+        are dropped: their positions are computed again); a session's to the kept
+        worker whose tier holds the fewest of the index's positions."""
+        assert self.sessions is not None
+        moves: dict[str, int] = {}
+        for seq in (*self.running, *self.waiting):
+            kept: list[Part] = []
+            for p in seq.parts:
+                free = [w for w in range(n) if w not in {q.worker for q in seq.parts}
+                        and w not in {q.worker for q in kept}]
+                if p.worker >= n and not free:
+                    break
+                if p.worker >= n:
+                    p = Part(free[0], p.start, p.end)
+                    moves[self.part_key(seq, p)] = p.worker
+                kept.append(p)
+            for p in seq.parts[len(kept):]:
+                self.sessions.discard(self.part_key(seq, p))
+            seq.parts = tuple(kept)
+        held = [0] * n
+        for e in self.sessions.sessions.values():
+            if e.worker < n:
+                held[e.worker] += len(e.tokens)
+        for key, e in self.sessions.sessions.items():
+            if e.worker >= n and not key.startswith("#"):  # a session's
+                w = min(range(n), key=lambda v: (held[v], v))
+                moves[key], held[w] = w, held[w] + len(e.tokens)
+        return moves
+
+    def orders_plan(self) -> StepPlan:
+        """A plan with no work: the tables to drop and the tier orders queued, sent
+        at once (before workers leave)."""
+        orders = self.sessions.take_orders() if self.sessions is not None else ()
+        plan = StepPlan(self.step, (), released=tuple(self._released), tier_orders=orders)
+        self._released.clear()
+        self.step += 1
+        return plan
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -594,7 +635,7 @@ class Scheduler:
         """Save seq's first n positions' KV to the host tiers (the orders ride in the
         plan being made, carried out before the step writes into the slots freed): of a
         KV split over workers, each worker's part to that worker's tier, the first
-        under `seq.parked`, a later one under an entry of its own (`_part_key`); its
+        under `seq.parked`, a later one under an entry of its own (`part_key`); its
         readmission loads each back onto its worker (`_parts_hit`). Not one with slots
         given back (its table has holes); a part larger than the host tier ends the
         parts saved there."""
@@ -607,15 +648,15 @@ class Scheduler:
             if (p.end - p.start) * self.sessions.bytes_per_token > \
                     self.sessions.config.host_bytes:
                 break
-            self.parked_tokens += self._save_part(seq, self._part_key(seq, p), p)
+            self.parked_tokens += self._save_part(seq, self.part_key(seq, p), p)
             parts.append(p)
         for p in seq.parts[1:]:  # a later part the new ones do not replace
             if not any(q.start == p.start for q in parts[1:]):
-                self.sessions.discard(self._part_key(seq, p))
+                self.sessions.discard(self.part_key(seq, p))
         seq.parts = tuple(parts)
 
     @staticmethod
-    def _part_key(seq: Sequence, p: Part) -> str:
+    def part_key(seq: Sequence, p: Part) -> str:
         """The tier entry of a preempted sequence's part: `parked`, `parked@start`."""
         assert seq.parked is not None
         return seq.parked if p.start == 0 else f"{seq.parked}@{p.start}"
@@ -638,7 +679,7 @@ class Scheduler:
         if seq.parked is not None and self.sessions is not None:
             self.sessions.discard(seq.parked)
             for p in seq.parts[1:]:
-                self.sessions.discard(self._part_key(seq, p))
+                self.sessions.discard(self.part_key(seq, p))
         seq.parked, seq.parts = None, ()
 
     def preempt_all(self, keep: Mapping[int, int] | None = None) -> int:

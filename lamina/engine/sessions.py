@@ -170,6 +170,14 @@ class SessionIndex:
         if e is not None and (e.host or e.disk):
             self._orders.append(TierOrder("drop", e.worker, e.id))  # not a bound's drop
 
+    def relocated(self, moved: dict[str, int]) -> None:
+        """Entries now in another worker's host tier ({key: worker}; moved off a leaving
+        worker, `Executor.move_tiers`)."""
+        for key, w in moved.items():
+            e = self.sessions[key]
+            e.worker, e.host, e.disk = w, True, False
+        self._balance()
+
     def lost_worker(self, worker: int) -> None:
         """A memory worker was replaced: its tiers are gone, and the orders not sent yet
         to it with them (a save from slots of a pool that is gone would keep an entry

@@ -25,6 +25,7 @@ import importlib
 from abc import ABC, abstractmethod
 
 from lamina.engine.messages import StepPlan, StepResult
+from lamina.memory.tier_orders import TierMove
 
 
 class Executor(ABC):
@@ -79,6 +80,12 @@ class Executor(ABC):
         """Keep memory workers 0..n-1; the others are unwired and stopped (the engine
         moved every sequence off them first). Called between steps."""
         raise NotImplementedError(f"the {type(self).__name__} cannot remove memory workers")
+
+    def move_tiers(self, moves: tuple[TierMove, ...]) -> frozenset[int]:
+        """Copy each move's saved entry from its source worker's tiers into its dest
+        worker's host tier (before the source leaves: `remove_memory_workers`). -> the
+        entries moved (one its source did not hold is not). Default: none."""
+        return frozenset()
 
     def start_trace(self) -> None:
         """Record every device's timeline (`lamina.trace`) from the next step on."""

@@ -36,7 +36,7 @@ from lamina.engine.messages import DroppedKeys, StepPlan, StepResult
 from lamina.executor.base import Executor
 from lamina.executor.replicas import ReplicaSplit
 from lamina.memory.memory_side import MemorySide
-from lamina.memory.tier_orders import TierMiss, sum_stats
+from lamina.memory.tier_orders import TierMiss, TierMove, sum_stats
 from lamina.splitter.split import SplitModel
 from lamina.trace import Span, Tracer
 
@@ -202,6 +202,14 @@ class LocalExecutor(Executor):
                 shared.threads.append(ThreadPoolExecutor(1, f"lamina-memory{w}"))
         for c in self.replicas:
             c.num_workers = len(self.memory)
+
+    def move_tiers(self, moves: tuple[TierMove, ...]) -> frozenset[int]:
+        moved: set[int] = set()
+        for m in moves:
+            src, dest = self.memory[m.source].tiers, self.memory[m.dest].tiers
+            if src is not None and dest is not None:
+                moved.update(dest.adopt(src.export([m.entry])))
+        return frozenset(moved)
 
     def remove_memory_workers(self, n: int) -> None:
         """Memory sides n.. go (their tier files with them)."""

@@ -65,6 +65,20 @@ class TierOrder:
                              f"{self.start}, {len(self.slots)} slots")
 
 
+@dataclass(frozen=True)
+class TierMove:
+    """One saved entry moved from a leaving memory worker's tiers into a kept one's host
+    tier (`Executor.move_tiers`, when the engine's memory workers shrink)."""
+    entry: int
+    source: int
+    dest: int
+
+    def __post_init__(self):
+        if self.source == self.dest:
+            raise ValueError(f"TierMove of entry {self.entry}: from worker {self.source} "
+                             "to itself")
+
+
 class TierMiss(SequenceFault):
     """Loads that found no valid entry: the step ran nothing yet (clean), and the engine
     recomputes these sequences instead of failing them."""

@@ -226,6 +226,27 @@ class TierStore:
         if self.dir is not None:
             shutil.rmtree(os.path.dirname(self.dir), ignore_errors=True)
 
+    # -- moves between workers (a scale-down) --
+    def export(self, entries) -> dict[int, _Host]:
+        """Copies of `entries`' KV for another worker's store, each read from its file
+        where it is not in host memory; one this store cannot serve is left out."""
+        out = {}
+        for entry in entries:
+            self._wait(entry, PREFETCH_WAIT_S)
+            self._prefetch(entry)  # (no-op without a file, or in host memory)
+            with self._lock:
+                e = self.host.get(entry)
+                if e is not None:
+                    out[entry] = _Host(e.k[:, :e.n].clone(), e.v[:, :e.n].clone(), e.n)
+        return out
+
+    def adopt(self, entries: dict[int, _Host]) -> list[int]:
+        """Entries another worker's store exported, into this one's host tier (the
+        engine's ids are unique over its workers). -> their ids."""
+        with self._lock:
+            self.host.update(entries)
+        return sorted(entries)
+
     # -- the operations --
     def _wait(self, entry: int, timeout: float | None = None) -> None:
         f = self._pending.pop(entry, None)

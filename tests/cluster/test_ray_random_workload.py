@@ -192,7 +192,7 @@ def test_preempted_sequences_swap_to_the_workers_host_tiers(llm, prompts, hf_gre
     assert recomputed["auto"] < recomputed["recompute"], recomputed
 
 
-def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, prompts,
+def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, smol, prompts,
                                                                       hf_greedy):
     """Six prompts in 125 slots on each of the deployment's two memory workers. After
     6 steps a third joins (a placement group of its own; wired while the others stay
@@ -200,7 +200,8 @@ def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, prom
     its slots; 10 steps later it leaves, the sequences with KV on it preempted and
     computed again; its group is removed. Then through `LLM`: down to one worker (a
     bundle of the deployment's own group left idle) and up to two again (that bundle
-    taken again, no new group). Every request gives HF's greedy tokens, no step fails,
+    taken again, no new group), a session's saved KV moved off a leaving worker and
+    loaded by its next turn. Every request gives HF's greedy tokens, no step fails,
     every slot ends free."""
     ex, pick = llm.executor, [1, 3, 4, 10, 11, 12]
     ex.recover(RuntimeError("a new test"))
@@ -230,8 +231,27 @@ def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, prom
     assert [done[i].outputs[0].token_ids for i in ids] == [hf_greedy[i] for i in pick]
     assert eng.num_recoveries == 0 and eng.free_slots() == [125, 125]
     assert [i["pid"] for i in ex.memory_info] == pids
-    # through LLM, whose engine takes its turn between generate's steps
-    llm.engine.flush()
+    # through LLM, whose engine takes its turn between generate's steps: a session's KV
+    # saved on a worker that then leaves is moved to a kept one (worker to worker, by
+    # Ray's object store) and its next turn loads it from there
+    four = SamplingParams(max_tokens=4, temperature=0)
+    assert llm.scale_memory_workers(3).after == 3
+    llm.engine.clear_prefix_cache()
+    tok = llm.loaded.tokenizer
+    asks = [tok(t)["input_ids"] for t in ("Name three rivers.", "What is a prime number?",
+                                          "Describe the moon briefly.")]
+    firsts = llm.generate(asks, four, session_id=["s0", "s1", "moving"], use_tqdm=False)
+    # admitted in one step, each on the worker with the most free slots then
+    assert [llm.engine.sessions.sessions[s].worker for s in ("s0", "s1", "moving")] == [0, 1, 2]
+    hist = asks[2] + firsts[2].outputs[0].token_ids
+    moved = llm.scale_memory_workers(2)
+    assert (moved.preempted, moved.moved_tokens) == (0, len(hist) - 1)
+    assert llm.engine.sessions.sessions["moving"].worker in (0, 1)
+    nxt = hist + tok(" And the sun?")["input_ids"]
+    llm.engine.clear_prefix_cache()
+    again = llm.generate([nxt], four, session_id="moving", use_tqdm=False)[0]
+    assert again.metrics["tier_cached_tokens"] == len(hist) - 1
+    assert again.outputs[0].token_ids == hf_greedy_of(smol, [nxt], 4)[0]
     assert llm.scale_memory_workers(1).after == 1 and llm.config.num_memory_workers == 1
     outs = llm.generate([prompts[1]], GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == hf_greedy[1]

@@ -8,7 +8,6 @@ import pytest
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
-from lamina.engine.sessions import SessionIndex
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.executor.local import LocalExecutor
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
@@ -171,23 +170,73 @@ def test_scaling_refuses_what_would_not_fit_and_changes_nothing(smol, smol_packe
     assert eng.free_slots() == [100] * 3
 
 
-def test_a_leaving_workers_sessions_go_and_the_others_stay(smol, smol_packed):
-    """Sessions' KV saved in a leaving worker's tier is forgotten (the next turn
-    computes it); a kept worker's stays and is loaded."""
+def test_a_leaving_workers_sessions_move_to_a_kept_worker_and_their_next_turn_loads_them(
+        smol, smol_packed):
+    """Sessions' KV saved in a leaving worker's tier is moved into a kept worker's host
+    tier before the worker goes: the next turn loads it from there (nothing
+    computed again) and answers as HF."""
+    from tests.conftest import hf_greedy_of
+
     eng = _engine(smol, smol_packed, 200, 2, kv_host_bytes=1 << 26)
-    tok = smol.tokenizer
-    turns = {s: tok(f"Tell me about city number {s}.")["input_ids"] for s in ("a", "b")}
-    for s, p in turns.items():
-        eng.add_request(p, SamplingParams(max_tokens=4, temperature=0), session_id=s)
+    tok, four = smol.tokenizer, SamplingParams(max_tokens=4, temperature=0)
+    first = {s: tok(f"Tell me about city number {s}.")["input_ids"] for s in ("a", "b")}
+    rids = {s: eng.add_request(p, four, session_id=s) for s, p in first.items()}
+    outs = {}
     while eng.has_unfinished():
-        eng.step()
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
     eng.flush()  # the saves reach the tiers
     where = {s: e.worker for s, e in eng.sessions.sessions.items()}
     assert sorted(where.values()) == [0, 1]
-    eng.scale_memory_workers(1)
-    kept = [s for s, w in where.items() if w == 0]
-    assert sorted(eng.sessions.sessions) == kept
-    assert isinstance(eng.sessions, SessionIndex)
+    gone = next(s for s, w in where.items() if w == 1)
+    hist = first[gone] + outs[rids[gone]].outputs[0].token_ids
+    done = eng.scale_memory_workers(1)
+    assert (done.preempted, done.recompute_tokens) == (0, 0)
+    assert done.moved_tokens == len(hist) - 1  # every position fed has its KV saved
+    assert {s: e.worker for s, e in eng.sessions.sessions.items()} == {"a": 0, "b": 0}
+    assert eng.executor.memory[0].tiers.host.keys() == {
+        e.id for e in eng.sessions.sessions.values()}
+    nxt = hist + tok(" And its river?")["input_ids"]
+    eng.clear_prefix_cache()  # (the other session's prompt shares a start with it)
+    rid = eng.add_request(nxt, four, session_id=gone)
+    while eng.has_unfinished():
+        outs.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert outs[rid].metrics["tier_cached_tokens"] == len(hist) - 1
+    assert outs[rid].outputs[0].token_ids == hf_greedy_of(smol, [nxt], 4)[0]
+
+
+@pytest.mark.parametrize("mode", ["auto", "recompute"])
+def test_a_shrink_with_swap_moves_the_leaving_parts_and_loads_them_back_exact(
+        smol, smol_packed, prompts, hf_greedy, mode):
+    """Three workers of 110 slots with a host tier, six prompts split over them as they
+    grow; after 14 steps the pool shrinks to two. With swap ("auto") each preempted
+    sequence's parts are saved, those on the leaving worker moved to a kept worker
+    its other parts do not use, and its readmission loads them: far fewer positions
+    computed again than with "recompute". HF's greedy tokens either way; every slot
+    free and the tiers empty at the end."""
+    eng = _engine(smol, smol_packed, 110, 3, kv_host_bytes=1 << 26, preemption_mode=mode)
+    ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
+    done = {}
+
+    def steps(n):
+        for _ in range(n):
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+
+    steps(14)
+    assert any(2 in s.workers and len(s.workers) > 1 for s in eng.scheduler.running)
+    shrunk = eng.scale_memory_workers(2)
+    assert shrunk.preempted > 0
+    if mode == "auto":
+        assert shrunk.moved_tokens > 0 and shrunk.recompute_tokens == 0
+        assert all(e.worker < 2 for e in eng.sessions.sessions.values())
+    else:
+        assert shrunk.moved_tokens == 0 and shrunk.recompute_tokens > 0
+    while eng.has_unfinished():
+        steps(1)
+    assert [done[i].outputs[0].token_ids for i in ids] == [hf_greedy[i] for i in PICK]
+    eng.flush()
+    assert eng.free_slots() == [110, 110] and eng.sessions.sessions == {}
+    if mode == "auto":
+        assert eng.tier_stats()["tier_hit_tokens"] > 0
 
 
 def test_the_serving_loop_scales_between_steps_and_its_requests_go_on(
