@@ -19,6 +19,7 @@ a preempted sequence's KV is saved and loaded back instead).
 
     python -m tests.lamina.random_workload 0 150    # seeds 0..149, one line each
     python -m tests.lamina.random_workload 0 60 --swap-split
+    python -m tests.lamina.random_workload 0 60 --scale
 
 `--swap-split` makes each draw's engine swap KV split over workers (`_swap_split`: two
 memory workers, `split_kv`, prefix caching and the host and disk tiers, 160 or 220
@@ -27,6 +28,10 @@ a sequence they preempt. A first form of it, with the draws' KV sparsity kept, f
 what 10a8af5 fixes (slots of a cached prefix counted as evictable that eviction could
 not reach, past a `streaming` request's holes); kept, its sparse requests also differ
 from their runs alone, by design.
+
+`--scale` changes the engine's memory workers (1-3) 2-4 times while the requests run
+(`_scaled`: pools of 160-600 slots, no KV sparsity), each ask still checked against
+its run alone.
 
 A draft of this generator found what 419f72e (a sampled draw that rounding changed),
 0982a83 (masks of two widths read as one array), 59b45b2 (a culprit search that never
@@ -73,11 +78,19 @@ class Ask:
 
 
 @dataclass(frozen=True)
+class Scale:
+    """The engine's memory workers changed to `workers` before step `at`."""
+    at: int
+    workers: int
+
+
+@dataclass(frozen=True)
 class Workload:
     config: dict  # EngineConfig's fields but num_kv_slots and faults (kv_disk_dir: DISK)
     slots: int
     faults: FaultPlan | None
     asks: tuple[Ask, ...]
+    scales: tuple[Scale, ...] = ()
 
 
 def engine(lm, split, config: dict, slots: int, faults=None) -> LLMEngine:
@@ -157,7 +170,7 @@ def texts(lm, question: str) -> tuple[list[int], list[int]]:
     return lm.tokenizer(TEXT)["input_ids"], chat
 
 
-def workload(seed: int, lm, swap_split: bool = False) -> Workload:
+def workload(seed: int, lm, swap_split: bool = False, scale: bool = False) -> Workload:
     r = random.Random(seed)
     pool, chat = texts(lm, "List three colours and say why you like them.")
     config, slots = _config(r), r.choice([300, 600, 3000])
@@ -175,7 +188,19 @@ def workload(seed: int, lm, swap_split: bool = False) -> Workload:
                         r.choice([None, None, "s1", "s2"]) if config.get("kv_host_bytes")
                         else None, r.random() < 0.3))
     w = Workload(config, slots, faults, tuple(asks))
-    return _swap_split(w, r) if swap_split else w
+    w = _swap_split(w, r) if swap_split else w
+    return _scaled(w, r) if scale else w
+
+
+def _scaled(w: Workload, r: random.Random) -> Workload:
+    """`w` with its memory workers changed 2-4 times while it runs (1-3 of them, in
+    steps 1-40), its pools 160-600 slots so that sequences spill and are preempted, no
+    KV sparsity (a sequence split over workers selects within each one's range)."""
+    scales = tuple(sorted((Scale(r.randrange(1, 40), r.randrange(1, 4))
+                           for _ in range(r.randrange(2, 5))), key=lambda x: x.at))
+    asks = tuple(replace(a, params=replace(a.params, kv_sparsity=None, kv_budget=None))
+                 for a in w.asks)
+    return replace(w, slots=r.choice([160, 300, 600]), asks=asks, scales=scales)
 
 
 def _swap_split(w: Workload, r: random.Random) -> Workload:
@@ -261,9 +286,9 @@ def _logprobs(o) -> list[float]:
     return [t.logprob for c in o.outputs for t in (c.logprobs or [])]
 
 
-def check(seed: int, lm, split, swap_split: bool = False) -> list[str]:
+def check(seed: int, lm, split, swap_split: bool = False, scale: bool = False) -> list[str]:
     """-> what went wrong in this seed's workload (empty: nothing)."""
-    w = workload(seed, lm, swap_split)
+    w = workload(seed, lm, swap_split, scale)
     with tempfile.TemporaryDirectory(prefix="lamina-rw-") as disk:
         config = {**w.config, "kv_disk_dir": disk} if w.config.get("kv_disk_dir") \
             else w.config
@@ -273,15 +298,24 @@ def check(seed: int, lm, split, swap_split: bool = False) -> list[str]:
 def _check(w: Workload, config: dict, lm, split) -> list[str]:
     """`check` with the workload's configuration as given (its disk tier's folder real)."""
     eng = engine(lm, split, config, w.slots, w.faults)
-    free0 = eng.free_slots()
-    outs, aborted = run(eng, w.asks)
+    outs, aborted = run(eng, w.asks, events={x.at: _scale(eng, x.workers) for x in w.scales})
     problems = []
-    if eng.free_slots() != free0 or any(a.stats().shared for a in eng.allocs):
-        problems.append(f"slots free {eng.free_slots()}, were {free0}")
+    free = [w.slots] * len(eng.allocs)
+    if eng.free_slots() != free or any(a.stats().shared for a in eng.allocs):
+        problems.append(f"slots free {eng.free_slots()}, were {free}")
     ref = engine(lm, split, {**w.config, "kv_host_bytes": 0, "kv_disk_dir": None,
                              "kv_disk_bytes": 0}, 3000)
     return problems + compare(w.asks, outs, aborted, ref,
                               lambda a: POISON in a.prompt or LAYER_POISON in a.prompt)
+
+
+def _scale(eng: LLMEngine, n: int) -> Callable[[], None]:
+    def event() -> None:
+        try:
+            eng.scale_memory_workers(n)
+        except ValueError:  # a request in the engine needs more pools: refused, by design
+            pass
+    return event
 
 
 def compare(asks, outs: dict, aborted: set[int], ref: LLMEngine, faulty) -> list[str]:
@@ -342,9 +376,9 @@ def each_seed(lo: int, hi: int, check_one: Callable[[int], tuple[list[str], str]
 
 def main() -> None:
     lm, split = reference_model()
-    swap_split = "--swap-split" in sys.argv[3:]
+    swap_split, scale = "--swap-split" in sys.argv[3:], "--scale" in sys.argv[3:]
     each_seed(int(sys.argv[1]), int(sys.argv[2]),
-              lambda seed: (check(seed, lm, split, swap_split), ""))
+              lambda seed: (check(seed, lm, split, swap_split, scale), ""))
 
 
 if __name__ == "__main__":
