@@ -31,7 +31,7 @@ import statistics
 import time
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -40,7 +40,7 @@ from lamina.dataplane.collective import Rendezvous, collective_backend
 from lamina.dataplane.control import ControlClient, StepError
 from lamina.dataplane.rdma import RdmaSupport, TransportChoice, choose_transport, probe
 from lamina.dataplane.transport import SocketChannel, connect_stream, shm_enabled
-from lamina.engine.messages import StepPlan, StepResult
+from lamina.engine.messages import StartedMemory, StepPlan, StepResult
 from lamina.errors import EngineDead, SequenceFault
 from lamina.executor.base import Executor
 from lamina.executor.replicas import ReplicaSplit, is_hard, merged, replica_faults
@@ -307,14 +307,14 @@ class RayExecutor(Executor):
         home, threads = self._memory_home(i)
         return MemoryWorker.options(**self._m_opts, **home).remote(i, threads)
 
-    def _memory_home(self, i: int) -> tuple[dict, int]:
+    def _memory_home(self, i: int, group: Placement | None = None) -> tuple[dict, int]:
         """Memory worker i's bundle (actor options) and torch threads: the deployment's
         group holds the workers it started with; one added later has a group of its
-        own (`add_memory_workers`)."""
+        own (`start_memory_workers`; `group`, or where it was added)."""
         base = len(self.placement.bundles) - self.placement.computes
         if i < base:
             return self.placement.memory(i), self.worker_threads[self.placement.computes + i][0]
-        group = self._groups[i]
+        group = group or self._groups[i]
         threads, wide = self._threads_asked
         return group.memory(0), bundle_threads(group.node_resources()[0], "memory", threads,
                                                wide)[0]
@@ -544,32 +544,48 @@ class RayExecutor(Executor):
     def kv_kept(self) -> frozenset[int]:
         return self._kv_kept
 
-    def add_memory_workers(self, k: int) -> None:
-        """`k` more memory workers, each in a placement group of its own (one bundle, as
-        the deployment's memory bundles; bounded by `placement_timeout_s`), or in a
-        bundle of the deployment's own group that a removal left idle; set up as the
-        others (the same pool layout, tiers, KV policy) and wired to every compute
-        worker while the others stay connected. Raises, leaving none of them behind,
-        when they cannot be had."""
+    def start_memory_workers(self, first: int, k: int) -> StartedMemory:
+        """Workers first..first+k-1, each in a placement group of its own (one bundle,
+        as the deployment's memory bundles; bounded by `placement_timeout_s`), or in a
+        bundle of the deployment's own group that a removal left idle; pinged and set
+        up as the others (the same pool layout, tiers, KV policy). Touches nothing the
+        steps use: runs beside them."""
         self._check_open()
-        first, cfg = len(self.memory), self.config
         base = len(self.placement.bundles) - self.placement.computes
-        new: list = []
+        got = _Started([], {}, [], [])
         try:
             for i in range(first, first + k):
                 if i >= base:
-                    self._groups[i] = place({}, self._m_opts, 1, cfg.placement_timeout_s,
-                                            f"{self.placement_name}-m{i}", num_compute=0)
-                new.append(self._new_memory(i))
-            self._get([w.ping.remote() for w in new], "the new memory workers", start=True)
-            info = self._get([w.setup.remote(*self._setup_args, len(self.computes))
-                              for w in new], "the new memory workers", start=True)
-            nodes = self._get([w.__ray_call__.remote(
-                lambda s: ray.get_runtime_context().get_node_id()) for w in new],
-                "the new memory workers")
-            self.memory += new
-            seen = [0] * (first + k)  # per memory worker, its RDMA connections so far
-            wired = [self._wire(r, nodes, seen, first) for r in range(len(self.computes))]
+                    got.groups[i] = place({}, self._m_opts, 1, self.config.placement_timeout_s,
+                                          f"{self.placement_name}-m{i}", num_compute=0)
+                home, threads = self._memory_home(i, got.groups.get(i))
+                got.workers.append(MemoryWorker.options(**self._m_opts, **home).remote(
+                    i, threads))
+            self._get([w.ping.remote() for w in got.workers], "the new memory workers",
+                      start=True)
+            got.info.extend(self._get([w.setup.remote(*self._setup_args, len(self.computes))
+                                       for w in got.workers], "the new memory workers",
+                                      start=True))
+            got.nodes.extend(self._get([w.__ray_call__.remote(
+                lambda s: ray.get_runtime_context().get_node_id()) for w in got.workers],
+                "the new memory workers"))
+        except BaseException:
+            self._drop_started(got)
+            raise
+        return StartedMemory(first, k, got)
+
+    def add_memory_workers(self, started: StartedMemory) -> None:
+        """The started workers wired to every compute worker while the others stay
+        connected (`ComputeWorker.connect(..., first)`), between steps."""
+        got, first = started.workers, started.first
+        if first != len(self.memory):
+            self._drop_started(got)
+            raise ValueError(f"memory workers started as {first}.., but there are "
+                             f"{len(self.memory)}")
+        self.memory += got.workers
+        try:
+            seen = [0] * len(self.memory)  # per memory worker, its RDMA connections so far
+            wired = [self._wire(r, got.nodes, seen, first) for r in range(len(self.computes))]
         except BaseException:
             try:
                 self._get([c.keep_memory.remote(first) for c in self.computes],
@@ -578,16 +594,26 @@ class RayExecutor(Executor):
                 log.warning("could not unwire the memory workers not added: %s: %s",
                             type(e).__name__, e)
             del self.memory[first:]
-            self._drop_memory(first, new)
+            self._drop_started(got)
             raise
-        self.memory_info += info
-        self.nodes["memory"] += nodes
+        self._groups.update(got.groups)
+        self.memory_info += got.info
+        self.nodes["memory"] += got.nodes
         self.addresses += wired[0][1]
         self.transports += wired[0][2]
         self.transport_choices += wired[0][3]
         self._counted()
-        log.info("memory workers %d..%d added (nodes %s)", first, first + k - 1,
-                 ", ".join(n[:8] for n in nodes))
+        log.info("memory workers %d..%d added (nodes %s)", first, len(self.memory) - 1,
+                 ", ".join(n[:8] for n in got.nodes))
+
+    def discard_memory_workers(self, started: StartedMemory) -> None:
+        self._drop_started(started.workers)
+
+    def _drop_started(self, got: _Started) -> None:
+        for w in got.workers:
+            ray.kill(w)
+        for group in got.groups.values():
+            group.remove()
 
     def move_tiers(self, moves: tuple[TierMove, ...]) -> frozenset[int]:
         """Each source worker exports its entries (one Ray object per source and dest),
@@ -886,6 +912,15 @@ class RayExecutor(Executor):
         for group in self._groups.values():
             group.remove()
         self.placement.remove()
+
+
+@dataclass
+class _Started:
+    """Memory workers started, not yet added (`StartedMemory.workers`)."""
+    workers: list  # actor handles
+    groups: dict[int, Placement]  # by index: the placement groups of their own
+    info: list[dict]  # what each one's setup answered
+    nodes: list[str]  # the node each one runs on
 
 
 def _last_line(text: str) -> str:

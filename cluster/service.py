@@ -101,6 +101,7 @@ class LaminaService:
         self.responses = ResponseStore(config.server.max_stored_responses, KVResponses(name),
                                        config.server.max_stored_response_bytes)
         self.leases, self.orphans = ClientLeases(config.cluster.client_lease_s), 0
+        self._scaling = asyncio.Lock()  # one `scale` at a time
         self._gauges()
         self._stopping = False  # `shutdown` ran: the engine stopping is no failure
         threading.Thread(target=self._restart_when_the_engine_stops, daemon=True,
@@ -284,13 +285,24 @@ class LaminaService:
         engine's steps, requests running (`LLMEngine.scale_memory_workers`); the count
         is kept for the service's restarts. -> what was done (`MemoryScale`, as a dict)."""
         self._check_serving()
-        fut = self.loop.call(lambda engine: engine.scale_memory_workers(memory_workers))
-        done = await asyncio.wrap_future(fut)  # the actor's other calls go on meanwhile
-        engine = replace(self.config.engine, num_memory_workers=done.after)
-        self.config = replace(self.config, engine=engine)
-        self.llm.config = replace(self.llm.config, num_memory_workers=done.after)
-        internal_kv._internal_kv_put(_scale_key(self.name), json.dumps(done.after),
-                                     overwrite=True, namespace=NAMESPACE)
+        async with self._scaling:
+            ex, have = self.llm.executor, len(self.llm.engine.allocs)
+            started = None
+            if memory_workers > have:  # started beside the steps: they wait only to wire
+                started = await asyncio.to_thread(ex.start_memory_workers, have,
+                                                  memory_workers - have)
+            try:
+                fut = self.loop.call(lambda e: e.scale_memory_workers(memory_workers, started))
+            except BaseException:
+                if started is not None:
+                    ex.discard_memory_workers(started)
+                raise
+            done = await asyncio.wrap_future(fut)  # the actor's other calls go on meanwhile
+            engine = replace(self.config.engine, num_memory_workers=done.after)
+            self.config = replace(self.config, engine=engine)
+            self.llm.config = replace(self.llm.config, num_memory_workers=done.after)
+            internal_kv._internal_kv_put(_scale_key(self.name), json.dumps(done.after),
+                                         overwrite=True, namespace=NAMESPACE)
         return asdict(done)
 
     def response_bound(self) -> str:

@@ -31,7 +31,7 @@ from lamina.engine.config import EngineConfig
 from lamina.engine.culprit import CulpritSearch
 from lamina.engine.detokenizer import IncrementalDetokenizer
 from lamina.engine.inputs import TokensPrompt, check_unicode
-from lamina.engine.messages import StepPlan, StepResult
+from lamina.engine.messages import StartedMemory, StepPlan, StepResult
 from lamina.engine.outputs import CompletionOutput, MemoryScale, RequestOutput, TokenLogprob
 from lamina.engine.scheduler import Scheduler, Sequence
 from lamina.engine.sessions import SessionIndex, check_session_id
@@ -873,22 +873,35 @@ class LLMEngine:
         log.warning("%s; workers recovered in %.2f s", what, self.last_recovery_s)
         return what
 
-    def scale_memory_workers(self, n: int) -> MemoryScale:
+    def scale_memory_workers(self, n: int, started: StartedMemory | None = None
+                             ) -> MemoryScale:
         """Change the number of memory workers to `n`, between steps (the caller's
         thread is the one that steps), requests running or not. More: the executor
-        starts them (`Executor.add_memory_workers`; their pools have this one's slots)
-        and new sequences are placed on them from the next step, split KV spills onto
-        them. Fewer: the last ones leave (`_shrink`). Refused (ValueError, nothing
-        changed) when a request in the engine would no longer fit the pools.
-        -> what was done."""
-        self._check_open()
-        self._settle()
+        starts them (`Executor.start_memory_workers`; their pools have this one's
+        slots), unless `started` holds them already (started beside the steps, so
+        only their wiring holds the engine), and adds them; new sequences are placed
+        on them from the next step, split KV spills onto them. Fewer: the last ones
+        leave (`_shrink`). Refused (ValueError, nothing changed, `started` stopped)
+        when a request in the engine would no longer fit the pools. -> what was done."""
+        try:
+            self._check_open()
+            self._settle()
+            if n < 1:
+                raise ValueError(f"memory workers must be >= 1, not {n}")
+            if started is not None and (started.first, started.count) != (
+                    len(self.allocs), n - len(self.allocs)):
+                raise ValueError(f"memory workers {started.first}.."
+                                 f"{started.first + started.count - 1} were started, but "
+                                 f"{len(self.allocs)} -> {n} needs others")
+        except BaseException:
+            if started is not None:
+                self.executor.discard_memory_workers(started)
+            raise
         before, t = len(self.allocs), time.perf_counter()
-        if n < 1:
-            raise ValueError(f"memory workers must be >= 1, not {n}")
         done = MemoryScale(before, n, 0, 0, 0, 0.0)
-        if n > before:
-            self.executor.add_memory_workers(n - before)  # raises first: nothing changed
+        if n > before:  # (each call raises having stopped what it started: nothing changed)
+            self.executor.add_memory_workers(
+                started or self.executor.start_memory_workers(before, n - before))
             self.scheduler.add_workers([KVAllocator(KVAllocatorConfig(self.config.num_kv_slots))
                                         for _ in range(n - before)])
         elif n < before:

@@ -1,4 +1,5 @@
-"""The per-step messages between the engine and an executor; nothing else crosses.
+"""The per-step messages between the engine and an executor (and `StartedMemory`, a
+scale-up's hand-over between steps); nothing else crosses.
 
 The data path of one step, and the file that owns each stage:
 
@@ -49,6 +50,7 @@ decoded by these types, so a malformed message is refused by name.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lamina.memory.tier_orders import TierOrder
 from lamina.sampling.params import SamplingParams
@@ -198,3 +200,13 @@ class StepResult:
     # per sequence: None, or for its prompt tokens 1.. (logprobs, top ids, top logprobs)
     prompt_logprobs: tuple[PromptLogprobs | None, ...] | None = None
     dropped: tuple[DroppedKeys, ...] = ()  # when the plan asked (`report_dropped`)
+
+
+@dataclass(frozen=True)
+class StartedMemory:
+    """Memory workers an executor started for indices first..first+count-1
+    (`Executor.start_memory_workers`), not yet in its steps: what a scale-up hands from
+    the thread that started them to the engine's (`LLMEngine.scale_memory_workers`)."""
+    first: int
+    count: int
+    workers: Any = None  # the executor's own: its worker objects and their placement

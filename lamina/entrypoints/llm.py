@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Sequence, cast
@@ -143,6 +144,7 @@ class LLM:
         self.engine = LLMEngine(self.config, self.executor, self.loaded.tokenizer,
                                 self.loaded.config)
         self._shared_engine = SharedEngine(self.engine)  # generate's calls, any thread
+        self._scaling = threading.Lock()  # one `scale_memory_workers` at a time
 
     @property
     def _shared(self) -> SharedEngine:
@@ -242,12 +244,16 @@ class LLM:
         return self.generate(prompts, params, **kw)
 
     def scale_memory_workers(self, n: int) -> MemoryScale:
-        """Grow or shrink the KV pool to `n` memory workers, between two steps of the
-        `generate` calls running in other threads (`LLMEngine.scale_memory_workers`:
-        fewer workers preempt the sequences that had KV on a leaving one)."""
-        done = self._shared.call(lambda engine: engine.scale_memory_workers(n))
-        self.config = replace(self.config, num_memory_workers=n)
-        return done
+        """Grow or shrink the KV pool to `n` memory workers while `generate` calls run in
+        other threads (`LLMEngine.scale_memory_workers`: fewer workers preempt the
+        sequences that had KV on a leaving one). New workers are started on this
+        thread, beside the steps; only their wiring waits for a step to end."""
+        with self._scaling:
+            have = len(self.engine.allocs)  # (only a scale changes it: this lock's)
+            started = self.executor.start_memory_workers(have, n - have) if n > have else None
+            done = self._shared.call(lambda engine: engine.scale_memory_workers(n, started))
+            self.config = replace(self.config, num_memory_workers=n)
+            return done
 
     def shutdown(self) -> None:
         """Stop the workers (a Ray deployment's, with its placement group); later calls

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 
-from lamina.engine.messages import StepPlan, StepResult
+from lamina.engine.messages import StartedMemory, StepPlan, StepResult
 from lamina.memory.tier_orders import TierMove
 
 
@@ -70,11 +70,21 @@ class Executor(ABC):
         executor has no processes of its own to replace."""
         return {}
 
-    def add_memory_workers(self, k: int) -> None:
-        """Start `k` more memory workers (indices after the present ones), each with a
-        pool like the others', wired to every compute worker; raises, changing nothing,
-        when they cannot be had. Called between steps (`LLMEngine.scale_memory_workers`)."""
+    def start_memory_workers(self, first: int, k: int) -> StartedMemory:
+        """Start `k` memory workers to be workers first.., each set up with a pool like
+        the others', not yet in any step: safe beside running steps, from any thread,
+        so the slow part of a scale-up (processes, pools) does not hold the engine.
+        Raises, leaving none of them, when they cannot be had."""
         raise NotImplementedError(f"the {type(self).__name__} cannot add memory workers")
+
+    def add_memory_workers(self, started: StartedMemory) -> None:
+        """Make the started workers part of the steps (wired to every compute worker),
+        between steps (`LLMEngine.scale_memory_workers`); they must be the next indices.
+        Raises, having stopped them, when they cannot be wired."""
+        raise NotImplementedError(f"the {type(self).__name__} cannot add memory workers")
+
+    def discard_memory_workers(self, started: StartedMemory) -> None:  # noqa: B027
+        """Stop started workers that will not be added."""
 
     def remove_memory_workers(self, n: int) -> None:
         """Keep memory workers 0..n-1; the others are unwired and stopped (the engine

@@ -32,7 +32,7 @@ import torch
 from lamina.compute.compute_side import ComputeSide
 from lamina.compute.memory_link import MemoryLink, combine
 from lamina.compute.packing import WorkerPart
-from lamina.engine.messages import DroppedKeys, StepPlan, StepResult
+from lamina.engine.messages import DroppedKeys, StartedMemory, StepPlan, StepResult
 from lamina.executor.base import Executor
 from lamina.executor.replicas import ReplicaSplit
 from lamina.memory.memory_side import MemorySide
@@ -189,19 +189,33 @@ class LocalExecutor(Executor):
     def kv_kept(self) -> frozenset[int]:
         return frozenset(range(len(self.memory)))
 
-    def add_memory_workers(self, k: int) -> None:
-        """`k` more memory sides like the first (`MemorySide.sibling`), each with its lock,
-        lane and (rotational) thread; every replica's packing counts them."""
+    def start_memory_workers(self, first: int, k: int) -> StartedMemory:
+        """Memory sides like the first (`MemorySide.sibling`: their pools allocated)."""
+        return StartedMemory(first, k, [self.memory[0].sibling(w)
+                                        for w in range(first, first + k)])
+
+    def add_memory_workers(self, started: StartedMemory) -> None:
+        """The started memory sides, each with its lock, lane and (rotational) thread;
+        every replica's packing counts them."""
+        if started.first != len(self.memory):
+            self.discard_memory_workers(started)
+            raise ValueError(f"memory sides started as {started.first}.., but there are "
+                             f"{len(self.memory)}")
         shared = self.link.shared
-        for _ in range(k):
+        for mem in started.workers:
             w = len(self.memory)
-            self.memory.append(self.memory[0].sibling(w))  # the links' list too
+            self.memory.append(mem)  # the links' list too
             shared.locks.append(threading.Lock())
             shared.tracers.append(Tracer(f"memory{w}"))
             if shared.threads is not None:
                 shared.threads.append(ThreadPoolExecutor(1, f"lamina-memory{w}"))
         for c in self.replicas:
             c.num_workers = len(self.memory)
+
+    def discard_memory_workers(self, started: StartedMemory) -> None:
+        for m in started.workers:
+            if m.tiers is not None:
+                m.tiers.close()
 
     def move_tiers(self, moves: tuple[TierMove, ...]) -> frozenset[int]:
         moved: set[int] = set()

@@ -151,6 +151,36 @@ def test_an_engine_grows_and_shrinks_its_pool_while_it_generates_exact(
     assert eng.free_slots() == [160]
 
 
+def test_workers_started_beside_the_steps_join_between_two_and_stale_ones_are_refused(
+        smol, smol_packed, prompts, hf_greedy):
+    """`Executor.start_memory_workers` while steps run: the started worker is in no
+    step until `scale_memory_workers(n, started)` adds it. Workers started for other
+    indices than the change needs are refused by name (and stopped), the engine as
+    before. The requests give HF's greedy tokens."""
+    eng = _engine(smol, smol_packed, 160, 1)
+    ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
+    done = {}
+
+    def steps(n):
+        for _ in range(n):
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+
+    steps(3)
+    started = eng.executor.start_memory_workers(1, 1)
+    steps(3)  # beside it
+    assert len(eng.executor.memory) == len(eng.allocs) == 1
+    stale = eng.executor.start_memory_workers(1, 2)
+    with pytest.raises(ValueError, match=r"memory workers 1\.\.2 were started, but 1 -> 2 "
+                                         "needs others"):
+        eng.scale_memory_workers(2, stale)
+    assert len(eng.executor.memory) == 1
+    eng.scale_memory_workers(2, started)
+    assert eng.executor.memory[1] is started.workers[0]
+    while eng.has_unfinished():
+        steps(1)
+    assert [done[i].outputs[0].token_ids for i in ids] == [hf_greedy[i] for i in PICK]
+
+
 def test_scaling_refuses_what_would_not_fit_and_changes_nothing(smol, smol_packed, prompts):
     """Fewer workers than a request in the engine needs (its KV split over them), or
     none: ValueError naming it, the engine as before; the request then finishes."""
