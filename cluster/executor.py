@@ -583,6 +583,7 @@ class RayExecutor(Executor):
             raise ValueError(f"memory workers started as {first}.., but there are "
                              f"{len(self.memory)}")
         self.memory += got.workers
+        self._calls_s = self.ping_timeout_s  # the workers are up: a hung one fails this soon
         try:
             seen = [0] * len(self.memory)  # per memory worker, its RDMA connections so far
             wired = [self._wire(r, got.nodes, seen, first) for r in range(len(self.computes))]
@@ -596,6 +597,8 @@ class RayExecutor(Executor):
             del self.memory[first:]
             self._drop_started(got)
             raise
+        finally:
+            self._calls_s = None
         self._groups.update(got.groups)
         self.memory_info += got.info
         self.nodes["memory"] += got.nodes
@@ -632,7 +635,16 @@ class RayExecutor(Executor):
         files go, their processes are stopped and the placement groups of their own
         removed (a bundle of the deployment's group stays reserved for a later add)."""
         self._check_open()
-        self._get([c.keep_memory.remote(n) for c in self.computes], "the compute workers")
+        self._calls_s = self.ping_timeout_s
+        try:
+            self._get([c.keep_memory.remote(n) for c in self.computes], "the compute workers")
+        except (ray.exceptions.RayActorError, WorkerTimeout) as e:
+            # a compute worker gone or stuck: the next step's recovery replaces it and
+            # wires it to the memory workers that stay; these go all the same
+            log.warning("a compute worker did not hang up on memory workers %d..: %s: %s",
+                        n, type(e).__name__, _last_line(str(e)))
+        finally:
+            self._calls_s = None
         self._drop_memory(n, self.memory[n:])
         for lst in (self.memory, self.memory_info, self.nodes["memory"], self.addresses,
                     self.transports, self.transport_choices):

@@ -288,8 +288,7 @@ class LLMEngine:
         if params.n > self.config.max_batch:
             raise ValueError(f"n={params.n} parallel samples exceed max_batch "
                              f"{self.config.max_batch}")
-        cap = self.config.num_kv_slots * (self.config.num_memory_workers
-                                          if self.config.split_kv else 1)
+        cap = self._kv_capacity()
         if len(ids) + params.n > cap:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pools hold {cap}")
         self._check_kv_override(params)
@@ -485,6 +484,9 @@ class LLMEngine:
         self._search_can_go_on()
         failed: list[RequestOutput] = []  # requests failed alone this step
         plan = self._pipelined(self._guided(self.scheduler.schedule(), failed))
+        for fault in self.scheduler.unplaceable:  # each fails alone, by name
+            failed += self._fail(fault, plan.step)
+        self.scheduler.unplaceable.clear()
         if failed and not plan.seqs:  # nothing left to run (a step all the same: timed)
             self.step_timings.append({"tokens": 0, "seqs": 0, "drawn": 0,
                                       "step_s": time.perf_counter() - t0})
@@ -964,6 +966,11 @@ class LLMEngine:
         self.sessions.relocated(moved)
         return moved
 
+    def _kv_capacity(self) -> int:
+        """The KV positions one sequence may hold: its memory worker's pool, or with
+        `split_kv` every worker's."""
+        return self.config.num_kv_slots * (len(self.allocs) if self.config.split_kv else 1)
+
     def _check_fits(self, n: int) -> None:
         """Refuse `n` memory workers when a request in the engine would not fit them."""
         cap = self.config.num_kv_slots * (n if self.config.split_kv else 1)
@@ -1136,9 +1143,12 @@ class LLMEngine:
             return "stop"
         if req.guides and req.guides[i].done:  # the structure is complete
             return "stop"
-        # max_tokens None (resolved when the request came) would end at the context
+        # max_tokens None (resolved when the request came) would end at the context;
+        # the pools are a context too: a sequence that gives no slot back and holds
+        # every one of them has no room for its next position, even alone
         length = ((p.max_tokens is not None and len(seq.output) >= p.max_tokens)
-                  or len(seq.tokens) >= self.max_len)
+                  or len(seq.tokens) >= self.max_len
+                  or (len(seq.tokens) > self._kv_capacity() and seq.holes_from is None))
         if length and d is not None:
             d.flush(seq.output)  # a stop string may sit in a held-back tail
         if p.stop and d is not None:

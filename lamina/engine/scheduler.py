@@ -65,6 +65,7 @@ from lamina.engine.messages import SeqWork, StepPlan
 from lamina.engine.prefix_cache import RadixCache
 from lamina.engine.sessions import SessionIndex, TierMatch
 from lamina.engine.speculative import NgramIndex
+from lamina.errors import SequenceFault
 from lamina.memory.allocator import KVAllocator
 from lamina.sampling.params import SamplingParams
 
@@ -253,6 +254,9 @@ class Scheduler:
         # sequences the executor holds a slot table of that were released since the
         # last plan (the next plan tells it to drop them)
         self._released: list[int] = []
+        # waiting sequences found unable ever to be placed (alone, they do not fit the
+        # pools: a KV policy's recompute, a pool shrunk): the engine fails their requests
+        self.unplaceable: list[SequenceFault] = []
 
     @property
     def alloc(self) -> KVAllocator:
@@ -817,10 +821,12 @@ class Scheduler:
                 budget -= self._feed(seq, seq.num_tokens - seq.pending, budget, work)
         self._admit_all(waiting, budget, work)
         stuck = None if work else next((s for s in self.waiting if admits(s)), None)
-        if stuck is not None:
-            raise RuntimeError(f"sequence {stuck.seq_id} ({len(stuck.tokens)} tokens) cannot be "
-                               f"scheduled: step token budget {self.config.max_step_tokens}, "
-                               f"{[a.num_free() for a in self.allocs]} free KV slots")
+        if stuck is not None:  # nothing else runs, and it does not fit: it never will
+            self.unplaceable.append(SequenceFault(
+                [stuck.seq_id], f"sequence {stuck.seq_id} ({len(stuck.tokens)} tokens) "
+                f"cannot be placed: {[a.num_free() for a in self.allocs]} free KV slots, "
+                f"{sum(c.evictable() for c in self.caches or [])} more the prefix cache "
+                f"can give, step token budget {self.config.max_step_tokens}"))
         orders = self.sessions.take_orders() if self.sessions is not None else ()
         plan = StepPlan(self.step, tuple(work), released=tuple(self._released),
                         tier_orders=orders, report_dropped=report)

@@ -19,6 +19,11 @@ every memory worker healthy, and the deployment must still answer a request as H
     python -m tests.cluster.ray_workload 0 180    # seeds 0..179, one line each
     python -m tests.cluster.ray_workload 0 60 fixed    # on two compute replicas
     python -m tests.cluster.ray_workload 0 60 rotational    # on a ring of two
+    python -m tests.cluster.ray_workload 0 60 --scale    # memory workers changed, 1-3
+
+`--scale` adds 1-3 changes of the engine's memory workers (to 1-3) at random steps
+(`LLMEngine.scale_memory_workers`; a kill of a memory worker a scale-down took away does
+nothing); each seed starts again from the deployment's two.
 
 Its first run found what 126cdac fixes: a kill-compute while the culprit search ran an
 innocent request alone got that request named (seed 23 fails at 56061ef).
@@ -66,8 +71,8 @@ KINDS = ("kill-memory", "kill-compute", "stop-memory", "stop-compute")
 class WorkerEvent:
     """What happens to a worker before a step."""
     at: int  # the step it happens before
-    kind: str  # one of KINDS
-    worker: int  # the memory or compute worker's index
+    kind: str  # one of KINDS, or "scale"
+    worker: int  # the memory or compute worker's index; "scale": the memory workers wanted
 
 
 @dataclass(frozen=True)
@@ -110,8 +115,9 @@ def _poisoned(r: random.Random, pool: list[int], prompt: list[int],
     return prompt + [POISON if kind == "compute" else LAYER_POISON], params
 
 
-def workload(seed: int, lm, replicas: int = 1) -> RayWorkload:
-    """Seed `seed`'s workload for a deployment of `replicas` compute workers."""
+def workload(seed: int, lm, replicas: int = 1, scale: bool = False) -> RayWorkload:
+    """Seed `seed`'s workload for a deployment of `replicas` compute workers; `scale`:
+    with 1-3 changes of its memory workers (to 1-3) too."""
     r = random.Random(seed)
     pool, chat = texts(lm, "Name two rivers and the seas they reach.")
     config, slots = _config(r), r.choice([700, 1200, POOL_SLOTS])
@@ -133,6 +139,9 @@ def workload(seed: int, lm, replicas: int = 1) -> RayWorkload:
         events.append(WorkerEvent(r.randrange(1, 25), kind,
                                   r.randrange(2) if kind.endswith("memory") else
                                   r.randrange(replicas) if replicas > 1 else 0))
+    if scale:
+        events += [WorkerEvent(r.randrange(1, 30), "scale", r.randrange(1, 4))
+                   for _ in range(r.randrange(1, 4))]
     return RayWorkload(config, slots, tuple(asks), tuple(events))
 
 
@@ -163,6 +172,11 @@ def _pid(llm, e: WorkerEvent) -> int:
 
 def _happen(llm, eng: LLMEngine, e: WorkerEvent, stopped: list[int], fired: list) -> None:
     ex = llm.executor
+    if e.kind == "scale":  # `worker`: the memory workers wanted
+        _scale(eng, e.worker, fired)
+        return
+    if e.kind.endswith("memory") and e.worker >= len(ex.memory):
+        return  # a scale-down took it away
     if e.kind == "kill-memory":
         ray.kill(ex.memory[e.worker])
     elif e.kind == "kill-compute":
@@ -178,10 +192,31 @@ def _happen(llm, eng: LLMEngine, e: WorkerEvent, stopped: list[int], fired: list
         fired.append(e.kind)
 
 
+def _scale(eng: LLMEngine, n: int, fired: list) -> None:
+    """The engine's memory workers -> n, as its steps go on: refused (ValueError) when a
+    request needs more, by design; any other failure (a worker the engine has not yet
+    found dead) leaves the engine as it was, and is noted."""
+    busy = eng.has_unfinished()
+    try:
+        eng.scale_memory_workers(n)
+    except ValueError:
+        return
+    except Exception as e:  # noqa: BLE001 - noted; the workload goes on
+        fired.append(f"scale-failed ({type(e).__name__})")
+        return
+    if busy:
+        fired.append("scale")
+
+
 def fresh_engine(llm, w: RayWorkload) -> LLMEngine:
-    """Every worker reset (or replaced), a new engine of the workload's configuration on
+    """Every worker reset (or replaced), the deployment's memory workers as it started
+    (a scale workload changes them), a new engine of the workload's configuration on
     them: as if the deployment had just started."""
-    ex = llm.executor
+    ex, m = llm.executor, llm.config.num_memory_workers
+    if len(ex.memory) > m:
+        ex.remove_memory_workers(m)
+    elif len(ex.memory) < m:
+        ex.add_memory_workers(ex.start_memory_workers(len(ex.memory), m - len(ex.memory)))
     ex.recover(RuntimeError("a new workload"))
     cfg = replace(llm.config, num_kv_slots=w.slots, **w.config)
     return LLMEngine(cfg, ex, llm.loaded.tokenizer, llm.loaded.config)
@@ -199,10 +234,10 @@ class Outcome:
                                      f"{self.recoveries} recoveries")
 
 
-def check(seed: int, llm, lm, split) -> Outcome:
+def check(seed: int, llm, lm, split, scale: bool = False) -> Outcome:
     """This seed's workload on the deployment `llm`. `lm`, `split`: the model in this
     process, for the local reference."""
-    w = workload(seed, lm, llm.config.num_compute_workers)
+    w = workload(seed, lm, llm.config.num_compute_workers, scale)
     eng = fresh_engine(llm, w)
     ex, stopped, fired = llm.executor, [], []
     ex.ping_timeout_s, ex.health_timeout_s = TIMEOUT_S, TIMEOUT_S / 2
@@ -211,7 +246,7 @@ def check(seed: int, llm, lm, split) -> Outcome:
         prev = events.get(e.at, lambda: None)
         events[e.at] = (lambda e=e, prev=prev: (prev(), _happen(llm, eng, e, stopped,
                                                                  fired)))
-    free0, t = eng.free_slots(), time.monotonic()
+    t = time.monotonic()
     try:
         outs, aborted = run(eng, w.asks, events=events)
     finally:
@@ -221,8 +256,9 @@ def check(seed: int, llm, lm, split) -> Outcome:
             except ProcessLookupError:
                 pass  # its replacement's start killed it
     problems = []
-    if eng.free_slots() != free0 or any(a.stats().shared for a in eng.allocs):
-        problems.append(f"slots free {eng.free_slots()}, were {free0}")
+    free = [w.slots] * len(eng.allocs)
+    if eng.free_slots() != free or any(a.stats().shared for a in eng.allocs):
+        problems.append(f"slots free {eng.free_slots()}, were {free}")
     ref = engine(lm, split, {**w.config, "num_memory_workers": 2, "kv_host_bytes": 0},
                  POOL_SLOTS)
     problems += compare(w.asks, outs, aborted, ref, lambda a: POISON in a.prompt
@@ -252,11 +288,12 @@ def _greedy(eng: LLMEngine, prompt: list[int], n: int) -> list[int]:
 
 def main() -> None:
     lm, split = reference_model()
-    llm = deployment(sys.argv[3] if len(sys.argv) > 3 else "none")
+    scale = "--scale" in sys.argv[3:]
+    llm = deployment(next((a for a in sys.argv[3:] if not a.startswith("--")), "none"))
 
     def one(seed: int) -> tuple[list[str], str]:
-        drawn = features(workload(seed, lm, llm.config.num_compute_workers))
-        return check(seed, llm, lm, split).line(drawn)
+        drawn = features(workload(seed, lm, llm.config.num_compute_workers, scale))
+        return check(seed, llm, lm, split, scale).line(drawn)
 
     try:
         each_seed(int(sys.argv[1]), int(sys.argv[2]), one)

@@ -194,13 +194,16 @@ def workload(seed: int, lm, swap_split: bool = False, scale: bool = False) -> Wo
 
 def _scaled(w: Workload, r: random.Random) -> Workload:
     """`w` with its memory workers changed 2-4 times while it runs (1-3 of them, in
-    steps 1-40), its pools 160-600 slots so that sequences spill and are preempted, no
-    KV sparsity (a sequence split over workers selects within each one's range)."""
+    steps 1-40), its pools 160-600 slots so that sequences spill and are preempted (but
+    each request's whole length fits one: else it ends at the pools' size, unlike its
+    run alone), no KV sparsity (a sequence split over workers selects within each
+    one's range)."""
     scales = tuple(sorted((Scale(r.randrange(1, 40), r.randrange(1, 4))
                            for _ in range(r.randrange(2, 5))), key=lambda x: x.at))
     asks = tuple(replace(a, params=replace(a.params, kv_sparsity=None, kv_budget=None))
                  for a in w.asks)
-    return replace(w, slots=r.choice([160, 300, 600]), asks=asks, scales=scales)
+    need = max(len(a.prompt) + (a.params.max_tokens or 0) + 1 for a in asks)
+    return replace(w, slots=max(r.choice([160, 300, 600]), need), asks=asks, scales=scales)
 
 
 def _swap_split(w: Workload, r: random.Random) -> Workload:

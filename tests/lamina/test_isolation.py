@@ -19,7 +19,7 @@ from lamina.faults import FaultPlan, InjectedFault
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
 from lamina.sampling.params import SamplingParams
-from tests.conftest import SHORT_NEW
+from tests.conftest import SHORT_NEW, hf_greedy_of
 
 NEW = SHORT_NEW  # tokens drawn per good request (a prefix of HF's reference)
 GOOD = SamplingParams(max_tokens=NEW, temperature=0)
@@ -597,3 +597,47 @@ def test_a_bug_outside_the_step_fails_the_loops_requests_loudly(smol, smol_packe
         assert not loop.alive
     finally:
         loop.shutdown()
+
+
+def test_a_sequence_that_outgrows_every_pool_ends_at_their_size_and_the_others_go_on(
+        smol, smol_packed, prompts, hf_greedy):
+    """The pools are a context limit too: a request allowed more tokens than every
+    memory worker's slots hold together (split KV) ends with finish reason "length"
+    when it fills them, alone, its tokens HF's up to there; the engine goes on (before,
+    the scheduler raised for it and the step, and every request with it, failed)."""
+    eng = engine(smol, smol_packed, workers=2, slots=40)
+    ids = [eng.add_request(prompts[1], GOOD)]  # 12 + 12: fits beside it
+    p = prompts[2]  # 40 tokens
+    big = eng.add_request(p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    got = outs[big].outputs[0]
+    # 80 slots hold positions 0..79: the token drawn at position 79 (the 81st) ends it
+    assert got.finish_reason == "length" and len(p) + len(got.token_ids) == 81
+    want = hf_greedy_of(smol, [p], 41)[0]  # (HF's stops at an EOS; ours ignores it)
+    assert got.token_ids[:len(want)] == want
+    assert outs[ids[0]].outputs[0].token_ids == hf_greedy[1][:NEW]
+    assert eng.free_slots() == [40, 40]
+
+
+def test_a_sequence_no_pool_can_take_ever_fails_alone_by_name(smol, smol_packed, prompts,
+                                                              hf_greedy):
+    """A waiting sequence that cannot be placed while nothing else runs never will: it
+    fails alone, with an error naming it and the room there is, and the engine goes on
+    (before, the scheduler raised and the step failed with every request in it). Here
+    slots held outside the engine make the pool too small for it; in serving, a sparse
+    sequence computed again whole after its slots were given back gets here."""
+    eng = engine(smol, smol_packed, workers=1, slots=300)
+    eng.allocs[0].allocate("held", 100)  # 200 free
+    bad = eng.add_request(prompts[6][:250], GOOD)
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs[bad].finish_reason == "error" and not eng.has_unfinished()
+    assert (f"request {bad} failed in step 0: sequence 0 (250 tokens) cannot be placed: "
+            "[200] free KV slots, 0 more the prefix cache can give") in outs[bad].error
+    eng.allocs[0].free("held")
+    good = eng.add_request(prompts[1], GOOD)
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert outs[good].outputs[0].token_ids == hf_greedy[1][:NEW]
+    assert eng.free_slots() == [300]
