@@ -947,7 +947,7 @@ class LLMEngine:
                 saved = p.end
             again += seq.lost - max(seq.kept, saved)
         index = self.sessions.sessions if self.sessions is not None else {}
-        tokens = sum(len(index[k].tokens) for k in moved)
+        tokens = sum(len(index[k].tokens) for k in moved if k in index)  # (`_balance`)
         return MemoryScale(before, n, len(hit), again, tokens, 0.0)
 
     def _move_tiers(self, wanted: dict[str, int]) -> dict[str, int]:
