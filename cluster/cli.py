@@ -174,6 +174,13 @@ def _print_status(s: dict, as_json: bool) -> int:
     last = f"; the latest because {s['restart_cause']}" if s["restarts"] else ""
     print(f"  restarts: {s['restarts']} ({limit}){last}")
     print(f"  HTTP: {_front(s['http'], s['name'])}")
+    a = s.get("autoscale")
+    if a is not None:
+        last = a["last"]
+        print(f"  autoscale: {a['min']}-{a['max']} memory workers, {a['changes']} changes"
+              + ("" if last is None else f"; the last {last['before']} -> {last['after']} "
+                 f"{last['ago_s']:.0f} s ago: {last['why']}")
+              + ("" if a["error"] is None else f"; last failure: {a['error']}"))
     print(f"  stored responses: {s['stored_responses']}, {_size(s['stored_response_bytes'])} "
           f"(at most {s['max_stored_responses']} and {_size(s['max_stored_response_bytes'])},"
           f" kept through restarts)")

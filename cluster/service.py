@@ -42,7 +42,9 @@ import ray
 from prometheus_client import Gauge
 from ray.experimental import internal_kv
 
+from lamina.engine.outputs import MemoryScale
 from lamina.entrypoints.api_responses import ResponseStore, Stored
+from lamina.entrypoints.autoscale import AutoscaleRunner, scale_beside
 from lamina.entrypoints.deploy_config import LaminaConfig
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.llm import LLM
@@ -101,7 +103,10 @@ class LaminaService:
         self.responses = ResponseStore(config.server.max_stored_responses, KVResponses(name),
                                        config.server.max_stored_response_bytes)
         self.leases, self.orphans = ClientLeases(config.cluster.client_lease_s), 0
-        self._scaling = asyncio.Lock()  # one `scale` at a time
+        self._scaling = threading.Lock()  # one change of memory workers at a time
+        # the KV pool's autoscaler (`autoscale` section; None: off)
+        self.autoscale = (AutoscaleRunner(self.loop, self.config.autoscale, self._scale_now)
+                          if self.config.autoscale.enabled else None)
         self._gauges()
         self._stopping = False  # `shutdown` ran: the engine stopping is no failure
         threading.Thread(target=self._restart_when_the_engine_stops, daemon=True,
@@ -278,32 +283,41 @@ class LaminaService:
                 "orphans_aborted": self.orphans, "stored_responses": len(self.responses),
                 "max_stored_responses": self.responses.capacity,
                 "stored_response_bytes": self.responses.nbytes,
-                "max_stored_response_bytes": self.responses.max_bytes}
+                "max_stored_response_bytes": self.responses.max_bytes,
+                "autoscale": self._autoscale_status()}
+
+    def _autoscale_status(self) -> dict | None:
+        """The autoscaler's bounds, its changes so far and the last one, its last
+        failure (None: off)."""
+        a = self.autoscale
+        if a is None:
+            return None
+        last = a.changes[-1] if a.changes else None
+        return {"min": a.config.min_memory_workers, "max": a.config.max_memory_workers,
+                "changes": len(a.changes), "error": a.error,
+                "last": None if last is None else {
+                    "before": last[1].before, "after": last[1].after, "why": last[2],
+                    "ago_s": round(time.monotonic() - last[0], 1)}}
 
     async def scale(self, memory_workers: int) -> dict:
-        """Change the deployment's memory workers to `memory_workers` between two of the
-        engine's steps, requests running (`LLMEngine.scale_memory_workers`); the count
-        is kept for the service's restarts. -> what was done (`MemoryScale`, as a dict)."""
+        """Change the deployment's memory workers to `memory_workers` while it serves
+        (`_scale_now`, on a thread: the actor's other calls go on) -> what was done
+        (`MemoryScale`, as a dict)."""
         self._check_serving()
-        async with self._scaling:
-            ex, have = self.llm.executor, len(self.llm.engine.allocs)
-            started = None
-            if memory_workers > have:  # started beside the steps: they wait only to wire
-                started = await asyncio.to_thread(ex.start_memory_workers, have,
-                                                  memory_workers - have)
-            try:
-                fut = self.loop.call(lambda e: e.scale_memory_workers(memory_workers, started))
-            except BaseException:
-                if started is not None:
-                    ex.discard_memory_workers(started)
-                raise
-            done = await asyncio.wrap_future(fut)  # the actor's other calls go on meanwhile
+        return asdict(await asyncio.to_thread(self._scale_now, memory_workers))
+
+    def _scale_now(self, n: int) -> MemoryScale:
+        """Memory workers -> n: the new ones started on this thread beside the engine's
+        steps, added between two (`scale_beside`); the count kept for the service's
+        restarts. `scale` and the autoscaler call it, one at a time."""
+        with self._scaling:
+            done = scale_beside(self.loop, n)
             engine = replace(self.config.engine, num_memory_workers=done.after)
             self.config = replace(self.config, engine=engine)
             self.llm.config = replace(self.llm.config, num_memory_workers=done.after)
             internal_kv._internal_kv_put(_scale_key(self.name), json.dumps(done.after),
                                          overwrite=True, namespace=NAMESPACE)
-        return asdict(done)
+            return done
 
     def response_bound(self) -> str:
         return self.responses.bound()
@@ -330,6 +344,8 @@ class LaminaService:
     def shutdown(self) -> None:
         """Stop the engine loop, the workers and release the placement group."""
         self._stopping = True
+        if self.autoscale is not None:
+            self.autoscale.stop()
         self.loop.shutdown()
         self.llm.shutdown()
         _forget(self.name)

@@ -236,6 +236,7 @@ class Scheduler:
         # whether a sequence preempted for room saves its KV to the tiers (`_park`)
         self.swap = swap and sessions is not None
         self.parked_tokens = 0  # positions `_park` saved
+        self.num_preemptions = 0  # sequences preempted for room (or workers leaving)
         # whether a waiting sequence may be admitted now (the engine's culprit search
         # holds the others back; they keep their place); None: every one
         self.admits = admits
@@ -633,6 +634,7 @@ class Scheduler:
         self._release(seq)
         self.running.remove(seq)
         seq.status, seq.num_preemptions = "waiting", seq.num_preemptions + 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def _park(self, seq: Sequence, n: int) -> None:

@@ -1,17 +1,19 @@
 """`LaminaConfig`: one deployment's settings, one frozen section per concern, from YAML.
 
-Data in: a YAML file (or a dict) with the sections `model`, `engine`, `cluster` and
-`server`, every one optional:
+Data in: a YAML file (or a dict) with the sections `model`, `engine`, `cluster`,
+`server` and `autoscale`, every one optional:
 
     model:   {path: null, dtype: bfloat16}         # null: the embedded SmolLM2
     engine:  {num_memory_workers: 2, num_kv_slots: 16384, max_batch: 64}
     cluster: {executor: ray, address: auto, max_restarts: -1}
     server:  {max_waiting: 1024}
+    autoscale: {min_memory_workers: 1, max_memory_workers: 8}   # the service's KV pool
 
 Data out: a validated `LaminaConfig` (`ModelConfig`, `EngineConfig`, `ClusterConfig`,
-`ServerConfig`). An unknown section or key, a value of the wrong type, a bad value and a
-model path that does not exist are refused with a `ValueError` naming the key, before
-anything starts. `LLM.from_config` and `lamina generate|serve --config FILE` read it.
+`ServerConfig`, `AutoscaleConfig`). An unknown section or key, a value of the wrong
+type, a bad value and a model path that does not exist are refused with a `ValueError`
+naming the key, before anything starts. `LLM.from_config` and `lamina generate|serve
+--config FILE` read it; the `autoscale` section only the service (`lamina up`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import yaml
 
 from lamina.engine.config import EngineConfig
 from lamina.entrypoints.api_server import ServerConfig
+from lamina.entrypoints.autoscale import AutoscaleConfig
 
 DTYPES = ("float32", "bfloat16")
 EXECUTORS = ("local", "ray")
@@ -93,6 +96,8 @@ class LaminaConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    # the service's (`lamina up`) KV pool autoscaling (lamina/entrypoints/autoscale.py)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> LaminaConfig:

@@ -663,6 +663,50 @@ def test_down_leaves_no_actor_or_placement_group(cluster):
     assert internal_kv._internal_kv_list("service:lamina:", namespace="lamina") == []
 
 
+AUTOSCALED = """
+engine: {num_memory_workers: 1, num_kv_slots: 300, max_step_tokens: 1024}
+cluster: {executor: ray}
+autoscale: {max_memory_workers: 2, min_memory_workers: 1, interval_s: 0.2,
+            up_utilization: 0.6, up_after_s: 0.4, down_utilization: 0.3,
+            down_after_s: 1.0, cooldown_s: 0.5}
+"""
+
+
+def test_an_autoscaled_service_grows_its_pool_under_a_burst_and_shrinks_it_idle(
+        cluster, prompts, hf_greedy):
+    """A service deployed with one memory worker of 300 slots and `autoscale` up to 2:
+    a burst of 8 prompts (5-600 tokens, 32 new each) fills the pool, sequences wait, so
+    it adds a second worker (started beside the steps, in a placement group of its own,
+    on the memory node's other `lamina_memory` unit) while they run; idle again, it
+    takes it away. HF's greedy tokens; `lamina status` says what it did; `down` leaves
+    nothing."""
+    cfg = cluster["tmp"] / "autoscaled.yaml"
+    cfg.write_text(AUTOSCALED)
+    r = lamina_cmd(cluster, "up", "--config", str(cfg), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    client = lamina.connect(cluster["cluster"].address)
+    outs = client.generate([prompts[i] for i in PICK if len(prompts[i]) < 300],
+                           SamplingParams(max_tokens=HF_NEW, temperature=0), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy[i] for i in PICK if len(prompts[i]) < 300]
+    deadline = time.monotonic() + 60
+    while True:
+        s = client.status()
+        a, mem = s["autoscale"], [w for w in s["workers"] if w["role"].startswith("memory")]
+        if a["changes"] >= 2 and len(mem) == 1:
+            break
+        assert time.monotonic() < deadline, s
+        time.sleep(0.2)
+    assert (a["min"], a["max"], a["error"]) == (1, 2, None)
+    assert (a["last"]["before"], a["last"]["after"]) == (2, 1), a
+    out = lamina_cmd(cluster, "status").stdout
+    assert f"autoscale: 1-2 memory workers, {a['changes']} changes; the last 2 -> 1" in out, out
+    assert lamina_cmd(cluster, "down").returncode == 0
+    deadline = time.monotonic() + 30
+    while lamina_actors():
+        assert time.monotonic() < deadline, lamina_actors()
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize(("record", "why"), [
     ({}, None),  # never started, or stopped by `lamina down`
     ({"restarts": 0, "failed": "ModelLoadError: no model"},

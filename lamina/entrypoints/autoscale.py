@@ -1,0 +1,212 @@
+"""Autoscaling the KV pool: memory workers added under KV pressure, removed when idle.
+
+Data in: every `interval_s`, a `KVSample` of the engine (taken on its loop's thread:
+slots held by requests, sequences waiting, preemptions so far). Data out: a change of
+memory workers (`scale_beside`: the new ones started beside the steps, added between
+two; `LLMEngine.scale_memory_workers`), one worker at a time, within
+[min_memory_workers, max_memory_workers].
+
+The rule (`Autoscaler`, plain Python over samples, like the scheduler): one more worker
+when for `up_after_s` every sample had its pools at least `up_utilization` held by
+requests (not the prefix cache, which yields) and demand went unmet in that time
+(sequences waiting, or one preempted for room); one fewer when for `down_after_s` what
+requests held would have fit one worker fewer at most `down_utilization` full, nobody
+waited and nobody was preempted. After a change it waits `cooldown_s` and a whole window
+of new samples. On a Ray cluster whose autoscaler launches nodes for pending placement
+groups (`ray up` with `available_node_types`), a worker that has no room waits for its
+node (`placement_timeout_s`) beside the steps: the pool and the machines grow together.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from lamina.engine.outputs import MemoryScale
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """The `autoscale` section of a deployment; off unless `max_memory_workers` is set."""
+    max_memory_workers: int | None = None  # None: no autoscaling
+    min_memory_workers: int = 1
+    interval_s: float = 5.0  # between two samples
+    up_utilization: float = 0.9  # of every pool's slots held by requests
+    up_after_s: float = 15.0  # that long, with demand unmet, before one more worker
+    down_utilization: float = 0.5  # of one worker fewer's slots, were they all gone
+    down_after_s: float = 300.0  # that long idle enough before one fewer
+    cooldown_s: float = 60.0  # after a change, before the next
+
+    def __post_init__(self):
+        if self.max_memory_workers is not None and (
+                not isinstance(self.max_memory_workers, int)
+                or not 1 <= self.min_memory_workers <= self.max_memory_workers):
+            raise ValueError(f"autoscale: need 1 <= min_memory_workers <= max_memory_workers, "
+                             f"got {self.min_memory_workers} and {self.max_memory_workers}")
+        for name in ("interval_s", "up_after_s", "down_after_s", "cooldown_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"autoscale.{name} must be a number of seconds >= 0, got {v!r}")
+        if self.interval_s <= 0:
+            raise ValueError(f"autoscale.interval_s must be > 0, got {self.interval_s!r}")
+        for name in ("up_utilization", "down_utilization"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"autoscale.{name} must be in (0, 1], got {v!r}")
+        if self.down_utilization >= self.up_utilization:
+            raise ValueError("autoscale.down_utilization must be below up_utilization "
+                             f"({self.down_utilization} >= {self.up_utilization}): a pool "
+                             "would grow and shrink in turn")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_memory_workers is not None
+
+
+@dataclass(frozen=True)
+class KVSample:
+    """The engine's KV state at one moment (`sample`)."""
+    at: float  # time.monotonic()
+    workers: int
+    slots: int  # each worker's
+    used: int  # slots requests hold, every worker (the prefix cache's are free to take)
+    waiting: int  # sequences waiting to run
+    preemptions: int  # sequences preempted so far (a counter)
+
+    @property
+    def utilization(self) -> float:
+        return self.used / (self.workers * self.slots)
+
+
+def sample(engine) -> KVSample:
+    """`engine`'s `KVSample` now (call it on the engine's thread: `EngineLoop.call`)."""
+    slots = engine.config.num_kv_slots
+    return KVSample(time.monotonic(), len(engine.allocs), slots,
+                    slots * len(engine.allocs) - sum(engine.free_slots()),
+                    len(engine.scheduler.waiting), engine.scheduler.num_preemptions)
+
+
+class Autoscaler:
+    """The rule above over the samples it is given; `observe` -> the memory workers
+    wanted, or None to stay."""
+
+    def __init__(self, config: AutoscaleConfig):
+        self.config = config
+        self.samples: deque[KVSample] = deque()
+        self.changed_at = -math.inf  # time.monotonic() of the last change
+        self.why = ""  # why the last change was wanted
+
+    def observe(self, s: KVSample) -> int | None:
+        c = self.config
+        if self.samples and self.samples[-1].workers != s.workers:
+            self.samples.clear()  # changed (by anyone): a new window
+        self.samples.append(s)
+        keep = max(c.up_after_s, c.down_after_s)
+        while len(self.samples) > 1 and s.at - self.samples[1].at >= keep:
+            self.samples.popleft()  # the first kept is at least `keep` old
+        if s.at - self.changed_at < c.cooldown_s:
+            return None
+        assert c.max_memory_workers is not None
+        if s.workers < c.max_memory_workers and self._up(s):
+            return self._change(s, s.workers + 1, f"pools >= {c.up_utilization:.0%} held "
+                                f"for {c.up_after_s:g} s with sequences waiting or preempted")
+        if s.workers > c.min_memory_workers and self._down(s):
+            return self._change(s, s.workers - 1, f"for {c.down_after_s:g} s what requests "
+                                f"held fit {s.workers - 1} workers at "
+                                f"<= {c.down_utilization:.0%}")
+        if not c.min_memory_workers <= s.workers <= c.max_memory_workers:
+            n = min(max(s.workers, c.min_memory_workers), c.max_memory_workers)
+            return self._change(s, n, "outside the bounds")
+        return None
+
+    def _window(self, s: KVSample, seconds: float) -> list[KVSample] | None:
+        """The samples of the last `seconds` (None: they do not cover that long yet)."""
+        if s.at - self.samples[0].at < seconds:
+            return None
+        return [x for x in self.samples if s.at - x.at <= seconds]
+
+    def _up(self, s: KVSample) -> bool:
+        w = self._window(s, self.config.up_after_s)
+        if not w:
+            return False
+        unmet = any(x.waiting for x in w) or w[-1].preemptions > w[0].preemptions
+        return unmet and all(x.utilization >= self.config.up_utilization for x in w)
+
+    def _down(self, s: KVSample) -> bool:
+        w = self._window(s, self.config.down_after_s)
+        if not w:
+            return False
+        room = self.config.down_utilization * (s.workers - 1) * s.slots
+        return (not any(x.waiting for x in w) and w[-1].preemptions == w[0].preemptions
+                and all(x.used <= room for x in w))
+
+    def _change(self, s: KVSample, n: int, why: str) -> int:
+        self.changed_at, self.why = s.at, why
+        self.samples.clear()
+        return n
+
+
+def scale_beside(loop, n: int) -> MemoryScale:
+    """`loop`'s engine to `n` memory workers, the new ones started on this thread beside
+    its steps (`Executor.start_memory_workers`) and added between two."""
+    engine = loop.engine
+    have = len(engine.allocs)
+    started = engine.executor.start_memory_workers(have, n - have) if n > have else None
+    try:
+        fut = loop.call(lambda e: e.scale_memory_workers(n, started))
+    except BaseException:
+        if started is not None:
+            engine.executor.discard_memory_workers(started)
+        raise
+    return fut.result()
+
+
+class AutoscaleRunner:
+    """An `Autoscaler` beside an `EngineLoop`, on a thread of its own: a sample every
+    `interval_s`, and the change it wants through `scale` (default `scale_beside`).
+    `changes`: what it did, [(time.monotonic(), MemoryScale, why)]."""
+
+    def __init__(self, loop, config: AutoscaleConfig, scale=None):
+        self.loop, self.config = loop, config
+        self.policy = Autoscaler(config)
+        self._scale = scale or (lambda n: scale_beside(loop, n))
+        self.changes: list[tuple[float, MemoryScale, str]] = []
+        self.error: str | None = None  # the last change's failure
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lamina-autoscale",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.interval_s):
+            if not self.loop.alive:
+                return
+            try:
+                s = self.loop.call(sample).result(60)
+            except (FutureTimeout, Exception) as e:  # noqa: BLE001 - the loop stopped: done
+                log.warning("autoscale: no sample of the engine (%s: %s)", type(e).__name__, e)
+                continue
+            n = self.policy.observe(s)
+            if n is not None:
+                self._apply(n, s)
+
+    def _apply(self, n: int, s: KVSample) -> None:
+        log.info("autoscale: memory workers %d -> %d (%s)", s.workers, n, self.policy.why)
+        try:
+            done = self._scale(n)
+        except Exception as e:  # noqa: BLE001 - logged; tried again after the cooldown
+            self.error = f"{s.workers} -> {n}: {type(e).__name__}: {e}"
+            log.warning("autoscale: %s", self.error)
+            return
+        self.error = None
+        self.changes.append((time.monotonic(), done, self.policy.why))
