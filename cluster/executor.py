@@ -556,8 +556,9 @@ class RayExecutor(Executor):
         try:
             for i in range(first, first + k):
                 if i >= base:
+                    name = f"{self.placement_name}-m{i}-{uuid.uuid4().hex[:4]}"  # (unique)
                     got.groups[i] = place({}, self._m_opts, 1, self.config.placement_timeout_s,
-                                          f"{self.placement_name}-m{i}", num_compute=0)
+                                          name, num_compute=0)
                 home, threads = self._memory_home(i, got.groups.get(i))
                 got.workers.append(MemoryWorker.options(**self._m_opts, **home).remote(
                     i, threads))
