@@ -1135,14 +1135,21 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           config: ServerConfig | None = None, sock: socket.socket | None = None,
-          **uvicorn_kw: Any) -> None:
+          autoscale=None, **uvicorn_kw: Any) -> None:
     """Serve an `LLM` until interrupted: its engine runs on this thread (the one that
-    built the model; `EngineLoop.run` says why), HTTP on another."""
+    built the model; `EngineLoop.run` says why), HTTP on another. `autoscale`: an
+    `AutoscaleConfig` whose autoscaler changes the memory workers meanwhile."""
+    from lamina.entrypoints.autoscale import AutoscaleRunner
     from lamina.entrypoints.metrics import EngineMetrics
 
-    serve_loop(EngineLoop(llm.engine, EngineMetrics(), thread=False),
-               model_name or llm.loaded.source, llm.loaded.tokenizer, host, port, config,
-               sock, **uvicorn_kw)
+    loop = EngineLoop(llm.engine, EngineMetrics(), thread=False)
+    runner = AutoscaleRunner(loop, autoscale) if autoscale is not None else None
+    try:
+        serve_loop(loop, model_name or llm.loaded.source, llm.loaded.tokenizer, host, port,
+                   config, sock, **uvicorn_kw)
+    finally:
+        if runner is not None:
+            runner.stop()
 
 
 def serve_loop(loop, model_name: str, tokenizer, host: str = "127.0.0.1", port: int = 8000,

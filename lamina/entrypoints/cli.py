@@ -211,10 +211,21 @@ def cmd_serve(args) -> int:
           f"({type(llm.executor).__name__}, {llm.config.num_memory_workers} memory "
           f"worker(s); API key {'required' if config.api_key else 'off'})", flush=True)
     try:
-        serve(llm, args.host, args.port, args.served_model_name, config, sock=sock)
+        serve(llm, args.host, args.port, args.served_model_name, config, sock=sock,
+              autoscale=_autoscale_config(args))
     finally:
         llm.shutdown()
     return 0
+
+
+def _autoscale_config(args):
+    """`--config`'s autoscale section, when it turns autoscaling on (else None)."""
+    if args.config is None:
+        return None
+    from lamina.entrypoints.deploy_config import LaminaConfig
+
+    auto = LaminaConfig.from_yaml(args.config).autoscale
+    return auto if auto.enabled else None
 
 
 def _port(text: str) -> int:

@@ -7,13 +7,14 @@ Data in: a YAML file (or a dict) with the sections `model`, `engine`, `cluster`,
     engine:  {num_memory_workers: 2, num_kv_slots: 16384, max_batch: 64}
     cluster: {executor: ray, address: auto, max_restarts: -1}
     server:  {max_waiting: 1024}
-    autoscale: {min_memory_workers: 1, max_memory_workers: 8}   # the service's KV pool
+    autoscale: {min_memory_workers: 1, max_memory_workers: 8}   # a server's KV pool
 
 Data out: a validated `LaminaConfig` (`ModelConfig`, `EngineConfig`, `ClusterConfig`,
 `ServerConfig`, `AutoscaleConfig`). An unknown section or key, a value of the wrong
 type, a bad value and a model path that does not exist are refused with a `ValueError`
 naming the key, before anything starts. `LLM.from_config` and `lamina generate|serve
---config FILE` read it; the `autoscale` section only the service (`lamina up`).
+--config FILE` read it; the `autoscale` section the servers (`lamina up`, `lamina serve
+--config`).
 """
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ class LaminaConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
-    # the service's (`lamina up`) KV pool autoscaling (lamina/entrypoints/autoscale.py)
+    # a server's KV pool autoscaling (`lamina up`, `lamina serve --config`;
+    # lamina/entrypoints/autoscale.py)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     @classmethod

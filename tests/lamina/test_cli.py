@@ -264,7 +264,7 @@ def test_serve_takes_its_port_before_the_model_loads(monkeypatch, capsys):
         def shutdown(self):
             pass
 
-    def serve(llm, host, port, name, config, sock):
+    def serve(llm, host, port, name, config, sock, autoscale=None):
         with socket.create_connection(sock.getsockname(), timeout=5):  # listening
             served.append(sock.getsockname()[1])
 
@@ -341,3 +341,37 @@ def test_bench_records_name_the_cpu_generation():
             "processor\t: 1\nmodel name\t: other\n")
     assert cpu_name(info) == "AMD EPYC (family 26 model 2; avx2 avx512f avx512_bf16)"
     assert cpu_name("processor\t: 0\n")  # no model name: the platform's answer
+
+
+def test_serve_with_a_config_runs_its_autoscale_section(monkeypatch, tmp_path):
+    """`lamina serve --config FILE`: the file's autoscale section reaches `serve`, which
+    runs an autoscaler beside the engine loop; none without one."""
+    import types
+
+    import lamina
+    import lamina.entrypoints.api_server
+    from lamina.engine.config import EngineConfig
+    from lamina.entrypoints.autoscale import AutoscaleConfig
+
+    got = []
+
+    class Loaded:
+        config, executor = EngineConfig(), None
+        loaded = types.SimpleNamespace(source="fake")
+
+        @classmethod
+        def from_config(cls, cfg):
+            return cls()
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(lamina, "LLM", Loaded)
+    monkeypatch.setattr(lamina.entrypoints.api_server, "serve",
+                        lambda llm, *a, autoscale=None, **kw: got.append(autoscale))
+    cfg = tmp_path / "lamina.yaml"
+    cfg.write_text("autoscale: {max_memory_workers: 3, cooldown_s: 20}\n")
+    assert main(["serve", "--port", "0", "--config", str(cfg)]) == 0
+    cfg.write_text("engine: {max_batch: 8}\n")
+    assert main(["serve", "--port", "0", "--config", str(cfg)]) == 0
+    assert got == [AutoscaleConfig(max_memory_workers=3, cooldown_s=20), None]
