@@ -21,6 +21,7 @@ from tests.cluster import keep_ray_for_the_next_module
 from tests.cluster.ray_workload import check, deployment, features, workload
 from tests.conftest import HF_NEW, hf_greedy_of
 from tests.lamina.random_workload import Ask, run
+from tests.lamina.test_scaling import Stepper
 
 GREEDY = SamplingParams(max_tokens=HF_NEW, temperature=0)
 
@@ -208,13 +209,8 @@ def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, smol
     eng = LLMEngine(replace(llm.config, num_kv_slots=125, idle_check_s=None), ex,
                     llm.loaded.tokenizer, llm.loaded.config)
     pids = [i["pid"] for i in ex.memory_info]
-    ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
-    done = {}
-
-    def steps(n):
-        for _ in range(n):
-            done.update((o.request_id, o) for o in eng.step() if o.finished)
-
+    batch = Stepper(eng, [prompts[i] for i in pick], GREEDY)
+    steps = batch.steps
     steps(6)
     grown = eng.scale_memory_workers(3)
     assert (grown.before, grown.after) == (2, 3) and len(ex.memory) == 3
@@ -226,9 +222,7 @@ def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, smol
     shrunk = eng.scale_memory_workers(2)
     assert shrunk.preempted > 0 and len(ex.memory) == len(ex.transports) == 2
     assert ex._groups == {} and ray.util.placement_group_table()[group]["state"] == "REMOVED"
-    while eng.has_unfinished():
-        steps(1)
-    assert [done[i].outputs[0].token_ids for i in ids] == [hf_greedy[i] for i in pick]
+    assert batch.run_out() == [hf_greedy[i] for i in pick]
     assert eng.num_recoveries == 0 and eng.free_slots() == [125, 125]
     assert [i["pid"] for i in ex.memory_info] == pids
     # through LLM, whose engine takes its turn between generate's steps: a session's KV

@@ -110,6 +110,25 @@ def _engine(smol, split, slots: int, workers: int, **kw) -> LLMEngine:
 PICK = [1, 3, 4, 10, 11, 12]  # prompts of 12-128 tokens
 
 
+class Stepper:
+    """An engine's requests, added at once and stepped on: `steps(n)` runs n steps,
+    `done` holds each request's final output by id, `run_out` steps until none is left."""
+
+    def __init__(self, eng: LLMEngine, prompts, params: SamplingParams):
+        self.eng, self.done = eng, {}
+        self.ids = [eng.add_request(p, params) for p in prompts]
+
+    def steps(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.done.update((o.request_id, o) for o in self.eng.step() if o.finished)
+
+    def run_out(self) -> list[list[int]]:
+        """-> each request's tokens, in the order they were added."""
+        while self.eng.has_unfinished():
+            self.steps()
+        return [self.done[i].outputs[0].token_ids for i in self.ids]
+
+
 def test_an_engine_grows_and_shrinks_its_pool_while_it_generates_exact(
         smol, smol_packed, prompts, hf_greedy):
     """Six prompts (sharing prefixes) in one pool of 160 slots (split KV): too small
@@ -120,12 +139,8 @@ def test_an_engine_grows_and_shrinks_its_pool_while_it_generates_exact(
     computed again on readmission). Every request gives HF's greedy tokens, and at the
     end every slot of the one worker left is free."""
     eng = _engine(smol, smol_packed, 160, 1)
-    ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
-    done = {}
-
-    def steps(n):
-        for _ in range(n):
-            done.update((o.request_id, o) for o in eng.step() if o.finished)
+    run = Stepper(eng, [prompts[i] for i in PICK], GREEDY)
+    steps = run.steps
 
     steps(8)
     assert len(eng.scheduler.waiting) > 0  # the one pool holds only some of them
@@ -144,10 +159,8 @@ def test_an_engine_grows_and_shrinks_its_pool_while_it_generates_exact(
     assert 0 < shrunk.recompute_tokens <= lost
     assert len(eng.executor.memory) == len(eng.allocs) == 1
     assert eng.executor.compute.num_workers == 1
-    while eng.has_unfinished():
-        steps(1)
-    assert [done[i].outputs[0].token_ids for i in ids] == [hf_greedy[i] for i in PICK]
-    assert sum(done[i].metrics["preemptions"] for i in ids) >= len(on_leaving)
+    assert run.run_out() == [hf_greedy[i] for i in PICK]
+    assert sum(run.done[i].metrics["preemptions"] for i in run.ids) >= len(on_leaving)
     assert eng.free_slots() == [160]
 
 
@@ -158,12 +171,8 @@ def test_workers_started_beside_the_steps_join_between_two_and_stale_ones_are_re
     indices than the change needs are refused by name (and stopped), the engine as
     before. The requests give HF's greedy tokens."""
     eng = _engine(smol, smol_packed, 160, 1)
-    ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
-    done = {}
-
-    def steps(n):
-        for _ in range(n):
-            done.update((o.request_id, o) for o in eng.step() if o.finished)
+    run = Stepper(eng, [prompts[i] for i in PICK], GREEDY)
+    steps = run.steps
 
     steps(3)
     started = eng.executor.start_memory_workers(1, 1)
@@ -176,9 +185,7 @@ def test_workers_started_beside_the_steps_join_between_two_and_stale_ones_are_re
     assert len(eng.executor.memory) == 1
     eng.scale_memory_workers(2, started)
     assert eng.executor.memory[1] is started.workers[0]
-    while eng.has_unfinished():
-        steps(1)
-    assert [done[i].outputs[0].token_ids for i in ids] == [hf_greedy[i] for i in PICK]
+    assert run.run_out() == [hf_greedy[i] for i in PICK]
 
 
 def test_scaling_refuses_what_would_not_fit_and_changes_nothing(smol, smol_packed, prompts):
@@ -244,12 +251,8 @@ def test_a_shrink_with_swap_moves_the_leaving_parts_and_loads_them_back_exact(
     computed again than with "recompute". HF's greedy tokens either way; every slot
     free and the tiers empty at the end."""
     eng = _engine(smol, smol_packed, 110, 3, kv_host_bytes=1 << 26, preemption_mode=mode)
-    ids = [eng.add_request(prompts[i], GREEDY) for i in PICK]
-    done = {}
-
-    def steps(n):
-        for _ in range(n):
-            done.update((o.request_id, o) for o in eng.step() if o.finished)
+    run = Stepper(eng, [prompts[i] for i in PICK], GREEDY)
+    steps = run.steps
 
     steps(14)
     assert any(2 in s.workers and len(s.workers) > 1 for s in eng.scheduler.running)
@@ -260,9 +263,7 @@ def test_a_shrink_with_swap_moves_the_leaving_parts_and_loads_them_back_exact(
         assert all(e.worker < 2 for e in eng.sessions.sessions.values())
     else:
         assert shrunk.moved_tokens == 0 and shrunk.recompute_tokens > 0
-    while eng.has_unfinished():
-        steps(1)
-    assert [done[i].outputs[0].token_ids for i in ids] == [hf_greedy[i] for i in PICK]
+    assert run.run_out() == [hf_greedy[i] for i in PICK]
     eng.flush()
     assert eng.free_slots() == [110, 110] and eng.sessions.sessions == {}
     if mode == "auto":
