@@ -296,8 +296,8 @@ class LaminaService:
         return {"min": a.config.min_memory_workers, "max": a.config.max_memory_workers,
                 "changes": len(a.changes), "error": a.error,
                 "last": None if last is None else {
-                    "before": last[1].before, "after": last[1].after, "why": last[2],
-                    "ago_s": round(time.monotonic() - last[0], 1)}}
+                    "before": last.done.before, "after": last.done.after, "why": last.why,
+                    "ago_s": round(time.monotonic() - last.at, 1)}}
 
     async def scale(self, memory_workers: int) -> dict:
         """Change the deployment's memory workers to `memory_workers` while it serves

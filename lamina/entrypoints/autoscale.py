@@ -152,6 +152,14 @@ class Autoscaler:
         return n
 
 
+@dataclass(frozen=True)
+class ScaleChange:
+    """One change an `AutoscaleRunner` made."""
+    at: float  # time.monotonic()
+    done: MemoryScale
+    why: str
+
+
 def scale_beside(loop, n: int) -> MemoryScale:
     """`loop`'s engine to `n` memory workers, the new ones started on this thread beside
     its steps (`Executor.start_memory_workers`) and added between two."""
@@ -170,13 +178,13 @@ def scale_beside(loop, n: int) -> MemoryScale:
 class AutoscaleRunner:
     """An `Autoscaler` beside an `EngineLoop`, on a thread of its own: a sample every
     `interval_s`, and the change it wants through `scale` (default `scale_beside`).
-    `changes`: what it did, [(time.monotonic(), MemoryScale, why)]."""
+    `changes`: what it did."""
 
     def __init__(self, loop, config: AutoscaleConfig, scale=None):
         self.loop, self.config = loop, config
         self.policy = Autoscaler(config)
         self._scale = scale or (lambda n: scale_beside(loop, n))
-        self.changes: list[tuple[float, MemoryScale, str]] = []
+        self.changes: list[ScaleChange] = []
         self.error: str | None = None  # the last change's failure
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lamina-autoscale",
@@ -209,4 +217,4 @@ class AutoscaleRunner:
             log.warning("autoscale: %s", self.error)
             return
         self.error = None
-        self.changes.append((time.monotonic(), done, self.policy.why))
+        self.changes.append(ScaleChange(time.monotonic(), done, self.policy.why))

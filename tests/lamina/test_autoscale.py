@@ -120,7 +120,7 @@ def test_a_serving_loop_grows_its_pool_under_pressure_and_shrinks_it_idle(
         deadline = time.monotonic() + 60
         while len(eng.allocs) > 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        steps = [(d.before, d.after) for _, d, _ in runner.changes]
+        steps = [(c.done.before, c.done.after) for c in runner.changes]
         assert steps[0] == (1, 2) and (2, 3) in steps and steps[-2:] == [(3, 2), (2, 1)]
         assert all(abs(b - a) == 1 for a, b in steps) and runner.error is None
         assert len(eng.allocs) == len(eng.executor.memory) == 1
