@@ -966,14 +966,15 @@ class LLMEngine:
         self.sessions.relocated(moved)
         return moved
 
-    def _kv_capacity(self) -> int:
+    def _kv_capacity(self, workers: int | None = None) -> int:
         """The KV positions one sequence may hold: its memory worker's pool, or with
-        `split_kv` every worker's."""
-        return self.config.num_kv_slots * (len(self.allocs) if self.config.split_kv else 1)
+        `split_kv` every worker's (of `workers` of them; None: those there are)."""
+        n = len(self.allocs) if workers is None else workers
+        return self.config.num_kv_slots * (n if self.config.split_kv else 1)
 
     def _check_fits(self, n: int) -> None:
         """Refuse `n` memory workers when a request in the engine would not fit them."""
-        cap = self.config.num_kv_slots * (n if self.config.split_kv else 1)
+        cap = self._kv_capacity(n)
         live = [(len(s.tokens), s.seq_id, r.rid) for r in self._reqs.values() for s in r.seqs
                 if s.status != "finished"]
         size, sid, rid = max(live, default=(0, -1, -1))
@@ -1147,8 +1148,8 @@ class LLMEngine:
         # the pools are a context too: a sequence that gives no slot back and holds
         # every one of them has no room for its next position, even alone
         length = ((p.max_tokens is not None and len(seq.output) >= p.max_tokens)
-                  or len(seq.tokens) >= self.max_len
-                  or (len(seq.tokens) > self._kv_capacity() and seq.holes_from is None))
+                  or seq.num_tokens >= self.max_len
+                  or (seq.num_tokens > self._kv_capacity() and seq.holes_from is None))
         if length and d is not None:
             d.flush(seq.output)  # a stop string may sit in a held-back tail
         if p.stop and d is not None:

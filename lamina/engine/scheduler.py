@@ -597,11 +597,7 @@ class Scheduler:
     def orders_plan(self) -> StepPlan:
         """A plan with no work: the tables to drop and the tier orders queued, sent
         at once (before workers leave)."""
-        orders = self.sessions.take_orders() if self.sessions is not None else ()
-        plan = StepPlan(self.step, (), released=tuple(self._released), tier_orders=orders)
-        self._released.clear()
-        self.step += 1
-        return plan
+        return self._emit([])
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -829,6 +825,10 @@ class Scheduler:
                 f"cannot be placed: {[a.num_free() for a in self.allocs]} free KV slots, "
                 f"{sum(c.evictable() for c in self.caches or [])} more the prefix cache "
                 f"can give, step token budget {self.config.max_step_tokens}"))
+        return self._emit(work, report)
+
+    def _emit(self, work: list[SeqWork], report: bool = False) -> StepPlan:
+        """The next plan: `work`, the tables to drop and the tier orders queued."""
         orders = self.sessions.take_orders() if self.sessions is not None else ()
         plan = StepPlan(self.step, tuple(work), released=tuple(self._released),
                         tier_orders=orders, report_dropped=report)
