@@ -44,7 +44,7 @@ from ray.experimental import internal_kv
 
 from lamina.engine.outputs import MemoryScale
 from lamina.entrypoints.api_responses import ResponseStore, Stored
-from lamina.entrypoints.autoscale import AutoscaleRunner, scale_beside
+from lamina.entrypoints.autoscale import AutoscaleRunner, on_loop, scale_beside
 from lamina.entrypoints.deploy_config import LaminaConfig
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.llm import LLM
@@ -311,7 +311,7 @@ class LaminaService:
         steps, added between two (`scale_beside`); the count kept for the service's
         restarts. `scale` and the autoscaler call it, one at a time."""
         with self._scaling:
-            done = scale_beside(self.loop, n)
+            done = scale_beside(self.llm.engine, n, on_loop(self.loop))
             engine = replace(self.config.engine, num_memory_workers=done.after)
             self.config = replace(self.config, engine=engine)
             self.llm.config = replace(self.llm.config, num_memory_workers=done.after)

@@ -25,6 +25,7 @@ import time
 from collections import deque
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Callable
 
 from lamina.engine.outputs import MemoryScale
 
@@ -160,19 +161,31 @@ class ScaleChange:
     why: str
 
 
-def scale_beside(loop, n: int) -> MemoryScale:
-    """`loop`'s engine to `n` memory workers, the new ones started on this thread beside
-    its steps (`Executor.start_memory_workers`) and added between two."""
-    engine = loop.engine
+def scale_beside(engine, n: int, between: Callable[[Callable], MemoryScale]) -> MemoryScale:
+    """`engine` to `n` memory workers, the new ones started on this thread beside its
+    steps (`Executor.start_memory_workers`) and added by `between(fn)`, which runs
+    `fn(engine)` between two steps and returns its result (`SharedEngine.call`; for an
+    `EngineLoop`: `on_loop(loop)`). Started workers the engine never got (the loop or
+    engine stopped first) are stopped again."""
     have = len(engine.allocs)
     started = engine.executor.start_memory_workers(have, n - have) if n > have else None
+    handed = False
+
+    def change(e) -> MemoryScale:
+        nonlocal handed
+        handed = True  # from here on the engine stops them itself if it must
+        return e.scale_memory_workers(n, started)
     try:
-        fut = loop.call(lambda e: e.scale_memory_workers(n, started))
+        return between(change)
     except BaseException:
-        if started is not None:
+        if started is not None and not handed:
             engine.executor.discard_memory_workers(started)
         raise
-    return fut.result()
+
+
+def on_loop(loop) -> Callable[[Callable], MemoryScale]:
+    """`scale_beside`'s `between` for an `EngineLoop`: `fn` run by its thread."""
+    return lambda fn: loop.call(fn).result()
 
 
 class AutoscaleRunner:
@@ -183,7 +196,7 @@ class AutoscaleRunner:
     def __init__(self, loop, config: AutoscaleConfig, scale=None):
         self.loop, self.config = loop, config
         self.policy = Autoscaler(config)
-        self._scale = scale or (lambda n: scale_beside(loop, n))
+        self._scale = scale or (lambda n: scale_beside(loop.engine, n, on_loop(loop)))
         self.changes: list[ScaleChange] = []
         self.error: str | None = None  # the last change's failure
         self._stop = threading.Event()

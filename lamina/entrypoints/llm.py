@@ -19,6 +19,7 @@ from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.inputs import TokensPrompt, check_unicode
 from lamina.engine.outputs import MemoryScale, RequestOutput
+from lamina.entrypoints.autoscale import scale_beside
 from lamina.entrypoints.calls import Call, CallRequest, SharedEngine
 from lamina.entrypoints.interrupts import StepBoundary
 from lamina.entrypoints.logs import configure_logging
@@ -248,10 +249,8 @@ class LLM:
         other threads (`LLMEngine.scale_memory_workers`: fewer workers preempt the
         sequences that had KV on a leaving one). New workers are started on this
         thread, beside the steps; only their wiring waits for a step to end."""
-        with self._scaling:
-            have = len(self.engine.allocs)  # (only a scale changes it: this lock's)
-            started = self.executor.start_memory_workers(have, n - have) if n > have else None
-            done = self._shared.call(lambda engine: engine.scale_memory_workers(n, started))
+        with self._scaling:  # (only a scale changes the count: one at a time)
+            done = scale_beside(self.engine, n, self._shared.call)
             self.config = replace(self.config, num_memory_workers=n)
             return done
 

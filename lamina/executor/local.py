@@ -213,9 +213,7 @@ class LocalExecutor(Executor):
             c.num_workers = len(self.memory)
 
     def discard_memory_workers(self, started: StartedMemory) -> None:
-        for m in started.workers:
-            if m.tiers is not None:
-                m.tiers.close()
+        _close_tiers(started.workers)
 
     def move_tiers(self, moves: tuple[TierMove, ...]) -> frozenset[int]:
         moved: set[int] = set()
@@ -228,9 +226,7 @@ class LocalExecutor(Executor):
     def remove_memory_workers(self, n: int) -> None:
         """Memory sides n.. go (their tier files with them)."""
         shared = self.link.shared
-        for m in self.memory[n:]:
-            if m.tiers is not None:
-                m.tiers.close()
+        _close_tiers(self.memory[n:])
         for th in (shared.threads or [])[n:]:
             th.shutdown()
         for lst in (self.memory, shared.locks, shared.tracers, shared.threads or []):
@@ -272,9 +268,14 @@ class LocalExecutor(Executor):
             th.shutdown()
         if self.replica_split is not None:
             self.replica_split.shutdown()
-        for m in self.memory:
-            if m.tiers is not None:
-                m.tiers.close()
+        _close_tiers(self.memory)
+
+
+def _close_tiers(memory: list[MemorySide]) -> None:
+    """The memory sides' tier stores closed (their files deleted)."""
+    for m in memory:
+        if m.tiers is not None:
+            m.tiers.close()
 
 
 def apply_tiers(memory: list[MemorySide], orders) -> None:
