@@ -702,8 +702,8 @@ class RayExecutor(Executor):
         tier load: asked before the step is sent."""
         self._check_open()
         self._check_tier_loads(plan)
-        if plan.tier_orders and len(self.computes) > 1:
-            plan = self._tiers_first(plan)
+        if plan.tier_orders:
+            plan = self._tiers_first(plan, self._orders_ahead(plan))
         try:
             if self.ring:
                 return self._ring_step(plan)
@@ -783,16 +783,29 @@ class RayExecutor(Executor):
                            f"memory workers {by}: no valid saved KV for sequences "
                            f"{sorted(missed)}")
 
-    def _tiers_first(self, plan: StepPlan) -> StepPlan:
-        """Compute replicas: the step's tier orders go to their memory workers before the
-        step, not in its frames (each replica sends its own step head, and in a ring
-        every replica sends the whole plan's); -> the plan without them. The loads were
-        checked, so any error is a worker's failure."""
-        by = sorted({o.worker for o in plan.tier_orders})
+    def _orders_ahead(self, plan: StepPlan) -> list[int]:
+        """The memory workers whose tier orders go by call before the step rather than in
+        its frames: under compute replicas every one (each replica sends its own step
+        head, and in a ring every replica sends the whole plan's); else those with no
+        rows this step. A worker's frames with no rows get no answer, so the step could
+        return before that worker carried out a save which the next call reads (a
+        scale-down's move, the next step's tier check): it would find nothing."""
+        by = {o.worker for o in plan.tier_orders}
+        if len(self.computes) == 1:
+            by -= {w for s in plan.seqs for w, _ in s.placement}
+        return sorted(by)
+
+    def _tiers_first(self, plan: StepPlan, by: list[int]) -> StepPlan:
+        """Memory workers `by`'s tier orders carried out before the step is sent (answered
+        calls); -> the plan without them. The loads were checked, so any error is a
+        worker's failure."""
+        if not by:
+            return plan
         self._before_step([self.memory[w].apply_tiers.remote(
             [o for o in plan.tier_orders if o.worker == w]) for w in by], by, plan.step,
             "tier orders")
-        return replace(plan, tier_orders=())
+        return replace(plan, tier_orders=tuple(o for o in plan.tier_orders
+                                               if o.worker not in by))
 
     def _before_step(self, refs: list, by: list[int], step: int, what: str) -> list:
         """Memory workers `by`'s answers to calls made before step `step` is sent (the

@@ -171,8 +171,9 @@ class MemoryWorker:
         return [o.seq_id for o in tiers.missing(loads)]
 
     def apply_tiers(self, orders: list) -> None:
-        """A step's tier orders before the step is sent (compute replicas: not in their
-        frames, `RayExecutor._tiers_first`); under the pool's lock, as its serving."""
+        """A step's tier orders before the step is sent, not in its frames (compute
+        replicas; a worker with no rows in the step: `RayExecutor._orders_ahead`); under
+        the pool's lock, as its serving."""
         with self._shared or contextlib.nullcontext():
             self.memory.apply_tiers(orders)
 

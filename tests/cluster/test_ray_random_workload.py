@@ -151,6 +151,42 @@ def test_a_memory_worker_hung_at_the_tier_check_fails_the_step_in_bounded_time(
     assert [got[0].outputs[0].token_ids] == hf_greedy_of(smol, [second], 8)
 
 
+def _slow_tiers(worker, delay_s: float) -> None:
+    """On a memory worker (`__ray_call__`): its data plane waits `delay_s` before it
+    carries out a step's tier orders, as a loaded machine's thread may (0: as it was)."""
+    for server in worker.servers:
+        server.__dict__.pop("_apply_tiers", None)
+        if delay_s:
+            plain = server._apply_tiers
+            server._apply_tiers = lambda step, plain=plain: (time.sleep(delay_s), plain(step))
+
+
+def test_a_save_sent_to_a_worker_with_no_rows_is_done_when_the_step_returns(llm, smol):
+    """A finished turn's save goes to its memory worker with the next step; in a step
+    where that worker has no rows its frames get no answer, so the step could return
+    before the worker saved, and a call right after (a scale-down's move, the next
+    turn's tier check) find nothing (CI saw a shrink move no session so, once in four
+    runs). With the workers' data planes made slow to carry out tier orders (0.5 s),
+    the entry is in the worker's tier, whole, once a step with no rows carrying the
+    save has returned."""
+    ex, tok = llm.executor, smol.tokenizer
+    ex.recover(RuntimeError("a new test"))
+    eng = LLMEngine(replace(llm.config, idle_check_s=None), ex, llm.loaded.tokenizer,
+                    llm.loaded.config)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ray.get([w.__ray_call__.remote(_slow_tiers, 0.5) for w in ex.memory])
+    try:
+        run(eng, [Ask(0, tok("Name a river.")["input_ids"], params, 0, None, "s", False)])
+        entry = eng.sessions.sessions["s"]
+        assert eng.scheduler.owes_workers()  # the save rides the next step
+        assert eng.flush()
+        got = ray.get(ex.memory[entry.worker].export_tiers.remote([entry.id]))
+    finally:
+        ray.get([w.__ray_call__.remote(_slow_tiers, 0) for w in ex.memory])
+    assert list(got) == [entry.id] and got[entry.id].n == len(entry.tokens)
+    assert eng.num_recoveries == 0
+
+
 def test_preempted_sequences_swap_to_the_workers_host_tiers(llm, prompts, hf_greedy):
     """Six prompts (12-128 tokens, 32 new each) in 125 slots on each of the two memory
     workers, their KV split over both as they grow: growth preempts sequences. With
