@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 
 STEP_HISTORY = 4096  # step timings kept (a long-running server must not grow forever)
 ERROR_HISTORY = 100  # recovered step errors kept (their count is `num_recoveries`)
+SHORT_POLL_S = 0.05  # a step's wait while only a sequence waiting for more workers is left
 PROBE_TOKEN = 0  # the engine's own probe request's prompt (`_probe`): any id will do
 
 
@@ -124,6 +126,10 @@ class LLMEngine:
         self.kv_kept_tokens = 0  # positions whose KV recoveries kept (not recomputed)
         self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
+        # (sequence, since when) waiting for the pools to grow (`Scheduler.short`), and
+        # how long one may (`allow_growth`)
+        self._short: tuple[int, float] | None = None
+        self._grow_wait_s = 0.0
         # request id -> failed steps (no sequence named) it was in since it last drew a
         # token: a request whose prompt trips a fault in its last chunk fails one step
         # in every few (its earlier chunks run), never past max_recoveries in a row
@@ -288,9 +294,12 @@ class LLMEngine:
         if params.n > self.config.max_batch:
             raise ValueError(f"n={params.n} parallel samples exceed max_batch "
                              f"{self.config.max_batch}")
-        cap = self._kv_capacity()
+        cap = self.scheduler.capacity()
         if len(ids) + params.n > cap:
-            raise ValueError(f"prompt has {len(ids)} tokens; the KV pools hold {cap}")
+            most = self.scheduler.ceiling  # (0: none set)
+            raise ValueError(f"prompt has {len(ids)} tokens; the KV pools hold {cap}" + (
+                f" at the most memory workers they may grow to ({most})"
+                if most >= len(self.allocs) else ""))
         self._check_kv_override(params)
         self._check_whole_prompt(params, len(ids))
         if params.structured_outputs is not None:
@@ -487,6 +496,10 @@ class LLMEngine:
         for fault in self.scheduler.unplaceable:  # each fails alone, by name
             failed += self._fail(fault, plan.step)
         self.scheduler.unplaceable.clear()
+        failed += self._waited_for_workers(plan.step)
+        if not (plan.seqs or plan.released or plan.tier_orders) and self.scheduler.short:
+            time.sleep(SHORT_POLL_S)  # nothing to run before the pools grow
+            return failed
         if failed and not plan.seqs:  # nothing left to run (a step all the same: timed)
             self.step_timings.append({"tokens": 0, "seqs": 0, "drawn": 0,
                                       "step_s": time.perf_counter() - t0})
@@ -517,6 +530,41 @@ class LLMEngine:
         if self._search is not None:
             failed += self._searched(drawn, plan.step)
         return failed + self._apply(drawn, now, plan.step)
+
+    def allow_growth(self, max_workers: int | None, wait_s: float = 120.0) -> None:
+        """The memory workers may be grown to `max_workers` by whoever scales them (an
+        autoscaler: `lamina.entrypoints.autoscale`), so requests are admitted that fit
+        that many pools (with `split_kv`), and a sequence that needs more pools than
+        there are waits for them (`Scheduler.short`, which the autoscaler reads) up to
+        `wait_s`, then fails alone, by name. None: no growth (the default). It sets
+        two fields that each step reads, so any thread may call it."""
+        if max_workers is not None and (isinstance(max_workers, bool)
+                                        or not isinstance(max_workers, int) or max_workers < 1):
+            raise ValueError(f"max_workers must be None or an int >= 1, got {max_workers!r}")
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not (
+                0 <= wait_s < math.inf):
+            raise ValueError(f"wait_s must be a number of seconds >= 0, got {wait_s!r}")
+        self.scheduler.ceiling, self._grow_wait_s = max_workers or 0, wait_s
+
+    def _waited_for_workers(self, step: int) -> list[RequestOutput]:
+        """The sequence waiting for more memory workers (`Scheduler.short`) fails alone
+        once it has waited `allow_growth`'s `wait_s`."""
+        short, now = self.scheduler.short, time.monotonic()
+        if short is None or self._short is None or self._short[0] != short.seq_id:
+            if short is not None:
+                log.info("sequence %d needs %d KV positions: it waits for %d memory workers "
+                         "(there are %d)", short.seq_id, short.tokens, short.workers,
+                         len(self.allocs))
+            self._short = None if short is None else (short.seq_id, now)
+            return []
+        if now - self._short[1] < self._grow_wait_s:
+            return []
+        self._short, self.scheduler.short = None, None
+        return self._fail(SequenceFault([short.seq_id], (
+            f"sequence {short.seq_id} needs {short.tokens} KV positions, {short.workers} "
+            f"memory workers' pools of {self.config.num_kv_slots} slots; they stayed "
+            f"{len(self.allocs)} for {self._grow_wait_s:g} s (the autoscaler's last "
+            "failure: `lamina status`)")), step)
 
     def _note_scheduled(self, plan: StepPlan, now: float) -> None:
         """Requests this step feeds for the first time: their queue time ends now."""
@@ -966,15 +1014,10 @@ class LLMEngine:
         self.sessions.relocated(moved)
         return moved
 
-    def _kv_capacity(self, workers: int | None = None) -> int:
-        """The KV positions one sequence may hold: its memory worker's pool, or with
-        `split_kv` every worker's (of `workers` of them; None: those there are)."""
-        n = len(self.allocs) if workers is None else workers
-        return self.config.num_kv_slots * (n if self.config.split_kv else 1)
-
     def _check_fits(self, n: int) -> None:
-        """Refuse `n` memory workers when a request in the engine would not fit them."""
-        cap = self._kv_capacity(n)
+        """Refuse `n` memory workers when a request in the engine would not fit them (one
+        sequence's pool, or with `split_kv` all n)."""
+        cap = self.config.num_kv_slots * (n if self.config.split_kv else 1)
         live = [(len(s.tokens), s.seq_id, r.rid) for r in self._reqs.values() for s in r.seqs
                 if s.status != "finished"]
         size, sid, rid = max(live, default=(0, -1, -1))
@@ -1149,7 +1192,7 @@ class LLMEngine:
         # every one of them has no room for its next position, even alone
         length = ((p.max_tokens is not None and len(seq.output) >= p.max_tokens)
                   or seq.num_tokens >= self.max_len
-                  or (seq.num_tokens > self._kv_capacity() and seq.holes_from is None))
+                  or (seq.num_tokens > self.scheduler.capacity() and seq.holes_from is None))
         if length and d is not None:
             d.flush(seq.output)  # a stop string may sit in a held-back tail
         if p.stop and d is not None:

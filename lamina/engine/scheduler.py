@@ -49,7 +49,10 @@ KV split (paper 5.2): with `split_kv`, a sequence whose worker is full spills it
 slots onto another worker instead of being preempted, and a prompt larger than any one
 worker's free slots is spread over several. A sequence holds at most one contiguous
 position range per worker (`Sequence.segments`); the executor sends its queries to each
-and merges the partial attentions exactly by log-sum-exp.
+and merges the partial attentions exactly by log-sum-exp. Memory workers may join and
+leave (`add_workers`, `retire_workers`); while the pools may grow to `ceiling` workers
+(an autoscaler runs), a sequence larger than the pools there are, alone, is no fault: it
+waits, `short` of the workers it needs, which the autoscaler reads.
 """
 from __future__ import annotations
 
@@ -102,6 +105,16 @@ class Skip:
     start: int
     end: int
     loads: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A waiting sequence that fits no pools there are, alone, but fits more memory
+    workers (up to `Scheduler.ceiling`): it waits for them."""
+
+    seq_id: int
+    tokens: int  # KV positions it needs (its tokens and the next one's)
+    workers: int  # memory workers that hold them
 
 
 @dataclass(frozen=True)
@@ -258,6 +271,10 @@ class Scheduler:
         # waiting sequences found unable ever to be placed (alone, they do not fit the
         # pools: a KV policy's recompute, a pool shrunk): the engine fails their requests
         self.unplaceable: list[SequenceFault] = []
+        # memory workers the pools may be grown to (by an autoscaler); 0: no more than
+        # there are. A sequence that fits that many waits for them (`short`)
+        self.ceiling = 0
+        self.short: Shortfall | None = None  # the last plan's (None: no sequence waits so)
 
     @property
     def alloc(self) -> KVAllocator:
@@ -267,11 +284,23 @@ class Scheduler:
         return self.allocs[0]
 
     def add(self, seq: Sequence) -> None:
-        cap = (sum if self.config.split_kv else max)(a.config.num_slots for a in self.allocs)
-        if len(seq.tokens) > cap:
+        if self.workers_for(len(seq.tokens)) is None:
             raise ValueError(f"sequence {seq.seq_id} needs {len(seq.tokens)} KV slots; the "
-                             f"memory workers hold {cap} in all")
+                             f"memory workers hold {self.capacity()} in all")
         self.waiting.append(seq)
+
+    def capacity(self) -> int:
+        """The KV positions one sequence may hold: its worker's pool, or with `split_kv`
+        every pool's, at `ceiling` memory workers when that is more than there are."""
+        slots = self.allocs[0].config.num_slots  # (every pool has as many)
+        return slots * (max(len(self.allocs), self.ceiling) if self.config.split_kv else 1)
+
+    def workers_for(self, n: int) -> int | None:
+        """The memory workers n KV positions of one sequence need (one, or with
+        `split_kv` as many pools as they fill); None: more than `capacity`."""
+        if n > self.capacity():
+            return None
+        return -(-n // self.allocs[0].config.num_slots) if self.config.split_kv else 1
 
     def _place(self, n: int) -> list[tuple[int, int]] | None:
         """[(worker, slots)] for n new slots: the worker with the most free slots if it
@@ -818,7 +847,9 @@ class Scheduler:
             if seq.status == "running" and budget > 0:
                 budget -= self._feed(seq, seq.num_tokens - seq.pending, budget, work)
         self._admit_all(waiting, budget, work)
-        stuck = None if work else next((s for s in self.waiting if admits(s)), None)
+        self.short = self._shortfall(next((s for s in self.waiting if admits(s)), None))
+        stuck = None if work or self.short else next((s for s in self.waiting if admits(s)),
+                                                     None)
         if stuck is not None:  # nothing else runs, and it does not fit: it never will
             self.unplaceable.append(SequenceFault(
                 [stuck.seq_id], f"sequence {stuck.seq_id} ({len(stuck.tokens)} tokens) "
@@ -826,6 +857,14 @@ class Scheduler:
                 f"{sum(c.evictable() for c in self.caches or [])} more the prefix cache "
                 f"can give, step token budget {self.config.max_step_tokens}"))
         return self._emit(work, report)
+
+    def _shortfall(self, seq: Sequence | None) -> Shortfall | None:
+        """seq's, when it needs more memory workers than there are and `ceiling` allows
+        them (its KV, and the next position's)."""
+        need = self.workers_for(len(seq.tokens) + 1) if seq is not None else None
+        if seq is None or need is None or need <= len(self.allocs):
+            return None
+        return Shortfall(seq.seq_id, len(seq.tokens) + 1, need)
 
     def _emit(self, work: list[SeqWork], report: bool = False) -> StepPlan:
         """The next plan: `work`, the tables to drop and the tier orders queued."""

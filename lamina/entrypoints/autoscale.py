@@ -12,9 +12,13 @@ requests (not the prefix cache, which yields) and demand went unmet in that time
 (sequences waiting, or one preempted for room); one fewer when for `down_after_s` what
 requests held would have fit one worker fewer at most `down_utilization` full, nobody
 waited and nobody was preempted. After a change it waits `cooldown_s` and a whole window
-of new samples. On a Ray cluster whose autoscaler launches nodes for pending placement
-groups (`ray up` with `available_node_types`), a worker that has no room waits for its
-node (`placement_timeout_s`) beside the steps: the pool and the machines grow together.
+of new samples. Requests are admitted that fit `max_memory_workers`' pools (with
+`split_kv`; `LLMEngine.allow_growth`): a sequence that needs more workers than there are
+waits for them, and the next sample grows the pool to its size at once (no window, no
+cooldown); one that has waited `grow_wait_s` fails alone, by name. On a Ray cluster
+whose autoscaler launches nodes for pending placement groups (`ray up` with
+`available_node_types`), a worker that has no room waits for its node
+(`placement_timeout_s`) beside the steps: the pool and the machines grow together.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class AutoscaleConfig:
     down_utilization: float = 0.5  # of one worker fewer's slots, were they all gone
     down_after_s: float = 300.0  # that long idle enough before one fewer
     cooldown_s: float = 60.0  # after a change, before the next
+    grow_wait_s: float = 120.0  # a sequence waits that long for the workers it needs
 
     def __post_init__(self):
         if self.max_memory_workers is not None and (
@@ -50,7 +55,7 @@ class AutoscaleConfig:
                 or not 1 <= self.min_memory_workers <= self.max_memory_workers):
             raise ValueError(f"autoscale: need 1 <= min_memory_workers <= max_memory_workers, "
                              f"got {self.min_memory_workers} and {self.max_memory_workers}")
-        for name in ("interval_s", "up_after_s", "down_after_s", "cooldown_s"):
+        for name in ("interval_s", "up_after_s", "down_after_s", "cooldown_s", "grow_wait_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"autoscale.{name} must be a number of seconds >= 0, got {v!r}")
@@ -79,6 +84,7 @@ class KVSample:
     used: int  # slots requests hold, every worker (the prefix cache's are free to take)
     waiting: int  # sequences waiting to run
     preemptions: int  # sequences preempted so far (a counter)
+    needed: int = 0  # memory workers a waiting sequence needs (`Scheduler.short`; 0: none)
 
     @property
     def utilization(self) -> float:
@@ -87,10 +93,11 @@ class KVSample:
 
 def sample(engine) -> KVSample:
     """`engine`'s `KVSample` now (call it on the engine's thread: `EngineLoop.call`)."""
-    slots = engine.config.num_kv_slots
+    slots, short = engine.config.num_kv_slots, engine.scheduler.short
     return KVSample(time.monotonic(), len(engine.allocs), slots,
                     slots * len(engine.allocs) - sum(engine.free_slots()),
-                    len(engine.scheduler.waiting), engine.scheduler.num_preemptions)
+                    len(engine.scheduler.waiting), engine.scheduler.num_preemptions,
+                    short.workers if short is not None else 0)
 
 
 class Autoscaler:
@@ -111,9 +118,12 @@ class Autoscaler:
         keep = max(c.up_after_s, c.down_after_s)
         while len(self.samples) > 1 and s.at - self.samples[1].at >= keep:
             self.samples.popleft()  # the first kept is at least `keep` old
+        assert c.max_memory_workers is not None
+        if s.workers < s.needed <= c.max_memory_workers:  # a sequence waits for them
+            return self._change(s, s.needed, f"a waiting sequence needs {s.needed} "
+                                "memory workers' pools")
         if s.at - self.changed_at < c.cooldown_s:
             return None
-        assert c.max_memory_workers is not None
         if s.workers < c.max_memory_workers and self._up(s):
             return self._change(s, s.workers + 1, f"pools >= {c.up_utilization:.0%} held "
                                 f"for {c.up_after_s:g} s with sequences waiting or preempted")
@@ -191,10 +201,14 @@ def on_loop(loop) -> Callable[[Callable], MemoryScale]:
 class AutoscaleRunner:
     """An `Autoscaler` beside an `EngineLoop`, on a thread of its own: a sample every
     `interval_s`, and the change it wants through `scale` (default `scale_beside`).
-    `changes`: what it did."""
+    `changes`: what it did. While it runs, the engine admits requests that fit
+    `max_memory_workers` (`LLMEngine.allow_growth`)."""
 
     def __init__(self, loop, config: AutoscaleConfig, scale=None):
         self.loop, self.config = loop, config
+        # (from this thread: two fields the engine reads each step; a loop run by the
+        # caller's thread, `serve`'s, has not started yet)
+        loop.engine.allow_growth(config.max_memory_workers, config.grow_wait_s)
         self.policy = Autoscaler(config)
         self._scale = scale or (lambda n: scale_beside(loop.engine, n, on_loop(loop)))
         self.changes: list[ScaleChange] = []
@@ -205,8 +219,11 @@ class AutoscaleRunner:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """No more changes; the engine no longer waits for workers (a sequence that
+        does wait fails alone at its next step)."""
         self._stop.set()
         self._thread.join(timeout)
+        self.loop.engine.allow_growth(None)
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.interval_s):

@@ -25,8 +25,8 @@ CFG = AutoscaleConfig(max_memory_workers=3, min_memory_workers=1, interval_s=1,
                       down_after_s=5, cooldown_s=4)
 
 
-def at(t, workers=1, used=0, waiting=0, preemptions=0, slots=100) -> KVSample:
-    return KVSample(float(t), workers, slots, used, waiting, preemptions)
+def at(t, workers=1, used=0, waiting=0, preemptions=0, slots=100, needed=0) -> KVSample:
+    return KVSample(float(t), workers, slots, used, waiting, preemptions, needed)
 
 
 def test_one_more_worker_only_after_a_whole_window_of_full_pools_with_demand_unmet():
@@ -64,6 +64,19 @@ def test_one_fewer_when_a_whole_window_would_fit_one_fewer_at_half():
     assert [a.observe(at(t, 1)) for t in range(10)] == [None] * 10
 
 
+def test_a_sequence_waiting_for_more_workers_gets_them_at_once():
+    """A sample naming the workers a waiting sequence needs (`Scheduler.short`): the
+    pool grows to them at that sample, in a cooldown too and by more than one; a need
+    past the maximum (not admitted: cannot happen) changes nothing by itself."""
+    a = Autoscaler(CFG)
+    assert a.observe(at(0, 1, waiting=1, needed=3)) == 3
+    assert a.why == "a waiting sequence needs 3 memory workers' pools"
+    a = Autoscaler(CFG)
+    assert [a.observe(at(t, used=95, waiting=1)) for t in range(4)] == [None] * 3 + [2]
+    assert a.observe(at(4, 2, waiting=1, needed=3)) == 3  # 1 s into a 4 s cooldown
+    assert Autoscaler(CFG).observe(at(0, 1, waiting=1, needed=4)) is None
+
+
 def test_outside_the_bounds_it_comes_back_to_them():
     a = Autoscaler(AutoscaleConfig(max_memory_workers=4, min_memory_workers=2))
     assert a.observe(at(0, 1)) == 2 and a.why == "outside the bounds"
@@ -75,6 +88,7 @@ def test_outside_the_bounds_it_comes_back_to_them():
     (dict(max_memory_workers=2, min_memory_workers=0), "1 <= min_memory_workers"),
     (dict(max_memory_workers=2, interval_s=0), "interval_s must be > 0"),
     (dict(max_memory_workers=2, up_after_s=-1), "up_after_s must be a number"),
+    (dict(max_memory_workers=2, grow_wait_s=float("inf")), "grow_wait_s must be a number"),
     (dict(max_memory_workers=2, up_utilization=1.5), r"up_utilization must be in \(0, 1\]"),
     (dict(max_memory_workers=2, down_utilization=0.95), "would grow and shrink in turn"),
 ])
@@ -127,4 +141,29 @@ def test_a_serving_loop_grows_its_pool_under_pressure_and_shrinks_it_idle(
         assert loop.call(sample).result(10).used == 0
     finally:
         runner.stop()
+        loop.shutdown()
+
+
+def test_a_prompt_larger_than_the_pool_grows_it_to_its_size(smol, smol_packed, prompts,
+                                                            hf_greedy):
+    """One worker of 100 slots, autoscaled up to 3 (split KV): a 200-token prompt is
+    taken, as it fits three pools; the next sample grows the pool to 3 at once, and the
+    request gives HF's greedy tokens. With the runner stopped, a prompt larger than the
+    pools there are is refused again."""
+    eng = _engine(smol, smol_packed, 100)
+    loop = EngineLoop(eng)
+    cfg = AutoscaleConfig(max_memory_workers=3, interval_s=0.05, down_after_s=600,
+                          cooldown_s=600)
+    runner = AutoscaleRunner(loop, cfg)
+    try:
+        greedy = SamplingParams(max_tokens=32, temperature=0)
+        assert loop.submit(prompts[5], greedy).result(300).outputs[0].token_ids == hf_greedy[5]
+        assert [(c.done.before, c.done.after) for c in runner.changes] == [(1, 3)]
+        assert runner.changes[0].why == "a waiting sequence needs 3 memory workers' pools"
+    finally:
+        runner.stop()
+    try:
+        with pytest.raises(ValueError, match=r"prompt has 300 tokens; the KV pools hold 300$"):
+            loop.submit(prompts[6], SamplingParams(max_tokens=4))
+    finally:
         loop.shutdown()

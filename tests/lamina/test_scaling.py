@@ -2,12 +2,13 @@
 exact scheduler states, HF greedy tokens across the changes, refusals, the serving
 loop's and `LLM`'s ways in."""
 import threading
+import time
 
 import pytest
 
 from lamina.engine.config import EngineConfig
-from lamina.engine.engine import LLMEngine
-from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from lamina.engine.engine import SHORT_POLL_S, LLMEngine
+from lamina.engine.scheduler import Scheduler, SchedulerConfig, Sequence, Shortfall
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.executor.local import LocalExecutor
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
@@ -319,3 +320,112 @@ def test_tiers_of_added_workers_are_set_up_as_the_first_ones(smol, smol_packed):
     assert new.pool.config == eng.executor.memory[0].pool.config
     assert new.pool.k.data_ptr() != eng.executor.memory[0].pool.k.data_ptr()
     assert TierConfig(1 << 20).host_bytes == new.tiers.config.host_bytes
+
+
+def test_a_sequence_larger_than_the_pools_waits_for_the_workers_the_ceiling_allows_exact():
+    """Two workers of 4 slots, split KV. A sequence of 9 tokens is refused while the
+    pools may not grow; with `ceiling` 3 it is taken and waits, `short` of 3 workers
+    (its 9 positions and the next one's), beside a small one that runs and after it,
+    never named unplaceable; a third worker added, it is placed over the three. A
+    ceiling lowered under a waiting one names it unplaceable."""
+    allocs = [KVAllocator(KVAllocatorConfig(4)) for _ in range(2)]
+    s = Scheduler(SchedulerConfig(4, 100, True), allocs)
+    big, small = Sequence(0, list(range(1, 10)), P), Sequence(1, [20, 21], P)
+    with pytest.raises(ValueError, match="needs 9 KV slots; the memory workers hold 8"):
+        s.add(big)
+    s.ceiling = 3
+    assert s.capacity() == 12 and s.workers_for(10) == 3 and s.workers_for(13) is None
+    s.add(small)
+    s.add(big)
+    assert _plan(s) == [(1, (20, 21), 0, (0, 1), 0, ())]
+    assert s.short == Shortfall(0, 10, 3) and s.unplaceable == [] and list(s.waiting) == [big]
+    small.output.append(22)
+    s.finish(small, "length")
+    assert _plan(s) == [] and s.short == Shortfall(0, 10, 3) and s.unplaceable == []
+    s.add_workers([KVAllocator(KVAllocatorConfig(4))])
+    assert _plan(s) == [(0, tuple(range(1, 10)), 0, (0, 1, 2, 3, 0, 1, 2, 3, 0), 0,
+                         ((0, 0), (1, 4), (2, 8)))]
+    assert s.short is None and [a.num_free() for a in s.allocs] == [0, 0, 3]
+    s.finish(big, "length")
+    t = Scheduler(SchedulerConfig(4, 100, True), [KVAllocator(KVAllocatorConfig(4))])
+    t.ceiling = 4
+    t.add(Sequence(5, [1] * 6, P))
+    assert _plan(t) == [] and t.short == Shortfall(5, 7, 2)
+    t.ceiling = 0  # (the autoscaler stopped)
+    assert _plan(t) == [] and t.short is None
+    assert [f.seq_ids for f in t.unplaceable] == [(5,)]
+
+
+def test_a_prompt_larger_than_the_pools_waits_for_the_growth_allowed_then_runs_exact(
+        smol, smol_packed, prompts, hf_greedy):
+    """One worker of 100 slots. A 200-token prompt is refused by name; once the pools
+    may grow to 3 workers (`allow_growth`, as an autoscaler sets) it is taken and waits
+    beside a small request, short of 3 workers; while it alone is left and nothing is
+    owed to the workers, a step sends them nothing (it waits `SHORT_POLL_S`). Grown to
+    3, it runs. A 300-token prompt is refused naming the ceiling. Both give HF's greedy
+    tokens."""
+    eng = _engine(smol, smol_packed, 100, 1)
+    with pytest.raises(ValueError, match=r"prompt has 200 tokens; the KV pools hold 100$"):
+        eng.add_request(prompts[5], GREEDY)
+    eng.allow_growth(3, wait_s=60)
+    with pytest.raises(ValueError, match=r"prompt has 300 tokens; the KV pools hold 300 "
+                                         r"at the most memory workers they may grow to \(3\)"):
+        eng.add_request(prompts[6], GREEDY)
+    run = Stepper(eng, [prompts[1], prompts[5]], GREEDY)  # 12 and 200 tokens
+    run.steps(1)
+    short = eng.scheduler.short
+    assert (short.tokens, short.workers) == (201, 3) and len(eng.scheduler.running) == 1
+    while eng.scheduler.running:
+        run.steps()
+    run.steps()  # it sends the small one's table to drop
+    calls, execute = [], eng.executor.execute
+    eng.executor.execute = lambda plan: (calls.append(plan), execute(plan))[1]
+    t = time.monotonic()
+    run.steps(3)
+    assert calls == [] and time.monotonic() - t >= 3 * SHORT_POLL_S
+    assert eng.has_unfinished() and eng.num_failed_requests == 0
+    eng.scale_memory_workers(3)
+    assert run.run_out() == [hf_greedy[1], hf_greedy[5]]
+    assert eng.scheduler.short is None and eng.free_slots() == [100] * 3
+
+
+def test_a_sequence_waiting_longer_than_allowed_for_workers_fails_alone(
+        smol, smol_packed, prompts, hf_greedy):
+    """The pools may grow to 3, but nobody grows them: the 200-token prompt fails alone
+    after `wait_s`, by name; the small request beside it gives HF's tokens, and the
+    engine is left as if the big one had never come."""
+    eng = _engine(smol, smol_packed, 100, 1)
+    eng.allow_growth(3, wait_s=0.3)
+    run = Stepper(eng, [prompts[1], prompts[5]], GREEDY)
+    t = time.monotonic()
+    while eng.has_unfinished():
+        run.steps()
+    assert time.monotonic() - t >= 0.3
+    small, big = (run.done[i] for i in run.ids)
+    assert small.outputs[0].token_ids == hf_greedy[1]
+    assert big.outputs[0].finish_reason == "error" and big.outputs[0].token_ids == []
+    assert ("needs 201 KV positions, 3 memory workers' pools of 100 slots; they stayed 1 "
+            "for 0.3 s") in big.error
+    assert eng.num_failed_requests == 1 and eng.free_slots() == [100]
+    assert not eng.scheduler.waiting and eng.scheduler.short is None
+
+
+def test_a_sequence_outgrowing_the_pools_waits_for_more_rather_than_ending(
+        smol, smol_packed, prompts, hf_greedy):
+    """One worker of 100 slots that may grow to 2: a 90-token prompt decoding 32 tokens
+    fills the pool at 100 positions. Without a ceiling it would end there ("length");
+    here it is preempted, waits short of 2 workers, and once the second joins it goes
+    on to HF's 32 greedy tokens."""
+    eng = _engine(smol, smol_packed, 100, 1)
+    eng.allow_growth(2, wait_s=60)
+    run = Stepper(eng, [prompts[12]], GREEDY)
+    while eng.scheduler.short is None:
+        run.steps()
+    assert eng.scheduler.short.workers == 2 and eng.scheduler.num_preemptions == 1
+    eng.scale_memory_workers(2)
+    assert run.run_out() == [hf_greedy[12]] and len(hf_greedy[12]) == 32
+    assert run.done[run.ids[0]].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_workers must be None or an int >= 1"):
+        eng.allow_growth(0)
+    with pytest.raises(ValueError, match="wait_s must be a number of seconds >= 0"):
+        eng.allow_growth(2, wait_s=-1)

@@ -1031,3 +1031,49 @@ def test_use_beam_search_refuses_what_it_cannot_honour(server, extra, param):
     status, out = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2,
                                                   "use_beam_search": True, "n": 2})
     assert status == 200 and len(out["choices"]) == 2
+
+
+def test_an_autoscaled_server_takes_a_prompt_longer_than_its_pool(tmp_path, prompts,
+                                                                  hf_greedy):
+    """`lamina serve --config` (its engine loop on the main thread) with one memory
+    worker of 100 slots, autoscaled up to 3: a 200-token prompt over HTTP is taken, as it
+    fits three pools; the pool grows at the next sample and the answer is HF's greedy
+    tokens, /metrics counting 3 workers. A 301-token prompt is refused, 400 naming the
+    pools at the ceiling."""
+    cfg = tmp_path / "lamina.yaml"
+    cfg.write_text("engine: {num_memory_workers: 1, num_kv_slots: 100}\n"
+                   "cluster: {executor: local}\n"
+                   "autoscale: {max_memory_workers: 3, interval_s: 0.2}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "lamina.entrypoints.cli", "--threads",
+                             "1", "serve", "--config", str(cfg), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            m = re.search(r"on http://127\.0\.0\.1:(\d+) \(", line)
+            if m:
+                break
+        assert m, "no serving line"
+        url = f"http://127.0.0.1:{m.group(1)}"
+        _wait_healthy(url)
+
+        def post(prompt):
+            req = urllib.request.Request(url + "/v1/completions", json.dumps(
+                {"prompt": prompt, "max_tokens": HF_NEW, "temperature": 0}).encode(),
+                {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=300) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        status, body = post(prompts[5])
+        assert status == 200 and body["choices"][0]["token_ids"] == hf_greedy[5]
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            assert "lamina_memory_workers 3.0" in r.read().decode()
+        status, body = post(prompts[6] + [1])
+        assert status == 400 and body["error"]["message"].endswith(
+            "prompt has 301 tokens; the KV pools hold 300 at the most memory workers they "
+            "may grow to (3)"), body
+    finally:
+        proc.kill()
+        proc.wait()
