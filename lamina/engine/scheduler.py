@@ -841,15 +841,17 @@ class Scheduler:
         #    before it and may preempt lower priorities to get in.
         budget = self.config.max_step_tokens - sum(len(w.token_ids) for w in work)
         admits = self.admits or (lambda seq: True)  # (those it holds back keep their place)
-        waiting = deque(s for s in self._rank(self.waiting) if admits(s))
+        ranked = [s for s in self._rank(self.waiting) if admits(s)]
+        waiting = deque(ranked)
         for seq in self._rank(s for s in self.running if s.pending):
             budget = self._admit_all(waiting, budget, work, before=seq)
             if seq.status == "running" and budget > 0:
                 budget -= self._feed(seq, seq.num_tokens - seq.pending, budget, work)
         self._admit_all(waiting, budget, work)
-        self.short = self._shortfall(next((s for s in self.waiting if admits(s)), None))
-        stuck = None if work or self.short else next((s for s in self.waiting if admits(s)),
-                                                     None)
+        # the first in policy order not admitted: the one that ended admission
+        head = next((s for s in ranked if s.status == "waiting"), None)
+        self.short = self._shortfall(head)
+        stuck = None if work or self.short else head
         if stuck is not None:  # nothing else runs, and it does not fit: it never will
             self.unplaceable.append(SequenceFault(
                 [stuck.seq_id], f"sequence {stuck.seq_id} ({len(stuck.tokens)} tokens) "

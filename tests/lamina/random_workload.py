@@ -20,6 +20,7 @@ a preempted sequence's KV is saved and loaded back instead).
     python -m tests.lamina.random_workload 0 150    # seeds 0..149, one line each
     python -m tests.lamina.random_workload 0 60 --swap-split
     python -m tests.lamina.random_workload 0 60 --scale
+    python -m tests.lamina.random_workload 0 60 --grow
 
 `--swap-split` makes each draw's engine swap KV split over workers (`_swap_split`: two
 memory workers, `split_kv`, prefix caching and the host and disk tiers, 160 or 220
@@ -31,7 +32,11 @@ from their runs alone, by design.
 
 `--scale` changes the engine's memory workers (1-3) 2-4 times while the requests run
 (`_scaled`: pools of 160-600 slots, no KV sparsity), each ask still checked against
-its run alone.
+its run alone. `--grow` adds to it pools that may grow to 3 workers
+(`LLMEngine.allow_growth`, as under an autoscaler), split KV, and pools of a half or a
+third of the longest request: a sequence larger than the pools there are waits, and
+before each step one short of workers gets them (`Scheduler.short`), as the
+autoscaler's next sample would add them.
 
 A draft of this generator found what 419f72e (a sampled draw that rounding changed),
 0982a83 (masks of two widths read as one array), 59b45b2 (a culprit search that never
@@ -91,6 +96,7 @@ class Workload:
     faults: FaultPlan | None
     asks: tuple[Ask, ...]
     scales: tuple[Scale, ...] = ()
+    grow: bool = False  # the pools may grow to 3 workers; a short sequence gets them
 
 
 def engine(lm, split, config: dict, slots: int, faults=None) -> LLMEngine:
@@ -170,7 +176,8 @@ def texts(lm, question: str) -> tuple[list[int], list[int]]:
     return lm.tokenizer(TEXT)["input_ids"], chat
 
 
-def workload(seed: int, lm, swap_split: bool = False, scale: bool = False) -> Workload:
+def workload(seed: int, lm, swap_split: bool = False, scale: bool = False,
+             grow: bool = False) -> Workload:
     r = random.Random(seed)
     pool, chat = texts(lm, "List three colours and say why you like them.")
     config, slots = _config(r), r.choice([300, 600, 3000])
@@ -189,10 +196,10 @@ def workload(seed: int, lm, swap_split: bool = False, scale: bool = False) -> Wo
                         else None, r.random() < 0.3))
     w = Workload(config, slots, faults, tuple(asks))
     w = _swap_split(w, r) if swap_split else w
-    return _scaled(w, r) if scale else w
+    return _scaled(w, r, grow) if scale or grow else w
 
 
-def _scaled(w: Workload, r: random.Random) -> Workload:
+def _scaled(w: Workload, r: random.Random, grow: bool = False) -> Workload:
     """`w` with its memory workers changed 2-4 times while it runs (1-3 of them, in
     steps 1-40), its pools 160-600 slots so that sequences spill and are preempted (but
     each request's whole length fits one: else it ends at the pools' size, unlike its
@@ -203,6 +210,9 @@ def _scaled(w: Workload, r: random.Random) -> Workload:
     asks = tuple(replace(a, params=replace(a.params, kv_sparsity=None, kv_budget=None))
                  for a in w.asks)
     need = max(len(a.prompt) + (a.params.max_tokens or 0) + 1 for a in asks)
+    if grow:  # the longest fits 2 or 3 pools only
+        return replace(w, config={**w.config, "split_kv": True}, asks=asks, scales=scales,
+                       slots=-(-need // r.choice([2, 3])), grow=True)
     return replace(w, slots=max(r.choice([160, 300, 600]), need), asks=asks, scales=scales)
 
 
@@ -246,17 +256,19 @@ def features(w: Workload) -> set[str]:
     return out
 
 
-def run(eng: LLMEngine, asks, max_steps: int = 3000,
-        events: dict | None = None) -> tuple[dict, set[int]]:
+def run(eng: LLMEngine, asks, max_steps: int = 3000, events: dict | None = None,
+        every: Callable[[], None] | None = None) -> tuple[dict, set[int]]:
     """The asks arriving and aborted at their steps, `events` ({step: a callable}) run
-    before theirs -> ({ask: final output, or the ValueError add_request raised}, the
-    asks aborted)."""
+    before theirs, `every` before each -> ({ask: final output, or the ValueError
+    add_request raised}, the asks aborted)."""
     ids: dict[int, int | None] = {}
     outs: dict[int, object] = {}
     aborted: set[int] = set()
     for step in range(max_steps):
         if events and step in events:
             events[step]()
+        if every is not None:
+            every()
         for k, a in enumerate(asks):
             if a.at == step:
                 try:
@@ -289,9 +301,10 @@ def _logprobs(o) -> list[float]:
     return [t.logprob for c in o.outputs for t in (c.logprobs or [])]
 
 
-def check(seed: int, lm, split, swap_split: bool = False, scale: bool = False) -> list[str]:
+def check(seed: int, lm, split, swap_split: bool = False, scale: bool = False,
+          grow: bool = False) -> list[str]:
     """-> what went wrong in this seed's workload (empty: nothing)."""
-    w = workload(seed, lm, swap_split, scale)
+    w = workload(seed, lm, swap_split, scale, grow)
     with tempfile.TemporaryDirectory(prefix="lamina-rw-") as disk:
         config = {**w.config, "kv_disk_dir": disk} if w.config.get("kv_disk_dir") \
             else w.config
@@ -301,7 +314,10 @@ def check(seed: int, lm, split, swap_split: bool = False, scale: bool = False) -
 def _check(w: Workload, config: dict, lm, split) -> list[str]:
     """`check` with the workload's configuration as given (its disk tier's folder real)."""
     eng = engine(lm, split, config, w.slots, w.faults)
-    outs, aborted = run(eng, w.asks, events={x.at: _scale(eng, x.workers) for x in w.scales})
+    if w.grow:
+        eng.allow_growth(3, wait_s=600)
+    outs, aborted = run(eng, w.asks, events={x.at: _scale(eng, x.workers) for x in w.scales},
+                        every=_grower(eng) if w.grow else None)
     problems = []
     free = [w.slots] * len(eng.allocs)
     if eng.free_slots() != free or any(a.stats().shared for a in eng.allocs):
@@ -319,6 +335,18 @@ def _scale(eng: LLMEngine, n: int) -> Callable[[], None]:
         except ValueError:  # a request in the engine needs more pools: refused, by design
             pass
     return event
+
+
+def _grower(eng: LLMEngine) -> Callable[[], None]:
+    """Before a step: the workers a waiting sequence is short of, added."""
+    def every() -> None:
+        if eng.scheduler.short is not None:
+            eng.scale_memory_workers(eng.scheduler.short.workers)
+            GROWN[0] += 1
+    return every
+
+
+GROWN = [0]  # the pools grown for a short sequence, over the seeds run (`--grow`)
 
 
 def compare(asks, outs: dict, aborted: set[int], ref: LLMEngine, faulty) -> list[str]:
@@ -380,8 +408,11 @@ def each_seed(lo: int, hi: int, check_one: Callable[[int], tuple[list[str], str]
 def main() -> None:
     lm, split = reference_model()
     swap_split, scale = "--swap-split" in sys.argv[3:], "--scale" in sys.argv[3:]
+    grow = "--grow" in sys.argv[3:]
     each_seed(int(sys.argv[1]), int(sys.argv[2]),
-              lambda seed: (check(seed, lm, split, swap_split, scale), ""))
+              lambda seed: (check(seed, lm, split, swap_split, scale, grow), ""))
+    if grow:
+        print(f"pools grown for a sequence short of workers: {GROWN[0]} times")
 
 
 if __name__ == "__main__":

@@ -29,3 +29,12 @@ def test_the_seeds_hold_what_they_are_kept_for(smol):
     """A change to the generator draws other workloads: then choose the seeds again."""
     for seed, (want, _) in SEEDS.items():
         assert want <= features(workload(seed, smol)), seed
+
+
+@pytest.mark.parametrize("seed", [10, 51])
+def test_a_growing_pool_workload_answers_as_each_request_alone(smol, smol_packed, seed):
+    """`--grow` seeds (pools that may grow to 3 workers, sequences larger than those
+    there are waiting for them): both failed on the first form of the waiting, where the
+    sequence checked was the queue's first, not the first by priority ("cannot be
+    placed" named sequences that fit)."""
+    assert check(seed, smol, smol_packed, grow=True) == []

@@ -429,3 +429,23 @@ def test_a_sequence_outgrowing_the_pools_waits_for_more_rather_than_ending(
         eng.allow_growth(0)
     with pytest.raises(ValueError, match="wait_s must be a number of seconds >= 0"):
         eng.allow_growth(2, wait_s=-1)
+
+
+def test_under_priority_the_sequence_that_ends_admission_is_the_one_short_of_workers():
+    """By priority, a 9-token sequence (priority 0) goes before a 2-token one that came
+    first (priority 1): with one worker of 4 slots that may grow to 3, it ends the
+    step's admission (no overtaking), so it is the one `short` of workers, and the small
+    one, which would fit, is not named unplaceable. Two workers added, both are placed."""
+    s = Scheduler(SchedulerConfig(4, 100, True, policy="priority"),
+                  [KVAllocator(KVAllocatorConfig(4))])
+    s.ceiling = 3
+    small = Sequence(0, [20, 21], P, priority=1)
+    big = Sequence(1, list(range(1, 10)), P, priority=0)
+    s.add(small)
+    s.add(big)
+    assert _plan(s) == [] and s.short == Shortfall(1, 10, 3) and s.unplaceable == []
+    s.add_workers([KVAllocator(KVAllocatorConfig(4)) for _ in range(2)])
+    assert _plan(s) == [(1, tuple(range(1, 10)), 0, (0, 1, 2, 3, 0, 1, 2, 3, 0), 0,
+                         ((0, 0), (1, 4), (2, 8))),
+                        (0, (20, 21), 0, (1, 2), 2, ())]
+    assert s.short is None and [a.num_free() for a in s.allocs] == [0, 0, 1]
