@@ -1,6 +1,8 @@
 """Shared fixtures: the real default model (loaded and split once per session)."""
 import json
 import os
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -171,3 +173,14 @@ def smol_bf16(smol):
 
     hf = copy.deepcopy(smol.model).to(torch.bfloat16)
     return hf, split_model(hf)
+
+
+def http_post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
+    """POST `body` as JSON -> (HTTP status, the JSON answer), an error status too."""
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -18,8 +18,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,7 @@ from ray.experimental import internal_kv
 
 import lamina
 from lamina import SamplingParams
-from tests.conftest import HF_NEW, SHORT_NEW
+from tests.conftest import HF_NEW, SHORT_NEW, http_post
 
 pytestmark = pytest.mark.multinode
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,13 +78,7 @@ def cluster():
 
 
 def post_json(port: int, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return http_post(f"http://127.0.0.1:{port}{path}", body)
 
 
 def lamina_cmd(cluster, *args, timeout=300, env=None):

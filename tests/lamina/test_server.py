@@ -28,7 +28,7 @@ from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
 from lamina.errors import EngineDead
 from lamina.sampling.params import SamplingParams
-from tests.conftest import HF_NEW
+from tests.conftest import HF_NEW, http_post
 from tests.lamina.test_engine import engine as _engine
 
 
@@ -801,21 +801,11 @@ def test_sigterm_drains_the_requests_in_flight_then_exits(prompts, hf_greedy):
     """`lamina serve` sent SIGTERM mid-stream (a rolling update): the stream runs to its
     end with HF's tokens; meanwhile /health and a new request answer 503; then the
     process exits 0 by itself."""
-    proc = subprocess.Popen([sys.executable, "-m", "lamina.entrypoints.cli", "--threads",
-                             "1", "serve", "--executor", "local", "--memory-workers", "1",
-                             # the drain's bound is another test's: here the stream's 160
-                             # tokens end first even on a slow, busy machine
-                             "--shutdown-timeout", "300", "--port", "0"],
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # (the drain's bound is another test's: here the stream's 160 tokens end first even
+    # on a slow, busy machine)
+    proc, url = _serve_process("--executor", "local", "--memory-workers", "1",
+                               "--shutdown-timeout", "300")
     try:
-        for line in proc.stdout:
-            m = re.search(r"on http://127\.0\.0\.1:(\d+) \(", line)
-            if m:
-                break
-        assert m, "no serving line"
-        url = f"http://127.0.0.1:{m.group(1)}"
-        _wait_healthy(url)
         first, box = threading.Event(), {}
         body = {"prompt": prompts[4], "max_tokens": 160, "ignore_eos": True,
                 "temperature": 0}
@@ -842,6 +832,28 @@ def test_sigterm_drains_the_requests_in_flight_then_exits(prompts, hf_greedy):
     finally:
         proc.kill()
         proc.wait()
+
+
+def _serve_process(*args: str) -> tuple[subprocess.Popen, str]:
+    """`lamina serve ARGS --port 0` in a process of its own, once healthy -> (it, its URL);
+    its output stays readable from `proc.stdout`."""
+    proc = subprocess.Popen([sys.executable, "-m", "lamina.entrypoints.cli", "--threads",
+                             "1", "serve", *args, "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            m = re.search(r"on http://127\.0\.0\.1:(\d+) \(", line)
+            if m:
+                break
+        else:
+            raise AssertionError(f"no serving line (exit code {proc.wait(30)})")
+        url = f"http://127.0.0.1:{m.group(1)}"
+        _wait_healthy(url)
+        return proc, url
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def _wait_healthy(url: str) -> None:
@@ -1044,27 +1056,12 @@ def test_an_autoscaled_server_takes_a_prompt_longer_than_its_pool(tmp_path, prom
     cfg.write_text("engine: {num_memory_workers: 1, num_kv_slots: 100}\n"
                    "cluster: {executor: local}\n"
                    "autoscale: {max_memory_workers: 3, interval_s: 0.2}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "lamina.entrypoints.cli", "--threads",
-                             "1", "serve", "--config", str(cfg), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url = _serve_process("--config", str(cfg))
     try:
-        for line in proc.stdout:
-            m = re.search(r"on http://127\.0\.0\.1:(\d+) \(", line)
-            if m:
-                break
-        assert m, "no serving line"
-        url = f"http://127.0.0.1:{m.group(1)}"
-        _wait_healthy(url)
 
         def post(prompt):
-            req = urllib.request.Request(url + "/v1/completions", json.dumps(
-                {"prompt": prompt, "max_tokens": HF_NEW, "temperature": 0}).encode(),
-                {"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=300) as r:
-                    return r.status, json.loads(r.read())
-            except urllib.error.HTTPError as e:
-                return e.code, json.loads(e.read())
+            return http_post(url + "/v1/completions", {"prompt": prompt, "max_tokens": HF_NEW,
+                                                       "temperature": 0}, timeout=300)
 
         status, body = post(prompts[5])
         assert status == 200 and body["choices"][0]["token_ids"] == hf_greedy[5]
