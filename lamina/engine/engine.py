@@ -126,9 +126,10 @@ class LLMEngine:
         self.kv_kept_tokens = 0  # positions whose KV recoveries kept (not recomputed)
         self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
-        # (sequence, since when) waiting for the pools to grow (`Scheduler.short`), and
-        # how long one may (`allow_growth`)
-        self._short: tuple[int, float] | None = None
+        # the sequence waiting for the pools to grow (`Scheduler.short`; None: none),
+        # since when, and how long one may (`allow_growth`)
+        self._short_seq: int | None = None
+        self._short_since = 0.0
         self._grow_wait_s = 0.0
         # request id -> failed steps (no sequence named) it was in since it last drew a
         # token: a request whose prompt trips a fault in its last chunk fails one step
@@ -550,16 +551,17 @@ class LLMEngine:
         """The sequence waiting for more memory workers (`Scheduler.short`) fails alone
         once it has waited `allow_growth`'s `wait_s`."""
         short, now = self.scheduler.short, time.monotonic()
-        if short is None or self._short is None or self._short[0] != short.seq_id:
+        if short is None or self._short_seq != short.seq_id:
             if short is not None:
                 log.info("sequence %d needs %d KV positions: it waits for %d memory workers "
                          "(there are %d)", short.seq_id, short.tokens, short.workers,
                          len(self.allocs))
-            self._short = None if short is None else (short.seq_id, now)
+            self._short_seq = None if short is None else short.seq_id
+            self._short_since = now
             return []
-        if now - self._short[1] < self._grow_wait_s:
+        if now - self._short_since < self._grow_wait_s:
             return []
-        self._short, self.scheduler.short = None, None
+        self._short_seq, self.scheduler.short = None, None
         return self._fail(SequenceFault([short.seq_id], (
             f"sequence {short.seq_id} needs {short.tokens} KV positions, {short.workers} "
             f"memory workers' pools of {self.config.num_kv_slots} slots; they stayed "
@@ -1017,7 +1019,7 @@ class LLMEngine:
     def _check_fits(self, n: int) -> None:
         """Refuse `n` memory workers when a request in the engine would not fit them (one
         sequence's pool, or with `split_kv` all n)."""
-        cap = self.config.num_kv_slots * (n if self.config.split_kv else 1)
+        cap = self.scheduler.capacity(n)
         live = [(len(s.tokens), s.seq_id, r.rid) for r in self._reqs.values() for s in r.seqs
                 if s.status != "finished"]
         size, sid, rid = max(live, default=(0, -1, -1))

@@ -289,11 +289,13 @@ class Scheduler:
                              f"memory workers hold {self.capacity()} in all")
         self.waiting.append(seq)
 
-    def capacity(self) -> int:
+    def capacity(self, workers: int | None = None) -> int:
         """The KV positions one sequence may hold: its worker's pool, or with `split_kv`
-        every pool's, at `ceiling` memory workers when that is more than there are."""
+        every pool's, of `workers` memory workers (None: those there are, or `ceiling`
+        when that is more)."""
+        n = max(len(self.allocs), self.ceiling) if workers is None else workers
         slots = self.allocs[0].config.num_slots  # (every pool has as many)
-        return slots * (max(len(self.allocs), self.ceiling) if self.config.split_kv else 1)
+        return slots * (n if self.config.split_kv else 1)
 
     def workers_for(self, n: int) -> int | None:
         """The memory workers n KV positions of one sequence need (one, or with
