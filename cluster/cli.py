@@ -121,10 +121,18 @@ def cmd_scale(args) -> int:
     with _said():
         done = client.scale_memory_workers(args.memory_workers)
     print(f"service {args.name!r}: memory workers {done['before']} -> {done['after']} in "
-          f"{done['seconds']:.1f} s; {done['preempted']} running sequences preempted, "
+          f"{done['seconds']:.1f} s; {done['relocated']} running sequences moved with "
+          f"their KV ({done['relocated_tokens']} positions), {done['preempted']} preempted, "
           f"{done['recompute_tokens']} positions to compute again, "
           f"{done['moved_tokens']} saved positions moved to the workers kept")
     return 0
+
+
+def _waiting_line(w: dict) -> str:
+    """`lamina status`'s line for a sequence waiting for the pools to grow."""
+    return (f"  waiting for memory workers: sequence {w['seq_id']} needs {w['tokens']} KV "
+            f"positions, the pools of {w['workers']}; waited {w['waited_s']:.0f} s of at "
+            f"most {w['wait_s']:g}")
 
 
 def cmd_down(args) -> int:
@@ -181,6 +189,8 @@ def _print_status(s: dict, as_json: bool) -> int:
               + ("" if last is None else f"; the last {last['before']} -> {last['after']} "
                  f"{last['ago_s']:.0f} s ago: {last['why']}")
               + ("" if a["error"] is None else f"; last failure: {a['error']}"))
+    if s.get("waiting_for_workers") is not None:
+        print(_waiting_line(s["waiting_for_workers"]))
     print(f"  stored responses: {s['stored_responses']}, {_size(s['stored_response_bytes'])} "
           f"(at most {s['max_stored_responses']} and {_size(s['max_stored_response_bytes'])},"
           f" kept through restarts)")

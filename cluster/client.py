@@ -321,9 +321,10 @@ class Client:
 
     def scale_memory_workers(self, n: int) -> dict:
         """Grow or shrink the service's KV pool to `n` memory workers while it serves
-        (`LaminaService.scale`) -> what was done: before, after, the running sequences
-        preempted (their KV was on a leaving worker) and their positions to compute
-        again, seconds."""
+        (`LaminaService.scale`) -> what was done (`MemoryScale`'s fields): before,
+        after, the running sequences whose KV moved off the leaving workers, those
+        preempted (no kept pool had room) and their positions to compute again,
+        seconds."""
         return self.ask("scale", n)
 
     def tokenizer(self):

@@ -47,7 +47,7 @@ from lamina.executor.replicas import ReplicaSplit, is_hard, merged, replica_faul
 from lamina.kernels import KernelBuildError, is_built, load_cpu_kernel
 from lamina.kernels.cpu_build import BUILD_TIME
 from lamina.memory.sparsity import SCORED
-from lamina.memory.tier_orders import TierMiss, TierMove, sum_stats
+from lamina.memory.tier_orders import SlotMove, TierMiss, TierMove, sum_stats
 from lamina.memory.tiers import PREFETCH_WAIT_S
 
 from .compute_worker import ComputeWorker, ComputeWorkerSpec, WorkerStart
@@ -59,6 +59,9 @@ RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
 RECOVER_ATTEMPTS = 3  # a recovery's tries when workers die while it runs
 START_TIMEOUT_S = 120  # a worker's model load and setup, once its bundle is placed
 HEALTH_TIMEOUT_S = 10  # after a failed step: how long the memory workers get to report
+# a KV move's dest refuses to write after its deadline; the executor gives up this much
+# later, so a write it gave up on never lands (wall clocks of nodes differ by far less)
+MOVE_MARGIN_S = 5.0
 OMP_SPIN = 3_000  # libgomp spin rounds of an idle worker thread before it sleeps
 
 
@@ -630,6 +633,35 @@ class RayExecutor(Executor):
                 for (s, d), ids in by.items()]
         done = self._get(refs, "the memory workers' tier moves", start=True)
         return frozenset(e for ids in done for e in ids)
+
+    def move_kv(self, moves: tuple[SlotMove, ...]) -> None:
+        """One read per source and dest worker of all their slots (a Ray object), which
+        the dest worker writes into its pool straight from the object store. Bounded by
+        `worker_timeout_s` (60 s if None): a dest that answers later refuses to write
+        (the engine has given those slots to others by then: `put_slots`' deadline),
+        and is marked silent (a recovery replaces it rather than wait on it again)."""
+        by: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        for m in moves:
+            src, dst = by.setdefault((m.source, m.dest), ([], []))
+            src.extend(m.src_slots)
+            dst.extend(m.dst_slots)
+        wait = self.config.worker_timeout_s or 60.0
+        deadline = time.time() + wait  # (wall clocks: the dest may be on another node)
+        reads = [self.memory[s].read_slots.remote(src) for (s, _), (src, _) in by.items()]
+        puts = [self.memory[d].put_slots.remote(r, dst, deadline)
+                for r, ((_, d), (_, dst)) in zip(reads, by.items())]
+        ready = set(ray.wait(puts, num_returns=len(puts), timeout=wait + MOVE_MARGIN_S)[0])
+        late = [k for k, r in enumerate(puts) if r not in ready]
+        if late:
+            read = set(ray.wait([reads[k] for k in late], num_returns=len(late), timeout=0)[0])
+            pairs = list(by)
+            dests = sorted({pairs[k][1] for k in late if reads[k] in read})
+            self._silent |= frozenset(dests)  # (a silent source leaves: its move never runs)
+            raise WorkerTimeout(f"moving KV between memory workers (source, dest) "
+                                f"{[pairs[k] for k in late]} took over {wait:g} s; silent "
+                                f"dests: {dests}")
+        if not all(ray.get(puts)):  # (each came past its deadline: not written)
+            raise WorkerTimeout("a memory worker took the KV moved to it past its deadline")
 
     def remove_memory_workers(self, n: int) -> None:
         """Memory workers n.. leave: every compute worker hangs up on them, their tier

@@ -79,6 +79,7 @@ class MemoryWorker:
         self._listening: list = []  # every stream endpoint opened (closed by `reset`)
         self._threads: list[threading.Thread] = []  # each endpoint's serving thread
         self.tracer = Tracer(f"memory{index}")  # its timeline (`lamina.trace`), off
+        self.moves_refused = 0  # KV moves that came past their deadline (`put_slots`)
 
     def setup(self, pool_config, params, faults=None, tiers=None, rope=None,
               sparsity=None, connections: int = 1) -> dict:
@@ -185,6 +186,26 @@ class MemoryWorker:
         """Entries another memory worker exported, into this one's host tier."""
         return self.memory.tiers.adopt(entries) if self.memory.tiers is not None else []
 
+    def read_slots(self, slots: list[int]) -> tuple:
+        """Every layer's KV at these pool slots, for another memory worker's pool (a
+        scale-down's move of a running sequence: `RayExecutor.move_kv`)."""
+        with self._shared or contextlib.nullcontext():
+            return self.memory.pool.read(slots)
+
+    def put_slots(self, kv: tuple, slots: list[int], deadline: float) -> bool:
+        """KV another memory worker read (`read_slots`) into these pool slots, unless
+        past `deadline` (wall clock): the executor has given up on the move by then and
+        the engine given the slots to others. -> whether it was written."""
+        with self._shared or contextlib.nullcontext():
+            late = time.time() - deadline
+            if late > 0:
+                self.moves_refused += 1
+                log.warning("memory worker %d: KV moved to %d slots came %.1f s past its "
+                            "deadline: not written", self.index, len(slots), late)
+                return False
+            self.memory.pool.put(slots, *kv)
+            return True
+
     def tier_stats(self) -> dict:
         return dict(self.memory.tiers.stats) if self.memory.tiers is not None else {}
 
@@ -209,14 +230,15 @@ class MemoryWorker:
     def health(self) -> dict:
         """Its connections' state: the first error, the steps served (summed), every
         sequence a failed step was blamed on, the payloads received on collective
-        paths."""
+        paths; the KV moves it refused, come too late."""
         ss = self.servers
         return {"error": self.routes.failure or next((s.error for s in ss if s.error), None),
                 "steps": sum(s.steps for s in ss),
                 "path_payloads": sum(getattr(getattr(s.ch, "peer", None), "received", 0)
                                      for s in ss),
                 "bad_seqs": sorted({b for s in ss for b in s.bad_seqs}),
-                "sched_batch": getattr(self, "sched_batch", False)}
+                "sched_batch": getattr(self, "sched_batch", False),
+                "moves_refused": self.moves_refused}
 
     def accept_rdma(self, peer: dict, connection: int = 0) -> None:
         """A compute worker's RDMA endpoint for `connection` (the order of the "rdma"

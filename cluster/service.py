@@ -284,7 +284,9 @@ class LaminaService:
                 "max_stored_responses": self.responses.capacity,
                 "stored_response_bytes": self.responses.nbytes,
                 "max_stored_response_bytes": self.responses.max_bytes,
-                "autoscale": self._autoscale_status()}
+                "autoscale": self._autoscale_status(),
+                "waiting_for_workers": None if (w := eng.waiting_for_workers()) is None
+                else asdict(w)}
 
     def _autoscale_status(self) -> dict | None:
         """The autoscaler's bounds, its changes so far and the last one, its last

@@ -33,7 +33,13 @@ from lamina.engine.culprit import CulpritSearch
 from lamina.engine.detokenizer import IncrementalDetokenizer
 from lamina.engine.inputs import TokensPrompt, check_unicode
 from lamina.engine.messages import StartedMemory, StepPlan, StepResult
-from lamina.engine.outputs import CompletionOutput, MemoryScale, RequestOutput, TokenLogprob
+from lamina.engine.outputs import (
+    CompletionOutput,
+    MemoryScale,
+    RequestOutput,
+    TokenLogprob,
+    WorkersWait,
+)
 from lamina.engine.scheduler import Scheduler, Sequence
 from lamina.engine.sessions import SessionIndex, check_session_id
 from lamina.engine.speculative import NgramIndex
@@ -47,7 +53,7 @@ from lamina.memory.sparsity_config import (
     evictable,
     layer_shares,
 )
-from lamina.memory.tier_orders import TierMiss, TierMove
+from lamina.memory.tier_orders import SlotMove, TierMiss, TierMove
 from lamina.sampling.params import SamplingParams
 from lamina.sampling.structured import Guide, Guides
 from lamina.sampling.token_rules import TokenRules, fit_width, restrict
@@ -547,6 +553,16 @@ class LLMEngine:
             raise ValueError(f"wait_s must be a number of seconds >= 0, got {wait_s!r}")
         self.scheduler.ceiling, self._grow_wait_s = max_workers or 0, wait_s
 
+    def waiting_for_workers(self) -> WorkersWait | None:
+        """The sequence waiting for more memory workers (`allow_growth`), and how long it
+        has waited; None: none waits. Any thread may ask (`lamina status`)."""
+        short, seq, since = self.scheduler.short, self._short_seq, self._short_since
+        if short is None or short.workers <= len(self.allocs):
+            return None  # (grown since the last step: the next one admits it)
+        waited = time.monotonic() - since if seq == short.seq_id else 0.0
+        return WorkersWait(short.seq_id, short.tokens, short.workers, round(waited, 1),
+                           self._grow_wait_s)
+
     def _waited_for_workers(self, step: int) -> list[RequestOutput]:
         """The sequence waiting for more memory workers (`Scheduler.short`) fails alone
         once it has waited `allow_growth`'s `wait_s`."""
@@ -961,22 +977,32 @@ class LLMEngine:
             done = self._shrink(n)
         self.config = replace(self.config, num_memory_workers=n)
         done = replace(done, seconds=time.perf_counter() - t)
-        log.info("memory workers %d -> %d in %.2f s: %d running sequences preempted, %d "
-                 "positions to compute again, %d saved positions moved to the workers "
-                 "kept", before, n, done.seconds, done.preempted, done.recompute_tokens,
-                 done.moved_tokens)
+        log.info("memory workers %d -> %d in %.2f s: %d running sequences moved (%d KV "
+                 "positions), %d preempted, %d positions to compute again, %d saved "
+                 "positions moved to the workers kept", before, n, done.seconds,
+                 done.relocated, done.relocated_tokens, done.preempted,
+                 done.recompute_tokens, done.moved_tokens)
         return done
 
     def _shrink(self, n: int) -> MemoryScale:
-        """Workers n.. leave. Each running sequence with KV on one is preempted; with
-        swap its parts are saved to their workers' tiers, and the saved entries on the
-        leaving workers (those parts, sessions' KV) are moved into kept workers' host
-        tiers first (`Scheduler.relocations`, `Executor.move_tiers`, in a step with no
-        rows that carries the saves), so a readmission loads them rather than
-        computing them again; what cannot move (no tiers, no kept worker free for a
-        part, a source that fails) is computed again. Their cached prefixes go."""
+        """Workers n.. leave. Each running sequence with KV on one moves it into kept
+        pools that have room (`Scheduler.retire_workers`, `Executor.move_kv`) and goes
+        on; the others are preempted: with swap their parts are saved to their
+        workers' tiers, and the saved entries on the leaving workers (those parts,
+        sessions' KV) are moved into kept workers' host tiers first
+        (`Scheduler.relocations`, `Executor.move_tiers`, in a step with no rows that
+        carries the saves), so a readmission loads them rather than computing them
+        again; what cannot move (no tiers, no kept worker free for a part, a source
+        that fails) is computed again. Their cached prefixes go."""
         before = len(self.allocs)
-        hit = self.scheduler.retire_workers(n)
+        if self.sessions is not None and self.scheduler.owes_workers():
+            # saves still queued read slots that a move may be given (evicted prefixes)
+            self._execute(self.scheduler.orders_plan(), [])
+        done = self.scheduler.retire_workers(n)
+        ok = not done.moves or self._move_kv(done.moves)
+        if not ok:
+            self.scheduler.unmove(done.moved)
+        hit = done.preempted if ok else done.moved + done.preempted
         moved: dict[str, int] = {}
         if self.sessions is not None:
             wanted = {k: w for k, w in self.scheduler.relocations(n).items()
@@ -986,8 +1012,18 @@ class LLMEngine:
             for w in range(n, before):
                 self.sessions.lost_worker(w)
         self.executor.remove_memory_workers(n)
+        index = self.sessions.sessions if self.sessions is not None else {}
+        tokens = sum(len(index[k].tokens) for k in moved if k in index)  # (`_balance`)
+        return MemoryScale(before, n, len(hit), self._lost(hit, n), tokens, 0.0,
+                           relocated=len(done.moved) if ok else 0,
+                           relocated_tokens=sum(len(m.src_slots) for m in done.moves)
+                           if ok else 0)
+
+    def _lost(self, hit: list[Sequence], n: int) -> int:
+        """Positions of the preempted sequences `hit` that neither a kept pool nor a
+        kept tier holds (computed again)."""
         again = 0
-        for seq in hit:  # positions neither its kept pool nor a kept tier holds
+        for seq in hit:
             saved = 0
             for p in seq.parts:
                 e = self.sessions.sessions.get(self.scheduler.part_key(seq, p)) \
@@ -996,9 +1032,18 @@ class LLMEngine:
                     break
                 saved = p.end
             again += seq.lost - max(seq.kept, saved)
-        index = self.sessions.sessions if self.sessions is not None else {}
-        tokens = sum(len(index[k].tokens) for k in moved if k in index)  # (`_balance`)
-        return MemoryScale(before, n, len(hit), again, tokens, 0.0)
+        return again
+
+    def _move_kv(self, moves: tuple[SlotMove, ...]) -> bool:
+        """Copy running sequences' KV off the leaving workers (`Executor.move_kv`) ->
+        whether it was done; a failure is logged (those sequences are preempted)."""
+        try:
+            self.executor.move_kv(moves)
+            return True
+        except Exception as e:  # noqa: BLE001 - the scale-down goes on without them
+            log.warning("moving running sequences' KV off the leaving memory workers failed "
+                        "(%s: %s): they are preempted", type(e).__name__, e)
+            return False
 
     def _move_tiers(self, wanted: dict[str, int]) -> dict[str, int]:
         """Entries {key: kept worker} moved there (`Executor.move_tiers`) -> those that

@@ -67,3 +67,17 @@ class MemoryScale:
     recompute_tokens: int  # their positions no kept pool or tier holds (computed again)
     moved_tokens: int  # saved positions (parked parts, sessions) moved to kept workers
     seconds: float
+    # running sequences that went on: their KV on leaving workers moved into kept pools
+    relocated: int = 0
+    relocated_tokens: int = 0  # the KV positions (pool slots) those moves copied
+
+
+@dataclass(frozen=True)
+class WorkersWait:
+    """A sequence larger than the pools there are, waiting for the memory workers to grow
+    (`LLMEngine.waiting_for_workers`, while an autoscaler may grow them)."""
+    seq_id: int
+    tokens: int  # KV positions it needs
+    workers: int  # memory workers whose pools hold them (there are fewer)
+    waited_s: float  # so far
+    wait_s: float  # at the most (then it fails alone)

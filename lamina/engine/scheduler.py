@@ -70,6 +70,7 @@ from lamina.engine.sessions import SessionIndex, TierMatch
 from lamina.engine.speculative import NgramIndex
 from lamina.errors import SequenceFault
 from lamina.memory.allocator import KVAllocator
+from lamina.memory.tier_orders import SlotMove
 from lamina.sampling.params import SamplingParams
 
 POLICIES = ("fcfs", "priority")
@@ -115,6 +116,17 @@ class Shortfall:
     seq_id: int
     tokens: int  # KV positions it needs (its tokens and the next one's)
     workers: int  # memory workers that hold them
+
+
+@dataclass(frozen=True)
+class Retired:
+    """What `Scheduler.retire_workers` did with the running sequences that had KV on the
+    leaving memory workers: `moved` go on, their parts there now on kept workers' slots
+    once `moves` are copied (before the workers leave); `preempted` found no room."""
+
+    moved: list[Sequence]
+    moves: tuple[SlotMove, ...]
+    preempted: list[Sequence]
 
 
 @dataclass(frozen=True)
@@ -567,18 +579,27 @@ class Scheduler:
         if self.caches is not None:
             self.caches.extend(RadixCache(a) for a in allocators)
 
-    def retire_workers(self, n: int) -> list[Sequence]:
-        """Keep memory workers 0..n-1 only (the others leave the deployment): every
-        running sequence with KV on a leaving worker is preempted (what a kept worker
-        holds of its first part is cached for its readmission; with swap each part is
-        saved to its worker's tier, a leaving worker's too: `relocations` says where
-        those go before the worker does); the leaving workers' cached prefixes are
-        dropped and their allocators removed. The sessions' entries on them are the
-        caller's. -> the sequences preempted."""
+    def retire_workers(self, n: int) -> Retired:
+        """Keep memory workers 0..n-1 only (the others leave the deployment). Each
+        running sequence with KV on a leaving worker, oldest first, moves those parts
+        onto kept workers that have room (`_relocate`); the others
+        are preempted (what a kept worker holds of its first part is cached for its
+        readmission; with swap each part is saved to its worker's tier, a leaving
+        worker's too: `relocations` says where those go before the worker does). The
+        leaving workers' cached prefixes are dropped and their allocators removed. The
+        sessions' entries on them are the caller's."""
         if not 1 <= n <= len(self.allocs):
             raise ValueError(f"keep 1..{len(self.allocs)} memory workers, not {n}")
         hit = [s for s in self.running if any(w >= n for w in s.workers)]
-        for seq in reversed(hit):  # newest first: the oldest ends in front
+        moved: list[Sequence] = []
+        moves: list[SlotMove] = []
+        for seq in hit:
+            got = self._relocate(seq, n)
+            if got is not None:
+                moved.append(seq)
+                moves.extend(got)
+        out = [s for s in hit if s not in moved]
+        for seq in reversed(out):  # newest first: the oldest ends in front
             first = seq.segments[0][0]
             self._preempt(seq)
             if first >= n:  # what it cached went to a leaving worker's tree
@@ -591,7 +612,48 @@ class Scheduler:
         del self.allocs[n:]
         if self.caches is not None:
             del self.caches[n:]
-        return hit
+        return Retired(moved, tuple(moves), out)
+
+    def _relocate(self, seq: Sequence, n: int) -> list[SlotMove] | None:
+        """Give each part of seq's KV on workers n.. the same number of slots on a kept
+        worker none of its parts uses, the most free first, evicting cached prefixes if
+        need be -> the copies to make (its segments now name the kept workers; the
+        workers drop its tables and its next plan sends them whole); None, nothing
+        changed, when a part finds no such worker, or seq has positions given back or a
+        readmission's loads still to come."""
+        if seq.holes_from is not None or seq.skip is not None:
+            return None
+        segments = list(seq.segments)
+        moves: list[SlotMove] = []
+        for i, (w, start) in enumerate(seq.segments):
+            if w < n:
+                continue
+            src = self.allocs[w].slots(seq.seq_id)
+            used = {v for v, _ in segments}
+            order = sorted(range(n), key=lambda d: (-self.allocs[d].num_free(), d))
+            dest = next((d for d in order if d not in used and self._room(d, len(src))), None)
+            if dest is None:
+                for m in moves:  # (each on a worker seq had no slots on)
+                    self.allocs[m.dest].free(seq.seq_id)
+                return None
+            moves.append(SlotMove(w, dest, tuple(src),
+                                  tuple(self.allocs[dest].allocate(seq.seq_id, len(src)))))
+            segments[i] = (dest, start)
+        for m in moves:
+            self.allocs[m.source].free(seq.seq_id)
+        if seq.sent:  # the workers' tables of it go; its next plan sends them whole
+            self._released.append(seq.seq_id)
+            seq.sent = 0
+        seq.segments = segments
+        return moves
+
+    def unmove(self, seqs: list[Sequence]) -> None:
+        """Sequences whose moves failed (`retire_workers`): preempted, with nothing
+        cached or saved (the kept slots they were given hold no KV of theirs)."""
+        for seq in reversed(seqs):
+            lost = seq.written
+            self._preempt(seq, 0, park=False)
+            seq.lost = lost
 
     def relocations(self, n: int) -> dict[str, int]:
         """Where each saved entry on workers n.. goes before they leave, {entry key:

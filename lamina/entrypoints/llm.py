@@ -246,9 +246,10 @@ class LLM:
 
     def scale_memory_workers(self, n: int) -> MemoryScale:
         """Grow or shrink the KV pool to `n` memory workers while `generate` calls run in
-        other threads (`LLMEngine.scale_memory_workers`: fewer workers preempt the
-        sequences that had KV on a leaving one). New workers are started on this
-        thread, beside the steps; only their wiring waits for a step to end."""
+        other threads (`LLMEngine.scale_memory_workers`: the sequences that had KV on a
+        leaving worker move it into kept pools, or are preempted where those lack room).
+        New workers are started on this thread, beside the steps; only their wiring
+        waits for a step to end."""
         with self._scaling:  # (only a scale changes the count: one at a time)
             done = scale_beside(self.engine, n, self._shared.call)
             self.config = replace(self.config, num_memory_workers=n)

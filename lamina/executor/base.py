@@ -25,7 +25,7 @@ import importlib
 from abc import ABC, abstractmethod
 
 from lamina.engine.messages import StartedMemory, StepPlan, StepResult
-from lamina.memory.tier_orders import TierMove
+from lamina.memory.tier_orders import SlotMove, TierMove
 
 
 class Executor(ABC):
@@ -96,6 +96,13 @@ class Executor(ABC):
         worker's host tier (before the source leaves: `remove_memory_workers`). -> the
         entries moved (one its source did not hold is not). Default: none."""
         return frozenset()
+
+    def move_kv(self, moves: tuple[SlotMove, ...]) -> None:
+        """Copy each move's pool slots from its source worker into its dest worker's
+        (before the source leaves: `remove_memory_workers`), between steps. Raises when
+        a move cannot be done (the engine then preempts those sequences)."""
+        raise NotImplementedError(f"the {type(self).__name__} cannot move KV between "
+                                  "memory workers")
 
     def start_trace(self) -> None:
         """Record every device's timeline (`lamina.trace`) from the next step on."""

@@ -36,7 +36,7 @@ from lamina.engine.messages import DroppedKeys, StartedMemory, StepPlan, StepRes
 from lamina.executor.base import Executor
 from lamina.executor.replicas import ReplicaSplit
 from lamina.memory.memory_side import MemorySide
-from lamina.memory.tier_orders import TierMiss, TierMove, sum_stats
+from lamina.memory.tier_orders import SlotMove, TierMiss, TierMove, sum_stats
 from lamina.splitter.split import SplitModel
 from lamina.trace import Span, Tracer
 
@@ -222,6 +222,11 @@ class LocalExecutor(Executor):
             if src is not None and dest is not None:
                 moved.update(dest.adopt(src.export([m.entry])))
         return frozenset(moved)
+
+    def move_kv(self, moves: tuple[SlotMove, ...]) -> None:
+        for m in moves:
+            self.memory[m.dest].pool.put(m.dst_slots, *self.memory[m.source].pool.read(
+                m.src_slots))
 
     def remove_memory_workers(self, n: int) -> None:
         """Memory sides n.. go (their tier files with them)."""

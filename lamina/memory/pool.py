@@ -182,6 +182,33 @@ class KVPool:
         self.k.index_copy_(1, dst, self.k.index_select(1, src))
         self.v.index_copy_(1, dst, self.v.index_select(1, src))
 
+    def read(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of every layer's KV at `slots` [n], on the host: k [L, n, Hkv, D], v
+        [L, n, Hkv, Dv] in the pool's dtype (int8 rows with their scales), for another
+        pool of this layout (`put`)."""
+        idx = self._index(slots)
+        return self.k.index_select(1, idx).cpu(), self.v.index_select(1, idx).cpu()
+
+    def put(self, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every layer's KV `read` from another pool of this layout into `slots` [n]."""
+        idx = self._index(slots)
+        want = (self.k.shape[0], idx.numel(), *self.k.shape[2:])
+        if tuple(k.shape) != want or k.dtype != self.k.dtype or \
+                tuple(v.shape) != (want[0], want[1], *self.v.shape[2:]):
+            raise ValueError(f"KV of shapes {tuple(k.shape)} / {tuple(v.shape)} ({k.dtype}) "
+                             f"for {idx.numel()} slots of a pool whose rows are "
+                             f"{tuple(self.k.shape[2:])} / {tuple(self.v.shape[2:])} "
+                             f"({self.k.dtype})")
+        self.k.index_copy_(1, idx, k.to(self.k.device))
+        self.v.index_copy_(1, idx, v.to(self.v.device))
+
+    def _index(self, slots: Sequence[int]) -> torch.Tensor:
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.k.device)
+        S = self.config.num_slots
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= S):
+            raise IndexError(f"slot ids out of range [0, {S})")
+        return idx
+
 
 HUGE_PAGE = 2 << 20
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"

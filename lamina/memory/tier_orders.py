@@ -1,6 +1,6 @@
-"""The engine's orders to the memory workers' KV tiers, and their config and miss
-(no torch here: the engine and the step messages use them; `lamina.memory.tiers` carries
-them out).
+"""The engine's orders to the memory workers' KV tiers, and their config and miss, and
+the moves of KV between memory workers when they shrink (no torch here: the engine and
+the step messages use them; `lamina.memory.tiers` carries them out).
 
 Data in: the engine's session index (`lamina.engine.sessions`). Data out: `TierOrder`s in
 `StepPlan.tier_orders`; `TierMiss` back from a memory worker whose load found nothing valid.
@@ -120,3 +120,19 @@ def decode_orders(flat: list[int], worker: int) -> list[TierOrder]:
                              seq_id, shift))
         i += 6 + n
     return out
+
+
+@dataclass(frozen=True)
+class SlotMove:
+    """A running sequence's KV at `src_slots` of a leaving memory worker copied into
+    `dst_slots` of a kept one (`Executor.move_kv`, when the engine's memory workers
+    shrink): the sequence goes on there instead of being preempted."""
+    source: int
+    dest: int
+    src_slots: tuple[int, ...]
+    dst_slots: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.source == self.dest or len(self.src_slots) != len(self.dst_slots):
+            raise ValueError(f"SlotMove of {len(self.src_slots)} slots from worker "
+                             f"{self.source} into {len(self.dst_slots)} of worker {self.dest}")

@@ -198,14 +198,15 @@ def _scale(eng: LLMEngine, n: int, fired: list) -> None:
     found dead) leaves the engine as it was, and is noted."""
     busy = eng.has_unfinished()
     try:
-        eng.scale_memory_workers(n)
+        done = eng.scale_memory_workers(n)
     except ValueError:
         return
     except Exception as e:  # noqa: BLE001 - noted; the workload goes on
         fired.append(f"scale-failed ({type(e).__name__})")
         return
     if busy:
-        fired.append("scale")
+        fired.append("scale" + (f" (moved {done.relocated}, preempted {done.preempted})"
+                                if done.relocated or done.preempted else ""))
 
 
 def fresh_engine(llm, w: RayWorkload) -> LLMEngine:

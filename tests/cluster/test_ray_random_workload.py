@@ -235,7 +235,8 @@ def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, smol
     6 steps a third joins (a placement group of its own; wired while the others stay
     connected: their processes and pools are the same), new and growing sequences take
     its slots; 10 steps later it leaves, the sequences with KV on it preempted and
-    computed again; its group is removed. Then through `LLM`: down to one worker (a
+    computed again where the kept pools lack room; its group is removed; with pools of
+    room, they move their KV and go on. Then through `LLM`: down to one worker (a
     bundle of the deployment's own group left idle) and up to two again (that bundle
     taken again, no new group), a session's saved KV moved off a leaving worker and
     loaded by its next turn. Every request gives HF's greedy tokens, no step fails,
@@ -254,9 +255,11 @@ def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, smol
     group = ex._groups[2].group.id.hex()
     assert ray.util.placement_group_table()[group]["state"] == "CREATED"
     steps(10)
-    assert any(2 in s.workers for s in eng.scheduler.running)
+    on_leaving = [s for s in eng.scheduler.running if 2 in s.workers]
+    assert on_leaving
     shrunk = eng.scale_memory_workers(2)
     assert shrunk.preempted > 0 and len(ex.memory) == len(ex.transports) == 2
+    assert shrunk.preempted + shrunk.relocated == len(on_leaving)
     assert ex._groups == {} and ray.util.placement_group_table()[group]["state"] == "REMOVED"
     assert batch.run_out() == [hf_greedy[i] for i in pick]
     assert eng.num_recoveries == 0 and eng.free_slots() == [125, 125]
@@ -290,3 +293,64 @@ def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, smol
     outs = llm.generate([prompts[i] for i in pick], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy[i] for i in pick]
     assert llm.engine.num_recoveries == 0
+    # pools with room: the running sequences on the leaving worker move their KV into
+    # the kept ones (worker to worker, by Ray's object store) and go on, none preempted
+    # (an engine of its own on the workers, made as new first, as `eng` above)
+    ex.recover(RuntimeError("another engine"))
+    roomy = LLMEngine(replace(llm.config, num_kv_slots=600, idle_check_s=None), ex,
+                      llm.loaded.tokenizer, llm.loaded.config)
+    assert roomy.scale_memory_workers(3).after == 3
+    batch = Stepper(roomy, [prompts[i] for i in pick], GREEDY)
+    batch.steps(6)
+    on_leaving = [s for s in roomy.scheduler.running if 2 in s.workers]
+    assert on_leaving
+    moved = roomy.scale_memory_workers(2)
+    assert (moved.preempted, moved.recompute_tokens, moved.relocated) == (0, 0, len(on_leaving))
+    assert batch.run_out() == [hf_greedy[i] for i in pick]
+    assert all(batch.done[i].metrics["preemptions"] == 0 for i in batch.ids)
+    assert roomy.num_recoveries == 0 and roomy.free_slots() == [600, 600]
+
+
+def _busy(worker, seconds: float) -> None:
+    """On a memory worker (`__ray_call__`): its actor thread busy for `seconds` (the
+    calls sent to it after wait; its data plane serves steps all the same)."""
+    time.sleep(seconds)
+
+
+def test_a_kv_move_a_kept_worker_takes_too_late_preempts_and_is_not_written(
+        llm, prompts, hf_greedy):
+    """A shrink whose KV moves the kept workers take too late (their actor threads busy
+    past the move's bound: `worker_timeout_s`, 1 s here, + `MOVE_MARGIN_S`): the move is
+    given up, the sequences it held preempted and computed again, those workers marked
+    silent; when they get to the writes they refuse them (past their deadline: the
+    slots are others' by then). Every request gives HF's greedy tokens."""
+    from lamina.cluster.executor import MOVE_MARGIN_S
+
+    ex, pick = llm.executor, [1, 3, 4, 10, 11, 12]
+    ex.recover(RuntimeError("a new test"))
+    eng = LLMEngine(replace(llm.config, num_kv_slots=600, idle_check_s=None, kv_host_bytes=0),
+                    ex, llm.loaded.tokenizer, llm.loaded.config)
+    assert eng.scale_memory_workers(3).after == 3
+    batch = Stepper(eng, [prompts[i] for i in pick], GREEDY)
+    batch.steps(6)
+    on_leaving = [s for s in eng.scheduler.running if 2 in s.workers]
+    assert on_leaving
+    before = ray.get([w.health.remote() for w in ex.memory[:2]])
+    timeout = ex.config.worker_timeout_s
+    ex.set_worker_timeout(1.0)
+    try:
+        busy = [w.__ray_call__.remote(_busy, 1.0 + MOVE_MARGIN_S + 2.0) for w in ex.memory[:2]]
+        t = time.monotonic()
+        shrunk = eng.scale_memory_workers(2)
+        assert time.monotonic() - t >= 1.0 + MOVE_MARGIN_S
+    finally:
+        ex.set_worker_timeout(timeout)
+    assert (shrunk.relocated, shrunk.preempted) == (0, len(on_leaving))
+    assert ex._silent and ex._silent <= {0, 1}
+    ray.get(busy)
+    after = ray.get([w.health.remote() for w in ex.memory[:2]])
+    refused = [a["moves_refused"] - b["moves_refused"] for a, b in zip(after, before)]
+    assert [w for w in (0, 1) if refused[w]] == sorted(ex._silent)
+    ex._silent = frozenset()
+    assert batch.run_out() == [hf_greedy[i] for i in pick]
+    assert eng.num_recoveries == 0 and eng.free_slots() == [600, 600]

@@ -332,8 +332,8 @@ def test_lamina_scale_puts_a_memory_worker_on_a_node_that_joined_and_takes_it_of
     next(iter(h))  # running
     r = lamina_cmd(cluster, "scale", "--memory-workers", "3")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "memory workers 2 -> 3 in " in r.stdout and "0 running sequences preempted" in \
-        r.stdout, r.stdout
+    assert "memory workers 2 -> 3 in " in r.stdout and "0 running sequences moved with " \
+        "their KV (0 positions), 0 preempted, 0 positions to compute again" in r.stdout, r.stdout
     s = client.status()
     mem = [w for w in s["workers"] if w["role"].startswith("memory")]
     assert [w["role"] for w in mem] == ["memory 0", "memory 1", "memory 2"]

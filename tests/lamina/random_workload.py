@@ -331,9 +331,11 @@ def _check(w: Workload, config: dict, lm, split) -> list[str]:
 def _scale(eng: LLMEngine, n: int) -> Callable[[], None]:
     def event() -> None:
         try:
-            eng.scale_memory_workers(n)
+            done = eng.scale_memory_workers(n)
         except ValueError:  # a request in the engine needs more pools: refused, by design
-            pass
+            return
+        SHRUNK[0] += done.relocated
+        SHRUNK[1] += done.preempted
     return event
 
 
@@ -347,6 +349,8 @@ def _grower(eng: LLMEngine) -> Callable[[], None]:
 
 
 GROWN = [0]  # the pools grown for a short sequence, over the seeds run (`--grow`)
+# running sequences a shrink moved with their KV, and those it preempted (`--scale`)
+SHRUNK = [0, 0]
 
 
 def compare(asks, outs: dict, aborted: set[int], ref: LLMEngine, faulty) -> list[str]:
@@ -413,6 +417,9 @@ def main() -> None:
               lambda seed: (check(seed, lm, split, swap_split, scale, grow), ""))
     if grow:
         print(f"pools grown for a sequence short of workers: {GROWN[0]} times")
+    if scale or grow:
+        print(f"shrinks: {SHRUNK[0]} running sequences moved with their KV, {SHRUNK[1]} "
+              "preempted")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,35 @@ def test_copy_on_write_orders_copy_every_layer():
         pool.copy([CopySlot(0, 8)])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_read_and_put_carry_every_layers_rows_to_another_pool(dtype):
+    """A scale-down's move (`read` on one pool, `put` on another of its layout): the
+    rows of the read slots land at the put slots, every layer, byte for byte (int8:
+    codes and scales); other slots untouched; a wrong layout or slot refused."""
+    cfg = KVPoolConfig(3, 8, 2, 4, dtype=dtype)
+    src, dst = KVPool(cfg), KVPool(cfg)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(3):
+        for pool in (src, dst):
+            pool.write(layer, torch.arange(8), torch.randn(8, 2, 4, generator=g),
+                       torch.randn(8, 2, 4, generator=g))
+    k0, v0 = dst.k.clone(), dst.v.clone()
+    k, v = src.read([5, 1, 6])
+    assert k.shape[:2] == (3, 3) and k.dtype == src.k.dtype
+    dst.put([0, 7, 3], k, v)
+    for s, d in ((5, 0), (1, 7), (6, 3)):
+        assert torch.equal(dst.k[:, d], src.k[:, s]) and torch.equal(dst.v[:, d], src.v[:, s])
+    rest = [1, 2, 4, 5, 6]
+    assert torch.equal(dst.k[:, rest], k0[:, rest]) and torch.equal(dst.v[:, rest], v0[:, rest])
+    with pytest.raises(ValueError, match="for 2 slots of a pool whose rows"):
+        dst.put([0, 1], k, v)
+    other = KVPool(KVPoolConfig(3, 8, 1, 4, dtype=dtype))
+    with pytest.raises(ValueError, match="of a pool whose rows"):
+        other.put([0, 1, 2], k, v)
+    with pytest.raises(IndexError, match=r"out of range \[0, 8\)"):
+        src.read([8])
+
+
 @pytest.mark.parametrize("kw,msg", [
     ({"num_slots": 0}, "num_slots"), ({"num_kv_heads": 2.0}, "num_kv_heads"),
     ({"dtype": "float16"}, "dtype"), ({"device": "gpu0"}, "device"),

@@ -3,8 +3,10 @@ exact scheduler states, HF greedy tokens across the changes, refusals, the servi
 loop's and `LLM`'s ways in."""
 import threading
 import time
+from dataclasses import asdict
 
 import pytest
+import torch
 
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import SHORT_POLL_S, LLMEngine
@@ -14,7 +16,7 @@ from lamina.executor.local import LocalExecutor
 from lamina.memory.allocator import KVAllocator, KVAllocatorConfig
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
-from lamina.memory.tier_orders import TierConfig
+from lamina.memory.tier_orders import SlotMove, TierConfig
 from lamina.sampling.params import SamplingParams
 
 P = SamplingParams(max_tokens=8)
@@ -45,7 +47,9 @@ def test_retiring_a_worker_preempts_exactly_the_sequences_on_it_and_adding_one_p
                         (2, (42,), 2, (4,), 0, ((0, 0), (1, 2)))]  # c spills
     for q in (a, b, c):
         q.output.append(50 + q.seq_id)
-    hit = s.retire_workers(1)
+    done = s.retire_workers(1)  # worker 0 is full: nothing can move there
+    hit = done.preempted
+    assert (done.moved, done.moves) == ([], ())
     assert hit == [b, c] and list(s.waiting) == [b, c] and s.running == [a]
     assert [(q.lost, q.kept, q.segments, q.num_preemptions) for q in (b, c)] == [
         (4, 0, [], 1), (3, 2, [], 1)]  # c's first part (2 positions) cached on worker 0
@@ -66,12 +70,13 @@ def test_retiring_a_worker_preempts_exactly_the_sequences_on_it_and_adding_one_p
         s.retire_workers(0)
 
 
-def test_retiring_the_first_worker_of_a_split_sequence_caches_nothing_for_it():
+def test_retiring_a_worker_moves_the_parts_that_find_room_and_preempts_the_rest():
     """Three workers of 4 slots. Of the sequences with a part on worker 2 when it
-    leaves, one whose first part is on a kept worker has that part cached (`kept`); one
-    whose first part is on worker 2 keeps nothing: what it cached went with that
-    worker's tree; its later part on kept worker 1 is freed, not cached (a cached
-    prefix starts at position 0)."""
+    leaves: a's part there (one position) moves to worker 1, the kept worker it does not
+    use, whose cached prefix yields the slot, and a runs on, its tables sent whole once;
+    c's only other kept worker (0) is full, so c is preempted, and keeps nothing: its
+    first part was on worker 2 (what it cached went with that worker's tree); its
+    later part on kept worker 1 is freed, not cached (a cached prefix starts at 0)."""
     allocs = [KVAllocator(KVAllocatorConfig(4)) for _ in range(3)]
     s = Scheduler(SchedulerConfig(4, 100, True), allocs, prefix_caching=True)
     a = Sequence(0, [1, 2, 3, 4], P)
@@ -85,17 +90,23 @@ def test_retiring_the_first_worker_of_a_split_sequence_caches_nothing_for_it():
         q.output.append(20)
     s.schedule()  # a spills onto worker 2; b gives way, c spills onto its slots
     assert [q.segments for q in (a, b, c)] == [[(0, 0), (2, 4)], [], [(2, 0), (1, 3)]]
+    assert (allocs[2].slots(0), allocs[1].slots(2)) == ([3], [3])
     for q in (a, c):  # the step drew their next tokens
         q.output.append(21)
-    hit = s.retire_workers(2)
-    assert hit == [a, c] and [(q.lost, q.kept) for q in hit] == [(5, 4), (4, 0)]
-    assert list(s.waiting) == [a, c, b] and s.running == []
-    # worker 0's 4 slots hold a's prefix; worker 1's 3 of b's (cached when b gave way,
-    # one slot taken by c's spill), c's slot there free
-    assert [cache.size for cache in s.caches] == [4, 3]
-    assert s.caches[1].match([5, 6, 7, 8]) == [0, 1, 2]
-    assert [x.requests() for x in allocs] == [[], []]
-    assert [x.num_free() for x in allocs] == [0, 1]
+    done = s.retire_workers(2)
+    assert done.moves == (SlotMove(2, 1, (3,), (2,)),)  # b's cached position 7 yields slot 2
+    assert (done.moved, done.preempted) == ([a], [c])
+    assert a.segments == [(0, 0), (1, 4)] and (a.sent, a.num_preemptions) == (0, 0)
+    assert (c.lost, c.kept, c.segments) == (4, 0, [])
+    assert list(s.waiting) == [c, b] and s.running == [a]
+    assert [x.requests() for x in allocs] == [[0], [0]]
+    assert (allocs[0].slots(0), allocs[1].slots(0)) == ([0, 1, 2, 3], [2])
+    assert [cache.size for cache in s.caches] == [0, 2]  # b's first two positions
+    assert s.caches[1].match([5, 6, 7, 8]) == [0, 1] and allocs[1].num_free() == 1
+    plan = s.schedule()  # a's old tables dropped, then sent whole with its next slot
+    assert plan.released == (0, 2)
+    assert [(w.seq_id, w.slots, w.slots_from, w.segments) for w in plan.seqs] == [
+        (0, (0, 1, 2, 3, 2, 3), 0, ((0, 0), (1, 4)))]
 
 
 def _engine(smol, split, slots: int, workers: int, **kw) -> LLMEngine:
@@ -163,6 +174,76 @@ def test_an_engine_grows_and_shrinks_its_pool_while_it_generates_exact(
     assert run.run_out() == [hf_greedy[i] for i in PICK]
     assert sum(run.done[i].metrics["preemptions"] for i in run.ids) >= len(on_leaving)
     assert eng.free_slots() == [160]
+
+
+def _kv_of(eng: LLMEngine, seq) -> tuple[torch.Tensor, torch.Tensor]:
+    """seq's KV as its pools hold it, in position order: k [L, n, Hkv, D], v alike."""
+    parts = [eng.executor.memory[w].pool.read(eng.allocs[w].slots(seq.seq_id))
+             for w in seq.workers]
+    return torch.cat([k for k, _ in parts], 1), torch.cat([v for _, v in parts], 1)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_a_shrink_moves_running_sequences_into_the_kept_pool_and_they_go_on_exact(
+        smol, smol_packed, prompts, hf_greedy, kv_dtype):
+    """Three workers of 600 slots, six prompts spread over them; after 6 steps the pool
+    shrinks to one, which has room for them all: every sequence with KV on a leaving
+    worker moves it (the same bytes, int8 codes and scales too, at its new slots),
+    none is preempted or computes anything again, and each gives HF's greedy tokens
+    (int8: the tokens of the same engine never shrunk). Every slot free at the end."""
+    def engine(workers):
+        return _engine(smol, smol_packed, 600, workers, kv_dtype=kv_dtype,
+                       prefix_caching=False)
+
+    if kv_dtype == "int8":  # the reference: the same KV codes, never moved
+        ref = Stepper(engine(1), [prompts[i] for i in PICK], GREEDY).run_out()
+    else:
+        ref = [hf_greedy[i] for i in PICK]
+    eng = engine(3)
+    run = Stepper(eng, [prompts[i] for i in PICK], GREEDY)
+    run.steps(6)
+    leaving = [s for s in eng.scheduler.running if any(w > 0 for w in s.workers)]
+    assert len(leaving) >= 2
+    held = {s.seq_id: _kv_of(eng, s) for s in leaving}
+    slots = sum(len(eng.allocs[w].slots(s.seq_id)) for s in leaving for w in s.workers if w)
+    shrunk = eng.scale_memory_workers(1)
+    assert (shrunk.preempted, shrunk.recompute_tokens) == (0, 0)
+    assert (shrunk.relocated, shrunk.relocated_tokens) == (len(leaving), slots)
+    for s in leaving:
+        assert s.workers == [0] and s.status == "running"
+        k, v = _kv_of(eng, s)
+        assert torch.equal(k, held[s.seq_id][0]) and torch.equal(v, held[s.seq_id][1])
+    assert run.run_out() == ref
+    assert all(run.done[i].metrics["preemptions"] == 0 for i in run.ids)
+    assert eng.free_slots() == [600]
+
+
+def test_a_shrink_whose_move_fails_preempts_those_sequences_and_they_are_computed_again(
+        smol, smol_packed, prompts, hf_greedy, monkeypatch, caplog):
+    """The executor fails to move the KV (a worker gone): the sequences it would have
+    moved are preempted instead, nothing of theirs cached (their new slots hold no KV),
+    the failure logged by name; each computes its KV again and gives HF's tokens, and
+    every slot is free at the end."""
+    eng = _engine(smol, smol_packed, 600, 3)
+    run = Stepper(eng, [prompts[i] for i in PICK], GREEDY)
+    run.steps(6)
+    leaving = [s for s in eng.scheduler.running if any(w > 0 for w in s.workers)]
+    lost = sum(s.written for s in leaving)
+
+    def fail(moves):
+        raise ConnectionError("memory worker 2 is gone")
+
+    monkeypatch.setattr(eng.executor, "move_kv", fail)
+    with caplog.at_level("WARNING"):
+        shrunk = eng.scale_memory_workers(1)
+    assert "ConnectionError: memory worker 2 is gone): they are preempted" in caplog.text
+    assert (shrunk.relocated, shrunk.relocated_tokens) == (0, 0)
+    assert shrunk.preempted == len(leaving) and shrunk.recompute_tokens == lost
+    assert [s.seq_id for s in eng.scheduler.waiting][:len(leaving)] == [
+        s.seq_id for s in leaving]
+    assert all(s.kept == 0 for s in leaving)
+    assert run.run_out() == [hf_greedy[i] for i in PICK]
+    assert eng.free_slots() == [600]
 
 
 def test_workers_started_beside_the_steps_join_between_two_and_stale_ones_are_refused(
@@ -372,6 +453,7 @@ def test_a_prompt_larger_than_the_pools_waits_for_the_growth_allowed_then_runs_e
                                          r"at the most memory workers they may grow to \(3\)"):
         eng.add_request(prompts[6], GREEDY)
     run = Stepper(eng, [prompts[1], prompts[5]], GREEDY)  # 12 and 200 tokens
+    t0 = time.monotonic()
     run.steps(1)
     short = eng.scheduler.short
     assert (short.tokens, short.workers) == (201, 3) and len(eng.scheduler.running) == 1
@@ -384,7 +466,16 @@ def test_a_prompt_larger_than_the_pools_waits_for_the_growth_allowed_then_runs_e
     run.steps(3)
     assert calls == [] and time.monotonic() - t >= 3 * SHORT_POLL_S
     assert eng.has_unfinished() and eng.num_failed_requests == 0
+    wait = eng.waiting_for_workers()  # what `lamina status` shows
+    assert (wait.seq_id, wait.tokens, wait.workers, wait.wait_s) == (short.seq_id, 201, 3, 60)
+    assert 0.1 <= wait.waited_s <= time.monotonic() - t0 + 0.05
+    from lamina.cluster.cli import _waiting_line
+
+    assert _waiting_line(asdict(wait)) == (
+        f"  waiting for memory workers: sequence {short.seq_id} needs 201 KV positions, the "
+        f"pools of 3; waited {wait.waited_s:.0f} s of at most 60")
     eng.scale_memory_workers(3)
+    assert eng.waiting_for_workers() is None
     assert run.run_out() == [hf_greedy[1], hf_greedy[5]]
     assert eng.scheduler.short is None and eng.free_slots() == [100] * 3
 
