@@ -122,7 +122,8 @@ class Shortfall:
 class Retired:
     """What `Scheduler.retire_workers` did with the running sequences that had KV on the
     leaving memory workers: `moved` go on, their parts there now on kept workers' slots
-    once `moves` are copied (before the workers leave); `preempted` found no room."""
+    once `moves` are copied (before the workers leave); `preempted` could not move (no
+    room on a kept worker, positions given back, loads to come)."""
 
     moved: list[Sequence]
     moves: tuple[SlotMove, ...]
@@ -582,12 +583,12 @@ class Scheduler:
     def retire_workers(self, n: int) -> Retired:
         """Keep memory workers 0..n-1 only (the others leave the deployment). Each
         running sequence with KV on a leaving worker, oldest first, moves those parts
-        onto kept workers that have room (`_relocate`); the others
-        are preempted (what a kept worker holds of its first part is cached for its
-        readmission; with swap each part is saved to its worker's tier, a leaving
-        worker's too: `relocations` says where those go before the worker does). The
-        leaving workers' cached prefixes are dropped and their allocators removed. The
-        sessions' entries on them are the caller's."""
+        onto kept workers that have room (`_relocate`); the others are preempted (what
+        a kept worker holds of its first part is cached for its readmission; with swap
+        each part is saved to its worker's tier, a leaving worker's too: `relocations`
+        says where those go before the worker does). The leaving workers' cached
+        prefixes are dropped and their allocators removed. The sessions' entries on
+        them are the caller's."""
         if not 1 <= n <= len(self.allocs):
             raise ValueError(f"keep 1..{len(self.allocs)} memory workers, not {n}")
         hit = [s for s in self.running if any(w >= n for w in s.workers)]
