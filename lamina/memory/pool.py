@@ -174,11 +174,7 @@ class KVPool:
         """Apply copy-on-write orders: every layer's KV of src -> dst, one op per tensor."""
         if not orders:
             return
-        src = torch.tensor([o.src for o in orders], dtype=torch.int64, device=self.k.device)
-        dst = torch.tensor([o.dst for o in orders], dtype=torch.int64, device=self.k.device)
-        S = self.config.num_slots
-        if int(torch.cat([src, dst]).min()) < 0 or int(torch.cat([src, dst]).max()) >= S:
-            raise IndexError(f"copy order slot out of range [0, {S})")
+        src, dst = self._index([o.src for o in orders]), self._index([o.dst for o in orders])
         self.k.index_copy_(1, dst, self.k.index_select(1, src))
         self.v.index_copy_(1, dst, self.v.index_select(1, src))
 
