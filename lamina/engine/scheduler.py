@@ -617,9 +617,10 @@ class Scheduler:
 
     def _relocate(self, seq: Sequence, n: int) -> list[SlotMove] | None:
         """Give each part of seq's KV on workers n.. the same number of slots on a kept
-        worker none of its parts uses, the most free first, evicting cached prefixes if
-        need be -> the copies to make (its segments now name the kept workers; the
-        workers drop its tables and its next plan sends them whole); None, nothing
+        worker: the last part after the range before it, where that worker is kept and
+        has room, else one none of its parts uses, the most free first; cached prefixes
+        yield if need be -> the copies to make (its segments now name the kept workers;
+        the workers drop its tables and its next plan sends them whole); None, nothing
         changed, when a part finds no such worker, or seq has positions given back or a
         readmission's loads still to come."""
         if seq.holes_from is not None or seq.skip is not None:
@@ -630,6 +631,13 @@ class Scheduler:
             if w < n:
                 continue
             src = self.allocs[w].slots(seq.seq_id)
+            prev = segments[i - 1][0] if i else -1
+            if i == len(segments) - 1 and 0 <= prev < n and self._room(prev, len(src)):
+                # the last part continues the kept range before it on that worker
+                moves.append(SlotMove(w, prev, tuple(src),
+                                      tuple(self.allocs[prev].extend(seq.seq_id, len(src)))))
+                del segments[i]
+                continue
             used = {v for v, _ in segments}
             order = sorted(range(n), key=lambda d: (-self.allocs[d].num_free(), d))
             dest = next((d for d in order if d not in used and self._room(d, len(src))), None)

@@ -109,6 +109,34 @@ def test_retiring_a_worker_moves_the_parts_that_find_room_and_preempts_the_rest(
         (0, (0, 1, 2, 3, 2, 3), 0, ((0, 0), (1, 4)))]
 
 
+def test_a_leaving_last_part_continues_the_range_before_it_where_that_worker_has_room():
+    """Two workers of 6 slots: c (3 tokens) on worker 0, d (4) on worker 1, a (5) split
+    over worker 0's 3 free slots and worker 1's 2. Once c has finished, keeping worker
+    0 alone: a (the newer) moves its last part after its range on worker 0 (its table
+    there extended: one range again), while d, older but with no room, is preempted."""
+    allocs = [KVAllocator(KVAllocatorConfig(6)) for _ in range(2)]
+    s = Scheduler(SchedulerConfig(4, 100, True), allocs)
+    c, d, a = (Sequence(0, [60, 61, 62], P), Sequence(1, [70, 71, 72, 73], P),
+               Sequence(2, [1, 2, 3, 4, 5], P))
+    for q in (c, d, a):
+        s.add(q)
+    assert _plan(s) == [(0, (60, 61, 62), 0, (0, 1, 2), 0, ()),
+                        (1, (70, 71, 72, 73), 0, (0, 1, 2, 3), 1, ()),
+                        (2, (1, 2, 3, 4, 5), 0, (3, 4, 5, 4, 5), 0, ((0, 0), (1, 3)))]
+    for q in (c, d, a):
+        q.output.append(20)
+    s.finish(c, "stop")
+    done = s.retire_workers(1)
+    assert done.moves == (SlotMove(1, 0, (4, 5), (0, 1)),)
+    assert (done.moved, done.preempted) == ([a], [d]) and s.running == [a]
+    assert a.segments == [(0, 0)] and allocs[0].slots(2) == [3, 4, 5, 0, 1]
+    assert (d.lost, d.kept, list(s.waiting)) == (4, 0, [d])
+    plan = s.schedule()  # c's, a's (sent whole again) and d's tables dropped
+    assert plan.released == (0, 2, 1)
+    assert [(w.seq_id, w.slots, w.slots_from, w.segments) for w in plan.seqs] == [
+        (2, (3, 4, 5, 0, 1, 2), 0, ())]
+
+
 def _engine(smol, split, slots: int, workers: int, **kw) -> LLMEngine:
     cfg = EngineConfig(num_memory_workers=workers, num_kv_slots=slots, max_step_tokens=2048,
                        **kw)
