@@ -54,9 +54,13 @@ def change(llm: LLM, loop: EngineLoop, ends: list[float], n: int, beside: bool) 
     loop.call(lambda e: e.scale_memory_workers(n, started)).result(300)
     t1 = time.perf_counter()
     time.sleep(0.5)  # a step or two after it, so the gap it ends is seen
-    around = [t for t in ends if t0 - 1.0 <= t <= t1 + 0.5]
-    gap = max((b - a for a, b in zip(around, around[1:])), default=float("nan"))
-    return {"s": t1 - t0, "stall_s": gap}
+    return {"s": t1 - t0, "stall_s": longest_gap(ends, t0 - 1.0, t1 + 0.5)}
+
+
+def longest_gap(ends: list[float], lo: float, hi: float = float("inf")) -> float:
+    """The longest time between two step ends within [lo, hi]."""
+    around = [t for t in ends if lo <= t <= hi]
+    return max((b - a for a, b in zip(around, around[1:])), default=float("nan"))
 
 
 def shrink_hit(llm: LLM, loop: EngineLoop, ends: list[float], batch: int, new: int,
@@ -83,9 +87,7 @@ def shrink_hit(llm: LLM, loop: EngineLoop, ends: list[float], batch: int, new: i
     t1 = time.perf_counter()
     for f in futs:
         f.result(600)
-    around = [t for t in ends if t0 - 1.0 <= t]
-    gap = max((b - a for a, b in zip(around, around[1:])), default=float("nan"))
-    return {"s": t1 - t0, "stall_s": gap, "relocated": done.relocated,
+    return {"s": t1 - t0, "stall_s": longest_gap(ends, t0 - 1.0), "relocated": done.relocated,
             "relocated_tokens": done.relocated_tokens, "preempted": done.preempted,
             "recompute_tokens": done.recompute_tokens}
 

@@ -999,10 +999,10 @@ class LLMEngine:
             # saves still queued read slots that a move may be given (evicted prefixes)
             self._execute(self.scheduler.orders_plan(), [])
         done = self.scheduler.retire_workers(n)
-        ok = not done.moves or self._move_kv(done.moves)
-        if not ok:
-            self.scheduler.unmove(done.moved)
-        hit = done.preempted if ok else done.moved + done.preempted
+        kv_moved, kv_moves, hit = done.moved, done.moves, done.preempted
+        if kv_moves and not self._move_kv(kv_moves):
+            self.scheduler.unmove(kv_moved)
+            kv_moved, kv_moves, hit = [], (), kv_moved + hit
         moved: dict[str, int] = {}
         if self.sessions is not None:
             wanted = {k: w for k, w in self.scheduler.relocations(n).items()
@@ -1015,9 +1015,8 @@ class LLMEngine:
         index = self.sessions.sessions if self.sessions is not None else {}
         tokens = sum(len(index[k].tokens) for k in moved if k in index)  # (`_balance`)
         return MemoryScale(before, n, len(hit), self._lost(hit, n), tokens, 0.0,
-                           relocated=len(done.moved) if ok else 0,
-                           relocated_tokens=sum(len(m.src_slots) for m in done.moves)
-                           if ok else 0)
+                           relocated=len(kv_moved),
+                           relocated_tokens=sum(len(m.src_slots) for m in kv_moves))
 
     def _lost(self, hit: list[Sequence], n: int) -> int:
         """Positions of the preempted sequences `hit` that neither a kept pool nor a
