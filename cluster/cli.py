@@ -153,6 +153,16 @@ def _client(args):
         return connect(args.address, args.name)
 
 
+def _recoveries_line(s: dict) -> str:
+    """`lamina status`'s line of the service's recoveries (`LaminaService.status`)."""
+    replaced = ", ".join(f"{n} {role}" for role, n in s["workers_replaced"].items())
+    lost = s.get("memory_workers_lost", 0)
+    return (f"  recoveries: {s['recoveries']} failed steps recovered, the KV of "
+            f"{s['kv_kept_tokens']} positions kept through them; workers replaced: "
+            f"{replaced}" + (f"; memory workers lost (dead, no replacement could start): "
+                             f"{lost}, the engine went on without them" if lost else ""))
+
+
 def _print_status(s: dict, as_json: bool) -> int:
     if as_json:
         print(json.dumps(s, indent=2))
@@ -175,9 +185,7 @@ def _print_status(s: dict, as_json: bool) -> int:
           f"{s['finished']}, aborted {s['aborted']}, failed {s['failed']}, "
           f"rejected {s['rejected']}; clients {s['clients']} (requests of silent ones "
           f"aborted: {s['orphans_aborted']})")
-    replaced = ", ".join(f"{n} {role}" for role, n in s["workers_replaced"].items())
-    print(f"  recoveries: {s['recoveries']} failed steps recovered, the KV of "
-          f"{s['kv_kept_tokens']} positions kept through them; workers replaced: {replaced}")
+    print(_recoveries_line(s))
     limit = "always" if s["max_restarts"] == -1 else f"at most {s['max_restarts']}"
     last = f"; the latest because {s['restart_cause']}" if s["restarts"] else ""
     print(f"  restarts: {s['restarts']} ({limit}){last}")

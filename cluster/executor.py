@@ -218,8 +218,10 @@ class RayExecutor(Executor):
         self.placement = place(c_opts, m_opts, m, config.placement_timeout_s,
                                self.placement_name, r_n)
         self._threads_asked = (threads, wide_threads)  # (`_memory_home`)
-        # memory workers added past the group's bundles: index -> their own group
-        self._groups: dict[int, Placement] = {}
+        # per memory worker, where it runs: a memory bundle of the deployment's group
+        # (its index among them) or, added past them, a placement group of its own
+        self._homes: list[int | Placement] = list(range(m))
+        self._numbering: list[int] = []  # a recovery's: each worker's index before it
         # per bundle: (threads, threads of steps whose memory workers sit idle)
         self.worker_threads = [
             bundle_threads(res, "compute" if b < r_n else "memory", threads, wide_threads)
@@ -265,6 +267,7 @@ class RayExecutor(Executor):
         self._told_dropped = False  # the ring's one log line about dropped keys
         self._replaced = {"compute": 0, "memory": 0}  # by recoveries, so far
         self._kv_kept: frozenset[int] = frozenset()  # pools the latest recovery kept
+        self._lost: tuple[int, ...] = ()  # memory workers it dropped (`memory_lost`)
         # memory workers that gave no health answer after the failed step: the recovery
         # replaces them without waiting on them a second time
         self._silent: frozenset[int] = frozenset()
@@ -307,20 +310,18 @@ class RayExecutor(Executor):
             replace(self._compute_spec, replica=r, threads=threads, wide_threads=wide))
 
     def _new_memory(self, i: int):
-        home, threads = self._memory_home(i)
+        home, threads = self._memory_home(self._homes[i])
         return MemoryWorker.options(**self._m_opts, **home).remote(i, threads)
 
-    def _memory_home(self, i: int, group: Placement | None = None) -> tuple[dict, int]:
-        """Memory worker i's bundle (actor options) and torch threads: the deployment's
-        group holds the workers it started with; one added later has a group of its
-        own (`start_memory_workers`; `group`, or where it was added)."""
-        base = len(self.placement.bundles) - self.placement.computes
-        if i < base:
-            return self.placement.memory(i), self.worker_threads[self.placement.computes + i][0]
-        group = group or self._groups[i]
+    def _memory_home(self, home: int | Placement) -> tuple[dict, int]:
+        """A memory worker's actor options and torch threads at `home` (`_homes`): a
+        memory bundle of the deployment's group, or a group of its own."""
+        if isinstance(home, int):
+            return (self.placement.memory(home),
+                    self.worker_threads[self.placement.computes + home][0])
         threads, wide = self._threads_asked
-        return group.memory(0), bundle_threads(group.node_resources()[0], "memory", threads,
-                                               wide)[0]
+        return home.memory(0), bundle_threads(home.node_resources()[0], "memory", threads,
+                                              wide)[0]
 
     def _start_memory(self, kept: frozenset[int] = frozenset()) -> frozenset[int]:
         """Fresh memory workers (empty pools) in every place but `kept` (workers `reset`
@@ -496,12 +497,18 @@ class RayExecutor(Executor):
         (no answer within `ping_timeout_s`; the workers this starts get a start's
         bound) is found by the next attempt, which replaces it: at most
         RECOVER_ATTEMPTS in all.
+        A memory worker whose replacement cannot start (no room for its bundle within
+        a start's bound, or its start failing) is dropped, the others numbered 0.. again
+        (`memory_lost`), while at least `min_live_memory_workers` stay.
         False if the cluster cannot give new workers."""
         self._check_open()  # a shut executor's placement is gone: nothing to start on
         replaced: set[int] = set()  # memory workers new since the step: no KV of theirs
+        before = len(self.memory)
+        self._numbering, self._lost = list(range(before)), ()
         for attempt in range(1, RECOVER_ATTEMPTS + 1):
             try:
                 self._kv_kept = self._recover_once(replaced)
+                self._lost = tuple(i for i in range(before) if i not in self._numbering)
                 return True
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError,
                     WorkerTimeout) as e:
@@ -516,7 +523,7 @@ class RayExecutor(Executor):
         """One attempt of `recover`; adds the memory workers it replaces to `replaced`
         (an earlier attempt's stay there: their pools are new) -> the pools kept."""
         silent, self._silent_computes = self._silent_computes, frozenset()
-        new = []  # workers this attempt starts
+        new = []  # compute workers this attempt starts
         for r in self._reset_all("compute", self.ping_timeout_s, silent):
             ray.kill(self.computes[r])
             self.computes[r] = self._new_compute(r)
@@ -530,16 +537,69 @@ class RayExecutor(Executor):
         for i in lost:
             ray.kill(self.memory[i])
             self.memory[i] = self._new_memory(i)
-            new.append(self.memory[i])
         replaced |= lost
         # the new workers up (their start has the whole bound), then the wiring's calls
         # have a live worker's: a kept one that hangs now fails this attempt soon
-        self._get([w.ping.remote() for w in new], "the new workers", start=True)
+        pings = {i: self.memory[i].ping.remote() for i in lost}
+        self._get([w.ping.remote() for w in new], "the new compute workers", start=True)
+        failed = self._not_started(pings)
+        keep = [i for i in range(len(self.memory)) if i not in failed]
+        if failed:
+            self._drop_lost(failed, keep, replaced)
         self._calls_s = self.ping_timeout_s
         try:
+            self._get([self.memory[j].renumber.remote(j) for j, i in enumerate(keep)
+                       if i != j], "the memory workers")
             return self._start_memory(frozenset(range(len(self.memory))) - replaced)
         finally:
             self._calls_s = None
+
+    def _not_started(self, pings: dict) -> dict[int, str]:
+        """Of the replacement memory workers {index: its ping}, those that did not
+        start within a start's bound, or whose start raised -> {index: why}. Raises
+        (`WorkerTimeout`, `WorkerFailure`) when dropping them would leave fewer than
+        `min_live_memory_workers`."""
+        wait = START_TIMEOUT_S + self.config.placement_timeout_s
+        ready = set(ray.wait(list(pings.values()), num_returns=len(pings),
+                             timeout=wait)[0]) if pings else set()
+        late = [i for i, ref in pings.items() if ref not in ready]
+        why = {i: (f"did not start within {wait:g} s (the cluster has no room for its "
+                   "bundle: see `ray status`)") for i in late}
+        for i, ref in pings.items():
+            try:
+                if i not in late:
+                    ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                why[i] = f"could not start: {_last_line(str(e))}"
+        left = len(self.memory) - len(why)
+        if why and left < self.config.min_live_memory_workers:
+            what = "; ".join(f"memory worker {i}'s replacement {w}" for i, w in why.items())
+            raise (WorkerTimeout if late else WorkerFailure)(
+                f"{what}; without it {left} memory workers would stay, fewer than "
+                f"min_live_memory_workers={self.config.min_live_memory_workers}")
+        return why
+
+    def _drop_lost(self, why: dict[int, str], keep: list[int], replaced: set[int]) -> None:
+        """The memory workers `why` names leave the deployment (their replacements
+        stopped, their own groups freed; a bundle of the deployment's group stays
+        reserved), the others (`keep`) numbered 0.. in order; `replaced` renumbered."""
+        for i, w in sorted(why.items()):
+            log.warning("memory worker %d's replacement %s: the deployment goes on without "
+                        "it, with %d memory workers", i, w, len(keep))
+            ray.kill(self.memory[i])
+            home = self._homes[i]
+            if isinstance(home, Placement):
+                home.remove()
+        for lst in (self.memory, self.memory_info, self._homes, self._numbering):
+            lst[:] = [lst[i] for i in keep]
+        now = {i: j for j, i in enumerate(keep)}
+        kept = {now[i] for i in replaced if i in now}
+        replaced.clear()
+        replaced.update(kept)
+        self._counted()
+
+    def memory_lost(self) -> tuple[int, ...]:
+        return self._lost
 
     def workers_replaced(self) -> dict[str, int]:
         return dict(self._replaced)
@@ -555,14 +615,22 @@ class RayExecutor(Executor):
         steps use: runs beside them."""
         self._check_open()
         base = len(self.placement.bundles) - self.placement.computes
-        got = _Started([], {}, [], [])
+        used = {h for h in self._homes if isinstance(h, int)}
+        alive = self.placement.node_resources()[self.placement.computes:]
+        # a bundle a removal left idle, where Ray holds it on a live node (not one a
+        # worker lost with its node left, until Ray places it again)
+        idle = [b for b in range(base) if b not in used and alive[b]]
+        got = _Started([], [], [], [])
         try:
             for i in range(first, first + k):
-                if i >= base:
+                if idle:
+                    got.homes.append(idle.pop(0))
+                else:
                     name = f"{self.placement_name}-m{i}-{uuid.uuid4().hex[:4]}"  # (unique)
-                    got.groups[i] = place({}, self._m_opts, 1, self.config.placement_timeout_s,
-                                          name, num_compute=0)
-                home, threads = self._memory_home(i, got.groups.get(i))
+                    got.homes.append(place({}, self._m_opts, 1,
+                                           self.config.placement_timeout_s, name,
+                                           num_compute=0))
+                home, threads = self._memory_home(got.homes[-1])
                 got.workers.append(MemoryWorker.options(**self._m_opts, **home).remote(
                     i, threads))
             self._get([w.ping.remote() for w in got.workers], "the new memory workers",
@@ -603,7 +671,7 @@ class RayExecutor(Executor):
             raise
         finally:
             self._calls_s = None
-        self._groups.update(got.groups)
+        self._homes += got.homes
         self.memory_info += got.info
         self.nodes["memory"] += got.nodes
         self.addresses += wired[0][1]
@@ -619,8 +687,9 @@ class RayExecutor(Executor):
     def _drop_started(self, got: _Started) -> None:
         for w in got.workers:
             ray.kill(w)
-        for group in got.groups.values():
-            group.remove()
+        for home in got.homes:
+            if isinstance(home, Placement):
+                home.remove()
 
     def move_tiers(self, moves: tuple[TierMove, ...]) -> frozenset[int]:
         """Each source worker exports its entries (one Ray object per source and dest),
@@ -692,8 +761,10 @@ class RayExecutor(Executor):
                      timeout=HEALTH_TIMEOUT_S)
         for w in workers:
             ray.kill(w)
-        for i in [i for i in self._groups if i >= first]:
-            self._groups.pop(i).remove()
+        for home in self._homes[first:]:
+            if isinstance(home, Placement):
+                home.remove()
+        del self._homes[first:]
 
     def _counted(self) -> None:
         """The memory worker count, where a replaced compute worker reads it."""
@@ -967,8 +1038,9 @@ class RayExecutor(Executor):
             self.replica_split.shutdown()
         if self._ring_pool is not None:
             self._ring_pool.shutdown(wait=False)
-        for group in self._groups.values():
-            group.remove()
+        for home in self._homes:
+            if isinstance(home, Placement):
+                home.remove()
         self.placement.remove()
 
 
@@ -976,7 +1048,7 @@ class RayExecutor(Executor):
 class _Started:
     """Memory workers started, not yet added (`StartedMemory.workers`)."""
     workers: list  # actor handles
-    groups: dict[int, Placement]  # by index: the placement groups of their own
+    homes: list[int | Placement]  # each one's (`RayExecutor._homes`)
     info: list[dict]  # what each one's setup answered
     nodes: list[str]  # the node each one runs on
 

@@ -81,6 +81,14 @@ class MemoryWorker:
         self.tracer = Tracer(f"memory{index}")  # its timeline (`lamina.trace`), off
         self.moves_refused = 0  # KV moves that came past their deadline (`put_slots`)
 
+    def renumber(self, index: int) -> None:
+        """Between a recovery's reset and its wiring: this is memory worker `index` now
+        (workers before it were dropped: `RayExecutor._drop_lost`)."""
+        self.index = index
+        self.routes, self.tracer = Routes(index), Tracer(f"memory{index}")
+        if self.memory is not None and self.memory.tiers is not None:
+            self.memory.tiers.worker = index  # (its log lines)
+
     def setup(self, pool_config, params, faults=None, tiers=None, rope=None,
               sparsity=None, connections: int = 1) -> dict:
         """`connections`: how many compute workers it serves (> 1: they share the pool

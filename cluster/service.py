@@ -276,6 +276,7 @@ class LaminaService:
                 "running": len(eng.scheduler.running), **self.loop.stats,
                 "recoveries": eng.num_recoveries, "kv_kept_tokens": eng.kv_kept_tokens,
                 "workers_replaced": ex.workers_replaced(),
+                "memory_workers_lost": eng.memory_workers_lost,
                 "placement_group": ex.placement.group.id.hex(),
                 "restarts": self.restarts, "restart_cause": self.restart_cause,
                 "max_restarts": self.config.cluster.max_restarts,

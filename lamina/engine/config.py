@@ -111,6 +111,11 @@ class EngineConfig:
     # Ray executor: how long the workers' placement group may wait for its resources
     # (busy with other deployments) before the deployment fails naming what is missing
     placement_timeout_s: float = 30.0
+    # Ray executor: a memory worker that dies and whose replacement cannot start (its
+    # node gone and no room left for its bundle, or its start failing) is dropped if at
+    # least this many memory workers stay: the engine goes on with fewer pools (the KV
+    # that was on it computed again); were fewer to stay, the engine stops instead
+    min_live_memory_workers: int = 1
     dense_backend: str = "auto"  # compute side's linears: one of DENSE_BACKENDS
     fuse_pointwise: bool = True  # RMSNorm / rotary / SiLU x up chains as one C++ op each
     # Ray executor: fresh prompts attend on the compute worker, which ships only their
@@ -239,6 +244,7 @@ class EngineConfig:
         _need_int(self, "kv_pool_bytes", 1, "a positive int or None", optional=True)
         _need_int(self, "num_memory_workers", 1, "an int >= 1")
         _need_int(self, "max_recoveries", 0, "an int >= 0")
+        _need_int(self, "min_live_memory_workers", 1, "an int >= 1")
         _need_int(self, "stream_groups", 1, "an int in 1..16", high=16)
         for name in ("worker_timeout_s", "step_timeout_s", "idle_check_s"):
             _need_seconds(self, name, "a positive number of seconds or None", optional=True)

@@ -130,6 +130,7 @@ class LLMEngine:
         self.num_recoveries = 0
         self.last_recovery_s: float | None = None  # how long the latest recover took
         self.kv_kept_tokens = 0  # positions whose KV recoveries kept (not recomputed)
+        self.memory_workers_lost = 0  # dropped by recoveries that could not replace them
         self.num_failed_requests = 0  # requests failed alone by a SequenceFault
         self._failed_in_row = 0  # failed steps since the last one that ran
         # the sequence waiting for the pools to grow (`Scheduler.short`; None: none),
@@ -860,7 +861,9 @@ class LLMEngine:
             return None
         if not ok:
             return None
-        kept = self.executor.kv_kept()
+        lost = self.executor.memory_lost()  # (dropped in `_recovered`, after the requeue)
+        now = [w for w in range(len(self.allocs)) if w not in lost]
+        kept = frozenset(now[w] for w in self.executor.kv_kept())  # by today's indices
         self.scheduler.clear_cache(set(range(len(self.allocs))) - kept)  # pools gone
         # the failed step's tier loads may not have finished: nothing of them counts
         loading = {o.seq_id for o in plan.tier_orders if o.op == "load"} if plan else set()
@@ -878,10 +881,25 @@ class LLMEngine:
         if self.sessions is not None:
             for w in range(len(self.allocs)):
                 self.sessions.lost_worker(w)
+        self._forget_workers(self.executor.memory_lost(), what)
         self._check_released()
         self.recoveries.append(what)
         self.num_recoveries += 1
         self.last_recovery_s = time.perf_counter() - since
+
+    def _forget_workers(self, lost: tuple[int, ...], what: str) -> None:
+        """The memory workers `lost` (a recovery could not replace them) go from the
+        scheduler; the others are numbered 0.. again, as the executor numbers them."""
+        if not lost:
+            return
+        self.scheduler.drop_workers(lost)
+        self.alloc = self.allocs[0]
+        self.config = replace(self.config, num_memory_workers=len(self.allocs))
+        self.memory_workers_lost += len(lost)
+        log.warning("%s; memory workers %s could not be replaced: the engine goes on with "
+                    "%d (min_live_memory_workers=%d), their sequences' KV computed again",
+                    what, ", ".join(map(str, lost)), len(self.allocs),
+                    self.config.min_live_memory_workers)
 
     def _settle(self) -> None:
         """If a step was cut part-way and the engine not yet reset after it (the cut

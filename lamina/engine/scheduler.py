@@ -615,6 +615,29 @@ class Scheduler:
             del self.caches[n:]
         return Retired(moved, tuple(moves), out)
 
+    def drop_workers(self, lost: Iterable[int]) -> None:
+        """Memory workers `lost` are gone from anywhere in the list (a recovery could
+        not replace them), after every running sequence was requeued (`preempt_all`)
+        and their cached prefixes cleared: their allocators and caches go, the others
+        keep their order under new indices (0..), and a waiting sequence's saved parts
+        are forgotten (after the recovery forgot every worker's tier entries: none
+        names a worker by its old index)."""
+        lost = set(lost)
+        assert not self.running, "requeue the running sequences first"
+        keep = [w for w in range(len(self.allocs)) if w not in lost]
+        if not keep or len(keep) + len(lost) != len(self.allocs):
+            raise ValueError(f"drop some of memory workers 0..{len(self.allocs) - 1}, "
+                             f"not {sorted(lost)}")
+        for w in lost:
+            left = self.allocs[w].requests()
+            assert not left, f"memory worker {w} still holds sequences {left}"
+        self.allocs[:] = [self.allocs[w] for w in keep]  # (the engine's list too)
+        if self.caches is not None:
+            self.caches[:] = [self.caches[w] for w in keep]
+        assert self.sessions is None or not self.sessions.sessions
+        for seq in self.waiting:
+            self._unpark(seq)
+
     def _relocate(self, seq: Sequence, n: int) -> list[SlotMove] | None:
         """Give each part of seq's KV on workers n.. the same number of slots on a kept
         worker: the last part after the range before it, where that worker is kept and

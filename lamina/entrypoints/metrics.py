@@ -63,6 +63,11 @@ class EngineMetrics:
         self._replaced: dict[str, int] = {}
         for role in ("compute", "memory"):  # both series from the start, at 0
             self.replaced.labels(role)
+        self.lost = Counter("lamina_memory_workers_lost", "Memory workers recoveries "
+                            "dropped (dead, and no replacement could start; the engine "
+                            "went on with the others: `min_live_memory_workers`)",
+                            registry=r)
+        self._lost = 0
         self.culprits = Counter("lamina_culprits", "Requests found behind steps that kept "
                                 "failing with no request named (each failed alone)",
                                 registry=r)
@@ -148,6 +153,8 @@ class EngineMetrics:
                 if n > self._replaced.get(role, 0):
                     self.replaced.labels(role).inc(n - self._replaced.get(role, 0))
                     self._replaced[role] = n
+            self.lost.inc(engine.memory_workers_lost - self._lost)
+            self._lost = engine.memory_workers_lost
         if engine.num_culprits > self._culprits:
             self.culprits.inc(engine.num_culprits - self._culprits)
             self._culprits = engine.num_culprits

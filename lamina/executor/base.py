@@ -63,6 +63,14 @@ class Executor(ABC):
         (every pool is presumed new, everything is recomputed)."""
         return frozenset()
 
+    def memory_lost(self) -> tuple[int, ...]:
+        """The memory workers the latest `recover` dropped, by their index before it
+        (ascending): dead, and no replacement could start (while at least
+        `EngineConfig.min_live_memory_workers` stay). The others keep their order,
+        numbered 0.. again; `kv_kept` names them by their new index. Default: none
+        (every worker is brought back)."""
+        return ()
+
     def workers_replaced(self) -> dict[str, int]:
         """How many workers recoveries have replaced so far, by role ("compute",
         "memory"): processes that died, hung, or stuck inside a failed step (an

@@ -2,6 +2,7 @@
 Unix sockets. Greedy tokens identical to HF; a dead memory worker is replaced and its
 requests recomputed, or (recovery off) the step fails loudly."""
 import json
+import logging
 import os
 import signal
 import threading
@@ -13,8 +14,10 @@ import pytest
 import ray
 import torch
 
+import lamina.cluster.executor
 from lamina import LLM, SamplingParams
 from lamina.cluster.executor import WorkerFailure
+from lamina.cluster.memory_worker import MemoryWorker
 from lamina.errors import EngineDead
 from lamina.model import quick_load
 from lamina.sampling.structured import StructuredOutputs
@@ -284,6 +287,52 @@ def test_dead_memory_worker_replaced_and_requests_recomputed(llm, prompts, hf_gr
     assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
     # and it keeps serving
     assert llm.generate([prompts[2]], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy[2]
+
+
+def test_a_memory_worker_whose_replacement_cannot_start_is_dropped_and_the_engine_goes_on(
+        llm, prompts, hf_greedy, monkeypatch, caplog):
+    """Memory worker 0 killed mid-decode, and the cluster has no room for its
+    replacement (it asks for a resource no node has, as when its node is gone and no
+    other has room): after the start's bound the recovery drops it, worker 1 becomes
+    worker 0 (its pool, its process, its KV kept), and every request ends with HF's
+    greedy tokens. Then the pools grow back to 2 into the bundle the lost worker left."""
+    eng, ex, pick = llm.engine, llm.executor, [0, 3, 5, 9]
+    eng.clear_prefix_cache()  # placement by free slots alone: both workers get some
+    ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
+    for _ in range(5):
+        eng.step()
+    assert {s.worker for s in eng.scheduler.running} == {0, 1}
+    on_1 = sum(s.num_tokens - 1 for s in eng.scheduler.running if s.worker == 1)
+    survivor, pid, kept_before = ex.memory[1]._actor_id, ex.memory_info[1]["pid"], \
+        eng.kv_kept_tokens
+    bound = ex.config.placement_timeout_s
+    ex.config = replace(ex.config, placement_timeout_s=2.0)
+    monkeypatch.setattr(lamina.cluster.executor, "START_TIMEOUT_S", 1)
+    monkeypatch.setattr(ex, "_new_memory", lambda i: MemoryWorker.options(
+        resources={"lamina_nowhere": 1}).remote(i))
+    ray.kill(ex.memory[0])
+    out = {}
+    with caplog.at_level(logging.WARNING):
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] = o
+    monkeypatch.undo()
+    ex.config = replace(ex.config, placement_timeout_s=bound)
+    assert [out[i].token_ids for i in ids] == [hf_greedy[i] for i in pick]
+    assert ex.memory_lost() == (0,) and ex.kv_kept() == frozenset({0})
+    assert [w._actor_id for w in ex.memory] == [survivor]
+    assert [i["pid"] for i in ex.memory_info] == [pid]
+    assert ray.get(ex.memory[0].__ray_call__.remote(lambda w: w.index)) == 0
+    assert len(eng.allocs) == 1 and eng.memory_workers_lost == 1
+    assert eng.kv_kept_tokens - kept_before >= on_1 > 0
+    assert any("memory worker 0's replacement did not start within 3 s" in r.message
+               for r in caplog.records)
+    assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
+    # the lost worker's bundle of the deployment's group is idle: a grow takes it
+    eng.scale_memory_workers(2)
+    assert ex._homes == [1, 0] and len(ex.nodes["memory"]) == 2
+    outs = llm.generate([prompts[i] for i in pick], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy[i] for i in pick]
 
 
 def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_greedy):

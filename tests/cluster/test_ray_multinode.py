@@ -10,6 +10,7 @@ timeout and replaced, with HF-exact output; then collective paths (gloo) between
 emulated hosts. (One memory node holding both workers: tests/cluster/test_ray_service.py.)"""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -18,13 +19,16 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import ray
 
+import lamina.cluster.executor
 from lamina import LLM, SamplingParams
 from lamina.bench.netns import Namespaces, make_namespaces, sh
+from lamina.cluster.placement import Placement
 from tests.conftest import SHORT_NEW
 
 pytestmark = pytest.mark.multinode
@@ -44,8 +48,8 @@ def cluster():
     host_ip = ray.util.get_node_ip_address()
     nets, why = None, "this host has no address but loopback for namespaces to reach"
     if not host_ip.startswith("127."):
-        nets, why = make_namespaces(2)
-    dirs = [tempfile.mkdtemp(prefix="ln", dir="/tmp") for _ in range(3)]
+        nets, why = make_namespaces(3)  # the third host joins later (its own test)
+    dirs = [tempfile.mkdtemp(prefix="ln", dir="/tmp") for _ in range(4)]
     # cluster_utils writes the cluster's address into Ray's default temp folder without
     # making it: on a machine where no Ray has run yet, that folder does not exist
     os.makedirs(ray._common.utils.get_default_ray_temp_dir(), exist_ok=True)
@@ -60,10 +64,10 @@ def cluster():
                                "health_check_timeout_ms": 1000,
                                "health_check_failure_threshold": 3}})
         if nets is None:
-            for d in dirs[1:]:
+            for d in dirs[1:3]:
                 cluster.add_node(num_cpus=1, resources={"lamina_memory": 2}, temp_dir=d)
         else:
-            raylets = start_raylets(nets, cluster.address, dirs[1:])
+            raylets += [start_raylet(nets, n, cluster.address, dirs[n]) for n in (1, 2)]
         ray.init(address=cluster.address, log_to_driver=False)
         deadline = time.monotonic() + 90
         while sum(x["Alive"] for x in ray.nodes()) < 3:
@@ -73,7 +77,8 @@ def cluster():
         llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096,
                   max_step_tokens=1024, worker_timeout_s=WORKER_TIMEOUT_S)
         yield {"nets": nets, "why": why, "ids": ids, "llm": llm,
-               "head": cluster.head_node.node_id}
+               "head": cluster.head_node.node_id, "raylets": raylets, "dirs": dirs,
+               "address": cluster.address}
     finally:
         if llm is not None:
             llm.shutdown()
@@ -92,15 +97,16 @@ def cluster():
             shutil.rmtree(d, ignore_errors=True)
 
 
-def start_raylets(nets: Namespaces, address: str, dirs: list[str]) -> list[subprocess.Popen]:
-    """One memory node's raylet in each namespace, at the namespace's IP."""
+def start_raylet(nets: Namespaces, n: int, address: str, temp_dir: str,
+                 memory: int = 2) -> subprocess.Popen:
+    """A memory node's raylet in namespace n, at its IP, with room for `memory` workers."""
     ray_cli = str(Path(sys.executable).with_name("ray"))
-    return [subprocess.Popen(
-        ["ip", "netns", "exec", ns, ray_cli, "start", "--block", f"--address={address}",
-         f"--node-ip-address={nets.ip(n)}", "--num-cpus=1",
-         '--resources={"lamina_memory": 2}', f"--temp-dir={d}", "--disable-usage-stats"],
+    return subprocess.Popen(
+        ["ip", "netns", "exec", nets.names[n - 1], ray_cli, "start", "--block",
+         f"--address={address}", f"--node-ip-address={nets.ip(n)}", "--num-cpus=1",
+         f'--resources={{"lamina_memory": {memory}}}', f"--temp-dir={temp_dir}",
+         "--disable-usage-stats"],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for n, (ns, d) in enumerate(zip(nets.names, dirs), 1)]
 
 
 def test_workers_on_their_nodes_over_tcp_greedy_equals_hf(cluster, prompts, hf_greedy):
@@ -149,6 +155,53 @@ def test_a_memory_node_whose_link_goes_down_is_replaced(cluster, prompts, hf_gre
     # both workers now on the node whose link is up, still over TCP to its IP
     assert ex.nodes["memory"] == [kept, kept]
     assert all(t.startswith(f"tcp {ids[kept]}:") for t in ex.transports), ex.transports
+
+
+def test_a_memory_node_lost_with_no_room_left_is_dropped_and_the_engine_goes_on(
+        cluster, prompts, hf_greedy, monkeypatch, caplog):
+    """(After the link test: both memory workers on the second memory node, which is
+    full.) A third memory node joins with room for one worker and the pools grow onto
+    it (a placement group of its own); mid-generation its link goes down. Nowhere has
+    room for its replacement: after the start's bound the recovery drops that worker
+    (its group removed) and the engine goes on with the other two, HF-exact."""
+    nets, llm = cluster["nets"], cluster["llm"]
+    if nets is None:
+        pytest.skip(f"no emulated hosts: {cluster['why']}")
+    ex, eng = llm.executor, llm.engine
+    alive = sum(x["Alive"] for x in ray.nodes())
+    cluster["raylets"].append(start_raylet(nets, 3, cluster["address"], cluster["dirs"][3],
+                                           memory=1))
+    deadline = time.monotonic() + 90
+    while sum(x["Alive"] for x in ray.nodes()) < alive + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert llm.scale_memory_workers(3).after == 3
+    third = {x["NodeManagerAddress"]: x["NodeID"] for x in ray.nodes() if x["Alive"]}[
+        nets.ip(3)]
+    assert ex.nodes["memory"][2] == third and isinstance(ex._homes[2], Placement)
+    group = ex._homes[2].group.id.hex()
+    # the start's bound 3 s (120 s + placement_timeout_s by default), the failed
+    # step's health wait 3 s (10)
+    monkeypatch.setattr(lamina.cluster.executor, "START_TIMEOUT_S", 1)
+    ex.config = replace(ex.config, placement_timeout_s=2.0)  # (the module's last llm)
+    monkeypatch.setattr(ex, "health_timeout_s", 3.0)
+    steps = len(eng.step_timings)
+
+    def cut_link():  # a few decode steps in
+        while len(eng.step_timings) < steps + 6:
+            time.sleep(0.01)
+        sh("ip", "link", "set", nets.links[2], "down")
+    cutter = threading.Thread(target=cut_link, daemon=True)
+    cutter.start()
+    with caplog.at_level(logging.WARNING):
+        outs = llm.generate([prompts[i] for i in PICK], GREEDY, use_tqdm=False)
+    cutter.join(5)
+    assert [o.token_ids for o in outs] == [hf_greedy[i][:SHORT_NEW] for i in PICK]
+    assert ex.memory_lost() == (2,) and len(ex.memory) == 2 and ex._homes == [0, 1]
+    assert eng.memory_workers_lost == 1 and len(eng.allocs) == 2
+    assert ray.util.placement_group_table()[group]["state"] == "REMOVED"
+    assert any("memory worker 2's replacement did not start within 3 s" in r.message
+               for r in caplog.records)
 
 
 def test_collective_paths_across_hosts(cluster, prompts, hf_greedy, monkeypatch):

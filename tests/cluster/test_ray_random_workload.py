@@ -251,8 +251,8 @@ def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, smol
     steps(6)
     grown = eng.scale_memory_workers(3)
     assert (grown.before, grown.after) == (2, 3) and len(ex.memory) == 3
-    assert [i["pid"] for i in ex.memory_info[:2]] == pids and list(ex._groups) == [2]
-    group = ex._groups[2].group.id.hex()
+    assert [i["pid"] for i in ex.memory_info[:2]] == pids and ex._homes[:2] == [0, 1]
+    group = ex._homes[2].group.id.hex()
     assert ray.util.placement_group_table()[group]["state"] == "CREATED"
     steps(10)
     on_leaving = [s for s in eng.scheduler.running if 2 in s.workers]
@@ -260,7 +260,7 @@ def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, smol
     shrunk = eng.scale_memory_workers(2)
     assert shrunk.preempted > 0 and len(ex.memory) == len(ex.transports) == 2
     assert shrunk.preempted + shrunk.relocated == len(on_leaving)
-    assert ex._groups == {} and ray.util.placement_group_table()[group]["state"] == "REMOVED"
+    assert ex._homes == [0, 1] and ray.util.placement_group_table()[group]["state"] == "REMOVED"
     assert batch.run_out() == [hf_greedy[i] for i in pick]
     assert eng.num_recoveries == 0 and eng.free_slots() == [125, 125]
     assert [i["pid"] for i in ex.memory_info] == pids
@@ -288,7 +288,7 @@ def test_memory_workers_join_and_leave_a_deployment_while_it_generates(llm, smol
     assert llm.scale_memory_workers(1).after == 1 and llm.config.num_memory_workers == 1
     outs = llm.generate([prompts[1]], GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == hf_greedy[1]
-    assert llm.scale_memory_workers(2).after == 2 and ex._groups == {}
+    assert llm.scale_memory_workers(2).after == 2 and ex._homes == [0, 1]
     assert ex.memory_info[1]["pid"] != pids[1]
     outs = llm.generate([prompts[i] for i in pick], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy[i] for i in pick]

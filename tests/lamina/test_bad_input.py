@@ -118,6 +118,7 @@ def test_bad_sampling_params(kw, words):
     (lambda: EngineConfig(num_kv_slots=True), "num_kv_slots must be a positive int"),
     (lambda: EngineConfig(kv_pool_bytes=0), "kv_pool_bytes must be a positive int or None"),
     (lambda: EngineConfig(stream_groups=17), "stream_groups must be an int in 1..16"),
+    (lambda: EngineConfig(min_live_memory_workers=0), "min_live_memory_workers must be an int"),
     (lambda: EngineConfig(local_prefill=1), "local_prefill must be a bool"),
     (lambda: EngineConfig(kv_evict="no"), "kv_evict must be a bool"),
     (lambda: EngineConfig(kv_huge_pages="no"), "kv_huge_pages must be a bool"),

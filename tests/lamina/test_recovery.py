@@ -9,8 +9,10 @@ import time
 
 import pytest
 
+from lamina.cluster.cli import _recoveries_line
 from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
+from lamina.entrypoints.metrics import EngineMetrics
 from lamina.executor.local import LocalExecutor
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
@@ -126,6 +128,77 @@ def test_a_kept_pool_keeps_its_kv_through_a_recovery(smol, smol_packed, prompts,
         assert (again[sid].start_pos, len(again[sid].token_ids)) == (start, 1)
     assert [o.metrics["cached_tokens"] for o in outs] == [0] * len(PICK)  # first admission
     assert eng.free_slots() == [2000] * len(eng.allocs)
+
+
+class LosingExecutor(FlakyExecutor):
+    """Its recovery cannot replace memory worker `gone` (as a Ray one whose node is gone
+    with no room left for its bundle): it drops it and numbers the others 0.. again;
+    the pools it keeps are every other one (named by their new index), the dropped
+    one is poisoned first (its KV must never be read again)."""
+
+    def __init__(self, split, memory, fail_on, gone: int):
+        super().__init__(split, memory, fail_on, keep=frozenset(range(len(memory) - 1)))
+        self.gone, self.lost = gone, ()
+
+    def recover(self, error):
+        gone = self.memory[self.gone].pool
+        gone.k.fill_(float("nan"))
+        gone.v.fill_(float("nan"))
+        shared = self.link.shared
+        for lst in (self.memory, shared.locks, shared.tracers):
+            del lst[self.gone]
+        for c in self.replicas:
+            c.num_workers = len(self.memory)
+        self.lost = (self.gone,)
+        return super().recover(error)  # (it poisons no other pool: all kept)
+
+    def memory_lost(self):
+        return self.lost
+
+
+def test_a_memory_worker_that_cannot_be_replaced_is_dropped_and_the_rest_go_on(
+        smol, smol_packed, prompts, hf_greedy, caplog):
+    """3 memory workers, mid-decode the middle one dies for good: the engine goes on
+    with 2, numbered 0 and 1; the sequences on old workers 0 and 2 take back their own
+    KV there (fed from the failed step's position on: old worker 2's pool is the new
+    worker 1's), old worker 1's are computed again (its pool poisoned); every output is
+    HF's."""
+    slots = 2000
+    cfg = EngineConfig(num_kv_slots=slots, num_memory_workers=3)
+    sides = [MemorySide(KVPool(KVPoolConfig.for_specs(smol_packed.attention_specs, slots)))
+             for _ in range(3)]
+    eng = LLMEngine(cfg, LosingExecutor(smol_packed, sides, {20}, gone=1), smol.tokenizer,
+                    smol.config)
+    picks = [*PICK, 2, 6]
+    ids = [eng.add_request(prompts[i], GREEDY) for i in picks]
+    with caplog.at_level(logging.WARNING, logger="lamina.engine.engine"):
+        _run_to_call(eng, 20)
+    failed = eng.executor.plans[19]
+    on = {w: {s.seq_id: s.start_pos for s in failed.seqs if s.worker == w} for w in range(3)}
+    assert all(on.values()) and all(len(s.token_ids) == 1 for s in failed.seqs), on
+    assert len(eng.allocs) == 2 and eng.config.num_memory_workers == 2
+    assert eng.memory_workers_lost == 1 and eng.alloc is eng.allocs[0]
+    assert eng.kv_kept_tokens == sum(on[0].values()) + sum(on[2].values())
+    assert any("memory workers 1 could not be replaced: the engine goes on with 2"
+               in r.message for r in caplog.records)
+    outs = drain(eng, ids)
+    assert [o.token_ids for o in outs] == [hf_greedy[i] for i in picks]
+    again = {s.seq_id: s for s in eng.executor.plans[20].seqs}
+    for sid, start in {**on[0], **on[2]}.items():  # fed from the failed step's position
+        assert (again[sid].start_pos, len(again[sid].token_ids)) == (start, 1)
+    # (a prompt here may be another's prefix: a tie goes to the lower worker, so only
+    # some of old worker 2's take their own KV, at its pool's new index)
+    assert any(again[sid].worker == 1 for sid in on[2])
+    assert eng.free_slots() == [slots] * 2
+    metrics = EngineMetrics()
+    metrics.refresh(eng)
+    assert metrics.registry.get_sample_value("lamina_memory_workers_lost_total") == 1
+    status = {"recoveries": eng.num_recoveries, "kv_kept_tokens": eng.kv_kept_tokens,
+              "workers_replaced": {"compute": 0, "memory": 0},
+              "memory_workers_lost": eng.memory_workers_lost}  # (as the service's)
+    assert _recoveries_line(status).endswith(
+        "; memory workers lost (dead, no replacement could start): 1, the engine went on "
+        "without them")
 
 
 def test_a_prompt_fed_in_chunks_keeps_its_fed_chunks(smol, smol_packed, prompts, hf_greedy):
