@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
 RECOVER_ATTEMPTS = 3  # a recovery's tries when workers die while it runs
 START_TIMEOUT_S = 120  # a worker's model load and setup, once its bundle is placed
+PLACE_POLL_S = 1.0  # how often a replacement's wait looks where its bundle is
 HEALTH_TIMEOUT_S = 10  # after a failed step: how long the memory workers get to report
 # a KV move's dest refuses to write after its deadline; the executor gives up this much
 # later, so a write it gave up on never lands (wall clocks of nodes differ by far less)
@@ -556,18 +557,14 @@ class RayExecutor(Executor):
 
     def _not_started(self, pings: dict) -> dict[int, str]:
         """Of the replacement memory workers {index: its ping}, those that did not
-        start within a start's bound, or whose start raised -> {index: why}. Raises
-        (`WorkerTimeout`, `WorkerFailure`) when dropping them would leave fewer than
+        start (`_late`) or whose start raised -> {index: why}. Raises (`WorkerTimeout`,
+        `WorkerFailure`) when dropping them would leave fewer than
         `min_live_memory_workers`."""
-        wait = START_TIMEOUT_S + self.config.placement_timeout_s
-        ready = set(ray.wait(list(pings.values()), num_returns=len(pings),
-                             timeout=wait)[0]) if pings else set()
-        late = [i for i, ref in pings.items() if ref not in ready]
-        why = {i: (f"did not start within {wait:g} s (the cluster has no room for its "
-                   "bundle: see `ray status`)") for i in late}
+        why = self._late(pings)
+        late = bool(why)
         for i, ref in pings.items():
             try:
-                if i not in late:
+                if i not in why:
                     ray.get(ref)
             except ray.exceptions.RayActorError as e:
                 why[i] = f"could not start: {_last_line(str(e))}"
@@ -578,6 +575,42 @@ class RayExecutor(Executor):
                 f"{what}; without it {left} memory workers would stay, fewer than "
                 f"min_live_memory_workers={self.config.min_live_memory_workers}")
         return why
+
+    def _late(self, pings: dict) -> dict[int, str]:
+        """Wait for the replacement memory workers' pings {index: ping}: one whose
+        bundle has had no live node for `placement_timeout_s` (its node gone and no
+        room on another; Ray places a lost node's bundles again once it declares the
+        node dead) is given up then, any other after a start's whole bound -> {index:
+        why} of those given up."""
+        whole, bare = START_TIMEOUT_S + self.config.placement_timeout_s, \
+            self.config.placement_timeout_s
+        t0 = time.monotonic()
+        pending, late, homeless = dict(pings), {}, {}  # homeless: index -> since when
+        while pending:
+            ready = ray.wait(list(pending.values()), num_returns=len(pending),
+                             timeout=PLACE_POLL_S)[0]
+            pending = {i: r for i, r in pending.items() if r not in ready}
+            now = time.monotonic()
+            if pending and now - t0 >= whole:
+                return {**late, **{i: f"did not start within {whole:g} s (see `ray status`)"
+                                   for i in pending}}
+            live = self._on_live_nodes(list(pending))
+            for i in list(pending):
+                if live[i]:
+                    homeless.pop(i, None)
+                elif now - homeless.setdefault(i, now) >= bare:
+                    late[i] = (f"had no live node for its bundle for {bare:g} s (its node "
+                               "gone, no room on another: see `ray status`)")
+                    del pending[i]
+        return late
+
+    def _on_live_nodes(self, workers: list[int]) -> dict[int, bool]:
+        """Whether each of `workers`' bundle is on a node Ray holds alive."""
+        main = self.placement.node_resources() if any(
+            isinstance(self._homes[i], int) for i in workers) else []
+        return {i: bool(main[self.placement.computes + h] if isinstance(h, int)
+                        else h.node_resources()[0])
+                for i, h in ((i, self._homes[i]) for i in workers)}
 
     def _drop_lost(self, why: dict[int, str], keep: list[int], replaced: set[int]) -> None:
         """The memory workers `why` names leave the deployment (their replacements
