@@ -23,7 +23,10 @@ every memory worker healthy, and the deployment must still answer a request as H
 
 `--scale` adds 1-3 changes of the engine's memory workers (to 1-3) at random steps
 (`LLMEngine.scale_memory_workers`; a kill of a memory worker a scale-down took away does
-nothing); each seed starts again from the deployment's two.
+nothing) and, in 3 seeds of 10, a memory worker lost for good ("lose-memory": killed,
+its replacement's start failing, so the recovery drops it and the engine goes on with
+the others, renumbered; with one left, a plain kill); each seed starts again from the
+deployment's two.
 
 Its first run found what 126cdac fixes: a kill-compute while the culprit search ran an
 innocent request alone got that request named (seed 23 fails at 56061ef).
@@ -142,6 +145,8 @@ def workload(seed: int, lm, replicas: int = 1, scale: bool = False) -> RayWorklo
     if scale:
         events += [WorkerEvent(r.randrange(1, 30), "scale", r.randrange(1, 4))
                    for _ in range(r.randrange(1, 4))]
+        if r.random() < 0.3:
+            events.append(WorkerEvent(r.randrange(1, 25), "lose-memory", r.randrange(2)))
     return RayWorkload(config, slots, tuple(asks), tuple(events))
 
 
@@ -177,7 +182,9 @@ def _happen(llm, eng: LLMEngine, e: WorkerEvent, stopped: list[int], fired: list
         return
     if e.kind.endswith("memory") and e.worker >= len(ex.memory):
         return  # a scale-down took it away
-    if e.kind == "kill-memory":
+    if e.kind == "lose-memory" and len(ex.memory) > 1 and "_new_memory" not in vars(ex):
+        _no_replacement(ex)  # (one at a time: the first one's recovery takes it off)
+    if e.kind in ("kill-memory", "lose-memory"):
         ray.kill(ex.memory[e.worker])
     elif e.kind == "kill-compute":
         ray.kill(ex.computes[e.worker])
@@ -190,6 +197,18 @@ def _happen(llm, eng: LLMEngine, e: WorkerEvent, stopped: list[int], fired: list
         stopped.append(pid)
     if eng.has_unfinished():  # else the next step that needs the worker finds it
         fired.append(e.kind)
+
+
+def _no_replacement(ex) -> None:
+    """The next memory worker the executor starts in a dead one's place fails its start
+    (its threads not a number), once."""
+    from lamina.cluster.memory_worker import MemoryWorker
+
+    def broken(i: int):
+        del ex._new_memory
+        home, _ = ex._memory_home(ex._homes[i])
+        return MemoryWorker.options(**ex._m_opts, **home).remote(i, "no threads")
+    ex._new_memory = broken
 
 
 def _scale(eng: LLMEngine, n: int, fired: list) -> None:
@@ -228,11 +247,14 @@ class Outcome:
     problems: tuple[str, ...]  # what went wrong (empty: nothing)
     fired: tuple[str, ...]  # the worker events that happened while requests ran
     recoveries: int  # recoveries of the engine (failed steps brought back)
+    lost: int = 0  # memory workers its recoveries dropped (no replacement started)
 
     def line(self, drawn: set[str]) -> tuple[list[str], str]:
         """`each_seed`'s (problems, note) for a workload that drew `drawn`."""
         return list(self.problems), (f"{sorted(drawn)} fired {list(self.fired)}, "
-                                     f"{self.recoveries} recoveries")
+                                     f"{self.recoveries} recoveries"
+                                     + (f", {self.lost} memory workers lost"
+                                        if self.lost else ""))
 
 
 def check(seed: int, llm, lm, split, scale: bool = False) -> Outcome:
@@ -251,6 +273,7 @@ def check(seed: int, llm, lm, split, scale: bool = False) -> Outcome:
     try:
         outs, aborted = run(eng, w.asks, events=events)
     finally:
+        vars(ex).pop("_new_memory", None)  # a lost worker not found yet: replaced later
         for pid in stopped:
             try:
                 os.kill(pid, signal.SIGCONT)
@@ -278,7 +301,8 @@ def check(seed: int, llm, lm, split, scale: bool = False) -> Outcome:
             problems.append(f"memory worker {i} after the workload: {error}")
     if time.monotonic() - t > 600:
         problems.append(f"took {time.monotonic() - t:.0f} s")
-    return Outcome(tuple(problems), tuple(fired), eng.num_recoveries)
+    return Outcome(tuple(problems), tuple(fired), eng.num_recoveries,
+                   eng.memory_workers_lost)
 
 
 def _greedy(eng: LLMEngine, prompt: list[int], n: int) -> list[int]:

@@ -137,6 +137,41 @@ def test_a_leaving_last_part_continues_the_range_before_it_where_that_worker_has
         (2, (3, 4, 5, 0, 1, 2), 0, ())]
 
 
+def test_a_worker_dropped_from_the_middle_renumbers_the_others_and_their_kv_comes_back():
+    """Three workers of 10 slots: a on 0, b on 1, c on 2, one decode step each. A
+    recovery that kept pools 0 and 2 requeues them (a's 4 positions and c's 3 cached,
+    b's worker gone) and then drops worker 1: worker 2's allocator and tree become
+    worker 1's, and readmission puts a and c back onto their own KV there, b computed
+    whole beside c."""
+    allocs = [KVAllocator(KVAllocatorConfig(10)) for _ in range(3)]
+    first, _, last = allocs
+    s = Scheduler(SchedulerConfig(4, 100, True), allocs, prefix_caching=True)
+    a, b, c = Sequence(0, [10, 11, 12], P), Sequence(1, [20, 21, 22], P), Sequence(2, [30, 31], P)
+    for q in (a, b, c):
+        s.add(q)
+    assert [w.worker for w in s.schedule().seqs] == [0, 1, 2]
+    for q in (a, b, c):
+        q.output.append(40 + q.seq_id)
+    assert _plan(s) == [(0, (40,), 3, (3,), 0, ()), (1, (41,), 3, (3,), 1, ()),
+                        (2, (42,), 2, (2,), 2, ())]
+    for q in (a, b, c):
+        q.output.append(50 + q.seq_id)
+    s.clear_cache({1})  # (as `LLMEngine._bring_back`: the pools not kept)
+    assert s.preempt_all({0: 4, 2: 3}) == 7
+    s.drop_workers([1])
+    assert s.allocs is allocs and allocs == [first, last] and len(s.caches) == 2
+    assert [x.requests() for x in allocs] == [[], []] and [x.num_free() for x in allocs] == [
+        6, 7]
+    assert s.caches[0].match([10, 11, 12, 40, 50]) == [0, 1, 2, 3]
+    assert s.caches[1].match([30, 31, 42, 52]) == [0, 1, 2]
+    assert list(s.waiting) == [a, b, c]
+    with pytest.raises(ValueError, match=r"drop some of memory workers 0..1, not \[0, 1\]"):
+        s.drop_workers([0, 1])
+    assert _plan(s) == [(0, (50,), 4, (0, 1, 2, 3, 4), 0, ()),
+                        (1, (20, 21, 22, 41, 51), 0, (3, 4, 5, 6, 7), 1, ()),
+                        (2, (52,), 3, (0, 1, 2, 8), 1, ())]
+
+
 def _engine(smol, split, slots: int, workers: int, **kw) -> LLMEngine:
     cfg = EngineConfig(num_memory_workers=workers, num_kv_slots=slots, max_step_tokens=2048,
                        **kw)
