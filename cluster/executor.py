@@ -498,9 +498,10 @@ class RayExecutor(Executor):
         (no answer within `ping_timeout_s`; the workers this starts get a start's
         bound) is found by the next attempt, which replaces it: at most
         RECOVER_ATTEMPTS in all.
-        A memory worker whose replacement cannot start (no room for its bundle within
-        a start's bound, or its start failing) is dropped, the others numbered 0.. again
-        (`memory_lost`), while at least `min_live_memory_workers` stay.
+        A memory worker whose replacement cannot start (`_not_started`: its bundle on
+        no live node for `placement_timeout_s`, not up within a start's bound, or its
+        start raising) is dropped, the others numbered 0.. again (`memory_lost`), while
+        at least `min_live_memory_workers` stay.
         False if the cluster cannot give new workers."""
         self._check_open()  # a shut executor's placement is gone: nothing to start on
         replaced: set[int] = set()  # memory workers new since the step: no KV of theirs
@@ -561,7 +562,7 @@ class RayExecutor(Executor):
         `WorkerFailure`) when dropping them would leave fewer than
         `min_live_memory_workers`."""
         why = self._late(pings)
-        late = bool(why)
+        timed_out = bool(why)
         for i, ref in pings.items():
             try:
                 if i not in why:
@@ -571,7 +572,7 @@ class RayExecutor(Executor):
         left = len(self.memory) - len(why)
         if why and left < self.config.min_live_memory_workers:
             what = "; ".join(f"memory worker {i}'s replacement {w}" for i, w in why.items())
-            raise (WorkerTimeout if late else WorkerFailure)(
+            raise (WorkerTimeout if timed_out else WorkerFailure)(
                 f"{what}; without it {left} memory workers would stay, fewer than "
                 f"min_live_memory_workers={self.config.min_live_memory_workers}")
         return why

@@ -335,6 +335,25 @@ def test_a_memory_worker_whose_replacement_cannot_start_is_dropped_and_the_engin
     assert [o.token_ids for o in outs] == [hf_greedy[i] for i in pick]
 
 
+def test_a_replacement_whose_start_raises_is_given_up_unless_too_few_would_stay(llm):
+    """A replacement memory worker whose start raises (its threads not a number) is
+    given up at once, naming the error; were it dropped with fewer than
+    `min_live_memory_workers` left, the recovery fails instead (the engine stops)."""
+    ex, bound = llm.executor, llm.executor.config
+    try:
+        broken = MemoryWorker.remote(0, "no threads")
+        why = ex._not_started({0: broken.ping.remote()})
+        assert why == {0: "could not start: RuntimeError: set_num_threads expects an int, "
+                          "but got str"}
+        ex.config = replace(bound, min_live_memory_workers=2)
+        with pytest.raises(WorkerFailure, match=(
+                r"memory worker 0's replacement could not start: .*; without it 1 memory "
+                r"workers would stay, fewer than min_live_memory_workers=2")):
+            ex._not_started({0: MemoryWorker.remote(0, "no threads").ping.remote()})
+    finally:
+        ex.config = bound
+
+
 def test_dead_compute_worker_replaced_and_requests_recomputed(llm, prompts, hf_greedy):
     """The compute worker killed mid-decode: its control channel closes, the step fails
     naming it, a new compute worker (and fresh memory workers) take over, and the
