@@ -157,17 +157,22 @@ def test_a_memory_node_whose_link_goes_down_is_replaced(cluster, prompts, hf_gre
 
 
 def test_a_memory_node_lost_with_no_room_left_is_dropped_and_the_engine_goes_on(
-        cluster, prompts, hf_greedy, monkeypatch, caplog):
-    """(After the link test: both memory workers on the second memory node, which is
-    full.) A third memory node joins with room for one worker and the pools grow onto
-    it (a placement group of its own); mid-generation its link goes down. Nowhere has
-    room for its replacement: once its bundle has had no live node for
-    `placement_timeout_s` the recovery drops that worker (its group removed) and the
-    engine goes on with the other two, HF-exact."""
+        cluster, prompts, hf_greedy, monkeypatch, caplog, request):
+    """The memory nodes' room left is taken (a placeholder placement group; after the
+    link test, the second node is full anyway). A third memory node joins with room for
+    one worker and the pools grow onto it (a placement group of its own); mid-generation
+    its link goes down. Nowhere has room for its replacement: once its bundle has had no
+    live node for `placement_timeout_s` the recovery drops that worker (its group
+    removed) and the engine goes on with the other two, HF-exact."""
     nets, llm = cluster["nets"], cluster["llm"]
     if nets is None:
         pytest.skip(f"no emulated hosts: {cluster['why']}")
     ex, eng = llm.executor, llm.engine
+    room = int(ray.available_resources().get("lamina_memory", 0))
+    if room:
+        held = ray.util.placement_group([{"lamina_memory": 1}] * room)
+        assert held.wait(30)
+        request.addfinalizer(lambda: ray.util.remove_placement_group(held))
     alive = sum(x["Alive"] for x in ray.nodes())
     cluster["raylets"].append(start_raylet(nets, 3, cluster["address"], cluster["dirs"][3],
                                            memory=1))
