@@ -232,6 +232,9 @@ class _Sampling(_Nullable):
     bad_words: list[str] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: the text is the tokenizer's `decode`, which puts no space between special
+    # tokens (transformers 5, any tokenizer), as vLLM's fast detokenizer, either way
+    spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     user: str | None = None
     # Lamina's: this request's own KV sparsity on the memory workers (None: the

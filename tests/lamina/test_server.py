@@ -204,6 +204,24 @@ def test_chat_stream_and_logprobs(server):
     assert status == 400 and "top_logprobs" in out["error"]["message"]
 
 
+def test_spaces_between_special_tokens_is_taken_and_the_text_is_hf_decodes(server, prompts,
+                                                                           smol):
+    """vLLM's `spaces_between_special_tokens`, with special tokens drawn back to back
+    (the only ones allowed) and kept in the text: for both values the request answers,
+    its text HF's `decode` of its tokens (no spaces between them, as vLLM's fast
+    detokenizer writes them either way)."""
+    body = {"prompt": prompts[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "allowed_token_ids": [0, 1], "skip_special_tokens": False}
+    for flag in (True, False):
+        status, out = server.post("/v1/completions",
+                                  {**body, "spaces_between_special_tokens": flag})
+        assert status == 200, out
+        ch = out["choices"][0]
+        assert len(ch["token_ids"]) == 4 and set(ch["token_ids"]) <= {0, 1}
+        assert ch["text"] == smol.tokenizer.decode(ch["token_ids"], skip_special_tokens=False)
+        assert "<|" in ch["text"] and " " not in ch["text"]
+
+
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, prompts, smol):
     """vLLM's `return_tokens_as_token_ids`: the same greedy answer, its logprobs' tokens
     and top alternatives named "token_id:<id>" (the ids the answer carries; each
