@@ -595,7 +595,7 @@ class RayExecutor(Executor):
             if pending and now - t0 >= whole:
                 return {**late, **{i: f"did not start within {whole:g} s (see `ray status`)"
                                    for i in pending}}
-            live = self._on_live_nodes(list(pending))
+            live = dict(zip(pending, self._on_live_nodes([self._homes[i] for i in pending])))
             for i in list(pending):
                 if live[i]:
                     homeless.pop(i, None)
@@ -605,13 +605,13 @@ class RayExecutor(Executor):
                     del pending[i]
         return late
 
-    def _on_live_nodes(self, workers: list[int]) -> dict[int, bool]:
-        """Whether each of `workers`' bundle is on a node Ray holds alive."""
+    def _on_live_nodes(self, homes: list[int | Placement]) -> list[bool]:
+        """Whether each memory home (`_homes`: a memory bundle of the deployment's group,
+        or a group of its own) is on a node Ray holds alive."""
         main = self.placement.node_resources() if any(
-            isinstance(self._homes[i], int) for i in workers) else []
-        return {i: bool(main[self.placement.computes + h] if isinstance(h, int)
-                        else h.node_resources()[0])
-                for i, h in ((i, self._homes[i]) for i in workers)}
+            isinstance(h, int) for h in homes) else []
+        return [bool(main[self.placement.computes + h] if isinstance(h, int)
+                     else h.node_resources()[0]) for h in homes]
 
     def _drop_lost(self, why: dict[int, str], keep: list[int], replaced: set[int]) -> None:
         """The memory workers `why` names leave the deployment (their replacements
@@ -650,10 +650,10 @@ class RayExecutor(Executor):
         self._check_open()
         base = len(self.placement.bundles) - self.placement.computes
         used = {h for h in self._homes if isinstance(h, int)}
-        alive = self.placement.node_resources()[self.placement.computes:]
         # a bundle a removal left idle, where Ray holds it on a live node (not one a
         # worker lost with its node left, until Ray places it again)
-        idle = [b for b in range(base) if b not in used and alive[b]]
+        spare = [b for b in range(base) if b not in used]
+        idle = [b for b, live in zip(spare, self._on_live_nodes(spare)) if live]
         got = _Started([], [], [], [])
         try:
             for i in range(first, first + k):
