@@ -143,6 +143,35 @@ def worker_options(config, have: dict) -> tuple[dict, dict]:
     """The Ray options of a compute worker and of a memory worker on a cluster with
     resources `have`; a clear error where the cluster cannot hold them all."""
     m, r_n = config.num_memory_workers, config.num_compute_workers
+    c_opts, m_opts = _options(config, have)
+    if config.kv_device.startswith("cuda") and have.get("GPU", 0) < m:
+        raise ValueError(f"kv_device={config.kv_device!r} puts each of the {m} memory "
+                         f"workers on a GPU of its own, but the Ray cluster has "
+                         f"{int(have.get('GPU', 0))} GPU(s)")
+    check_fits(have, {("compute worker" if r_n == 1 else "compute workers"): (c_opts, r_n),
+                      "memory workers": (m_opts, m)})
+    return c_opts, m_opts
+
+
+def memory_workers_that_fit(config, have: dict) -> tuple[int, str | None]:
+    """How many memory workers, at most `config.num_memory_workers`, the cluster's
+    total resources `have` hold beside its compute workers -> (that count, why not
+    all: `check_fits`' message for all of them; None when all fit). 0 when not even
+    one fits (or the compute workers do not)."""
+    why = None
+    for m in range(config.num_memory_workers, 0, -1):
+        try:
+            worker_options(replace(config, num_memory_workers=m), have)
+        except ValueError as e:
+            why = why or str(e)
+            continue
+        return m, why
+    return 0, why
+
+
+def _options(config, have: dict) -> tuple[dict, dict]:
+    """`worker_options`' two option dicts, unchecked."""
+    r_n = config.num_compute_workers
     # Fractional CPUs so 1 compute + 2 memory workers fit a 2-core node (the compute
     # workers share what one would take); on a cluster whose nodes advertise
     # lamina_compute / lamina_memory (ray_config.yaml), use them.
@@ -155,15 +184,9 @@ def worker_options(config, have: dict) -> tuple[dict, dict]:
     # A GPU pool: each memory worker holds one GPU of its own (Ray sets its
     # CUDA_VISIBLE_DEVICES, so inside the worker it is "cuda").
     if config.kv_device.startswith("cuda"):
-        if have.get("GPU", 0) < m:
-            raise ValueError(f"kv_device={config.kv_device!r} puts each of the {m} memory "
-                             f"workers on a GPU of its own, but the Ray cluster has "
-                             f"{int(have.get('GPU', 0))} GPU(s)")
         m_opts["num_gpus"] = 1
     if config.compute_device.startswith("cuda"):  # the slices on a GPU of their own
         c_opts["num_gpus"] = 1
-    check_fits(have, {("compute worker" if r_n == 1 else "compute workers"): (c_opts, r_n),
-                      "memory workers": (m_opts, m)})
     return c_opts, m_opts
 
 

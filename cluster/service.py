@@ -51,14 +51,17 @@ from lamina.entrypoints.llm import LLM
 from lamina.entrypoints.metrics import EngineMetrics
 from lamina.errors import EngineDead
 
-from .executor import connect_ray
+from .executor import connect_ray, memory_workers_that_fit
 from .leases import ClientLeases
+from .placement import PlacementTimeout
 
 log = logging.getLogger(__name__)
 NAMESPACE = "lamina"  # the services' Ray namespace: any driver finds them by name
 SERVICE = "lamina"  # the default service name
 START_TIMEOUT_S = 600  # model load + placement + workers
 RESTART_GRACE_S = 2.0  # a stopped engine's errors reach their clients before the exit
+HEAD_NODE = "node:__internal_head__"  # the resource only Ray's head node has
+REGROW_MAX_S = 300.0  # the longest wait between two tries to grow back (`_keep_size`)
 
 
 class ServiceNotFound(LookupError):
@@ -89,8 +92,9 @@ class LaminaService:
         if restarted and scaled is not None:  # `scale` changed it: the restart keeps it
             self.config = replace(self.config, engine=replace(
                 self.config.engine, num_memory_workers=scaled))
+        self.short_why: str | None = None  # why it has fewer memory workers than its size
         try:
-            self.llm = LLM.from_config(self.config)
+            self.llm = self._start(restarted)
         except BaseException as e:  # Ray ends the actor for good: `find` says why
             _note_failed_start(name, e)
             raise
@@ -113,7 +117,84 @@ class LaminaService:
                          name="lamina-service-watch").start()
         threading.Thread(target=self._abort_the_silent_clients_requests, daemon=True,
                          name="lamina-leases").start()
+        threading.Thread(target=self._keep_size, daemon=True, name="lamina-regrow").start()
         _note_serving(name)
+
+    def _start(self, restarted: bool) -> LLM:
+        """The engine and its workers. A first start (`up`) deploys the deployment's
+        size, `engine.num_memory_workers`, or fails. A restart deploys as many memory
+        workers as the cluster holds now, down to `engine.min_live_memory_workers`
+        (below that it fails as a first start does), so that a node lost with no room
+        left leaves the deployment smaller, not gone; `_keep_size` grows it back once
+        there is room. As many: those the cluster's total resources hold
+        (`memory_workers_that_fit`), fewer by one after each placement that times out
+        (the room held by other deployments), each try bounded by placement_timeout_s."""
+        size = self.config.engine.num_memory_workers
+        if not restarted:
+            return LLM.from_config(self.config)
+        fewest = min(size, self.config.engine.min_live_memory_workers)
+        n, why = memory_workers_that_fit(self.config.engine, ray.cluster_resources())
+        n = max(n, fewest)  # too few fit: the start fails, saying what is missing
+        while True:
+            try:
+                llm = LLM.from_config(self._sized(n))
+                break
+            except PlacementTimeout as e:
+                if n <= fewest:
+                    raise
+                why, n = str(e), n - 1
+                log.warning("the Lamina service %r: %s; trying %d memory workers", self.name,
+                            e, n)
+        if n < size:
+            self.short_why = f"its restart found room for {n}: {why}"
+            log.warning("the Lamina service %r restarts with %d of its %d memory workers (%s)"
+                        "; it grows back when the cluster has room", self.name, n, size, why)
+        return llm
+
+    def _sized(self, n: int) -> LaminaConfig:
+        """The deployment's config with `n` memory workers (its size stays the config's)."""
+        return replace(self.config, engine=replace(self.config.engine, num_memory_workers=n))
+
+    def _keep_size(self) -> None:
+        """While the deployment has fewer memory workers than its size (a restart short
+        of room, workers lost for good at a recovery) and no autoscaler sets their
+        count: every `cluster.regrow_interval_s`, grow back as far as the cluster's
+        resources hold (`_grow_back`); after a failed grow (the room held elsewhere: a
+        placement timeout) wait twice as long before the next, up to REGROW_MAX_S."""
+        every = self.config.cluster.regrow_interval_s
+        if not every or self.autoscale is not None:
+            return
+        wait = every
+        while not self._stopping and self.loop.alive:
+            time.sleep(wait)
+            try:
+                self._grow_back()
+                wait = every
+            except Exception as e:  # noqa: BLE001 - said in status; tried again later
+                wait = min(2 * wait, max(every, REGROW_MAX_S))
+                self.short_why = (f"growing back failed: {type(e).__name__}: {e}; next try "
+                                  f"in {wait:g} s")
+                log.warning("the Lamina service %r: %s", self.name, self.short_why)
+
+    def _grow_back(self) -> None:
+        """Memory workers -> as many as the cluster's total resources hold, at most the
+        deployment's size (its size unchanged: `_scale_now` sets it)."""
+        with self._scaling:
+            size, live = self.config.engine.num_memory_workers, len(self.llm.engine.allocs)
+            if self._stopping or not self.loop.alive:
+                return
+            if live >= size:
+                self.short_why = None
+                return
+            fit, _ = memory_workers_that_fit(self.config.engine, ray.cluster_resources())
+            if fit <= live:
+                return  # no room yet
+            done = scale_beside(self.llm.engine, fit, on_loop(self.loop))
+            self.llm.config = replace(self.llm.config, num_memory_workers=done.after)
+            log.info("the Lamina service %r grew back to %d of its %d memory workers",
+                     self.name, done.after, size)
+            if done.after >= size:
+                self.short_why = None
 
     def _gauges(self) -> None:
         """The service's own series beside the engine's: its restarts (from its record,
@@ -122,6 +203,10 @@ class LaminaService:
         r = self.metrics.registry
         Gauge("lamina_service_restarts", "Times Ray started the Lamina service again "
               "(kept through restarts)", registry=r).set(self.restarts)
+        Gauge("lamina_memory_workers_missing", "Memory workers the deployment has fewer "
+              "than its size (a restart short of room, workers lost for good); it grows "
+              "back when the cluster has room", registry=r).set_function(
+            lambda: max(0, self.config.engine.num_memory_workers - len(self.llm.engine.allocs)))
         Gauge("lamina_stored_responses", "Responses the service stores (kept through "
               "restarts)", registry=r).set_function(lambda: len(self.responses))
         Gauge("lamina_stored_response_bytes", "Bytes of the responses the service stores "
@@ -277,6 +362,7 @@ class LaminaService:
                 "recoveries": eng.num_recoveries, "kv_kept_tokens": eng.kv_kept_tokens,
                 "workers_replaced": ex.workers_replaced(),
                 "memory_workers_lost": eng.memory_workers_lost,
+                "size": self._size(),
                 "placement_group": ex.placement.group.id.hex(),
                 "restarts": self.restarts, "restart_cause": self.restart_cause,
                 "max_restarts": self.config.cluster.max_restarts,
@@ -288,6 +374,18 @@ class LaminaService:
                 "autoscale": self._autoscale_status(),
                 "waiting_for_workers": None if (w := eng.waiting_for_workers()) is None
                 else asdict(w)}
+
+    def _size(self) -> dict:
+        """The deployment's size in memory workers, those it has, and why fewer."""
+        size, live = self.config.engine.num_memory_workers, len(self.llm.engine.allocs)
+        why = None if live >= size else self.short_why or (
+            "memory workers lost for good at a recovery (no replacement could start)")
+        every = self.config.cluster.regrow_interval_s
+        regrow = ("the autoscaler sets the count" if self.autoscale is not None else
+                  f"it grows back when the cluster has room (tried every {every:g} s)"
+                  if every else "it does not grow back by itself (cluster."
+                  "regrow_interval_s 0; `lamina scale`)")
+        return {"memory_workers": size, "live": live, "short_why": why, "regrow": regrow}
 
     def _autoscale_status(self) -> dict | None:
         """The autoscaler's bounds, its changes so far and the last one, its last
@@ -550,8 +648,11 @@ def up(config: LaminaConfig, name: str = SERVICE, address: str | None = "auto",
     except ValueError as e:
         raise ServiceError(f"the Lamina service {name!r}'s HTTP front: {e}") from None
     _forget(name)  # a gone service's record and responses: this start is a new one
+    # on the head node, as Ray Serve's controller: a worker node lost (a memory node
+    # with no room left, a spot instance) takes workers, not the deployment's engine
     actor = LaminaService.options(name=name, namespace=NAMESPACE, lifetime="detached",
                                   max_restarts=config.cluster.max_restarts,
+                                  resources={HEAD_NODE: 0.001},
                                   max_concurrency=1000).remote(config, name)
     log.info("starting the Lamina service %r: placement, workers, model (at most %g s; "
              "its workers' logs: `ray logs`)", name, timeout_s)

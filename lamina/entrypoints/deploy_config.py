@@ -65,6 +65,13 @@ class ClusterConfig:
     # third of this while it lives; one silent for longer (its process died) has its
     # requests aborted, so nobody's requests hold the batch and the KV to their end.
     client_lease_s: float = 30.0
+    # The service keeps its memory workers' count (`engine.num_memory_workers`, or what
+    # `lamina scale` set): after a restart that found room for fewer, or workers lost
+    # for good at a recovery, it tries to grow back every this many seconds once the
+    # cluster's resources hold more (a failed try waits twice as long before the next,
+    # up to 5 min). 0: never (`lamina scale` does it). Off with an autoscaler, which
+    # sets the count itself.
+    regrow_interval_s: float = 10.0
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
@@ -86,6 +93,11 @@ class ClusterConfig:
                 < float("inf"):
             raise ValueError(f"cluster.client_lease_s must be a number of seconds > 0, "
                              f"got {lease!r}")
+        every = self.regrow_interval_s
+        if isinstance(every, bool) or not isinstance(every, (int, float)) or not 0 <= every \
+                < float("inf"):
+            raise ValueError(f"cluster.regrow_interval_s must be a number of seconds >= 0 "
+                             f"(0: never), got {every!r}")
         if not isinstance(self.http_host, str) or not self.http_host:
             raise ValueError(f"cluster.http_host must be an address to serve on, got "
                              f"{self.http_host!r}")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from lamina.cluster.executor import check_fits, worker_options
+from lamina.cluster.executor import check_fits, memory_workers_that_fit, worker_options
 from lamina.engine.config import EngineConfig
 from tests.tiny_models import tiny_model
 
@@ -141,6 +141,29 @@ def test_worker_options_ask_for_what_each_worker_holds():
         worker_options(gpus, {"CPU": 4.0, "GPU": 2.0})
     replicas = EngineConfig(num_compute_workers=2, pipeline="fixed")
     assert worker_options(replicas, {"CPU": 2.0})[0] == {"num_cpus": 0.25}
+
+
+@pytest.mark.parametrize("have, want", [
+    # ray_config.yaml's kind of cluster, a memory node (2 slots) gone: 4 of 6 fit
+    ({"CPU": 24.0, "lamina_compute": 1.0, "lamina_memory": 4.0}, (4, "lamina_memory: needs "
+                                                                  "6, the cluster has 4")),
+    ({"CPU": 24.0, "lamina_compute": 1.0, "lamina_memory": 8.0}, (6, None)),  # all fit
+    ({"CPU": 2.0, "lamina_compute": 1.0, "lamina_memory": 8.0}, (3, "CPU: needs 3.5, the "
+                                                                 "cluster has 2")),
+    ({"CPU": 24.0, "lamina_memory": 8.0}, (6, None)),  # no compute slots: any node
+    ({"CPU": 0.5, "lamina_memory": 8.0}, (0, "CPU: needs 3.5, the cluster has 0.5")),
+])
+def test_memory_workers_that_fit_counts_down_from_the_deployments_size(have, want):
+    """A restart short of room deploys as many memory workers as the cluster's total
+    resources hold beside the compute worker (0: not even one), and says why not all:
+    the message for the whole size."""
+    n, why = memory_workers_that_fit(EngineConfig(num_memory_workers=6), have)
+    assert n == want[0]
+    if want[1] is None:
+        assert why is None
+    else:
+        assert why.startswith("the Ray cluster cannot hold 1 compute worker, 6 memory "
+                              "workers: ") and want[1] in why, why
 
 
 @pytest.mark.parametrize("node, role, threads, want", [
