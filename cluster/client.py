@@ -74,6 +74,12 @@ def _unwrapped(e: BaseException, name: str | None = None) -> BaseException:
 RAY_ERRORS = (ray.exceptions.RayTaskError, ray.exceptions.RayActorError)
 
 
+def _restart_under_way(record: dict) -> bool:
+    """The service's record of starts says a restart's process is starting (it wrote
+    its start, not yet that it serves)."""
+    return bool(record.get("restarts")) and not record.get("serving", True)
+
+
 def _call(ref):
     """`ray.get(ref)`, raising the service's own exception (see `_unwrapped`)."""
     try:
@@ -184,7 +190,12 @@ class Client:
         """`service.method(*args)`, raising the service's own exceptions (`_unwrapped`).
         While the service restarts (its process gone, or its engine stopped and the
         process about to exit), wait until it answers (`wait_back`), then ask again
-        once; `wait=False`: raise `ServiceRestarting` (an `EngineDead`) at once."""
+        once; `wait=False`: raise `ServiceRestarting` (an `EngineDead`) at once, also
+        while the restarted process is still starting (its record says so: Ray would
+        hold the call until its start ends, which may wait for room for minutes)."""
+        if not wait and _restart_under_way(starts_of(self.name)):
+            raise ServiceRestarting(f"the Lamina service {self.name!r} is restarting "
+                                    "(`lamina status`)")
         try:
             return ray.get(getattr(self.service, method).remote(*args))
         except ray.exceptions.ActorUnavailableError as e:

@@ -123,25 +123,30 @@ def prebuild_kernel(here: str, nodes: list, built=is_built) -> Future | None:
         pool.shutdown(wait=False)
 
 
-def check_fits(have: dict, asks: dict[str, tuple[dict, int]]) -> None:
+def check_fits(have: dict, asks: dict[str, tuple[dict, int]], free: bool = False) -> None:
     """Refuse, before any actor starts, workers the cluster's total resources can never
-    hold (Ray would wait for them forever). `asks`: {what: (actor options, count)}."""
+    hold (Ray would wait for them forever). `asks`: {what: (actor options, count)}.
+    `free`: `have` is what is free now (`ray.available_resources()`), not the total."""
     need: dict[str, float] = {}
     for opts, n in asks.values():
         for key, v in {"CPU": opts.get("num_cpus", 0), "GPU": opts.get("num_gpus", 0),
                        **opts.get("resources", {})}.items():
             need[key] = need.get(key, 0.0) + v * n
-    short = [f"{k}: needs {v:g}, the cluster has {have.get(k, 0):g}"
+    has = "{:g} free" if free else "the cluster has {:g}"
+    short = [f"{k}: needs {v:g}, " + has.format(have.get(k, 0))
              for k, v in need.items() if v and have.get(k, 0) + 1e-9 < v]
     if short:
         counts = ", ".join(f"{n} {what}" for what, (_, n) in asks.items())
-        raise ValueError(f"the Ray cluster cannot hold {counts}: " + "; ".join(short)
-                         + " (its total resources; see `ray status`)")
+        raise ValueError(f"the Ray cluster {'has no room now for' if free else 'cannot hold'} "
+                         f"{counts}: " + "; ".join(short) + (
+                             " (its free resources; see `ray status`)" if free else
+                             " (its total resources; see `ray status`)"))
 
 
-def worker_options(config, have: dict) -> tuple[dict, dict]:
+def worker_options(config, have: dict, free: bool = False) -> tuple[dict, dict]:
     """The Ray options of a compute worker and of a memory worker on a cluster with
-    resources `have`; a clear error where the cluster cannot hold them all."""
+    resources `have` (`free`: those free now, else its total); a clear error where the
+    cluster cannot hold them all."""
     m, r_n = config.num_memory_workers, config.num_compute_workers
     c_opts, m_opts = _options(config, have)
     if config.kv_device.startswith("cuda") and have.get("GPU", 0) < m:
@@ -149,19 +154,19 @@ def worker_options(config, have: dict) -> tuple[dict, dict]:
                          f"workers on a GPU of its own, but the Ray cluster has "
                          f"{int(have.get('GPU', 0))} GPU(s)")
     check_fits(have, {("compute worker" if r_n == 1 else "compute workers"): (c_opts, r_n),
-                      "memory workers": (m_opts, m)})
+                      "memory workers": (m_opts, m)}, free)
     return c_opts, m_opts
 
 
-def memory_workers_that_fit(config, have: dict) -> tuple[int, str | None]:
+def memory_workers_that_fit(config, have: dict, free: bool = False) -> tuple[int, str | None]:
     """How many memory workers, at most `config.num_memory_workers`, the cluster's
-    total resources `have` hold beside its compute workers -> (that count, why not
-    all: `check_fits`' message for all of them; None when all fit). 0 when not even
-    one fits (or the compute workers do not)."""
+    resources `have` (its total, or `free`: those free now) hold beside its compute
+    workers -> (that count, why not all: `check_fits`' message for all of them; None
+    when all fit). 0 when not even one fits (or the compute workers do not)."""
     why = None
     for m in range(config.num_memory_workers, 0, -1):
         try:
-            worker_options(replace(config, num_memory_workers=m), have)
+            worker_options(replace(config, num_memory_workers=m), have, free)
         except ValueError as e:
             why = why or str(e)
             continue

@@ -61,6 +61,8 @@ SERVICE = "lamina"  # the default service name
 START_TIMEOUT_S = 600  # model load + placement + workers
 RESTART_GRACE_S = 2.0  # a stopped engine's errors reach their clients before the exit
 HEAD_NODE = "node:__internal_head__"  # the resource only Ray's head node has
+RESTART_ROOM_S = 600.0  # how long a restart waits for the cluster to hold its workers
+ROOM_POLL_S = 5.0  # how often it looks again meanwhile
 REGROW_MAX_S = 300.0  # the longest wait between two tries to grow back (`_keep_size`)
 
 
@@ -70,6 +72,10 @@ class ServiceNotFound(LookupError):
 
 class ServiceError(RuntimeError):
     """The service could not be started (one of that name runs, or it failed)."""
+
+
+class NoRoom(RuntimeError):
+    """The cluster's resources cannot hold the fewest workers a restart may start."""
 
 
 class ServiceRestarting(EngineDead):
@@ -122,29 +128,57 @@ class LaminaService:
 
     def _start(self, restarted: bool) -> LLM:
         """The engine and its workers. A first start (`up`) deploys the deployment's
-        size, `engine.num_memory_workers`, or fails. A restart deploys as many memory
-        workers as the cluster holds now, down to `engine.min_live_memory_workers`
-        (below that it fails as a first start does), so that a node lost with no room
-        left leaves the deployment smaller, not gone; `_keep_size` grows it back once
-        there is room. As many: those the cluster's total resources hold
-        (`memory_workers_that_fit`), fewer by one after each placement that times out
-        (the room held by other deployments), each try bounded by placement_timeout_s."""
-        size = self.config.engine.num_memory_workers
+        size, `engine.num_memory_workers`, or fails. A restart deploys what the cluster
+        holds now (`_start_smaller`), and where it holds not even the fewest (its
+        compute node gone, say, until `ray up`'s autoscaler brings another) waits for
+        room, trying every ROOM_POLL_S, at most RESTART_ROOM_S (then it fails as a
+        first start does); the record of starts says what it waits for, so `status`
+        answers "restarting ... waiting for room: ..." meanwhile."""
         if not restarted:
             return LLM.from_config(self.config)
+        deadline, said = time.monotonic() + RESTART_ROOM_S, None
+        have, free = ray.cluster_resources(), False
+        while True:
+            try:
+                return self._start_smaller(have, free)
+            except (PlacementTimeout, NoRoom) as e:
+                if time.monotonic() + ROOM_POLL_S >= deadline:
+                    raise NoRoom(f"{e} (waited {RESTART_ROOM_S:g} s for room)") from None
+                if str(e) != said:  # each new reason once
+                    said = str(e)
+                    log.warning("the Lamina service %r waits for room to restart: %s",
+                                self.name, e)
+                    _write_starts(self.name, {**starts_of(self.name), "waiting": said})
+                time.sleep(ROOM_POLL_S)
+                # tried again with what is free now: no placement waited out meanwhile
+                have, free = ray.available_resources(), True
+
+    def _start_smaller(self, have: dict, free: bool) -> LLM:
+        """A restart's engine: as many memory workers as the cluster's resources
+        `have` hold (its total, or `free`: those free now;
+        `memory_workers_that_fit`), down to `engine.min_live_memory_workers`, so
+        that a node lost with no room left leaves the deployment smaller, not gone;
+        `_keep_size` grows it back once there is room. After a placement that timed
+        out (the room held by other deployments; each try bounded by
+        placement_timeout_s), as many as are free then, fewer than before. `NoRoom`
+        or `PlacementTimeout` when not even the fewest fit."""
+        size = self.config.engine.num_memory_workers
         fewest = min(size, self.config.engine.min_live_memory_workers)
-        n, why = memory_workers_that_fit(self.config.engine, ray.cluster_resources())
-        n = max(n, fewest)  # too few fit: the start fails, saying what is missing
+        n, why = memory_workers_that_fit(self.config.engine, have, free)
+        if n < fewest:
+            raise NoRoom(why)
         while True:
             try:
                 llm = LLM.from_config(self._sized(n))
                 break
             except PlacementTimeout as e:
-                if n <= fewest:
+                now, _ = memory_workers_that_fit(self.config.engine,
+                                                 ray.available_resources(), True)
+                if min(n - 1, now) < fewest:
                     raise
-                why, n = str(e), n - 1
-                log.warning("the Lamina service %r: %s; trying %d memory workers", self.name,
-                            e, n)
+                why, n = str(e), min(n - 1, now)
+                log.warning("the Lamina service %r: %s; trying %d memory worker%s",
+                            self.name, e, n, "s" * (n != 1))
         if n < size:
             self.short_why = f"its restart found room for {n}: {why}"
             log.warning("the Lamina service %r restarts with %d of its %d memory workers (%s)"
@@ -563,7 +597,7 @@ def _why_it_ended(record: dict) -> str:
 
 def _note_serving(name: str) -> None:
     """This start is done: the service answers (a later restart begins after it)."""
-    _write_starts(name, {**starts_of(name), "serving": True})
+    _write_starts(name, {**starts_of(name), "serving": True, "waiting": None})
 
 
 def _note_exit(name: str, cause: str) -> None:
@@ -610,11 +644,14 @@ def restarting_status(name: str, record: dict, now: float) -> dict:
     of = f" of at most {limit}" if limit is not None and limit >= 0 else ""
     doing = (f"loading for {loading:.0f} s" if loading is not None
              else "its new process not started yet")
+    room = record.get("waiting") if since is not None else None  # this restart's
+    if room:
+        doing += f", waiting for room: {room}"
     return {"name": name, "state": "restarting", "alive": False,
             "error": f"the Lamina service {name!r} is restarting ({which}{of}, {doing})"
                      + (f": {cause}" if cause else ""),
             "restarts": n, "max_restarts": limit, "restart_cause": cause,
-            "loading_s": loading}
+            "loading_s": loading, "waiting_for_room": room}
 
 
 def why_gone(name: str) -> str | None:

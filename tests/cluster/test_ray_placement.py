@@ -166,6 +166,19 @@ def test_memory_workers_that_fit_counts_down_from_the_deployments_size(have, wan
                               "workers: ") and want[1] in why, why
 
 
+def test_memory_workers_that_fit_in_what_is_free_now_says_free():
+    """A restart waiting for room counts what is free now (`ray.available_resources`)."""
+    free = {"CPU": 8.0, "lamina_memory": 1.0}  # the compute slot held elsewhere
+    n, why = memory_workers_that_fit(EngineConfig(num_memory_workers=2), free, free=True)
+    assert n == 1 and why == ("the Ray cluster has no room now for 1 compute worker, 2 "
+                              "memory workers: lamina_memory: needs 2, 1 free (its free "
+                              "resources; see `ray status`)")
+    assert memory_workers_that_fit(EngineConfig(num_memory_workers=2),
+                                   {"CPU": 0.4, "lamina_memory": 2.0}, free=True) == (
+        0, "the Ray cluster has no room now for 1 compute worker, 2 memory workers: CPU: "
+           "needs 1.5, 0.4 free (its free resources; see `ray status`)")
+
+
 @pytest.mark.parametrize("node, role, threads, want", [
     ({"CPU": 16.0, "lamina_memory": 2.0}, "memory", 1, (8, 8)),  # ray_config.yaml's
     ({"CPU": 8.0, "lamina_compute": 1.0}, "compute", 1, (8, 8)),  # nodes

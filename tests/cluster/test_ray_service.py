@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -731,6 +732,16 @@ DIED = "its process (pid 7) died: killed, or crashed (`ray logs` of the service'
       "serving": True}, (1, "its engine stopped: x", None,
                          "is restarting (restart 1 of at most 5, its new process not "
                          "started yet): its engine stopped: x")),
+    # the new process waits for the cluster to hold its workers
+    ({"restarts": 1, "cause": DIED, "pid": 9, "max_restarts": -1, "serving": False,
+      "since": 90.0, "waiting": "lamina_compute: needs 1, the cluster has 0"},
+     (1, DIED, 10.0, "is restarting (restart 1, loading for 10 s, waiting for room: "
+                     f"lamina_compute: needs 1, the cluster has 0): {DIED}")),
+    # a waiting start's record once it served, then its process died: not waiting
+    ({"restarts": 1, "pid": 9, "max_restarts": -1, "serving": True, "since": 0.0,
+      "waiting": None}, (2, DIED.replace("7", "9"), None,
+                         "is restarting (restart 2, its new process not started yet): "
+                         f"{DIED.replace('7', '9')}")),
 ])
 def test_a_restarting_service_is_said_so_from_its_record(record, said, capsys):
     from lamina.cluster.cli import _print_status
@@ -890,7 +901,7 @@ def test_a_dead_service_restarts_until_a_restart_fails(cluster, smol, prompts, h
 
 SHORT = """
 engine: {num_memory_workers: 3, num_kv_slots: 4096, max_step_tokens: 1024,
-         placement_timeout_s: 8}
+         placement_timeout_s: 4}
 cluster: {executor: ray, max_restarts: 3, regrow_interval_s: 1}
 """
 
@@ -905,7 +916,8 @@ def test_a_restart_short_of_room_deploys_fewer_memory_workers_and_grows_back(
     and say so; the room freed, the service grows back to 3 by itself. A memory
     worker's node lost while serving: the recovery drops it; restarted then, the
     service sees the cluster's resources short and deploys 2 at once; a node that
-    joins takes the third again."""
+    joins takes the third again. No room for even one: the restart waits for it,
+    `status` saying so, and comes up once the room is freed."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from lamina.cluster.cli import _print_status
@@ -954,7 +966,7 @@ def test_a_restart_short_of_room_deploys_fewer_memory_workers_and_grows_back(
     assert (s["size"]["live"], len(s["kv"])) == (2, 2)
     assert s["size"]["short_why"].startswith(
         "its restart found room for 2: could not place 1 compute worker and 3 memory "
-        "workers within 8 s: lamina_memory: needs 3, 2 free"), s["size"]
+        "workers within 4 s: lamina_memory: needs 3, 2 free"), s["size"]
     capsys.readouterr()
     _print_status(s, as_json=False)
     assert (f"  memory workers: 2 of its 3 (short: {s['size']['short_why']}); {regrow}\n"
@@ -1002,4 +1014,22 @@ def test_a_restart_short_of_room_deploys_fewer_memory_workers_and_grows_back(
     s = client.status()
     assert s["size"]["short_why"] is None and s["workers"][-1]["node"] == extra.node_id
     assert client.generate([prompts[9]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[9]
+
+    # no room for even one memory worker: the restart waits for it, saying so
+    held = placement_group([{"lamina_memory": 1}] * 3, strategy="SPREAD")
+    os.kill(s["pid"], signal.SIGKILL)
+    assert held.wait(30)
+    deadline = time.monotonic() + 90
+    while not (w := client.status(wait=False).get("waiting_for_room")):
+        assert time.monotonic() < deadline, client.status(wait=False)
+        time.sleep(0.5)
+    assert re.match(r"(could not place 1 compute worker and \d memory workers? within 4 s|the "
+                    r"Ray cluster has no room now for 1 compute worker, \d memory workers?): "
+                    r"lamina_memory: needs \d, 0 free", w), w  # the try it is at
+    r = lamina_cmd(cluster, "status")
+    assert r.returncode == 0 and f", waiting for room: {w}): " in r.stdout, r.stdout
+    remove_placement_group(held)
+    assert client.generate([prompts[3]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[3]
+    s = client.status()
+    assert s["size"]["live"] == 3 and s["restarts"] == 3
     down()
