@@ -76,8 +76,9 @@ RAY_ERRORS = (ray.exceptions.RayTaskError, ray.exceptions.RayActorError)
 
 def _restart_under_way(record: dict) -> bool:
     """The service's record of starts says a restart's process is starting (it wrote
-    its start, not yet that it serves)."""
-    return bool(record.get("restarts")) and not record.get("serving", True)
+    its start, not yet that it serves, nor that the start failed)."""
+    return (bool(record.get("restarts")) and not record.get("serving", True)
+            and not record.get("failed"))
 
 
 def _call(ref):

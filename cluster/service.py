@@ -214,9 +214,9 @@ class LaminaService:
         """Memory workers -> as many as the cluster's total resources hold, at most the
         deployment's size (its size unchanged: `_scale_now` sets it)."""
         with self._scaling:
-            size, live = self.config.engine.num_memory_workers, len(self.llm.engine.allocs)
             if self._stopping or not self.loop.alive:
                 return
+            size, live = self._counts()
             if live >= size:
                 self.short_why = None
                 return
@@ -240,7 +240,7 @@ class LaminaService:
         Gauge("lamina_memory_workers_missing", "Memory workers the deployment has fewer "
               "than its size (a restart short of room, workers lost for good); it grows "
               "back when the cluster has room", registry=r).set_function(
-            lambda: max(0, self.config.engine.num_memory_workers - len(self.llm.engine.allocs)))
+            self._missing)
         Gauge("lamina_stored_responses", "Responses the service stores (kept through "
               "restarts)", registry=r).set_function(lambda: len(self.responses))
         Gauge("lamina_stored_response_bytes", "Bytes of the responses the service stores "
@@ -409,9 +409,17 @@ class LaminaService:
                 "waiting_for_workers": None if (w := eng.waiting_for_workers()) is None
                 else asdict(w)}
 
+    def _counts(self) -> tuple[int, int]:
+        """(the deployment's size in memory workers, those its engine has)."""
+        return self.config.engine.num_memory_workers, len(self.llm.engine.allocs)
+
+    def _missing(self) -> int:
+        size, live = self._counts()
+        return max(0, size - live)
+
     def _size(self) -> dict:
         """The deployment's size in memory workers, those it has, and why fewer."""
-        size, live = self.config.engine.num_memory_workers, len(self.llm.engine.allocs)
+        size, live = self._counts()
         why = None if live >= size else self.short_why or (
             "memory workers lost for good at a recovery (no replacement could start)")
         every = self.config.cluster.regrow_interval_s

@@ -756,6 +756,21 @@ def test_a_restarting_service_is_said_so_from_its_record(record, said, capsys):
                                        "`lamina status --wait` waits for it\n")
 
 
+@pytest.mark.parametrize(("record", "under_way"), [
+    ({}, False),
+    ({"restarts": 0, "serving": False}, False),  # the first start: `up` waits for it
+    ({"restarts": 2, "serving": False}, True),  # a restart's process starts (or waits)
+    ({"restarts": 2, "serving": True}, False),
+    ({"restarts": 2, "serving": False, "failed": "NoRoom: x"}, False),  # gone: said so
+])
+def test_calls_that_do_not_wait_see_a_restart_under_way_from_the_record(record, under_way):
+    """`wait=False` calls (`lamina status`, `/health`, scrapes) answer at once while a
+    restart's process starts, since Ray holds calls until its constructor returns."""
+    from lamina.cluster.client import _restart_under_way
+
+    assert _restart_under_way(record) is under_way
+
+
 RESTARTING = """
 engine: {num_memory_workers: 2, num_kv_slots: 4096, max_step_tokens: 1024,
          max_recoveries: 0}
