@@ -1003,11 +1003,12 @@ def test_a_restart_short_of_room_deploys_fewer_memory_workers_and_grows_back(
     assert client.generate([prompts[5]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[5]
 
     # a memory worker's node gone while serving: the recovery drops it (no room left);
-    # (on this 2-core host Ray's dashboard agent and GCS then take the cores for about
-    # a minute, so the steps that follow are slow)
+    # on a 2-core host Ray's dashboard agent and GCS then take the cores for up to a
+    # minute (its steps take seconds meanwhile): a short request
     assert extra.node_id in [w["node"] for w in s["workers"]]
     c.remove_node(extra)
-    assert client.generate([prompts[7]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[7]
+    few = SamplingParams(max_tokens=4, temperature=0)
+    assert client.generate([prompts[7]], few, use_tqdm=False)[0].token_ids == hf_greedy[7][:4]
     s = client.status()
     assert s["size"]["live"] == 2 and s["memory_workers_lost"] == 1
     assert s["size"]["short_why"] == ("memory workers lost for good at a recovery (no "
