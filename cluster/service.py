@@ -223,8 +223,7 @@ class LaminaService:
             fit, _ = memory_workers_that_fit(self.config.engine, ray.cluster_resources())
             if fit <= live:
                 return  # no room yet
-            done = scale_beside(self.llm.engine, fit, on_loop(self.loop))
-            self.llm.config = replace(self.llm.config, num_memory_workers=done.after)
+            done = self._resize(fit)
             log.info("the Lamina service %r grew back to %d of its %d memory workers",
                      self.name, done.after, size)
             if done.after >= size:
@@ -454,13 +453,19 @@ class LaminaService:
         steps, added between two (`scale_beside`); the count kept for the service's
         restarts. `scale` and the autoscaler call it, one at a time."""
         with self._scaling:
-            done = scale_beside(self.llm.engine, n, on_loop(self.loop))
+            done = self._resize(n)
             engine = replace(self.config.engine, num_memory_workers=done.after)
             self.config = replace(self.config, engine=engine)
-            self.llm.config = replace(self.llm.config, num_memory_workers=done.after)
             internal_kv._internal_kv_put(_scale_key(self.name), json.dumps(done.after),
                                          overwrite=True, namespace=NAMESPACE)
             return done
+
+    def _resize(self, n: int) -> MemoryScale:
+        """The engine's memory workers -> n between two steps (`scale_beside`; the
+        caller holds `_scaling`); the deployment's size is the caller's to change."""
+        done = scale_beside(self.llm.engine, n, on_loop(self.loop))
+        self.llm.config = replace(self.llm.config, num_memory_workers=done.after)
+        return done
 
     def response_bound(self) -> str:
         return self.responses.bound()
