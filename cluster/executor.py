@@ -663,6 +663,12 @@ class RayExecutor(Executor):
     def memory_lost(self) -> tuple[int, ...]:
         return self._lost
 
+    def memory_workers_room(self, size: int) -> int:
+        """`memory_workers_that_fit` in the cluster's total resources now: a lost
+        node's are no longer counted, a joined node's are."""
+        return memory_workers_that_fit(replace(self.config, num_memory_workers=size),
+                                       ray.cluster_resources())[0]
+
     def workers_replaced(self) -> dict[str, int]:
         return dict(self._replaced)
 

@@ -44,7 +44,7 @@ from ray.experimental import internal_kv
 
 from lamina.engine.outputs import MemoryScale
 from lamina.entrypoints.api_responses import ResponseStore, Stored
-from lamina.entrypoints.autoscale import AutoscaleRunner, on_loop, scale_beside
+from lamina.entrypoints.autoscale import AutoscaleRunner, KeepSize, on_loop, scale_beside
 from lamina.entrypoints.deploy_config import LaminaConfig
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.llm import LLM
@@ -63,7 +63,6 @@ RESTART_GRACE_S = 2.0  # a stopped engine's errors reach their clients before th
 HEAD_NODE = "node:__internal_head__"  # the resource only Ray's head node has
 RESTART_ROOM_S = 600.0  # how long a restart waits for the cluster to hold its workers
 ROOM_POLL_S = 5.0  # how often it looks again meanwhile
-REGROW_MAX_S = 300.0  # the longest wait between two tries to grow back (`_keep_size`)
 
 
 class ServiceNotFound(LookupError):
@@ -123,7 +122,14 @@ class LaminaService:
                          name="lamina-service-watch").start()
         threading.Thread(target=self._abort_the_silent_clients_requests, daemon=True,
                          name="lamina-leases").start()
-        threading.Thread(target=self._keep_size, daemon=True, name="lamina-regrow").start()
+        # its size kept: grown back once the cluster has room (not beside an autoscaler;
+        # the LLM was made without a keeper of its own: `_sized`)
+        self.keeper = self.llm.engine.keeper = KeepSize(
+            lambda: self.llm.engine, lambda: self.config.engine.num_memory_workers,
+            on_loop(self.loop), self._scaling,
+            0 if self.autoscale is not None else config.cluster.regrow_interval_s,
+            f"the Lamina service {name!r}", why=self.short_why)
+        self.metrics.keep_size(self.keeper)
         _note_serving(name)
 
     def _start(self, restarted: bool) -> LLM:
@@ -135,7 +141,7 @@ class LaminaService:
         first start does); the record of starts says what it waits for, so `status`
         answers "restarting ... waiting for room: ..." meanwhile."""
         if not restarted:
-            return LLM.from_config(self.config)
+            return LLM.from_config(self._sized(self.config.engine.num_memory_workers))
         deadline, said = time.monotonic() + RESTART_ROOM_S, None
         have, free = ray.cluster_resources(), False
         while True:
@@ -158,7 +164,7 @@ class LaminaService:
         `have` hold (its total, or `free`: those free now;
         `memory_workers_that_fit`), down to `engine.min_live_memory_workers`, so
         that a node lost with no room left leaves the deployment smaller, not gone;
-        `_keep_size` grows it back once there is room. After a placement that timed
+        `keeper` grows it back once there is room. After a placement that timed
         out (the room held by other deployments; each try bounded by
         placement_timeout_s), as many as are free then, fewer than before. `NoRoom`
         or `PlacementTimeout` when not even the fewest fit."""
@@ -186,48 +192,10 @@ class LaminaService:
         return llm
 
     def _sized(self, n: int) -> LaminaConfig:
-        """The deployment's config with `n` memory workers (its size stays the config's)."""
-        return replace(self.config, engine=replace(self.config.engine, num_memory_workers=n))
-
-    def _keep_size(self) -> None:
-        """While the deployment has fewer memory workers than its size (a restart short
-        of room, workers lost for good at a recovery) and no autoscaler sets their
-        count: every `cluster.regrow_interval_s`, grow back as far as the cluster's
-        resources hold (`_grow_back`); after a failed grow (the room held elsewhere: a
-        placement timeout) wait twice as long before the next, up to REGROW_MAX_S."""
-        every = self.config.cluster.regrow_interval_s
-        if not every or self.autoscale is not None:
-            return
-        wait = every
-        while not self._stopping and self.loop.alive:
-            time.sleep(wait)
-            try:
-                self._grow_back()
-                wait = every
-            except Exception as e:  # noqa: BLE001 - said in status; tried again later
-                wait = min(2 * wait, max(every, REGROW_MAX_S))
-                self.short_why = (f"growing back failed: {type(e).__name__}: {e}; next try "
-                                  f"in {wait:g} s")
-                log.warning("the Lamina service %r: %s", self.name, self.short_why)
-
-    def _grow_back(self) -> None:
-        """Memory workers -> as many as the cluster's total resources hold, at most the
-        deployment's size (its size unchanged: `_scale_now` sets it)."""
-        with self._scaling:
-            if self._stopping or not self.loop.alive:
-                return
-            size, live = self._counts()
-            if live >= size:
-                self.short_why = None
-                return
-            fit, _ = memory_workers_that_fit(self.config.engine, ray.cluster_resources())
-            if fit <= live:
-                return  # no room yet
-            done = self._resize(fit)
-            log.info("the Lamina service %r grew back to %d of its %d memory workers",
-                     self.name, done.after, size)
-            if done.after >= size:
-                self.short_why = None
+        """The deployment's config for its `LLM`: `n` memory workers (its size stays the
+        config's) and no keeper of its own (the service's `keeper` keeps its size)."""
+        return replace(self.config, engine=replace(self.config.engine, num_memory_workers=n),
+                       cluster=replace(self.config.cluster, regrow_interval_s=0))
 
     def _gauges(self) -> None:
         """The service's own series beside the engine's: its restarts (from its record,
@@ -236,10 +204,6 @@ class LaminaService:
         r = self.metrics.registry
         Gauge("lamina_service_restarts", "Times Ray started the Lamina service again "
               "(kept through restarts)", registry=r).set(self.restarts)
-        Gauge("lamina_memory_workers_missing", "Memory workers the deployment has fewer "
-              "than its size (a restart short of room, workers lost for good); it grows "
-              "back when the cluster has room", registry=r).set_function(
-            self._missing)
         Gauge("lamina_stored_responses", "Responses the service stores (kept through "
               "restarts)", registry=r).set_function(lambda: len(self.responses))
         Gauge("lamina_stored_response_bytes", "Bytes of the responses the service stores "
@@ -408,18 +372,10 @@ class LaminaService:
                 "waiting_for_workers": None if (w := eng.waiting_for_workers()) is None
                 else asdict(w)}
 
-    def _counts(self) -> tuple[int, int]:
-        """(the deployment's size in memory workers, those its engine has)."""
-        return self.config.engine.num_memory_workers, len(self.llm.engine.allocs)
-
-    def _missing(self) -> int:
-        size, live = self._counts()
-        return max(0, size - live)
-
     def _size(self) -> dict:
         """The deployment's size in memory workers, those it has, and why fewer."""
-        size, live = self._counts()
-        why = None if live >= size else self.short_why or (
+        size, live = self.config.engine.num_memory_workers, len(self.llm.engine.allocs)
+        why = None if live >= size else self.keeper.short_why or (
             "memory workers lost for good at a recovery (no replacement could start)")
         every = self.config.cluster.regrow_interval_s
         regrow = ("the autoscaler sets the count" if self.autoscale is not None else
@@ -453,19 +409,13 @@ class LaminaService:
         steps, added between two (`scale_beside`); the count kept for the service's
         restarts. `scale` and the autoscaler call it, one at a time."""
         with self._scaling:
-            done = self._resize(n)
+            done = scale_beside(self.llm.engine, n, on_loop(self.loop))
+            self.llm.config = replace(self.llm.config, num_memory_workers=done.after)
             engine = replace(self.config.engine, num_memory_workers=done.after)
             self.config = replace(self.config, engine=engine)
             internal_kv._internal_kv_put(_scale_key(self.name), json.dumps(done.after),
                                          overwrite=True, namespace=NAMESPACE)
             return done
-
-    def _resize(self, n: int) -> MemoryScale:
-        """The engine's memory workers -> n between two steps (`scale_beside`; the
-        caller holds `_scaling`); the deployment's size is the caller's to change."""
-        done = scale_beside(self.llm.engine, n, on_loop(self.loop))
-        self.llm.config = replace(self.llm.config, num_memory_workers=done.after)
-        return done
 
     def response_bound(self) -> str:
         return self.responses.bound()
@@ -492,6 +442,7 @@ class LaminaService:
     def shutdown(self) -> None:
         """Stop the engine loop, the workers and release the placement group."""
         self._stopping = True
+        self.keeper.stop()
         if self.autoscale is not None:
             self.autoscale.stop()
         self.loop.shutdown()

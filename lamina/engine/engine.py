@@ -26,6 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Any
 
 from lamina.engine.auto_pipeline import AutoPipeline
 from lamina.engine.config import EngineConfig
@@ -156,6 +157,9 @@ class LLMEngine:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self._shut: str | None = None  # why `shutdown` closed the engine, once it has
+        # what keeps its memory workers' count (a `KeepSize`, set by an `LLM` over Ray;
+        # an `EngineLoop` that takes over the steps takes it over), or None
+        self.keeper: Any = None
 
     def _kv_policy(self, params: SamplingParams) -> SparsityConfig:
         """A request's KV sparsity: its own (`SamplingParams.kv_sparsity` / `kv_budget`)
@@ -388,7 +392,7 @@ class LLMEngine:
         when it finishes and brought back for the next turn (any string of 1-128 letters,
         digits, . _ : @ -; a new one starts a session). `priority`: under
         scheduling_policy "priority", lower is served first (may be negative)."""
-        self._check_open()
+        self.check_open()
         check_session_id(session_id)
         self.check_priority(priority)
         ids = self.validate(prompt, params)
@@ -468,7 +472,8 @@ class LLMEngine:
             self._shut = why
             self.executor.shutdown()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raises `EngineDead`, saying why, once `shutdown` has run."""
         if self._shut is not None:
             raise EngineDead(self._shut)
 
@@ -479,7 +484,7 @@ class LLMEngine:
         (streamed) progressed. A step cut part-way from outside (KeyboardInterrupt,
         SystemExit) re-raises once the engine is reset (`_reset_after_cut`); after a
         step's own error (not recovered) an abort caches none of the aborted KV."""
-        self._check_open()
+        self.check_open()
         self._settle()
         try:
             outs = self._step()
@@ -933,7 +938,7 @@ class LLMEngine:
         with no rows, so an idle engine's workers hold nothing it no longer needs and
         a session's KV is in its tier at once. The serving loop calls it when it goes
         idle, `LLM.generate` when it returns. -> whether a step was sent."""
-        self._check_open()
+        self.check_open()
         self._settle()
         if self.has_unfinished() or not self.scheduler.owes_workers():
             return False
@@ -970,7 +975,7 @@ class LLMEngine:
         leave (`_shrink`). Refused (ValueError, nothing changed, `started` stopped)
         when a request in the engine would no longer fit the pools. -> what was done."""
         try:
-            self._check_open()
+            self.check_open()
             self._settle()
             if n < 1:
                 raise ValueError(f"memory workers must be >= 1, not {n}")

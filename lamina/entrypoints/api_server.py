@@ -1141,12 +1141,18 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None
           autoscale=None, **uvicorn_kw: Any) -> None:
     """Serve an `LLM` until interrupted: its engine runs on this thread (the one that
     built the model; `EngineLoop.run` says why), HTTP on another. `autoscale`: an
-    `AutoscaleConfig` whose autoscaler changes the memory workers meanwhile."""
+    `AutoscaleConfig` whose autoscaler changes the memory workers meanwhile; without
+    one, the LLM's `keeper` grows them back to its size (through the loop)."""
     from lamina.entrypoints.autoscale import AutoscaleRunner
     from lamina.entrypoints.metrics import EngineMetrics
 
-    loop = EngineLoop(llm.engine, EngineMetrics(), thread=False)
+    metrics = EngineMetrics()
+    loop = EngineLoop(llm.engine, metrics, thread=False)
     runner = AutoscaleRunner(loop, autoscale) if autoscale is not None else None
+    if llm.keeper is not None:  # (the loop's own now)
+        if runner is not None:
+            llm.keeper.stop()  # the autoscaler sets the count
+        metrics.keep_size(llm.keeper)
     try:
         serve_loop(loop, model_name or llm.loaded.source, llm.loaded.tokenizer, host, port,
                    config, sock, **uvicorn_kw)

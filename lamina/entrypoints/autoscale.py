@@ -19,6 +19,10 @@ cooldown); one that has waited `grow_wait_s` fails alone, by name. On a Ray clus
 whose autoscaler launches nodes for pending placement groups (`ray up` with
 `available_node_types`), a worker that has no room waits for its node
 (`placement_timeout_s`) beside the steps: the pool and the machines grow together.
+
+Without an autoscaler, `KeepSize` holds a Ray deployment at its size: memory workers
+lost for good at a recovery (their node gone, no room for a replacement) come back
+once the cluster holds them again (a node joins).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from lamina.engine.outputs import MemoryScale
+from lamina.errors import EngineDead
 
 log = logging.getLogger(__name__)
 
@@ -248,3 +253,102 @@ class AutoscaleRunner:
             return
         self.error = None
         self.changes.append(ScaleChange(time.monotonic(), done, self.policy.why))
+
+
+REGROW_MAX_S = 300.0  # the longest wait between two tries to grow back
+
+
+class KeepSize:
+    """Grows an engine back to its size in memory workers, on a thread of its own.
+
+    A Ray deployment can have fewer memory workers than its size: a recovery dropped
+    one whose replacement could not start (its node lost, no room elsewhere), or a
+    service restarted short of room. Every `every` s (0: never) while it has fewer than
+    `size()` and the engine is open, this asks the executor how many the cluster holds
+    now (`Executor.memory_workers_room`; None: this executor never drops one, and the
+    thread ends) and, where more than it has, grows to that many (`scale_beside`:
+    started on this thread beside the steps, added by `between`), holding `lock` (the
+    owner's: a `scale` is not run beside it). The size is unchanged. A failed grow (the
+    room held by another deployment: a placement timeout) waits twice as long before
+    the next, up to REGROW_MAX_S. `short_why`: why it has fewer, for status."""
+
+    def __init__(self, engine: Callable, size: Callable[[], int],
+                 between: Callable[[Callable], MemoryScale], lock, every: float, who: str,
+                 why: str | None = None):
+        self.engine, self.size, self.between, self.lock = engine, size, between, lock
+        self.every, self.who = every, who
+        self.why = why  # why it has fewer memory workers than its size (None: unknown)
+        self.failed: str | None = None  # the last try's failure, until one succeeds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lamina-regrow", daemon=True)
+        if every:
+            self._thread.start()
+
+    @property
+    def short_why(self) -> str | None:
+        """Why it has fewer memory workers than its size: the last try's failure, else
+        the reason its owner or the last grow gave (None: all there, or not known)."""
+        return self.failed or self.why
+
+    @property
+    def running(self) -> bool:
+        """It still tries (not stopped; its executor can drop workers)."""
+        return self._thread.is_alive()
+
+    def through(self, between: Callable[[Callable], MemoryScale] | None = None,
+                every: float | None = None) -> KeepSize:
+        """This one stopped, and one like it whose changes go through `between` (None:
+        this one's; an `EngineLoop` that now steps the engine: `on_loop`) every `every`
+        s (None: as this one; 0: never)."""
+        self.stop()
+        return KeepSize(self.engine, self.size, between or self.between, self.lock,
+                        self.every if every is None else every, self.who, self.why)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """No more tries (a grow under way ends first, at most `timeout` s waited)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def missing(self) -> int:
+        """Memory workers it has fewer than its size."""
+        return max(0, self.size() - len(self.engine().allocs))
+
+    def _run(self) -> None:
+        wait = self.every
+        while not self._stop.wait(wait):
+            try:
+                if not self.grow_back():
+                    return  # an executor that never drops a worker
+                wait, self.failed = self.every, None
+            except EngineDead:
+                return
+            except Exception as e:  # noqa: BLE001 - said in status; tried again later
+                wait = min(2 * wait, max(self.every, REGROW_MAX_S))
+                self.failed = (f"growing back failed: {type(e).__name__}: {e}; next try "
+                               f"in {wait:g} s")
+                log.warning("%s: %s", self.who, self.failed)
+
+    def grow_back(self) -> bool:
+        """One try: memory workers -> as many as the cluster holds, at most the size
+        (the size unchanged). False when the executor cannot tell (never drops one)."""
+        with self.lock:
+            if self._stop.is_set():
+                return True
+            engine, size = self.engine(), self.size()
+            engine.check_open()
+            live = len(engine.allocs)
+            if live >= size:
+                self.why = None
+                return True
+            room = engine.executor.memory_workers_room(size)
+            if room is None:
+                return False
+            if room <= live:
+                return True  # no room yet
+            done = scale_beside(engine, room, self.between)
+            log.info("%s grew back to %d of its %d memory workers", self.who, done.after,
+                     size)
+            self.why = None if done.after >= size else (
+                f"grew back to {done.after}: the cluster's resources hold no more now")
+            return True

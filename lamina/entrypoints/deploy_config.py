@@ -65,12 +65,13 @@ class ClusterConfig:
     # third of this while it lives; one silent for longer (its process died) has its
     # requests aborted, so nobody's requests hold the batch and the KV to their end.
     client_lease_s: float = 30.0
-    # The service keeps its memory workers' count (`engine.num_memory_workers`, or what
-    # `lamina scale` set): after a restart that found room for fewer, or workers lost
-    # for good at a recovery, it tries to grow back every this many seconds once the
-    # cluster's resources hold more (a failed try waits twice as long before the next,
-    # up to 5 min). 0: never (`lamina scale` does it). Off with an autoscaler, which
-    # sets the count itself.
+    # A Ray deployment (the service, `lamina serve`'s or an `LLM`'s) keeps its memory
+    # workers' count (`engine.num_memory_workers`, or what `lamina scale` set): after
+    # a service's restart that found room for fewer, or workers lost for good at a
+    # recovery, it tries to grow back every this many seconds once the cluster's
+    # resources hold more (`KeepSize`; a failed try waits twice as long before the
+    # next, up to 5 min). 0: never (`lamina scale` does it). Off with an autoscaler,
+    # which sets the count itself.
     regrow_interval_s: float = 10.0
 
     def __post_init__(self):

@@ -38,6 +38,7 @@ from typing import Any, Callable, TypeVar
 
 from lamina.engine.engine import LLMEngine
 from lamina.engine.outputs import RequestOutput
+from lamina.entrypoints.autoscale import on_loop
 from lamina.errors import EngineDead, EngineOverloaded, RequestFailed
 from lamina.sampling.params import SamplingParams
 
@@ -98,6 +99,8 @@ class EngineLoop:
         self._drain_until: float | None = None  # `drain`'s deadline (time.monotonic)
         self._drain_s = 0.0
         self._thread: threading.Thread | None = None
+        if engine.keeper is not None:  # its grows now go in between this loop's steps
+            engine.keeper = engine.keeper.through(on_loop(self))
         if thread:
             self._thread = threading.Thread(target=self._run, name="lamina-engine",
                                             daemon=True)
@@ -196,6 +199,8 @@ class EngineLoop:
         return not self._thread.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        if self.engine.keeper is not None:  # nobody steps the engine now
+            self.engine.keeper.stop()
         self._stop = True
         self._wake.set()
         if self._thread is not None:

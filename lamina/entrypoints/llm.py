@@ -3,7 +3,8 @@
 Data in: a model path (None = the embedded SmolLM2), prompts or chat messages, and
 `SamplingParams`. Data out: `RequestOutput`s in prompt order. `executor="local"` runs
 the compute and memory sides in this process; `executor="ray"` (lamina.cluster) puts
-them in Ray workers.
+them in Ray workers, and keeps their count (`keeper`: memory workers a recovery
+dropped come back when the cluster holds them again).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.inputs import TokensPrompt, check_unicode
 from lamina.engine.outputs import MemoryScale, RequestOutput
-from lamina.entrypoints.autoscale import scale_beside
+from lamina.entrypoints.autoscale import KeepSize, scale_beside
 from lamina.entrypoints.calls import Call, CallRequest, SharedEngine
 from lamina.entrypoints.interrupts import StepBoundary
 from lamina.entrypoints.logs import configure_logging
@@ -57,7 +58,8 @@ def per_prompt(value, n: int, what: str) -> list:
 class LLM:
     def __init__(self, model: str | None = None, executor: str = "local",
                  num_memory_workers: int = 1, dtype: str = "float32",
-                 address: str | None = None, **engine_kw):
+                 address: str | None = None, regrow_interval_s: float = 10.0,
+                 **engine_kw):
         from lamina.executor.local import LocalExecutor
         from lamina.memory.memory_side import MemorySide
         from lamina.memory.pool import KVPool, KVPoolConfig
@@ -75,6 +77,10 @@ class LLM:
             raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
         if address is not None and executor == "local":
             raise ValueError("address names a Ray cluster: it needs executor='ray'")
+        if isinstance(regrow_interval_s, bool) or not isinstance(
+                regrow_interval_s, (int, float)) or not 0 <= regrow_interval_s < float("inf"):
+            raise ValueError(f"regrow_interval_s must be a number of seconds >= 0 (0: "
+                             f"never), got {regrow_interval_s!r}")
         self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
         if executor != "local":
             plugin_executor(executor).check(self.config)
@@ -109,6 +115,12 @@ class LLM:
                 num_compute_workers=cfg.num_compute_workers, pipeline=cfg.pipeline)
         try:
             self._start_engine()
+            # memory workers a recovery dropped (their node lost) come back once the
+            # cluster holds them (`KeepSize`; a local executor never drops one)
+            self.engine.keeper = None if executor == "local" else KeepSize(
+                lambda: self.engine, lambda: self.config.num_memory_workers,
+                lambda fn: self._shared.call(fn), self._scaling,
+                regrow_interval_s, f"the LLM ({executor} executor)")
         except BaseException:
             self.executor.shutdown()  # a Ray deployment's workers and placement with it
             raise
@@ -148,6 +160,12 @@ class LLM:
         self._scaling = threading.Lock()  # one `scale_memory_workers` at a time
 
     @property
+    def keeper(self) -> KeepSize | None:
+        """What grows the engine back to its memory workers' count (`KeepSize`:
+        `short_why`, `missing()`); None for the local executor, which never drops one."""
+        return self.engine.keeper
+
+    @property
     def _shared(self) -> SharedEngine:
         """`generate`'s way into the engine (made again if `engine` was replaced)."""
         shared = self.__dict__.get("_shared_engine")
@@ -160,9 +178,10 @@ class LLM:
         """An `LLM` as a `LaminaConfig` (e.g. `LaminaConfig.from_yaml(path)`) describes."""
         e = config.engine
         kw = {f.name: getattr(e, f.name) for f in fields(e) if f.name != "num_memory_workers"}
-        return cls(config.model.path, executor=config.cluster.executor,
+        c = config.cluster
+        return cls(config.model.path, executor=c.executor,
                    num_memory_workers=e.num_memory_workers, dtype=config.model.dtype,
-                   address=config.cluster.address, **kw)
+                   address=c.address, regrow_interval_s=c.regrow_interval_s, **kw)
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
@@ -260,6 +279,8 @@ class LLM:
         raise `EngineDead`, and so does one still running in another thread, at its
         next step. A second call does nothing."""
         why = "this LLM was shut down (LLM.shutdown()): its workers are gone; make a new LLM"
+        if self.keeper is not None:
+            self.keeper.stop()
         self._shared.close(why)
         self.engine.shutdown(why)
 

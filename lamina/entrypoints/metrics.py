@@ -230,5 +230,12 @@ class EngineMetrics:
                 hist.observe(out.metrics[key])
         self.e2e.observe(out.metrics.get("e2e_s", 0.0))
 
+    def keep_size(self, keeper) -> None:
+        """The memory workers a `KeepSize` waits to grow back, as a gauge."""
+        Gauge("lamina_memory_workers_missing", "Memory workers the deployment has fewer "
+              "than its size (a restart short of room, workers lost for good); it grows "
+              "back when the cluster has room", registry=self.registry).set_function(
+            keeper.missing)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

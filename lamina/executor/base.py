@@ -71,6 +71,13 @@ class Executor(ABC):
         (every worker is brought back)."""
         return ()
 
+    def memory_workers_room(self, size: int) -> int | None:
+        """How many memory workers, at most `size`, the deployment's cluster holds in
+        all (beside its compute workers; those running counted), for growing back to
+        `size` after `memory_lost` (`KeepSize`). Default None: this executor never
+        drops a worker, so there is nothing to grow back."""
+        return None
+
     def workers_replaced(self) -> dict[str, int]:
         """How many workers recoveries have replaced so far, by role ("compute",
         "memory"): processes that died, hung, or stuck inside a failed step (an

@@ -89,14 +89,15 @@ class RayWorkload:
 def deployment(pipeline: str = "none", **kw):
     """The Ray `LLM` the workloads run on: 2 memory workers with session tiers, the
     fault plan, and one compute worker (`pipeline` "none") or two compute replicas
-    ("fixed", "rotational")."""
+    ("fixed", "rotational"). Its steps are the workload's own, on this thread, so no
+    `keeper` grows it back beside them (`regrow_interval_s` 0)."""
     from lamina import LLM
 
     replicas = {"none": 1, "fixed": 2, "rotational": 2}[pipeline]
     return LLM(executor="ray", num_memory_workers=2, num_kv_slots=POOL_SLOTS,
                kv_host_bytes=HOST_BYTES, faults=FAULTS, step_timeout_s=TIMEOUT_S,
                worker_timeout_s=TIMEOUT_S, num_compute_workers=replicas, pipeline=pipeline,
-               **kw)
+               regrow_interval_s=0, **kw)
 
 
 def _config(r: random.Random) -> dict:

@@ -39,8 +39,10 @@ def llm(tmp_path_factory, smol, smol_split):
     # every compute worker here then starts from the weights alone
     assert quick_load.remember(smol, torch.float32) is not None
     disk = tmp_path_factory.mktemp("kv-tiers")
+    # the tests step its engine themselves: its keeper only where one turns it on
     llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096, max_step_tokens=1024,
-              kv_host_bytes=HOST_TOKENS * 46080, kv_disk_dir=str(disk), kv_disk_bytes=1 << 30)
+              kv_host_bytes=HOST_TOKENS * 46080, kv_disk_dir=str(disk), kv_disk_bytes=1 << 30,
+              regrow_interval_s=0)
     llm.disk_dir = disk
     yield llm
     llm.shutdown()
@@ -295,7 +297,8 @@ def test_a_memory_worker_whose_replacement_cannot_start_is_dropped_and_the_engin
     replacement (it asks for a resource no node has, as when its node is gone and no
     other has room): after the start's bound the recovery drops it, worker 1 becomes
     worker 0 (its pool, its process, its KV kept), and every request ends with HF's
-    greedy tokens. Then the pools grow back to 2 into the bundle the lost worker left."""
+    greedy tokens. Then the LLM's keeper (turned on: every 0.2 s) grows the pools back to
+    2, into the bundle the lost worker left; the size (the LLM's 2) unchanged."""
     eng, ex, pick = llm.engine, llm.executor, [0, 3, 5, 9]
     eng.clear_prefix_cache()  # placement by free slots alone: both workers get some
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
@@ -328,9 +331,20 @@ def test_a_memory_worker_whose_replacement_cannot_start_is_dropped_and_the_engin
     assert any("memory worker 0's replacement did not start within 3 s" in r.message
                for r in caplog.records)
     assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
-    # the lost worker's bundle of the deployment's group is idle: a grow takes it
-    eng.scale_memory_workers(2)
+    # the lost worker's bundle of the deployment's group is idle: the keeper's grow
+    # takes it
+    assert llm.keeper.missing() == 1 and ex.memory_workers_room(2) == 2
+    llm.engine.keeper = llm.keeper.through(every=0.2)
+    try:
+        deadline = time.monotonic() + 60
+        while len(eng.allocs) < 2:
+            assert time.monotonic() < deadline, llm.keeper.short_why
+            time.sleep(0.1)
+    finally:
+        llm.engine.keeper = llm.keeper.through(every=0)
     assert ex._homes == [1, 0] and len(ex.nodes["memory"]) == 2
+    assert llm.keeper.missing() == 0 and llm.keeper.short_why is None
+    assert llm.config.num_memory_workers == 2
     outs = llm.generate([prompts[i] for i in pick], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [hf_greedy[i] for i in pick]
 

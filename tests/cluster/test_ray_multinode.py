@@ -74,7 +74,8 @@ def cluster():
             time.sleep(0.5)
         ids = {x["NodeID"]: x["NodeManagerAddress"] for x in ray.nodes() if x["Alive"]}
         llm = LLM(executor="ray", num_memory_workers=2, num_kv_slots=4096,
-                  max_step_tokens=1024, worker_timeout_s=WORKER_TIMEOUT_S)
+                  max_step_tokens=1024, worker_timeout_s=WORKER_TIMEOUT_S,
+                  regrow_interval_s=0)  # the count the tests set: no regrow beside them
         yield {"nets": nets, "why": why, "ids": ids, "llm": llm,
                "head": cluster.head_node.node_id, "raylets": raylets, "dirs": dirs,
                "address": cluster.address}

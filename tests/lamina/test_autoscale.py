@@ -1,5 +1,6 @@
 """The KV pool's autoscaler: its rule over exact samples, its configuration, and a
 serving loop whose pool it grows under pressure and shrinks once idle (HF's tokens)."""
+import threading
 import time
 
 import pytest
@@ -10,11 +11,13 @@ from lamina.entrypoints.autoscale import (
     AutoscaleConfig,
     Autoscaler,
     AutoscaleRunner,
+    KeepSize,
     KVSample,
     sample,
 )
 from lamina.entrypoints.deploy_config import LaminaConfig
 from lamina.entrypoints.engine_loop import EngineLoop
+from lamina.entrypoints.metrics import EngineMetrics
 from lamina.executor.local import LocalExecutor
 from lamina.memory.memory_side import MemorySide
 from lamina.memory.pool import KVPool, KVPoolConfig
@@ -167,3 +170,72 @@ def test_a_prompt_larger_than_the_pool_grows_it_to_its_size(smol, smol_packed, p
             loop.submit(prompts[6], SamplingParams(max_tokens=4))
     finally:
         loop.shutdown()
+
+
+def _until(cond, what, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what()
+        time.sleep(0.02)
+
+
+def test_a_keeper_grows_the_engine_back_to_its_size_as_the_cluster_makes_room(
+        smol, smol_packed, prompts, hf_greedy):
+    """An engine of one memory worker whose size is 3 (as after a recovery dropped two);
+    what its executor says the cluster holds (`memory_workers_room`, asked with the
+    size) decides, every 0.05 s. A serving loop over it takes the keeper over (its
+    grows go between the loop's steps). Room for 1: nothing. Room for 2 with the
+    start failing: the reason, the wait doubling; then started: 2 while requests
+    stream, the reason now the room. Room for 3: the size, no reason left; the size
+    itself unchanged throughout. HF's greedy tokens for every request. An executor
+    that cannot tell (None) ends its thread; the loop's shutdown stops it."""
+    eng = _engine(smol, smol_packed, 400)
+    ex, room, asked = eng.executor, [1], []
+    start = ex.start_memory_workers
+
+    def broken(first, k):
+        raise RuntimeError(f"no room for {k} on node-x")
+    ex.memory_workers_room = lambda size: asked.append(size) or room[0]
+    eng.keeper = mine = KeepSize(lambda: eng, lambda: 3, lambda fn: fn(eng), threading.Lock(),
+                                 0.05, "the test engine", why="two lost")
+    loop = EngineLoop(eng)
+    keeper = eng.keeper
+    try:
+        assert keeper is not mine and not mine.running and keeper.running
+        _until(lambda: len(asked) >= 3, lambda: asked)
+        assert set(asked) == {3} and len(eng.allocs) == 1
+        assert (keeper.missing(), keeper.short_why) == (2, "two lost")
+        metrics = EngineMetrics()  # `lamina serve`'s and the service's gauge
+        metrics.keep_size(keeper)
+        assert "\nlamina_memory_workers_missing 2.0\n" in metrics.render().decode()
+        ex.start_memory_workers = broken
+        room[0] = 2
+        _until(lambda: (keeper.short_why or "").endswith("next try in 0.2 s"),
+               lambda: keeper.short_why)
+        assert keeper.short_why == ("growing back failed: RuntimeError: no room for 1 on "
+                                    "node-x; next try in 0.2 s")
+        futs = [loop.submit(prompts[i], SamplingParams(max_tokens=32, temperature=0))
+                for i in (1, 3, 4)]
+        ex.start_memory_workers = start
+        _until(lambda: len(eng.allocs) == 2, lambda: keeper.short_why)
+        _until(lambda: keeper.failed is None, lambda: keeper.short_why)
+        assert keeper.short_why == ("grew back to 2: the cluster's resources hold no more "
+                                    "now") and keeper.missing() == 1
+        room[0] = 3
+        outs = [f.result(300) for f in futs]
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy[i] for i in (1, 3, 4)]
+        _until(lambda: len(eng.allocs) == 3, lambda: keeper.short_why)
+        assert keeper.short_why is None and keeper.missing() == 0
+        assert len(ex.memory) == 3 and eng.config.num_memory_workers == 3
+        assert loop.submit(prompts[2], SamplingParams(max_tokens=32, temperature=0)).result(
+            300).outputs[0].token_ids == hf_greedy[2]
+        keeper.size = lambda: 4  # one more than there is room for: it asks, unanswered
+        ex.memory_workers_room = lambda size: None
+        _until(lambda: not keeper.running, lambda: keeper.short_why)
+        assert len(eng.allocs) == 3 and keeper.missing() == 1
+        keeper.size = lambda: 3
+        eng.keeper = keeper.through()  # (its size and between; running again)
+        assert eng.keeper.running and eng.keeper.between is keeper.between
+    finally:
+        loop.shutdown()
+    assert not eng.keeper.running

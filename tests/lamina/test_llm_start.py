@@ -4,6 +4,7 @@ tokenizer and config; a GGUF not yet converted is converted here first, once; a 
 path fails before any worker starts; either side's failure is the one raised, and
 workers already started are shut down."""
 import threading
+import time
 
 import pytest
 import torch
@@ -130,3 +131,47 @@ def test_the_workers_failing_raise_their_own_error_after_the_info_is_read(worker
     with pytest.raises(RuntimeError, match="could not start: out of memory"):
         LLM(executor="ray", num_kv_slots=512)
     assert "info ends" in events  # the reading thread ended, not left behind
+
+
+def test_an_llm_over_workers_grows_back_to_its_size_beside_its_calls(workers, prompts,
+                                                                     hf_greedy):
+    """`LLM(executor="ray")` keeps its memory workers' count (`keeper`): scaled to 2
+    (its size now), then one taken from its engine alone, as a recovery drops one (the
+    LLM's size stays 2). Once a `generate` call in another thread has run a few steps,
+    the cluster (the stand-in's `memory_workers_room`) holds 2 again, and within
+    `regrow_interval_s` the keeper adds the worker back between two of its steps; the
+    call gives HF's greedy tokens. Shutdown stops the keeper. A bad interval is refused
+    by name before any worker starts."""
+    Workers, events, _ = workers
+    with pytest.raises(ValueError, match=r"regrow_interval_s must be a number of seconds "
+                                         r">= 0 \(0: never\), got -1"):
+        LLM(executor="ray", regrow_interval_s=-1)
+    assert events == []
+    room = [1]
+    Workers.memory_workers_room = lambda self, size: room[0]
+    llm = LLM(executor="ray", num_kv_slots=512, regrow_interval_s=0.05)
+    try:
+        assert llm.keeper.running and llm.scale_memory_workers(2).after == 2
+        with llm._scaling:  # (the keeper's lock: it waits)
+            llm._shared.call(lambda e: e.scale_memory_workers(1))
+        assert llm.keeper.missing() == 1 and llm.config.num_memory_workers == 2
+        pick, got = [1, 3, 4], []
+        params = SamplingParams(max_tokens=32, temperature=0)
+        call = threading.Thread(target=lambda: got.extend(
+            llm.generate([prompts[i] for i in pick], params, use_tqdm=False)))
+        steps = len(llm.engine.step_timings)
+        call.start()
+        while len(llm.engine.step_timings) < steps + 3 and call.is_alive():
+            time.sleep(0.005)
+        assert len(llm.engine.allocs) == 1
+        room[0] = 2
+        call.join(300)
+        assert [o.token_ids for o in got] == [hf_greedy[i] for i in pick]
+        deadline = time.monotonic() + 60
+        while len(llm.engine.allocs) < 2:
+            assert time.monotonic() < deadline, llm.keeper.short_why
+            time.sleep(0.02)
+        assert len(llm.executor.memory) == 2 and llm.keeper.short_why is None
+    finally:
+        llm.shutdown()
+    assert not llm.keeper.running
