@@ -37,6 +37,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, replace
+from typing import Callable, TypeVar
 
 import ray
 from prometheus_client import Gauge
@@ -61,8 +62,8 @@ SERVICE = "lamina"  # the default service name
 START_TIMEOUT_S = 600  # model load + placement + workers
 RESTART_GRACE_S = 2.0  # a stopped engine's errors reach their clients before the exit
 HEAD_NODE = "node:__internal_head__"  # the resource only Ray's head node has
-RESTART_ROOM_S = 600.0  # how long a restart waits for the cluster to hold its workers
-ROOM_POLL_S = 5.0  # how often it looks again meanwhile
+ROOM_POLL_S = 5.0  # how often a restart short of room looks again (`start_when_room`)
+T = TypeVar("T")
 
 
 class ServiceNotFound(LookupError):
@@ -75,6 +76,30 @@ class ServiceError(RuntimeError):
 
 class NoRoom(RuntimeError):
     """The cluster's resources cannot hold the fewest workers a restart may start."""
+
+
+def start_when_room(start: Callable[[dict, bool], T], resources: Callable[[bool], dict],
+                    wait_s: float, waiting: Callable[[str], None],
+                    poll_s: float = ROOM_POLL_S) -> T:
+    """`start(have, free)` until the cluster has room for it: first with its total
+    resources (`resources(False)`); after `NoRoom` or a `PlacementTimeout`, every
+    `poll_s` with what is free then (`resources(True)`: no placement is waited out
+    again where nothing was freed), for at most `wait_s` in all; then `NoRoom` naming
+    the last reason and the wait. `waiting(reason)` once for each new reason."""
+    began, said, free = time.monotonic(), None, False
+    while True:
+        try:
+            return start(resources(free), free)
+        except (PlacementTimeout, NoRoom) as e:
+            waited = time.monotonic() - began
+            if waited + poll_s > wait_s:
+                raise NoRoom(f"{e} (no room after {waited:.0f} s; cluster.room_wait_s "
+                             f"{wait_s:g})") from None
+            if str(e) != said:
+                said = str(e)
+                waiting(said)
+            time.sleep(poll_s)
+            free = True
 
 
 class ServiceRestarting(EngineDead):
@@ -137,27 +162,18 @@ class LaminaService:
         size, `engine.num_memory_workers`, or fails. A restart deploys what the cluster
         holds now (`_start_smaller`), and where it holds not even the fewest (its
         compute node gone, say, until `ray up`'s autoscaler brings another) waits for
-        room, trying every ROOM_POLL_S, at most RESTART_ROOM_S (then it fails as a
+        room, at most `cluster.room_wait_s` (`start_when_room`; then it fails as a
         first start does); the record of starts says what it waits for, so `status`
         answers "restarting ... waiting for room: ..." meanwhile."""
         if not restarted:
             return LLM.from_config(self._sized(self.config.engine.num_memory_workers))
-        deadline, said = time.monotonic() + RESTART_ROOM_S, None
-        have, free = ray.cluster_resources(), False
-        while True:
-            try:
-                return self._start_smaller(have, free)
-            except (PlacementTimeout, NoRoom) as e:
-                if time.monotonic() + ROOM_POLL_S >= deadline:
-                    raise NoRoom(f"{e} (waited {RESTART_ROOM_S:g} s for room)") from None
-                if str(e) != said:  # each new reason once
-                    said = str(e)
-                    log.warning("the Lamina service %r waits for room to restart: %s",
-                                self.name, e)
-                    _write_starts(self.name, {**starts_of(self.name), "waiting": said})
-                time.sleep(ROOM_POLL_S)
-                # tried again with what is free now: no placement waited out meanwhile
-                have, free = ray.available_resources(), True
+
+        def waiting(why: str) -> None:
+            log.warning("the Lamina service %r waits for room to restart: %s", self.name, why)
+            _write_starts(self.name, {**starts_of(self.name), "waiting": why})
+        return start_when_room(self._start_smaller, lambda free: ray.available_resources()
+                               if free else ray.cluster_resources(),
+                               self.config.cluster.room_wait_s, waiting)
 
     def _start_smaller(self, have: dict, free: bool) -> LLM:
         """A restart's engine: as many memory workers as the cluster's resources

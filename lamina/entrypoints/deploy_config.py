@@ -73,6 +73,11 @@ class ClusterConfig:
     # next, up to 5 min). 0: never (`lamina scale` does it). Off with an autoscaler,
     # which sets the count itself.
     regrow_interval_s: float = 10.0
+    # A service's restart that finds no room for even `engine.min_live_memory_workers`
+    # (its compute node gone, say, until `ray up`'s autoscaler brings another) waits
+    # this long for room, looking every 5 s, then fails, naming what is missing. 0:
+    # fails at once.
+    room_wait_s: float = 600.0
 
     def __post_init__(self):
         if self.executor not in EXECUTORS:
@@ -99,6 +104,11 @@ class ClusterConfig:
                 < float("inf"):
             raise ValueError(f"cluster.regrow_interval_s must be a number of seconds >= 0 "
                              f"(0: never), got {every!r}")
+        wait = self.room_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait \
+                < float("inf"):
+            raise ValueError(f"cluster.room_wait_s must be a number of seconds >= 0, got "
+                             f"{wait!r}")
         if not isinstance(self.http_host, str) or not self.http_host:
             raise ValueError(f"cluster.http_host must be an address to serve on, got "
                              f"{self.http_host!r}")

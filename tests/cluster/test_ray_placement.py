@@ -179,6 +179,37 @@ def test_memory_workers_that_fit_in_what_is_free_now_says_free():
            "needs 1.5, 0.4 free (its free resources; see `ray status`)")
 
 
+def test_a_restart_short_of_room_tries_again_with_what_is_free_then_gives_up_by_name():
+    """`start_when_room`: the first try with the cluster's total resources, the next
+    ones every poll with what is free; each new reason said once; started as soon as
+    a try fits. With no room for the whole `room_wait_s` (0: none at all), `NoRoom`
+    naming the last reason and the wait."""
+    from lamina.cluster.placement import PlacementTimeout
+    from lamina.cluster.service import NoRoom, start_when_room
+
+    tries, said = [], []
+    answers = [NoRoom("no compute node"), PlacementTimeout("room held elsewhere"),
+               PlacementTimeout("room held elsewhere"), "started"]
+
+    def start(have, free):
+        tries.append((have, free))
+        got = answers[len(tries) - 1]
+        if isinstance(got, Exception):
+            raise got
+        return got
+    resources = lambda free: {"free": free}  # noqa: E731
+    assert start_when_room(start, resources, 5.0, said.append, poll_s=0.01) == "started"
+    assert tries == [({"free": False}, False)] + [({"free": True}, True)] * 3
+    assert said == ["no compute node", "room held elsewhere"]
+    for wait in (0.05, 0.0):
+        tries.clear()
+        answers[:] = [NoRoom("no compute node")] * 100
+        with pytest.raises(NoRoom, match=rf"^no compute node \(no room after 0 s; "
+                                         rf"cluster.room_wait_s {wait:g}\)$"):
+            start_when_room(start, resources, wait, said.append, poll_s=0.01)
+        assert 1 <= len(tries) <= 6 and (wait or len(tries) == 1)
+
+
 @pytest.mark.parametrize("node, role, threads, want", [
     ({"CPU": 16.0, "lamina_memory": 2.0}, "memory", 1, (8, 8)),  # ray_config.yaml's
     ({"CPU": 8.0, "lamina_compute": 1.0}, "compute", 1, (8, 8)),  # nodes

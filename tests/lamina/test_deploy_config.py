@@ -62,6 +62,8 @@ def test_llm_from_config_gives_hf_greedy_tokens(tmp_path, prompts, hf_greedy):
     ("cluster: {http_port: '8000'}", "'cluster.http_port' must be int or null"),
     ("cluster: {regrow_interval_s: -1}", "cluster.regrow_interval_s must be a number of "
                                          "seconds >= 0 (0: never), got -1"),
+    ("cluster: {room_wait_s: .inf}", "cluster.room_wait_s must be a number of seconds >= 0, "
+                                     "got inf"),
     ("server: {max_waiting: 0}", "max_waiting must be an int >= 1"),
     ("server: {max_stored_response_bytes: 0}", "max_stored_response_bytes must be an int >= 1"),
     ("engine: [1, 2]", "section 'engine' must be a mapping"),
