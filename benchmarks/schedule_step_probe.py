@@ -31,7 +31,7 @@ from lamina.engine.engine import LLMEngine
 from lamina.model.loader import load
 from lamina.splitter import split_model
 from lamina.splitter.dense import pack_dense
-from tests.conftest import HF_NEW, LENGTHS, TEXT, _hf_greedy
+from tests.conftest import HF_NEW, LENGTHS, TEXT, hf_greedy_of
 from tests.lamina.test_engine import engine as local_engine
 from tests.lamina.test_rotational import PICKS
 
@@ -57,7 +57,7 @@ def machine(smol, split, prompts) -> None:
         t = sum(timed_steps(eng, prompts))
         print(f"machine: local engine, 16 prompts, {name} linears: {t:.2f} s")
     t = time.perf_counter()
-    _hf_greedy(smol, prompts[:8])  # the suite's reference, one prompt at a time
+    hf_greedy_of(smol, prompts[:8])  # the suite's reference, one prompt at a time
     print(f"machine: HF generate, 8 prompts one at a time: {time.perf_counter() - t:.2f} s")
 
 

@@ -188,8 +188,10 @@ def _print_status(s: dict, as_json: bool) -> int:
     print(_recoveries_line(s))
     size = s.get("size")
     if size is not None and size["short_why"] is not None:
+        failed = size.get("regrow_failed")
         print(f"  memory workers: {size['live']} of its {size['memory_workers']} "
-              f"(short: {size['short_why']}); {size['regrow']}")
+              f"(short: {size['short_why']}); {size['regrow']}"
+              + (f" (its last try failed: {failed})" if failed else ""))
     limit = "always" if s["max_restarts"] == -1 else f"at most {s['max_restarts']}"
     last = f"; the latest because {s['restart_cause']}" if s["restarts"] else ""
     print(f"  restarts: {s['restarts']} ({limit}){last}")

@@ -389,16 +389,19 @@ class LaminaService:
                 else asdict(w)}
 
     def _size(self) -> dict:
-        """The deployment's size in memory workers, those it has, and why fewer."""
+        """The deployment's size in memory workers, those it has, why fewer, and what
+        the keeper's last try to grow back failed with (None: it did not)."""
         size, live = self.config.engine.num_memory_workers, len(self.llm.engine.allocs)
-        why = None if live >= size else self.keeper.short_why or (
+        why = None if live >= size else self.keeper.why or (
             "memory workers lost for good at a recovery (no replacement could start)")
         every = self.config.cluster.regrow_interval_s
         regrow = ("the autoscaler sets the count" if self.autoscale is not None else
                   f"it grows back when the cluster has room (tried every {every:g} s)"
                   if every else "it does not grow back by itself (cluster."
                   "regrow_interval_s 0; `lamina scale`)")
-        return {"memory_workers": size, "live": live, "short_why": why, "regrow": regrow}
+        failed = None if live >= size else self.keeper.failed
+        return {"memory_workers": size, "live": live, "short_why": why, "regrow": regrow,
+                "regrow_failed": failed}
 
     def _autoscale_status(self) -> dict | None:
         """The autoscaler's bounds, its changes so far and the last one, its last

@@ -270,25 +270,22 @@ class KeepSize:
     started on this thread beside the steps, added by `between`), holding `lock` (the
     owner's: a `scale` is not run beside it). The size is unchanged. A failed grow (the
     room held by another deployment: a placement timeout) waits twice as long before
-    the next, up to REGROW_MAX_S. `short_why`: why it has fewer, for status."""
+    the next, up to REGROW_MAX_S. For status: `why` it has fewer, and what the last
+    try `failed` with (None once one does not)."""
 
     def __init__(self, engine: Callable, size: Callable[[], int],
                  between: Callable[[Callable], MemoryScale], lock, every: float, who: str,
                  why: str | None = None):
         self.engine, self.size, self.between, self.lock = engine, size, between, lock
         self.every, self.who = every, who
-        self.why = why  # why it has fewer memory workers than its size (None: unknown)
-        self.failed: str | None = None  # the last try's failure, until one succeeds
+        # why it has fewer memory workers than its size: the owner's reason (a restart
+        # short of room) or the last grow's; None: all there, or not known
+        self.why = why
+        self.failed: str | None = None  # the last try's failure, until one does not fail
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lamina-regrow", daemon=True)
         if every:
             self._thread.start()
-
-    @property
-    def short_why(self) -> str | None:
-        """Why it has fewer memory workers than its size: the last try's failure, else
-        the reason its owner or the last grow gave (None: all there, or not known)."""
-        return self.failed or self.why
 
     @property
     def running(self) -> bool:
@@ -325,9 +322,8 @@ class KeepSize:
                 return
             except Exception as e:  # noqa: BLE001 - said in status; tried again later
                 wait = min(2 * wait, max(self.every, REGROW_MAX_S))
-                self.failed = (f"growing back failed: {type(e).__name__}: {e}; next try "
-                               f"in {wait:g} s")
-                log.warning("%s: %s", self.who, self.failed)
+                self.failed = f"{type(e).__name__}: {e}; next try in {wait:g} s"
+                log.warning("%s: growing back failed: %s", self.who, self.failed)
 
     def grow_back(self) -> bool:
         """One try: memory workers -> as many as the cluster holds, at most the size

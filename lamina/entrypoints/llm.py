@@ -162,7 +162,7 @@ class LLM:
     @property
     def keeper(self) -> KeepSize | None:
         """What grows the engine back to its memory workers' count (`KeepSize`:
-        `short_why`, `missing()`); None for the local executor, which never drops one."""
+        `missing()`, `why`, `failed`); None for the local executor, which never drops one."""
         return self.engine.keeper
 
     @property

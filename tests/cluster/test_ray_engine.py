@@ -338,12 +338,12 @@ def test_a_memory_worker_whose_replacement_cannot_start_is_dropped_and_the_engin
     try:
         deadline = time.monotonic() + 60
         while len(eng.allocs) < 2:
-            assert time.monotonic() < deadline, llm.keeper.short_why
+            assert time.monotonic() < deadline, llm.keeper.failed
             time.sleep(0.1)
     finally:
         llm.engine.keeper = llm.keeper.through(every=0)
     assert ex._homes == [1, 0] and len(ex.nodes["memory"]) == 2
-    assert llm.keeper.missing() == 0 and llm.keeper.short_why is None
+    assert llm.keeper.missing() == 0 and llm.keeper.failed is None
     assert llm.config.num_memory_workers == 2
     outs = llm.generate([prompts[i] for i in pick], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [hf_greedy[i] for i in pick]

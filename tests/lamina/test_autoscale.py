@@ -204,34 +204,34 @@ def test_a_keeper_grows_the_engine_back_to_its_size_as_the_cluster_makes_room(
         assert keeper is not mine and not mine.running and keeper.running
         _until(lambda: len(asked) >= 3, lambda: asked)
         assert set(asked) == {3} and len(eng.allocs) == 1
-        assert (keeper.missing(), keeper.short_why) == (2, "two lost")
+        assert (keeper.missing(), keeper.why, keeper.failed) == (2, "two lost", None)
         metrics = EngineMetrics()  # `lamina serve`'s and the service's gauge
         metrics.keep_size(keeper)
         assert "\nlamina_memory_workers_missing 2.0\n" in metrics.render().decode()
         ex.start_memory_workers = broken
         room[0] = 2
-        _until(lambda: (keeper.short_why or "").endswith("next try in 0.2 s"),
-               lambda: keeper.short_why)
-        assert keeper.short_why == ("growing back failed: RuntimeError: no room for 1 on "
-                                    "node-x; next try in 0.2 s")
+        _until(lambda: (keeper.failed or "").endswith("next try in 0.2 s"),
+               lambda: keeper.failed)
+        assert keeper.failed == "RuntimeError: no room for 1 on node-x; next try in 0.2 s"
+        assert keeper.why == "two lost"
         futs = [loop.submit(prompts[i], SamplingParams(max_tokens=32, temperature=0))
                 for i in (1, 3, 4)]
         ex.start_memory_workers = start
-        _until(lambda: len(eng.allocs) == 2, lambda: keeper.short_why)
-        _until(lambda: keeper.failed is None, lambda: keeper.short_why)
-        assert keeper.short_why == ("grew back to 2: the cluster's resources hold no more "
-                                    "now") and keeper.missing() == 1
+        _until(lambda: len(eng.allocs) == 2, lambda: keeper.failed)
+        _until(lambda: keeper.failed is None, lambda: keeper.failed)
+        assert keeper.why == ("grew back to 2: the cluster's resources hold no more now")
+        assert keeper.missing() == 1
         room[0] = 3
         outs = [f.result(300) for f in futs]
         assert [o.outputs[0].token_ids for o in outs] == [hf_greedy[i] for i in (1, 3, 4)]
-        _until(lambda: len(eng.allocs) == 3, lambda: keeper.short_why)
-        assert keeper.short_why is None and keeper.missing() == 0
+        _until(lambda: len(eng.allocs) == 3, lambda: keeper.failed)
+        assert (keeper.why, keeper.failed, keeper.missing()) == (None, None, 0)
         assert len(ex.memory) == 3 and eng.config.num_memory_workers == 3
         assert loop.submit(prompts[2], SamplingParams(max_tokens=32, temperature=0)).result(
             300).outputs[0].token_ids == hf_greedy[2]
         keeper.size = lambda: 4  # one more than there is room for: it asks, unanswered
         ex.memory_workers_room = lambda size: None
-        _until(lambda: not keeper.running, lambda: keeper.short_why)
+        _until(lambda: not keeper.running, lambda: keeper.failed)
         assert len(eng.allocs) == 3 and keeper.missing() == 1
         keeper.size = lambda: 3
         eng.keeper = keeper.through()  # (its size and between; running again)

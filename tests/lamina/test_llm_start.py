@@ -169,9 +169,9 @@ def test_an_llm_over_workers_grows_back_to_its_size_beside_its_calls(workers, pr
         assert [o.token_ids for o in got] == [hf_greedy[i] for i in pick]
         deadline = time.monotonic() + 60
         while len(llm.engine.allocs) < 2:
-            assert time.monotonic() < deadline, llm.keeper.short_why
+            assert time.monotonic() < deadline, llm.keeper.failed
             time.sleep(0.02)
-        assert len(llm.executor.memory) == 2 and llm.keeper.short_why is None
+        assert len(llm.executor.memory) == 2 and llm.keeper.failed is None
     finally:
         llm.shutdown()
     assert not llm.keeper.running
