@@ -41,6 +41,14 @@ from lamina.errors import EngineDead
 log = logging.getLogger(__name__)
 
 
+def check_seconds(name: str, value, note: str = "") -> None:
+    """`value` is a finite number of seconds >= 0; else ValueError naming `name` (and
+    `note`, what 0 means)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value < math.inf):
+        raise ValueError(f"{name} must be a number of seconds >= 0{note}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class AutoscaleConfig:
     """The `autoscale` section of a deployment; off unless `max_memory_workers` is set."""
@@ -61,9 +69,7 @@ class AutoscaleConfig:
             raise ValueError(f"autoscale: need 1 <= min_memory_workers <= max_memory_workers, "
                              f"got {self.min_memory_workers} and {self.max_memory_workers}")
         for name in ("interval_s", "up_after_s", "down_after_s", "cooldown_s", "grow_wait_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                raise ValueError(f"autoscale.{name} must be a number of seconds >= 0, got {v!r}")
+            check_seconds(f"autoscale.{name}", getattr(self, name))
         if self.interval_s <= 0:
             raise ValueError(f"autoscale.interval_s must be > 0, got {self.interval_s!r}")
         for name in ("up_utilization", "down_utilization"):

@@ -28,7 +28,7 @@ import yaml
 
 from lamina.engine.config import EngineConfig
 from lamina.entrypoints.api_server import ServerConfig
-from lamina.entrypoints.autoscale import AutoscaleConfig
+from lamina.entrypoints.autoscale import AutoscaleConfig, check_seconds
 
 DTYPES = ("float32", "bfloat16")
 EXECUTORS = ("local", "ray")
@@ -99,16 +99,8 @@ class ClusterConfig:
                 < float("inf"):
             raise ValueError(f"cluster.client_lease_s must be a number of seconds > 0, "
                              f"got {lease!r}")
-        every = self.regrow_interval_s
-        if isinstance(every, bool) or not isinstance(every, (int, float)) or not 0 <= every \
-                < float("inf"):
-            raise ValueError(f"cluster.regrow_interval_s must be a number of seconds >= 0 "
-                             f"(0: never), got {every!r}")
-        wait = self.room_wait_s
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait \
-                < float("inf"):
-            raise ValueError(f"cluster.room_wait_s must be a number of seconds >= 0, got "
-                             f"{wait!r}")
+        check_seconds("cluster.regrow_interval_s", self.regrow_interval_s, " (0: never)")
+        check_seconds("cluster.room_wait_s", self.room_wait_s)
         if not isinstance(self.http_host, str) or not self.http_host:
             raise ValueError(f"cluster.http_host must be an address to serve on, got "
                              f"{self.http_host!r}")

@@ -20,7 +20,7 @@ from lamina.engine.config import EngineConfig
 from lamina.engine.engine import LLMEngine
 from lamina.engine.inputs import TokensPrompt, check_unicode
 from lamina.engine.outputs import MemoryScale, RequestOutput
-from lamina.entrypoints.autoscale import KeepSize, scale_beside
+from lamina.entrypoints.autoscale import KeepSize, check_seconds, scale_beside
 from lamina.entrypoints.calls import Call, CallRequest, SharedEngine
 from lamina.entrypoints.interrupts import StepBoundary
 from lamina.entrypoints.logs import configure_logging
@@ -77,10 +77,7 @@ class LLM:
             raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
         if address is not None and executor == "local":
             raise ValueError("address names a Ray cluster: it needs executor='ray'")
-        if isinstance(regrow_interval_s, bool) or not isinstance(
-                regrow_interval_s, (int, float)) or not 0 <= regrow_interval_s < float("inf"):
-            raise ValueError(f"regrow_interval_s must be a number of seconds >= 0 (0: "
-                             f"never), got {regrow_interval_s!r}")
+        check_seconds("regrow_interval_s", regrow_interval_s, " (0: never)")
         self.config = EngineConfig(num_memory_workers=num_memory_workers, **engine_kw)
         if executor != "local":
             plugin_executor(executor).check(self.config)
