@@ -52,7 +52,7 @@ from lamina.memory.tiers import PREFETCH_WAIT_S
 
 from .compute_worker import ComputeWorker, ComputeWorkerSpec, WorkerStart
 from .memory_worker import MemoryWorker
-from .placement import Placement, node_threads, place
+from .placement import Placement, node_threads, pin, place, reserve
 
 log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
@@ -244,20 +244,22 @@ class RayExecutor(Executor):
         # every worker's resources reserved at once, or a clear error in bounded time
         # placement group names are unique per cluster: one deployment, one name
         self.placement_name = name or f"lamina-{uuid.uuid4().hex[:8]}"
-        self.placement = place(c_opts, m_opts, m, config.placement_timeout_s,
-                               self.placement_name, r_n)
+        # Ray chooses the nodes for all the workers at once; then the compute workers
+        # get a group and each memory worker one of its own on those nodes (`pin`)
+        chosen = place(c_opts, m_opts, m, config.placement_timeout_s,
+                       f"{self.placement_name}-nodes", r_n)
+        self.placement, homes = pin(chosen, self.placement_name,
+                                    config.placement_timeout_s)
         self._threads_asked = (threads, wide_threads)  # (`_memory_home`)
-        # per memory worker, where it runs: a memory bundle of the deployment's group
-        # (its index among them) or, added past them, a placement group of its own
-        self._homes: list[int | Placement] = list(range(m))
+        self._homes: list[Placement] = homes  # per memory worker, its group
         self._numbering: list[int] = []  # a recovery's: each worker's index before it
-        # per bundle: (threads, threads of steps whose memory workers sit idle)
-        self.worker_threads = [
-            bundle_threads(res, "compute" if b < r_n else "memory", threads, wide_threads)
-            for b, res in enumerate(self.placement.node_resources())]
+        # per compute worker: (threads, threads of steps whose memory workers sit idle)
+        self.worker_threads = [bundle_threads(res, "compute", threads, wide_threads)
+                               for res in self.placement.node_resources()]
         self.wide_threads = self.worker_threads[0][1]  # compute worker 0's
-        self._kernel_build = prebuild_kernel(ray.get_runtime_context().get_node_id(),
-                                             self.placement.node_ids())
+        self._kernel_build = prebuild_kernel(
+            ray.get_runtime_context().get_node_id(),
+            self.placement.node_ids() + [h.node_ids()[0] for h in homes])
         # each replica's threads are its bundle's (`_new_compute`)
         self._compute_spec = ComputeWorkerSpec(
             model, dtype, m, dense_backend=config.dense_backend, batch_hint=config.max_batch,
@@ -342,12 +344,8 @@ class RayExecutor(Executor):
         home, threads = self._memory_home(self._homes[i])
         return MemoryWorker.options(**self._m_opts, **home).remote(i, threads)
 
-    def _memory_home(self, home: int | Placement) -> tuple[dict, int]:
-        """A memory worker's actor options and torch threads at `home` (`_homes`): a
-        memory bundle of the deployment's group, or a group of its own."""
-        if isinstance(home, int):
-            return (self.placement.memory(home),
-                    self.worker_threads[self.placement.computes + home][0])
+    def _memory_home(self, home: Placement) -> tuple[dict, int]:
+        """A memory worker's actor options and torch threads in its group `home`."""
         threads, wide = self._threads_asked
         return home.memory(0), bundle_threads(home.node_resources()[0], "memory", threads,
                                               wide)[0]
@@ -564,15 +562,17 @@ class RayExecutor(Executor):
         # a memory worker's serving ends once its compute workers hung up (above)
         lost = self._reset_all("memory", self.health_timeout_s, self._silent)
         self._silent = frozenset()
+        homeless = self._rehome(lost)
         for i in lost:
             ray.kill(self.memory[i])
-            self.memory[i] = self._new_memory(i)
+            if i not in homeless:
+                self.memory[i] = self._new_memory(i)
         replaced |= lost
         # the new workers up (their start has the whole bound), then the wiring's calls
         # have a live worker's: a kept one that hangs now fails this attempt soon
-        pings = {i: self.memory[i].ping.remote() for i in lost}
+        pings = {i: self.memory[i].ping.remote() for i in lost if i not in homeless}
         self._get([w.ping.remote() for w in new], "the new compute workers", start=True)
-        failed = self._not_started(pings)
+        failed = self._not_started(pings, homeless)
         keep = [i for i in range(len(self.memory)) if i not in failed]
         if failed:
             self._drop_lost(failed, keep, replaced)
@@ -584,12 +584,35 @@ class RayExecutor(Executor):
         finally:
             self._calls_s = None
 
-    def _not_started(self, pings: dict) -> dict[int, str]:
+    def _rehome(self, lost: frozenset[int]) -> dict[int, str]:
+        """Of the memory workers `lost`, each whose group is on no live node gets a new
+        group, the old one removed (Ray would place its bundle again with no pause
+        between tries while no node has room: `placement`'s docstring); the new groups
+        wait together, at most `placement_timeout_s` -> {index: why} of those that found
+        no room (their new group is removed when they are dropped)."""
+        order = sorted(lost)
+        gone = [i for i, live in zip(order, self._on_live_nodes(
+            [self._homes[i] for i in order])) if not live]
+        for i in gone:
+            self._homes[i].remove()
+            self._homes[i] = reserve(self._m_opts,
+                                     f"{self.placement_name}-m{i}-{uuid.uuid4().hex[:4]}")
+        if not gone:
+            return {}
+        bare = self.config.placement_timeout_s
+        refs = {i: self._homes[i].group.ready() for i in gone}
+        ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=bare)[0])
+        return {i: f"had no live node for its bundle for {bare:g} s (its node gone, no "
+                   "room on another: see `ray status`)" for i, r in refs.items()
+                if r not in ready}
+
+    def _not_started(self, pings: dict, homeless: dict[int, str] | None = None
+                     ) -> dict[int, str]:
         """Of the replacement memory workers {index: its ping}, those that did not
-        start (`_late`) or whose start raised -> {index: why}. Raises (`WorkerTimeout`,
-        `WorkerFailure`) when dropping them would leave fewer than
-        `min_live_memory_workers`."""
-        why = self._late(pings)
+        start (`_late`) or whose start raised, and the `homeless` ones (`_rehome`) ->
+        {index: why}. Raises (`WorkerTimeout`, `WorkerFailure`) when dropping them would
+        leave fewer than `min_live_memory_workers`."""
+        why = {**(homeless or {}), **self._late(pings)}
         timed_out = bool(why)
         for i, ref in pings.items():
             try:
@@ -633,25 +656,20 @@ class RayExecutor(Executor):
                     del pending[i]
         return late
 
-    def _on_live_nodes(self, homes: list[int | Placement]) -> list[bool]:
-        """Whether each memory home (`_homes`: a memory bundle of the deployment's group,
-        or a group of its own) is on a node Ray holds alive."""
-        main = self.placement.node_resources() if any(
-            isinstance(h, int) for h in homes) else []
-        return [bool(main[self.placement.computes + h] if isinstance(h, int)
-                     else h.node_resources()[0]) for h in homes]
+    @staticmethod
+    def _on_live_nodes(homes: list[Placement]) -> list[bool]:
+        """Whether each memory worker's group (`_homes`) is on a node Ray holds alive."""
+        return [bool(h.node_resources()[0]) for h in homes]
 
     def _drop_lost(self, why: dict[int, str], keep: list[int], replaced: set[int]) -> None:
         """The memory workers `why` names leave the deployment (their replacements
-        stopped, their own groups freed; a bundle of the deployment's group stays
-        reserved), the others (`keep`) numbered 0.. in order; `replaced` renumbered."""
+        stopped, their groups freed), the others (`keep`) numbered 0.. in order;
+        `replaced` renumbered."""
         for i, w in sorted(why.items()):
             log.warning("memory worker %d's replacement %s: the deployment goes on without "
                         "it, with %d memory workers", i, w, len(keep))
             ray.kill(self.memory[i])
-            home = self._homes[i]
-            if isinstance(home, Placement):
-                home.remove()
+            self._homes[i].remove()
         for lst in (self.memory, self.memory_info, self._homes, self._numbering):
             lst[:] = [lst[i] for i in keep]
         now = {i: j for j, i in enumerate(keep)}
@@ -677,27 +695,16 @@ class RayExecutor(Executor):
 
     def start_memory_workers(self, first: int, k: int) -> StartedMemory:
         """Workers first..first+k-1, each in a placement group of its own (one bundle,
-        as the deployment's memory bundles; bounded by `placement_timeout_s`), or in a
-        bundle of the deployment's own group that a removal left idle; pinged and set
-        up as the others (the same pool layout, tiers, KV policy). Touches nothing the
-        steps use: runs beside them."""
+        as the others'; bounded by `placement_timeout_s`); pinged and set up as the
+        others (the same pool layout, tiers, KV policy). Touches nothing the steps use:
+        runs beside them."""
         self._check_open()
-        base = len(self.placement.bundles) - self.placement.computes
-        used = {h for h in self._homes if isinstance(h, int)}
-        # a bundle a removal left idle, where Ray holds it on a live node (not one a
-        # worker lost with its node left, until Ray places it again)
-        spare = [b for b in range(base) if b not in used]
-        idle = [b for b, live in zip(spare, self._on_live_nodes(spare)) if live]
         got = _Started([], [], [], [])
         try:
             for i in range(first, first + k):
-                if idle:
-                    got.homes.append(idle.pop(0))
-                else:
-                    name = f"{self.placement_name}-m{i}-{uuid.uuid4().hex[:4]}"  # (unique)
-                    got.homes.append(place({}, self._m_opts, 1,
-                                           self.config.placement_timeout_s, name,
-                                           num_compute=0))
+                name = f"{self.placement_name}-m{i}-{uuid.uuid4().hex[:4]}"  # (unique)
+                got.homes.append(place({}, self._m_opts, 1, self.config.placement_timeout_s,
+                                       name, num_compute=0))
                 home, threads = self._memory_home(got.homes[-1])
                 got.workers.append(MemoryWorker.options(**self._m_opts, **home).remote(
                     i, threads))
@@ -756,8 +763,7 @@ class RayExecutor(Executor):
         for w in got.workers:
             ray.kill(w)
         for home in got.homes:
-            if isinstance(home, Placement):
-                home.remove()
+            home.remove()
 
     def move_tiers(self, moves: tuple[TierMove, ...]) -> frozenset[int]:
         """Each source worker exports its entries (one Ray object per source and dest),
@@ -802,8 +808,8 @@ class RayExecutor(Executor):
 
     def remove_memory_workers(self, n: int) -> None:
         """Memory workers n.. leave: every compute worker hangs up on them, their tier
-        files go, their processes are stopped and the placement groups of their own
-        removed (a bundle of the deployment's group stays reserved for a later add)."""
+        files go, their processes are stopped and their placement groups removed (the
+        room given back to the cluster)."""
         self._check_open()
         self._calls_s = self.ping_timeout_s
         try:
@@ -830,8 +836,7 @@ class RayExecutor(Executor):
         for w in workers:
             ray.kill(w)
         for home in self._homes[first:]:
-            if isinstance(home, Placement):
-                home.remove()
+            home.remove()
         del self._homes[first:]
 
     def _counted(self) -> None:
@@ -1107,8 +1112,7 @@ class RayExecutor(Executor):
         if self._ring_pool is not None:
             self._ring_pool.shutdown(wait=False)
         for home in self._homes:
-            if isinstance(home, Placement):
-                home.remove()
+            home.remove()
         self.placement.remove()
 
 
@@ -1116,7 +1120,7 @@ class RayExecutor(Executor):
 class _Started:
     """Memory workers started, not yet added (`StartedMemory.workers`)."""
     workers: list  # actor handles
-    homes: list[int | Placement]  # each one's (`RayExecutor._homes`)
+    homes: list[Placement]  # each one's group (`RayExecutor._homes`)
     info: list[dict]  # what each one's setup answered
     nodes: list[str]  # the node each one runs on
 

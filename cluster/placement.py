@@ -1,18 +1,28 @@
-"""Placement: one Ray placement group per deployment, reserved before any worker starts.
+"""Placement: the deployment's workers' resources, reserved before any worker starts.
 
 Data in: the compute workers' and the memory workers' actor options (CPU, GPU, the
 `lamina_compute` / `lamina_memory` custom resources their nodes advertise) and the number
-of each. Data out: a `Placement` whose bundles the workers are started in: bundle r
-compute worker r (a model replica), bundle R + i memory worker i; and, once placed, the
-torch threads each worker takes on its node (`node_threads`).
+of each. Data out: a `Placement` of the compute workers (bundle r: compute worker r, a
+model replica) and one `Placement` per memory worker (a group of one bundle); once
+placed, the torch threads each worker takes on its node (`node_threads`).
 
-The group's strategy is SPREAD: Ray puts the bundles on distinct nodes where it can (the
-memory workers over the memory nodes) and packs them where it cannot (several memory
-workers on one node, or everything on a one-node local cluster); the custom resources
-keep each kind on its own node type. A group Ray cannot place within the timeout (its
-resources held by other deployments, or split over nodes so that none holds a bundle)
-is removed again and `PlacementTimeout` names what was missing: never an endless wait.
-Workers replaced after a failure are started in the same bundles.
+Ray chooses the nodes in one group of every bundle (`place`), strategy SPREAD: the
+bundles go to distinct nodes where they can (the memory workers over the memory nodes)
+and are packed where they cannot (several memory workers on one node, or everything on
+a one-node local cluster); the custom resources keep each kind on its own node type. A
+group Ray cannot place within the timeout (its resources held by other deployments, or
+split over nodes so that none holds a bundle) is removed again and `PlacementTimeout`
+names what was missing: never an endless wait. `pin` then reserves the same bundles
+again, each memory worker's in a group of its own, pinned to the node Ray chose.
+
+Why a group per memory worker: Ray cannot take one bundle out of a group, and a group
+with a bundle whose node is gone keeps Ray's GCS placing that bundle again with no pause
+between its tries while no node has room (its single thread busy, and the head's
+metrics agent recording each try: both cores of a 2-core head, measured in
+`docs/cluster.md`; ray-project/ray PR 65007 adds the missing backoff, not merged). A
+memory worker dropped for good (`RayExecutor.recover`) or removed (`remove_memory_workers`)
+takes its group with it, and a replacement whose node is gone gets a new group, whose
+wait Ray backs off. Workers replaced after a failure on a live node start in their group.
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 log = logging.getLogger(__name__)
 REMOVE_TIMEOUT_S = 5.0  # how long `Placement.remove` waits for Ray to confirm
+NODE_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
 
 
 class PlacementTimeout(TimeoutError):
@@ -46,7 +57,9 @@ def bundle(opts: dict) -> dict[str, float]:
 @dataclass(frozen=True)
 class Placement:
     group: PlacementGroup
-    bundles: tuple  # per bundle its resources: the compute workers, then the memory workers
+    # per bundle its resources: the compute workers', then the memory workers' (the
+    # group `place` chooses the nodes with: all; after `pin`, a group holds either)
+    bundles: tuple
     computes: int = 1  # compute workers (model replicas)
 
     def compute(self, r: int = 0) -> dict:
@@ -125,6 +138,39 @@ def place(compute_opts: dict, memory_opts: dict, num_memory: int, timeout_s: flo
     log.info("placement group %s: %d bundles %s", group.id.hex()[:12], len(bundles),
              bundles)
     return Placement(group, bundles, num_compute)
+
+
+def pin(chosen: Placement, name: str, timeout_s: float) -> tuple[Placement, list[Placement]]:
+    """The bundles of `chosen` (placed by `place`, at least one compute worker's) reserved
+    again on the nodes Ray chose
+    for them: (the compute workers' group, a group per memory worker). `chosen` is
+    removed first (its resources are what the new groups take); the new groups are
+    placed within `timeout_s` or all removed again (`PlacementTimeout`: the room taken
+    by another deployment in between)."""
+    nodes, c = chosen.node_ids(), chosen.computes
+    chosen.remove()
+    on = [{NODE_LABEL: n} for n in nodes]
+    groups = [placement_group(list(chosen.bundles[:c]), strategy="SPREAD", name=name,
+                              bundle_label_selector=on[:c])]
+    groups += [placement_group([b], name=f"{name}-m{i}", bundle_label_selector=[n])
+               for i, (b, n) in enumerate(zip(chosen.bundles[c:], on[c:]))]
+    ready = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
+    if len(ready[0]) < len(groups):
+        for g in groups:
+            remove_placement_group(g)
+        raise PlacementTimeout(f"the nodes Ray chose for the deployment's workers had no "
+                               f"room for them again within {timeout_s:g} s (another "
+                               "deployment took it in between: see `ray status`)")
+    log.info("placement groups %s: %d bundles pinned to their nodes", ", ".join(
+        g.id.hex()[:12] for g in groups), len(chosen.bundles))
+    return (Placement(groups[0], chosen.bundles[:c], c),
+            [Placement(g, (b,), 0) for g, b in zip(groups[1:], chosen.bundles[c:])])
+
+
+def reserve(memory_opts: dict, name: str) -> Placement:
+    """A group of one memory bundle, not waited for (`Placement.group.ready()`)."""
+    return Placement(placement_group([bundle(memory_opts)], name=name),
+                     (bundle(memory_opts),), 0)
 
 
 def shortfall(bundles: tuple, free: dict, num_memory: int, timeout_s: float,

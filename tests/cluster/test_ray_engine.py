@@ -297,8 +297,9 @@ def test_a_memory_worker_whose_replacement_cannot_start_is_dropped_and_the_engin
     replacement (it asks for a resource no node has, as when its node is gone and no
     other has room): after the start's bound the recovery drops it, worker 1 becomes
     worker 0 (its pool, its process, its KV kept), and every request ends with HF's
-    greedy tokens. Then the LLM's keeper (turned on: every 0.2 s) grows the pools back to
-    2, into the bundle the lost worker left; the size (the LLM's 2) unchanged."""
+    greedy tokens; the lost worker's group is removed (its room given back). Then the
+    LLM's keeper (turned on: every 0.2 s) grows the pools back to 2 in a new group; the
+    size (the LLM's 2) unchanged."""
     eng, ex, pick = llm.engine, llm.executor, [0, 3, 5, 9]
     eng.clear_prefix_cache()  # placement by free slots alone: both workers get some
     ids = [eng.add_request(prompts[i], GREEDY) for i in pick]
@@ -308,6 +309,7 @@ def test_a_memory_worker_whose_replacement_cannot_start_is_dropped_and_the_engin
     on_1 = sum(s.num_tokens - 1 for s in eng.scheduler.running if s.worker == 1)
     survivor, pid, kept_before = ex.memory[1]._actor_id, ex.memory_info[1]["pid"], \
         eng.kv_kept_tokens
+    groups = [h.group.id.hex() for h in ex._homes]
     bound = ex.config.placement_timeout_s
     ex.config = replace(ex.config, placement_timeout_s=2.0)
     monkeypatch.setattr(lamina.cluster.executor, "START_TIMEOUT_S", 1)
@@ -331,8 +333,8 @@ def test_a_memory_worker_whose_replacement_cannot_start_is_dropped_and_the_engin
     assert any("memory worker 0's replacement did not start within 3 s" in r.message
                for r in caplog.records)
     assert eng.free_slots() == [a.config.num_slots for a in eng.allocs]
-    # the lost worker's bundle of the deployment's group is idle: the keeper's grow
-    # takes it
+    assert ray.util.placement_group_table()[groups[0]]["state"] == "REMOVED"
+    # its room free again: the keeper's grow takes it
     assert llm.keeper.missing() == 1 and ex.memory_workers_room(2) == 2
     llm.engine.keeper = llm.keeper.through(every=0.2)
     try:
@@ -342,7 +344,8 @@ def test_a_memory_worker_whose_replacement_cannot_start_is_dropped_and_the_engin
             time.sleep(0.1)
     finally:
         llm.engine.keeper = llm.keeper.through(every=0)
-    assert ex._homes == [1, 0] and len(ex.nodes["memory"]) == 2
+    now = [h.group.id.hex() for h in ex._homes]
+    assert now[0] == groups[1] and now[1] not in groups and len(ex.nodes["memory"]) == 2
     assert llm.keeper.missing() == 0 and llm.keeper.failed is None
     assert llm.config.num_memory_workers == 2
     outs = llm.generate([prompts[i] for i in pick], GREEDY, use_tqdm=False)

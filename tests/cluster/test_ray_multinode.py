@@ -124,9 +124,12 @@ def test_workers_on_their_nodes_over_tcp_greedy_equals_hf(cluster, prompts, hf_g
         assert hosts == [nets.ip(1), nets.ip(2)], ex.transports
     outs = llm.generate([prompts[i] for i in PICK], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [hf_greedy[i][:SHORT_NEW] for i in PICK]
-    # the deployment's placement group holds exactly its bundles
-    table = ray.util.placement_group_table(ex.placement.group)
-    assert table["state"] == "CREATED" and len(table["bundles"]) == 3
+    # a group for the compute worker and one for each memory worker, each on the node
+    # the worker runs on
+    for group, node in [(ex.placement.group, ex.nodes["computes"][0]),
+                        *zip([h.group for h in ex._homes], ex.nodes["memory"])]:
+        table = ray.util.placement_group_table(group)
+        assert table["state"] == "CREATED" and table["bundles_to_node_id"] == {0: node}
 
 
 def test_a_memory_node_whose_link_goes_down_is_replaced(cluster, prompts, hf_greedy):
@@ -203,9 +206,13 @@ def test_a_memory_node_lost_with_no_room_left_is_dropped_and_the_engine_goes_on(
         outs = llm.generate([prompts[i] for i in PICK], GREEDY, use_tqdm=False)
     cutter.join(5)
     assert [o.token_ids for o in outs] == [hf_greedy[i][:SHORT_NEW] for i in PICK]
-    assert ex.memory_lost() == (2,) and len(ex.memory) == 2 and ex._homes == [0, 1]
+    assert ex.memory_lost() == (2,) and len(ex.memory) == len(ex._homes) == 2
     assert eng.memory_workers_lost == 1 and len(eng.allocs) == 2
     assert ray.util.placement_group_table()[group]["state"] == "REMOVED"
+    # nor is the replacement's own new group left waiting: no group of the deployment
+    # is left for Ray to place again (it would retry without pause)
+    assert [g["state"] for g in ray.util.placement_group_table().values()
+            if g["state"] not in ("REMOVED", "CREATED")] == []
     assert any("memory worker 2's replacement had no live node for its bundle for 2 s"
                in r.message for r in caplog.records)
 

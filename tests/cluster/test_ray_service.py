@@ -808,7 +808,9 @@ def test_a_dead_service_restarts_until_a_restart_fails(cluster, smol, prompts, h
     cfg = cluster["tmp"] / "restarting.yaml"
     cfg.write_text(RESTARTING + f"model: {{path: {model}}}\n")
     up(LaminaConfig.from_yaml(cfg), timeout_s=600)
-    deployed = ["LaminaService", "ComputeWorker", "MemoryWorker", "MemoryWorker", "group"]
+    # a placement group for the compute worker and one for each memory worker
+    deployed = ["LaminaService", "ComputeWorker", "MemoryWorker", "MemoryWorker", "group",
+                "group", "group"]
     assert sorted(lamina_actors()) == sorted(deployed)
     client = lamina.connect(cluster["cluster"].address)
     greedy = SamplingParams(max_tokens=HF_NEW, temperature=0)
@@ -1009,11 +1011,11 @@ def test_a_restart_short_of_room_deploys_fewer_memory_workers_and_grows_back(
     assert "\nlamina_memory_workers_missing 0.0\n" in client.ask("metrics_text").decode()
     assert client.generate([prompts[5]], greedy, use_tqdm=False)[0].token_ids == hf_greedy[5]
 
-    # a memory worker's node gone while serving: the recovery drops it (no room left);
-    # on a 2-core host Ray's dashboard agent and GCS then take the cores for up to a
-    # minute (its steps take seconds meanwhile): a short request. Its steps may not
-    # touch the lost worker (its prompt's prefix cached on another): then the idle
-    # check finds it (`idle_check_s`)
+    # a memory worker's node gone while serving: the recovery drops it (no room left)
+    # and removes its group (kept, Ray's GCS would retry its bundle without pause,
+    # taking the head's cores: `lamina.cluster.placement`). Its steps may not touch the
+    # lost worker (its prompt's prefix cached on another): then the idle check finds it
+    # (`idle_check_s`)
     assert extra.node_id in [w["node"] for w in s["workers"]]
     c.remove_node(extra)
     few = SamplingParams(max_tokens=4, temperature=0)
@@ -1025,6 +1027,9 @@ def test_a_restart_short_of_room_deploys_fewer_memory_workers_and_grows_back(
     assert s["size"]["live"] == 2 and s["memory_workers_lost"] == 1
     assert s["size"]["short_why"] == ("memory workers lost for good at a recovery (no "
                                       "replacement could start)")
+    # no placement group is left for Ray to place again: the lost worker's went with it
+    assert [g["state"] for g in ray.util.placement_group_table().values()
+            if g["state"] not in ("REMOVED", "CREATED")] == []
     # restarted so: the cluster's resources hold 2, deployed at once
     s = restarted(s)
     assert (s["size"]["live"], len(s["kv"])) == (2, 2)
