@@ -142,11 +142,10 @@ def place(compute_opts: dict, memory_opts: dict, num_memory: int, timeout_s: flo
 
 def pin(chosen: Placement, name: str, timeout_s: float) -> tuple[Placement, list[Placement]]:
     """The bundles of `chosen` (placed by `place`, at least one compute worker's) reserved
-    again on the nodes Ray chose
-    for them: (the compute workers' group, a group per memory worker). `chosen` is
-    removed first (its resources are what the new groups take); the new groups are
-    placed within `timeout_s` or all removed again (`PlacementTimeout`: the room taken
-    by another deployment in between)."""
+    again on the nodes Ray chose for them -> (the compute workers' group, a group per
+    memory worker). `chosen` is removed first (its resources are what the new groups
+    take); the new groups are placed within `timeout_s` or all removed again
+    (`PlacementTimeout`: the room taken by another deployment in between)."""
     nodes, c = chosen.node_ids(), chosen.computes
     chosen.remove()
     on = [{NODE_LABEL: n} for n in nodes]
