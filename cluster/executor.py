@@ -602,9 +602,7 @@ class RayExecutor(Executor):
         bare = self.config.placement_timeout_s
         refs = {i: self._homes[i].group.ready() for i in gone}
         ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=bare)[0])
-        return {i: f"had no live node for its bundle for {bare:g} s (its node gone, no "
-                   "room on another: see `ray status`)" for i, r in refs.items()
-                if r not in ready}
+        return {i: _homeless(bare) for i, r in refs.items() if r not in ready}
 
     def _not_started(self, pings: dict, homeless: dict[int, str] | None = None
                      ) -> dict[int, str]:
@@ -651,8 +649,7 @@ class RayExecutor(Executor):
                 if live[i]:
                     homeless.pop(i, None)
                 elif now - homeless.setdefault(i, now) >= bare:
-                    late[i] = (f"had no live node for its bundle for {bare:g} s (its node "
-                               "gone, no room on another: see `ray status`)")
+                    late[i] = _homeless(bare)
                     del pending[i]
         return late
 
@@ -1123,6 +1120,12 @@ class _Started:
     homes: list[Placement]  # each one's group (`RayExecutor._homes`)
     info: list[dict]  # what each one's setup answered
     nodes: list[str]  # the node each one runs on
+
+
+def _homeless(seconds: float) -> str:
+    """Why a memory worker's replacement is given up: no node held its bundle."""
+    return (f"had no live node for its bundle for {seconds:g} s (its node gone, no room on "
+            "another: see `ray status`)")
 
 
 def _last_line(text: str) -> str:
