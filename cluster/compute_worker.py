@@ -148,7 +148,7 @@ class ComputeWorker:
 
     def memory_spec(self, num_slots: int, kv_dtype: str, kv_device: str = "cpu",
                     local_prefill: bool = True, faults=None, pool_bytes: int | None = None,
-                    sparsity=None, huge_pages: bool = True):
+                    sparsity=None, huge_pages: bool = True, prefault: bool = True):
         """What each memory worker needs: its pool shape and per-layer attention params.
         `local_prefill`: fresh prompts attend here, on a scratch pool of `kv_dtype` (paper
         5.6); the memory workers only store their KV. `faults`: a test FaultPlan."""
@@ -161,7 +161,7 @@ class ComputeWorker:
         self.compute.local_kv_dtype = kv_dtype if local_prefill else None
         self.compute.local_key_scales = scales  # the scratch pool rounds as the workers do
         cfg = KVPoolConfig.for_specs(specs, num_slots, kv_dtype, kv_device, scales, pool_bytes,
-                                     huge_pages)
+                                     huge_pages, prefault)
         self.compute.pool_slots, self.compute.faults = cfg.num_slots, faults
         if sparsity is not None and self._sparsity is None:  # entropy weights: measured once
             self._sparsity = sparsity_for(sparsity, self._full_model(),

@@ -368,7 +368,8 @@ class RayExecutor(Executor):
         # every replica sets its own compute side's share (scratch pool, scales) alike
         pool_cfg, params, sparsity = self._get([c.memory_spec.remote(
             cfg.num_kv_slots, cfg.kv_dtype, self._pool_device, local_prefill, cfg.faults,
-            cfg.kv_pool_bytes, sparsity if sparsity.enabled else None, cfg.kv_huge_pages)
+            cfg.kv_pool_bytes, sparsity if sparsity.enabled else None, cfg.kv_huge_pages,
+            cfg.kv_prefault)
             for c in self.computes], "the compute workers")[0]
         if kept and (pool_cfg != self.pool_config or list(params) != self.params):
             kept = frozenset()  # a new compute worker's differ: set every pool up again

@@ -21,8 +21,14 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 # Test engines' host pools on ordinary pages (`EngineConfig.kv_huge_pages`' default, here
 # and in every process the tests start): on VMs that give freed memory back to their
 # host, huge pages take ~5-15x as long to fault in, which was ~230 s of tests/lamina's
-# ~1440 test seconds. The pool's own test (test_kv_pool.py) still asks for them.
+# ~1440 test seconds (a pool made by `KVPoolConfig` defaults alike). The pool's own
+# test (test_kv_pool.py) still asks for them.
 os.environ.setdefault("LAMINA_KV_HUGE_PAGES", "0")
+# ... and faulted in as slots are first written rather than all at start
+# (`EngineConfig.kv_prefault`): most test engines fill a few percent of their pool, and
+# the pages touched up front were ~150 of the non-Ray files' ~2400 test seconds (py-spy,
+# benchmarks/RESULTS.md of 2026-12-07). The pool's own tests ask for both ways.
+os.environ.setdefault("LAMINA_KV_PREFAULT", "0")
 
 # `make test` runs two pytest-xdist workers. Each keeps torch to one thread, so the two
 # share the cores instead of oversubscribing them. Tests that start Ray clusters or make

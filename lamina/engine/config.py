@@ -6,7 +6,6 @@ raises `ValueError` naming the field.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -14,6 +13,7 @@ from functools import cached_property
 from lamina.engine.scheduler import POLICIES, SchedulerConfig
 from lamina.engine.speculative import SpeculativeConfig
 from lamina.faults import FaultPlan
+from lamina.memory.pages import default_huge_pages, default_prefault
 from lamina.memory.sparsity_config import SparsityConfig
 from lamina.memory.tier_orders import TierConfig
 
@@ -38,15 +38,6 @@ KV_DTYPES = ("float32", "bfloat16", "int8")
 DEVICE_NAME = r"cpu|cuda(:\d+)?"
 
 
-def _env_flag(name: str, default: bool = True) -> bool:
-    """An on/off environment variable ("1"/"0"; unset: `default`); else ValueError."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    if raw.strip() not in ("0", "1"):
-        raise ValueError(f"${name} must be 0 or 1, got {raw!r}")
-    return raw.strip() == "1"
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -68,7 +59,11 @@ class EngineConfig:
     # faster, but where the kernel hands huge pages out slowly (VMs whose freed memory
     # goes back to their host) a pool takes ~5x longer to allocate; default from
     # $LAMINA_KV_HUGE_PAGES ("0": off), else on
-    kv_huge_pages: bool = field(default_factory=lambda: _env_flag("LAMINA_KV_HUGE_PAGES"))
+    kv_huge_pages: bool = field(default_factory=default_huge_pages)
+    # host pools' pages all touched at start (their memory taken up front, no faults
+    # while serving); off, each faulted in at its first write (lamina.memory.pool);
+    # default from $LAMINA_KV_PREFAULT ("0": off), else on
+    kv_prefault: bool = field(default_factory=default_prefault)
     # the slices', sampling's device: "cpu" or "cuda[:i]" (memory workers on the host
     # get q/k/v through pinned buffers; on the same GPU, directly)
     compute_device: str = "cpu"
@@ -251,7 +246,7 @@ class EngineConfig:
         _need_seconds(self, "placement_timeout_s", "a positive number of seconds")
         for name in ("cuda_graphs", "local_prefill", "fuse_pointwise", "prefix_caching",
                      "find_culprits", "kv_evict", "truncation_reuse", "clamp_max_tokens",
-                     "kv_huge_pages"):
+                     "kv_huge_pages", "kv_prefault"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")

@@ -500,8 +500,8 @@ def _dense_backend_arg(p, help: str) -> None:
 ENGINE_FLAGS = ("model", "executor", "memory_workers", "kv_device", "compute_device",
                 "dense_backend", "dtype", "kv_pool_gib", "kv_dtype", "kv_sparsity",
                 "kv_budget", "kv_layer_budgets", "kv_topk_rescore", "kv_host_gib",
-                "kv_disk_dir", "kv_disk_gib", "preemption_mode", "kv_huge_pages", "kv_evict",
-                "speculative_tokens", "speculative_ngram")
+                "kv_disk_dir", "kv_disk_gib", "preemption_mode", "kv_huge_pages", "kv_prefault",
+                "kv_evict", "speculative_tokens", "speculative_ngram")
 
 
 def _engine_args(p, executor: str, memory_workers: int) -> None:
@@ -560,6 +560,10 @@ def _engine_args(p, executor: str, memory_workers: int) -> None:
     p.add_argument("--kv-huge-pages", action=argparse.BooleanOptionalAction, default=None,
                    help="host KV pools on transparent huge pages (default: "
                         "$LAMINA_KV_HUGE_PAGES, else on; `lamina doctor` times both here)")
+    p.add_argument("--kv-prefault", action=argparse.BooleanOptionalAction, default=None,
+                   help="touch every page of the host KV pools at start (their memory taken "
+                        "up front); --no-kv-prefault: as slots are first written (default: "
+                        "$LAMINA_KV_PREFAULT, else on)")
     p.add_argument("--kv-evict", action=argparse.BooleanOptionalAction, default=True,
                    help="streaming gives back the slots of the keys its window has passed "
                         "(--no-kv-evict keeps every slot)")
@@ -605,8 +609,9 @@ def _llm(LLM, args, **kw):
                    preemption_mode=args.preemption_mode,
                    **({"kv_pool_bytes": int(args.kv_pool_gib * 2 ** 30)}
                       if args.kv_pool_gib else {}),
-                   **({"kv_huge_pages": args.kv_huge_pages}
-                      if args.kv_huge_pages is not None else {}), **kw)
+                   **{k: v for k, v in (("kv_huge_pages", args.kv_huge_pages),
+                                        ("kv_prefault", args.kv_prefault)) if v is not None},
+                   **kw)
     from lamina.entrypoints.deploy_config import LaminaConfig
 
     cfg = LaminaConfig.from_yaml(args.config)

@@ -101,7 +101,7 @@ class LLM:
                       if cfg.kv_dtype == "int8" else None)
             pool_cfg = KVPoolConfig.for_specs(specs, cfg.num_kv_slots, cfg.kv_dtype,
                                               cfg.kv_device, scales, cfg.kv_pool_bytes,
-                                              cfg.kv_huge_pages)
+                                              cfg.kv_huge_pages, cfg.kv_prefault)
             sparsity = sparsity_for(cfg.sparsity, lm.model, lm.tokenizer, len(specs))
             self.executor = LocalExecutor(
                 self.split, [MemorySide(KVPool(pool_cfg), tiers=cfg.tiers, worker=w,

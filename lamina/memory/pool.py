@@ -20,6 +20,13 @@ Host pools sit on transparent huge pages where the kernel allows them (`huge_pag
 a decode step reads rows at scattered slots, so with 4 KiB pages nearly every key's K
 and V rows take a TLB miss; 2 MiB pages remove most of them. Off, a pool's mapping is
 advised against them, so it keeps 4 KiB pages under THP `always` too.
+
+A host pool's pages are touched when it is made (`prefault`): its memory is taken up
+front, where a machine short of it fails at start rather than mid-serving, and no step
+waits on page faults. Off, a page is faulted in when a slot on it is first written (the
+mapping reads as zeros before), so a pool larger than its traffic costs only what is
+used: for short-lived engines (tests, tools) that rarely fill theirs.
+Both default from the environment ($LAMINA_KV_HUGE_PAGES, $LAMINA_KV_PREFAULT: "0" off).
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ import torch
 from lamina.kernels import write_kv
 from lamina.kernels.quant import SCALE_BYTES
 from lamina.memory.allocator import CopySlot
+from lamina.memory.pages import default_huge_pages, default_prefault
 
 POOL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
@@ -46,7 +54,9 @@ class KVPoolConfig:
     v_head_dim: int = 0  # 0: head_dim (set so on creation)
     dtype: str = "float32"  # float32 | bfloat16 | int8
     device: str = "cpu"
-    huge_pages: bool = True  # host pools: ask for transparent huge pages (madvise)
+    # host pools: ask for transparent huge pages (madvise); every page touched at start
+    huge_pages: bool = field(default_factory=default_huge_pages)
+    prefault: bool = field(default_factory=default_prefault)
     # int8 pools: keys' channel scales, num_layers * Hkv * head_dim positive floats in
     # [layer, kv head, channel] order; None: all 1 (keys quantized per token and head)
     key_scales: tuple[float, ...] | None = field(default=None, repr=False)
@@ -69,8 +79,10 @@ class KVPoolConfig:
         except RuntimeError as e:
             raise ValueError(f"KVPoolConfig.device {self.device!r} is not a device: "
                              f"{e}") from None
-        if not isinstance(self.huge_pages, bool):
-            raise ValueError(f"KVPoolConfig.huge_pages must be a bool, got {self.huge_pages!r}")
+        for name in ("huge_pages", "prefault"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KVPoolConfig.{name} must be a bool, "
+                                 f"got {getattr(self, name)!r}")
         if self.key_scales is not None:
             self._check_key_scales()
 
@@ -104,10 +116,12 @@ class KVPoolConfig:
     @staticmethod
     def for_specs(specs: Sequence, num_slots: int, dtype: str = "float32",
                   device: str = "cpu", key_scales=None,
-                  pool_bytes: int | None = None, huge_pages: bool = True) -> "KVPoolConfig":
+                  pool_bytes: int | None = None, huge_pages: bool | None = None,
+                  prefault: bool | None = None) -> "KVPoolConfig":
         """From the splitter's `AttentionSpec`s (all layers must share one KV shape);
         `key_scales` (int8 only): a tensor [L, Hkv, D] or flat floats; `pool_bytes`: as
-        many slots as fit in that many bytes (instead of `num_slots`)."""
+        many slots as fit in that many bytes (instead of `num_slots`); `huge_pages`,
+        `prefault`: None takes the environment's default."""
         shapes = {(s.num_kv_heads, s.head_dim, s.v_head_dim) for s in specs}
         if len(shapes) != 1:
             raise ValueError(f"layers disagree on KV shape (Hkv, D, Dv): {sorted(shapes)}; "
@@ -121,7 +135,9 @@ class KVPoolConfig:
                 raise ValueError(f"kv_pool_bytes {pool_bytes} holds no token: one takes "
                                  f"{per} bytes of {dtype} KV")
             num_slots = pool_bytes // per
-        return KVPoolConfig(len(specs), num_slots, hkv, d, dv, dtype, device, huge_pages,
+        pages = {k: v for k, v in (("huge_pages", huge_pages), ("prefault", prefault))
+                 if v is not None}
+        return KVPoolConfig(len(specs), num_slots, hkv, d, dv, dtype, device, **pages,
                             key_scales=key_scales if dtype == "int8" else None)
 
 
@@ -132,7 +148,7 @@ class KVPool:
         if torch.device(c.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"KV pool device {c.device!r}: torch sees no CUDA GPU here "
                              f"(torch {torch.__version__}, cuda {torch.version.cuda})")
-        # k: [L, S, Hkv, D], v: [L, S, Hkv, Dv]; zeros so every page is touched up front.
+        # k: [L, S, Hkv, D], v: [L, S, Hkv, Dv], zeros
         dk, dv = c.row_dims
         kshape = (c.num_layers, c.num_slots, c.num_kv_heads, dk)
         vshape = (c.num_layers, c.num_slots, c.num_kv_heads, dv)
@@ -142,12 +158,12 @@ class KVPool:
             # contiguous bytes (SmolLM2) that share a line where K's ends, instead of two
             # rows of 204 B each starting anywhere in a line: ~10% fewer lines a key
             shape = (c.num_layers, c.num_slots, 2, c.num_kv_heads, dk)
-            buf = (host_zeros(shape, dt, c.huge_pages) if host
+            buf = (host_zeros(shape, dt, c.huge_pages, c.prefault) if host
                    else torch.zeros(shape, dtype=dt, device=c.device))
             self.k, self.v = buf[:, :, 0], buf[:, :, 1]  # views, rows contiguous per slot
         elif host:
-            self.k = host_zeros(kshape, dt, c.huge_pages)
-            self.v = host_zeros(vshape, dt, c.huge_pages)
+            self.k = host_zeros(kshape, dt, c.huge_pages, c.prefault)
+            self.v = host_zeros(vshape, dt, c.huge_pages, c.prefault)
         else:
             self.k = torch.zeros(kshape, dtype=dt, device=c.device)
             self.v = torch.zeros(vshape, dtype=dt, device=c.device)
@@ -220,14 +236,16 @@ def thp_mode(path: str = THP_ENABLED) -> str:
         return "never"
 
 
-def host_zeros(shape: Sequence[int], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
+def host_zeros(shape: Sequence[int], dtype: torch.dtype, huge_pages: bool = True,
+               prefault: bool = True) -> torch.Tensor:
     """A zeroed host tensor on a private anonymous mapping of its own, aligned to 2 MiB.
     With `huge_pages` it is advised MADV_HUGEPAGE, so Linux backs it with transparent
     huge pages when its THP mode is `always` or `madvise`; without, MADV_NOHUGEPAGE, so
     it stays on 4 KiB pages even under `always` (where huge pages fault in slowly, the
-    reason to turn them off). Under 2 MiB, or where `mmap` lacks the advice: an
-    ordinary tensor. The tensor keeps the mapping alive (torch.frombuffer holds a
-    reference)."""
+    reason to turn them off). `prefault`: every page written now; else each is faulted
+    in at its first write (an anonymous mapping reads as zeros until then). Under 2 MiB,
+    or where `mmap` lacks the advice: an ordinary tensor. The tensor keeps the mapping
+    alive (torch.frombuffer holds a reference)."""
     n = 1
     for d in shape:
         n *= int(d)
@@ -240,5 +258,6 @@ def host_zeros(shape: Sequence[int], dtype: torch.dtype, huge_pages: bool = True
     raw = torch.frombuffer(m, dtype=torch.uint8)
     off = -raw.data_ptr() % HUGE_PAGE
     t = raw[off:off + nbytes].view(dtype).view(tuple(shape))
-    t.zero_()
+    if prefault:
+        t.zero_()
     return t

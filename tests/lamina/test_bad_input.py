@@ -122,6 +122,7 @@ def test_bad_sampling_params(kw, words):
     (lambda: EngineConfig(local_prefill=1), "local_prefill must be a bool"),
     (lambda: EngineConfig(kv_evict="no"), "kv_evict must be a bool"),
     (lambda: EngineConfig(kv_huge_pages="no"), "kv_huge_pages must be a bool"),
+    (lambda: EngineConfig(kv_prefault=1), "kv_prefault must be a bool"),
     (lambda: EngineConfig(compute_device="cuda:x"), "compute_device must be 'cpu' or"),
     (lambda: EngineConfig(kv_dtype="int4"), "kv_dtype must be one of"),
     (lambda: EngineConfig(truncation_reuse=True), "truncation_reuse needs the session tiers"),

@@ -187,10 +187,11 @@ def test_dtype_flag_reaches_llm(monkeypatch, capsys):
                                                ("h2o", 2048, "pyramid", 0.0, False)]
     assert isinstance(seen[1]["kv_budget"], int)  # a token count, not a fraction
     seen.clear()
-    assert main(["generate", "--no-kv-huge-pages", "hi"]) == 0
-    assert main(["serve", "--port", "0", "--kv-huge-pages"]) == 0
+    assert main(["generate", "--no-kv-huge-pages", "--kv-prefault", "hi"]) == 0
+    assert main(["serve", "--port", "0", "--kv-huge-pages", "--no-kv-prefault"]) == 0
     assert main(["generate", "hi"]) == 0  # not given: EngineConfig's own default
-    assert [k.get("kv_huge_pages") for k in seen] == [False, True, None]
+    assert [(k.get("kv_huge_pages"), k.get("kv_prefault")) for k in seen] == [
+        (False, True), (True, False), (None, None)]
     seen.clear()
     assert main(["generate", "--speculative-tokens", "4", "hi"]) == 0
     assert main(["serve", "--port", "0", "--speculative-tokens", "3",

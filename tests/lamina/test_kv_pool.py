@@ -76,6 +76,7 @@ def test_read_and_put_carry_every_layers_rows_to_another_pool(dtype):
     ({"num_slots": 0}, "num_slots"), ({"num_kv_heads": 2.0}, "num_kv_heads"),
     ({"dtype": "float16"}, "dtype"), ({"device": "gpu0"}, "device"),
     ({"v_head_dim": -1}, "v_head_dim"), ({"huge_pages": "yes"}, "huge_pages"),
+    ({"prefault": 0}, "prefault"),
 ])
 def test_config_errors(kw, msg):
     base = dict(num_layers=1, num_slots=4, num_kv_heads=1, head_dim=8)
@@ -108,7 +109,8 @@ def _huge_kib_at(addr: int) -> int:
 
 
 def test_host_pool_on_huge_pages_and_zeroed():
-    c = KVPoolConfig(num_layers=2, num_slots=8192, num_kv_heads=3, head_dim=64)
+    c = KVPoolConfig(num_layers=2, num_slots=8192, num_kv_heads=3, head_dim=64,
+                     huge_pages=True, prefault=True)  # the tests' environment: both off
     pool = KVPool(c)
     assert pool.k.data_ptr() % (2 << 20) == 0 and pool.v.data_ptr() % (2 << 20) == 0
     assert pool.k.shape == (2, 8192, 3, 64) and not pool.k.any() and not pool.v.any()
@@ -117,25 +119,58 @@ def test_host_pool_on_huge_pages_and_zeroed():
     assert pool.k[1].sum().item() == 2 * 3 * 64
     if thp_mode() in ("always", "madvise"):  # the kernel grants THP to this mapping
         assert _huge_kib_at(pool.k.data_ptr()) >= 2048
-    plain = KVPool(KVPoolConfig(2, 8192, 3, 64, huge_pages=False))
+    plain = KVPool(KVPoolConfig(2, 8192, 3, 64, huge_pages=False, prefault=True))
     assert not plain.k.any() and plain.k.shape == pool.k.shape
     assert "nh" in _smaps_at(plain.k.data_ptr(), "VmFlags").split()
     assert _huge_kib_at(plain.k.data_ptr()) == 0  # 4 KiB pages, whatever the THP mode
 
 
-@pytest.mark.parametrize(("env", "huge"), [("1", True), ("0", False), (None, True)])
-def test_kv_huge_pages_defaults_from_the_environment(monkeypatch, env, huge):
+def _rss_kib_at(addr: int) -> int:
+    """Resident KiB of the mapping holding `addr`."""
+    return int(_smaps_at(addr, "Rss").split()[0])
+
+
+def test_a_pool_not_prefaulted_takes_pages_only_where_slots_are_written():
+    """prefault=False: the pool's mappings hold no page until a slot is written, read as
+    zeros, and a write faults in only the pages it lands on; prefault=True: every page
+    resident at once."""
+    mib = 1 << 20
+    for huge in (False, True):
+        lazy = KVPool(KVPoolConfig(2, 8192, 3, 64, huge_pages=huge, prefault=False))
+        k = lazy.k.data_ptr()
+        assert lazy.k.nbytes == 12 * mib and _rss_kib_at(k) == 0
+        lazy.write(1, torch.tensor([5], dtype=torch.int32), torch.ones(1, 3, 64),
+                   torch.ones(1, 3, 64))  # one slot of layer 1: 768 bytes of K
+        # a page or a few (the kernel may fault in a small folio; huge pages: one or
+        # two), far from the 12 MiB
+        assert 0 < _rss_kib_at(k) <= (4096 if huge else 64)
+        assert lazy.k[1, 5].eq(1).all() and lazy.k.sum().item() == 3 * 64
+        assert not lazy.v[0].any()
+    full = KVPool(KVPoolConfig(2, 8192, 3, 64, huge_pages=False, prefault=True))
+    assert _rss_kib_at(full.k.data_ptr()) * 1024 >= full.k.nbytes
+
+
+@pytest.mark.parametrize(("env", "on"), [("1", True), ("0", False), (None, True)])
+@pytest.mark.parametrize(("var", "field"), [("LAMINA_KV_HUGE_PAGES", "huge_pages"),
+                                            ("LAMINA_KV_PREFAULT", "prefault")])
+def test_kv_pages_default_from_the_environment(monkeypatch, env, on, var, field):
+    """$LAMINA_KV_HUGE_PAGES and $LAMINA_KV_PREFAULT: EngineConfig's and KVPoolConfig's
+    defaults alike; a value given is kept; anything but 0 or 1 refused by name."""
     from lamina.engine.config import EngineConfig
 
     if env is None:
-        monkeypatch.delenv("LAMINA_KV_HUGE_PAGES", raising=False)
+        monkeypatch.delenv(var, raising=False)
     else:
-        monkeypatch.setenv("LAMINA_KV_HUGE_PAGES", env)
-    assert EngineConfig().kv_huge_pages is huge
-    assert EngineConfig(kv_huge_pages=not huge).kv_huge_pages is not huge  # given: kept
-    monkeypatch.setenv("LAMINA_KV_HUGE_PAGES", "yes")
-    with pytest.raises(ValueError, match=r"\$LAMINA_KV_HUGE_PAGES must be 0 or 1, got 'yes'"):
+        monkeypatch.setenv(var, env)
+    assert getattr(EngineConfig(), f"kv_{field}") is on
+    assert getattr(KVPoolConfig(2, 8, 3, 64), field) is on
+    given = EngineConfig(**{f"kv_{field}": not on})
+    assert getattr(given, f"kv_{field}") is not on  # given: kept
+    monkeypatch.setenv(var, "yes")
+    with pytest.raises(ValueError, match=rf"\${var} must be 0 or 1, got 'yes'"):
         EngineConfig()
+    with pytest.raises(ValueError, match=rf"\${var} must be 0 or 1, got 'yes'"):
+        KVPoolConfig(2, 8, 3, 64)
 
 
 def test_an_engines_pools_are_on_the_pages_its_config_asks_for(tmp_path, smol):
@@ -144,16 +179,19 @@ def test_an_engines_pools_are_on_the_pages_its_config_asks_for(tmp_path, smol):
     them on `madvise`); off, its mapping is advised against them (`nh`) and holds none,
     whatever the kernel's mode. (An ordinary allocation would share its mapping with
     other memory, which a CI run found advised and on 256 MiB of huge pages.)"""
-    from lamina import LLM
+    from lamina import LLM, SamplingParams
 
     model = tmp_path / "tiny"
     tiny_model("llama").save_pretrained(model, safe_serialization=True)
     smol.tokenizer.save_pretrained(model)
-    for huge in (True, False):
-        llm = LLM(str(model), num_memory_workers=2, num_kv_slots=65536, kv_huge_pages=huge)
+    answers = []
+    for huge in (True, False):  # prefault with huge pages; not without
+        llm = LLM(str(model), num_memory_workers=2, num_kv_slots=65536, kv_huge_pages=huge,
+                  kv_prefault=huge)
         try:
             for side in llm.executor.memory:
                 assert side.pool.config.huge_pages is huge and side.pool.k.nbytes > 2 << 20
+                assert side.pool.config.prefault is huge
                 addr = side.pool.k.data_ptr()
                 flags = _smaps_at(addr, "VmFlags").split()
                 why = (flags, _smaps_at(addr, "Size"), _huge_kib_at(addr))
@@ -161,9 +199,15 @@ def test_an_engines_pools_are_on_the_pages_its_config_asks_for(tmp_path, smol):
                 if huge and thp_mode() == "madvise":
                     assert _huge_kib_at(addr) >= 2048, why
                 if not huge:
-                    assert _huge_kib_at(addr) == 0, why
+                    assert _huge_kib_at(addr) == 0 == _rss_kib_at(addr), why  # untouched
+            greedy = SamplingParams(max_tokens=4, temperature=0)
+            answers.append(llm.generate([[5, 9, 12, 40]], greedy, use_tqdm=False)[0].token_ids)
+            if not huge:  # the pages its slots were written to, faulted in as it went
+                assert sum(_rss_kib_at(side.pool.k.data_ptr())
+                           for side in llm.executor.memory) > 0
         finally:
             llm.shutdown()
+    assert answers[0] == answers[1]
 
 
 def test_host_zeros_small_and_bf16():
