@@ -57,17 +57,17 @@ def test_kv_sparsity_bench_reports_each_policy_budget_and_layer_rule(tmp_path):
     doc.write_text(TEXT[:3000])
     res = bench_kv_sparsity(policies=("topk",), budgets=(1.0, 0.25),
                             layer_budgets=("uniform", "pyramid"), topk_rescore=(0.0,),
-                            lengths=(96,), trials=1, ppl_context=96, windows=2,
+                            lengths=(64,), trials=1, ppl_context=64, windows=2,
                             docs=[str(doc)], out_dir=tmp_path)
     rows = res["rows"]
     assert [(r["policy"], r["budget"], r["layer_budgets"]) for r in rows] == [
         ("dense", 1.0, "uniform"), ("topk", 1.0, "uniform"), ("topk", 1.0, "pyramid"),
         ("topk", 0.25, "uniform"), ("topk", 0.25, "pyramid")]
-    assert {r["tokens"] for r in rows} == {2 * 48}  # 2 windows, tokens 48..95 scored
+    assert {r["tokens"] for r in rows} == {2 * 32}  # 2 windows, tokens 32..63 scored
     assert all(r["ppl"] == rows[0]["ppl"] for r in rows if r["budget"] == 1.0)
     assert all(r["ppl"] > rows[0]["ppl"] for r in rows if r["budget"] == 0.25)
     saved = json.loads((tmp_path / "kv_sparsity.json").read_text())
-    assert len(saved["rows"]) == 5 and saved["ppl_context"] == 96
+    assert len(saved["rows"]) == 5 and saved["ppl_context"] == 64
     assert (tmp_path / "kv_sparsity.md").read_text().count("\n| ") == 6
     assert (tmp_path / "kv_sparsity.png").stat().st_size > 0
     # topk's rows repeat per rescore multiple; the other policies run once
