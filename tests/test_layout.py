@@ -24,6 +24,7 @@ RULES = [
     # the engine is plain Python over ids: no tensors, no model code, no workers
     ("lamina.engine", ("torch", "lamina"), ("lamina.engine", "lamina.errors", "lamina.faults",
                                             "lamina.memory.allocator",
+                                            "lamina.memory.pages",
                                             "lamina.memory.tier_orders",
                                             "lamina.memory.sparsity_config",
                                             "lamina.sampling.params",
