@@ -38,7 +38,6 @@ KV_DTYPES = ("float32", "bfloat16", "int8")
 DEVICE_NAME = r"cpu|cuda(:\d+)?"
 
 
-
 @dataclass(frozen=True)
 class EngineConfig:
     num_kv_slots: int = 16384  # token slots in each memory worker's KV pool

@@ -54,7 +54,8 @@ class KVPoolConfig:
     v_head_dim: int = 0  # 0: head_dim (set so on creation)
     dtype: str = "float32"  # float32 | bfloat16 | int8
     device: str = "cpu"
-    # host pools: ask for transparent huge pages (madvise); every page touched at start
+    # host pools: ask for transparent huge pages (madvise); write every page at creation
+    # (else each is faulted in at its first write); both default from the environment
     huge_pages: bool = field(default_factory=default_huge_pages)
     prefault: bool = field(default_factory=default_prefault)
     # int8 pools: keys' channel scales, num_layers * Hkv * head_dim positive floats in
@@ -135,9 +136,9 @@ class KVPoolConfig:
                 raise ValueError(f"kv_pool_bytes {pool_bytes} holds no token: one takes "
                                  f"{per} bytes of {dtype} KV")
             num_slots = pool_bytes // per
-        pages = {k: v for k, v in (("huge_pages", huge_pages), ("prefault", prefault))
-                 if v is not None}
-        return KVPoolConfig(len(specs), num_slots, hkv, d, dv, dtype, device, **pages,
+        return KVPoolConfig(len(specs), num_slots, hkv, d, dv, dtype, device,
+                            default_huge_pages() if huge_pages is None else huge_pages,
+                            default_prefault() if prefault is None else prefault,
                             key_scales=key_scales if dtype == "int8" else None)
 
 
