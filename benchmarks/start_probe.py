@@ -71,7 +71,7 @@ LLM_START = r'''
 import json, sys, time
 t0 = time.perf_counter()
 from lamina import LLM
-from lamina.cluster.executor import connect_ray
+from lamina.cluster.connect import connect_ray
 executor, m = sys.argv[1], int(sys.argv[2])
 t1 = time.perf_counter()
 out = {"import": t1 - t0}

@@ -31,7 +31,7 @@ from lamina.entrypoints.llm import batch_of, chat_prompt, chat_tokens, per_promp
 from lamina.errors import EngineDead
 from lamina.sampling.params import SamplingParams
 
-from .executor import connect_ray
+from .connect import connect_ray
 from .service import (
     SERVICE,
     START_TIMEOUT_S,

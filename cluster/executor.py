@@ -51,8 +51,17 @@ from lamina.memory.tier_orders import SlotMove, TierMiss, TierMove, sum_stats
 from lamina.memory.tiers import PREFETCH_WAIT_S
 
 from .compute_worker import ComputeWorker, ComputeWorkerSpec, WorkerStart
+from .connect import connect_ray
 from .memory_worker import MemoryWorker
-from .placement import Placement, node_threads, pin, place, reserve
+from .placement import (
+    Placement,
+    bundle_threads,
+    memory_workers_that_fit,
+    pin,
+    place,
+    reserve,
+    worker_options,
+)
 
 log = logging.getLogger(__name__)
 RECOVER_TIMEOUT_S = 30  # a live worker answers a ping within this
@@ -81,25 +90,6 @@ def connect_control(addr: tuple) -> ControlClient:
                                                       else where)))
 
 
-def connect_ray(address: str | None = None) -> str:
-    """Join the Ray cluster at `address` (or $RAY_ADDRESS; "auto": the one this node
-    belongs to), or with neither start a fresh local instance. Never Ray's implicit
-    reuse of the last cluster started here: a crashed one leaves its address behind and
-    a new driver would fail to join it with a message that says nothing of that.
-    -> what happened, as logged."""
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
-        what = f"joined the Ray cluster at {address} ({ray.get_runtime_context().gcs_address})"
-    else:
-        ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                 num_cpus=max(2, os.cpu_count() or 2))
-        what = (f"started a local Ray instance ({ray.get_runtime_context().gcs_address}); "
-                "set RAY_ADDRESS to join a cluster")
-    log.info("%s", what)
-    return what
-
-
 def prebuild_kernel(here: str, nodes: list, built=is_built) -> Future | None:
     """A first start's CPU kernel build (1-2 min on 2 cores), run in this process on a
     thread when a worker will run on this node (`here`; `nodes`: each bundle's) and the
@@ -121,92 +111,6 @@ def prebuild_kernel(here: str, nodes: list, built=is_built) -> Future | None:
         return pool.submit(build)
     finally:
         pool.shutdown(wait=False)
-
-
-def check_fits(have: dict, asks: dict[str, tuple[dict, int]], free: bool = False) -> None:
-    """Refuse, before any actor starts, workers the cluster's total resources can never
-    hold (Ray would wait for them forever). `asks`: {what: (actor options, count)}.
-    `free`: `have` is what is free now (`ray.available_resources()`), not the total."""
-    need: dict[str, float] = {}
-    for opts, n in asks.values():
-        for key, v in {"CPU": opts.get("num_cpus", 0), "GPU": opts.get("num_gpus", 0),
-                       **opts.get("resources", {})}.items():
-            need[key] = need.get(key, 0.0) + v * n
-    has = "{:g} free" if free else "the cluster has {:g}"
-    short = [f"{k}: needs {v:g}, " + has.format(have.get(k, 0))
-             for k, v in need.items() if v and have.get(k, 0) + 1e-9 < v]
-    if short:
-        counts = ", ".join(f"{n} {what}" for what, (_, n) in asks.items())
-        raise ValueError(f"the Ray cluster {'has no room now for' if free else 'cannot hold'} "
-                         f"{counts}: " + "; ".join(short) + (
-                             " (its free resources; see `ray status`)" if free else
-                             " (its total resources; see `ray status`)"))
-
-
-def worker_options(config, have: dict, free: bool = False) -> tuple[dict, dict]:
-    """The Ray options of a compute worker and of a memory worker on a cluster with
-    resources `have` (`free`: those free now, else its total); a clear error where the
-    cluster cannot hold them all."""
-    m, r_n = config.num_memory_workers, config.num_compute_workers
-    c_opts, m_opts = _options(config, have)
-    if config.kv_device.startswith("cuda") and have.get("GPU", 0) < m:
-        raise ValueError(f"kv_device={config.kv_device!r} puts each of the {m} memory "
-                         f"workers on a GPU of its own, but the Ray cluster has "
-                         f"{int(have.get('GPU', 0))} GPU(s)")
-    check_fits(have, {("compute worker" if r_n == 1 else "compute workers"): (c_opts, r_n),
-                      "memory workers": (m_opts, m)}, free)
-    return c_opts, m_opts
-
-
-def memory_workers_that_fit(config, have: dict, free: bool = False) -> tuple[int, str | None]:
-    """How many memory workers, at most `config.num_memory_workers`, the cluster's
-    resources `have` (its total, or `free`: those free now) hold beside its compute
-    workers -> (that count, why not all: `check_fits`' message for all of them; None
-    when all fit). 0 when not even one fits (or the compute workers do not)."""
-    why = None
-    for m in range(config.num_memory_workers, 0, -1):
-        try:
-            worker_options(replace(config, num_memory_workers=m), have, free)
-        except ValueError as e:
-            why = why or str(e)
-            continue
-        return m, why
-    return 0, why
-
-
-def _options(config, have: dict) -> tuple[dict, dict]:
-    """`worker_options`' two option dicts, unchecked."""
-    r_n = config.num_compute_workers
-    # Fractional CPUs so 1 compute + 2 memory workers fit a 2-core node (the compute
-    # workers share what one would take); on a cluster whose nodes advertise
-    # lamina_compute / lamina_memory (ray_config.yaml), use them.
-    c_opts: dict = {"num_cpus": 0.5 / r_n}
-    m_opts: dict = {"num_cpus": 0.5}
-    if "lamina_compute" in have:
-        c_opts["resources"] = {"lamina_compute": 1}
-    if "lamina_memory" in have:
-        m_opts["resources"] = {"lamina_memory": 1}
-    # A GPU pool: each memory worker holds one GPU of its own (Ray sets its
-    # CUDA_VISIBLE_DEVICES, so inside the worker it is "cuda").
-    if config.kv_device.startswith("cuda"):
-        m_opts["num_gpus"] = 1
-    if config.compute_device.startswith("cuda"):  # the slices on a GPU of their own
-        c_opts["num_gpus"] = 1
-    return c_opts, m_opts
-
-
-def bundle_threads(node: dict, role: str, threads: int = 1,
-                   wide_threads: int | None = None) -> tuple[int, int]:
-    """A `role` worker's torch threads on a node with total resources `node`: (for every
-    step, for the compute worker's steps whose memory workers sit idle). On a node set
-    aside for Lamina's workers of its role, its share of the node's CPUs
-    (`placement.node_threads`) for both; elsewhere `threads`, and for those steps every
-    core of the node, which its memory workers then leave idle
-    (`compute_worker.step_threads`)."""
-    share = node_threads(node, role)
-    if share is not None:
-        return share, share
-    return threads, wide_threads or max(threads, int(node.get("CPU", 1)))
 
 
 class RayExecutor(Executor):

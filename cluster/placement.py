@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 from ray.util.placement_group import (
@@ -191,3 +191,89 @@ def shortfall(bundles: tuple, free: dict, num_memory: int, timeout_s: float,
             "within "
             f"{timeout_s:g} s: {what}; other deployments may hold them (see `ray status`; "
             "raise placement_timeout_s to wait longer)")
+
+
+def check_fits(have: dict, asks: dict[str, tuple[dict, int]], free: bool = False) -> None:
+    """Refuse, before any actor starts, workers the cluster's total resources can never
+    hold (Ray would wait for them forever). `asks`: {what: (actor options, count)}.
+    `free`: `have` is what is free now (`ray.available_resources()`), not the total."""
+    need: dict[str, float] = {}
+    for opts, n in asks.values():
+        for key, v in {"CPU": opts.get("num_cpus", 0), "GPU": opts.get("num_gpus", 0),
+                       **opts.get("resources", {})}.items():
+            need[key] = need.get(key, 0.0) + v * n
+    has = "{:g} free" if free else "the cluster has {:g}"
+    short = [f"{k}: needs {v:g}, " + has.format(have.get(k, 0))
+             for k, v in need.items() if v and have.get(k, 0) + 1e-9 < v]
+    if short:
+        counts = ", ".join(f"{n} {what}" for what, (_, n) in asks.items())
+        raise ValueError(f"the Ray cluster {'has no room now for' if free else 'cannot hold'} "
+                         f"{counts}: " + "; ".join(short) + (
+                             " (its free resources; see `ray status`)" if free else
+                             " (its total resources; see `ray status`)"))
+
+
+def worker_options(config, have: dict, free: bool = False) -> tuple[dict, dict]:
+    """The Ray options of a compute worker and of a memory worker on a cluster with
+    resources `have` (`free`: those free now, else its total); a clear error where the
+    cluster cannot hold them all."""
+    m, r_n = config.num_memory_workers, config.num_compute_workers
+    c_opts, m_opts = _options(config, have)
+    if config.kv_device.startswith("cuda") and have.get("GPU", 0) < m:
+        raise ValueError(f"kv_device={config.kv_device!r} puts each of the {m} memory "
+                         f"workers on a GPU of its own, but the Ray cluster has "
+                         f"{int(have.get('GPU', 0))} GPU(s)")
+    check_fits(have, {("compute worker" if r_n == 1 else "compute workers"): (c_opts, r_n),
+                      "memory workers": (m_opts, m)}, free)
+    return c_opts, m_opts
+
+
+def memory_workers_that_fit(config, have: dict, free: bool = False) -> tuple[int, str | None]:
+    """How many memory workers, at most `config.num_memory_workers`, the cluster's
+    resources `have` (its total, or `free`: those free now) hold beside its compute
+    workers -> (that count, why not all: `check_fits`' message for all of them; None
+    when all fit). 0 when not even one fits (or the compute workers do not)."""
+    why = None
+    for m in range(config.num_memory_workers, 0, -1):
+        try:
+            worker_options(replace(config, num_memory_workers=m), have, free)
+        except ValueError as e:
+            why = why or str(e)
+            continue
+        return m, why
+    return 0, why
+
+
+def _options(config, have: dict) -> tuple[dict, dict]:
+    """`worker_options`' two option dicts, unchecked."""
+    r_n = config.num_compute_workers
+    # Fractional CPUs so 1 compute + 2 memory workers fit a 2-core node (the compute
+    # workers share what one would take); on a cluster whose nodes advertise
+    # lamina_compute / lamina_memory (ray_config.yaml), use them.
+    c_opts: dict = {"num_cpus": 0.5 / r_n}
+    m_opts: dict = {"num_cpus": 0.5}
+    if "lamina_compute" in have:
+        c_opts["resources"] = {"lamina_compute": 1}
+    if "lamina_memory" in have:
+        m_opts["resources"] = {"lamina_memory": 1}
+    # A GPU pool: each memory worker holds one GPU of its own (Ray sets its
+    # CUDA_VISIBLE_DEVICES, so inside the worker it is "cuda").
+    if config.kv_device.startswith("cuda"):
+        m_opts["num_gpus"] = 1
+    if config.compute_device.startswith("cuda"):  # the slices on a GPU of their own
+        c_opts["num_gpus"] = 1
+    return c_opts, m_opts
+
+
+def bundle_threads(node: dict, role: str, threads: int = 1,
+                   wide_threads: int | None = None) -> tuple[int, int]:
+    """A `role` worker's torch threads on a node with total resources `node`: (for every
+    step, for the compute worker's steps whose memory workers sit idle). On a node set
+    aside for Lamina's workers of its role, its share of the node's CPUs
+    (`node_threads`) for both; elsewhere `threads`, and for those steps every
+    core of the node, which its memory workers then leave idle
+    (`compute_worker.step_threads`)."""
+    share = node_threads(node, role)
+    if share is not None:
+        return share, share
+    return threads, wide_threads or max(threads, int(node.get("CPU", 1)))

@@ -52,9 +52,9 @@ from lamina.entrypoints.llm import LLM
 from lamina.entrypoints.metrics import EngineMetrics
 from lamina.errors import EngineDead
 
-from .executor import connect_ray, memory_workers_that_fit
+from .connect import connect_ray
 from .leases import ClientLeases
-from .placement import PlacementTimeout
+from .placement import PlacementTimeout, memory_workers_that_fit
 
 log = logging.getLogger(__name__)
 NAMESPACE = "lamina"  # the services' Ray namespace: any driver finds them by name

@@ -183,3 +183,18 @@ def test_top_level_kernels_from_the_checkout_root_is_hugging_faces():
         "print(kernels.__file__, kernels.SlotBatch.__module__)\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(ROOT / "kernels" / "__init__.py"), "kernels.slots"]
+
+
+def test_the_cluster_commands_and_connect_import_no_torch():
+    """`lamina status / scale / down / up` and `lamina.connect()` reach the service through
+    Ray alone: their modules import no torch (~1.5 s of a command's start here), which
+    only the executor, the workers and the service's own process load."""
+    r = _import_from_the_root(
+        "import sys\n"
+        "import lamina.cluster.cli, lamina.cluster.client, lamina.cluster.service\n"
+        "import lamina.cluster.front, lamina.entrypoints.cli\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+        "import lamina.cluster.executor\n"
+        "print('torch' in sys.modules)\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[:2] == ["[]", "True"], r.stdout

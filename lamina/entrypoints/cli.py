@@ -17,9 +17,9 @@ from lamina.memory.sparsity_config import LAYER_BUDGETS, POLICIES  # torch-free
 
 
 def _threads(n: int | None):
-    import torch
+    if n:  # torch only then: the cluster commands run without it
+        import torch
 
-    if n:
         torch.set_num_threads(n)
 
 
@@ -865,15 +865,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _threads(args.threads)
     configure_logging()
-    from lamina.model.loader import ModelLoadError
-    from lamina.splitter import SplitError, UnsupportedAttentionError
-
     try:
         return args.fn(args)
-    except (ModelLoadError, SplitError, UnsupportedAttentionError, ValueError) as e:
-        # CatalogError is a ValueError: it names the device and the field
+    except (ValueError, RuntimeError) as e:
+        if not _said(e):
+            raise
         print(f"lamina: error: {e}", file=sys.stderr)
         return 2
+
+
+def _said(e: BaseException) -> bool:
+    """An error `lamina` prints as one line (exit 2), not as a traceback: bad input
+    (`ValueError`: a model that does not load, a `CatalogError` naming the device and the
+    field, attention the splitter cannot take) or a model the splitter cannot split. Its
+    class is looked up only where its module is loaded: a command that never imported
+    the splitter (the cluster commands: no torch) cannot have raised it."""
+    if isinstance(e, ValueError):
+        return True
+    split = sys.modules.get("lamina.splitter")
+    return split is not None and isinstance(e, split.SplitError)
 
 
 if __name__ == "__main__":

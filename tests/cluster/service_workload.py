@@ -126,7 +126,7 @@ class Deployment:
 
     def __init__(self, pipeline: str = "none"):
         from lamina.cluster.client import ServiceLoop, connect
-        from lamina.cluster.executor import connect_ray
+        from lamina.cluster.connect import connect_ray
         from lamina.cluster.service import up
 
         replicas = {"none": 1, "fixed": 2, "rotational": 2}[pipeline]

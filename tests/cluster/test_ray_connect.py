@@ -11,7 +11,7 @@ from pathlib import Path
 
 SCRIPT = """
 import ray
-from lamina.cluster.executor import connect_ray
+from lamina.cluster.connect import connect_ray
 print("RESULT", connect_ray())
 print("NODES", len(ray.nodes()))
 ray.shutdown()

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from lamina.cluster.executor import check_fits, memory_workers_that_fit, worker_options
+from lamina.cluster.placement import check_fits, memory_workers_that_fit, worker_options
 from lamina.engine.config import EngineConfig
 from tests.tiny_models import tiny_model
 
@@ -227,7 +227,7 @@ def test_a_workers_threads_are_its_share_of_its_nodes_cores(node, role, threads,
     """On a node set aside for Lamina (it advertises slots for the worker's role), each
     worker takes its share of the node's CPUs; elsewhere the compute worker's steps
     whose memory workers sit idle take every core of its node."""
-    from lamina.cluster.executor import bundle_threads
+    from lamina.cluster.placement import bundle_threads
 
     assert bundle_threads(node, role, threads) == want
     assert bundle_threads({"CPU": 4.0}, "compute", 1, wide_threads=3) == (1, 3)  # given
