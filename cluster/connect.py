@@ -4,7 +4,7 @@ takes first.
 Data in: an address (or $RAY_ADDRESS, or none). Data out: this process connected to
 that cluster, or to a fresh local instance; what happened, as logged. Kept apart from
 the executor (which imports torch through the data plane) so that the cluster commands
-(`lamina status`, `scale`, `down`) and `lamina.connect()` start in about a second.
+(`lamina status`, `scale`, `down`) and `lamina.connect()` start in about two seconds.
 """
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 """Placement: the deployment's workers' resources, reserved before any worker starts.
 
-Data in: the compute workers' and the memory workers' actor options (CPU, GPU, the
-`lamina_compute` / `lamina_memory` custom resources their nodes advertise) and the number
-of each. Data out: a `Placement` of the compute workers (bundle r: compute worker r, a
-model replica) and one `Placement` per memory worker (a group of one bundle); once
-placed, the torch threads each worker takes on its node (`node_threads`).
+Data in: the engine's config and the cluster's resources, from which `worker_options`
+makes the compute workers' and the memory workers' actor options (CPU, GPU, the
+`lamina_compute` / `lamina_memory` custom resources their nodes advertise), refused by
+name where the cluster can never hold them all; and the number of each. Data out: a
+`Placement` of the compute workers (bundle r: compute worker r, a model replica) and one
+`Placement` per memory worker (a group of one bundle); once placed, the torch threads
+each worker takes on its node (`node_threads`, `bundle_threads`).
 
 Ray chooses the nodes in one group of every bundle (`place`), strategy SPREAD: the
 bundles go to distinct nodes where they can (the memory workers over the memory nodes)

@@ -44,6 +44,12 @@ os.environ.setdefault("LAMINA_KV_PREFAULT", "0")
 # last with the other worker done.
 _XDIST = "PYTEST_XDIST_WORKER" in os.environ
 torch.set_num_threads(1 if _XDIST else max(1, min(2, torch.get_num_threads())))
+# ... and so does every process a test starts (`lamina batch`, the real clients, a served
+# model, a Ray cluster's workers before they set their own): with two OpenMP threads,
+# one of them shares a core with the other worker and the rest wait for it at each
+# parallel region (`test_bench_serve_quick` beside a busy core: 57 s, one thread 31 s).
+if _XDIST:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 _SERIAL = ("tests/cluster/", "tests/lamina/test_netns.py")
 
 

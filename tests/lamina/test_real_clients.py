@@ -23,7 +23,6 @@ import torch
 from lamina.bench.serve import OFFLINE, guidellm, server_counts, summarize
 from lamina.entrypoints.engine_loop import EngineLoop
 from lamina.entrypoints.metrics import EngineMetrics
-from tests.conftest import _XDIST
 from tests.lamina.test_engine import engine as _engine
 from tests.lamina.test_server import _Server
 
@@ -31,16 +30,6 @@ pytest.importorskip("guidellm", reason="guidellm is in the dev extras (make setu
 pytest.importorskip("lm_eval", reason="lm-eval[api] is in the dev extras (make setup)")
 
 CLIENT_TIMEOUT_S = 300
-
-
-@pytest.fixture(autouse=True)
-def one_thread_a_process(monkeypatch):
-    """Under xdist the processes these tests start (the clients, `lamina serve`) share
-    the two cores with the other worker: one OpenMP thread each, as each worker runs.
-    With two, a server's threads spin against that worker (`test_bench_serve_quick`
-    beside a busy core: 57 s, one thread 31 s)."""
-    if _XDIST:
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="module")
