@@ -138,11 +138,12 @@ def test_greedy_equals_hf_with_fewer_steps(smol, smol_packed, prompts, hf_greedy
     assert len(alone.step_timings) < 0.6 * (1 + len(hf_greedy[15]))
 
 
+# 24 tokens: ~60 drafted, half kept (sampled); the stops end each prompt in 3-14
 @pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=7, logprobs=2),
-    SamplingParams(max_tokens=40, temperature=0.7, top_k=20, seed=11,
+    SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, logprobs=2),
+    SamplingParams(max_tokens=24, temperature=0.7, top_k=20, seed=11,
                    repetition_penalty=1.2, presence_penalty=0.3),
-    SamplingParams(max_tokens=40, temperature=0, stop=["printing"], stop_token_ids=[13]),
+    SamplingParams(max_tokens=24, temperature=0, stop=["printing"], stop_token_ids=[13]),
     SamplingParams(max_tokens=7, temperature=0, logprobs=1),  # max_tokens inside a draft
 ], ids=["sampled-logprobs", "penalized", "stops", "short"])
 def test_the_tokens_drawing_one_a_step_gives(smol, smol_packed, prompts, params):
@@ -156,6 +157,9 @@ def test_the_tokens_drawing_one_a_step_gives(smol, smol_packed, prompts, params)
     assert eng.num_draft_tokens > 0
     # the tokens counted as drawn are the ones kept (none of a draft's past a finish)
     assert sum(t["drawn"] for t in eng.step_timings) == sum(len(o.token_ids) for o in spec)
+    if params.stop:  # the cut is exercised: some end at a stop before max_tokens
+        assert any(o.outputs[0].finish_reason == "stop" and len(o.token_ids) <
+                   params.max_tokens for o in spec)
     for a, b in zip(base, spec):
         assert (a.token_ids, a.text, a.outputs[0].finish_reason) == (
             b.token_ids, b.text, b.outputs[0].finish_reason)
