@@ -185,16 +185,22 @@ def test_top_level_kernels_from_the_checkout_root_is_hugging_faces():
     assert r.stdout.split() == [str(ROOT / "kernels" / "__init__.py"), "kernels.slots"]
 
 
-def test_the_cluster_commands_and_connect_import_no_torch():
+def test_the_cluster_commands_and_connect_import_no_torch(tmp_path):
     """`lamina status / scale / down / up` and `lamina.connect()` reach the service through
-    Ray alone: their modules import no torch (~1.5 s of a command's start here), which
-    only the executor, the workers and the service's own process load."""
+    Ray alone: their modules import no torch (~1.5 s of a command's start here), nor does
+    `lamina`'s own `main` on the way to a cluster command (here `up` refusing a bad
+    config before it joins a cluster); only the executor, the workers and the service's
+    own process load it."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: {num_memory_workers: -1}\n")
     r = _import_from_the_root(
         "import sys\n"
         "import lamina.cluster.cli, lamina.cluster.client, lamina.cluster.service\n"
         "import lamina.cluster.front, lamina.entrypoints.cli\n"
-        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+        f"rc = lamina.entrypoints.cli.main(['up', '--config', {str(bad)!r}])\n"
+        "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
         "import lamina.cluster.executor\n"
         "print('torch' in sys.modules)\n")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split("\n")[:2] == ["[]", "True"], r.stdout
+    assert r.stdout.split("\n")[:2] == ["2 []", "True"], r.stdout
+    assert "lamina: error: " in r.stderr and "num_memory_workers" in r.stderr, r.stderr
