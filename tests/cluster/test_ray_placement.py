@@ -40,9 +40,9 @@ try:  # placed, but its compute worker cannot load the weights (sys.argv[2]'s ar
     LLM(sys.argv[2], executor="ray", num_memory_workers=1)
 except Exception as e:
     print("BROKEN", round(time.perf_counter() - t, 1), type(e).__name__, "|", e)
-for _ in range(100):  # the removed group's resources come back through the raylet
-    free = ray.available_resources()
-    if free.get("lamina_memory", 0) >= 1:
+for _ in range(100):  # the removed groups' resources come back through the raylet,
+    free = ray.available_resources()  # each group's in its own time
+    if free.get("lamina_compute", 0) >= 1 and free.get("lamina_memory", 0) >= 1:
         break
     time.sleep(0.1)
 print("FREE", free.get("lamina_compute", 0), free.get("lamina_memory", 0))
